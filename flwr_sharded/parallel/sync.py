@@ -1,0 +1,214 @@
+"""Shard-to-shard federated averaging: every rank averages its local shards with the same shards of the other groups.
+
+The model is never gathered. Local shards are packed into one reusable flat bucket (scaled by this group's FedAvg
+weight on the way in), each bucket is all-reduced (SUM) over the federation process group, and the result is copied
+back. In FL+HSDP only replica 0 of each group joins the cross-group all-reduce and then broadcasts each bucket over
+its replication group, so every replica of every group ends bit-identical.
+
+The process groups are arguments: a static torchrun world passes its mesh's groups, a Flower round passes the
+groups it formed for that round's members.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+class ShardAlignmentError(RuntimeError):
+    """Federation groups shard the model differently, so their shards cannot be averaged."""
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """A contiguous element range of one local shard, placed at `offset` in a bucket."""
+
+    shard: int
+    start: int
+    end: int
+    offset: int
+
+
+@dataclass
+class SyncStats:
+    """What one sync did on this rank."""
+
+    seconds: float
+    """Wall time of the sync on this rank."""
+    buckets: int
+    """Collectives issued over the federation group (0 for ranks that only receive the broadcast)."""
+    bytes: int
+    """Payload bytes this rank all-reduced over the federation group."""
+    total_weight: float
+    """Sum of the weights of the groups that took part (0 when unknown on this rank)."""
+
+
+def local_shard(param: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank stores for a parameter (the local shard of a DTensor)."""
+    return param._local_tensor if isinstance(param, DTensor) else param.data
+
+
+def _descriptor(name: str, param: torch.Tensor) -> str:
+    local = local_shard(param)
+    placements = tuple(str(p) for p in param.placements) if isinstance(param, DTensor) else ()
+    return f"{name}|{tuple(param.shape)}|{param.dtype}|{tuple(local.shape)}|{placements}"
+
+
+class ShardSync:
+    """Weighted FedAvg of this rank's local parameter shards over a federation process group.
+
+    Args:
+        named_params: the (name, parameter) pairs to average, in the same order on every group.
+        fed_group: process group of the ranks holding the same shard in each participating group; None on ranks that
+            do not join the cross-group all-reduce (FL+HSDP replicas other than 0, or a single group).
+        rep_group: replication group to broadcast the result over (FL+HSDP), with this group's replica 0 as source.
+        bucket_bytes: capacity of the one flat buffer reused for every collective.
+    """
+
+    def __init__(self, named_params: Iterable[tuple[str, torch.Tensor]], *, fed_group: dist.ProcessGroup | None,
+                 rep_group: dist.ProcessGroup | None = None, bucket_bytes: int = 64 << 20) -> None:
+        named = list(named_params)
+        if not named:
+            raise ValueError("ShardSync needs at least one parameter")
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.fed_group = fed_group
+        self.rep_group = rep_group
+        self._aligned = False
+        self._buckets = self._plan_buckets(bucket_bytes)
+        self._buffer: torch.Tensor | None = None
+
+    # ----- planning -------------------------------------------------------------------------------------------
+    def _plan_buckets(self, bucket_bytes: int) -> list[tuple[torch.dtype, list[_Segment]]]:
+        """Pack shards, grouped by dtype, into buckets of at most `bucket_bytes`; large shards are split."""
+        buckets: list[tuple[torch.dtype, list[_Segment]]] = []
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, p in enumerate(self.params):
+            by_dtype.setdefault(local_shard(p).dtype, []).append(i)
+        for dtype, indices in by_dtype.items():
+            capacity = max(1, bucket_bytes // torch.empty((), dtype=dtype).element_size())
+            current: list[_Segment] = []
+            used = 0
+            for i in indices:
+                numel, start = local_shard(self.params[i]).numel(), 0
+                while start < numel:
+                    take = min(numel - start, capacity - used)
+                    current.append(_Segment(i, start, start + take, used))
+                    used += take
+                    start += take
+                    if used == capacity:
+                        buckets.append((dtype, current))
+                        current, used = [], 0
+            if current:
+                buckets.append((dtype, current))
+        return buckets
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self._buckets)
+
+    def _bucket_view(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if self._buffer is None:
+            largest = max(sum(s.end - s.start for s in segs) * torch.empty((), dtype=dt).element_size()
+                          for dt, segs in self._buckets)
+            device = local_shard(self.params[0]).device
+            self._buffer = torch.empty(largest, dtype=torch.uint8, device=device)
+        return self._buffer[:nbytes].view(dtype)
+
+    # ----- alignment ------------------------------------------------------------------------------------------
+    def fingerprint(self) -> str:
+        """Digest of parameter names, global shapes, dtypes, local shard shapes and placements."""
+        digest = hashlib.sha256()
+        for name, p in zip(self.names, self.params):
+            digest.update(_descriptor(name, p).encode())
+        return digest.hexdigest()
+
+    def check_alignment(self) -> None:
+        """Compare fingerprints across the federation group; raise naming the first mismatch. Changes nothing.
+
+        With a replication group, replica 0 checks and tells the other replicas the verdict, so all of them raise.
+        """
+        message = ""
+        device = local_shard(self.params[0]).device
+        if self.fed_group is not None:
+            mine = int(self.fingerprint()[:15], 16)
+            gathered = [torch.zeros(1, dtype=torch.int64, device=device)
+                        for _ in range(dist.get_world_size(self.fed_group))]
+            dist.all_gather(gathered, torch.tensor([mine], dtype=torch.int64, device=device), group=self.fed_group)
+            if any(int(g.item()) != mine for g in gathered):
+                descriptors = [_descriptor(n, p) for n, p in zip(self.names, self.params)]
+                everyone: list[list[str] | None] = [None] * len(gathered)
+                dist.all_gather_object(everyone, descriptors, group=self.fed_group)
+                message = _first_mismatch(everyone)
+        if self.rep_group is not None:
+            verdict = torch.tensor([1 if message else 0], dtype=torch.int64, device=device)
+            dist.broadcast(verdict, group=self.rep_group, group_src=0)
+            if verdict.item() and not message:
+                message = "replica 0 of this group found shards misaligned with other groups (see its error)"
+        if message:
+            raise ShardAlignmentError(message)
+        self._aligned = True
+
+    # ----- the sync -------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def sync(self, weight: float) -> SyncStats:
+        """Replace every local shard by the `weight`-weighted average of the same shard over all groups.
+
+        `weight` is this federation group's weight (e.g. tokens it processed since the last sync); every rank of
+        the group passes the same value. Weights are normalised by their sum over the participating groups.
+        """
+        if not weight > 0:
+            raise ValueError(f"FedAvg weight must be > 0, got {weight}")
+        if not self._aligned:
+            self.check_alignment()
+        start = time.perf_counter()
+        total, buckets, nbytes = 0.0, 0, 0
+        shards = [local_shard(p).view(-1) for p in self.params]
+        if self.fed_group is not None:
+            total_t = torch.tensor([weight], dtype=torch.float64, device=shards[0].device)
+            dist.all_reduce(total_t, group=self.fed_group)
+            total = float(total_t.item())
+            scale = weight / total
+        for dtype, segments in self._buckets:
+            numel = sum(s.end - s.start for s in segments)
+            buf = self._bucket_view(dtype, numel)
+            if self.fed_group is not None:
+                for s in segments:
+                    torch.mul(shards[s.shard][s.start:s.end], scale, out=buf[s.offset:s.offset + s.end - s.start])
+                dist.all_reduce(buf, group=self.fed_group)
+                buckets += 1
+                nbytes += buf.numel() * buf.element_size()
+            if self.rep_group is not None:
+                dist.broadcast(buf, group=self.rep_group, group_src=0)
+            for s in segments:
+                shards[s.shard][s.start:s.end].copy_(buf[s.offset:s.offset + s.end - s.start])
+        return SyncStats(seconds=time.perf_counter() - start, buckets=buckets, bytes=nbytes, total_weight=total)
+
+
+def _first_mismatch(everyone: list[list[str] | None]) -> str:
+    reference = everyone[0] or []
+    for member, descriptors in enumerate(everyone[1:], start=1):
+        descriptors = descriptors or []
+        for i in range(max(len(reference), len(descriptors))):
+            a = reference[i] if i < len(reference) else "<missing>"
+            b = descriptors[i] if i < len(descriptors) else "<missing>"
+            if a != b:
+                return (f"federation groups shard the model differently at parameter #{i}: "
+                        f"member 0 has {_explain(a)}, member {member} has {_explain(b)}; every group must use the "
+                        f"same model, dtype and number of shards S")
+    return "federation groups' shard fingerprints differ"
+
+
+def _explain(descriptor: str) -> str:
+    if descriptor == "<missing>":
+        return "no such parameter"
+    name, shape, dtype, local, placements = descriptor.split("|")
+    return f"'{name}' shape {shape} {dtype} local shard {local} placements {placements}"

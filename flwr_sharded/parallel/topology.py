@@ -1,0 +1,110 @@
+"""The F x R x S process mesh: federation, replication and sharding dimensions, from `init_device_mesh`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from flwr_sharded.config import ParallelConfig, validate_parallel
+
+MESH_DIMS = ("fed", "rep", "shard")
+
+
+def device_type() -> str:
+    """'cuda' when GPUs are present (NCCL), else 'cpu' (gloo): one code path for both."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def backend_for(device: str) -> str:
+    return "nccl" if device == "cuda" else "gloo"
+
+
+def coords(rank: int, replicas: int, shards: int) -> tuple[int, int, int]:
+    """Rank -> (f, r, s) for the row-major (F, R, S) mesh with shard innermost."""
+    return rank // (replicas * shards), (rank // shards) % replicas, rank % shards
+
+
+@dataclass
+class Topology:
+    """This rank's place in the (fed, rep, shard) mesh and the process groups it needs."""
+
+    mesh: DeviceMesh
+    """The 3-D mesh with dims ("fed", "rep", "shard")."""
+    config: ParallelConfig
+    """The layout the mesh was built from."""
+
+    @property
+    def fed_index(self) -> int:
+        return self.mesh.get_local_rank("fed")
+
+    @property
+    def replica_index(self) -> int:
+        return self.mesh.get_local_rank("rep")
+
+    @property
+    def shard_index(self) -> int:
+        return self.mesh.get_local_rank("shard")
+
+    @property
+    def group_world(self) -> int:
+        """Ranks in one federation group (R * S)."""
+        return self.config.replicas * self.config.shards
+
+    @property
+    def group_rank(self) -> int:
+        """This rank's index inside its federation group."""
+        return self.replica_index * self.config.shards + self.shard_index
+
+    @property
+    def dp_index(self) -> int:
+        """Global data-parallel index f*R*S + r*S + s (equal to the global rank)."""
+        return self.fed_index * self.group_world + self.group_rank
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """The mesh FSDP2 shards on: ("rep", "shard") for HSDP, ("shard",) otherwise."""
+        if self.config.replicas > 1:
+            return self.mesh["rep", "shard"]
+        return self.mesh["shard"]
+
+    @property
+    def group_mesh(self) -> DeviceMesh:
+        """All ranks of this federation group as one flattened dimension (for group-wide reductions)."""
+        return self.mesh["rep", "shard"]._flatten("group")
+
+    @property
+    def fed_group(self) -> dist.ProcessGroup | None:
+        """Ranks holding the same (r, s) in every federation group; None when F == 1."""
+        return self.mesh.get_group("fed") if self.config.federations > 1 else None
+
+    @property
+    def rep_group(self) -> dist.ProcessGroup | None:
+        """Ranks holding the same (f, s) in every replica; None when R == 1."""
+        return self.mesh.get_group("rep") if self.config.replicas > 1 else None
+
+    def describe(self) -> str:
+        p = self.config
+        return f"{p.method}: F={p.federations} x R={p.replicas} x S={p.shards} = {p.world_size} ranks"
+
+
+def init_topology(config: ParallelConfig, timeout_s: float = 600.0) -> Topology:
+    """Start the default process group (NCCL on GPUs, gloo on CPU) and build the (F, R, S) mesh.
+
+    Expects the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, ...). Validates the layout first.
+    """
+    device = device_type()
+    if not dist.is_initialized():
+        import os
+
+        validate_parallel(config, int(os.environ.get("WORLD_SIZE", "1")))
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend_for(device), timeout=timedelta(seconds=timeout_s))
+    else:
+        validate_parallel(config, dist.get_world_size())
+    mesh = init_device_mesh(device, (config.federations, config.replicas, config.shards), mesh_dim_names=MESH_DIMS)
+    return Topology(mesh=mesh, config=config)

@@ -1,0 +1,89 @@
+"""Counting the collectives a rank issues: op, process-group members and payload bytes.
+
+`TrafficMeter` wraps the `torch.distributed` collective functions while it is active, so it sees FSDP2's
+all-gathers and reduce-scatters as well as the shard sync's all-reduces and broadcasts, without changing them.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+# Collective name -> index of the argument holding the tensor whose size is the payload.
+_COLLECTIVES = {
+    "all_reduce": 0,
+    "broadcast": 0,
+    "all_gather_into_tensor": 0,  # output: the gathered size, the "D" of the cost model
+    "reduce_scatter_tensor": 1,  # input: the full size
+    "all_gather": 1,
+    "reduce_scatter": 1,
+    "all_to_all_single": 1,
+}
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    """One collective issued by this rank."""
+
+    op: str
+    """Collective name, e.g. "all_reduce"."""
+    ranks: tuple[int, ...]
+    """Global ranks of the process group it ran on."""
+    nbytes: int
+    """Payload bytes (the full buffer size D of the cost model)."""
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+@dataclass
+class TrafficMeter:
+    """Context manager recording every collective this process issues while active."""
+
+    records: list[CommRecord] = field(default_factory=list)
+    _originals: dict[str, Callable[..., Any]] = field(default_factory=dict)
+
+    def __enter__(self) -> "TrafficMeter":
+        for name, arg_index in _COLLECTIVES.items():
+            original = getattr(dist, name)
+            self._originals[name] = original
+            setattr(dist, name, self._wrap(name, arg_index, original))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
+        self._originals.clear()
+
+    def _wrap(self, name: str, arg_index: int, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            group = kwargs.get("group")
+            tensor = args[arg_index] if len(args) > arg_index else next(iter(kwargs.values()), None)
+            ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(
+                range(dist.get_world_size()))
+            self.records.append(CommRecord(name, ranks, _nbytes(tensor)))
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    def bytes_by_group(self, op: str | None = None) -> dict[tuple[int, ...], int]:
+        """Payload bytes summed per process group, optionally for one op."""
+        out: dict[tuple[int, ...], int] = defaultdict(int)
+        for rec in self.records:
+            if op is None or rec.op == op:
+                out[rec.ranks] += rec.nbytes
+        return dict(out)
+
+    def count(self, op: str | None = None) -> int:
+        return sum(1 for rec in self.records if op is None or rec.op == op)

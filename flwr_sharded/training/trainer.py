@@ -1,0 +1,238 @@
+"""What one rank does: build the sharded model, run local steps, sync shards every A steps, evaluate, log.
+
+The same `Trainer` runs inside the static torchrun world (`flwr_sharded.train`) and inside a Flower group, which
+hands it the federation process groups of each round through `make_sync`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from flwr_sharded.config import TrainConfig
+from flwr_sharded.parallel.sharding import apply_activation_checkpointing, apply_fsdp, mixed_precision_policy
+from flwr_sharded.parallel.sync import ShardSync, SyncStats
+from flwr_sharded.parallel.topology import Topology
+from flwr_sharded.training import data as data_lib
+from flwr_sharded.training.metrics import MetricsWriter, PhaseTimer
+from flwr_sharded.training.models import build_model
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    o = cfg.optim
+    if o.optimizer == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+    return torch.optim.SGD(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
+
+
+def lr_lambda(cfg: TrainConfig):
+    """Linear warm-up to the peak, then cosine decay to `min_lr_ratio` of it at `steps`."""
+    o = cfg.optim
+    warmup = int(o.warmup * cfg.steps) if o.warmup < 1 else int(o.warmup)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, cfg.steps - warmup))
+        return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def effective_batch(cfg: TrainConfig) -> int:
+    """Sequences behind one optimizer step of one model: the whole world for fsdp/hsdp, one group for FL."""
+    p = cfg.parallel
+    ranks = p.replicas * p.shards if p.federated else p.world_size
+    return ranks * cfg.batch_size * cfg.grad_accum
+
+
+@dataclass
+class StepResult:
+    """Outcome of one optimizer step on this rank."""
+
+    loss: torch.Tensor
+    """Mean loss over the step's micro-batches (a device tensor: reading it synchronises)."""
+    synced: SyncStats | None
+    """Stats of the shard sync that followed the step, if one ran."""
+
+
+class Trainer:
+    """One rank of a (F, R, S) run: the sharded model, its optimizer and data, and the shard sync."""
+
+    def __init__(self, cfg: TrainConfig, topo: Topology, *, static_sync: bool = True) -> None:
+        self.cfg, self.topo = cfg, topo
+        self.device = torch.device(topo.mesh.device_type, torch.cuda.current_device()) \
+            if topo.mesh.device_type == "cuda" else torch.device("cpu")
+        self.is_logger = dist.get_rank() == 0
+        self.tokenizer = data_lib.load_tokenizer(cfg.data)
+        self.blocks = data_lib.load_blocks(cfg.data, self.tokenizer)
+
+        torch.manual_seed(cfg.seed)  # identical initial weights in every group
+        model = build_model(cfg.model.name, vocab_size=self.blocks.vocab_size, max_seq_len=cfg.data.seq_len,
+                            pretrained=cfg.model.pretrained, device=self.device)
+        if cfg.model.activation_checkpointing:
+            apply_activation_checkpointing(model)
+        self.model = apply_fsdp(model, topo.fsdp_mesh,
+                                mp_policy=mixed_precision_policy(cfg.model.precision, topo.mesh.device_type),
+                                reshard_after_forward=cfg.model.reshard_after_forward)
+        self.optimizer = build_optimizer(self.model, cfg)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
+
+        p = cfg.parallel
+        self.stream = data_lib.BatchStream(self.blocks, batch_size=cfg.batch_size, fed_index=topo.fed_index,
+                                           num_feds=p.federations, dp_index=topo.dp_index, dp_world=p.world_size,
+                                           seed=cfg.seed, partition=cfg.data.partition)
+        n_eval = (min(cfg.data.eval_blocks, len(self.blocks.validation)) // topo.group_world) * topo.group_world
+        self.eval_data = data_lib.eval_batches(self.blocks, batch_size=cfg.batch_size, group_rank=topo.group_rank,
+                                               group_world=topo.group_world, max_blocks=n_eval)
+        self.shard_sync: ShardSync | None = None
+        if p.federated and static_sync:
+            replica0 = topo.replica_index == 0
+            self.shard_sync = self.make_sync(topo.fed_group if replica0 else None, topo.rep_group)
+        self.timer = PhaseTimer(topo.mesh.device_type)
+        self.step_count = 0
+        self.tokens_since_sync = 0  # this rank's tokens since the last sync
+
+    # ----- building blocks ------------------------------------------------------------------------------------
+    def make_sync(self, fed_group: dist.ProcessGroup | None, rep_group: dist.ProcessGroup | None) -> ShardSync:
+        """A ShardSync of this rank's shards over the given federation (and replication) groups."""
+        return ShardSync(self.model.named_parameters(), fed_group=fed_group, rep_group=rep_group,
+                         bucket_bytes=int(self.cfg.parallel.bucket_mb * (1 << 20)))
+
+    def step(self) -> torch.Tensor:
+        """One optimizer step (with gradient accumulation and clipping); returns the mean loss as a tensor."""
+        cfg = self.cfg
+        self.model.train()
+        total = torch.zeros((), device=self.device)
+        for micro in range(cfg.grad_accum):
+            batch = next(self.stream).to(self.device, non_blocking=True)
+            self.model.set_requires_gradient_sync(micro == cfg.grad_accum - 1)
+            with self.timer.phase("forward"):
+                loss = self.model(input_ids=batch, labels=batch).loss / cfg.grad_accum
+            with self.timer.phase("backward"):
+                loss.backward()
+            total += loss.detach()
+            self.tokens_since_sync += batch.numel()
+        with self.timer.phase("optimizer"):
+            if cfg.optim.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.step_count += 1
+        return total
+
+    def sync(self) -> SyncStats:
+        """Average shards with the other federation groups, weighted by the tokens each processed."""
+        if self.shard_sync is None:
+            raise RuntimeError("this trainer has no federation groups to sync with")
+        group_tokens = self.tokens_since_sync * self.topo.group_world  # every rank of a group sees equal-size batches
+        with self.timer.phase("sync"):
+            stats = self.shard_sync.sync(weight=float(group_tokens))
+        self.tokens_since_sync = 0
+        if self.cfg.parallel.reset_optimizer_state:
+            self.optimizer.state.clear()
+        return stats
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Held-out loss and perplexity, averaged over every rank's slice (and over groups)."""
+        self.model.eval()
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for batch in self.eval_data:
+            batch = batch.to(self.device)
+            loss = self.model(input_ids=batch, labels=batch).loss
+            predicted = batch.shape[0] * (batch.shape[1] - 1)
+            sums += torch.tensor([loss.item() * predicted, predicted], dtype=torch.float64, device=self.device)
+        dist.all_reduce(sums)
+        mean = float(sums[0] / sums[1]) if sums[1] > 0 else float("nan")
+        return {"eval_loss": mean, "eval_ppl": math.exp(mean) if mean < 50 else float("inf")}
+
+    def save_pretrained(self, directory: str) -> None:
+        """Merge federation group 0's shards and write a Hugging Face model + tokenizer (collective in group 0)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        if self.topo.fed_index != 0:
+            return
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.topo.group_rank == 0:
+            model = build_model(self.cfg.model.name, vocab_size=self.blocks.vocab_size,
+                                max_seq_len=self.cfg.data.seq_len)
+            model.load_state_dict(state)
+            model.save_pretrained(directory)
+            self.tokenizer.save_pretrained(directory)
+
+    # ----- the static loop ------------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        """Train `cfg.steps` steps with syncs every A steps, logging and evaluating; returns the final metrics."""
+        cfg, p = self.cfg, self.cfg.parallel
+        writer = MetricsWriter(cfg.metrics, cfg.tensorboard, enabled=self.is_logger)
+        bar = _progress(cfg.steps, enabled=self.is_logger and cfg.progress)
+        if self.is_logger:
+            writer.write({"kind": "config", "layout": self.topo.describe(), "effective_batch": effective_batch(cfg),
+                          "effective_batch_tokens": effective_batch(cfg) * cfg.data.seq_len,
+                          "parameters": sum(p_.numel() for p_ in self.model.parameters())})
+        loss_sum = torch.zeros((), device=self.device)
+        window_start, window_steps, syncs = time.perf_counter(), 0, 0
+        last: dict[str, Any] = {}
+        try:
+            for _ in range(cfg.steps):
+                loss_sum += self.step()
+                window_steps += 1
+                if p.federated and p.sync and self.step_count % p.aggregate_every == 0:
+                    self.sync()
+                    syncs += 1
+                if self.step_count % cfg.log_every == 0 or self.step_count == cfg.steps:
+                    last = self._log_window(loss_sum, window_steps, time.perf_counter() - window_start, syncs)
+                    writer.write(last)
+                    bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}")
+                    loss_sum.zero_()
+                    window_start, window_steps = time.perf_counter(), 0
+                if (cfg.eval_every and self.step_count % cfg.eval_every == 0) or self.step_count == cfg.steps:
+                    metrics = {"kind": "eval", "step": self.step_count, **self.evaluate()}
+                    writer.write(metrics)
+                    last.update(metrics)
+                    window_start = time.perf_counter()  # evaluation is not training time
+                bar.update(1)
+            if cfg.save:
+                self.save_pretrained(cfg.save)
+        finally:
+            bar.close()
+            writer.close()
+        return last
+
+    def _log_window(self, loss_sum: torch.Tensor, steps: int, seconds: float, syncs: int) -> dict[str, Any]:
+        """Training loss averaged over all ranks, throughput and phase times of the last `steps` steps."""
+        cfg = self.cfg
+        stats = torch.stack([loss_sum.to(torch.float64), torch.tensor(float(steps), dtype=torch.float64,
+                                                                      device=self.device)])
+        dist.all_reduce(stats)
+        loss = float(stats[0] / stats[1])
+        phases = self.timer.collect()
+        world_tokens = steps * cfg.batch_size * cfg.grad_accum * cfg.data.seq_len * cfg.parallel.world_size
+        return {"kind": "train", "step": self.step_count, "loss": loss, "ppl": math.exp(min(loss, 50)),
+                "lr": self.scheduler.get_last_lr()[0], "tokens_per_s": world_tokens / max(seconds, 1e-9),
+                "step_s": seconds / steps, "syncs": syncs,
+                **{f"{name}_s": value / steps for name, value in phases.items()}}
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, disable=not enabled, desc="train", unit="step", dynamic_ncols=True)
+
+
+def local_shards_checksum(model: nn.Module) -> float:
+    """Sum of this rank's local shard values (float64): a cheap fingerprint of its weights."""
+    total = 0.0
+    for param in model.parameters():
+        local = param._local_tensor if isinstance(param, DTensor) else param
+        total += float(local.detach().double().sum())
+    return total

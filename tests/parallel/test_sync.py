@@ -1,0 +1,155 @@
+"""The shard sync on real FSDP2 shards over gloo: weighted FedAvg, FL+HSDP broadcast, alignment checks, buckets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.multiproc import run_ranks
+
+WEIGHTS = {0: 1.0, 1: 3.0}  # unequal FedAvg weights per federation group
+
+
+def _sharded_tiny_model(method: str, F: int, R: int, S: int, intermediate_size: int = 64):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from flwr_sharded.config import ParallelConfig
+    from flwr_sharded.parallel.sharding import apply_fsdp, mixed_precision_policy
+    from flwr_sharded.parallel.topology import init_topology
+
+    topo = init_topology(ParallelConfig(method=method, federations=F, replicas=R, shards=S))
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=intermediate_size, tie_word_embeddings=True)
+    model = apply_fsdp(LlamaForCausalLM(config), topo.fsdp_mesh, mp_policy=mixed_precision_policy("fp32", "cpu"))
+    return topo, model
+
+
+def _perturb(model, seed: int) -> None:
+    from flwr_sharded.parallel.sync import local_shard
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            shard = local_shard(p)
+            shard.add_(torch.randn(shard.shape, generator=gen))
+
+
+def _make_sync(topo, model, bucket_bytes: int):
+    from flwr_sharded.parallel.sync import ShardSync
+
+    fed = topo.fed_group if topo.replica_index == 0 else None
+    return ShardSync(model.named_parameters(), fed_group=fed, rep_group=topo.rep_group, bucket_bytes=bucket_bytes)
+
+
+def _weighted_average_worker(rank: int, world: int, method: str, F: int, R: int, S: int, bucket_bytes: int):
+    import torch.distributed as dist
+
+    from flwr_sharded.parallel.sync import local_shard
+    from flwr_sharded.parallel.traffic import TrafficMeter
+
+    topo, model = _sharded_tiny_model(method, F, R, S)
+    _perturb(model, seed=100 + rank)  # every rank differs, replicas included (the broadcast must overwrite them)
+    before = [local_shard(p).clone() for p in model.parameters()]
+    # Central reference: gather the pre-sync shards of every group's replica 0 holding the same shard index.
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, (topo.fed_index, topo.replica_index, topo.shard_index, before))
+    sources = [(f, b) for f, r, s, b in everyone if r == 0 and s == topo.shard_index]
+    total = sum(WEIGHTS[f] for f, _ in sources)
+    expected = [sum(WEIGHTS[f] * b[i].double() for f, b in sources) / total for i in range(len(before))]
+
+    sync = _make_sync(topo, model, bucket_bytes)
+    sync.check_alignment()  # once, before the first sync; excluded from the traffic of one sync
+    with TrafficMeter() as meter:
+        stats = sync.sync(weight=WEIGHTS[topo.fed_index])
+    after = [local_shard(p).clone() for p in model.parameters()]
+    max_err = max(float((a.double() - e).abs().max()) for a, e in zip(after, expected))
+    group_of = {r: r // (R * S) for r in range(world)}
+    cross_group = sum(rec.nbytes for rec in meter.records if len({group_of[x] for x in rec.ranks}) > 1)
+    return {"max_err": max_err, "after": after, "coords": (topo.fed_index, topo.replica_index, topo.shard_index),
+            "cross_group_bytes": cross_group, "shard_bytes": sum(t.numel() * t.element_size() for t in before),
+            "buckets": stats.buckets, "planned_buckets": sync.num_buckets,
+            "all_reduces": meter.count("all_reduce"), "broadcasts": meter.count("broadcast")}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("bucket_bytes", [64 << 20, 1000])
+def test_fl_fsdp_sync_is_token_weighted_average(bucket_bytes):
+    out = run_ranks(_weighted_average_worker, 4, "fl-fsdp", 2, 1, 2, bucket_bytes)
+    for res in out:
+        assert res["max_err"] < 1e-6, res["max_err"]
+        # one collective per bucket (plus one scalar for the weights), never one per parameter
+        assert res["all_reduces"] == res["planned_buckets"] + 1
+    if bucket_bytes == 1000:
+        assert out[0]["planned_buckets"] > 10  # small buckets split shards across many collectives
+    else:
+        assert out[0]["planned_buckets"] == 1
+    # groups 0 and 1 hold the same shards after the sync
+    for s in range(2):
+        a, b = out[s]["after"], out[2 + s]["after"]
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.timeout(240)
+def test_fl_hsdp_replica0_syncs_then_broadcasts():
+    F, R, S = 2, 2, 2
+    out = run_ranks(_weighted_average_worker, 8, "fl-hsdp", F, R, S, 64 << 20)
+    for res in out:
+        f, r, s = res["coords"]
+        assert res["max_err"] < 1e-6
+        if r == 0:
+            # replica 0 sends its whole shard across groups (payload = shard bytes + the weight scalar)
+            assert res["cross_group_bytes"] == res["shard_bytes"] + 8
+            assert res["broadcasts"] >= 1
+        else:
+            assert res["cross_group_bytes"] == 0, "a replica other than 0 sent cross-group traffic"
+            assert res["all_reduces"] == 0
+    # all replicas of all groups are bit-identical, per shard index
+    by_shard: dict[int, list] = {}
+    for res in out:
+        by_shard.setdefault(res["coords"][2], []).append(res["after"])
+    for shards in by_shard.values():
+        for other in shards[1:]:
+            assert all(torch.equal(x, y) for x, y in zip(shards[0], other))
+
+
+def _misaligned_worker(rank: int, world: int, method: str, F: int, R: int, S: int):
+    from flwr_sharded.parallel.sync import ShardAlignmentError, local_shard
+
+    group = rank // (R * S)
+    topo, model = _sharded_tiny_model(method, F, R, S, intermediate_size=64 if group == 0 else 96)
+    before = [local_shard(p).clone() for p in model.parameters()]
+    sync = _make_sync(topo, model, 64 << 20)
+    try:
+        sync.sync(weight=1.0)
+    except ShardAlignmentError as exc:
+        unchanged = all(torch.equal(b, local_shard(p)) for b, p in zip(before, model.parameters()))
+        return {"error": str(exc), "unchanged": unchanged}
+    return {"error": None}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("layout", [("fl-fsdp", 2, 1, 2), ("fl-hsdp", 2, 2, 1)])
+def test_misaligned_sharding_is_refused_before_any_change(layout):
+    method, F, R, S = layout
+    out = run_ranks(_misaligned_worker, F * R * S, method, F, R, S)
+    for res in out:
+        assert res["error"] is not None, "misaligned groups were averaged"
+        assert res["unchanged"]
+    replica0 = [res for rank, res in enumerate(out) if (rank // S) % R == 0]
+    assert all("mlp" in res["error"] and "shape" in res["error"] for res in replica0)
+
+
+def test_bucket_plan_splits_and_covers_every_element():
+    from flwr_sharded.parallel.sync import ShardSync
+
+    params = [("a", torch.zeros(10)), ("b", torch.zeros(7, 3)), ("c", torch.zeros(5, dtype=torch.float64))]
+    sync = ShardSync(params, fed_group=None, bucket_bytes=32)  # 8 fp32 or 4 fp64 elements per bucket
+    covered: dict[int, int] = {}
+    for dtype, segments in sync._buckets:
+        size = sum(s.end - s.start for s in segments)
+        assert size * torch.empty((), dtype=dtype).element_size() <= 32
+        for s in segments:
+            covered[s.shard] = covered.get(s.shard, 0) + s.end - s.start
+    assert covered == {0: 10, 1: 21, 2: 5}
+    assert sync.num_buckets == 4 + 2  # 10+21 = 31 fp32 -> 4 buckets of <= 8; 5 fp64 -> 2 of <= 4
