@@ -86,6 +86,8 @@ class DataConfig:
     """Directory holding the prepared corpus, tokenizer and token caches; must exist (`flwr-sharded prepare-data`)."""
     tokenizer: str | None = None
     """Tokenizer id or path; default: the byte-level BPE trained on the embedded corpus, in `data_dir`."""
+    dataset_config: str | None = None
+    """Configuration (subset) name of a hub dataset, e.g. `tiny` for gsarti/clean_mc4_it."""
     text_field: str = "text"
     """Column holding the text, for json/parquet/hub datasets."""
     seq_len: int = 256

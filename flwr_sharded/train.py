@@ -27,6 +27,7 @@ OPTIONS: list[tuple[str, str | None, str, Any, str]] = [
     ("--model", "model", "name", str, "preset, Hugging Face id or local directory"),
     ("--precision", "model", "precision", str, f"one of {', '.join(PRECISIONS)}"),
     ("--dataset", "data", "dataset", str, "shakespeare, a Hugging Face dataset id or a local file"),
+    ("--dataset-config", "data", "dataset_config", str, "hub dataset configuration (subset) name"),
     ("--data-dir", "data", "data_dir", str, "prepared data directory"),
     ("--tokenizer", "data", "tokenizer", str, "tokenizer id or path"),
     ("--seq-len", "data", "seq_len", int, "tokens per block"),

@@ -66,7 +66,16 @@ class StepResult:
 class Trainer:
     """One rank of a (F, R, S) run: the sharded model, its optimizer and data, and the shard sync."""
 
-    def __init__(self, cfg: TrainConfig, topo: Topology, *, static_sync: bool = True) -> None:
+    def __init__(self, cfg: TrainConfig, topo: Topology, *, static_sync: bool = True,
+                 partition: tuple[int, int] | None = None) -> None:
+        """Build this rank's part of the run.
+
+        Args:
+            static_sync: sync over the mesh's "fed" dimension (the static torchrun world). A Flower group passes
+                False and installs per-round groups with `make_sync`.
+            partition: (federation index, number of federations) for data partitioning when the mesh does not hold
+                the federation dimension (a Flower group is one federation group of a larger run).
+        """
         self.cfg, self.topo = cfg, topo
         self.device = torch.device(topo.mesh.device_type, torch.cuda.current_device()) \
             if topo.mesh.device_type == "cuda" else torch.device("cpu")
@@ -86,9 +95,11 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
 
         p = cfg.parallel
-        self.stream = data_lib.BatchStream(self.blocks, batch_size=cfg.batch_size, fed_index=topo.fed_index,
-                                           num_feds=p.federations, dp_index=topo.dp_index, dp_world=p.world_size,
-                                           seed=cfg.seed, partition=cfg.data.partition)
+        fed_index, num_feds = partition or (topo.fed_index, p.federations)
+        self.stream = data_lib.BatchStream(self.blocks, batch_size=cfg.batch_size, fed_index=fed_index,
+                                           num_feds=num_feds, dp_index=fed_index * topo.group_world + topo.group_rank,
+                                           dp_world=num_feds * topo.group_world, seed=cfg.seed,
+                                           partition=cfg.data.partition)
         n_eval = (min(cfg.data.eval_blocks, len(self.blocks.validation)) // topo.group_world) * topo.group_world
         self.eval_data = data_lib.eval_batches(self.blocks, batch_size=cfg.batch_size, group_rank=topo.group_rank,
                                                group_world=topo.group_world, max_blocks=n_eval)

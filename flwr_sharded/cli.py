@@ -1,0 +1,38 @@
+"""`flwr-sharded` command: one sub-command per concern, each registered by the module that implements it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+
+def _train_command(args: argparse.Namespace) -> int:
+    from flwr_sharded.train import main as train_main
+
+    return train_main(args.train_args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from flwr_sharded.perf import planner
+    from flwr_sharded.training import data
+
+    parser = argparse.ArgumentParser(prog="flwr-sharded", description="Sharded data parallelism with federated "
+                                     "learning on Flower: training, data preparation and planning.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train in a torchrun world (run under torchrun); see `train --help`",
+                           add_help=False)
+    train.add_argument("train_args", nargs=argparse.REMAINDER)
+    train.set_defaults(func=_train_command)
+    data.register(sub)
+    planner.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""The four methods end to end through the real torchrun entry point, on gloo with a tiny model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.multiproc import torchrun
+
+LAYOUTS = {
+    "fsdp": ["--method", "fsdp", "--shards", "4"],
+    "hsdp": ["--method", "hsdp", "--replicas", "2", "--shards", "2"],
+    "fl-fsdp": ["--method", "fl-fsdp", "--federations", "2", "--shards", "2"],
+    "fl-hsdp": ["--method", "fl-hsdp", "--federations", "2", "--replicas", "2", "--shards", "1"],
+}
+
+
+def _common(data_dir: Path, tmp: Path, name: str) -> list[str]:
+    return ["--model", "tiny", "--data-dir", str(data_dir), "--seq-len", "64", "--batch-size", "2",
+            "--metrics", str(tmp / f"{name}.jsonl"), "--no-progress", "--eval-blocks", "8"]
+
+
+def _records(path: Path, kind: str) -> list[dict]:
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("kind") == kind]
+
+
+def _state(directory: Path) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory).state_dict()
+
+
+def _run(nproc: int, args: list[str], timeout: float = 300) -> None:
+    result = torchrun(nproc, args, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+SGD = ["--optimizer", "sgd", "--lr", "0.5", "--weight-decay", "0", "--grad-clip", "0", "--warmup", "0",
+       "--min-lr-ratio", "1", "--aggregate-every", "1", "--steps", "6", "--eval-every", "0"]
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("fl,base,nproc", [
+    (["--method", "fl-fsdp", "--federations", "2", "--shards", "2"], ["--method", "fsdp", "--shards", "4"], 4),
+    (["--method", "fl-hsdp", "--federations", "2", "--replicas", "2", "--shards", "2"],
+     ["--method", "hsdp", "--replicas", "4", "--shards", "2"], 8),
+], ids=["fl-fsdp=fsdp", "fl-hsdp=hsdp"])
+def test_fl_with_sgd_and_a1_equals_its_base_method(data_dir, tmp_path, fl, base, nproc):
+    """Plain SGD, A = 1, no clipping: averaging the groups' updated shards equals one step on the averaged gradient.
+
+    Tolerance: 1e-5 absolute on every parameter after 6 steps (fp32; only the summation order differs).
+    """
+    _run(nproc, [*fl, *SGD, *_common(data_dir, tmp_path, "fl"), "--save", str(tmp_path / "fl")])
+    _run(nproc, [*base, *SGD, *_common(data_dir, tmp_path, "base"), "--save", str(tmp_path / "base")])
+    fl_state, base_state = _state(tmp_path / "fl"), _state(tmp_path / "base")
+    assert fl_state.keys() == base_state.keys()
+    diffs = {k: float((fl_state[k] - base_state[k]).abs().max()) for k in fl_state}
+    assert max(diffs.values()) < 1e-5, sorted(diffs.items(), key=lambda kv: -kv[1])[:3]
+    # the runs did train: the weights moved away from each other's start by far more than the tolerance
+    fl_losses = [r["loss"] for r in _records(tmp_path / "fl.jsonl", "train")]
+    base_losses = [r["loss"] for r in _records(tmp_path / "base.jsonl", "train")]
+    assert fl_losses == pytest.approx(base_losses, abs=1e-4)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("method", list(LAYOUTS))
+def test_each_method_lowers_the_loss(data_dir, tmp_path, method):
+    _run(4, [*LAYOUTS[method], *_common(data_dir, tmp_path, method), "--steps", "40", "--lr", "3e-3",
+             "--aggregate-every", "4", "--log-every", "5", "--eval-every", "20"])
+    train = _records(tmp_path / f"{method}.jsonl", "train")
+    evals = _records(tmp_path / f"{method}.jsonl", "eval")
+    assert train[-1]["loss"] < train[0]["loss"] - 1.0, (train[0]["loss"], train[-1]["loss"])
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+    config = _records(tmp_path / f"{method}.jsonl", "config")[0]
+    assert config["effective_batch"] == (4 if method.startswith("fl-") else 8)
+    if method.startswith("fl-"):
+        assert train[-1]["syncs"] == 10 and train[-1]["sync_s"] > 0
