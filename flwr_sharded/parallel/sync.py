@@ -84,6 +84,8 @@ class ShardSync:
         self._aligned = False
         self._buckets = self._plan_buckets(bucket_bytes)
         self._buffer: torch.Tensor | None = None
+        self._views: list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]] | None = None
+        self._pointers: list[int] = []
 
     # ----- planning -------------------------------------------------------------------------------------------
     def _plan_buckets(self, bucket_bytes: int) -> list[tuple[torch.dtype, list[_Segment]]]:
@@ -93,7 +95,7 @@ class ShardSync:
         for i, p in enumerate(self.params):
             by_dtype.setdefault(local_shard(p).dtype, []).append(i)
         for dtype, indices in by_dtype.items():
-            capacity = max(1, bucket_bytes // torch.empty((), dtype=dtype).element_size())
+            capacity = max(1, bucket_bytes // _itemsize(dtype))
             current: list[_Segment] = []
             used = 0
             for i in indices:
@@ -114,14 +116,26 @@ class ShardSync:
     def num_buckets(self) -> int:
         return len(self._buckets)
 
-    def _bucket_view(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    def _bucket_views(self) -> list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]]:
+        """Per bucket: (flat buffer view, views of the shard segments, matching views into the buffer).
+
+        Built on the first sync, when the one reusable buffer is allocated, and rebuilt if a shard was reallocated.
+        """
+        pointers = [local_shard(p).data_ptr() for p in self.params]
+        if self._views is not None and pointers == self._pointers:
+            return self._views
         if self._buffer is None:
-            largest = max(sum(s.end - s.start for s in segs) * torch.empty((), dtype=dt).element_size()
-                          for dt, segs in self._buckets)
-            device = local_shard(self.params[0]).device
-            self._buffer = torch.empty(largest, dtype=torch.uint8, device=device)
-        return self._buffer[:nbytes].view(dtype)
+            largest = max(sum(s.end - s.start for s in segs) * _itemsize(dt) for dt, segs in self._buckets)
+            self._buffer = torch.empty(largest, dtype=torch.uint8, device=local_shard(self.params[0]).device)
+        shards = [local_shard(p).view(-1) for p in self.params]
+        self._views = []
+        for dtype, segments in self._buckets:
+            numel = sum(s.end - s.start for s in segments)
+            flat = self._buffer[:numel * _itemsize(dtype)].view(dtype)
+            self._views.append((flat, [shards[s.shard][s.start:s.end] for s in segments],
+                                [flat[s.offset:s.offset + s.end - s.start] for s in segments]))
+        self._pointers = pointers
+        return self._views
 
     # ----- alignment ------------------------------------------------------------------------------------------
     def fingerprint(self) -> str:
@@ -171,26 +185,27 @@ class ShardSync:
             self.check_alignment()
         start = time.perf_counter()
         total, buckets, nbytes = 0.0, 0, 0
-        shards = [local_shard(p).view(-1) for p in self.params]
+        views = self._bucket_views()
         if self.fed_group is not None:
-            total_t = torch.tensor([weight], dtype=torch.float64, device=shards[0].device)
+            total_t = torch.tensor([weight], dtype=torch.float64, device=views[0][0].device)
             dist.all_reduce(total_t, group=self.fed_group)
             total = float(total_t.item())
-            scale = weight / total
-        for dtype, segments in self._buckets:
-            numel = sum(s.end - s.start for s in segments)
-            buf = self._bucket_view(dtype, numel)
+        for flat, shard_segments, buffer_segments in views:
             if self.fed_group is not None:
-                for s in segments:
-                    torch.mul(shards[s.shard][s.start:s.end], scale, out=buf[s.offset:s.offset + s.end - s.start])
-                dist.all_reduce(buf, group=self.fed_group)
+                scale = weight / total
+                for shard_segment, buffer_segment in zip(shard_segments, buffer_segments):
+                    torch.mul(shard_segment, scale, out=buffer_segment)  # pack and weight in one pass
+                dist.all_reduce(flat, group=self.fed_group)
                 buckets += 1
-                nbytes += buf.numel() * buf.element_size()
+                nbytes += flat.numel() * flat.element_size()
             if self.rep_group is not None:
-                dist.broadcast(buf, group=self.rep_group, group_src=0)
-            for s in segments:
-                shards[s.shard][s.start:s.end].copy_(buf[s.offset:s.offset + s.end - s.start])
+                dist.broadcast(flat, group=self.rep_group, group_src=0)
+            torch._foreach_copy_(shard_segments, buffer_segments)
         return SyncStats(seconds=time.perf_counter() - start, buckets=buckets, bytes=nbytes, total_weight=total)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _first_mismatch(everyone: list[list[str] | None]) -> str:

@@ -16,6 +16,7 @@ No latency, overlap or contention unless stated; see docs/cost-model.md.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -260,7 +261,7 @@ DIMENSIONS = ("shard", "replica", "federation")
 
 @dataclass(frozen=True)
 class Placement:
-    """Where the ranks of an F x R x S mesh run: rank = f*R*S + r*S + s; ranks fill nodes in order, nodes fill groups."""
+    """Where the ranks of an F x R x S mesh run: rank = f*R*S + r*S + s, filling nodes, then node groups, in order."""
 
     F: int
     """Federation groups."""
@@ -326,15 +327,38 @@ class Placement:
             return "intra_node"
         return "inter_node" if len({self.node_group(x) for x in ranks}) == 1 else "inter_group"
 
+    def groups(self, dim: str, ranks: Sequence[int] | None = None) -> list[list[int]]:
+        """Every group of a dimension, or only the groups of `ranks`, each once."""
+        if dim not in DIMENSIONS:
+            raise ConfigError(f"dimension must be one of {', '.join(DIMENSIONS)}, got {dim!r}")
+        if ranks is None:  # the first member of each group
+            axis = DIMENSIONS.index(dim)
+            ranks = [x for x in range(self.world_size) if self.coords(x)[2 - axis] == 0]
+        unique = {tuple(self.group(dim, x)) for x in ranks}
+        return [list(g) for g in sorted(unique)]
+
     def dim_tier(self, dim: str, ranks: Sequence[int] | None = None) -> Tier | None:
         """Slowest tier the groups of a dimension span (the paper's B_S, B_R, B_F tier); None if its size is 1.
 
         `ranks`: only the groups these ranks belong to (default: all).
         """
-        members = range(self.world_size) if ranks is None else ranks
-        tiers = {self.span_tier(self.group(dim, x)) for x in members}
+        tiers = {self.span_tier(g) for g in self.groups(dim, ranks)}
         tiers.discard(None)
         return max(tiers, key=TIERS.index) if tiers else None
+
+    def flows(self, dim: str, ranks: Sequence[int] | None = None) -> dict[str, int]:
+        """Most ring edges leaving one node ("inter_node") or one node group ("inter_group") when all groups of a
+        dimension (or the groups of `ranks`) run their ring collective at once: the flows sharing that uplink."""
+        leaving: dict[str, Counter] = {"inter_node": Counter(), "inter_group": Counter()}
+        for group in self.groups(dim, ranks):
+            if len(group) < 2:
+                continue
+            for a, b in zip(group, group[1:] + group[:1]):
+                if self.node(a) != self.node(b):
+                    leaving["inter_node"][self.node(a)] += 1
+                if self.node_group(a) != self.node_group(b):
+                    leaving["inter_group"][self.node_group(a)] += 1
+        return {tier: max(count.values(), default=0) for tier, count in leaving.items()}
 
 
 def _zero() -> dict[str, float]:
@@ -456,7 +480,8 @@ class ModelShape:
         return Units(blocks=(block * bytes_per_param,) * self.num_layers, root=self.root_params * bytes_per_param)
 
 
-def compute_time(num_params: float, tokens: float, flops_per_gpu: float, *, flops_per_param_token: float = 6.0) -> float:
+def compute_time(num_params: float, tokens: float, flops_per_gpu: float, *,
+                 flops_per_param_token: float = 6.0) -> float:
     """Seconds of compute for one GPU's batch: flops_per_param_token * params * tokens / achievable FLOP/s.
 
     6 = forward (2) + backward (4); 8 with activation checkpointing (forward recomputed). Ignores attention's

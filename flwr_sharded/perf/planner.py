@@ -21,6 +21,7 @@ import yaml
 from flwr_sharded.config import METHODS, ConfigError
 from flwr_sharded.perf.costmodel import (
     BACKENDS,
+    DIMENSIONS,
     TIERS,
     CommTerms,
     MemoryEstimate,
@@ -52,7 +53,7 @@ class Cluster:
     nodes_per_group: int | None
     """Nodes per rack / cell / facility; None: all nodes in one group (no inter-group tier)."""
     bandwidth: dict[str, float]
-    """Bottleneck bandwidth per tier (intra_node, inter_node, inter_group) one collective gets, bits/s."""
+    """Bandwidth per tier (intra_node, inter_node, inter_group) one flow of a ring collective gets, bits/s."""
     latency: dict[str, float]
     """Start-up latency per tier, seconds; used only by the planner's optional alpha term (0 if not given)."""
     gpu_memory: float
@@ -61,6 +62,9 @@ class Cluster:
     """Achievable (not peak) FLOP/s per GPU for training."""
     backend: str = "nccl"
     """Collective library: nccl, or gloo (whose reduce-scatter costs an all-reduce)."""
+    shared: tuple[str, ...] = ()
+    """Tiers whose bandwidth is one uplink per node (inter_node) or per node group (inter_group), divided among the
+    flows leaving it at once (e.g. tbf-shaped links); other tiers give every flow their full bandwidth."""
 
     @property
     def gpus(self) -> int:
@@ -158,7 +162,8 @@ def _count(data: dict, key: str, where: str, required: bool = True) -> int | Non
 
 
 _CLUSTER_KEYS = {"name", "description", "gpus_per_node", "nodes", "nodes_per_group", "bandwidth", "latency",
-                 "gpu_memory", "flops_per_gpu", "backend"}
+                 "gpu_memory", "flops_per_gpu", "backend", "shared"}
+_SHAREABLE = ("inter_node", "inter_group")
 
 
 def cluster_from_dict(data: Any, where: str = "cluster") -> Cluster:
@@ -196,6 +201,13 @@ def cluster_from_dict(data: Any, where: str = "cluster") -> Cluster:
     backend = data.get("backend", "nccl")
     if backend not in BACKENDS:
         raise ConfigError(f"{where}: field 'backend' must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    shared = data.get("shared", [])
+    if not isinstance(shared, list) or any(t not in _SHAREABLE for t in shared):
+        raise ConfigError(f"{where}: field 'shared' must be a list of tiers among {', '.join(_SHAREABLE)}, "
+                          f"got {shared!r}")
+    for tier in shared:
+        if tier not in tables["bandwidth"]:
+            raise ConfigError(f"{where}: field 'shared' lists {tier} but 'bandwidth.{tier}' is not given")
     return Cluster(
         name=str(data.get("name", where)),
         gpus_per_node=gpus_per_node,
@@ -206,6 +218,7 @@ def cluster_from_dict(data: Any, where: str = "cluster") -> Cluster:
         gpu_memory=parse_memory(data["gpu_memory"], f"{where}: gpu_memory"),
         flops_per_gpu=parse_flops(data["flops_per_gpu"], f"{where}: flops_per_gpu"),
         backend=backend,
+        shared=tuple(shared),
     )
 
 
@@ -258,6 +271,8 @@ class Candidate:
     """Optimizer steps between shard syncs (1 for fsdp/hsdp)."""
     tiers: dict[str, str | None]
     """Slowest tier each mesh dimension spans (shard, replica, federation); None if the dimension has size 1."""
+    bandwidth: dict[str, float | None]
+    """Bits/s one flow of each dimension's collectives gets: its tier's, divided among flows on a shared uplink."""
     comm: CommTerms
     """Communication seconds per step, by kind."""
     compute: float
@@ -316,10 +331,18 @@ def evaluate(cluster: Cluster, model: ModelShape, method: str, *, F: int = 1, R:
     if F * R * S != cluster.gpus:
         raise ConfigError(f"layout F={F} x R={R} x S={S} = {F * R * S} ranks, but the cluster has {cluster.gpus} GPUs")
     placement = cluster.placement(F, R, S)
-    tiers = {dim: placement.dim_tier(dim) for dim in ("shard", "replica", "federation")}
-    if method == "fl-hsdp":  # only replica r = 0 joins the cross-group all-reduce
-        tiers["federation"] = placement.dim_tier("federation", ranks=[placement.rank(0, 0, s) for s in range(S)])
-    bw = {dim: (cluster.bandwidth[t] if t else None) for dim, t in tiers.items()}
+    tiers: dict[str, str | None] = {}
+    bw: dict[str, float | None] = {}
+    for dim in DIMENSIONS:
+        # fl-hsdp: only replica r = 0 joins the cross-group all-reduce
+        ranks = [placement.rank(0, 0, s) for s in range(S)] if dim == "federation" and method == "fl-hsdp" else None
+        tiers[dim] = placement.dim_tier(dim, ranks)
+        bw[dim] = cluster.bandwidth[tiers[dim]] if tiers[dim] else None
+        if bw[dim] and cluster.shared:
+            flows = placement.flows(dim, ranks)
+            for tier in cluster.shared:
+                if flows[tier]:
+                    bw[dim] = min(bw[dim], cluster.bandwidth[tier] / flows[tier])
     alpha = {dim: (cluster.latency[t] if t and latency else 0.0) for dim, t in tiers.items()}
     comm = comm_terms(method, model.units(bytes_per_param), S=S, R=R, F=F, A=A, B_S=bw["shard"],
                       B_R=bw["replica"], B_F=bw["federation"], sizes=sizes, backend=cluster.backend,
@@ -330,8 +353,8 @@ def evaluate(cluster: Cluster, model: ModelShape, method: str, *, F: int = 1, R:
                             state_bytes_per_param=state_bytes_per_param,
                             activation_checkpointing=activation_checkpointing)
     group_gpus = R * S if method.startswith("fl-") else cluster.gpus
-    return Candidate(method=method, F=F, R=R, S=S, A=A, tiers=tiers, comm=comm, compute=compute, memory=memory,
-                     batch_tokens=group_gpus * tokens_per_gpu_batch,
+    return Candidate(method=method, F=F, R=R, S=S, A=A, tiers=tiers, bandwidth=bw, comm=comm, compute=compute,
+                     memory=memory, batch_tokens=group_gpus * tokens_per_gpu_batch,
                      fits=memory.total <= memory_fraction * cluster.gpu_memory)
 
 
@@ -389,12 +412,13 @@ def explain(best: Candidate, reference: Candidate | None, fastest: Candidate, fl
             "sync": best.tiers["federation"], "latency": None}[dominant]
     where = f" ({tier})" if tier else ""
     bound = "compute" if best.compute >= best.comm.total else "communication"
+    mostly = f", mostly {_TERM_NAMES[dominant]}{where}" if best.comm.total > 0 else ""
     text = (f"{best.label()}: {best.step_time:.3g} s/step = {best.compute:.3g} s compute + {best.comm.total:.3g} s "
-            f"communication, mostly {_TERM_NAMES[dominant]}{where}; {bound}-bound")
+            f"communication{mostly}; {bound}-bound")
     if reference is not None and best.method != "fsdp":
         text += (f"; {reference.step_time / best.step_time:.2f}x faster than fsdp S={reference.S} "
                  f"({reference.step_time:.3g} s/step)")
-    if fastest.label() != best.label():
+    if fastest.federated and not best.federated:
         text += (f"; {fastest.label()} would be {fastest.step_time:.3g} s/step, but FL must save more than "
                  f"{fl_margin:.0%} to beat a synchronous method")
     if best.federated:
@@ -534,7 +558,7 @@ def _model_from_args(args: argparse.Namespace) -> ModelShape | None:
 
 
 def _candidate_dict(c: Candidate) -> dict[str, Any]:
-    return {"method": c.method, "F": c.F, "R": c.R, "S": c.S, "A": c.A, "tiers": c.tiers,
+    return {"method": c.method, "F": c.F, "R": c.R, "S": c.S, "A": c.A, "tiers": c.tiers, "bandwidth": c.bandwidth,
             "comm_s": c.comm.total, "comm_terms_s": asdict(c.comm), "compute_s": c.compute, "step_s": c.step_time,
             "batch_tokens": c.batch_tokens, "memory_gib": c.memory.total / GiB,
             "memory_terms_gib": {k: v / GiB for k, v in asdict(c.memory).items()}}
@@ -542,18 +566,18 @@ def _candidate_dict(c: Candidate) -> dict[str, Any]:
 
 def _header(cluster: Cluster, model: ModelShape, args: argparse.Namespace) -> str:
     groups = f", node groups of {cluster.nodes_per_group} nodes" if cluster.nodes_per_group else ""
-    return (f"Cluster {cluster.name}: {cluster.nodes} nodes x {cluster.gpus_per_node} GPUs = {cluster.gpus}{groups}; "
+    return (f"Cluster {cluster.name}: {cluster.nodes} x {cluster.gpus_per_node} GPUs = {cluster.gpus}{groups}; "
             f"model {model.name} ({model.num_params / 1e9:.3g} B params, {args.bytes_per_param:g} bytes each); "
             f"{args.tokens_per_gpu} tokens per GPU per step")
 
 
-def _print_paper(cluster: Cluster, rows: list[PaperRow], as_json: bool) -> None:
-    if as_json:
+def _print_paper(cluster: Cluster, rows: list[PaperRow], args: argparse.Namespace) -> None:
+    if args.json:
         print(json.dumps([{"layout": r.label, **_candidate_dict(r.predicted), "paper_eq_comm_s": r.paper_eq_comm,
                            "table4_measured": r.measured} for r in rows], indent=2))
         return
-    print(f"Paper layouts on {cluster.name} (Llama-3.1-8B, 4096 tokens/GPU, A=8): predicted vs measured "
-          f"(paper Table 4, s/batch)")
+    print(f"Paper layouts on {cluster.name} ({args.model or 'llama3.1-8b'}, {args.tokens_per_gpu} tokens/GPU, A=8): "
+          f"predicted s/step vs measured (the paper's Table 4: Llama-3.1-8B, 4096 tokens/GPU, s/batch)")
     print(f"{'layout':<8} {'F':>4} {'R':>4} {'S':>4} {'comm Eq.1-5':>11} {'comm exact':>10} {'compute':>8} "
           f"{'predicted':>9} {'Table 4':>12} {'fwd+bwd':>7} {'aggr.':>5}")
     for r in rows:
@@ -576,7 +600,7 @@ def run(args: argparse.Namespace) -> int:
         if args.layouts == "paper":
             rows = paper_layouts(cluster, model, tokens_per_gpu_batch=args.tokens_per_gpu,
                                  bytes_per_param=args.bytes_per_param, latency=args.latency)
-            _print_paper(cluster, rows, args.json)
+            _print_paper(cluster, rows, args)
             return 0
         if model is None:
             raise ConfigError("give a model: --model PRESET, or --params N --layers L")

@@ -176,6 +176,16 @@ def test_placement_tiers():
     assert p.dim_tier("federation") == "inter_group"
 
 
+def test_flows_sharing_uplinks():
+    # R = 2 x S = 4 on 2 groups of 2 nodes of 2 GPUs: the 4 replication pairs (s, 4 + s) all cross the group uplinks
+    p = Placement(F=1, R=2, S=4, gpus_per_node=2, nodes_per_group=2)
+    assert p.flows("replica") == {"inter_node": 2, "inter_group": 4}
+    # one ring over all 8 ranks (FSDP S = 8) leaves each node and each group once
+    assert Placement(F=1, R=1, S=8, gpus_per_node=2, nodes_per_group=2).flows("shard") == {
+        "inter_node": 1, "inter_group": 1}
+    assert p.flows("shard") == {"inter_node": 1, "inter_group": 0}  # ring 0-1-2-3: leaves node 0 once (1 -> 2)
+
+
 def test_fl_fsdp_two_by_two_bytes():
     # F = 2, R = 1, S = 2, 2 GPUs per node, each node its own group; model: two 1000-byte blocks (P = 2000 bytes)
     p = Placement(F=2, R=1, S=2, gpus_per_node=2, nodes_per_group=1)

@@ -1,0 +1,127 @@
+"""Shard-sync cost against a raw flat all-reduce of the same bytes and against one all-reduce per parameter.
+
+    torchrun --nproc-per-node 4 benchmarks/sync_bench.py --federations 2 --shards 2 --layers 16 --hidden 64
+
+Builds a Llama shape sharded with FSDP2 on an (F, 1, S) mesh, then times, interleaved and repeated:
+  sync      ShardSync.sync (bucketed, token-weighted FedAvg over the federation group)
+  flat      one all-reduce of one preallocated flat buffer holding as many bytes as the rank's shards
+  per-param one all-reduce per local shard (what a naive implementation issues)
+and measures the peak extra memory the sync allocates (torch profiler memory events) against one bucket.
+Rank 0 prints medians and ratios and writes them as JSON (--out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--federations", type=int, default=2)
+    p.add_argument("--shards", type=int, default=2)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--bucket-mb", type=float, default=64.0)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--out", default=None, help="write the results as JSON here (rank 0)")
+    return p.parse_args()
+
+
+def peak_extra_bytes(fn) -> int:
+    """Peak of (bytes allocated - bytes freed) by torch while `fn` runs, from profiler memory events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    level = peak = 0
+    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
+        level += e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage  # net bytes, no double count
+        peak = max(peak, level)
+    return peak
+
+
+def main() -> None:
+    args = parse()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from flwr_sharded.config import ParallelConfig
+    from flwr_sharded.parallel.sharding import apply_fsdp, mixed_precision_policy
+    from flwr_sharded.parallel.sync import ShardSync, local_shard
+    from flwr_sharded.parallel.topology import init_topology
+
+    topo = init_topology(ParallelConfig(method="fl-fsdp", federations=args.federations, shards=args.shards))
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
+                         num_attention_heads=4, num_key_value_heads=2, intermediate_size=args.hidden * 3,
+                         tie_word_embeddings=True)
+    model = apply_fsdp(LlamaForCausalLM(config), topo.fsdp_mesh, mp_policy=mixed_precision_policy("fp32", "cpu"))
+    sync = ShardSync(model.named_parameters(), fed_group=topo.fed_group, bucket_bytes=int(args.bucket_mb * 2**20))
+    sync.check_alignment()
+    shards = [local_shard(p) for p in model.parameters()]
+    shard_bytes = sum(s.numel() * s.element_size() for s in shards)
+    flat = torch.zeros(shard_bytes // 4, dtype=torch.float32)
+    group = topo.fed_group
+
+    def run_sync() -> None:
+        sync.sync(weight=1.0 + topo.fed_index)
+
+    def run_flat() -> None:
+        dist.all_reduce(flat, group=group)
+
+    def run_per_param() -> None:
+        for s in shards:
+            dist.all_reduce(s, group=group)
+
+    weight = torch.ones(1, dtype=torch.float64)
+
+    def run_flat_and_scalar() -> None:
+        dist.all_reduce(weight, group=group)
+        dist.all_reduce(flat, group=group)
+
+    runs = {"sync": run_sync, "flat": run_flat, "per-param": run_per_param, "flat+scalar": run_flat_and_scalar}
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for fn in runs.values():  # warm-up
+        fn()
+    for _ in range(args.repeats):
+        for name, fn in runs.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    # the slowest rank decides a collective's time: take the max over ranks of each sample
+    stacked = torch.tensor([times[k] for k in runs], dtype=torch.float64)
+    dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
+    # a fresh ShardSync, so that its first sync allocates its bucket inside the measured window
+    fresh = ShardSync(model.named_parameters(), fed_group=topo.fed_group, bucket_bytes=int(args.bucket_mb * 2**20))
+    fresh.check_alignment()
+    peak = peak_extra_bytes(lambda: fresh.sync(weight=1.0))
+    bucket = min(int(args.bucket_mb * 2**20), shard_bytes)
+    peaks = torch.tensor([peak], dtype=torch.int64)
+    dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+    if dist.get_rank() == 0:
+        med = {k: statistics.median(stacked[i].tolist()) for i, k in enumerate(runs)}
+        result = {
+            "layout": topo.describe(), "param_tensors": len(shards), "shard_bytes_per_rank": shard_bytes,
+            "buckets": sync.num_buckets, "repeats": args.repeats,
+            "median_s": med,
+            "sync_over_flat": med["sync"] / med["flat"],
+            "per_param_over_sync": med["per-param"] / med["sync"],
+            "peak_extra_bytes": int(peaks.item()), "one_bucket_bytes": bucket,
+            "peak_over_bucket": int(peaks.item()) / bucket,
+        }
+        print(json.dumps(result, indent=2))
+        if args.out:
+            with open(args.out, "w") as fh:
+                json.dump(result, fh, indent=2)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

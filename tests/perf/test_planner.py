@@ -1,0 +1,264 @@
+"""Planner: cluster YAML, layout enumeration, ranking on the example clusters, the paper's layouts, the CLI."""
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flwr_sharded.config import ConfigError
+from flwr_sharded.perf import planner
+from flwr_sharded.perf.planner import (
+    PAPER_TABLE4,
+    cluster_from_dict,
+    layouts,
+    load_cluster,
+    model_from_preset,
+    paper_layouts,
+    parse_bandwidth,
+    parse_flops,
+    parse_latency,
+    parse_memory,
+    plan,
+)
+from flwr_sharded.training.models import PRESETS
+
+CLUSTERS = Path(__file__).resolve().parents[2] / "examples" / "clusters"
+GOOD = {"gpus_per_node": 4, "nodes": 4, "nodes_per_group": 2, "gpu_memory": "64GB", "flops_per_gpu": "100TFLOPS",
+        "bandwidth": {"intra_node": "800Gbit", "inter_node": "200Gbit", "inter_group": "100Gbit"}}
+
+
+@pytest.fixture(scope="module")
+def llama8b():
+    return model_from_preset("llama3.1-8b")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Cluster files
+
+
+@pytest.mark.parametrize("text, bits", [("200Gbit", 200e9), ("100Mbit", 100e6), ("7.5Gbit", 7.5e9),
+                                        ("7.5 Gbit/s", 7.5e9), ("100Mbps", 100e6), ("25GB/s", 200e9), (1e9, 1e9)])
+def test_parse_bandwidth(text, bits):
+    assert parse_bandwidth(text) == pytest.approx(bits)
+
+
+def test_parse_other_quantities():
+    assert parse_memory("64GB") == 64e9
+    assert parse_memory("80GiB") == 80 * 2**30
+    assert parse_latency("5us") == pytest.approx(5e-6)
+    assert parse_latency("2ms") == pytest.approx(2e-3)
+    assert parse_flops("156TFLOPS") == pytest.approx(156e12)
+    assert parse_flops("156e12") == pytest.approx(156e12)  # YAML reads 156e12 as a string
+
+
+def test_example_clusters_load():
+    leo = load_cluster(CLUSTERS / "leonardo.yaml")
+    assert (leo.gpus_per_node, leo.nodes, leo.gpus, leo.nodes_per_group) == (4, 128, 512, 32)
+    assert leo.bandwidth["inter_node"] == 200e9 and leo.gpu_memory == 64e9 and leo.backend == "nccl"
+    emu = load_cluster(CLUSTERS / "emulated.yaml")
+    assert (emu.gpus_per_node, emu.nodes, emu.nodes_per_group) == (2, 4, 2)
+    assert emu.bandwidth == {"intra_node": 7.5e9, "inter_node": 1e9, "inter_group": 1e8}
+    assert emu.backend == "gloo"
+    flat = load_cluster(CLUSTERS / "flat-fast.yaml")
+    assert flat.nodes == 1 and flat.gpus == 8
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"gpus_per_node": None}, "gpus_per_node"),
+    ({"nodes": 0}, "nodes"),
+    ({"gpu_memory": None}, "gpu_memory"),
+    ({"gpu_memory": "lots"}, "gpu_memory"),
+    ({"flops_per_gpu": -1}, "flops_per_gpu"),
+    ({"bandwidth": {"intra_node": "800Gbit", "inter_node": "-5Gbit", "inter_group": "1Gbit"}}, "bandwidth.inter_node"),
+    ({"bandwidth": {"intra_node": "800Gbit", "inter_node": "200Gfoo", "inter_group": "1Gbit"}},
+     "bandwidth.inter_node"),
+    ({"bandwidth": {"intra_node": "800Gbit", "inter_node": "200G", "inter_group": "1Gbit"}}, "bandwidth.inter_node"),
+    ({"bandwidth": {"intra_node": "800Gbit", "inter_node": "200Gbit"}}, "bandwidth.inter_group"),
+    ({"bandwidth": {"intra_node": "1Tbit", "inter_node": "1Gbit", "inter_group": "1Gbit", "wan": "1Mbit"}},
+     "bandwidth.wan"),
+    ({"latency": {"inter_node": "-1us"}}, "latency.inter_node"),
+    ({"nodes_per_group": 8}, "nodes_per_group"),
+    ({"backend": "mpi"}, "backend"),
+    ({"gpus_per_nodes": 4}, "gpus_per_nodes"),
+    ({"shared": ["intra_node"]}, "shared"),
+])
+def test_bad_cluster_names_the_field(tmp_path, change, field):
+    data = {k: v for k, v in {**GOOD, **change}.items() if v is not None}
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_cluster(path)
+
+
+def test_unreadable_cluster(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_cluster(tmp_path / "missing.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_cluster(tmp_path / "list.yaml")
+
+
+def test_single_node_needs_only_intra_node():
+    c = cluster_from_dict({"gpus_per_node": 8, "nodes": 1, "gpu_memory": "80GB", "flops_per_gpu": 1e14,
+                           "bandwidth": {"intra_node": "3.6Tbit"}})
+    assert c.latency == {"intra_node": 0.0, "inter_node": 0.0, "inter_group": 0.0}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Enumeration and ranking
+
+
+def test_layouts_use_all_gpus():
+    found = layouts(16, 4, aggregate_every_options=(1, 8))
+    assert all(F * R * S == 16 for _, F, R, S, _ in found)
+    assert all(S in (1, 2, 4, 8, 16) for _, _, _, S, _ in found)
+    assert ("fsdp", 1, 1, 16, 1) in found and ("hsdp", 1, 4, 4, 1) in found
+    assert ("fl-fsdp", 4, 1, 4, 8) in found and ("fl-hsdp", 2, 2, 4, 1) in found
+    assert all(A == 1 for m, *_, A in found if not m.startswith("fl-"))
+    assert not [x for x in layouts(12, 4) if x[3] in (3, 6)]  # a sharding group must pack into or fill nodes
+
+
+def test_model_from_preset_counts():
+    shape = model_from_preset("llama3.1-8b")
+    assert shape.num_params == PRESETS["llama3.1-8b"].num_parameters()
+    assert 8.0e9 < shape.num_params < 8.1e9 and shape.num_layers == 32
+    assert shape.root_params == 2 * 128256 * 4096 + 4096  # untied embeddings and head + final norm
+    small = model_from_preset("small", vocab_size=8192)
+    assert small.num_params == PRESETS["small"].num_parameters(8192)
+    with pytest.raises(ConfigError, match="unknown preset"):
+        model_from_preset("gpt-5")
+
+
+def test_leonardo_recommends_fl(llama8b):
+    leo = load_cluster(CLUSTERS / "leonardo.yaml")
+    ranked = plan(leo, llama8b)
+    assert ranked[0].federated
+    assert ranked[0].S == 4  # the smallest sharding group that fits 64 GB, inside a node
+    fsdp = next(c for c in ranked if c.method == "fsdp")
+    assert fsdp.step_time > 2 * ranked[0].step_time
+
+
+def test_emulated_recommends_fl():
+    emu = load_cluster(CLUSTERS / "emulated.yaml")
+    ranked = plan(emu, model_from_preset("small", vocab_size=8192), tokens_per_gpu_batch=512, bytes_per_param=4)
+    assert ranked[0].federated
+    assert ranked[0].tiers["federation"] == "inter_group"
+
+
+def test_flat_fast_recommends_synchronous(llama8b):
+    flat = load_cluster(CLUSTERS / "flat-fast.yaml")
+    ranked = plan(flat, llama8b)
+    assert ranked[0].method in ("fsdp", "hsdp")
+    # FL is still a little faster per step, but by less than the 10% margin
+    fastest = min(ranked, key=lambda c: c.step_time)
+    assert fastest.federated and fastest.step_time * 1.1 > ranked[0].step_time
+    assert plan(flat, llama8b, fl_margin=0.0)[0].federated
+
+
+def test_memory_excludes_layouts(llama8b):
+    leo = load_cluster(CLUSTERS / "leonardo.yaml")
+    ranked = plan(leo, llama8b, aggregate_every_options=(8,))
+    assert ranked and all(c.fits and c.memory.total <= 0.9 * 64e9 for c in ranked)
+    assert min(c.S for c in ranked) == 4  # S = 1 (64 GB of states alone) and S = 2 do not fit
+    assert {c.S for c in ranked} < {S for *_, S, _ in layouts(512, 4)}
+    tiny = cluster_from_dict({**GOOD, "gpu_memory": "1GB"})
+    assert plan(tiny, llama8b) == []
+
+
+def test_options(llama8b):
+    leo = load_cluster(CLUSTERS / "leonardo.yaml")
+    only = plan(leo, llama8b, methods=("hsdp",))
+    assert {c.method for c in only} == {"hsdp"}
+    with_latency = plan(leo, llama8b, methods=("fsdp",), latency=True)[0]
+    assert with_latency.comm.latency > 0
+    paper = plan(leo, llama8b, methods=("fsdp",), sizes="paper")[0]
+    assert paper.comm.total == pytest.approx(3 * llama8b.num_params * 16 * 511 / 512 / 100e9)
+    with pytest.raises(ConfigError, match="--methods"):
+        plan(leo, llama8b, methods=("ddp",))
+    with pytest.raises(ConfigError, match="--aggregate-every"):
+        plan(leo, llama8b, aggregate_every_options=(0,))
+
+
+def test_shared_uplinks_divide_bandwidth():
+    emu = load_cluster(CLUSTERS / "emulated.yaml")
+    shape = model_from_preset("tiny", vocab_size=8192)
+    hsdp = planner.evaluate(emu, shape, "hsdp", R=2, S=4)
+    # 4 replication pairs leave each group through one 100 Mbit/s uplink; the 1 Gbit/s node links carry 2 each
+    assert hsdp.tiers == {"shard": "inter_node", "replica": "inter_group", "federation": None}
+    assert hsdp.bandwidth == {"shard": 1e9, "replica": 25e6, "federation": None}
+    flat = cluster_from_dict({"gpus_per_node": 2, "nodes": 4, "nodes_per_group": 2, "gpu_memory": "2GB",
+                              "flops_per_gpu": "4GFLOPS",
+                              "bandwidth": {"intra_node": "7.5Gbit", "inter_node": "1Gbit", "inter_group": "100Mbit"}})
+    assert planner.evaluate(flat, shape, "hsdp", R=2, S=4).bandwidth["replica"] == 100e6
+
+
+def test_effective_batch(llama8b):
+    leo = load_cluster(CLUSTERS / "leonardo.yaml")
+    by_layout = {(c.method, c.F, c.R, c.S): c for c in plan(leo, llama8b, aggregate_every_options=(8,))}
+    assert by_layout[("fsdp", 1, 1, 512)].batch_tokens == 512 * 4096
+    assert by_layout[("hsdp", 1, 128, 4)].batch_tokens == 512 * 4096
+    assert by_layout[("fl-fsdp", 128, 1, 4)].batch_tokens == 4 * 4096
+    assert by_layout[("fl-hsdp", 16, 8, 4)].batch_tokens == 32 * 4096
+
+
+def test_paper_layouts(llama8b):
+    rows = paper_layouts(load_cluster(CLUSTERS / "leonardo.yaml"))
+    assert [r.label for r in rows] == ["FSDP", "HSDP", "FL+FSDP", "FL+HSDP"]
+    assert [r.measured["overall"][0] for r in rows] == [12.04, 1.84, 1.45, 1.53]
+    assert PAPER_TABLE4["FL+FSDP"]["aggregation"] == (0.17, 0.55)
+    predicted = {r.label: r.predicted.step_time for r in rows}
+    assert predicted["FSDP"] == max(predicted.values()) and predicted["FL+FSDP"] == min(predicted.values())
+    assert all(r.predicted.A == (8 if r.label.startswith("FL") else 1) for r in rows)
+    with pytest.raises(ConfigError, match="512"):
+        paper_layouts(load_cluster(CLUSTERS / "emulated.yaml"))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Command line
+
+
+def _cli(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="flwr-sharded")
+    planner.register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["plan", *argv])
+    return args.func(args)
+
+
+def test_cli_table(capsys):
+    assert _cli("--cluster", str(CLUSTERS / "leonardo.yaml"), "--model", "llama3.1-8b", "--top", "3") == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert "method" in lines[1] and "mem/GPU GiB" in lines[1]
+    assert len([x for x in lines if x.lstrip()[:1].isdigit()]) == 3
+    assert lines[-1].startswith("Recommended: fl-fsdp") and "faster than fsdp" in lines[-1]
+
+
+def test_cli_json_and_params(capsys):
+    assert _cli("--cluster", str(CLUSTERS / "flat-fast.yaml"), "--params", "8e9", "--layers", "32", "--json",
+                "--aggregate-every", "1,8") == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["recommended"]["method"] in ("fsdp", "hsdp") and data["candidates"]
+    assert {c["A"] for c in data["candidates"]} <= {1, 8}
+
+
+def test_cli_paper_layouts(capsys):
+    assert _cli("--cluster", str(CLUSTERS / "leonardo.yaml"), "--layouts", "paper") == 0
+    out = capsys.readouterr().out
+    assert "12.04±0.26" in out and "FL+HSDP" in out and "Speedup over FSDP" in out
+
+
+def test_cli_errors(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({**GOOD, "nodes": -1}))
+    assert _cli("--cluster", str(bad), "--model", "tiny") == 2
+    assert "nodes" in capsys.readouterr().err
+    assert _cli("--cluster", str(CLUSTERS / "leonardo.yaml")) == 2
+    assert "--model" in capsys.readouterr().err
+    assert _cli("--cluster", str(CLUSTERS / "leonardo.yaml"), "--params", "1e9") == 2
+    assert "--layers" in capsys.readouterr().err
+    small = tmp_path / "small.yaml"
+    small.write_text(yaml.safe_dump({**GOOD, "gpu_memory": "1GB"}))
+    assert _cli("--cluster", str(small), "--model", "llama3.1-8b") == 1
+    assert "no layout fits" in capsys.readouterr().err

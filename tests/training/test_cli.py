@@ -1,0 +1,85 @@
+"""Bad input to the training entry point: a clear error naming the option, before any process group or file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from flwr_sharded.config import ConfigError, load_config, validate
+from flwr_sharded.train import main
+
+REPO = Path(__file__).resolve().parents[2]
+
+BAD = [
+    # (world size, arguments, words the message must contain)
+    (4, ["--method", "fl-fsdp", "--federations", "2", "--shards", "3"], ["world size 4", "F*R*S", "6"]),
+    (4, ["--method", "fl-fsdp", "--federations", "0", "--shards", "4"], ["--federations", ">= 1"]),
+    (4, ["--method", "hsdp", "--replicas", "-1", "--shards", "4"], ["--replicas", ">= 1"]),
+    (4, ["--method", "fsdp", "--shards", "0"], ["--shards", ">= 1"]),
+    (4, ["--method", "fl-fsdp", "--federations", "2", "--shards", "2", "--aggregate-every", "0"],
+     ["--aggregate-every", ">= 1"]),
+    (4, ["--method", "fsdp", "--federations", "2", "--shards", "2"], ["--federations must be 1", "fl-fsdp"]),
+    (4, ["--method", "hsdp", "--federations", "2", "--replicas", "2"], ["--federations must be 1"]),
+    (4, ["--method", "fl-fsdp", "--federations", "2", "--replicas", "2"], ["--replicas must be 1", "fl-hsdp"]),
+    (4, ["--method", "fsdp", "--replicas", "2", "--shards", "2"], ["--replicas must be 1", "hsdp"]),
+    (4, ["--method", "ddp", "--shards", "4"], ["--method must be one of", "fsdp, hsdp, fl-fsdp, fl-hsdp"]),
+    (4, ["--shards", "4", "--method", "fsdp", "--optimizer", "lamb"], ["--optimizer must be one of", "adamw, sgd"]),
+    (4, ["--shards", "4", "--method", "fsdp", "--model", "gpt-17"], ["--model", "unknown model", "tiny"]),
+    (4, ["--shards", "4", "--method", "fsdp", "--dataset", "no/such/path.txt"], ["--dataset", "does not exist"]),
+    (4, ["--shards", "4", "--method", "fsdp", "--dataset", "bad name!"], ["--dataset", "neither"]),
+    (4, ["--shards", "4", "--method", "fsdp", "--partition", "random"], ["--partition must be one of", "iid"]),
+    (4, ["--shards", "4", "--method", "fsdp", "--grad-clip", "-1"], ["--grad-clip", ">= 0"]),
+    (4, ["--shards", "4", "--method", "fsdp", "--lr", "0"], ["--lr", "> 0"]),
+    (4, ["--shards", "4", "--method", "fsdp", "--steps", "0"], ["--steps", ">= 1"]),
+]
+
+
+@pytest.mark.parametrize("world,args,words", BAD, ids=[" ".join(b[1]) for b in BAD])
+def test_bad_input_is_refused_before_any_work(data_dir, tmp_path, monkeypatch, capsys, world, args, words):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    metrics, save = tmp_path / "m.jsonl", tmp_path / "model"
+    code = main([*args, "--data-dir", str(data_dir), "--metrics", str(metrics), "--save", str(save)])
+    err = capsys.readouterr().err
+    assert code == 2
+    for word in words:
+        assert word in err, err
+    assert not metrics.exists() and not save.exists()
+
+
+def test_missing_data_directory(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    missing = tmp_path / "nowhere"
+    assert main(["--method", "fsdp", "--data-dir", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert str(missing) in err and "prepare-data" in err
+    assert not missing.exists()
+
+
+def test_unknown_yaml_key(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("parallel:\n  method: fsdp\n  shard: 2\n")
+    assert main(["--config", str(cfg)]) == 2
+    assert "shard" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").rglob("*.yaml")), ids=lambda p: str(p.relative_to(REPO)))
+def test_shipped_configs_are_valid(path):
+    cfg = load_config(path)
+    validate(cfg, cfg.parallel.world_size)
+    if "paper" in path.parts:
+        assert cfg.parallel.world_size == 512 and cfg.model.name == "llama3.1-8b"
+    else:
+        assert cfg.parallel.world_size == 4
+
+
+def test_command_line_overrides_yaml(tmp_path):
+    from flwr_sharded.train import build_parser, resolve_config
+
+    args = build_parser().parse_args(["--config", str(REPO / "configs/local/fl-hsdp.yaml"), "--aggregate-every", "3",
+                                      "--no-sync"])
+    cfg = resolve_config(args)
+    assert cfg.parallel.aggregate_every == 3 and cfg.parallel.sync is False and cfg.parallel.replicas == 2
+    with pytest.raises(ConfigError):
+        validate(cfg, 8)
