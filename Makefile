@@ -1,0 +1,39 @@
+# Quick start: `make demo` (set up, then run the Flower app on the embedded default) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+DATA ?= .data
+# CPU wheel for this kind of machine; GPU users install their own torch (the package asks for torch>=2.6).
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+export FLWR_SHARDED_DATA := $(abspath $(DATA))
+
+.PHONY: setup data demo train-demo test plan clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e ".[dev,plot]"
+	touch $@
+
+setup: $(VENV)/.installed  ## create the virtualenv and install the package with test/plot extras
+
+$(DATA)/tokenizer/tokenizer.json: | $(VENV)/.installed
+	$(BIN)/flwr-sharded prepare-data --data-dir $(DATA)
+
+data: $(DATA)/tokenizer/tokenizer.json  ## fetch the embedded corpus and train its tokenizer (offline afterwards)
+
+train-demo: setup data  ## the static engine: FL+FSDP on 4 local ranks, small Llama, 100 steps
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --nproc-per-node 4 -m flwr_sharded.train --config configs/local/fl-fsdp.yaml \
+		--steps 100 --data-dir $(DATA) --metrics runs/train-demo.jsonl
+
+test: setup data  ## the whole test suite (CPU, gloo)
+	$(BIN)/python -m pytest -q
+
+plan: setup  ## what the planner recommends for the paper's cluster
+	$(BIN)/flwr-sharded plan --cluster examples/clusters/leonardo.yaml --model llama3.1-8b
+
+clean:
+	rm -rf $(VENV) $(DATA) runs .pytest_cache
