@@ -78,3 +78,14 @@ def test_each_method_lowers_the_loss(data_dir, tmp_path, method):
     assert config["effective_batch"] == (4 if method.startswith("fl-") else 8)
     if method.startswith("fl-"):
         assert train[-1]["syncs"] == 10 and train[-1]["sync_s"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_gradient_accumulation_equals_the_larger_batch(data_dir, tmp_path):
+    """Two micro-batches of 1 sequence give the same step as one batch of 2 (same blocks, mean of equal means)."""
+    common = ["--method", "fsdp", "--shards", "2", *SGD, "--model", "tiny", "--data-dir", str(data_dir),
+              "--seq-len", "64", "--no-progress", "--eval-blocks", "2"]
+    _run(2, [*common, "--batch-size", "2", "--grad-accum", "1", "--save", str(tmp_path / "big")])
+    _run(2, [*common, "--batch-size", "1", "--grad-accum", "2", "--save", str(tmp_path / "accum")])
+    big, accum = _state(tmp_path / "big"), _state(tmp_path / "accum")
+    assert max(float((big[k] - accum[k]).abs().max()) for k in big) < 1e-5

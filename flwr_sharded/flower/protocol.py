@@ -1,0 +1,320 @@
+"""What the thin ClientApp and a group runtime say to each other, and the run settings both ends share. Torch-free.
+
+Two hops carry an instruction:
+
+    ServerApp --(Flower Message: ConfigRecord "config")--> ClientApp --(local endpoint: JSON)--> group rank 0
+
+The local endpoint is `multiprocessing.connection` (authkey challenge/response) carrying JSON bytes
+(`send_bytes`/`recv_bytes`, never pickle). An instruction is `{"verb": ..., "args": {...}}`; a reply is
+`{"ok": bool, "error": str, "result": {...}}`.
+
+`RunSpec` holds the training settings of a Flower run (model, layout, schedule, data); it travels as JSON inside
+the hello message, and the group turns it into a `TrainConfig` of one federation group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import secrets
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from flwr_sharded.config import METHODS, ConfigError, config_from_dict, default_data_dir, validate
+
+PROTOCOL_VERSION = 1
+
+# ----- verbs ------------------------------------------------------------------------------------------------------
+HELLO = "hello"
+"""Set up (or reuse) the run's trainer; reply with the group's layout, fingerprint and rendezvous offer."""
+TRAIN = "train"
+"""K sync periods of A local steps, each followed by a shard sync with the named members."""
+EVALUATE = "evaluate"
+"""Held-out loss and perplexity of the group's current weights."""
+STATUS = "status"
+"""Liveness and progress; changes nothing."""
+SAVE = "save"
+"""Merge the group's shards and write a Hugging Face model directory."""
+FINISH = "finish"
+"""The run is over: drop the trainer (free memory), keep serving."""
+SHUTDOWN = "shutdown"
+"""Exit every rank of the group."""
+VERBS = (HELLO, TRAIN, EVALUATE, STATUS, SAVE, FINISH, SHUTDOWN)
+
+# ----- Flower message types (ClientApp routes) --------------------------------------------------------------------
+MSG_HELLO = "query.hello"
+MSG_TRAIN = "train"
+MSG_EVALUATE = "evaluate"
+MSG_FINISH = "query.finish"
+
+# ----- Flower record names ----------------------------------------------------------------------------------------
+CONFIG = "config"
+"""ConfigRecord the ServerApp sends."""
+METRICS = "metrics"
+"""MetricRecord of numbers (and lists of numbers) in a reply."""
+INFO = "info"
+"""ConfigRecord of strings/bools in a reply (ok, error, host, fingerprint, ...)."""
+
+MAX_MESSAGE_BYTES = 64 << 20
+"""Largest instruction or reply accepted on the local endpoint."""
+
+
+class ProtocolError(RuntimeError):
+    """A malformed instruction or reply on the local endpoint."""
+
+
+def encode(obj: Mapping[str, Any]) -> bytes:
+    return json.dumps(obj, allow_nan=True, separators=(",", ":")).encode()
+
+
+def decode(data: bytes) -> dict[str, Any]:
+    try:
+        obj = json.loads(data.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ProtocolError(f"not a JSON message: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def instruction(verb: str, args: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    if verb not in VERBS:
+        raise ProtocolError(f"unknown verb {verb!r}; known: {', '.join(VERBS)}")
+    return {"version": PROTOCOL_VERSION, "verb": verb, "args": dict(args or {})}
+
+
+def check_instruction(obj: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    verb, args = obj.get("verb"), obj.get("args", {})
+    if obj.get("version") != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {obj.get('version')!r}, this group speaks {PROTOCOL_VERSION}")
+    if verb not in VERBS or not isinstance(args, dict):
+        raise ProtocolError(f"malformed instruction: verb {verb!r}, args of type {type(args).__name__}")
+    return verb, args
+
+
+def reply_ok(result: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    return {"ok": True, "error": "", "result": dict(result or {})}
+
+
+def reply_error(error: str, result: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    return {"ok": False, "error": error, "result": dict(result or {})}
+
+
+# ----- addresses and keys -----------------------------------------------------------------------------------------
+def parse_address(text: str) -> tuple[str, int]:
+    """'host:port' -> (host, port); the port may be 0 (pick a free one) only where a server listens."""
+    host, sep, port = str(text).rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ConfigError(f"address {text!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+def format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def write_authkey(path: str | Path) -> bytes:
+    """Create `path` (mode 0600) holding a fresh random key; returns the key bytes."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key = secrets.token_hex(32).encode()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(key)
+    return key
+
+
+def read_authkey(path: str | Path) -> bytes:
+    """The key in `path` (surrounding whitespace stripped); refuses a missing, empty or world-readable file."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"authkey file {path} does not exist")
+    if path.stat().st_mode & (stat.S_IRWXO):
+        raise ConfigError(f"authkey file {path} is accessible by other users; chmod 600 {path}")
+    key = path.read_bytes().strip()
+    if len(key) < 16:
+        raise ConfigError(f"authkey file {path} holds {len(key)} bytes; use at least 16 (e.g. `openssl rand -hex 32`)")
+    return key
+
+
+# ----- run settings -----------------------------------------------------------------------------------------------
+@dataclass
+class RunSpec:
+    """Training settings of one Flower run, shared by the ServerApp (validation) and every group (training).
+
+    Field names are the run-config keys with '-' replaced by '_'.
+    """
+
+    method: str = "fl-fsdp"
+    """fl-fsdp (R = 1) or fl-hsdp (R > 1): how each group is laid out."""
+    replicas: int = 1
+    """R: replication groups inside each Flower group."""
+    shards: int = 2
+    """S: ranks one model replica is sharded over; each group has R*S ranks."""
+    aggregate_every: int = 8
+    """A: local optimizer steps between two shard syncs."""
+    syncs_per_round: int = 4
+    """K: sync periods per Flower round (one round = K*A local steps and K syncs)."""
+    rounds: int = 3
+    """N: Flower rounds; the learning-rate schedule spans rounds*K*A steps."""
+    model: str = "tiny"
+    """Model preset, Hugging Face id or local directory."""
+    precision: str = "auto"
+    """auto, fp32 or bf16."""
+    dataset: str = "shakespeare"
+    """shakespeare (embedded, offline), a Hugging Face dataset id, or a local file/directory."""
+    dataset_config: str = ""
+    """Hub dataset configuration name ('' for none)."""
+    data_dir: str = ""
+    """Prepared data directory; '' means the group's default (`$FLWR_SHARDED_DATA` or ~/.cache/flwr_sharded)."""
+    tokenizer: str = ""
+    """Tokenizer id or path; '' uses the one prepared in data_dir."""
+    seq_len: int = 64
+    """Tokens per training block."""
+    batch_size: int = 4
+    """Sequences per rank per micro-batch."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step."""
+    partition: str = "iid"
+    """iid or document."""
+    max_train_blocks: int = 0
+    """Use at most this many training blocks (0: all)."""
+    eval_blocks: int = 16
+    """Held-out blocks per evaluation."""
+    optimizer: str = "adamw"
+    lr: float = 3e-3
+    """Peak learning rate."""
+    warmup: float = 0.1
+    """Warm-up: fraction of the total steps (< 1) or steps."""
+    min_lr_ratio: float = 0.1
+    """Cosine floor as a fraction of lr."""
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 42
+    bucket_mb: float = 64.0
+    """Shard-sync bucket size in MiB."""
+    reset_optimizer_state: bool = False
+    """Clear the inner optimizer's state after each sync."""
+
+    # ----- conversions ----------------------------------------------------------------------------------------
+    @classmethod
+    def from_run_config(cls, run_config: Mapping[str, Any]) -> RunSpec:
+        """Pick this spec's keys out of a Flower run config (other keys are ignored); 'num-server-rounds' -> rounds.
+
+        Raises ConfigError for a value of the wrong type.
+        """
+        values: dict[str, Any] = {}
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        for key, value in run_config.items():
+            name = "rounds" if key == "num-server-rounds" else key.replace("-", "_")
+            if name not in fields:
+                continue
+            default = fields[name].default
+            values[name] = _coerce(value, type(default), key)
+        return cls(**values)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> RunSpec:
+        raw = json.loads(text)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ConfigError(f"run spec has unknown keys {unknown}")
+        return cls(**raw)
+
+    @property
+    def group_world(self) -> int:
+        return self.replicas * self.shards
+
+    @property
+    def total_steps(self) -> int:
+        """Optimizer steps of the whole run: rounds * K * A (the span of the learning-rate schedule)."""
+        return self.rounds * self.syncs_per_round * self.aggregate_every
+
+    def train_config_dict(self) -> dict[str, Any]:
+        """The nested dict (`config_from_dict` layout) of ONE federation group's TrainConfig for this run."""
+        data: dict[str, Any] = {"dataset": self.dataset, "data_dir": self.data_dir or default_data_dir(),
+                                "seq_len": self.seq_len, "partition": self.partition,
+                                "eval_blocks": self.eval_blocks}
+        if self.dataset_config:
+            data["dataset_config"] = self.dataset_config
+        if self.tokenizer:
+            data["tokenizer"] = self.tokenizer
+        if self.max_train_blocks:
+            data["max_train_blocks"] = self.max_train_blocks
+        return {
+            "parallel": {"method": self.method, "federations": 1, "replicas": self.replicas, "shards": self.shards,
+                         "aggregate_every": self.aggregate_every, "bucket_mb": self.bucket_mb,
+                         "reset_optimizer_state": self.reset_optimizer_state},
+            "model": {"name": self.model, "precision": self.precision},
+            "data": data,
+            "optim": {"optimizer": self.optimizer, "lr": self.lr, "warmup": self.warmup,
+                      "min_lr_ratio": self.min_lr_ratio, "weight_decay": self.weight_decay,
+                      "grad_clip": self.grad_clip},
+            "steps": self.total_steps, "batch_size": self.batch_size, "grad_accum": self.grad_accum,
+            "seed": self.seed, "eval_every": 0, "progress": False,
+        }
+
+    def validate(self) -> None:
+        """Check the settings without touching files; raises ConfigError naming the run-config key."""
+        fl_methods = [m for m in METHODS if m.startswith("fl-")]
+        if self.method not in fl_methods:
+            raise ConfigError(f"run config 'method' must be one of {', '.join(fl_methods)} (each Flower client is "
+                              f"one federation group); got {self.method!r}")
+        for key, value in (("replicas", self.replicas), ("shards", self.shards),
+                           ("aggregate-every", self.aggregate_every), ("syncs-per-round", self.syncs_per_round),
+                           ("num-server-rounds", self.rounds), ("seq-len", self.seq_len),
+                           ("batch-size", self.batch_size), ("grad-accum", self.grad_accum)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"run config '{key}' must be an integer >= 1, got {value!r}")
+        if self.method == "fl-fsdp" and self.replicas != 1:
+            raise ConfigError(f"run config: method fl-fsdp has no replication, so 'replicas' must be 1 "
+                              f"(got {self.replicas}); use method fl-hsdp for R > 1")
+        try:
+            validate(config_from_dict(self.train_config_dict()))
+        except ConfigError as exc:
+            raise ConfigError("run config: " + str(exc).replace("--", "")) from None
+
+
+def _coerce(value: Any, typ: type, key: str) -> Any:
+    """Run-config values arrive as TOML scalars: accept int for float, reject other mismatches."""
+    if typ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if typ is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if typ is bool and isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise ConfigError(f"run config '{key}' must be of type {typ.__name__}, got {value!r}")
+    return value
+
+
+def run_key(run_id: int, spec: RunSpec, partition_id: int, num_partitions: int) -> str:
+    """Identifies a group's trainer: a hello with the same key reuses it, any other key rebuilds it."""
+    return f"{run_id}:{partition_id}/{num_partitions}:{spec.to_json()}"
+
+
+@dataclass
+class GroupLayout:
+    """What a group says about itself in its hello reply."""
+
+    method: str
+    replicas: int
+    shards: int
+    world: int
+    rendezvous_host: str = ""
+    rendezvous_ports: list[int] = field(default_factory=list)
+
+    def mismatch(self, spec: RunSpec) -> str:
+        """'' when this group can run `spec`, else a sentence naming the difference."""
+        if (self.method, self.replicas, self.shards) == (spec.method, spec.replicas, spec.shards):
+            return ""
+        return (f"the run config asks for {spec.method} with R={spec.replicas} x S={spec.shards} = "
+                f"{spec.group_world} ranks per group, but this group runs {self.method} with R={self.replicas} x "
+                f"S={self.shards} = {self.world} ranks; relaunch the group or change the run config")
