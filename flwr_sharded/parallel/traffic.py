@@ -7,6 +7,7 @@ all-gathers and reduce-scatters as well as the shard sync's all-reduces and broa
 from __future__ import annotations
 
 import functools
+import inspect
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -14,15 +15,19 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-# Collective name -> index of the argument holding the tensor whose size is the payload.
+# Collective name -> (index, keyword) of the argument holding the tensor whose size is the payload.
 _COLLECTIVES = {
-    "all_reduce": 0,
-    "broadcast": 0,
-    "all_gather_into_tensor": 0,  # output: the gathered size, the "D" of the cost model
-    "reduce_scatter_tensor": 1,  # input: the full size
-    "all_gather": 1,
-    "reduce_scatter": 1,
-    "all_to_all_single": 1,
+    "all_reduce": (0, "tensor"),
+    "broadcast": (0, "tensor"),
+    "all_gather_into_tensor": (0, "output_tensor"),  # output: the gathered size, the "D" of the cost model
+    "reduce_scatter_tensor": (1, "input"),  # input: the full size
+    # FSDP2 calls these since torch 2.13 (keywords for the reduce-scatter); the deprecated names above delegate to
+    # them without going through the wrapped module attribute, so nothing is counted twice.
+    "all_gather_single": (0, "output_tensor"),
+    "reduce_scatter_single": (1, "input"),
+    "all_gather": (1, "tensor"),
+    "reduce_scatter": (1, "input_list"),
+    "all_to_all_single": (1, "input"),
 }
 
 
@@ -54,10 +59,12 @@ class TrafficMeter:
     _originals: dict[str, Callable[..., Any]] = field(default_factory=dict)
 
     def __enter__(self) -> "TrafficMeter":
-        for name, arg_index in _COLLECTIVES.items():
-            original = getattr(dist, name)
+        for name, (arg_index, keyword) in _COLLECTIVES.items():
+            original = getattr(dist, name, None)
+            if original is None:  # not in this torch version
+                continue
             self._originals[name] = original
-            setattr(dist, name, self._wrap(name, arg_index, original))
+            setattr(dist, name, self._wrap(name, arg_index, keyword, original))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -65,11 +72,22 @@ class TrafficMeter:
             setattr(dist, name, original)
         self._originals.clear()
 
-    def _wrap(self, name: str, arg_index: int, original: Callable[..., Any]) -> Callable[..., Any]:
+    def _wrap(self, name: str, arg_index: int, keyword: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        try:
+            signature: inspect.Signature | None = inspect.signature(original)
+        except (TypeError, ValueError):
+            signature = None
+
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             group = kwargs.get("group")
-            tensor = args[arg_index] if len(args) > arg_index else next(iter(kwargs.values()), None)
+            tensor = args[arg_index] if len(args) > arg_index else kwargs.get(keyword)
+            if signature is not None:  # also finds a group passed positionally
+                try:
+                    bound = signature.bind_partial(*args, **kwargs).arguments
+                    group, tensor = bound.get("group", group), bound.get(keyword, tensor)
+                except TypeError:
+                    pass
             ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(
                 range(dist.get_world_size()))
             self.records.append(CommRecord(name, ranks, _nbytes(tensor)))
