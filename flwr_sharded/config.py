@@ -150,6 +150,16 @@ class TrainConfig:
     """Also write TensorBoard scalars to this directory (needs the `tensorboard` package)."""
     save: str | None = None
     """At the end, write federation group 0's model, merged from its shards, with `save_pretrained` here."""
+    checkpoint_dir: str | None = None
+    """Write sharded checkpoints (one series per federation group) under this directory."""
+    checkpoint_every: int = 0
+    """Checkpoint every N steps (and at the end); 0: only at the end (when `checkpoint_dir` is set)."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints kept per group; older ones are deleted once a newer one is complete."""
+    async_checkpoint: bool = False
+    """Write checkpoints in a background thread; the commit (rename) happens at the next save or at the end."""
+    resume: bool = False
+    """Continue from the newest complete checkpoint in `checkpoint_dir` (model, optimizer, schedule, data, RNG)."""
     progress: bool = True
     """Show a progress bar on rank 0."""
     timeout_s: float = 600.0
@@ -261,5 +271,11 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
         raise ConfigError(f"--eval-blocks must be >= 0, got {cfg.data.eval_blocks}")
     if cfg.data.max_train_blocks is not None:
         _positive(cfg.data.max_train_blocks, "--max-train-blocks")
+    if not isinstance(cfg.checkpoint_every, int) or cfg.checkpoint_every < 0:
+        raise ConfigError(f"--checkpoint-every must be an integer >= 0, got {cfg.checkpoint_every!r}")
+    if not isinstance(cfg.keep_checkpoints, int) or cfg.keep_checkpoints < 1:
+        raise ConfigError(f"--keep-checkpoints must be an integer >= 1, got {cfg.keep_checkpoints!r}")
+    if (cfg.resume or cfg.checkpoint_every or cfg.async_checkpoint) and not cfg.checkpoint_dir:
+        raise ConfigError("--resume, --checkpoint-every and --async-checkpoint need --checkpoint-dir")
     if cfg.timeout_s <= 0:
         raise ConfigError(f"--timeout must be > 0, got {cfg.timeout_s}")

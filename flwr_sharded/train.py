@@ -49,6 +49,9 @@ OPTIONS: list[tuple[str, str | None, str, Any, str]] = [
     ("--metrics", None, "metrics", str, "JSON-lines metrics file"),
     ("--tensorboard", None, "tensorboard", str, "TensorBoard directory"),
     ("--save", None, "save", str, "write group 0's merged model here (save_pretrained)"),
+    ("--checkpoint-dir", None, "checkpoint_dir", str, "write sharded checkpoints under this directory"),
+    ("--checkpoint-every", None, "checkpoint_every", int, "checkpoint every N steps (and at the end)"),
+    ("--keep-checkpoints", None, "keep_checkpoints", int, "complete checkpoints kept per group"),
     ("--timeout", None, "timeout_s", float, "collective timeout in seconds"),
 ]
 FLAGS: list[tuple[str, str | None, str, str]] = [
@@ -57,6 +60,8 @@ FLAGS: list[tuple[str, str | None, str, str]] = [
     ("--activation-checkpointing", "model", "activation_checkpointing", "recompute block activations"),
     ("--no-reshard-after-forward", "model", "reshard_after_forward", "keep gathered parameters until backward"),
     ("--pretrained", "model", "pretrained", "load pretrained weights for hub ids / directories"),
+    ("--resume", None, "resume", "continue from the newest checkpoint in --checkpoint-dir"),
+    ("--async-checkpoint", None, "async_checkpoint", "write checkpoints in the background"),
     ("--no-progress", None, "progress", "hide the progress bar"),
 ]
 
@@ -70,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, _, _, help_ in FLAGS:
         parser.add_argument(flag, action="store_true", default=None, help=help_)
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--measure-traffic", metavar="DIR", default=None,
+                        help="count each rank's collectives and interface bytes during optimizer steps and syncs; "
+                             "write DIR/rank<N>.json (see flwr_sharded.perf.traffic_report)")
     return parser
 
 
@@ -94,10 +102,17 @@ def preflight(cfg: TrainConfig, world_size: int) -> None:
     validate(cfg, world_size)
     check_model_name(cfg.model.name)
     check_data(cfg.data)
+    if cfg.resume:
+        from flwr_sharded.training.checkpoint import check_resumable
+
+        check_resumable(cfg, cfg.checkpoint_dir)
 
 
-def run(cfg: TrainConfig) -> dict[str, Any]:
-    """Train in the current torchrun world and return rank 0's final metrics."""
+def run(cfg: TrainConfig, measure_traffic: str | None = None) -> dict[str, Any]:
+    """Train in the current torchrun world and return rank 0's final metrics.
+
+    `measure_traffic`: a directory where every rank writes the bytes it sent during steps and syncs.
+    """
     import torch.distributed as dist
 
     from flwr_sharded.parallel.topology import init_topology
@@ -106,10 +121,19 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     topo = init_topology(cfg.parallel, cfg.timeout_s)
     try:
         trainer = Trainer(cfg, topo)
+        probe = None
+        if measure_traffic:
+            from flwr_sharded.perf.traffic_report import TrafficProbe
+
+            probe = TrafficProbe.from_env()
+            probe.attach(trainer)
         if dist.get_rank() == 0:
             logging.info("%s; effective batch %d sequences per optimizer step", topo.describe(),
                          effective_batch(cfg))
-        return trainer.run()
+        final = trainer.run()
+        if probe is not None:
+            probe.write(measure_traffic)
+        return final
     finally:
         dist.destroy_process_group()
 
@@ -128,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"flwr-sharded: error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    final = run(cfg)
+    final = run(cfg, measure_traffic=args.measure_traffic)
     if int(os.environ.get("RANK", "0")) == 0 and final:
         print(json.dumps({k: v for k, v in final.items() if k != "kind"}))
     return 0

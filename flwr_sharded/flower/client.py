@@ -307,6 +307,8 @@ def to_records(ok: bool, error: str, result: Mapping[str, Any]):
     metrics: dict[str, Any] = {}
     info: dict[str, Any] = {"ok": bool(ok), "error": str(error)}
     for key, value in result.items():
+        if key in ("ok", "error"):
+            continue
         if isinstance(value, bool):
             metrics[key] = int(value)
         elif isinstance(value, (int, float)):

@@ -405,7 +405,7 @@ class GroupRuntime:
                     raise rdv.RendezvousError("no federation group (the round's first sync failed)")
                 t.sync()  # token-weighted FedAvg of the local shards; resets tokens (and optimizer state if asked)
             except Exception as exc:  # noqa: BLE001 - rendezvous, timeout, peer gone, misaligned shards
-                error = f"shard {self.topo.shard_index}: {rdv._first_line(exc)}"
+                error = f"shard {self.topo.shard_index}: {rdv.first_line(exc)}"
         else:  # alone this round, or a replica > 0 that receives the result by broadcast below
             t.tokens_since_sync = 0
             if t.cfg.parallel.reset_optimizer_state:

@@ -73,7 +73,7 @@ def join(*, host: str, port: int, prefix: str, rank: int, size: int, rendezvous_
                                timeout=timedelta(seconds=rendezvous_timeout))
     except Exception as exc:  # DistNetworkError, DistStoreError, RuntimeError
         raise RendezvousError(f"cannot reach the rendezvous store at {host}:{port} within "
-                              f"{rendezvous_timeout:.0f} s: {_first_line(exc)}") from exc
+                              f"{rendezvous_timeout:.0f} s: {first_line(exc)}") from exc
     store = dist.PrefixStore(prefix, client)
     # Count arrivals first: a missing member then fails here, within the rendezvous timeout, before any backend
     # (NCCL's watchdog would tear the process down on a collective timeout).
@@ -84,7 +84,7 @@ def join(*, host: str, port: int, prefix: str, rank: int, size: int, rendezvous_
     except Exception as exc:
         missing = _missing_members(store, size)
         raise RendezvousError(f"federation group {prefix}: member(s) {missing} did not arrive within "
-                              f"{rendezvous_timeout:.0f} s ({_first_line(exc)})") from exc
+                              f"{rendezvous_timeout:.0f} s ({first_line(exc)})") from exc
     name = f"flwr-fed:{prefix}"
     try:
         pg, _ = c10d._new_process_group_helper(size, rank, [], backend, store, group_name=name,
@@ -92,7 +92,7 @@ def join(*, host: str, port: int, prefix: str, rank: int, size: int, rendezvous_
                                                group_desc="flwr_sharded federation group")
     except Exception as exc:
         raise RendezvousError(f"federation group {prefix}: backend {backend} rendezvous failed: "
-                              f"{_first_line(exc)}") from exc
+                              f"{first_line(exc)}") from exc
     # Registered like a sub-group of this process's world, so that get_rank(group) and destroy work.
     c10d._world.pg_group_ranks[pg] = {dist.get_rank(): rank}
     return FederationGroup(pg=pg, rank=rank, size=size, name=name, store=store)
@@ -109,6 +109,6 @@ def _missing_members(store: dist.Store, size: int) -> list[int]:
     return missing
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"

@@ -36,6 +36,8 @@ class Topology:
     """The 3-D mesh with dims ("fed", "rep", "shard")."""
     config: ParallelConfig
     """The layout the mesh was built from."""
+    group_mesh: DeviceMesh
+    """All ranks of this federation group as one flattened dimension (group-wide reductions, checkpoints)."""
 
     @property
     def fed_index(self) -> int:
@@ -72,9 +74,9 @@ class Topology:
         return self.mesh["shard"]
 
     @property
-    def group_mesh(self) -> DeviceMesh:
-        """All ranks of this federation group as one flattened dimension (for group-wide reductions)."""
-        return self.mesh["rep", "shard"]._flatten("group")
+    def group_pg(self) -> dist.ProcessGroup:
+        """Process group of all ranks of this federation group."""
+        return self.group_mesh.get_group()
 
     @property
     def fed_group(self) -> dist.ProcessGroup | None:
@@ -107,4 +109,4 @@ def init_topology(config: ParallelConfig, timeout_s: float = 600.0) -> Topology:
     else:
         validate_parallel(config, dist.get_world_size())
     mesh = init_device_mesh(device, (config.federations, config.replicas, config.shards), mesh_dim_names=MESH_DIMS)
-    return Topology(mesh=mesh, config=config)
+    return Topology(mesh=mesh, config=config, group_mesh=mesh["rep", "shard"]._flatten("group"))

@@ -16,11 +16,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from flwr_sharded.config import TrainConfig
+from flwr_sharded.config import TrainConfig, config_to_dict
 from flwr_sharded.parallel.sharding import apply_activation_checkpointing, apply_fsdp, mixed_precision_policy
 from flwr_sharded.parallel.sync import ShardSync, SyncStats
 from flwr_sharded.parallel.topology import Topology
 from flwr_sharded.training import data as data_lib
+from flwr_sharded.training.checkpoint import Checkpointer, latest_checkpoint
 from flwr_sharded.training.metrics import MetricsWriter, PhaseTimer
 from flwr_sharded.training.models import build_model
 
@@ -110,6 +111,11 @@ class Trainer:
         self.timer = PhaseTimer(topo.mesh.device_type)
         self.step_count = 0
         self.tokens_since_sync = 0  # this rank's tokens since the last sync
+        self.checkpointer = None
+        if cfg.checkpoint_dir:
+            self.checkpointer = Checkpointer(cfg.checkpoint_dir, fed_index=fed_index, group_rank=topo.group_rank,
+                                             group_pg=topo.group_pg, keep=cfg.keep_checkpoints,
+                                             async_save=cfg.async_checkpoint)
 
     # ----- building blocks ------------------------------------------------------------------------------------
     def make_sync(self, fed_group: dist.ProcessGroup | None, rep_group: dist.ProcessGroup | None) -> ShardSync:
@@ -166,6 +172,35 @@ class Trainer:
         mean = float(sums[0] / sums[1]) if sums[1] > 0 else float("nan")
         return {"eval_loss": mean, "eval_ppl": math.exp(mean) if mean < 50 else float("inf")}
 
+    def save_checkpoint(self, extra_meta: dict[str, Any] | None = None) -> None:
+        """Checkpoint this group at the current step (collective over the group)."""
+        if self.checkpointer is None:
+            raise RuntimeError("no --checkpoint-dir configured")
+        meta = {"config": config_to_dict(self.cfg), "vocab_size": self.blocks.vocab_size,
+                "scheduler": self.scheduler.state_dict(), **(extra_meta or {})}
+        rank_state = {"stream": self.stream.state(), "rng": torch.get_rng_state(),
+                      "tokens_since_sync": self.tokens_since_sync}
+        if self.device.type == "cuda":
+            rank_state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
+        self.checkpointer.save(self.step_count, self.model, self.optimizer, meta=meta, rank_state=rank_state)
+
+    def resume(self) -> dict[str, Any]:
+        """Load this group's newest checkpoint: shards, optimizer, schedule, data position, RNG; return its meta."""
+        if self.checkpointer is None:
+            raise RuntimeError("no --checkpoint-dir configured")
+        checkpoint = latest_checkpoint(self.checkpointer.directory)
+        if checkpoint is None:
+            raise RuntimeError(f"no complete checkpoint in {self.checkpointer.directory}")
+        meta, rank_state = self.checkpointer.load(checkpoint, self.model, self.optimizer)
+        self.step_count = meta["step"]
+        self.scheduler.load_state_dict(meta["scheduler"])
+        self.stream.load_state(rank_state["stream"])
+        self.tokens_since_sync = rank_state["tokens_since_sync"]
+        torch.set_rng_state(rank_state["rng"])
+        if "cuda_rng" in rank_state:
+            torch.cuda.set_rng_state(rank_state["cuda_rng"], self.device)
+        return meta
+
     def save_pretrained(self, directory: str) -> None:
         """Merge federation group 0's shards and write a Hugging Face model + tokenizer (collective in group 0)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -184,9 +219,11 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         """Train `cfg.steps` steps with syncs every A steps, logging and evaluating; returns the final metrics."""
         cfg, p = self.cfg, self.cfg.parallel
+        if cfg.resume:
+            self.resume()
         writer = MetricsWriter(cfg.metrics, cfg.tensorboard, enabled=self.is_logger)
-        bar = _progress(cfg.steps, enabled=self.is_logger and cfg.progress)
-        if self.is_logger:
+        bar = _progress(cfg.steps, enabled=self.is_logger and cfg.progress, initial=self.step_count)
+        if self.is_logger and not cfg.resume:
             writer.write({"kind": "config", "layout": self.topo.describe(), "effective_batch": effective_batch(cfg),
                           "effective_batch_tokens": effective_batch(cfg) * cfg.data.seq_len,
                           "parameters": sum(p_.numel() for p_ in self.model.parameters())})
@@ -194,7 +231,7 @@ class Trainer:
         window_start, window_steps, syncs = time.perf_counter(), 0, 0
         last: dict[str, Any] = {}
         try:
-            for _ in range(cfg.steps):
+            while self.step_count < cfg.steps:
                 loss_sum += self.step()
                 window_steps += 1
                 if p.federated and p.sync and self.step_count % p.aggregate_every == 0:
@@ -211,7 +248,13 @@ class Trainer:
                     writer.write(metrics)
                     last.update(metrics)
                     window_start = time.perf_counter()  # evaluation is not training time
+                if self.checkpointer is not None and (
+                        (cfg.checkpoint_every and self.step_count % cfg.checkpoint_every == 0)
+                        or self.step_count == cfg.steps):
+                    self.save_checkpoint()
                 bar.update(1)
+            if self.checkpointer is not None:
+                self.checkpointer.wait()
             if cfg.save:
                 self.save_pretrained(cfg.save)
         finally:
@@ -234,10 +277,10 @@ class Trainer:
                 **{f"{name}_s": value / steps for name, value in phases.items()}}
 
 
-def _progress(total: int, enabled: bool):
+def _progress(total: int, enabled: bool, initial: int = 0):
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, disable=not enabled, desc="train", unit="step", dynamic_ncols=True)
+    return tqdm(total=total, initial=initial, disable=not enabled, desc="train", unit="step", dynamic_ncols=True)
 
 
 def local_shards_checksum(model: nn.Module) -> float:

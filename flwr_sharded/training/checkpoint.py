@@ -1,0 +1,171 @@
+"""Sharded checkpoints with `torch.distributed.checkpoint`, one series per federation group.
+
+Layout of `DIR/group-<f>/`:
+
+    step-00000100/        DCP files (model and optimizer shards, each rank writes its own) + rank-<i>.pt
+                          (data position, RNG states, tokens since the last sync) + meta.json (step, schedule, config)
+    latest                name of the newest complete checkpoint
+
+A checkpoint is written into `step-N.tmp/` and renamed once every rank of the group has finished, then `latest` is
+replaced atomically: a crash mid-write leaves the previous checkpoint usable. Saves can run in the background
+(`async_save`), in which case the commit happens at the next save or at the end of training.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from flwr_sharded.config import ConfigError, TrainConfig, config_to_dict
+
+LATEST = "latest"
+
+
+def group_dir(root: str | Path, fed_index: int) -> Path:
+    return Path(root) / f"group-{fed_index}"
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def latest_checkpoint(directory: str | Path) -> Path | None:
+    """The newest complete checkpoint of one group's series, or None."""
+    pointer = Path(directory) / LATEST
+    if not pointer.is_file():
+        return None
+    path = Path(directory) / pointer.read_text().strip()
+    return path if (path / "meta.json").is_file() else None
+
+
+def read_meta(checkpoint: str | Path) -> dict[str, Any]:
+    return json.loads((Path(checkpoint) / "meta.json").read_text())
+
+
+def check_resumable(cfg: TrainConfig, root: str | Path) -> Path:
+    """Before any work: the newest checkpoint of group 0 exists and was written by a compatible run."""
+    checkpoint = latest_checkpoint(group_dir(root, 0))
+    if checkpoint is None:
+        raise ConfigError(f"--resume: no complete checkpoint in {group_dir(root, 0)}")
+    saved = read_meta(checkpoint)["config"]
+    mine = config_to_dict(cfg)
+    for section, keys in (("parallel", ("method", "federations", "replicas", "shards")), ("model", ("name",)),
+                          ("data", ("dataset", "seq_len", "partition"))):
+        for key in keys:
+            if saved[section][key] != mine[section][key]:
+                raise ConfigError(f"--resume: the checkpoint in {root} was written with {section}.{key}="
+                                  f"{saved[section][key]!r}, this run has {mine[section][key]!r}")
+    for key in ("batch_size", "grad_accum", "seed"):
+        if saved[key] != mine[key]:
+            raise ConfigError(f"--resume: the checkpoint was written with {key}={saved[key]!r}, this run has "
+                              f"{mine[key]!r}")
+    return checkpoint
+
+
+@dataclass
+class _Pending:
+    future: Future | None
+    tmp: Path
+    final: Path
+
+
+class Checkpointer:
+    """Saves and restores one group's model, optimizer, schedule, data position and RNG state."""
+
+    def __init__(self, root: str | Path, *, fed_index: int, group_rank: int, group_pg: dist.ProcessGroup,
+                 keep: int = 2, async_save: bool = False) -> None:
+        self.directory = group_dir(root, fed_index)
+        self.group_rank, self.group_pg = group_rank, group_pg
+        self.keep, self.async_save = keep, async_save
+        self._pending: _Pending | None = None
+
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+             meta: dict[str, Any], rank_state: dict[str, Any]) -> None:
+        """Write checkpoint `step` (collective over the group); commit it now, or at the next call if async."""
+        self.wait()
+        final = self.directory / step_name(step)
+        tmp = final.with_name(final.name + ".tmp")
+        if self.group_rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier(group=self.group_pg)
+        torch.save(rank_state, tmp / f"rank-{self.group_rank}.pt")
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        future = None
+        if self.async_save:
+            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group_pg)
+        else:
+            dcp.save(state, checkpoint_id=str(tmp), process_group=self.group_pg)
+        if self.group_rank == 0:
+            (tmp / "meta.json.part").write_text(json.dumps({"step": step, **meta}))
+        self._pending = _Pending(future, tmp, final)
+        if not self.async_save:
+            self.wait()
+
+    def wait(self) -> None:
+        """Finish the pending save: wait for its writes on every rank, then rename it into place and prune."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        if pending.future is not None:
+            pending.future.result()
+        dist.barrier(group=self.group_pg)
+        if self.group_rank == 0:
+            os.replace(pending.tmp / "meta.json.part", pending.tmp / "meta.json")
+            shutil.rmtree(pending.final, ignore_errors=True)
+            os.replace(pending.tmp, pending.final)
+            pointer = self.directory / (LATEST + ".tmp")
+            pointer.write_text(pending.final.name)
+            os.replace(pointer, self.directory / LATEST)
+            self._prune()
+        dist.barrier(group=self.group_pg)
+
+    def _prune(self) -> None:
+        complete = sorted(p for p in self.directory.glob("step-*") if not p.name.endswith(".tmp"))
+        for old in complete[:-self.keep] if self.keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def load(self, checkpoint: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[
+            dict[str, Any], dict[str, Any]]:
+        """Restore model and optimizer shards in place; return (meta, this rank's own state)."""
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(checkpoint), process_group=self.group_pg)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        rank_state = torch.load(checkpoint / f"rank-{self.group_rank}.pt", weights_only=False)
+        return read_meta(checkpoint), rank_state
+
+
+def export_pretrained(checkpoint: str | Path, out: str | Path) -> Path:
+    """Merge a checkpoint's model shards into a Hugging Face model (and tokenizer) with `save_pretrained`."""
+    from flwr_sharded.config import config_from_dict
+    from flwr_sharded.training.data import load_tokenizer
+    from flwr_sharded.training.models import build_model
+
+    checkpoint = Path(checkpoint)
+    if not (checkpoint / "meta.json").is_file():
+        found = latest_checkpoint(checkpoint)
+        if found is None:
+            raise ConfigError(f"--checkpoint: {checkpoint} is neither a checkpoint nor a series with a '{LATEST}'")
+        checkpoint = found
+    cfg = config_from_dict(read_meta(checkpoint)["config"])
+    tokenizer = load_tokenizer(cfg.data)
+    meta = read_meta(checkpoint)
+    model = build_model(cfg.model.name, vocab_size=meta["vocab_size"], max_seq_len=cfg.data.seq_len)
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+    model.load_state_dict(state["model"])
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return Path(out)
