@@ -15,7 +15,7 @@ def _train_command(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from flwr_sharded.perf import planner
-    from flwr_sharded.training import data
+    from flwr_sharded.training import checkpoint, data
 
     parser = argparse.ArgumentParser(prog="flwr-sharded", description="Sharded data parallelism with federated "
                                      "learning on Flower: training, data preparation and planning.")
@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("train_args", nargs=argparse.REMAINDER)
     train.set_defaults(func=_train_command)
     data.register(sub)
+    checkpoint.register(sub)
     planner.register(sub)
     return parser
 

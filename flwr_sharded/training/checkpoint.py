@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -169,3 +170,27 @@ def export_pretrained(checkpoint: str | Path, out: str | Path) -> Path:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return Path(out)
+
+
+def register(subparsers: Any) -> None:
+    """Add the `export` sub-command."""
+    parser = subparsers.add_parser("export", help="merge a checkpoint's shards into a Hugging Face model",
+                                   description="Write the model of a sharded checkpoint with save_pretrained.")
+    parser.add_argument("--checkpoint", required=True,
+                        help="a checkpoint directory (step-N) or a group's series (uses its newest)")
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.set_defaults(func=_export_command)
+
+
+def _export_command(args: Any) -> int:
+    import warnings
+
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # single-process by design
+            path = export_pretrained(args.checkpoint, args.out)
+    except ConfigError as exc:
+        print(f"flwr-sharded export: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}")
+    return 0

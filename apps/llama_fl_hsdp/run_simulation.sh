@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Run apps/llama_fl_hsdp in local simulation with `flwr run ... --stream`, then stop the local SuperLink that
+# `flwr run` started (it would keep running otherwise). Leaves no process behind.
+#
+#   apps/llama_fl_hsdp/run_simulation.sh [more `flwr run` options, e.g. --run-config 'num-server-rounds=2']
+#
+# Environment (all optional):
+#   FLWR_SHARDED_GROUPS   number of groups = simulated SuperNodes (default 2)
+#   FLWR_SHARDED_DATA     prepared data directory (default: the group's default, ~/.cache/flwr_sharded)
+#   FLWR_HOME             Flower's home (default: a fresh temporary directory, removed at the end)
+#   FLWR_LOCAL_SUPERLINK_HTTP_API_PORT, FLWR_LOCAL_CONTROL_API_PORT   (default: free ports)
+# Needs `flwr` of the environment where flwr_sharded is installed on PATH (e.g. PATH=.venv/bin:$PATH).
+set -uo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+groups="${FLWR_SHARDED_GROUPS:-2}"
+python="$(command -v python3 || command -v python)"
+command -v flwr >/dev/null || { echo "run_simulation.sh: flwr is not on PATH (try PATH=.venv/bin:\$PATH)" >&2; exit 2; }
+
+free_port() { "$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+
+own_home=0
+if [[ -z "${FLWR_HOME:-}" ]]; then
+  FLWR_HOME="$(mktemp -d "${TMPDIR:-/tmp}/flwr-home.XXXXXX")"
+  own_home=1
+fi
+export FLWR_HOME
+mkdir -p "$FLWR_HOME"
+[[ -f "$FLWR_HOME/config.toml" ]] || cat > "$FLWR_HOME/config.toml" <<'EOF'
+[superlink]
+default = "local"
+
+[superlink.local]
+address = ":local:"
+EOF
+export FLWR_LOCAL_SUPERLINK_HTTP_API_PORT="${FLWR_LOCAL_SUPERLINK_HTTP_API_PORT:-$(free_port)}"
+export FLWR_LOCAL_CONTROL_API_PORT="${FLWR_LOCAL_CONTROL_API_PORT:-$(free_port)}"
+export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1   # run in this environment: no `uv sync` of the app
+
+# Pids of the SuperLink started for this FLWR_HOME (its --log-file lies under it) and of its SuperExec.
+superlink_pids() {
+  local pid cmd
+  for pid in $(pgrep -f "flower-superlink" 2>/dev/null); do
+    cmd="$(tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null)" || continue
+    [[ "$cmd" == *"$FLWR_HOME/local-superlink/"* ]] && echo "$pid"
+  done
+}
+superexec_pids() {  # children of a SuperLink, launched with --parent-pid <superlink>
+  local pid cmd
+  for pid in $(pgrep -f "flower-superexec" 2>/dev/null); do
+    cmd="$(tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null)" || continue
+    [[ "$cmd" == *"--parent-pid $1"* ]] && echo "$pid"
+  done
+}
+stop_superlink() {
+  local link exec pids=() i
+  for link in $(superlink_pids); do
+    pids+=("$link")
+    for exec in $(superexec_pids "$link"); do pids+=("$exec"); done
+  done
+  ((${#pids[@]})) || return 0
+  for i in "${pids[@]}"; do kill -TERM -- "-$i" 2>/dev/null || kill -TERM "$i" 2>/dev/null; done
+  for _ in $(seq 50); do
+    local alive=0
+    for i in "${pids[@]}"; do kill -0 "$i" 2>/dev/null && alive=1; done
+    ((alive)) || break
+    sleep 0.2
+  done
+  for i in "${pids[@]}"; do kill -KILL -- "-$i" 2>/dev/null || kill -KILL "$i" 2>/dev/null; done
+  echo "run_simulation.sh: stopped the local SuperLink (pids ${pids[*]})"
+}
+cleanup() {
+  stop_superlink
+  ((own_home)) && rm -rf "$FLWR_HOME"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+cpus="$(nproc 2>/dev/null || echo 1)"
+extra=()
+[[ -n "${FLWR_SHARDED_DATA:-}" ]] && extra+=(--run-config "data-dir=\"${FLWR_SHARDED_DATA}\"")
+flwr run "$here" --stream \
+  --federation-config "num-supernodes=$groups client-resources-num-cpus=1 init-args-num-cpus=$((groups > cpus ? groups : cpus))" \
+  --run-config "num-groups=$groups" "${extra[@]}" "$@"
