@@ -50,6 +50,12 @@ class ParallelConfig:
     """Clear the inner optimizer's state (e.g. Adam moments) after each sync; by default it stays local and kept."""
     sync: bool = True
     """Run the shard sync of FL methods; `false` gives the no-sync limit (independent groups), for benchmarks."""
+    outer: str = "fedavg"
+    """How synced shards are combined: fedavg, fedavgm, nesterov (DiLoCo), fedadam, fedyogi or trimmed-mean."""
+    outer_lr: float | None = None
+    """Outer learning rate; None: the rule's default (fedavgm 1.0, nesterov 0.7, fedadam 0.1, fedyogi 0.01)."""
+    outer_momentum: float | None = None
+    """Outer momentum of fedavgm / nesterov; None: 0.9."""
 
     @property
     def world_size(self) -> int:
@@ -220,6 +226,14 @@ def _positive(value: Any, option: str) -> None:
         raise ConfigError(f"{option} must be an integer >= 1, got {value!r}")
 
 
+def outer_rule(p: ParallelConfig):
+    """The shard rule the sync applies (`flwr_sharded.parallel.outer`); ConfigError for a bad name or option."""
+    from flwr_sharded.parallel.outer import make_rule
+
+    options = {k: v for k, v in (("lr", p.outer_lr), ("momentum", p.outer_momentum)) if v is not None}
+    return make_rule(p.outer, **options)
+
+
 def validate_parallel(p: ParallelConfig, world_size: int | None = None) -> None:
     """Check the layout against the method and (when known) the launched world size."""
     if p.method not in METHODS:
@@ -234,6 +248,7 @@ def validate_parallel(p: ParallelConfig, world_size: int | None = None) -> None:
         hybrid = "hsdp" if p.method == "fsdp" else "fl-hsdp"
         raise ConfigError(f"--method {p.method} has no replication: --replicas must be 1 (got {p.replicas}); "
                           f"use {hybrid} for R > 1")
+    outer_rule(p)
     if p.bucket_mb <= 0:
         raise ConfigError(f"--bucket-mb must be > 0, got {p.bucket_mb}")
     if world_size is not None and world_size != p.world_size:

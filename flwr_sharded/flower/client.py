@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -385,8 +384,8 @@ def _finish(context: Any, config: Mapping[str, Any], timeout: float) -> dict[str
                 logger.warning("save before shutdown failed: %s", exc)
         stopped = stop_group(group, timeout=min(timeout, 30.0))
         _remember(context, None)
-        if stopped:
-            shutil.rmtree(group.run_dir, ignore_errors=True)
+        for name in ("authkey", "address"):  # keep group.log for post-mortems
+            Path(group.run_dir, name).unlink(missing_ok=True)
         return {"stopped": int(stopped), "saved": saved}
     if NODE_ADDRESS not in nc:
         return {"stopped": 1, "saved": ""}  # nothing was launched here

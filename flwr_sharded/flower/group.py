@@ -223,6 +223,7 @@ class GroupRuntime:
                     pass
                 return "", 0
             start = time.monotonic()
+            logger.info("received %s%s", verb, f" ({args['prefix']})" if "prefix" in args else "")
             self._broadcast(P.instruction(verb, args))
             reply, code = self._execute(verb, args)
             logger.info("%s -> %s in %.2f s", verb, "ok" if reply["ok"] else f"error: {reply['error']}",

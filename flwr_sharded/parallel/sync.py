@@ -14,12 +14,14 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from flwr_sharded.parallel.outer import FedAvg, ShardRule
 
 
 class ShardAlignmentError(RuntimeError):
@@ -70,10 +72,14 @@ class ShardSync:
             do not join the cross-group all-reduce (FL+HSDP replicas other than 0, or a single group).
         rep_group: replication group to broadcast the result over (FL+HSDP), with this group's replica 0 as source.
         bucket_bytes: capacity of the one flat buffer reused for every collective.
+        rule: how shards are combined (`flwr_sharded.parallel.outer`); FedAvg by default. Stateful rules (outer
+            optimizers) keep the global shards and their state per bucket (fp32, on this rank's device); rules that
+            are not linear all-gather each bucket from every group (F buckets in memory).
     """
 
     def __init__(self, named_params: Iterable[tuple[str, torch.Tensor]], *, fed_group: dist.ProcessGroup | None,
-                 rep_group: dist.ProcessGroup | None = None, bucket_bytes: int = 64 << 20) -> None:
+                 rep_group: dist.ProcessGroup | None = None, bucket_bytes: int = 64 << 20,
+                 rule: ShardRule | None = None) -> None:
         named = list(named_params)
         if not named:
             raise ValueError("ShardSync needs at least one parameter")
@@ -86,6 +92,9 @@ class ShardSync:
         self._buffer: torch.Tensor | None = None
         self._views: list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]] | None = None
         self._pointers: list[int] = []
+        self.rule = rule or FedAvg()
+        self._global: list[torch.Tensor] | None = None
+        self._rule_state: list[dict[str, torch.Tensor]] | None = None
 
     # ----- planning -------------------------------------------------------------------------------------------
     def _plan_buckets(self, bucket_bytes: int) -> list[tuple[torch.dtype, list[_Segment]]]:
@@ -171,10 +180,38 @@ class ShardSync:
             raise ShardAlignmentError(message)
         self._aligned = True
 
+    def rebind(self, fed_group: dist.ProcessGroup | None, rep_group: dist.ProcessGroup | None = None) -> None:
+        """Sync over other groups from now on (a new round's members), keeping buckets, buffer and rule state.
+
+        The alignment with the new peers is checked again before the next sync.
+        """
+        self.fed_group, self.rep_group = fed_group, rep_group
+        self._aligned = False
+
+    # ----- outer state ----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def capture_global(self) -> None:
+        """Remember the current shards as the global model (start of a sync period) for stateful rules."""
+        if not self.rule.stateful:
+            return
+        self._global = [torch.cat([seg.float() for seg in shard_segments])
+                        for _, shard_segments, _ in self._bucket_views()]
+        if self._rule_state is None:
+            self._rule_state = [self.rule.init_state(g) for g in self._global]
+
+    def outer_state_dict(self) -> dict[str, Any]:
+        """This rank's outer state (global shards and rule state, flat per bucket), for checkpoints."""
+        return {"rule": type(self.rule).__name__, "global": self._global, "state": self._rule_state}
+
+    def load_outer_state_dict(self, state: dict[str, Any]) -> None:
+        if state["rule"] != type(self.rule).__name__:
+            raise ValueError(f"outer state was saved for {state['rule']}, this sync uses {type(self.rule).__name__}")
+        self._global, self._rule_state = state["global"], state["state"]
+
     # ----- the sync -------------------------------------------------------------------------------------------
     @torch.no_grad()
     def sync(self, weight: float) -> SyncStats:
-        """Replace every local shard by the `weight`-weighted average of the same shard over all groups.
+        """Replace every local shard by the rule's aggregate (by default the `weight`-weighted mean) over all groups.
 
         `weight` is this federation group's weight (e.g. tokens it processed since the last sync); every rank of
         the group passes the same value. Weights are normalised by their sum over the participating groups.
@@ -183,25 +220,55 @@ class ShardSync:
             raise ValueError(f"FedAvg weight must be > 0, got {weight}")
         if not self._aligned:
             self.check_alignment()
+        if self.fed_group is not None and self.rule.stateful and self._global is None:
+            raise RuntimeError(f"{type(self.rule).__name__} steps from the global model: call capture_global() "
+                               f"before training starts")
         start = time.perf_counter()
         total, buckets, nbytes = 0.0, 0, 0
         views = self._bucket_views()
+        weights: list[float] = []
         if self.fed_group is not None:
-            total_t = torch.tensor([weight], dtype=torch.float64, device=views[0][0].device)
-            dist.all_reduce(total_t, group=self.fed_group)
-            total = float(total_t.item())
-        for flat, shard_segments, buffer_segments in views:
+            device = views[0][0].device
+            if self.rule.linear:
+                total_t = torch.tensor([weight], dtype=torch.float64, device=device)
+                dist.all_reduce(total_t, group=self.fed_group)
+                total = float(total_t.item())
+            else:
+                gathered = [torch.zeros(1, dtype=torch.float64, device=device)
+                            for _ in range(dist.get_world_size(self.fed_group))]
+                dist.all_gather(gathered, torch.tensor([weight], dtype=torch.float64, device=device),
+                                group=self.fed_group)
+                weights = [float(w.item()) for w in gathered]
+                total = sum(weights)
+        for k, (flat, shard_segments, buffer_segments) in enumerate(views):
             if self.fed_group is not None:
-                scale = weight / total
+                scale = weight / total if self.rule.linear else 1.0
                 for shard_segment, buffer_segment in zip(shard_segments, buffer_segments):
-                    torch.mul(shard_segment, scale, out=buffer_segment)  # pack and weight in one pass
-                dist.all_reduce(flat, group=self.fed_group)
+                    torch.mul(shard_segment, scale, out=buffer_segment)  # pack (and weight) in one pass
+                if self.rule.linear:
+                    dist.all_reduce(flat, group=self.fed_group)
+                    if not isinstance(self.rule, FedAvg):
+                        self._apply(k, flat, lambda g, st: self.rule.apply_mean(g, flat, st))
+                else:
+                    members = [torch.empty_like(flat) for _ in weights]
+                    dist.all_gather(members, flat, group=self.fed_group)
+                    self._apply(k, flat, lambda g, st: self.rule.aggregate(g, list(zip(members, weights)), st))
                 buckets += 1
                 nbytes += flat.numel() * flat.element_size()
             if self.rep_group is not None:
                 dist.broadcast(flat, group=self.rep_group, group_src=0)
             torch._foreach_copy_(shard_segments, buffer_segments)
         return SyncStats(seconds=time.perf_counter() - start, buckets=buckets, bytes=nbytes, total_weight=total)
+
+    def _apply(self, k: int, flat: torch.Tensor, step: Any) -> None:
+        """Run the rule on bucket k: write the new global values into `flat`, keep them (and the state)."""
+        global_k = self._global[k] if self._global is not None else None
+        state_k = self._rule_state[k] if self._rule_state is not None else {}
+        new, state = step(global_k, state_k)
+        flat.copy_(new)
+        if self.rule.stateful:
+            self._global[k].copy_(new)
+            self._rule_state[k] = state
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -60,7 +60,7 @@ def check_resumable(cfg: TrainConfig, root: str | Path) -> Path:
         raise ConfigError(f"--resume: no complete checkpoint in {group_dir(root, 0)}")
     saved = read_meta(checkpoint)["config"]
     mine = config_to_dict(cfg)
-    for section, keys in (("parallel", ("method", "federations", "replicas", "shards")), ("model", ("name",)),
+    for section, keys in (("parallel", ("method", "federations", "replicas", "shards", "outer")), ("model", ("name",)),
                           ("data", ("dataset", "seq_len", "partition"))):
         for key in keys:
             if saved[section][key] != mine[section][key]:

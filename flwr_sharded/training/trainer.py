@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from flwr_sharded.config import TrainConfig, config_to_dict
+from flwr_sharded.config import TrainConfig, config_to_dict, outer_rule
 from flwr_sharded.parallel.sharding import apply_activation_checkpointing, apply_fsdp, mixed_precision_policy
 from flwr_sharded.parallel.sync import ShardSync, SyncStats
 from flwr_sharded.parallel.topology import Topology
@@ -105,9 +105,14 @@ class Trainer:
         self.eval_data = data_lib.eval_batches(self.blocks, batch_size=cfg.batch_size, group_rank=topo.group_rank,
                                                group_world=topo.group_world, max_blocks=n_eval)
         self.shard_sync: ShardSync | None = None
-        if p.federated and static_sync:
+        if p.federated:
             replica0 = topo.replica_index == 0
-            self.shard_sync = self.make_sync(topo.fed_group if replica0 else None, topo.rep_group)
+            if static_sync:
+                self.shard_sync = self.make_sync(topo.fed_group if replica0 else None, topo.rep_group)
+            else:  # a Flower group: `shard_sync.rebind` installs each round's groups
+                self.shard_sync = self.make_sync(None, None)
+            if replica0:  # only replica 0 joins the cross-group step
+                self.shard_sync.capture_global()  # the start of the first sync period, for outer optimizers
         self.timer = PhaseTimer(topo.mesh.device_type)
         self.step_count = 0
         self.tokens_since_sync = 0  # this rank's tokens since the last sync
@@ -121,7 +126,8 @@ class Trainer:
     def make_sync(self, fed_group: dist.ProcessGroup | None, rep_group: dist.ProcessGroup | None) -> ShardSync:
         """A ShardSync of this rank's shards over the given federation (and replication) groups."""
         return ShardSync(self.model.named_parameters(), fed_group=fed_group, rep_group=rep_group,
-                         bucket_bytes=int(self.cfg.parallel.bucket_mb * (1 << 20)))
+                         bucket_bytes=int(self.cfg.parallel.bucket_mb * (1 << 20)),
+                         rule=outer_rule(self.cfg.parallel))
 
     def step(self) -> torch.Tensor:
         """One optimizer step (with gradient accumulation and clipping); returns the mean loss as a tensor."""
@@ -180,6 +186,8 @@ class Trainer:
                 "scheduler": self.scheduler.state_dict(), **(extra_meta or {})}
         rank_state = {"stream": self.stream.state(), "rng": torch.get_rng_state(),
                       "tokens_since_sync": self.tokens_since_sync}
+        if self.shard_sync is not None and self.shard_sync.rule.stateful:
+            rank_state["outer"] = self.shard_sync.outer_state_dict()  # sharded like the parameters
         if self.device.type == "cuda":
             rank_state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
         self.checkpointer.save(self.step_count, self.model, self.optimizer, meta=meta, rank_state=rank_state)
@@ -196,6 +204,8 @@ class Trainer:
         self.scheduler.load_state_dict(meta["scheduler"])
         self.stream.load_state(rank_state["stream"])
         self.tokens_since_sync = rank_state["tokens_since_sync"]
+        if "outer" in rank_state:
+            self.shard_sync.load_outer_state_dict(rank_state["outer"])
         torch.set_rng_state(rank_state["rng"])
         if "cuda_rng" in rank_state:
             torch.cuda.set_rng_state(rank_state["cuda_rng"], self.device)

@@ -27,7 +27,8 @@ def _run(args: list[str]) -> None:
 
 
 @pytest.mark.timeout(480)
-@pytest.mark.parametrize("mode", [[], ["--async-checkpoint"]], ids=["sync-write", "async-write"])
+@pytest.mark.parametrize("mode", [[], ["--async-checkpoint", "--outer", "nesterov"]],
+                         ids=["sync-write", "async-write+outer-state"])
 def test_resume_continues_the_same_run(data_dir, tmp_path, mode):
     ckpt = tmp_path / "ckpt"
     common = [*ARGS, *mode, "--data-dir", str(data_dir), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5"]

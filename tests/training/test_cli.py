@@ -32,6 +32,10 @@ BAD = [
     (4, ["--shards", "4", "--method", "fsdp", "--grad-clip", "-1"], ["--grad-clip", ">= 0"]),
     (4, ["--shards", "4", "--method", "fsdp", "--lr", "0"], ["--lr", "> 0"]),
     (4, ["--shards", "4", "--method", "fsdp", "--steps", "0"], ["--steps", ">= 1"]),
+    (4, ["--method", "fl-fsdp", "--federations", "4", "--outer", "adagrad"], ["--outer must be one of", "nesterov"]),
+    (4, ["--method", "fl-fsdp", "--federations", "4", "--outer", "fedadam", "--outer-momentum", "0.9"],
+     ["--outer fedadam", "momentum"]),
+    (4, ["--shards", "4", "--method", "fsdp", "--checkpoint-every", "5"], ["--checkpoint-dir"]),
 ]
 
 

@@ -1,0 +1,165 @@
+"""Shard-local aggregation rules: FedAvg and the outer optimizers (FedAvgM, Nesterov/DiLoCo, FedAdam, FedYogi).
+
+A rule maps (global shard, [(member's local shard, weight), ...], state) to (new global shard, new state), element by
+element, so it runs unchanged on any slice of a model: on one rank's shard in the decentralised sync, and on a
+shard range at the server. The "global shard" is the value every group started the sync period from (the result of
+the previous sync); the outer optimizers step on the pseudo-gradient `global - mean(members)`.
+
+Rules whose result depends on the members only through their weighted mean set `linear = True`; the decentralised
+sync then needs only an all-reduce. Other rules (e.g. a coordinate-wise trimmed mean) receive every member's shard,
+which the decentralised sync gathers with an all-gather (F shards of one bucket in memory).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar, Sequence
+
+import torch
+from torch import Tensor
+
+State = dict[str, Tensor]
+
+
+def weighted_mean(members: Sequence[tuple[Tensor, float]]) -> Tensor:
+    """sum(w * x) / sum(w) in fp32 (or wider)."""
+    if not members:
+        raise ValueError("no members to aggregate")
+    total = sum(w for _, w in members)
+    if not total > 0:
+        raise ValueError(f"the members' weights must sum to > 0, got {total}")
+    dtype = torch.promote_types(members[0][0].dtype, torch.float32)
+    out = torch.zeros(members[0][0].shape, dtype=dtype, device=members[0][0].device)
+    for shard, weight in members:
+        out.add_(shard.to(dtype), alpha=weight / total)
+    return out
+
+
+class ShardRule(ABC):
+    """A shard-local aggregation rule. Subclass it and implement `aggregate` (or `apply_mean` for linear rules)."""
+
+    linear: ClassVar[bool] = False
+    """True if the result depends on the members only through their weighted mean."""
+    stateful: ClassVar[bool] = False
+    """True if the rule needs the global shard (start of the sync period) and keeps state between syncs."""
+
+    def init_state(self, global_shard: Tensor) -> State:
+        """State for one shard before the first sync (e.g. zero moments)."""
+        return {}
+
+    def aggregate(self, global_shard: Tensor, members: Sequence[tuple[Tensor, float]],
+                  state: State) -> tuple[Tensor, State]:
+        """New global shard and state from every member's (local shard, weight)."""
+        return self.apply_mean(global_shard, weighted_mean(members), state)
+
+    def apply_mean(self, global_shard: Tensor, mean: Tensor, state: State) -> tuple[Tensor, State]:
+        """For linear rules: new global shard and state from the members' weighted mean."""
+        raise NotImplementedError(f"{type(self).__name__} is not linear: implement aggregate()")
+
+
+@dataclass
+class FedAvg(ShardRule):
+    """The weighted mean (outer SGD with learning rate 1)."""
+
+    linear: ClassVar[bool] = True
+
+    def apply_mean(self, global_shard: Tensor, mean: Tensor, state: State) -> tuple[Tensor, State]:
+        return mean, state
+
+
+@dataclass
+class FedAvgM(ShardRule):
+    """Outer SGD with heavy-ball momentum on the pseudo-gradient (Hsu et al., 2019)."""
+
+    lr: float = 1.0
+    momentum: float = 0.9
+    nesterov: ClassVar[bool] = False
+    linear: ClassVar[bool] = True
+    stateful: ClassVar[bool] = True
+
+    def init_state(self, global_shard: Tensor) -> State:
+        return {"momentum": torch.zeros_like(global_shard, dtype=torch.float32)}
+
+    def apply_mean(self, global_shard: Tensor, mean: Tensor, state: State) -> tuple[Tensor, State]:
+        delta = global_shard.float() - mean.float()
+        m = state["momentum"].mul(self.momentum).add_(delta)
+        step = delta.add(m, alpha=self.momentum) if self.nesterov else m
+        return global_shard.float().sub(step, alpha=self.lr), {"momentum": m}
+
+
+@dataclass
+class Nesterov(FedAvgM):
+    """DiLoCo's outer step: SGD with Nesterov momentum (defaults: lr 0.7, momentum 0.9)."""
+
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: ClassVar[bool] = True
+
+
+@dataclass
+class FedAdam(ShardRule):
+    """Adaptive outer step (Reddi et al., 2021), Flower's defaults."""
+
+    lr: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    tau: float = 1e-9
+    linear: ClassVar[bool] = True
+    stateful: ClassVar[bool] = True
+
+    def init_state(self, global_shard: Tensor) -> State:
+        return {"m": torch.zeros_like(global_shard, dtype=torch.float32),
+                "v": torch.zeros_like(global_shard, dtype=torch.float32)}
+
+    def second_moment(self, v: Tensor, delta_sq: Tensor) -> Tensor:
+        return v.mul(self.beta2).add_(delta_sq, alpha=1 - self.beta2)
+
+    def apply_mean(self, global_shard: Tensor, mean: Tensor, state: State) -> tuple[Tensor, State]:
+        delta = mean.float() - global_shard.float()  # the FedOpt update direction
+        m = state["m"].mul(self.beta1).add_(delta, alpha=1 - self.beta1)
+        v = self.second_moment(state["v"], delta * delta)
+        return global_shard.float() + self.lr * m / (v.sqrt() + self.tau), {"m": m, "v": v}
+
+
+@dataclass
+class FedYogi(FedAdam):
+    """FedAdam with Yogi's additive second-moment update (Reddi et al., 2021), Flower's defaults."""
+
+    lr: float = 0.01
+    tau: float = 1e-3
+
+    def second_moment(self, v: Tensor, delta_sq: Tensor) -> Tensor:
+        return v - (1 - self.beta2) * delta_sq * torch.sign(v - delta_sq)
+
+
+@dataclass
+class TrimmedMean(ShardRule):
+    """Coordinate-wise mean after dropping the `trim` largest and smallest values (weights ignored): robust to outliers."""
+
+    trim: int = 1
+
+    def aggregate(self, global_shard: Tensor, members: Sequence[tuple[Tensor, float]],
+                  state: State) -> tuple[Tensor, State]:
+        if len(members) <= 2 * self.trim:
+            raise ValueError(f"trimming {self.trim} from each side needs more than {2 * self.trim} members, "
+                             f"got {len(members)}")
+        stacked = torch.stack([shard.float() for shard, _ in members]).sort(dim=0).values
+        kept = stacked[self.trim:len(members) - self.trim] if self.trim else stacked
+        return kept.mean(dim=0), state
+
+
+RULES: dict[str, type[ShardRule]] = {"fedavg": FedAvg, "fedavgm": FedAvgM, "nesterov": Nesterov,
+                                     "fedadam": FedAdam, "fedyogi": FedYogi, "trimmed-mean": TrimmedMean}
+
+
+def make_rule(name: str, **options: float) -> ShardRule:
+    """A rule by name (`RULES`) with its options, e.g. make_rule("nesterov", lr=0.7, momentum=0.9)."""
+    from flwr_sharded.config import ConfigError
+
+    if name not in RULES:
+        raise ConfigError(f"--outer must be one of {', '.join(RULES)}; got {name!r}")
+    try:
+        return RULES[name](**options)
+    except TypeError as exc:
+        raise ConfigError(f"--outer {name}: {exc}") from exc

@@ -1,0 +1,216 @@
+"""Process helpers for the Flower tests: every process in its own session, every wait bounded, every kill by pid.
+
+`Procs` records what a test starts (SuperLink, SuperNodes, groups, `flwr run`) and `close()` kills all of it
+(process groups first, then any pid still alive) - call it in a `finally`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+REPO = Path(__file__).resolve().parents[2]
+APP = REPO / "apps" / "llama_fl_hsdp"
+VENV_BIN = Path(sys.executable).parent
+DEMO = APP / "run_simulation.sh"
+
+# Small and fast settings shared by simulation and deployment runs (so their results can be compared).
+FAST_RUN_CONFIG = {"model": "tiny", "seq-len": 32, "batch-size": 2, "eval-blocks": 8, "aggregate-every": 4,
+                   "syncs-per-round": 2, "num-server-rounds": 2, "lr": 0.003, "seed": 7}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_config_args(values: dict) -> list[str]:
+    """`--run-config` options for `flwr run`, one key each (strings quoted as TOML)."""
+    out = []
+    for key, value in values.items():
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, str):
+            text = json.dumps(value)
+        else:
+            text = repr(value)
+        out += ["--run-config", f"{key}={text}"]
+    return out
+
+
+def base_env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+           "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "OMP_NUM_THREADS": "1",
+           "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
+    env.update(extra)
+    return env
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def pids_matching(*needles: str) -> list[int]:
+    """Pids whose command line contains every needle (for finding what a test's processes spawned)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            text = cmdline(int(entry.name))
+            if text and all(n in text for n in needles):
+                out.append(int(entry.name))
+    return out
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.2, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    raise TimeoutError(f"{what} not met within {timeout:.0f} s")
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def text(self) -> str:
+        try:
+            return self.log.read_text(errors="replace")
+        except OSError:
+            return ""
+
+
+@dataclass
+class Procs:
+    """Starts processes in their own sessions with logs under `workdir`; `close()` kills them all."""
+
+    workdir: Path
+    procs: list[Proc] = field(default_factory=list)
+    extra_pids: set[int] = field(default_factory=set)
+
+    def start(self, name: str, cmd: Sequence[str], env: dict[str, str] | None = None,
+              cwd: Path | None = None) -> Proc:
+        log = self.workdir / f"{name}.log"
+        with open(log, "ab") as fh:
+            popen = subprocess.Popen(list(cmd), stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT,
+                                     env=env or base_env(), cwd=cwd or REPO, start_new_session=True)
+        proc = Proc(name, popen, log)
+        self.procs.append(proc)
+        return proc
+
+    def track(self, *pids: int) -> None:
+        self.extra_pids.update(int(p) for p in pids)
+
+    def kill(self, proc: Proc, sig: int = signal.SIGKILL) -> None:
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.popen.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.popen.wait(timeout=15)
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.popen.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 10
+        for proc in self.procs:
+            try:
+                proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for proc in self.procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            try:
+                proc.popen.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        for pid in self.extra_pids:
+            if pid_alive(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+def start_group(procs: Procs, name: str, *, shards: int = 2, replicas: int = 1, method: str = "fl-fsdp",
+                idle_timeout: float = 300.0, timeout: float = 120.0, extra: Sequence[str] = ()) -> tuple[Proc, str, Path]:
+    """A group torchrun job, as an operator would start it for a SuperNode; returns (proc, address, authkey)."""
+    from flwr_sharded.flower.protocol import write_authkey
+
+    key = procs.workdir / f"{name}.key"
+    write_authkey(key)
+    address_file = procs.workdir / f"{name}.address"
+    address_file.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(replicas * shards),
+           "-m", "flwr_sharded.flower.group", "--authkey-file", str(key), "--address", "127.0.0.1:0",
+           "--address-file", str(address_file), "--method", method, "--replicas", str(replicas), "--shards",
+           str(shards), "--idle-timeout", str(idle_timeout), *extra]
+    proc = procs.start(name, cmd)
+    wait_until(lambda: address_file.is_file() or proc.popen.poll() is not None, timeout, what=f"{name} listening")
+    if not address_file.is_file():
+        raise RuntimeError(f"{name} exited during start-up:\n{proc.text()[-3000:]}")
+    return proc, address_file.read_text().strip(), key
+
+
+def group_pids(address: str, key: Path) -> list[int]:
+    from flwr_sharded.flower.client import GroupClient
+    from flwr_sharded.flower.protocol import read_authkey
+
+    return [int(p) for p in GroupClient(address, read_authkey(key)).call("status", timeout=30)["pids"]]
+
+
+def round_records(path: Path, kind: str = "round") -> list[dict]:
+    if not path.is_file():
+        return []
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("kind") == kind]
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def strip_ansi(text: str) -> str:
+    return ANSI.sub("", text)

@@ -1,0 +1,142 @@
+"""Outer optimizers and custom rules: element-wise on shards, checked against whole-tensor references."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from flwr_sharded.parallel.outer import (FedAdam, FedAvg, FedAvgM, FedYogi, Nesterov, TrimmedMean, make_rule,
+                                         weighted_mean)
+from tests.multiproc import run_ranks
+
+RULES = [FedAvg(), FedAvgM(), Nesterov(), FedAdam(), FedYogi(), TrimmedMean(trim=1)]
+
+
+def _rounds(seed: int = 0, n: int = 1000, members: int = 4, rounds: int = 3):
+    gen = torch.Generator().manual_seed(seed)
+    start = torch.randn(n, generator=gen)
+    return start, [[(start + 0.1 * torch.randn(n, generator=gen), float(w + 1)) for w in range(members)]
+                   for _ in range(rounds)]
+
+
+@pytest.mark.parametrize("rule", RULES, ids=lambda r: type(r).__name__)
+def test_rules_are_element_wise(rule):
+    """Applying a rule to shards (chunks with their own state) equals applying it to the whole tensor."""
+    start, rounds = _rounds()
+    whole, state = start.clone(), rule.init_state(start)
+    chunks = list(start.clone().split([300, 500, 200]))
+    states = [rule.init_state(c) for c in chunks]
+    for members in rounds:
+        whole, state = rule.aggregate(whole, members, state)
+        pieces = [[(x.split([300, 500, 200])[i], w) for x, w in members] for i in range(3)]
+        results = [rule.aggregate(c, p, s) for c, p, s in zip(chunks, pieces, states)]
+        chunks, states = [r[0] for r in results], [r[1] for r in results]
+    assert torch.allclose(torch.cat(chunks), whole, atol=1e-6)
+
+
+@pytest.mark.parametrize("rule,options", [(FedAvgM(lr=0.5, momentum=0.8), {"momentum": 0.8}),
+                                          (Nesterov(), {"momentum": 0.9, "nesterov": True})])
+def test_momentum_rules_equal_torch_sgd_on_the_pseudo_gradient(rule, options):
+    start, rounds = _rounds()
+    param = torch.nn.Parameter(start.clone())
+    opt = torch.optim.SGD([param], lr=rule.lr, **options)
+    mine, state = start.clone(), rule.init_state(start)
+    for members in rounds:
+        mean = weighted_mean(members)
+        param.grad = param.detach() - mean  # DiLoCo's outer gradient
+        opt.step()
+        mine, state = rule.aggregate(mine, members, state)
+    assert torch.allclose(mine, param.detach(), atol=1e-6)
+
+
+def _adaptive_reference(start, rounds, lr, b1, b2, tau, yogi):
+    """FedAdam / FedYogi of Reddi et al. (2021), Algorithm 2, in numpy on whole tensors."""
+    x, m, v = start.numpy().astype(np.float64), 0.0, 0.0
+    for members in rounds:
+        total = sum(w for _, w in members)
+        mean = sum(w * s.numpy().astype(np.float64) for s, w in members) / total
+        delta = mean - x
+        m = b1 * m + (1 - b1) * delta
+        v = v - (1 - b2) * delta**2 * np.sign(v - delta**2) if yogi else b2 * v + (1 - b2) * delta**2
+        x = x + lr * m / (np.sqrt(v) + tau)
+    return torch.from_numpy(x)
+
+
+@pytest.mark.parametrize("rule", [FedAdam(), FedYogi(), FedAdam(lr=0.05, tau=1e-3)], ids=str)
+def test_adaptive_rules_equal_the_published_algorithm(rule):
+    start, rounds = _rounds()
+    mine, state = start.clone(), rule.init_state(start)
+    for members in rounds:
+        mine, state = rule.aggregate(mine, members, state)
+    reference = _adaptive_reference(start, rounds, rule.lr, rule.beta1, rule.beta2, rule.tau,
+                                    yogi=isinstance(rule, FedYogi))
+    assert torch.allclose(mine.double(), reference, atol=1e-5)
+
+
+def test_fedavg_is_the_weighted_mean_and_trimmed_mean_drops_outliers():
+    a, b, c = torch.zeros(3), torch.ones(3), torch.full((3,), 100.0)
+    assert torch.allclose(FedAvg().aggregate(a, [(a, 1.0), (b, 3.0)], {})[0], torch.full((3,), 0.75))
+    assert torch.allclose(TrimmedMean(trim=1).aggregate(a, [(a, 1.0), (b, 1.0), (c, 1.0)], {})[0], b)
+    with pytest.raises(ValueError, match="more than 2"):
+        TrimmedMean(trim=1).aggregate(a, [(a, 1.0), (b, 1.0)], {})
+
+
+def test_make_rule_errors():
+    from flwr_sharded.config import ConfigError
+
+    assert isinstance(make_rule("nesterov", lr=0.5), Nesterov)
+    with pytest.raises(ConfigError, match="--outer must be one of"):
+        make_rule("adagrad")
+    with pytest.raises(ConfigError, match="fedadam"):
+        make_rule("fedadam", momentum=0.9)
+
+
+def _decentralised_rule_worker(rank: int, world: int, rule_name: str, F: int, S: int):
+    """Two syncs with a rule over real FSDP2 shards, against the rule applied centrally to whole tensors."""
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from flwr_sharded.config import ParallelConfig
+    from flwr_sharded.parallel.sharding import apply_fsdp, mixed_precision_policy
+    from flwr_sharded.parallel.sync import ShardSync, local_shard
+    from flwr_sharded.parallel.topology import init_topology
+
+    topo = init_topology(ParallelConfig(method="fl-fsdp", federations=F, shards=S))
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, intermediate_size=32)
+    model = apply_fsdp(LlamaForCausalLM(config), topo.fsdp_mesh, mp_policy=mixed_precision_policy("fp32", "cpu"))
+    rule = make_rule(rule_name)
+    sync = ShardSync(model.named_parameters(), fed_group=topo.fed_group, rule=rule, bucket_bytes=4096)
+    sync.capture_global()
+    names = [n for n, _ in model.named_parameters()]
+    global_full = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    states = {n: rule.init_state(t) for n, t in global_full.items()}
+    errors = []
+    for round_ in range(2):
+        gen = torch.Generator().manual_seed(1000 * round_ + topo.fed_index)  # same noise on a group's ranks
+        with torch.no_grad():
+            for p in model.parameters():
+                noise = torch.randn(p.shape, generator=gen)  # whole-tensor noise, sliced like the shard
+                local = local_shard(p)
+                local.add_(noise[topo.shard_index * local.shape[0]:][:local.shape[0]] if p.dim() else noise)
+        weight = float(topo.fed_index + 1)
+        full = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, (topo.fed_index, topo.shard_index, weight, full))
+        members = {f: (w, m) for f, s, w, m in everyone if s == 0}
+        for n in names:
+            global_full[n], states[n] = rule.aggregate(global_full[n], [(m[n], w) for w, m in members.values()],
+                                                       states[n])
+        sync.sync(weight)
+        errors.append(max(float((p.full_tensor() - global_full[n]).abs().max())
+                          for n, p in model.named_parameters()))
+    return errors
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("rule_name,F,S", [("nesterov", 2, 2), ("fedyogi", 2, 2), ("trimmed-mean", 3, 1)])
+def test_decentralised_sync_with_a_rule_matches_the_whole_tensor_reference(rule_name, F, S):
+    for errors in run_ranks(_decentralised_rule_worker, F * S, rule_name, F, S):
+        assert max(errors) < 1e-5, errors
