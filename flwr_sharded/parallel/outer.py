@@ -154,12 +154,27 @@ RULES: dict[str, type[ShardRule]] = {"fedavg": FedAvg, "fedavgm": FedAvgM, "nest
 
 
 def make_rule(name: str, **options: float) -> ShardRule:
-    """A rule by name (`RULES`) with its options, e.g. make_rule("nesterov", lr=0.7, momentum=0.9)."""
+    """A rule by name (`RULES`) or import path (`package.module:Class`) with its options.
+
+    e.g. make_rule("nesterov", lr=0.7, momentum=0.9) or make_rule("my_rules:Median").
+    """
     from flwr_sharded.config import ConfigError
 
-    if name not in RULES:
-        raise ConfigError(f"--outer must be one of {', '.join(RULES)}; got {name!r}")
+    if ":" in name:
+        import importlib
+
+        module, _, attr = name.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ConfigError(f"--outer {name}: cannot import it: {exc}") from exc
+        if not (isinstance(cls, type) and issubclass(cls, ShardRule)):
+            raise ConfigError(f"--outer {name}: not a ShardRule subclass")
+    elif name in RULES:
+        cls = RULES[name]
+    else:
+        raise ConfigError(f"--outer must be one of {', '.join(RULES)} or package.module:Class; got {name!r}")
     try:
-        return RULES[name](**options)
+        return cls(**options)
     except TypeError as exc:
         raise ConfigError(f"--outer {name}: {exc}") from exc

@@ -90,6 +90,11 @@ def test_make_rule_errors():
         make_rule("adagrad")
     with pytest.raises(ConfigError, match="fedadam"):
         make_rule("fedadam", momentum=0.9)
+    assert isinstance(make_rule("flwr_sharded.parallel.outer:TrimmedMean", trim=2), TrimmedMean)
+    with pytest.raises(ConfigError, match="not a ShardRule"):
+        make_rule("flwr_sharded.parallel.outer:weighted_mean")
+    with pytest.raises(ConfigError, match="cannot import"):
+        make_rule("no_such_module:Rule")
 
 
 def _decentralised_rule_worker(rank: int, world: int, rule_name: str, F: int, S: int):
