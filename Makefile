@@ -25,6 +25,9 @@ $(DATA)/tokenizer/tokenizer.json: | $(VENV)/.installed
 
 data: $(DATA)/tokenizer/tokenizer.json  ## fetch the embedded corpus and train its tokenizer (offline afterwards)
 
+demo: setup data  ## the main job: `flwr run apps/llama_fl_hsdp --stream` in local simulation (2 groups x 2 ranks)
+	PATH=$(abspath $(BIN)):$$PATH apps/llama_fl_hsdp/run_simulation.sh
+
 train-demo: setup data  ## the static engine: FL+FSDP on 4 local ranks, small Llama, 100 steps
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --nproc-per-node 4 -m flwr_sharded.train --config configs/local/fl-fsdp.yaml \
 		--steps 100 --data-dir $(DATA) --metrics runs/train-demo.jsonl

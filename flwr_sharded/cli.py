@@ -14,7 +14,7 @@ def _train_command(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from flwr_sharded.perf import planner
+    from flwr_sharded.perf import bench, planner
     from flwr_sharded.training import checkpoint, data
 
     parser = argparse.ArgumentParser(prog="flwr-sharded", description="Sharded data parallelism with federated "
@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.register(sub)
     checkpoint.register(sub)
     planner.register(sub)
+    bench.register(sub)
     return parser
 
 

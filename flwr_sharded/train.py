@@ -135,6 +135,7 @@ def run(cfg: TrainConfig, measure_traffic: str | None = None) -> dict[str, Any]:
                          effective_batch(cfg))
         final = trainer.run()
         if probe is not None:
+            probe.finish()
             probe.write(measure_traffic)
         return final
     finally:

@@ -78,7 +78,11 @@ trap 'exit 130' INT TERM
 
 cpus="$(nproc 2>/dev/null || echo 1)"
 extra=()
-[[ -n "${FLWR_SHARDED_DATA:-}" ]] && extra+=(--run-config "data-dir=\"${FLWR_SHARDED_DATA}\"")
+if [[ -n "${FLWR_SHARDED_DATA:-}" ]]; then  # absolute: the groups do not run in this directory
+  FLWR_SHARDED_DATA="$(cd "$FLWR_SHARDED_DATA" 2>/dev/null && pwd || echo "$FLWR_SHARDED_DATA")"
+  export FLWR_SHARDED_DATA
+  extra+=(--run-config "data-dir=\"${FLWR_SHARDED_DATA}\"")
+fi
 flwr run "$here" --stream \
   --federation-config "num-supernodes=$groups client-resources-num-cpus=1 init-args-num-cpus=$((groups > cpus ? groups : cpus))" \
   --run-config "num-groups=$groups" "${extra[@]}" "$@"

@@ -19,6 +19,7 @@ restores the shards of the last successful sync), evaluate, status, save, finish
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import hashlib
 import logging
@@ -43,16 +44,13 @@ from flwr_sharded.parallel.sync import local_shard
 logger = logging.getLogger("flwr_sharded.group")
 
 FOREVER_S = 365 * 24 * 3600.0
-HANDSHAKE_TIMEOUT_S = 10.0
+REQUEST_TIMEOUT_S = 10.0
 """A connection that does not send its instruction within this time after the handshake is dropped."""
 
 
 class InstructionError(Exception):
     """An instruction this group refuses, identically on every rank (checked before any collective)."""
 
-
-class _Fatal(Exception):
-    """An unexpected failure on this rank: the group cannot stay consistent and exits."""
 
 
 # ---------------------------------------------------------------------------------------------------------- helpers
@@ -144,6 +142,7 @@ class GroupRuntime:
         self.trainer = None
         self.key = ""
         self.tokens = 0
+        self.syncs = 0
         self.snapshot: list[torch.Tensor] = []
         self.started = time.time()
         self.stores: list[dist.TCPStore] = []
@@ -212,7 +211,7 @@ class GroupRuntime:
     def _serve_connection(self, conn: Connection) -> tuple[str, int]:
         with conn:
             try:
-                if not conn.poll(HANDSHAKE_TIMEOUT_S):
+                if not conn.poll(REQUEST_TIMEOUT_S):
                     return "", 0
                 verb, args = P.check_instruction(P.decode(conn.recv_bytes(P.MAX_MESSAGE_BYTES)))
             except (EOFError, OSError, P.ProtocolError) as exc:
@@ -266,6 +265,7 @@ class GroupRuntime:
     def do_status(self, args: dict[str, Any]) -> dict[str, Any]:
         t = self.trainer
         return {**self._layout(), "run_key": self.key, "steps": t.step_count if t else 0,
+                "checksums": self._checksums() if t else [], "syncs": self.syncs,
                 "uptime_s": time.time() - self.started}
 
     def do_hello(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -302,10 +302,10 @@ class GroupRuntime:
 
             start = time.perf_counter()
             self.trainer = Trainer(cfg, self.topo, static_sync=False, partition=partition)
-            self.key, self.tokens = key, 0
+            self.key, self.tokens, self.syncs = key, 0, 0
             self._take_snapshot()
             logger.info("built the trainer for partition %d/%d in %.1f s", *partition, time.perf_counter() - start)
-        fingerprints = self._gather(self.trainer.make_sync(None, None).fingerprint())
+        fingerprints = self._gather(self.trainer.shard_sync.fingerprint())
         out.update(compatible=True, fingerprint=hashlib.sha256("|".join(fingerprints).encode()).hexdigest()[:32],
                    tokens=self.tokens, steps=self.trainer.step_count, partition_id=partition[0],
                    num_partitions=partition[1])
@@ -330,7 +330,7 @@ class GroupRuntime:
             raise InstructionError(f"malformed train instruction: {exc!r}") from None
         if periods < 1 or steps < 1:
             raise InstructionError(f"train needs syncs >= 1 and steps >= 1, got {periods} and {steps}")
-        if not 0 <= me < len(members) or (len(members) > 1 and len(ports) != self.args.shards):
+        if not 0 <= me < len(members) or len(ports) != self.args.shards:
             raise InstructionError(f"member index {me} of {len(members)} members, {len(ports)} rendezvous ports for "
                                    f"{self.args.shards} shard indices")
         spec_cfg = t.cfg
@@ -362,7 +362,11 @@ class GroupRuntime:
                 self._take_snapshot()
                 sync_s += time.perf_counter() - start
                 syncs_done += 1
+                self.syncs += 1
                 checksums.extend(self._checksums())
+                if self.args.debug_exit_after_syncs and self.syncs >= self.args.debug_exit_after_syncs:
+                    logger.error("--debug-exit-after-syncs %d reached: exiting abruptly", self.syncs)
+                    os._exit(17)  # fault injection for tests: a crash between two syncs
         finally:
             for g in groups:
                 g.destroy()
@@ -388,10 +392,17 @@ class GroupRuntime:
 
     def _sync(self, t, k: int, groups: list[rdv.FederationGroup], members: list[str], me: int, host: str,
               ports: list[int], prefix: str, rdv_timeout: float, sync_timeout: float) -> tuple[bool, str, float]:
-        """One shard sync with the round's members; returns (every rank of this group succeeded, error, s)."""
+        """One shard sync with the round's members; returns (every rank of this group succeeded, error, s).
+
+        Replica 0 of each shard index joins the round's federation group (on the round's first sync) and runs the
+        trainer's ShardSync over it; with R > 1 the result is then broadcast to the other replicas, but only once
+        every rank of the group knows that all shard indices succeeded. A group alone in a round still runs the
+        sync (over a group of one): a no-op for FedAvg, the outer step for outer optimizers.
+        """
         rdv_s, error = 0.0, ""
-        replica0 = self.topo.replica_index == 0
-        if len(members) > 1 and replica0:
+        sync = t.shard_sync
+        saved_outer = None
+        if self.topo.replica_index == 0:
             try:
                 if k == 0:  # first sync of the round: form the federation group of this shard index
                     start = time.perf_counter()
@@ -400,24 +411,26 @@ class GroupRuntime:
                     group = rdv.join(host=host, port=ports[s], prefix=f"{prefix}/s{s}", rank=me, size=len(members),
                                      rendezvous_timeout=rdv_timeout, sync_timeout=sync_timeout, backend=backend)
                     groups.append(group)
-                    t.shard_sync = t.make_sync(group.pg, None)
+                    sync.rebind(group.pg, None)
                     rdv_s = time.perf_counter() - start
                 if not groups:
                     raise rdv.RendezvousError("no federation group (the round's first sync failed)")
-                t.sync()  # token-weighted FedAvg of the local shards; resets tokens (and optimizer state if asked)
+                if sync.rule.stateful:  # outer optimizer state, restored if any shard index fails
+                    saved_outer = copy.deepcopy(sync.outer_state_dict())
+                t.sync()  # token-weighted FedAvg (or outer rule) of the local shards; resets the token count
             except Exception as exc:  # noqa: BLE001 - rendezvous, timeout, peer gone, misaligned shards
                 error = f"shard {self.topo.shard_index}: {rdv.first_line(exc)}"
-        else:  # alone this round, or a replica > 0 that receives the result by broadcast below
+        else:  # a replica > 0 receives the result by broadcast below
             t.tokens_since_sync = 0
             if t.cfg.parallel.reset_optimizer_state:
                 t.optimizer.state.clear()
         errors = [e for e in self._gather(error) if e]
         if errors:
+            if saved_outer is not None:
+                sync.load_outer_state_dict(saved_outer)
             return False, "; ".join(sorted(set(errors))), rdv_s
-        if len(members) > 1 and self.topo.rep_group is not None:
-            with torch.no_grad():
-                for p in t.model.parameters():
-                    dist.broadcast(local_shard(p), group=self.topo.rep_group, group_src=0)
+        if self.topo.rep_group is not None:
+            sync.broadcast(self.topo.rep_group)
         return True, "", rdv_s
 
     def _take_snapshot(self) -> None:
@@ -495,6 +508,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--watch-pid", type=int, default=0, help="exit when this process is gone")
     parser.add_argument("--collective-timeout", type=float, default=1800.0,
                         help="timeout of the group's own collectives (FSDP, evaluation) in seconds")
+    parser.add_argument("--debug-exit-after-syncs", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--sync-backend", default="auto", choices=["auto", "gloo", "nccl"],
                         help="backend of the cross-group shard sync (auto: NCCL for CUDA, else gloo)")
     return parser

@@ -198,6 +198,12 @@ class RunSpec:
     """Shard-sync bucket size in MiB."""
     reset_optimizer_state: bool = False
     """Clear the inner optimizer's state after each sync."""
+    outer: str = "fedavg"
+    """How synced shards are combined: fedavg, fedavgm, nesterov (DiLoCo), fedadam, fedyogi, trimmed-mean."""
+    outer_lr: float = 0.0
+    """Outer learning rate (0: the rule's default)."""
+    outer_momentum: float = -1.0
+    """Outer momentum of fedavgm/nesterov (negative: the rule's default, 0.9)."""
 
     # ----- conversions ----------------------------------------------------------------------------------------
     @classmethod
@@ -251,7 +257,9 @@ class RunSpec:
         return {
             "parallel": {"method": self.method, "federations": 1, "replicas": self.replicas, "shards": self.shards,
                          "aggregate_every": self.aggregate_every, "bucket_mb": self.bucket_mb,
-                         "reset_optimizer_state": self.reset_optimizer_state},
+                         "reset_optimizer_state": self.reset_optimizer_state, "outer": self.outer,
+                         "outer_lr": self.outer_lr if self.outer_lr > 0 else None,
+                         "outer_momentum": self.outer_momentum if self.outer_momentum >= 0 else None},
             "model": {"name": self.model, "precision": self.precision},
             "data": data,
             "optim": {"optimizer": self.optimizer, "lr": self.lr, "warmup": self.warmup,
@@ -293,11 +301,6 @@ def _coerce(value: Any, typ: type, key: str) -> Any:
     if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
         raise ConfigError(f"run config '{key}' must be of type {typ.__name__}, got {value!r}")
     return value
-
-
-def run_key(run_id: int, spec: RunSpec, partition_id: int, num_partitions: int) -> str:
-    """Identifies a group's trainer: a hello with the same key reuses it, any other key rebuilds it."""
-    return f"{run_id}:{partition_id}/{num_partitions}:{spec.to_json()}"
 
 
 @dataclass

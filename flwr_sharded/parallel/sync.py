@@ -260,6 +260,17 @@ class ShardSync:
             torch._foreach_copy_(shard_segments, buffer_segments)
         return SyncStats(seconds=time.perf_counter() - start, buckets=buckets, bytes=nbytes, total_weight=total)
 
+    @torch.no_grad()
+    def broadcast(self, rep_group: dist.ProcessGroup) -> None:
+        """Copy replica 0's shards to the other replicas of a group, one broadcast per bucket."""
+        source = dist.get_rank(rep_group) == 0
+        for flat, shard_segments, buffer_segments in self._bucket_views():
+            if source:
+                torch._foreach_copy_(buffer_segments, shard_segments)
+            dist.broadcast(flat, group=rep_group, group_src=0)
+            if not source:
+                torch._foreach_copy_(shard_segments, buffer_segments)
+
     def _apply(self, k: int, flat: torch.Tensor, step: Any) -> None:
         """Run the rule on bucket k: write the new global values into `flat`, keep them (and the state)."""
         global_k = self._global[k] if self._global is not None else None

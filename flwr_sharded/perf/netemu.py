@@ -172,7 +172,7 @@ class EmuTopology:
 def _rate(bps: float) -> str:
     for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
         if bps >= scale:
-            return f"{bps / scale:g} {unit}"
+            return f"{bps / scale:.4g} {unit}"
     return f"{bps:g} bit/s"
 
 
@@ -235,7 +235,9 @@ def run_isolated(argv: Sequence[str], *, env: Mapping[str, str] | None = None, t
     tools = check_host()
     cmd = [tools["unshare"], "--net", "--mount", "--pid", "--fork", "--kill-child", "--", *argv]
     full_env = {**os.environ, **(env or {}), INSIDE_ENV: str(os.getpid())}
-    proc = subprocess.Popen(cmd, env=full_env, start_new_session=True, text=True,
+    # `unshare` dies with this process (PR_SET_PDEATHSIG) and takes pid 1 of the namespaces with it (--kill-child):
+    # the kernel then kills every process inside and frees the namespaces.
+    proc = subprocess.Popen(cmd, env=full_env, start_new_session=True, text=True, preexec_fn=_die_with_parent,
                             stdout=subprocess.PIPE if capture else None, stderr=subprocess.PIPE if capture else None)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -298,11 +300,13 @@ def host_leftovers() -> dict[str, list[str]]:
         out["netns"] = sorted(p.name for p in netns_dir.iterdir() if p.name.startswith("fsn"))
     try:
         links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, timeout=10).stdout
-        out["links"] = sorted({line.split(":")[1].strip().split("@")[0] for line in links.splitlines()
-                               if any(line.split(":")[1].strip().startswith(p) for p in ("fb", "vn", "up", "dn"))
-                               and len(line.split(":")) > 1})
     except (OSError, subprocess.SubprocessError):
-        pass
+        links = ""
+    for line in links.splitlines():
+        parts = line.split(":")
+        name = parts[1].strip().split("@")[0] if len(parts) > 1 else ""
+        if name.startswith(("fbg", "fbtop")) or (name[:2] in ("vn", "up", "dn") and name[2:].isdigit()):
+            out["links"].append(name)
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -320,8 +324,12 @@ def host_leftovers() -> dict[str, list[str]]:
 
 
 def _tbf(dev: str, bps: float, netns: str | None = None) -> list[str]:
-    """tc command adding a tbf root qdisc: burst of about 2 ms of traffic (at least 64 KiB), 100 ms of queue."""
-    burst = max(64 * 1024, int(bps / 8 * 0.002))
+    """tc command adding a tbf root qdisc: burst of 2 ms of traffic, at least 96 KiB, and 100 ms of queue.
+
+    The burst must exceed a 64 KiB GSO packet (veths pass them unsegmented); with a smaller one tbf splits them
+    into MTU-sized packets, and the interface counters of that link then carry more header bytes than the others.
+    """
+    burst = max(96 * 1024, int(bps / 8 * 0.002))
     cmd = ["tc"] + (["-n", netns] if netns else []) + ["qdisc", "add", "dev", dev, "root", "tbf",
                                                        "rate", f"{int(bps)}bit", "burst", str(burst),
                                                        "latency", "100ms"]

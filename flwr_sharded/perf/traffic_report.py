@@ -1,16 +1,16 @@
 """Measured traffic next to the cost model's prediction, per network tier.
 
-Two measurements, both taken only while a rank runs an optimizer step or a shard sync (not during set-up,
-evaluation or logging):
+Two measurements of one training run (`train.py --measure-traffic DIR` attaches a `TrafficProbe` to the trainer):
 
-- **collectives** (`TrafficProbe`, switched on by `train.py --measure-traffic DIR`): a `TrafficMeter` records every
-  collective this rank issues (op, process-group ranks, payload bytes). `collective_tiers` turns the records into
-  bytes sent per tier with the same ring rules as `costmodel.rank_traffic`: a rank sends its share of a ring
-  collective to the next rank of the group, an all-gather or reduce-scatter of D bytes over n ranks sends
-  D (n-1)/n, an all-reduce 2 D (n-1)/n, and gloo's reduce-scatter, which runs an all-reduce, 2 D (n-1)/n as well.
-- **wire** (`wire_tiers`): the interface byte counters of the emulated network (`/proc/<pid>/net/dev`): `lo` of each
-  node namespace (intra-node), `eth0` of each node (everything leaving the node) and the group uplinks (everything
-  leaving a node group). These include TCP/IP headers, acknowledgements and retransmissions.
+- **collectives**: a `TrafficMeter` records every collective a rank issues over its training loop (op, process-group
+  ranks, payload bytes), each filed under the optimizer step, the shard sync or the rest (evaluation, logging) it
+  ran in. `collective_tiers` turns the records into bytes sent per tier with the same ring rules as
+  `costmodel.rank_traffic`: a rank sends its share of a ring collective to the next rank of the group; an all-gather
+  or reduce-scatter of D bytes over n ranks sends D (n-1)/n, an all-reduce 2 D (n-1)/n, and gloo's reduce-scatter,
+  which runs an all-reduce, 2 D (n-1)/n as well; a broadcast is a chain.
+- **wire** (`wire_tiers`): the interface byte counters of the emulated network (`/proc/<pid>/net/dev`) at the start
+  and end of the loop: `lo` of each node namespace (intra-node), `eth0` of each node (everything leaving the node)
+  and the group uplinks (everything leaving a node group). They include TCP/IP headers and acknowledgements.
 
 `compare` puts both next to `costmodel.traffic` for the same placement, model units and number of steps and syncs.
 """
@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator
 from flwr_sharded.perf.costmodel import TIERS, Placement, Units, traffic
 
 PHASES = ("step", "sync")
+ALL_PHASES = (*PHASES, "other")
 NETDEV_ENV = "FLWR_SHARDED_NETDEV"
 """Extra `net/dev` files rank 0 snapshots around each window, as `label=path,label=path` (the emulator sets it to
 the fabric namespace's `/proc/<pid>/net/dev`)."""
@@ -73,22 +74,27 @@ def _accumulate(total: dict[str, dict[str, int]], delta: dict[str, dict[str, int
 
 @dataclass
 class TrafficProbe:
-    """Counts one rank's collectives and interface bytes during optimizer steps and shard syncs only.
+    """Counts one rank's collectives and interface bytes over its training loop, split into optimizer steps,
+    shard syncs and the rest (evaluation, logging).
 
-    `attach(trainer)` wraps the trainer's `step` and `sync` methods; `write(directory)` saves `rank<N>.json`.
-    The first local rank of a node (LOCAL_RANK 0) snapshots its namespace's counters (`/proc/self/net/dev`), rank 0
-    also the files named in `$FLWR_SHARDED_NETDEV`.
+    `attach(trainer)` wraps the trainer's `step` and `sync` methods: the first step starts the count; `finish()`
+    (after the loop) stops it; `write(directory)` saves `rank<N>.json`. Interface counters are snapshotted at both
+    ends, not per step: a node's ranks do not finish a collective at the same instant, so per-step deltas would
+    lose bytes still in flight. The first local rank of a node (LOCAL_RANK 0) reads its namespace's counters
+    (`/proc/self/net/dev`), rank 0 also the files named in `$FLWR_SHARDED_NETDEV`.
     """
 
     rank: int
     world_size: int
     local_rank: int = 0
-    collectives: dict[tuple[str, str, tuple[int, ...]], list[int]] = field(default_factory=dict)
-    """(phase, op, group ranks) -> [calls, payload bytes]."""
-    netdev: dict[str, dict[str, dict[str, dict[str, int]]]] = field(default_factory=dict)
-    """phase -> source ("self" or an extra label) -> interface -> counter deltas."""
     windows: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PHASES, 0))
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    _meter: Any = None
+    _spans: list[tuple[str, int, int]] = field(default_factory=list)
+    _start: dict[str, dict[str, dict[str, int]]] | None = None
+    _netdev: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
+    _collectives: dict[tuple[str, str, tuple[int, ...]], list[int]] | None = None
+    _phase: str | None = None
 
     @classmethod
     def from_env(cls) -> TrafficProbe:
@@ -105,39 +111,54 @@ class TrafficProbe:
                 sources[label] = path
         return sources
 
-    def _snapshot(self, sources: dict[str, str]) -> dict[str, dict[str, dict[str, int]]]:
+    def _snapshot(self) -> dict[str, dict[str, dict[str, int]]]:
         out = {}
-        for label, path in sources.items():
+        for label, path in self._sources().items():
             try:
                 out[label] = read_netdev(path)
             except OSError:
                 pass
         return out
 
-    @contextlib.contextmanager
-    def window(self, phase: str) -> Iterator[None]:
-        """Count collectives and interface bytes while the body runs, under `phase`."""
+    def start(self) -> None:
+        """Start counting (called by the first window)."""
         from flwr_sharded.parallel.traffic import TrafficMeter
 
-        sources = self._sources()
-        before = self._snapshot(sources)
+        if self._meter is None and self._collectives is None:
+            self._start = self._snapshot()
+            self._meter = TrafficMeter().__enter__()
+
+    def finish(self) -> None:
+        """Stop counting: snapshot the counters and file every record under its phase ("other" between windows)."""
+        if self._meter is None:
+            return
+        end = self._snapshot()
+        self._meter.__exit__(None, None, None)
+        records, self._meter = self._meter.records, None
+        phase_of = ["other"] * len(records)
+        for phase, i0, i1 in self._spans:
+            for i in range(i0, i1):
+                phase_of[i] = phase
+        self._collectives = {}
+        for phase, rec in zip(phase_of, records):
+            slot = self._collectives.setdefault((phase, rec.op, rec.ranks), [0, 0])
+            slot[0] += 1
+            slot[1] += rec.nbytes
+        self._netdev = {label: _subtract(end[label], self._start[label]) for label in end if label in self._start}
+
+    @contextlib.contextmanager
+    def window(self, phase: str) -> Iterator[None]:
+        """Count the body under `phase` ("step" or "sync")."""
+        self.start()
+        i0 = len(self._meter.records) if self._meter is not None else 0
         start = time.perf_counter()
-        meter = TrafficMeter()
         try:
-            with meter:
-                yield
+            yield
         finally:
-            after = self._snapshot(sources)
             self.seconds[phase] += time.perf_counter() - start
             self.windows[phase] += 1
-            for rec in meter.records:
-                slot = self.collectives.setdefault((phase, rec.op, rec.ranks), [0, 0])
-                slot[0] += 1
-                slot[1] += rec.nbytes
-            for label in after:
-                if label in before:
-                    _accumulate(self.netdev.setdefault(phase, {}).setdefault(label, {}),
-                                _subtract(after[label], before[label]))
+            if self._meter is not None:
+                self._spans.append((phase, i0, len(self._meter.records)))
 
     def wrap(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -152,11 +173,12 @@ class TrafficProbe:
         trainer.sync = self.wrap("sync", trainer.sync)
 
     def to_dict(self) -> dict[str, Any]:
+        self.finish()
         return {"rank": self.rank, "world_size": self.world_size, "local_rank": self.local_rank,
                 "windows": self.windows, "seconds": self.seconds,
                 "collectives": [{"phase": p, "op": op, "ranks": list(ranks), "calls": c, "bytes": b}
-                                for (p, op, ranks), (c, b) in sorted(self.collectives.items())],
-                "netdev": self.netdev}
+                                for (p, op, ranks), (c, b) in sorted((self._collectives or {}).items())],
+                "netdev": self._netdev}
 
     def write(self, directory: str | os.PathLike) -> Path:
         path = Path(directory) / f"rank{self.rank}.json"
@@ -197,13 +219,13 @@ def sent_bytes(op: str, payload: float, n: int, backend: str = "gloo") -> float:
 
 def collective_tiers(probes: list[dict[str, Any]], placement: Placement,
                      backend: str = "gloo") -> dict[str, dict[str, float]]:
-    """Bytes sent per phase ("step", "sync") and tier, summed over ranks, from the probes' collective records.
+    """Bytes sent per phase ("step", "sync", "other") and tier, summed over ranks, from the probes' records.
 
     Each collective's bytes go to the tier of the link from the rank to the next one in its group (rank order).
-    A broadcast counts for every rank but the last of its chain. Ops without a ring rule (e.g. the all_gather of
-    the alignment check, which runs outside the measured windows) are reported under "other".
+    A broadcast counts for every rank but the last of its chain. Ops without a ring rule (the all_gather of object
+    lists in the sync's one-time alignment check) are reported under the pseudo-tier "unmapped" (payload bytes).
     """
-    out = {p: dict.fromkeys((*TIERS, "other"), 0.0) for p in PHASES}
+    out = {p: dict.fromkeys((*TIERS, "unmapped"), 0.0) for p in ALL_PHASES}
     for probe in probes:
         rank = probe["rank"]
         for rec in probe["collectives"]:
@@ -217,33 +239,31 @@ def collective_tiers(probes: list[dict[str, Any]], placement: Placement,
             try:
                 nbytes = sent_bytes(op, rec["bytes"], n, backend)  # linear in the payload: all calls at once
             except ValueError:
-                out[phase]["other"] += rec["bytes"]
+                out[phase]["unmapped"] += rec["bytes"]
                 continue
             out[phase][placement.link_tier(rank, ranks[(i + 1) % n])] += nbytes
     return out
 
 
 def wire_tiers(probes: list[dict[str, Any]], ranks_per_node: int, uplinks: list[str],
-               fabric_label: str = "fabric", node_iface: str = "eth0") -> dict[str, dict[str, float]]:
-    """Bytes on the emulated wire per phase and tier, from the interface counters the probes took.
+               fabric_label: str = "fabric", node_iface: str = "eth0") -> dict[str, float]:
+    """Bytes on the emulated wire per tier over the training loop, from the interface counters the probes took.
 
-    intra_node: `lo` of every node; inter_group: tx of the group uplinks (`uplinks`, in the fabric namespace, read
-    by rank 0); inter_node: tx of every node's `node_iface` minus inter_group. Counters of a node are read by its
-    first rank; wire bytes include TCP/IP headers and acknowledgements.
+    intra_node: tx of `lo` of every node; inter_group: tx of the group uplinks (`uplinks`, in the fabric namespace,
+    read by rank 0); inter_node: tx of every node's `node_iface` minus inter_group. A node's counters are read by
+    its first rank. Wire bytes include TCP/IP headers, acknowledgements and connection set-up.
     """
-    out = {p: dict.fromkeys(TIERS, 0.0) for p in PHASES}
+    out = dict.fromkeys(TIERS, 0.0)
     for probe in probes:
         if probe["rank"] % ranks_per_node:
             continue
-        for phase, sources in probe["netdev"].items():
-            node = sources.get("self", {})
-            out[phase]["intra_node"] += node.get("lo", {}).get("tx_bytes", 0)
-            out[phase]["inter_node"] += node.get(node_iface, {}).get("tx_bytes", 0)
-            fabric = sources.get(fabric_label)
-            if fabric is not None:
-                out[phase]["inter_group"] += sum(fabric.get(u, {}).get("tx_bytes", 0) for u in uplinks)
-    for phase in PHASES:
-        out[phase]["inter_node"] -= out[phase]["inter_group"]
+        node = probe["netdev"].get("self", {})
+        out["intra_node"] += node.get("lo", {}).get("tx_bytes", 0)
+        out["inter_node"] += node.get(node_iface, {}).get("tx_bytes", 0)
+        fabric = probe["netdev"].get(fabric_label)
+        if fabric is not None:
+            out["inter_group"] += sum(fabric.get(u, {}).get("tx_bytes", 0) for u in uplinks)
+    out["inter_node"] -= out["inter_group"]
     return out
 
 
@@ -260,23 +280,26 @@ def predicted_tiers(method: str, placement: Placement, units: Units, *, A: int, 
 
 @dataclass
 class TierComparison:
-    """Predicted, per-collective measured and wire bytes of one run, per phase and tier."""
+    """Predicted and measured bytes of one run per tier: collectives per phase, and the wire over the loop."""
 
     predicted: dict[str, dict[str, float]]
+    """phase (step, sync) -> tier -> bytes, from the cost model."""
     collectives: dict[str, dict[str, float]]
-    wire: dict[str, dict[str, float]] | None
+    """phase (step, sync, other) -> tier -> bytes, from the recorded collectives."""
+    wire: dict[str, float] | None
+    """tier -> bytes on the interfaces over the whole loop (steps, syncs, evaluation, logging)."""
     steps: int
     syncs: int
 
-    def total(self, which: str) -> dict[str, float]:
-        table = getattr(self, which)
-        if table is None:
-            return {}
-        return {t: sum(table[p][t] for p in PHASES) for t in TIERS}
+    def predicted_total(self) -> dict[str, float]:
+        return {t: sum(self.predicted[p][t] for p in PHASES) for t in TIERS}
+
+    def measured_total(self, phases: tuple[str, ...] = PHASES) -> dict[str, float]:
+        return {t: sum(self.collectives[p][t] for p in phases) for t in TIERS}
 
     def error(self, tier: str) -> float | None:
-        """Relative difference (measured collectives - predicted) / predicted over both phases; None if none."""
-        pred, meas = self.total("predicted")[tier], self.total("collectives")[tier]
+        """(measured - predicted) / predicted over steps and syncs; None when both are 0."""
+        pred, meas = self.predicted_total()[tier], self.measured_total()[tier]
         if pred == 0:
             return None if meas == 0 else float("inf")
         return (meas - pred) / pred
@@ -285,10 +308,17 @@ class TierComparison:
         errors = [abs(e) for t in TIERS if (e := self.error(t)) is not None]
         return max(errors, default=0.0)
 
+    def wire_ratio(self, tier: str) -> float | None:
+        """Wire bytes / collective bytes over the same span (steps, syncs and the rest); None without data."""
+        if self.wire is None:
+            return None
+        meas = self.measured_total(ALL_PHASES)[tier]
+        return self.wire[tier] / meas if meas > 0 else None
+
     def to_dict(self) -> dict[str, Any]:
         return {"steps": self.steps, "syncs": self.syncs, "predicted": self.predicted,
                 "collectives": self.collectives, "wire": self.wire,
-                "error": {t: self.error(t) for t in TIERS}}
+                "error": {t: self.error(t) for t in TIERS}, "wire_ratio": {t: self.wire_ratio(t) for t in TIERS}}
 
 
 def compare(probes: list[dict[str, Any]], method: str, placement: Placement, units: Units, *, A: int,
@@ -299,12 +329,11 @@ def compare(probes: list[dict[str, Any]], method: str, placement: Placement, uni
     syncs = probes[0]["windows"]["sync"]
     predicted = predicted_tiers(method, placement, units, A=A, steps=steps, syncs=syncs, backend=backend,
                                 reshard_root=reshard_root)
-    measured = collective_tiers(probes, placement, backend)
     wire = None
     if ranks_per_node and any(p["netdev"] for p in probes):
         wire = wire_tiers(probes, ranks_per_node, uplinks or [])
-    return TierComparison(predicted=predicted, collectives={p: {t: measured[p][t] for t in TIERS} for p in PHASES},
-                          wire=wire, steps=steps, syncs=syncs)
+    return TierComparison(predicted=predicted, collectives=collective_tiers(probes, placement, backend), wire=wire,
+                          steps=steps, syncs=syncs)
 
 
 def model_units(model_name: str, vocab_size: int, bytes_per_param: float = 4.0) -> Units:
@@ -315,16 +344,14 @@ def model_units(model_name: str, vocab_size: int, bytes_per_param: float = 4.0) 
 
 
 def format_table(cmp: TierComparison, label: str = "") -> str:
-    """Rows per tier: predicted MB, measured (collectives) MB and error, wire MB and wire/measured ratio."""
-    pred, meas, wire = cmp.total("predicted"), cmp.total("collectives"), cmp.total("wire")
-    lines = [f"{label:<10} {'tier':<12} {'predicted MB':>12} {'collectives MB':>14} {'error':>7} {'wire MB':>9} "
-             f"{'wire/coll.':>10}"]
+    """Rows per tier: predicted MB, measured collectives MB and error, wire MB and wire / collectives."""
+    pred, meas, allm = cmp.predicted_total(), cmp.measured_total(), cmp.measured_total(ALL_PHASES)
+    lines = [f"{label:<10} {'tier':<12} {'predicted MB':>12} {'collectives MB':>14} {'error':>7} "
+             f"{'all coll. MB':>12} {'wire MB':>9} {'wire/coll.':>10}"]
     for tier in TIERS:
-        err = cmp.error(tier)
-        err_s = "-" if err is None else f"{err:+.1%}"
-        w = wire.get(tier) if wire else None
-        ratio = f"{w / meas[tier]:.3f}" if w is not None and meas[tier] > 0 else "-"
-        w_s = f"{w / 1e6:9.2f}" if w is not None else f"{'-':>9}"
-        lines.append(f"{'':<10} {tier:<12} {pred[tier] / 1e6:12.2f} {meas[tier] / 1e6:14.2f} {err_s:>7} {w_s} "
-                     f"{ratio:>10}")
+        err, ratio = cmp.error(tier), cmp.wire_ratio(tier)
+        wire = f"{cmp.wire[tier] / 1e6:9.2f}" if cmp.wire else f"{'-':>9}"
+        lines.append(f"{'':<10} {tier:<12} {pred[tier] / 1e6:12.2f} {meas[tier] / 1e6:14.2f} "
+                     f"{'-' if err is None else f'{err:+.1%}':>7} {allm[tier] / 1e6:12.2f} {wire} "
+                     f"{'-' if ratio is None else f'{ratio:.3f}':>10}")
     return "\n".join(lines)

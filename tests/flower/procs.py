@@ -176,24 +176,41 @@ class Procs:
                     pass
 
 
-def start_group(procs: Procs, name: str, *, shards: int = 2, replicas: int = 1, method: str = "fl-fsdp",
-                idle_timeout: float = 300.0, timeout: float = 120.0, extra: Sequence[str] = ()) -> tuple[Proc, str, Path]:
-    """A group torchrun job, as an operator would start it for a SuperNode; returns (proc, address, authkey)."""
+def launch_group(procs: Procs, name: str, *, shards: int = 2, replicas: int = 1, method: str = "fl-fsdp",
+                 idle_timeout: float = 300.0, extra: Sequence[str] = (), address: str = "127.0.0.1:0",
+                 key: Path | None = None) -> tuple[Proc, Path, Path]:
+    """Start a group torchrun job, as an operator would for a SuperNode; returns (proc, address file, authkey)."""
     from flwr_sharded.flower.protocol import write_authkey
 
-    key = procs.workdir / f"{name}.key"
-    write_authkey(key)
+    if key is None:
+        key = procs.workdir / f"{name}.key"
+        write_authkey(key)
     address_file = procs.workdir / f"{name}.address"
     address_file.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(replicas * shards),
-           "-m", "flwr_sharded.flower.group", "--authkey-file", str(key), "--address", "127.0.0.1:0",
+           "-m", "flwr_sharded.flower.group", "--authkey-file", str(key), "--address", address,
            "--address-file", str(address_file), "--method", method, "--replicas", str(replicas), "--shards",
            str(shards), "--idle-timeout", str(idle_timeout), *extra]
-    proc = procs.start(name, cmd)
-    wait_until(lambda: address_file.is_file() or proc.popen.poll() is not None, timeout, what=f"{name} listening")
+    return procs.start(name, cmd), address_file, key
+
+
+def wait_group(proc: Proc, address_file: Path, timeout: float = 180.0) -> str:
+    wait_until(lambda: address_file.is_file() or proc.popen.poll() is not None, timeout,
+               what=f"{proc.name} listening")
     if not address_file.is_file():
-        raise RuntimeError(f"{name} exited during start-up:\n{proc.text()[-3000:]}")
-    return proc, address_file.read_text().strip(), key
+        raise RuntimeError(f"{proc.name} exited during start-up:\n{proc.text()[-3000:]}")
+    return address_file.read_text().strip()
+
+
+def start_group(procs: Procs, name: str, **kwargs) -> tuple[Proc, str, Path]:
+    """One group, started and listening: (proc, address, authkey file)."""
+    return start_groups(procs, [(name, kwargs)])[0]
+
+
+def start_groups(procs: Procs, groups: Sequence[tuple[str, dict]]) -> list[tuple[Proc, str, Path]]:
+    """Several groups started at once (their start-ups overlap), each listening: [(proc, address, authkey)]."""
+    launched = [launch_group(procs, name, **kwargs) for name, kwargs in groups]
+    return [(proc, wait_group(proc, address_file), key) for proc, address_file, key in launched]
 
 
 def group_pids(address: str, key: Path) -> list[int]:

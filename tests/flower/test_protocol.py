@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +14,9 @@ from flwr_sharded.flower import protocol as P
 
 
 def test_client_side_modules_do_not_import_torch():
-    code = ("import sys, flwr_sharded.flower.client, flwr_sharded.flower.protocol, flwr_sharded.flower.strategy; "
+    app = Path(__file__).resolve().parents[2] / "apps" / "llama_fl_hsdp"
+    code = (f"import sys; sys.path.insert(0, {str(app)!r}); import llama_fl_hsdp.client_app, "
+            "flwr_sharded.flower.client, flwr_sharded.flower.protocol, flwr_sharded.flower.strategy; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

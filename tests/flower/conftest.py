@@ -1,0 +1,72 @@
+"""A local simulation run of the default app (through the demo script), shared by the simulation and deployment
+tests: it is the reference the deployment run and the static engine are compared with."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.flower.procs import DEMO, FAST_RUN_CONFIG, REPO, base_env, pids_matching, round_records, \
+    run_config_args, strip_ansi
+
+
+@dataclass
+class SimulationRun:
+    returncode: int
+    output: str
+    rounds: list[dict]
+    summary: list[dict]
+    seconds: float
+    flwr_home: Path
+    run_id: str
+
+
+def run_demo(tmp: Path, data_dir: Path, run_config: dict, timeout: float = 420) -> SimulationRun:
+    """`apps/llama_fl_hsdp/run_simulation.sh` with `--run-config` overrides; its own FLWR_HOME and ports."""
+    home = tmp / "flwr_home"
+    home.mkdir(parents=True, exist_ok=True)
+    metrics = tmp / "metrics.jsonl"
+    env = base_env(FLWR_HOME=str(home), FLWR_SHARDED_DATA=str(data_dir))
+    cmd = ["bash", str(DEMO), *run_config_args({**run_config, "metrics-path": str(metrics)})]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # the script's trap stops its SuperLink
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        raise TimeoutError(f"the demo did not finish within {timeout} s:\n{strip_ansi(out)[-5000:]}")
+    finally:
+        _kill_leftovers(home)
+    text = strip_ansi(out)
+    match = re.search(r"Successfully started run (\d+)", text)
+    return SimulationRun(proc.returncode, text, round_records(metrics), round_records(metrics, "summary"),
+                         time.monotonic() - start, home, match.group(1) if match else "")
+
+
+def _kill_leftovers(home: Path) -> None:
+    """Safety net: a SuperLink still running for this FLWR_HOME (the script should have stopped it)."""
+    import os
+    import signal
+
+    for pid in pids_matching("flower-superlink", str(home)):
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture(scope="session")
+def simulation_run(data_dir, tmp_path_factory) -> SimulationRun:
+    """The default app in local simulation with small, fast settings (`FAST_RUN_CONFIG`), run once."""
+    return run_demo(tmp_path_factory.mktemp("simulation"), data_dir, FAST_RUN_CONFIG)

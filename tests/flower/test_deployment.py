@@ -1,0 +1,162 @@
+"""Deployment on one machine: a real SuperLink, 2 SuperNodes and 2 group torchrun jobs on loopback, driven by
+`flwr run apps/llama_fl_hsdp <connection> --stream`; then the faults: a mismatched run config, a group killed
+mid-round, a SuperNode killed mid-round. Everything is started in its own session and killed at the end."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.flower.procs import APP, FAST_RUN_CONFIG, Proc, Procs, base_env, free_port, group_pids, \
+    launch_group, round_records, run_config_args, start_groups, strip_ansi, wait_group, wait_until
+
+CONNECTION = "loopback"
+
+
+@dataclass
+class Deployment:
+    procs: Procs
+    env: dict[str, str]
+    port: int
+    groups: list[tuple[Proc, str, Path]]
+    supernodes: list[Proc]
+    data_dir: Path
+
+    def run(self, name: str, run_config: dict, *, during=None, timeout: float = 400) -> tuple[int, str, list[dict]]:
+        """`flwr run APP loopback --stream`; `during(proc)` runs while it streams. Returns (code, log, rounds)."""
+        metrics = self.procs.workdir / f"{name}.jsonl"
+        cmd = ["flwr", "run", str(APP), CONNECTION, "--stream",
+               *run_config_args({**run_config, "data-dir": str(self.data_dir), "metrics-path": str(metrics)})]
+        proc = self.procs.start(f"flwr-run-{name}", cmd, env=self.env)
+        try:
+            if during is not None:
+                during(proc)
+            proc.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"flwr run {name} did not finish within {timeout} s:\n{proc.text()[-5000:]}")
+        finally:
+            self.procs.kill(proc)
+        return proc.popen.returncode, strip_ansi(proc.text()), round_records(metrics)
+
+
+def _node_config(address: str, key: Path, partition: int) -> str:
+    return f'group-address="{address}" group-authkey-file="{key}" partition-id={partition} num-partitions=2'
+
+
+@pytest.fixture(scope="module")
+def deployment(data_dir, tmp_path_factory):
+    work = tmp_path_factory.mktemp("deployment")
+    procs = Procs(work)
+    try:
+        port = free_port()
+        home = work / "flwr_home"
+        home.mkdir()
+        (home / "config.toml").write_text(f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
+                                          f'address = "127.0.0.1:{port}"\ninsecure = true\n')
+        env = base_env(FLWR_HOME=str(home))
+        procs.start("superlink", ["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port),
+                                  "--disable-runtime-dependency-installation", "--database", str(work / "state.db")],
+                    env=env)
+        groups = start_groups(procs, [(f"group{i}", {}) for i in range(2)])
+        supernodes = [procs.start(f"supernode{i}", [
+            "flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}", "--port", str(free_port()),
+            "--node-config", _node_config(address, key, i)], env=env) for i, (_, address, key) in enumerate(groups)]
+        yield Deployment(procs, env, port, groups, supernodes, data_dir)
+    finally:
+        procs.close()
+
+
+def _wait_for_log(proc: Proc, text: str, count: int, timeout: float) -> None:
+    wait_until(lambda: proc.text().count(text) >= count, timeout, interval=0.1, what=f"{count} x {text!r}")
+
+
+@pytest.mark.timeout(600)
+def test_deployment_gives_the_same_results_as_simulation(deployment, simulation_run):
+    """Same seeds and partitions (node config partition-id 0/1 = the simulation's): every step's loss and each
+    round's held-out loss agree with the simulation within 1e-5 (in practice bit-identical)."""
+    code, log, rounds = deployment.run("same", FAST_RUN_CONFIG)
+    assert code == 0, log[-5000:]
+    assert len(rounds) == FAST_RUN_CONFIG["num-server-rounds"] >= 2
+    for record in rounds:
+        assert (record["groups"], record["synced"], record["checksums_equal"]) == (2, 1, 1)
+    assert simulation_run.returncode == 0
+    deployed = [x for r in rounds for x in r["losses"]]
+    simulated = [x for r in simulation_run.rounds for x in r["losses"]]
+    assert deployed == pytest.approx(simulated, abs=1e-5)
+    assert [r["eval_loss"] for r in rounds] == pytest.approx([r["eval_loss"] for r in simulation_run.rounds],
+                                                            abs=1e-5)
+    assert "finish: 2 of 2 node(s) answered (0 group(s) shut down)" in log  # deployment groups stay up
+    print("\ndeployment overhead per round:", [f"{r['overhead_s']:.2f} s ({r['overhead_pct']:.0f}%)" for r in rounds])
+
+
+@pytest.mark.timeout(300)
+def test_a_run_config_that_does_not_fit_the_groups_fails_before_training(deployment):
+    code, log, rounds = deployment.run("mismatch", {**FAST_RUN_CONFIG, "shards": 4})
+    assert "left out" in log and "S=4 = 4 ranks" in log and "S=2 = 2 ranks" in log, log[-4000:]
+    assert "passed the hello, fewer than min-groups" in log
+    assert "[ROUND" not in log and rounds == []
+
+
+@pytest.mark.timeout(600)
+def test_a_group_killed_mid_round(deployment):
+    """Group 1 is killed while round 1 trains: group 0 fails its sync within the rendezvous timeout, restores its
+    last synced shards, and the run goes on with it alone. Then group 1 is restarted for the next test."""
+    proc1, address1, key1 = deployment.groups[1]
+    pids1 = [proc1.pid, *group_pids(address1, key1)]
+    deployment.procs.track(*pids1)
+    received = proc1.text().count("received train")
+
+    def kill_group_1(_: Proc) -> None:
+        _wait_for_log(proc1, "received train", received + 1, timeout=300)
+        for pid in pids1:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    config = {**FAST_RUN_CONFIG, "aggregate-every": 10, "rendezvous-timeout": 6.0, "sync-timeout": 10.0,
+              "round-timeout": 120.0, "finish-timeout": 15.0}
+    start = time.monotonic()
+    code, log, rounds = deployment.run("group-killed", config, during=kill_group_1)
+    assert code == 0, log[-5000:]
+    assert time.monotonic() - start < 300
+    assert len(rounds) == FAST_RUN_CONFIG["num-server-rounds"], log[-4000:]
+    first = rounds[0]
+    assert (first["dropped"], first["rolled_back"], first["synced"]) == (1, 1, 0)
+    assert "lost the connection to the group" in " ".join(first["errors"].values())
+    assert "restored their last synced shards" in log
+    for record in rounds[1:]:
+        assert (record["groups"], record["synced"], record["members"]) == (1, 1, first["members"][:1])
+    # bring group 1 back at the same address, for the SuperNode test
+    proc, address_file, _ = launch_group(deployment.procs, "group1-again", address=address1, key=key1)
+    assert wait_group(proc, address_file) == address1
+    deployment.groups[1] = (proc, address1, key1)
+
+
+@pytest.mark.timeout(600)
+def test_a_supernode_killed_mid_round_does_not_hang_the_run(deployment):
+    """SuperNode 1 is killed while round 1 trains: its reply never comes; the strategy stops waiting at the round
+    deadline (or when the node drops off the online list) and goes on with group 0."""
+    proc1 = deployment.groups[1][0]
+    received = proc1.text().count("received train")
+
+    def kill_supernode_1(_: Proc) -> None:
+        _wait_for_log(proc1, "received train", received + 1, timeout=300)
+        deployment.procs.kill(deployment.supernodes[1])
+
+    config = {**FAST_RUN_CONFIG, "round-timeout": 25.0, "rendezvous-timeout": 10.0, "sync-timeout": 10.0,
+              "finish-timeout": 5.0}
+    start = time.monotonic()
+    code, log, rounds = deployment.run("supernode-killed", config, during=kill_supernode_1)
+    elapsed = time.monotonic() - start
+    assert code == 0, log[-5000:]
+    assert len(rounds) == FAST_RUN_CONFIG["num-server-rounds"], log[-4000:]
+    assert rounds[0]["dropped"] == 1
+    assert rounds[-1]["groups"] == 1 and rounds[-1]["synced"] == 1
+    assert elapsed < 200, f"the run took {elapsed:.0f} s"

@@ -1,0 +1,250 @@
+"""The group runtime driven directly (no Flower): endpoint, lifecycle, shard syncs, parity with the static engine,
+failed syncs and rollback. Every group runs in its own session and is killed in a `finally`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flwr_sharded.flower import protocol as P
+from flwr_sharded.flower.client import GroupClient, GroupError, GroupUnavailable
+from tests.flower.procs import Procs, free_port, group_pids, pid_alive, start_group, start_groups, wait_until
+from tests.multiproc import run_ranks, torchrun
+
+
+@pytest.fixture
+def procs(tmp_path):
+    p = Procs(tmp_path)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def client(address: str, key: Path) -> GroupClient:
+    return GroupClient(address, P.read_authkey(key))
+
+
+def spec(data_dir: Path, **kw: Any) -> P.RunSpec:
+    values = dict(model="tiny", method="fl-fsdp", replicas=1, shards=2, aggregate_every=3, syncs_per_round=2,
+                  rounds=2, data_dir=str(data_dir), seq_len=32, batch_size=2, eval_blocks=8, lr=3e-3, seed=3)
+    values.update(kw)
+    return P.RunSpec(**values)
+
+
+def hello(c: GroupClient, s: P.RunSpec, partition: int, partitions: int) -> dict:
+    out = c.call(P.HELLO, {"spec": s.to_json(), "run_key": "test", "partition_id": partition,
+                           "num_partitions": partitions}, timeout=120)
+    assert out["compatible"], out["error"]
+    return out
+
+
+def train_all(clients: list[GroupClient], offer: dict, prefix: str, *, syncs: int, steps: int,
+              rendezvous_timeout: float = 30.0, sync_timeout: float = 30.0, members: int | None = None,
+              may_fail: tuple[int, ...] = ()) -> list:
+    """One round on every client at once (threads), as the ServerApp would drive it."""
+    n = members or len(clients)
+    out: list[Any] = [None] * len(clients)
+
+    def go(i: int) -> None:
+        try:
+            out[i] = clients[i].call(P.TRAIN, {
+                "syncs": syncs, "steps": steps, "members": [str(m) for m in range(n)], "member_index": i,
+                "rendezvous_host": offer["rendezvous_host"], "rendezvous_ports": offer["rendezvous_ports"],
+                "prefix": prefix, "rendezvous_timeout": rendezvous_timeout, "sync_timeout": sync_timeout,
+                "evaluate": True}, timeout=180)
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out[i] = exc
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(clients))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    for i, o in enumerate(out):
+        if (isinstance(o, Exception) or o is None) and i not in may_fail:
+            raise AssertionError(f"group {i}: {o!r}")
+    return out
+
+
+def all_gone(pids: list[int]) -> bool:
+    return not any(pid_alive(p) for p in pids)
+
+
+@pytest.mark.timeout(240)
+def test_endpoint_authenticates_and_serves_verbs(procs, data_dir, tmp_path):
+    proc, address, key = start_group(procs, "g", shards=1)
+    pids = [proc.pid, *group_pids(address, key)]
+    wrong = tmp_path / "wrong.key"
+    P.write_authkey(wrong)
+    with pytest.raises(GroupUnavailable, match="rejected"):
+        client(address, wrong).call(P.STATUS, timeout=10)
+    c = client(address, key)
+    status = c.call(P.STATUS, timeout=30)
+    assert (status["method"], status["replicas"], status["shards"], status["world"]) == ("fl-fsdp", 1, 1, 1)
+    with pytest.raises(GroupError, match="send hello first"):
+        c.call(P.TRAIN, {"syncs": 1, "steps": 1}, timeout=30)
+    # a run config the group cannot run: refused with both layouts named, nothing built
+    refused = c.call(P.HELLO, {"spec": spec(data_dir, shards=2).to_json(), "partition_id": 0,
+                               "num_partitions": 1}, timeout=60)
+    assert not refused["compatible"] and "S=2 = 2 ranks" in refused["error"] and "S=1 = 1 ranks" in refused["error"]
+    missing = c.call(P.HELLO, {"spec": spec(tmp_path / "nodata", shards=1).to_json(), "partition_id": 0,
+                               "num_partitions": 1}, timeout=60)
+    assert not missing["compatible"] and "prepare-data" in missing["error"]
+    # a run: hello builds the trainer (a second hello of the same run reuses it), evaluate, finish with a save
+    ok = hello(c, spec(data_dir, shards=1), 0, 1)
+    assert ok["fingerprint"] and ok["steps"] == 0 and ok["partition_id"] == 0
+    assert hello(c, spec(data_dir, shards=1), 0, 1)["fingerprint"] == ok["fingerprint"]
+    evaluated = c.call(P.EVALUATE, timeout=60)
+    assert evaluated["eval_loss"] > 0 and evaluated["eval_ppl"] > 1
+    finished = c.call(P.FINISH, {"save_dir": str(tmp_path / "model")}, timeout=120)
+    assert finished["saved"] and (tmp_path / "model" / "config.json").is_file()
+    assert c.call(P.STATUS, timeout=30)["run_key"] == ""  # the run's trainer is gone, the group still serves
+    c.call(P.SHUTDOWN, timeout=30)
+    wait_until(lambda: all_gone(pids), 30, what="group exit after shutdown")
+    assert proc.popen.wait(timeout=5) == 0
+
+
+@pytest.mark.timeout(240)
+def test_group_exits_when_idle_when_its_watched_process_ends_and_when_a_rank_or_launcher_dies(procs):
+    sleeper = procs.start("sleeper", ["sleep", "300"])
+    (watched, w_address, w_key), (rank_dies, r_address, r_key), (launcher_dies, l_address, l_key) = start_groups(
+        procs, [("watched", dict(shards=1, extra=["--watch-pid", str(sleeper.pid)])), ("rank", dict(shards=2)),
+                ("launcher", dict(shards=2))])
+    watched_pids = [watched.pid, *group_pids(w_address, w_key)]
+    rank_pids = [rank_dies.pid, *group_pids(r_address, r_key)]
+    launcher_pids = [launcher_dies.pid, *group_pids(l_address, l_key)]
+    idle, idle_address, idle_key = start_group(procs, "idle", shards=1, idle_timeout=3)
+    idle_pids = [idle.pid, *group_pids(idle_address, idle_key)]
+    procs.track(*idle_pids, *watched_pids, *rank_pids, *launcher_pids)
+
+    procs.kill(sleeper)
+    os.kill(rank_pids[2], signal.SIGKILL)  # rank 1 of a 2-rank group
+    os.kill(launcher_pids[0], signal.SIGKILL)  # the torchrun launcher itself
+    wait_until(lambda: all_gone(idle_pids), 30, what="idle group exit")
+    wait_until(lambda: all_gone(watched_pids), 30, what="exit after the watched process ended")
+    wait_until(lambda: all_gone(rank_pids), 60, what="group exit after a rank died")
+    wait_until(lambda: all_gone(launcher_pids), 30, what="ranks exit after their launcher was killed")
+    assert "no instruction for 3 s" in idle.text()
+    assert f"watched process {sleeper.pid} is gone" in watched.text()
+
+
+def _static_losses(data_dir: Path, tmp: Path, s: P.RunSpec, federations: int) -> tuple[list[float], list[dict]]:
+    steps = s.rounds * s.syncs_per_round * s.aggregate_every
+    metrics = tmp / "static.jsonl"
+    result = torchrun(federations * s.group_world, [
+        "--method", s.method, "--federations", str(federations), "--replicas", str(s.replicas), "--shards",
+        str(s.shards), "--model", s.model, "--data-dir", str(data_dir), "--seq-len", str(s.seq_len),
+        "--batch-size", str(s.batch_size), "--eval-blocks", str(s.eval_blocks), "--steps", str(steps),
+        "--aggregate-every", str(s.aggregate_every), "--lr", str(s.lr), "--warmup", str(s.warmup),
+        "--min-lr-ratio", str(s.min_lr_ratio), "--weight-decay", str(s.weight_decay), "--grad-clip",
+        str(s.grad_clip), "--seed", str(s.seed), "--log-every", "1",
+        "--eval-every", str(s.syncs_per_round * s.aggregate_every), "--metrics", str(metrics), "--no-progress"],
+        timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [r["loss"] for r in records if r["kind"] == "train"], [r for r in records if r["kind"] == "eval"]
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("layout", [dict(method="fl-hsdp", replicas=2, shards=1)], ids=["fl-hsdp"])
+def test_groups_sync_identical_shards_and_match_the_static_engine(procs, data_dir, tmp_path, layout):
+    """Two groups, 2 rounds of K=2 syncs x A=3 steps, against `torchrun -m flwr_sharded.train` with F=2.
+
+    fl-hsdp here (replica 0 syncs, then broadcasts inside the group); fl-fsdp is compared end to end through Flower
+    in test_simulation.py.
+
+    Tolerance: 1e-5 absolute on every step's loss (mean over all ranks) and on the held-out loss after each round
+    (same seeds, same samples; in practice the curves are bit-identical). After every sync, the checksum of every
+    rank's local shards is identical across groups and, for fl-hsdp, across the replicas of a group.
+    """
+    s = spec(data_dir, **layout)
+    groups = start_groups(procs, [(f"g{i}", layout) for i in range(2)])
+    clients = [client(a, k) for _, a, k in groups]
+    hellos = [hello(c, s, i, 2) for i, c in enumerate(clients)]
+    assert hellos[0]["fingerprint"] == hellos[1]["fingerprint"]
+    losses, evals = [], []
+    for r in range(s.rounds):
+        out = train_all(clients, hellos[0], f"test/round{r}", syncs=s.syncs_per_round, steps=s.aggregate_every)
+        for o in out:
+            assert o["syncs"] == s.syncs_per_round and not o["sync_failed"]
+            assert len(o["checksums"]) == s.syncs_per_round * s.group_world
+        assert out[0]["checksums"] == out[1]["checksums"]
+        for k in range(s.syncs_per_round):
+            sums = out[0]["checksums"][k * s.group_world:(k + 1) * s.group_world]
+            for rep in range(1, s.replicas):
+                assert sums[rep * s.shards:(rep + 1) * s.shards] == sums[:s.shards]
+        losses += [(a + b) / 2 for a, b in zip(out[0]["losses"], out[1]["losses"])]
+        assert out[0]["eval_loss"] == out[1]["eval_loss"]
+        evals.append(out[0]["eval_loss"])
+    static_losses, static_evals = _static_losses(data_dir, tmp_path, s, federations=2)
+    assert losses == pytest.approx(static_losses, abs=1e-5)
+    assert evals == pytest.approx([e["eval_loss"] for e in static_evals], abs=1e-5)
+    assert losses[-1] < losses[0] - 0.3  # it trained
+
+
+@pytest.mark.timeout(300)
+def test_a_dead_group_makes_the_sync_fail_and_the_survivors_roll_back(procs, data_dir):
+    """Three groups of one rank; the third crashes right after its first sync.
+
+    Round 1 (members A, B, C; K=2): sync 1 succeeds everywhere, C dies, sync 2 fails for A and B, which restore the
+    shards of sync 1. Round 2 still names C (its node has not noticed): the rendezvous gives up within its timeout
+    and nothing changes. Round 3 (A, B) syncs again.
+    """
+    s = spec(data_dir, shards=1, syncs_per_round=2, aggregate_every=2, rounds=3)
+    groups = start_groups(procs, [(f"g{i}", dict(shards=1, extra=["--debug-exit-after-syncs", "1"] if i == 2 else []))
+                                  for i in range(3)])
+    clients = [client(a, k) for _, a, k in groups]
+    hellos = [hello(c, s, i, 3) for i, c in enumerate(clients)]
+    dead_pids = [groups[2][0].pid, *hellos[2]["pids"]]
+
+    start = time.monotonic()
+    out = train_all(clients, hellos[0], "t/round1", syncs=2, steps=2, sync_timeout=10.0, may_fail=(2,))
+    assert time.monotonic() - start < 60  # the failed collective gives up within the sync timeout
+    assert isinstance(out[2], GroupUnavailable), out[2]  # the crashed group's caller sees the connection drop
+    out = out[:2]
+    for o in out:
+        assert (o["syncs"], o["sync_failed"], o["steps"]) == (1, True, 4)
+        assert "shard 0:" in o["sync_error"]
+    assert out[0]["checksums"] == out[1]["checksums"]  # the sync that succeeded
+    wait_until(lambda: all_gone(dead_pids), 60, what="the crashed group's exit")
+    after_rollback = [c.call(P.STATUS, timeout=30)["checksums"] for c in clients[:2]]
+    assert after_rollback[0] == after_rollback[1] == out[0]["checksums"]  # rolled back to the last synced shards
+    assert out[0]["eval_loss"] == out[1]["eval_loss"]
+
+    start = time.monotonic()
+    out = train_all(clients[:2], hellos[0], "t/round2", syncs=2, steps=2, members=3, rendezvous_timeout=5.0)
+    assert time.monotonic() - start < 60
+    for o in out:
+        assert (o["syncs"], o["sync_failed"]) == (0, True)
+        assert "did not arrive" in o["sync_error"] and "[2]" in o["sync_error"]
+    assert [c.call(P.STATUS, timeout=30)["checksums"] for c in clients[:2]] == after_rollback
+
+    out = train_all(clients[:2], hellos[0], "t/round3", syncs=2, steps=2)
+    for o in out:
+        assert (o["syncs"], o["sync_failed"]) == (2, False)
+    assert out[0]["checksums"] == out[1]["checksums"]
+    assert out[0]["checksums"][:1] != after_rollback[0]
+
+
+def _join_unreachable(rank: int, world: int, port: int) -> float:
+    from flwr_sharded.flower import rendezvous
+
+    start = time.monotonic()
+    with pytest.raises(rendezvous.RendezvousError, match="cannot reach the rendezvous store"):
+        rendezvous.join(host="127.0.0.1", port=port, prefix="x", rank=1, size=2, rendezvous_timeout=2.0,
+                        sync_timeout=2.0)
+    return time.monotonic() - start
+
+
+@pytest.mark.timeout(120)
+def test_an_unreachable_rendezvous_fails_within_its_timeout():
+    (seconds,) = run_ranks(_join_unreachable, 1, free_port(), timeout=90)
+    assert seconds < 20

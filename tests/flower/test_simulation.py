@@ -1,0 +1,72 @@
+"""`flwr run apps/llama_fl_hsdp --stream` in local simulation, through the README's demo script."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.flower.conftest import run_demo
+from tests.flower.procs import FAST_RUN_CONFIG, pids_matching
+from tests.multiproc import torchrun
+
+K, A, N = FAST_RUN_CONFIG["syncs-per-round"], FAST_RUN_CONFIG["aggregate-every"], FAST_RUN_CONFIG["num-server-rounds"]
+
+
+@pytest.mark.timeout(600)
+def test_demo_runs_end_to_end_and_leaves_no_process(simulation_run):
+    run = simulation_run
+    assert run.returncode == 0, run.output[-5000:]
+    for r in range(1, N + 1):
+        assert f"[ROUND {r}/{N}] 2 group(s)" in run.output
+    assert "round 1: train loss" in run.output and "eval ppl" in run.output and "tokens/s" in run.output
+    assert "orchestration" in run.output and "Summary:" in run.output
+    assert len(run.rounds) == N
+    for record in run.rounds:
+        assert (record["groups"], record["synced"], record["syncs"], record["steps"]) == (2, 1, K, K * A)
+        assert record["checksums_equal"] == 1 and len(record["checksums"]) == 2
+        sums = list(record["checksums"].values())
+        assert len(sums[0]) == K * 2 and sums[0] == sums[1]  # every shard identical in both groups after each sync
+        assert record["tokens_per_s"] > 0 and record["eval_ppl"] > 0
+    assert run.rounds[-1]["train_loss"] < run.rounds[0]["train_loss"]
+    assert "finish: 2 of 2 node(s) answered (2 group(s) shut down)" in run.output
+    # nothing left: the SuperLink of this FLWR_HOME, its SuperExec, the groups of this run
+    time.sleep(1)
+    assert run.run_id
+    assert pids_matching("flower-superlink", str(run.flwr_home)) == []
+    assert pids_matching("flwr_sharded.flower.group", f"run-{run.run_id}/") == []
+    assert "stopped the local SuperLink" in run.output
+
+
+@pytest.mark.timeout(600)
+def test_simulation_loss_curve_matches_the_static_engine(simulation_run, data_dir, tmp_path):
+    """Same seeds and samples as `torchrun -m flwr_sharded.train --method fl-fsdp --federations 2 --shards 2` for
+    N*K*A steps: every step's loss (mean over all ranks) and each round's held-out loss agree within 1e-5
+    (in practice bit-identical)."""
+    run = simulation_run
+    assert run.returncode == 0, run.output[-3000:]
+    c = FAST_RUN_CONFIG
+    metrics = tmp_path / "static.jsonl"
+    result = torchrun(4, ["--method", "fl-fsdp", "--federations", "2", "--shards", "2", "--model", c["model"],
+                          "--data-dir", str(data_dir), "--seq-len", str(c["seq-len"]), "--batch-size",
+                          str(c["batch-size"]), "--eval-blocks", str(c["eval-blocks"]), "--steps", str(N * K * A),
+                          "--aggregate-every", str(A), "--lr", str(c["lr"]), "--seed", str(c["seed"]),
+                          "--warmup", "0.1", "--min-lr-ratio", "0.1", "--weight-decay", "0.1", "--grad-clip", "1.0",
+                          "--log-every", "1", "--eval-every", str(K * A), "--metrics", str(metrics),
+                          "--no-progress"], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    static_losses = [r["loss"] for r in records if r["kind"] == "train"]
+    static_evals = [r["eval_loss"] for r in records if r["kind"] == "eval"]
+    flower_losses = [x for r in run.rounds for x in r["losses"]]
+    assert flower_losses == pytest.approx(static_losses, abs=1e-5)
+    assert [r["eval_loss"] for r in run.rounds] == pytest.approx(static_evals, abs=1e-5)
+
+
+@pytest.mark.timeout(400)
+def test_bad_run_config_is_a_clear_error_before_any_training(data_dir, tmp_path):
+    run = run_demo(tmp_path, data_dir, {**FAST_RUN_CONFIG, "method": "fl-bogus"}, timeout=300)
+    assert "run config 'method' must be one of fl-fsdp, fl-hsdp" in run.output, run.output[-3000:]
+    assert "[ROUND" not in run.output and "hello to" not in run.output
+    assert pids_matching("flower-superlink", str(run.flwr_home)) == []

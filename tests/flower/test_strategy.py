@@ -1,0 +1,289 @@
+"""DecentralizedFedAvg against an in-process fake Grid: sampling deadlines, hello exclusions, failed syncs, lost nodes.
+
+No processes: each fake node answers each message with a scripted reply (or none) after a scripted delay.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any, Callable
+
+import pytest
+from flwr.app import ConfigRecord, Error, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.supercore.task_identity import TaskIdentity
+
+from flwr_sharded.config import ConfigError
+from flwr_sharded.flower import protocol as P
+from flwr_sharded.flower.strategy import Deadlines, DecentralizedFedAvg
+
+Behaviour = Callable[[Message], "tuple[float, RecordDict | Error | None]"]
+
+
+@pytest.fixture(autouse=True)
+def task_identity():
+    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
+    yield
+    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+
+
+class _Run:
+    run_id = 1
+
+
+class FakeGrid(Grid):
+    def __init__(self, nodes: dict[int, Behaviour]) -> None:
+        self.nodes = nodes
+        self.offline_at: dict[int, float] = {}
+        self.pushed: list[Message] = []
+        self._replies: dict[str, tuple[float, Message]] = {}
+
+    def set_run(self, run: Any) -> None:
+        pass
+
+    @property
+    def run(self) -> Any:
+        return _Run()
+
+    def create_message(self, *args: Any, **kwargs: Any) -> Message:
+        raise NotImplementedError
+
+    def get_node_ids(self) -> list[int]:
+        now = time.monotonic()
+        return [n for n in self.nodes if self.offline_at.get(n, math.inf) > now]
+
+    def push_messages(self, messages):
+        ids = []
+        for m in messages:
+            m.metadata.__dict__["_message_id"] = m.object_id
+            self.pushed.append(m)
+            delay, content = self.nodes[m.metadata.dst_node_id](m)
+            if content is not None:
+                self._replies[m.metadata.message_id] = (time.monotonic() + delay, Message(content, reply_to=m))
+            ids.append(m.metadata.message_id)
+        return ids
+
+    def pull_messages(self, message_ids):
+        now, out = time.monotonic(), []
+        for mid in message_ids:
+            if mid in self._replies and self._replies[mid][0] <= now:
+                out.append(self._replies.pop(mid)[1])
+        return out
+
+    def send_and_receive(self, messages, *, timeout=None):
+        raise AssertionError("the strategy must not use Grid.send_and_receive (it may wait forever)")
+
+    def sent(self, message_type: str) -> list[Message]:
+        return [m for m in self.pushed if m.metadata.message_type == message_type]
+
+
+def reply(ok: bool = True, error: str = "", **values: Any) -> RecordDict:
+    metrics = {k: v for k, v in values.items() if not isinstance(v, str)}
+    info = {"ok": ok, "error": error, **{k: v for k, v in values.items() if isinstance(v, str)}}
+    return RecordDict({P.METRICS: MetricRecord(metrics), P.INFO: ConfigRecord(info)})
+
+
+def hello_ok(node: int, *, shards: int = 2, fingerprint: str = "fp", partition: int = 0) -> RecordDict:
+    return reply(method="fl-fsdp", replicas=1, shards=shards, world=shards, rendezvous_host=f"host{node}",
+                 rendezvous_ports=[100 * node + s for s in range(shards)], fingerprint=fingerprint,
+                 partition_id=partition, tokens=0, compatible=1)
+
+
+def train_ok(loss: float = 2.0, tokens: int = 100, syncs: int = 2, checksums: list[float] | None = None,
+             **extra: Any) -> RecordDict:
+    values = dict(losses=[loss, loss], tokens=tokens, total_tokens=tokens, train_s=0.5, sync_s=0.1, eval_s=0.05,
+                  syncs=syncs, sync_failed=0, checksums=[1.0, 2.0, 3.0, 4.0] if checksums is None else checksums,
+                  eval_loss=1.5)
+    return reply(**{**values, **extra})
+
+
+def group(node: int, partition: int, *, train: Callable[[Message, int], Any] | None = None,
+          hello: Callable[[Message], Any] | None = None) -> Behaviour:
+    """A well-behaved group unless `train`/`hello` override (they return (delay, content))."""
+    count = {"train": 0}
+
+    def behave(m: Message):
+        kind = m.metadata.message_type
+        if kind == P.MSG_HELLO:
+            return hello(m) if hello else (0.0, hello_ok(node, partition=partition))
+        if kind == P.MSG_TRAIN:
+            count["train"] += 1
+            return train(m, count["train"]) if train else (0.0, train_ok())
+        if kind == P.MSG_FINISH:
+            return 0.0, reply(stopped=1)
+        return 0.0, reply()
+    return behave
+
+
+def spec(**kw: Any) -> P.RunSpec:
+    return P.RunSpec(**{"rounds": 3, "syncs_per_round": 2, "aggregate_every": 1, **kw})
+
+
+def fast(**kw: Any) -> Deadlines:
+    return Deadlines(**{"num_groups": 2, "sample_timeout": 1.0, "hello_timeout": 2.0, "round_timeout": 3.0,
+                        "finish_timeout": 1.0, "poll_interval": 0.01, "node_check_interval": 0.1, **kw})
+
+
+def config(m: Message) -> dict:
+    return dict(m.content.config_records[P.CONFIG])
+
+
+def test_sampling_gives_up_at_its_deadline():
+    grid = FakeGrid({1: group(1, 0)})
+    strategy = DecentralizedFedAvg(spec(), fast(num_groups=2, min_groups=2, sample_timeout=0.5))
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="only 1 node"):
+        strategy.start(grid)
+    assert time.monotonic() - start < 3
+    # with min-groups 1 it goes on with the one node
+    result = DecentralizedFedAvg(spec(), fast(num_groups=2, min_groups=1, sample_timeout=0.3)).start(FakeGrid(
+        {1: group(1, 0)}))
+    assert sorted(result.train_metrics_clientapp) == [1, 2, 3]
+
+
+def test_bad_run_config_is_logged_before_anything_is_sent(caplog):
+    grid = FakeGrid({1: group(1, 0), 2: group(2, 1)})
+    with caplog.at_level(logging.ERROR, logger="flwr"), pytest.raises(ConfigError):
+        DecentralizedFedAvg(spec(aggregate_every=0), fast()).start(grid)
+    assert "'aggregate-every' must be an integer >= 1" in caplog.text
+    assert grid.pushed == []
+
+
+def test_hello_leaves_out_groups_that_do_not_fit(caplog):
+    nodes = {
+        1: group(1, 0),
+        2: group(2, 1, hello=lambda m: (0.0, hello_ok(2, shards=4, partition=1))),
+        3: group(3, 2, hello=lambda m: (0.0, reply(False, "data directory /x does not exist"))),
+        4: group(4, 3, hello=lambda m: (0.0, None)),  # never answers
+        5: group(5, 4, hello=lambda m: (0.0, hello_ok(5, fingerprint="other", partition=4))),
+        6: group(6, 5),
+    }
+    grid = FakeGrid(nodes)
+    strategy = DecentralizedFedAvg(spec(rounds=1), fast(num_groups=6))
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        strategy.start(grid)
+    assert strategy.members == [1, 6]
+    assert "S=4 = 4 ranks" in strategy.left_out[2] and "S=2 = 2 ranks" in strategy.left_out[2]
+    assert "does not exist" in strategy.left_out[3]
+    assert "no reply" in strategy.left_out[4]
+    assert "fingerprint" in strategy.left_out[5]
+    assert "group on node 2 left out" in caplog.text
+    trains = grid.sent(P.MSG_TRAIN)
+    assert sorted(m.metadata.dst_node_id for m in trains) == [1, 6]
+    # finish goes to every sampled node, left out or not
+    assert sorted(m.metadata.dst_node_id for m in grid.sent(P.MSG_FINISH)) == [1, 2, 3, 4, 5, 6]
+
+
+def test_no_group_fits_is_an_error_before_any_training(caplog):
+    grid = FakeGrid({n: group(n, n - 1, hello=lambda m, n=n: (0.0, hello_ok(n, shards=4, partition=n - 1)))
+                     for n in (1, 2)})
+    with caplog.at_level(logging.ERROR, logger="flwr"), pytest.raises(ConfigError, match="passed the hello"):
+        DecentralizedFedAvg(spec(), fast()).start(grid)
+    assert grid.sent(P.MSG_TRAIN) == []
+    assert "relaunch the group or change the run config" in caplog.text
+
+
+def test_config_only_messages_and_round_layout():
+    grid = FakeGrid({7: group(7, 1), 3: group(3, 0)})
+    strategy = DecentralizedFedAvg(spec(rounds=1, syncs_per_round=3, aggregate_every=5), fast())
+    strategy.start(grid)
+    assert all(len(m.content.array_records) == 0 for m in grid.pushed)
+    trains = sorted(grid.sent(P.MSG_TRAIN), key=lambda m: config(m)["member-index"])
+    assert [m.metadata.dst_node_id for m in trains] == [3, 7]  # ordered by partition id
+    c = config(trains[0])
+    assert (c["syncs"], c["steps"], c["members"]) == (3, 5, ["3", "7"])
+    assert c["rendezvous-host"] == "host3" and c["rendezvous-ports"] == [300, 301]  # member 0's offer
+    assert config(trains[1])["prefix"] == c["prefix"]
+    assert all(m.metadata.ttl <= strategy.deadlines.round_timeout for m in trains)
+
+
+def test_failed_sync_survivors_roll_back_and_membership_reforms(caplog):
+    def dies_in_round_2(m, n):
+        return (0.0, reply(False, "lost the connection to the group (did the group die?)")) if n >= 2 \
+            else (0.0, train_ok())
+
+    def rolls_back_in_round_2(m, n):
+        if n == 2:
+            return 0.0, train_ok(syncs=0, checksums=[], sync_failed=1,
+                                 sync_error="shard 0: RendezvousError: member(s) [2] did not arrive")
+        return 0.0, train_ok()
+
+    grid = FakeGrid({1: group(1, 0, train=rolls_back_in_round_2), 2: group(2, 1, train=rolls_back_in_round_2),
+                     3: group(3, 2, train=dies_in_round_2)})
+    strategy = DecentralizedFedAvg(spec(rounds=3), fast(num_groups=3))
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        result = strategy.start(grid)
+    rounds = [h for h in strategy.history if h["kind"] == "round"]
+    assert [r["synced"] for r in rounds] == [1, 0, 1]
+    assert (rounds[1]["rolled_back"], rounds[1]["dropped"]) == (2, 1)
+    assert rounds[2]["members"] == ["1", "2"] and rounds[2]["groups"] == 2
+    round3 = [m for m in grid.sent(P.MSG_TRAIN) if config(m)["prefix"].endswith("round3")]
+    assert sorted(m.metadata.dst_node_id for m in round3) == [1, 2]
+    assert all(config(m)["members"] == ["1", "2"] for m in round3)
+    assert "restored their last synced shards" in caplog.text
+    assert sorted(result.train_metrics_clientapp) == [1, 2, 3]
+
+
+def test_a_lost_node_does_not_hang_the_round():
+    grid = FakeGrid({1: group(1, 0), 2: group(2, 1, train=lambda m, n: (0.0, None))})
+    strategy = DecentralizedFedAvg(spec(rounds=2), fast(round_timeout=30.0))
+    grid.offline_at[2] = time.monotonic() + 1.0  # its SuperNode is killed: it drops off the online list
+    start = time.monotonic()
+    strategy.start(grid)
+    assert time.monotonic() - start < 10, "waited for a node that went offline"
+    rounds = [h for h in strategy.history if h["kind"] == "round"]
+    assert rounds[0]["dropped"] == 1 and rounds[1]["members"] == ["1"]
+
+
+def test_a_silent_node_is_dropped_at_the_round_deadline():
+    grid = FakeGrid({1: group(1, 0), 2: group(2, 1, train=lambda m, n: (0.0, None))})
+    strategy = DecentralizedFedAvg(spec(rounds=2), fast(round_timeout=1.0))
+    start = time.monotonic()
+    strategy.start(grid)
+    assert time.monotonic() - start < 8
+    assert "no reply before the deadline" in strategy.left_out[2]
+
+
+def test_flower_error_replies_drop_the_node():
+    grid = FakeGrid({1: group(1, 0), 2: group(2, 1, train=lambda m, n: (0.0, Error(code=5, reason="node gone")))})
+    strategy = DecentralizedFedAvg(spec(rounds=2), fast())
+    strategy.start(grid)
+    assert "node gone" in strategy.left_out[2]
+    assert strategy.members == [1]
+
+
+def test_metrics_are_token_weighted_and_overhead_is_reported():
+    grid = FakeGrid({1: group(1, 0, train=lambda m, n: (1.0, train_ok(loss=1.0, tokens=300))),
+                     2: group(2, 1, train=lambda m, n: (0.0, train_ok(loss=3.0, tokens=100,
+                                                                       checksums=[9.0, 2.0, 3.0, 4.0])))})
+    strategy = DecentralizedFedAvg(spec(rounds=1), fast())
+    result = strategy.start(grid)
+    record = strategy.history[0]
+    assert record["train_loss"] == pytest.approx(1.5)  # (1*300 + 3*100) / 400
+    assert record["tokens"] == 400 and record["eval_ppl"] == pytest.approx(math.exp(1.5))
+    assert record["round_s"] >= 1.0 and record["overhead_s"] == pytest.approx(record["round_s"] - 0.65, abs=1e-6)
+    assert record["checksums_equal"] == 0
+    assert result.train_metrics_clientapp[1]["train_loss"] == pytest.approx(1.5)
+    assert result.evaluate_metrics_clientapp[1]["eval_loss"] == pytest.approx(1.5)
+    summary = strategy.history[-1]
+    assert summary["kind"] == "summary" and summary["rounds"] == 1
+
+
+def test_separate_evaluate_messages():
+    def evaluate_reply(node):
+        def behave(m: Message):
+            if m.metadata.message_type == P.MSG_EVALUATE:
+                return 0.0, reply(eval_loss=2.0 if node == 1 else 4.0, eval_s=0.1)
+            return group(node, node - 1)(m)
+        return behave
+
+    grid = FakeGrid({1: evaluate_reply(1), 2: evaluate_reply(2)})
+    strategy = DecentralizedFedAvg(spec(rounds=2), fast(), evaluate_in_train=False)
+    result = strategy.start(grid)
+    assert all(not config(m)["evaluate"] for m in grid.sent(P.MSG_TRAIN))
+    assert len(grid.sent(P.MSG_EVALUATE)) == 4
+    assert result.evaluate_metrics_clientapp[2]["eval_loss"] == pytest.approx(3.0)
+    assert strategy.history[1]["eval_ppl"] == pytest.approx(math.exp(3.0))
