@@ -27,6 +27,7 @@ from typing import Any, Mapping
 
 from flwr_sharded.config import ConfigError
 from flwr_sharded.flower import protocol as P
+from flwr_sharded.flower.processes import pid_alive
 
 logger = logging.getLogger(__name__)
 
@@ -149,27 +150,6 @@ class LaunchedGroup:
             return "\n".join(Path(self.log_file).read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
-
-
-def pid_alive(pid: int) -> bool:
-    """True if `pid` runs (zombies count as gone; our own exited children are reaped)."""
-    try:
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        if done == pid:
-            return False
-    except ChildProcessError:
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 def _is_group_process(pid: int) -> bool:

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from flwr_sharded.config import ConfigError, ParallelConfig, config_from_dict, validate_parallel
 from flwr_sharded.flower import protocol as P
 from flwr_sharded.flower import rendezvous as rdv
+from flwr_sharded.flower.processes import pid_alive
 from flwr_sharded.parallel.sync import local_shard
 
 logger = logging.getLogger("flwr_sharded.group")
@@ -66,21 +67,6 @@ def _watch_parent() -> None:
                 os._exit(3)
 
     threading.Thread(target=loop, name="parent-watch", daemon=True).start()
-
-
-def pid_alive(pid: int) -> bool:
-    """True if `pid` runs (a zombie counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 class _Endpoint:

@@ -12,7 +12,7 @@ which the decentralised sync gathers with an all-gather (F shards of one bucket 
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import ABC
 from dataclasses import dataclass
 from typing import ClassVar, Sequence
 

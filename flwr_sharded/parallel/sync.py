@@ -18,7 +18,6 @@ from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.tensor import DTensor
 
 from flwr_sharded.parallel.outer import FedAvg, ShardRule

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from flwr_sharded.flower.processes import pid_alive  # noqa: F401  (re-exported for the tests)
+
 REPO = Path(__file__).resolve().parents[2]
 APP = REPO / "apps" / "llama_fl_hsdp"
 VENV_BIN = Path(sys.executable).parent
@@ -54,20 +56,6 @@ def base_env(**extra: str) -> dict[str, str]:
            "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
     env.update(extra)
     return env
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        return state != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 def cmdline(pid: int) -> str:
