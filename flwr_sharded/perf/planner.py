@@ -98,56 +98,40 @@ def _number(value: Any) -> float | None:
     return None
 
 
+def _parse(value: Any, field: str, pattern: re.Pattern, scale: Any, example: str, allow_zero: bool = False) -> float:
+    """A number, or a string matched by `pattern` whose groups `scale(match)` turns into the unit's multiplier."""
+    amount = _number(value)
+    if amount is None and isinstance(value, str):
+        m = pattern.match(value.strip())
+        if m:
+            amount = float(m.group(1)) * scale(m)
+    if amount is None or not math.isfinite(amount) or amount < 0 or (amount == 0 and not allow_zero):
+        raise ConfigError(f"{field}: expected {example}, got {value!r}")
+    return amount
+
+
 def parse_bandwidth(value: Any, field: str = "bandwidth") -> float:
     """Bits/s from a number (bits/s) or a string: '200Gbit', '7.5Gbit/s', '100Mbps', '25GB/s' (bytes: x 8)."""
-    bits = _number(value)
-    if bits is None and isinstance(value, str):
-        m = _BANDWIDTH.match(value.strip())
-        if m:
-            bits = float(m.group(1)) * _PREFIX[m.group(2)] * (8 if m.group(3).startswith("B") else 1)
-    if bits is None or not bits > 0 or math.isinf(bits):
-        raise ConfigError(f"{field}: expected a positive bandwidth such as '200Gbit', '100Mbit/s', '25GB/s' "
-                          f"or a number of bits/s, got {value!r}")
-    return bits
+    return _parse(value, field, _BANDWIDTH, lambda m: _PREFIX[m.group(2)] * (8 if m.group(3).startswith("B") else 1),
+                  "a positive bandwidth such as '200Gbit', '100Mbit/s', '25GB/s' or a number of bits/s")
 
 
 def parse_memory(value: Any, field: str = "gpu_memory") -> float:
     """Bytes from a number or a string: '64GB' (decimal, 64e9), '64GiB' (binary)."""
-    size = _number(value)
-    if size is None and isinstance(value, str):
-        m = _MEMORY.match(value.strip())
-        if m:
-            size = float(m.group(1)) * _PREFIX[m.group(2) or ""]
-    if size is None or not size > 0 or math.isinf(size):
-        raise ConfigError(f"{field}: expected a positive size such as '64GB', '80GiB' or a number of bytes, "
-                          f"got {value!r}")
-    return size
+    return _parse(value, field, _MEMORY, lambda m: _PREFIX[m.group(2) or ""],
+                  "a positive size such as '64GB', '80GiB' or a number of bytes")
 
 
 def parse_latency(value: Any, field: str = "latency") -> float:
     """Seconds from a number or a string: '5us', '2ms', '1e-6s'."""
-    seconds = _number(value)
-    if seconds is None and isinstance(value, str):
-        m = _LATENCY.match(value.strip())
-        if m:
-            seconds = float(m.group(1)) * _SECONDS[m.group(2)]
-    if seconds is None or seconds < 0 or math.isinf(seconds):
-        raise ConfigError(f"{field}: expected a latency >= 0 such as '5us', '2ms' or a number of seconds, "
-                          f"got {value!r}")
-    return seconds
+    return _parse(value, field, _LATENCY, lambda m: _SECONDS[m.group(2)],
+                  "a latency >= 0 such as '5us', '2ms' or a number of seconds", allow_zero=True)
 
 
 def parse_flops(value: Any, field: str = "flops_per_gpu") -> float:
     """FLOP/s from a number or a string: '150T', '150TFLOPS', '5GFLOP/s'."""
-    flops = _number(value)
-    if flops is None and isinstance(value, str):
-        m = _FLOPS.match(value.strip())
-        if m:
-            flops = float(m.group(1)) * _PREFIX[m.group(2)]
-    if flops is None or not flops > 0 or math.isinf(flops):
-        raise ConfigError(f"{field}: expected a positive rate such as '150TFLOPS' or a number of FLOP/s, "
-                          f"got {value!r}")
-    return flops
+    return _parse(value, field, _FLOPS, lambda m: _PREFIX[m.group(2)],
+                  "a positive rate such as '150TFLOPS' or a number of FLOP/s")
 
 
 def _count(data: dict, key: str, where: str, required: bool = True) -> int | None:
