@@ -1,0 +1,290 @@
+"""Server-path aggregation: shard pieces from the groups are combined reply by reply, never held all at once.
+
+Each reply is the pieces (`flwr_sharded.parallel.shard_transport.ShardPiece`, keyed by parameter name and global row
+offset) that one group, or one rank of a group, sent for this sync, with the group's weight. `add()` validates the
+reply wholly BEFORE touching any accumulator, and rejects it with one log line naming the reason when:
+
+- its round is not this aggregator's round (stale or early reply), or its source already replied this round;
+- its weight is not a finite number > 0;
+- a key names no parameter of the model, or a piece's global shape, trailing dims or row range do not fit it;
+- a piece's dtype differs from the model's (declared, or learned from the first accepted reply);
+- a piece holds NaN or Inf;
+- two pieces of the reply overlap, or (with `complete=True`) the reply does not cover every parameter exactly once.
+
+Accepted replies of linear rules (FedAvg and the outer optimizers) are folded into one fp32 accumulator per parameter
+(`sum(w * x)`, memory: one fp32 copy of the model whatever F is) and a per-row weight sum, so groups sharded
+differently (S = 1 and S = 2) combine row by row. `finalize()` divides (and runs the outer rule on whole parameters,
+element-wise, from the global model and the outer state it keeps); `result(name, offset, rows)` / `pieces_for()`
+then slice each rank's own rows back out.
+
+Unit of rejection = unit of a reply. With `complete=True` (default) a reply must carry the whole model of one group
+(all of its ranks' pieces), so a group is taken or dropped as a whole; the cost is that one group's model is in the
+server's memory while its reply is validated (the Flower Message holds it anyway). With `complete=False` a reply may
+be one rank's pieces: memory per reply drops to 1/S of a model, and if one rank's reply is rejected the other ranks'
+rows of that group are kept, so those rows are averaged over a different set of groups than the rest (each row is
+still a correct weighted mean of the valid values sent for it; nothing invalid enters).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+
+from flwr_sharded.parallel.outer import FedAvg, ShardRule, State
+from flwr_sharded.parallel.shard_transport import ShardPiece
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """A parameter's global (unsharded) shape and the dtype its shards travel in."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+
+def spec_of(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, ParamSpec]:
+    """The spec of a (whole, unsharded) model's parameters."""
+    return {name: ParamSpec(tuple(t.shape), t.dtype) for name, t in named}
+
+
+@dataclass
+class ShardReply:
+    """What one group (or one rank) sent for a sync."""
+
+    source: str
+    round: int
+    weight: float
+    pieces: Sequence[ShardPiece]
+
+
+class RejectedReply(ValueError):
+    pass
+
+
+@dataclass
+class AggregationReport:
+    accepted: list[str] = field(default_factory=list)
+    rejected: dict[str, str] = field(default_factory=dict)
+    total_weight: float = 0.0
+
+
+class StreamingShardAggregator:
+    """Combine shard replies one at a time into per-parameter fp32 accumulators.
+
+    Args:
+        rule: a linear `ShardRule` (FedAvg by default). Non-linear rules need every member at once and are refused.
+        round: the sync round replies must carry.
+        spec: the model's parameters (`spec_of`); when None it is learned from the first accepted reply, which must
+            then be complete.
+        global_params: name -> the global model's full tensor (start of the sync period). Needed by stateful rules;
+            with FedAvg it fills rows no valid reply covered (else those rows make `finalize` raise).
+        state: name -> the rule's state (from a previous round's `state`), created by `rule.init_state` if missing.
+        complete: a reply must cover every parameter exactly once (one reply = one group, rejected as a whole).
+    """
+
+    def __init__(self, rule: ShardRule | None = None, round: int = 0, *, spec: dict[str, ParamSpec] | None = None,
+                 global_params: dict[str, torch.Tensor] | None = None, state: dict[str, State] | None = None,
+                 complete: bool = True) -> None:
+        self.rule = rule or FedAvg()
+        if not self.rule.linear:
+            raise ValueError(f"{type(self.rule).__name__} is not linear: the streaming server path needs a rule that "
+                             f"depends on the members only through their weighted mean")
+        if self.rule.stateful and global_params is None:
+            raise ValueError(f"{type(self.rule).__name__} steps from the global model: pass global_params")
+        if spec is None and not complete:
+            raise ValueError("without a declared spec, replies must be complete (the first one defines the model)")
+        self.round = round
+        self.spec = dict(spec) if spec is not None else None
+        self.global_params = global_params
+        self.state = dict(state) if state else {}
+        self.complete = complete
+        self.report = AggregationReport()
+        self._acc: dict[str, torch.Tensor] = {}
+        self._row_weight: dict[str, torch.Tensor] = {}
+        self._finalized = False
+
+    # ----- intake ---------------------------------------------------------------------------------------------
+    def add(self, reply: ShardReply) -> bool:
+        """Validate the reply wholly, then fold it in. False (and one warning log line) if it was rejected."""
+        if self._finalized:
+            raise RuntimeError("this aggregator is finalized; start a new one for the next round")
+        try:
+            spec = self._validate(reply)
+        except RejectedReply as exc:
+            self.report.rejected[reply.source] = str(exc)
+            log.warning("server path: round %s: rejected the reply of %s: %s", self.round, reply.source, exc)
+            return False
+        if self.spec is None:
+            self.spec = spec
+        self._accumulate(reply)
+        self.report.accepted.append(reply.source)
+        self.report.total_weight += float(reply.weight)
+        return True
+
+    def _validate(self, reply: ShardReply) -> dict[str, ParamSpec]:
+        if reply.round != self.round:
+            raise RejectedReply(f"round {reply.round} is not the current round {self.round} (stale or early reply)")
+        if reply.source in self.report.accepted or reply.source in self.report.rejected:
+            raise RejectedReply("this source already replied in this round")
+        if not (isinstance(reply.weight, (int, float)) and math.isfinite(reply.weight) and reply.weight > 0):
+            raise RejectedReply(f"weight must be a finite number > 0, got {reply.weight!r}")
+        if not reply.pieces:
+            raise RejectedReply("no shard pieces")
+        spec = self.spec if self.spec is not None else {
+            p.name: ParamSpec(tuple(p.global_shape), p.data.dtype) for p in reply.pieces}
+        covered: dict[str, list[tuple[int, int]]] = {}
+        for piece in reply.pieces:
+            where = f"piece {piece.name}@{piece.row_offset}"
+            if piece.name not in spec:
+                raise RejectedReply(f"{where}: unknown parameter {piece.name!r}")
+            want = spec[piece.name]
+            if tuple(piece.global_shape) != want.shape:
+                raise RejectedReply(f"{where}: global shape {tuple(piece.global_shape)} != model's {want.shape}")
+            if piece.data.dtype != want.dtype:
+                raise RejectedReply(f"{where}: dtype {piece.data.dtype} != model's {want.dtype}")
+            shape = tuple(piece.data.shape)
+            if not want.shape:
+                ok = shape in ((), (1,)) and piece.row_offset == 0
+            else:
+                ok = (len(shape) == len(want.shape) and shape[1:] == want.shape[1:] and piece.row_offset >= 0
+                      and shape[0] > 0 and piece.row_offset + shape[0] <= want.shape[0])
+            if not ok:
+                raise RejectedReply(f"{where}: local shape {shape} at row {piece.row_offset} does not fit the "
+                                    f"global shape {want.shape}")
+            if piece.data.is_floating_point() and not bool(torch.isfinite(piece.data).all()):
+                raise RejectedReply(f"{where}: holds NaN or Inf")
+            covered.setdefault(piece.name, []).append((piece.row_offset, piece.row_offset + piece.rows))
+        for name, ranges in covered.items():
+            ranges.sort()
+            for (_, end), (start, _) in zip(ranges, ranges[1:]):
+                if start < end:
+                    raise RejectedReply(f"pieces of {name!r} overlap (rows {start} < {end})")
+        if self.complete:
+            missing = [n for n in spec if n not in covered]
+            if missing:
+                raise RejectedReply(f"incomplete: no pieces for {len(missing)} parameters, e.g. {missing[:3]}")
+            for name, ranges in covered.items():
+                if sum(e - s for s, e in ranges) != spec[name].rows:
+                    raise RejectedReply(f"incomplete: pieces of {name!r} cover {sum(e - s for s, e in ranges)} "
+                                        f"of {spec[name].rows} rows")
+        return spec
+
+    @torch.no_grad()
+    def _accumulate(self, reply: ShardReply) -> None:
+        w = float(reply.weight)
+        for piece in reply.pieces:
+            want = self.spec[piece.name]
+            acc = self._acc.get(piece.name)
+            if acc is None:
+                acc = self._acc[piece.name] = torch.zeros(want.shape, dtype=torch.float32)
+                self._row_weight[piece.name] = torch.zeros(want.rows, dtype=torch.float64)
+            rows = slice(piece.row_offset, piece.row_offset + piece.rows)
+            target = acc[rows] if want.shape else acc
+            target.add_(piece.data.reshape(target.shape), alpha=w)  # fp32 += w * (fp32 | bf16): no temporary
+            self._row_weight[piece.name][rows] += w
+
+    # ----- result ---------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def finalize(self) -> AggregationReport:
+        """Turn the sums into the new global parameters (in place) and step the rule; return what was accepted."""
+        if self._finalized:
+            return self.report
+        if not self.report.accepted:
+            raise RuntimeError(f"round {self.round}: no valid reply to aggregate "
+                               f"(rejected: {self.report.rejected})")
+        for name, want in self.spec.items():
+            acc = self._acc.get(name)
+            if acc is None:
+                acc = self._acc[name] = torch.zeros(want.shape, dtype=torch.float32)
+                self._row_weight[name] = torch.zeros(want.rows, dtype=torch.float64)
+            weight = self._row_weight[name]
+            covered = weight > 0
+            view = acc.view(want.rows, -1)
+            view.div_(torch.where(covered, weight, 1.0).to(torch.float32).unsqueeze(1))  # uncovered rows stay 0
+            if not bool(covered.all()):
+                if self.global_params is None:
+                    raise RuntimeError(f"round {self.round}: rows of {name!r} were sent by no accepted reply and "
+                                       f"there is no global model to keep them from")
+                view[~covered] = self.global_params[name].float().reshape(want.rows, -1)[~covered]
+            if not isinstance(self.rule, FedAvg):
+                global_t = self.global_params[name]
+                state = self.state.get(name)
+                if state is None:
+                    state = self.rule.init_state(global_t.float())
+                new, self.state[name] = self.rule.apply_mean(global_t, acc, state)
+                acc.copy_(new)
+        self._finalized = True
+        return self.report
+
+    def result(self, name: str, row_offset: int, rows: int | None = None) -> torch.Tensor:
+        """The new global rows `[row_offset, row_offset + rows)` of a parameter (fp32, a view)."""
+        if not self._finalized:
+            raise RuntimeError("call finalize() first")
+        acc = self._acc[name]
+        if not acc.dim():
+            return acc
+        end = acc.shape[0] if rows is None else row_offset + rows
+        return acc[row_offset:end]
+
+    def pieces_for(self, requested: Iterable[ShardPiece], dtype: torch.dtype | None = None) -> list[ShardPiece]:
+        """The new values of exactly the pieces a rank sent (same keys and shapes), in `dtype` or the model's."""
+        out = []
+        for piece in requested:
+            value = self.result(piece.name, piece.row_offset, piece.rows).reshape(piece.data.shape)
+            out.append(ShardPiece(piece.name, piece.row_offset, tuple(piece.global_shape),
+                                  value.to(dtype or self.spec[piece.name].dtype)))
+        return out
+
+    def model(self) -> dict[str, torch.Tensor]:
+        """The new global parameters (fp32 accumulators, finalized), e.g. as the next round's `global_params`."""
+        if not self._finalized:
+            raise RuntimeError("call finalize() first")
+        return dict(self._acc)
+
+
+# ----- Flower records ---------------------------------------------------------------------------------------------
+SHARDS = "shards"
+"""ArrayRecord of a reply's pieces (`shard_transport.to_records`)."""
+SHARD_META = "shard-meta"
+"""ConfigRecord `key -> "dtype|global shape"` of those pieces."""
+SHARD_INFO = "shard-info"
+"""MetricRecord with the reply's `round` and `weight`."""
+
+
+def reply_content(pieces: Iterable[ShardPiece], round: int, weight: float):
+    """A RecordDict carrying pieces, for a group's reply (imports flwr; NumPy, no torch needed by the receiver)."""
+    from flwr.app import MetricRecord, RecordDict
+
+    from flwr_sharded.parallel.shard_transport import to_records
+
+    arrays, meta = to_records(pieces)
+    return RecordDict({SHARDS: arrays, SHARD_META: meta,
+                       SHARD_INFO: MetricRecord({"round": int(round), "weight": float(weight)})})
+
+
+def add_content(agg: StreamingShardAggregator, source: str, content) -> bool:
+    """Fold one reply's RecordDict into `agg`; malformed records are a rejection (logged), like bad pieces."""
+    from flwr_sharded.parallel.shard_transport import ShardPieceError, from_records
+
+    try:
+        if SHARDS not in content or SHARD_META not in content or SHARD_INFO not in content:
+            raise ShardPieceError(f"the reply lacks the {SHARDS!r}, {SHARD_META!r} or {SHARD_INFO!r} record")
+        info = content[SHARD_INFO]
+        if "round" not in info or "weight" not in info:
+            raise ShardPieceError(f"{SHARD_INFO!r} lacks 'round' or 'weight'")
+        pieces = from_records(content[SHARDS], content[SHARD_META])
+    except (ShardPieceError, KeyError, TypeError, ValueError) as exc:
+        agg.report.rejected[source] = f"malformed reply: {exc}"
+        log.warning("server path: round %s: rejected the reply of %s: malformed reply: %s", agg.round, source, exc)
+        return False
+    return agg.add(ShardReply(source, int(info["round"]), float(info["weight"]), pieces))

@@ -1,0 +1,179 @@
+"""This rank's local shards as self-describing pieces for the server path, and writing pieces back into the shards.
+
+A piece is one parameter's rows `[row_offset, row_offset + rows)` along dim 0 of its global (unsharded) shape, keyed
+`"{name}@{row_offset}"`. FSDP2 shards dim 0 (`Shard(0)`, torch.chunk's rule; HSDP adds a `Replicate()` mesh dim that
+does not move the offset), so a rank's local tensor is exactly one such row range; the offset comes from DTensor's
+own `compute_local_shape_and_global_offset`. Keys by global offset are what lets groups sharded differently (S = 1
+and S = 2) be combined at the server.
+
+On the wire (`encode_pieces`): a dict of NumPy arrays (ArrayRecord-ready, `ArrayRecord(array_dict=...)` after
+wrapping each in `flwr.app.Array`) plus a dict of string metadata (ConfigRecord-ready) `key -> "dtype|d0,d1,..."`.
+bf16 has no NumPy dtype: it travels as the raw int16 view of its bits and is restored bit for bit. No rank ever
+gathers the full model: only its own local tensor is read or written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+from flwr_sharded.parallel.sync import local_shard
+
+_BITS_VIEW = {torch.bfloat16: torch.int16}
+"""dtypes NumPy cannot hold, sent as a same-width integer view of their bits."""
+_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16)}
+
+
+class ShardPieceError(ValueError):
+    """Pieces that do not match the local shards (unknown key, wrong shape or dtype)."""
+
+
+@dataclass
+class ShardPiece:
+    """Rows `[row_offset, row_offset + data.shape[0])` of parameter `name`, whose unsharded shape is `global_shape`."""
+
+    name: str
+    row_offset: int
+    global_shape: tuple[int, ...]
+    data: torch.Tensor
+
+    @property
+    def key(self) -> str:
+        return piece_key(self.name, self.row_offset)
+
+    @property
+    def rows(self) -> int:
+        return int(self.data.shape[0]) if self.data.dim() else 1
+
+
+def piece_key(name: str, row_offset: int) -> str:
+    return f"{name}@{row_offset}"
+
+
+def split_key(key: str) -> tuple[str, int]:
+    name, sep, offset = key.rpartition("@")
+    if not sep or not name or not offset.isdigit():
+        raise ShardPieceError(f"malformed shard key {key!r} (expected 'name@row_offset')")
+    return name, int(offset)
+
+
+def row_offset(param: torch.Tensor) -> int:
+    """Global row (dim 0) offset of this rank's local shard; 0 for a plain tensor or a replicated DTensor."""
+    if not isinstance(param, DTensor):
+        return 0
+    for placement in param.placements:
+        if isinstance(placement, Shard) and placement.dim != 0:
+            raise ShardPieceError(f"only dim-0 sharding is supported, got placements {param.placements}")
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return int(offset[0]) if offset else 0
+
+
+def shard_pieces(named_params: Iterable[tuple[str, torch.Tensor]], *, clone: bool = False) -> list[ShardPiece]:
+    """This rank's pieces: one per parameter (the local shard, a view unless `clone`), with its global row offset.
+
+    Empty local shards (uneven sharding: the last ranks may hold 0 rows) are left out. Call it with the parameters
+    in their sharded state (FSDP2 registers the unsharded tensors between forward and `reshard()`; a plain tensor
+    is sent whole, at offset 0), as for `ShardSync`.
+    """
+    pieces = []
+    for name, param in named_params:
+        local = local_shard(param)
+        if local.dim() and local.shape[0] == 0:
+            continue
+        pieces.append(ShardPiece(name, row_offset(param), tuple(param.shape), local.clone() if clone else local))
+    return pieces
+
+
+@torch.no_grad()
+def apply_pieces(named_params: Iterable[tuple[str, torch.Tensor]], pieces: Iterable[ShardPiece]) -> int:
+    """Write pieces into the matching local shards (cast to the shard's dtype); return how many were written.
+
+    Every piece must match a local shard exactly (same name, row offset, local shape and global shape); all are
+    checked before anything is written, so a bad set of pieces changes nothing. Local shards without a piece are
+    left unchanged.
+    """
+    targets = {}
+    for name, param in named_params:
+        local = local_shard(param)
+        if local.dim() and local.shape[0] == 0:
+            continue
+        targets[piece_key(name, row_offset(param))] = (tuple(param.shape), local)
+    pieces = list(pieces)
+    seen = set()
+    for piece in pieces:
+        if piece.key not in targets:
+            raise ShardPieceError(f"piece {piece.key!r} matches no local shard of this rank "
+                                  f"(local keys: {sorted(targets)[:5]}...)")
+        if piece.key in seen:
+            raise ShardPieceError(f"piece {piece.key!r} given twice")
+        seen.add(piece.key)
+        global_shape, local = targets[piece.key]
+        if tuple(piece.global_shape) != global_shape or tuple(piece.data.shape) != tuple(local.shape):
+            raise ShardPieceError(f"piece {piece.key!r} has shape {tuple(piece.data.shape)} of global "
+                                  f"{tuple(piece.global_shape)}, the local shard is {tuple(local.shape)} of "
+                                  f"global {global_shape}")
+    for piece in pieces:
+        targets[piece.key][1].copy_(piece.data)
+    return len(pieces)
+
+
+def encode_pieces(pieces: Iterable[ShardPiece]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """(arrays, meta): NumPy arrays keyed `name@offset` (bf16 as an int16 bit view) and `key -> "dtype|shape"`."""
+    arrays, meta = {}, {}
+    for piece in pieces:
+        data = piece.data.detach()
+        if data.dtype not in _DTYPES.values():
+            raise ShardPieceError(f"piece {piece.key!r}: dtype {data.dtype} is not supported on the wire")
+        dtype_name = str(data.dtype).removeprefix("torch.")
+        if data.dtype in _BITS_VIEW:
+            data = data.contiguous().view(_BITS_VIEW[data.dtype])
+        arrays[piece.key] = data.cpu().numpy()
+        meta[piece.key] = f"{dtype_name}|{','.join(str(d) for d in piece.global_shape)}"
+    return arrays, meta
+
+
+def decode_pieces(arrays: dict[str, np.ndarray], meta: dict[str, str]) -> list[ShardPiece]:
+    """Inverse of `encode_pieces` (zero-copy where possible). Raises ShardPieceError on malformed input."""
+    if set(arrays) != set(meta):
+        raise ShardPieceError(f"arrays and metadata name different keys: "
+                              f"{sorted(set(arrays) ^ set(meta))[:5]}")
+    pieces = []
+    for key, array in arrays.items():
+        name, offset = split_key(key)
+        dtype_name, _, shape = str(meta[key]).partition("|")
+        if dtype_name not in _DTYPES:
+            raise ShardPieceError(f"piece {key!r}: unknown dtype tag {dtype_name!r}")
+        dtype = _DTYPES[dtype_name]
+        try:
+            global_shape = tuple(int(d) for d in shape.split(",")) if shape else ()
+        except ValueError:
+            raise ShardPieceError(f"piece {key!r}: malformed global shape {shape!r}") from None
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        if dtype in _BITS_VIEW:
+            if tensor.dtype != _BITS_VIEW[dtype]:
+                raise ShardPieceError(f"piece {key!r}: {dtype_name} must travel as {_BITS_VIEW[dtype]}, "
+                                      f"got {tensor.dtype}")
+            tensor = tensor.view(dtype)
+        elif tensor.dtype != dtype:
+            raise ShardPieceError(f"piece {key!r}: tagged {dtype_name}, the array is {tensor.dtype}")
+        pieces.append(ShardPiece(name, offset, global_shape, tensor))
+    return pieces
+
+
+def to_records(pieces: Iterable[ShardPiece]):
+    """(ArrayRecord, ConfigRecord) for a Flower Message (imports flwr)."""
+    from flwr.app import Array, ArrayRecord, ConfigRecord
+
+    arrays, meta = encode_pieces(pieces)
+    return ArrayRecord(array_dict={k: Array(v) for k, v in arrays.items()}), ConfigRecord(dict(meta))
+
+
+def from_records(arrays, meta) -> list[ShardPiece]:
+    """Inverse of `to_records`."""
+    return decode_pieces({k: arrays[k].numpy() for k in arrays.keys()}, {k: str(meta[k]) for k in meta.keys()})
