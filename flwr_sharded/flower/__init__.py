@@ -4,7 +4,9 @@
 - `client`: the thin ClientApp's helpers: find or launch the group, forward messages (no torch);
 - `group`: the long-lived group runtime, a torchrun entry point (`python -m flwr_sharded.flower.group`);
 - `rendezvous`: per-round federation process groups between groups (TCPStore + PrefixStore per shard index);
-- `strategy`: `DecentralizedFedAvg`, config-only messages on Flower's Message API.
+- `strategy`: `DecentralizedFedAvg`, config-only messages on Flower's Message API;
+- `server_aggregation`: the server path's streaming, validated shard aggregator (see docs/server-path.md);
+- `processes`: process liveness checks (no torch).
 
 Nothing is imported here, so that `import flwr_sharded.flower.client` stays free of torch.
 """
