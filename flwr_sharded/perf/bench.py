@@ -25,7 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -843,7 +843,7 @@ def _inner_sync(opts: argparse.Namespace) -> int:
         path.write_text(json.dumps(res, indent=2))
         rows.append(res)
         _say(f"   sync/flat {res['sync_over_flat']:.3f}")
-    print(f"\n| network | shard bytes/rank | sync s | flat s | per-param s | sync / flat | per-param / sync |")
+    print("\n| network | shard bytes/rank | sync s | flat s | per-param s | sync / flat | per-param / sync |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         med = r["median_s"]

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import math
 import os
 import shutil
 import signal
@@ -639,7 +638,3 @@ def topology_dict(t: EmuTopology) -> dict[str, Any]:
     out["groups"] = t.groups
     out["world_size"] = t.world_size
     return out
-
-
-def rate_bits(nbytes: float, seconds: float) -> float:
-    return nbytes * 8 / seconds if seconds > 0 else math.inf
