@@ -1,7 +1,7 @@
 """The thin ClientApp side (no torch): find or launch this node's group, forward each Flower message to it.
 
 Deployment: the SuperNode's `--node-config` names the group: `group-address="127.0.0.1:7100"
-group-authkey-file="/path/key"` (optional: `data-dir`, `partition-id`, `num-partitions`).
+group-authkey-file="/path/key"` (optional: `data-dir`, `partition-id`, `num-partitions`, `facility`).
 
 Local simulation (no `group-address` in the node config): the first message launches the group on this machine,
 `torchrun --standalone --nproc-per-node R*S -m flwr_sharded.flower.group ...` in its own session, with a fresh authkey
@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from flwr_sharded.config import ConfigError
+from flwr_sharded.flower import handoff
 from flwr_sharded.flower import protocol as P
 from flwr_sharded.flower.processes import pid_alive
 
@@ -37,6 +38,7 @@ GROUP_MODULE = "flwr_sharded.flower.group"
 NODE_ADDRESS = "group-address"
 NODE_AUTHKEY = "group-authkey-file"
 NODE_DATA_DIR = "data-dir"
+NODE_FACILITY = "facility"
 
 
 class GroupUnavailable(RuntimeError):
@@ -320,7 +322,13 @@ def handle(message: Any, context: Any, verb: str) -> Any:
             return Message(to_records(True, "", _finish(context, config, timeout)), reply_to=message)
         client, launched = find_group(context, config, launch=verb == P.HELLO)
         args = _group_args(context, config, verb)
+        if verb == P.APPLY:
+            return Message(to_records(True, "", _apply(client, message.content, args, timeout)), reply_to=message)
         result = client.call(verb, args, timeout=timeout)
+        if verb == P.HELLO:
+            result["facility"] = str(context.node_config.get(NODE_FACILITY, ""))
+        if verb == P.TRAIN and result.get("export_files"):
+            return _train_reply_with_shards(message, result, int(config.get("server-round", 0)))
         if verb == P.HELLO and launched is not None and result.get("pids"):
             launched.worker_pids = [int(p) for p in result["pids"]]
             _remember(context, launched)
@@ -346,8 +354,57 @@ def _group_args(context: Any, config: Mapping[str, Any], verb: str) -> dict[str,
                 "rendezvous_host": str(config["rendezvous-host"]),
                 "rendezvous_ports": [int(p) for p in config["rendezvous-ports"]], "prefix": str(config["prefix"]),
                 "rendezvous_timeout": float(config["rendezvous-timeout"]),
-                "sync_timeout": float(config["sync-timeout"]), "evaluate": bool(config.get("evaluate", True))}
+                "sync_timeout": float(config["sync-timeout"]), "evaluate": bool(config.get("evaluate", True)),
+                "export": bool(config.get("export", False))}
+    if verb == P.APPLY:
+        return {"evaluate": bool(config.get("evaluate", False)), "server_round": int(config.get("server-round", 0))}
     return {}
+
+
+def _train_reply_with_shards(message: Any, result: dict[str, Any], server_round: int) -> Any:
+    """The train reply with the group's exported pieces attached (then the hand-off files are removed)."""
+    from flwr.app import Message
+
+    files = [str(f) for f in result.pop("export_files")]
+    try:
+        arrays, meta = handoff.read_files(files)
+        content = to_records(True, "", result)
+        for name, record in handoff.to_records(arrays, meta, server_round,
+                                               float(result.get("facility_tokens", 0))).items():
+            content[name] = record
+        del arrays
+        return Message(content, reply_to=message)
+    finally:
+        _remove_files(files)
+
+
+def _apply(client: GroupClient, content: Any, args: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Write the server's pieces to one hand-off file; every rank of the group reads its own rows from it."""
+    arrays, meta, info = handoff.from_records(content)
+    if int(info.get("round", -1)) != args["server_round"]:
+        raise ValueError(f"the shards are for round {info.get('round')}, this message is for round "
+                         f"{args['server_round']}")
+    directory = str(client.call(P.STATUS, timeout=min(timeout, 30.0))["handoff_dir"])
+    path = os.path.join(directory, f"apply-round{args['server_round']}-{os.getpid()}.safetensors")
+    try:
+        handoff.write_file(path, arrays, meta)
+        del arrays
+        return client.call(P.APPLY, {**args, "path": path}, timeout=timeout)
+    finally:
+        _remove_files([path], directories=False)
+
+
+def _remove_files(paths: list[str], directories: bool = True) -> None:
+    for path in paths:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        if directories:
+            try:
+                os.rmdir(os.path.dirname(path))  # the per-round export directory, once empty
+            except OSError:
+                pass
 
 
 def _finish(context: Any, config: Mapping[str, Any], timeout: float) -> dict[str, Any]:

@@ -26,6 +26,7 @@ import logging
 import os
 import queue
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -37,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from flwr_sharded.config import ConfigError, ParallelConfig, config_from_dict, validate_parallel
+from flwr_sharded.flower import handoff
 from flwr_sharded.flower import protocol as P
 from flwr_sharded.flower import rendezvous as rdv
 from flwr_sharded.flower.processes import pid_alive
@@ -126,6 +128,9 @@ class GroupRuntime:
         self.ctrl = dist.new_group(backend="gloo", timeout=timedelta(seconds=wait_s))
         self.pids = self._gather(os.getpid())
         self.trainer = None
+        self.spec: P.RunSpec | None = None
+        self.handoff_dir = self._broadcast(args.handoff_dir or os.path.join(
+            tempfile.gettempdir(), f"flwr_sharded-{os.getuid()}", f"handoff-{os.getpid()}") if self.rank == 0 else None)
         self.key = ""
         self.tokens = 0
         self.syncs = 0
@@ -246,7 +251,7 @@ class GroupRuntime:
     def _layout(self) -> dict[str, Any]:
         return {"method": self.args.method, "replicas": self.args.replicas, "shards": self.args.shards,
                 "world": self.world, "rendezvous_host": self.args.rendezvous_host,
-                "rendezvous_ports": self.offer_ports, "pids": self.pids}
+                "rendezvous_ports": self.offer_ports, "pids": self.pids, "handoff_dir": self.handoff_dir}
 
     def do_status(self, args: dict[str, Any]) -> dict[str, Any]:
         t = self.trainer
@@ -277,6 +282,8 @@ class GroupRuntime:
                 raise ConfigError(f"partition-id {partition[0]} outside 0..{partition[1] - 1}")
         except (ConfigError, KeyError, ValueError, TypeError) as exc:
             out["error"] = str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
+        if not out["error"] and spec.aggregation == "server":
+            out["error"] = self._check_handoff_dir()
         errors = [e for e in self._gather(out["error"]) if e]  # every rank must agree before building anything
         if errors:
             out["error"] = errors[0]
@@ -288,7 +295,7 @@ class GroupRuntime:
 
             start = time.perf_counter()
             self.trainer = Trainer(cfg, self.topo, static_sync=False, partition=partition)
-            self.key, self.tokens, self.syncs = key, 0, 0
+            self.key, self.tokens, self.syncs, self.spec = key, 0, 0, spec
             self._take_snapshot()
             logger.info("built the trainer for partition %d/%d in %.1f s", *partition, time.perf_counter() - start)
         fingerprints = self._gather(self.trainer.shard_sync.fingerprint())
@@ -312,8 +319,12 @@ class GroupRuntime:
             prefix = str(args["prefix"])
             rdv_timeout, sync_timeout = float(args["rendezvous_timeout"]), float(args["sync_timeout"])
             evaluate = bool(args.get("evaluate", True))
+            export = bool(args.get("export", False))
         except (KeyError, ValueError, TypeError) as exc:
             raise InstructionError(f"malformed train instruction: {exc!r}") from None
+        server_path = self.spec is not None and self.spec.aggregation == "server"
+        if export and not server_path:
+            raise InstructionError("export asks for the server path, but this run's aggregation is decentralized")
         if periods < 1 or steps < 1:
             raise InstructionError(f"train needs syncs >= 1 and steps >= 1, got {periods} and {steps}")
         if not 0 <= me < len(members) or len(ports) != self.args.shards:
@@ -323,7 +334,7 @@ class GroupRuntime:
         cuda = t.device.type == "cuda"
         losses: list[torch.Tensor] = []
         train_s = sync_s = rendezvous_s = eval_s = 0.0
-        syncs_done, failure = 0, ""
+        syncs_done, failure, weight = 0, "", 0.0
         checksums: list[float] = []
         groups: list[rdv.FederationGroup] = []
         try:
@@ -335,8 +346,8 @@ class GroupRuntime:
                     torch.cuda.synchronize()
                 train_s += time.perf_counter() - start
                 start = time.perf_counter()
-                ok, failure, rdv_s = self._sync(t, k, groups, members, me, host, ports, prefix, rdv_timeout,
-                                                sync_timeout)
+                ok, failure, rdv_s, period_weight = self._sync(t, k, groups, members, me, host, ports, prefix,
+                                                               rdv_timeout, sync_timeout, apply_rule=not server_path)
                 rendezvous_s += rdv_s
                 if not ok:
                     self._restore_snapshot()
@@ -348,6 +359,7 @@ class GroupRuntime:
                 self._take_snapshot()
                 sync_s += time.perf_counter() - start
                 syncs_done += 1
+                weight += period_weight
                 self.syncs += 1
                 checksums.extend(self._checksums())
                 if self.args.debug_exit_after_syncs and self.syncs >= self.args.debug_exit_after_syncs:
@@ -369,6 +381,10 @@ class GroupRuntime:
             "train_s": train_s, "sync_s": sync_s, "rendezvous_s": rendezvous_s, "syncs": syncs_done,
             "sync_failed": bool(failure), "sync_error": failure, "checksums": checksums,
             "step": t.step_count, "lr": t.scheduler.get_last_lr()[0], "members": len(members)}
+        if export and not failure:
+            start = time.perf_counter()
+            result.update(export_files=self._export(prefix), facility_tokens=weight,
+                          export_s=time.perf_counter() - start)
         if evaluate:
             start = time.perf_counter()
             result.update(t.evaluate())
@@ -377,15 +393,19 @@ class GroupRuntime:
         return result
 
     def _sync(self, t, k: int, groups: list[rdv.FederationGroup], members: list[str], me: int, host: str,
-              ports: list[int], prefix: str, rdv_timeout: float, sync_timeout: float) -> tuple[bool, str, float]:
-        """One shard sync with the round's members; returns (every rank of this group succeeded, error, s).
+              ports: list[int], prefix: str, rdv_timeout: float, sync_timeout: float,
+              apply_rule: bool = True) -> tuple[bool, str, float, float]:
+        """One shard sync with the round's members; returns (every rank succeeded, error, rendezvous s, weight).
+
+        `weight` is the members' total weight (tokens) of this period, as replica 0 knows it; `apply_rule=False`
+        stops at the weighted mean (the facility level of the server path).
 
         Replica 0 of each shard index joins the round's federation group (on the round's first sync) and runs the
         trainer's ShardSync over it; with R > 1 the result is then broadcast to the other replicas, but only once
         every rank of the group knows that all shard indices succeeded. A group alone in a round still runs the
         sync (over a group of one): a no-op for FedAvg, the outer step for outer optimizers.
         """
-        rdv_s, error = 0.0, ""
+        rdv_s, error, weight = 0.0, "", 0.0
         sync = t.shard_sync
         saved_outer = None
         if self.topo.replica_index == 0:
@@ -403,7 +423,7 @@ class GroupRuntime:
                     raise rdv.RendezvousError("no federation group (the round's first sync failed)")
                 if sync.rule.stateful:  # outer optimizer state, restored if any shard index fails
                     saved_outer = copy.deepcopy(sync.outer_state_dict())
-                t.sync()  # token-weighted FedAvg (or outer rule) of the local shards; resets the token count
+                weight = t.sync(apply_rule=apply_rule).total_weight  # token-weighted FedAvg (or outer rule)
             except Exception as exc:  # noqa: BLE001 - rendezvous, timeout, peer gone, misaligned shards
                 error = f"shard {self.topo.shard_index}: {rdv.first_line(exc)}"
         else:  # a replica > 0 receives the result by broadcast below
@@ -414,10 +434,76 @@ class GroupRuntime:
         if errors:
             if saved_outer is not None:
                 sync.load_outer_state_dict(saved_outer)
-            return False, "; ".join(sorted(set(errors))), rdv_s
+            return False, "; ".join(sorted(set(errors))), rdv_s, weight
         if self.topo.rep_group is not None:
             sync.broadcast(self.topo.rep_group)
-        return True, "", rdv_s
+        return True, "", rdv_s, weight
+
+    # ----- server path ----------------------------------------------------------------------------------------
+    def _check_handoff_dir(self) -> str:
+        """'' if every rank can write and see the hand-off directory, else why not (checked at hello)."""
+        probe = os.path.join(self.handoff_dir, f".probe-{self.pids[0]}")
+        error = ""
+        if self.rank == 0:
+            try:
+                os.makedirs(self.handoff_dir, mode=0o700, exist_ok=True)
+                with open(probe, "w") as fh:
+                    fh.write("ok")
+            except OSError as exc:
+                error = f"cannot write the hand-off directory {self.handoff_dir}: {exc}"
+        error = self._broadcast(error)
+        if not error and not os.path.isfile(probe):
+            error = (f"rank {self.rank} does not see the hand-off directory {self.handoff_dir}; the server path "
+                     f"needs it on a filesystem shared by the group's nodes (--handoff-dir)")
+        return error
+
+    def _export(self, prefix: str) -> list[str]:
+        """Replica-0 ranks write their own pieces to a hand-off file each; returns every file (rank 0's view)."""
+        from flwr_sharded.parallel.shard_transport import encode_pieces, shard_pieces
+
+        path = ""
+        if self.topo.replica_index == 0:
+            safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in prefix)
+            path = os.path.join(self.handoff_dir, safe, f"s{self.topo.shard_index}.safetensors")
+            handoff.write_file(path, *encode_pieces(shard_pieces(self.trainer.model.named_parameters())))
+        return [p for p in self._gather(path) if p]
+
+    def do_apply(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Adopt the server's mean: each replica-0 rank reads its own rows, all ranks check, then all write."""
+        from flwr_sharded.parallel.shard_transport import check_pieces, decode_pieces, own_keys
+
+        t = self._need_trainer()
+        path = str(args.get("path", ""))
+        error, pairs = "", []
+        if self.topo.replica_index == 0:
+            try:
+                named = list(t.model.named_parameters())
+                arrays, meta = handoff.read_keys(path, own_keys(named))
+                pairs = check_pieces(named, decode_pieces(arrays, meta))
+            except Exception as exc:  # noqa: BLE001 - missing file or keys, bad shapes, NaN: refuse, change nothing
+                error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+        errors = [e for e in self._gather(error) if e]
+        if errors:
+            raise InstructionError("the server's shards do not fit this group, nothing changed: " + errors[0])
+        start = time.perf_counter()
+        with torch.no_grad():
+            for piece, local in pairs:
+                local.copy_(piece.data)
+        if self.topo.replica_index == 0:
+            t.shard_sync.step_rule()  # the outer optimizer, on this rank's own shards and state
+        if self.topo.rep_group is not None:
+            t.shard_sync.broadcast(self.topo.rep_group)
+        t.tokens_since_sync = 0
+        if t.cfg.parallel.reset_optimizer_state:
+            t.optimizer.state.clear()
+        self._take_snapshot()
+        result: dict[str, Any] = {"apply_s": time.perf_counter() - start, "checksums": self._checksums(),
+                                  "step": t.step_count}
+        if args.get("evaluate", False):
+            start = time.perf_counter()
+            result.update(t.evaluate())
+            result["eval_s"] = time.perf_counter() - start
+        return result
 
     def _take_snapshot(self) -> None:
         """Copy this rank's local shards to CPU: the state a failed sync rolls back to."""
@@ -489,6 +575,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rendezvous-ports", default="",
                         help="comma-separated store port per shard index (default: free ports)")
     parser.add_argument("--data-dir", default="", help="prepared data directory (overrides the run config's)")
+    parser.add_argument("--handoff-dir", default="",
+                        help="where ranks and the ClientApp exchange shard files on the server path; must be shared "
+                             "by the group's nodes (default: a private directory under the system's temp dir)")
     parser.add_argument("--idle-timeout", type=float, default=600.0,
                         help="exit after this many seconds without an instruction (0: never)")
     parser.add_argument("--watch-pid", type=int, default=0, help="exit when this process is gone")

@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from flwr_sharded.config import METHODS, ConfigError, config_from_dict, default_data_dir, validate
+from flwr_sharded.config import METHODS, ConfigError, config_from_dict, default_data_dir, outer_rule, validate
 
 PROTOCOL_VERSION = 1
+AGGREGATIONS = ("decentralized", "server")
 
 # ----- verbs ------------------------------------------------------------------------------------------------------
 HELLO = "hello"
@@ -36,18 +37,21 @@ EVALUATE = "evaluate"
 """Held-out loss and perplexity of the group's current weights."""
 STATUS = "status"
 """Liveness and progress; changes nothing."""
+APPLY = "apply"
+"""Server path: every rank reads its own rows of the server's mean from a hand-off file and steps the outer rule."""
 SAVE = "save"
 """Merge the group's shards and write a Hugging Face model directory."""
 FINISH = "finish"
 """The run is over: drop the trainer (free memory), keep serving."""
 SHUTDOWN = "shutdown"
 """Exit every rank of the group."""
-VERBS = (HELLO, TRAIN, EVALUATE, STATUS, SAVE, FINISH, SHUTDOWN)
+VERBS = (HELLO, TRAIN, APPLY, EVALUATE, STATUS, SAVE, FINISH, SHUTDOWN)
 
 # ----- Flower message types (ClientApp routes) --------------------------------------------------------------------
 MSG_HELLO = "query.hello"
 MSG_TRAIN = "train"
 MSG_EVALUATE = "evaluate"
+MSG_APPLY = "query.apply"
 MSG_FINISH = "query.finish"
 
 # ----- Flower record names ----------------------------------------------------------------------------------------
@@ -204,6 +208,12 @@ class RunSpec:
     """Outer learning rate (0: the rule's default)."""
     outer_momentum: float = -1.0
     """Outer momentum of fedavgm/nesterov (negative: the rule's default, 0.9)."""
+    aggregation: str = "decentralized"
+    """decentralized (groups all-reduce shards among themselves) or server (shards travel through the Flower server,
+    for groups that share no network; groups of one facility still all-reduce among themselves)."""
+    facilities: str = ""
+    """Server path: facility of each group by partition id, comma-separated (e.g. "a,a,b,b"); a SuperNode's node
+    config `facility` overrides it; '' puts every group in a facility of its own."""
 
     # ----- conversions ----------------------------------------------------------------------------------------
     @classmethod
@@ -284,10 +294,30 @@ class RunSpec:
         if self.method == "fl-fsdp" and self.replicas != 1:
             raise ConfigError(f"run config: method fl-fsdp has no replication, so 'replicas' must be 1 "
                               f"(got {self.replicas}); use method fl-hsdp for R > 1")
+        if self.aggregation not in AGGREGATIONS:
+            raise ConfigError(f"run config 'aggregation' must be one of {', '.join(AGGREGATIONS)}; "
+                              f"got {self.aggregation!r}")
+        if self.facilities and any(not f.strip() for f in self.facilities.split(",")):
+            raise ConfigError(f"run config 'facilities' must be comma-separated non-empty names, one per partition "
+                              f"id (e.g. \"a,a,b,b\"); got {self.facilities!r}")
+        if self.facilities and self.aggregation != "server":
+            raise ConfigError("run config 'facilities' groups clients for the server path; set aggregation=\"server\" "
+                              "or leave facilities empty")
         try:
-            validate(config_from_dict(self.train_config_dict()))
+            cfg = config_from_dict(self.train_config_dict())
+            validate(cfg)
         except ConfigError as exc:
             raise ConfigError("run config: " + str(exc).replace("--", "")) from None
+        if self.aggregation == "server":
+            if not outer_rule(cfg.parallel).linear:
+                raise ConfigError(f"run config 'outer' = {self.outer!r} needs every member's shards at once, but "
+                                  f"aggregation=\"server\" streams a weighted mean; use a linear rule (fedavg, "
+                                  f"fedavgm, nesterov, fedadam, fedyogi) or aggregation=\"decentralized\"")
+
+    def facility_of(self, partition_id: int) -> str:
+        """The facility named for a partition id by `facilities` ('' when not named there)."""
+        names = [f.strip() for f in self.facilities.split(",")] if self.facilities else []
+        return names[partition_id] if 0 <= partition_id < len(names) else ""
 
 
 def _coerce(value: Any, typ: type, key: str) -> Any:

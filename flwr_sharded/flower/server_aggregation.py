@@ -34,6 +34,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from flwr_sharded.flower import handoff
 from flwr_sharded.parallel.outer import FedAvg, ShardRule, State
 from flwr_sharded.parallel.shard_transport import ShardPiece
 
@@ -252,37 +253,25 @@ class StreamingShardAggregator:
         return dict(self._acc)
 
 
-# ----- Flower records ---------------------------------------------------------------------------------------------
-SHARDS = "shards"
-"""ArrayRecord of a reply's pieces (`shard_transport.to_records`)."""
-SHARD_META = "shard-meta"
-"""ConfigRecord `key -> "dtype|global shape"` of those pieces."""
-SHARD_INFO = "shard-info"
-"""MetricRecord with the reply's `round` and `weight`."""
-
-
+# ----- Flower records (names and layout: `flwr_sharded.flower.handoff`) ------------------------------------------
 def reply_content(pieces: Iterable[ShardPiece], round: int, weight: float):
     """A RecordDict carrying pieces, for a group's reply (imports flwr; NumPy, no torch needed by the receiver)."""
-    from flwr.app import MetricRecord, RecordDict
+    from flwr.app import RecordDict
 
-    from flwr_sharded.parallel.shard_transport import to_records
+    from flwr_sharded.parallel.shard_transport import encode_pieces
 
-    arrays, meta = to_records(pieces)
-    return RecordDict({SHARDS: arrays, SHARD_META: meta,
-                       SHARD_INFO: MetricRecord({"round": int(round), "weight": float(weight)})})
+    return RecordDict(handoff.to_records(*encode_pieces(pieces), round, weight))
 
 
 def add_content(agg: StreamingShardAggregator, source: str, content) -> bool:
     """Fold one reply's RecordDict into `agg`; malformed records are a rejection (logged), like bad pieces."""
-    from flwr_sharded.parallel.shard_transport import ShardPieceError, from_records
+    from flwr_sharded.parallel.shard_transport import ShardPieceError, decode_pieces
 
     try:
-        if SHARDS not in content or SHARD_META not in content or SHARD_INFO not in content:
-            raise ShardPieceError(f"the reply lacks the {SHARDS!r}, {SHARD_META!r} or {SHARD_INFO!r} record")
-        info = content[SHARD_INFO]
+        arrays, meta, info = handoff.from_records(content)
         if "round" not in info or "weight" not in info:
-            raise ShardPieceError(f"{SHARD_INFO!r} lacks 'round' or 'weight'")
-        pieces = from_records(content[SHARDS], content[SHARD_META])
+            raise ShardPieceError(f"{handoff.SHARD_INFO!r} lacks 'round' or 'weight'")
+        pieces = decode_pieces(arrays, meta)
     except (ShardPieceError, KeyError, TypeError, ValueError) as exc:
         agg.report.rejected[source] = f"malformed reply: {exc}"
         log.warning("server path: round %s: rejected the reply of %s: malformed reply: %s", agg.round, source, exc)

@@ -73,6 +73,8 @@ class GroupInfo:
     layout: P.GroupLayout
     fingerprint: str
     tokens: int = 0
+    facility: str = ""
+    """The facility (set of groups sharing a fabric) of the server path; '' on the decentralised path."""
     failures: list[str] = field(default_factory=list)
 
 
@@ -159,9 +161,7 @@ class DecentralizedFedAvg(Strategy):
         self.members = [n for n in self.members if n in alive]
         for node, metrics in alive.items():
             self.groups[node].tokens = int(metrics.get("total_tokens", 0))
-        self.history.append(record)
-        self._write(record)
-        self._log_round(record)
+        self.history.append(record)  # written and logged by run_round once the round is complete
         return None, MetricRecord({k: v for k, v in record.items() if isinstance(v, (int, float))
                                    and not isinstance(v, bool)} | {"losses": record["losses"] or [0.0]})
 
@@ -223,31 +223,46 @@ class DecentralizedFedAvg(Strategy):
                 log(INFO, "")
                 log(INFO, "[ROUND %d/%d] %d group(s): nodes %s", server_round, rounds, len(self.members),
                     self.members)
-                t0 = time.monotonic()
-                messages = list(self.configure_train(server_round, ArrayRecord(), train_config or ConfigRecord(),
-                                                     grid))
-                replies = self.send_and_receive(grid, messages, self.deadlines.round_timeout)
-                self._round_wall = time.monotonic() - t0
-                _, metrics = self.aggregate_train(server_round, replies)
-                if metrics is not None:
-                    result.train_metrics_clientapp[server_round] = metrics
-                evaluate = list(self.configure_evaluate(server_round, ArrayRecord(),
-                                                        evaluate_config or ConfigRecord(), grid))
-                if evaluate:
-                    eval_metrics = self.aggregate_evaluate(
-                        server_round, self.send_and_receive(grid, evaluate, self.deadlines.round_timeout))
-                    if eval_metrics is not None:
-                        result.evaluate_metrics_clientapp[server_round] = eval_metrics
-                elif self.history and "eval_loss" in self.history[-1]:
-                    h = self.history[-1]
-                    result.evaluate_metrics_clientapp[server_round] = MetricRecord(
-                        {"eval_loss": h["eval_loss"], "eval_ppl": h["eval_ppl"]})
+                self.run_round(grid, server_round, result, train_config, evaluate_config)
             self._log_summary(time.monotonic() - start)
         finally:
             self.finish(grid)
         return result
 
     # ----- steps ------------------------------------------------------------------------------------------------
+    def run_round(self, grid: Grid, server_round: int, result: Result, train_config: ConfigRecord | None,
+                  evaluate_config: ConfigRecord | None) -> None:
+        """Train (K syncs among the groups), aggregate the metrics, evaluate; results go into `result`."""
+        t0 = time.monotonic()
+        messages = list(self.configure_train(server_round, ArrayRecord(), train_config or ConfigRecord(), grid))
+        replies = self.send_and_receive(grid, messages, self.deadlines.round_timeout)
+        self._round_wall = time.monotonic() - t0
+        _, metrics = self.aggregate_train(server_round, replies)
+        if metrics is not None:
+            result.train_metrics_clientapp[server_round] = metrics
+        self.evaluate_round(grid, server_round, result, evaluate_config)
+        self.publish_round()
+
+    def evaluate_round(self, grid: Grid, server_round: int, result: Result,
+                       evaluate_config: ConfigRecord | None) -> None:
+        """Separate evaluate messages, or the evaluation that came with the round's replies."""
+        evaluate = list(self.configure_evaluate(server_round, ArrayRecord(), evaluate_config or ConfigRecord(), grid))
+        if evaluate:
+            eval_metrics = self.aggregate_evaluate(
+                server_round, self.send_and_receive(grid, evaluate, self.deadlines.round_timeout))
+            if eval_metrics is not None:
+                result.evaluate_metrics_clientapp[server_round] = eval_metrics
+        elif self.history and "eval_loss" in self.history[-1]:
+            h = self.history[-1]
+            result.evaluate_metrics_clientapp[server_round] = MetricRecord(
+                {"eval_loss": h["eval_loss"], "eval_ppl": h["eval_ppl"]})
+
+    def publish_round(self) -> None:
+        """Write and log the round's record (the last in `history`)."""
+        if self.history and self.history[-1].get("kind") == "round":
+            self._write(self.history[-1])
+            self._log_round(self.history[-1])
+
     def sample_nodes(self, grid: Grid) -> list[int]:
         """The connected nodes, once `num_groups` are there or at `sample_timeout` (then at least min_groups)."""
         d = self.deadlines
@@ -295,8 +310,9 @@ class DecentralizedFedAvg(Strategy):
                 self.left_out[node] = error
                 log(ERROR, "group on node %d left out: %s", node, error)
                 continue
-            candidates[node] = GroupInfo(node, int(metrics.get("partition_id", 0)), layout,
-                                         str(info.get("fingerprint", "")), int(metrics.get("tokens", 0)))
+            partition = int(metrics.get("partition_id", 0))
+            candidates[node] = GroupInfo(node, partition, layout, str(info.get("fingerprint", "")),
+                                         int(metrics.get("tokens", 0)), self.facility_of(partition, info))
         if candidates:
             common, _ = Counter(g.fingerprint for g in candidates.values()).most_common(1)[0]
             for node, g in list(candidates.items()):
@@ -321,6 +337,10 @@ class DecentralizedFedAvg(Strategy):
         log(INFO, "hello: %d group(s) ready: %s", len(self.members),
             ", ".join(f"node {n} (partition {self.groups[n].partition_id})" for n in self.members))
 
+    def facility_of(self, partition_id: int, hello_info: dict[str, Any]) -> str:
+        """The decentralised path has no facilities (the server path overrides this)."""
+        return ""
+
     def finish(self, grid: Grid) -> None:
         """Tell every sampled node the run is over (bounded); a launched group is shut down."""
         nodes = self.sampled
@@ -342,8 +362,13 @@ class DecentralizedFedAvg(Strategy):
         stopped = sum(1 for r in replies if _reply_payload(r)[0].get("stopped"))
         log(INFO, "finish: %d of %d node(s) answered (%d group(s) shut down)", len(replies), len(messages), stopped)
 
-    def send_and_receive(self, grid: Grid, messages: list[Message], timeout: float) -> list[Message]:
-        """Push `messages`, pull replies until all arrived, `timeout` passed, or the awaited nodes went offline."""
+    def send_and_receive(self, grid: Grid, messages: list[Message], timeout: float,
+                         on_reply: Callable[[Message], Message] | None = None) -> list[Message]:
+        """Push `messages`, pull replies until all arrived, `timeout` passed, or the awaited nodes went offline.
+
+        `on_reply` sees each reply as it arrives (e.g. to fold its arrays into an aggregate and drop them); what it
+        returns is kept.
+        """
         if not messages:
             return []
         d = self.deadlines
@@ -355,7 +380,7 @@ class DecentralizedFedAvg(Strategy):
         while pending:
             for reply in grid.pull_messages(list(pending)):
                 if pending.pop(reply.metadata.reply_to_message_id, None) is not None:
-                    replies.append(reply)
+                    replies.append(on_reply(reply) if on_reply is not None else reply)
             now = time.monotonic()
             if not pending or now >= deadline:
                 break

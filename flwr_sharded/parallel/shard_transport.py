@@ -6,8 +6,8 @@ does not move the offset), so a rank's local tensor is exactly one such row rang
 own `compute_local_shape_and_global_offset`. Keys by global offset are what lets groups sharded differently (S = 1
 and S = 2) be combined at the server.
 
-On the wire (`encode_pieces`): a dict of NumPy arrays (ArrayRecord-ready, `ArrayRecord(array_dict=...)` after
-wrapping each in `flwr.app.Array`) plus a dict of string metadata (ConfigRecord-ready) `key -> "dtype|d0,d1,..."`.
+On the wire (`encode_pieces`): a dict of NumPy arrays plus a dict of string metadata `key -> "dtype|d0,d1,..."`;
+`flwr_sharded.flower.handoff` puts them in hand-off files and Flower records.
 bf16 has no NumPy dtype: it travels as the raw int16 view of its bits and is restored bit for bit. No rank ever
 gathers the full model: only its own local tensor is read or written.
 """
@@ -90,13 +90,12 @@ def shard_pieces(named_params: Iterable[tuple[str, torch.Tensor]], *, clone: boo
     return pieces
 
 
-@torch.no_grad()
-def apply_pieces(named_params: Iterable[tuple[str, torch.Tensor]], pieces: Iterable[ShardPiece]) -> int:
-    """Write pieces into the matching local shards (cast to the shard's dtype); return how many were written.
+def check_pieces(named_params: Iterable[tuple[str, torch.Tensor]],
+                 pieces: Iterable[ShardPiece]) -> list[tuple[ShardPiece, torch.Tensor]]:
+    """Match pieces to this rank's local shards; raise ShardPieceError on any mismatch. Writes nothing.
 
-    Every piece must match a local shard exactly (same name, row offset, local shape and global shape); all are
-    checked before anything is written, so a bad set of pieces changes nothing. Local shards without a piece are
-    left unchanged.
+    Every piece must match a local shard exactly (same name, row offset, local shape and global shape) and appear
+    once; returns (piece, local shard) pairs for `apply_pieces`.
     """
     targets = {}
     for name, param in named_params:
@@ -104,7 +103,7 @@ def apply_pieces(named_params: Iterable[tuple[str, torch.Tensor]], pieces: Itera
         if local.dim() and local.shape[0] == 0:
             continue
         targets[piece_key(name, row_offset(param))] = (tuple(param.shape), local)
-    pieces = list(pieces)
+    pairs = []
     seen = set()
     for piece in pieces:
         if piece.key not in targets:
@@ -118,9 +117,37 @@ def apply_pieces(named_params: Iterable[tuple[str, torch.Tensor]], pieces: Itera
             raise ShardPieceError(f"piece {piece.key!r} has shape {tuple(piece.data.shape)} of global "
                                   f"{tuple(piece.global_shape)}, the local shard is {tuple(local.shape)} of "
                                   f"global {global_shape}")
-    for piece in pieces:
-        targets[piece.key][1].copy_(piece.data)
-    return len(pieces)
+        if piece.data.is_floating_point() and not bool(torch.isfinite(piece.data).all()):
+            raise ShardPieceError(f"piece {piece.key!r} holds NaN or Inf")
+        pairs.append((piece, local))
+    return pairs
+
+
+@torch.no_grad()
+def apply_pieces(named_params: Iterable[tuple[str, torch.Tensor]], pieces: Iterable[ShardPiece]) -> int:
+    """Write pieces into the matching local shards (cast to the shard's dtype); return how many were written.
+
+    All pieces are checked (`check_pieces`) before anything is written, so a bad set of pieces changes nothing.
+    Local shards without a piece are left unchanged.
+    """
+    pairs = check_pieces(named_params, pieces)
+    for piece, local in pairs:
+        local.copy_(piece.data)
+    return len(pairs)
+
+
+def own_keys(named_params: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """The piece keys of this rank's (non-empty) local shards."""
+    return [piece_key(name, row_offset(p)) for name, p in named_params
+            if not (local_shard(p).dim() and local_shard(p).shape[0] == 0)]
+
+
+def dtype_of_tag(tag: str) -> torch.dtype:
+    """The dtype named by a piece's metadata tag `"dtype|global shape"`."""
+    name = str(tag).partition("|")[0]
+    if name not in _DTYPES:
+        raise ShardPieceError(f"unknown dtype tag {name!r}")
+    return _DTYPES[name]
 
 
 def encode_pieces(pieces: Iterable[ShardPiece]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
@@ -164,16 +191,3 @@ def decode_pieces(arrays: dict[str, np.ndarray], meta: dict[str, str]) -> list[S
             raise ShardPieceError(f"piece {key!r}: tagged {dtype_name}, the array is {tensor.dtype}")
         pieces.append(ShardPiece(name, offset, global_shape, tensor))
     return pieces
-
-
-def to_records(pieces: Iterable[ShardPiece]):
-    """(ArrayRecord, ConfigRecord) for a Flower Message (imports flwr)."""
-    from flwr.app import Array, ArrayRecord, ConfigRecord
-
-    arrays, meta = encode_pieces(pieces)
-    return ArrayRecord(array_dict={k: Array(v) for k, v in arrays.items()}), ConfigRecord(dict(meta))
-
-
-def from_records(arrays, meta) -> list[ShardPiece]:
-    """Inverse of `to_records`."""
-    return decode_pieces({k: arrays[k].numpy() for k in arrays.keys()}, {k: str(meta[k]) for k in meta.keys()})

@@ -209,12 +209,16 @@ class ShardSync:
 
     # ----- the sync -------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def sync(self, weight: float) -> SyncStats:
+    def sync(self, weight: float, *, apply_rule: bool = True) -> SyncStats:
         """Replace every local shard by the rule's aggregate (by default the `weight`-weighted mean) over all groups.
 
         `weight` is this federation group's weight (e.g. tokens it processed since the last sync); every rank of
         the group passes the same value. Weights are normalised by their sum over the participating groups.
+        `apply_rule=False` (a linear rule only) stops at the weighted mean: the lower level of a hierarchical
+        federation, whose top level (`step_rule`) runs the outer optimizer.
         """
+        if not apply_rule and not self.rule.linear:
+            raise ValueError(f"{type(self.rule).__name__} is not linear: it has no plain-mean level to stop at")
         if not weight > 0:
             raise ValueError(f"FedAvg weight must be > 0, got {weight}")
         if not self._aligned:
@@ -246,7 +250,7 @@ class ShardSync:
                     torch.mul(shard_segment, scale, out=buffer_segment)  # pack (and weight) in one pass
                 if self.rule.linear:
                     dist.all_reduce(flat, group=self.fed_group)
-                    if not isinstance(self.rule, FedAvg):
+                    if apply_rule and not isinstance(self.rule, FedAvg):
                         self._apply(k, flat, lambda g, st: self.rule.apply_mean(g, flat, st))
                 else:
                     members = [torch.empty_like(flat) for _ in weights]
@@ -258,6 +262,25 @@ class ShardSync:
                 dist.broadcast(flat, group=self.rep_group, group_src=0)
             torch._foreach_copy_(shard_segments, buffer_segments)
         return SyncStats(seconds=time.perf_counter() - start, buckets=buckets, bytes=nbytes, total_weight=total)
+
+    @torch.no_grad()
+    def step_rule(self) -> None:
+        """Treat the current shards as the members' weighted mean and run the (linear) rule on them, locally.
+
+        The server path's last step: the server sends back the mean, each rank steps its own outer state. A no-op
+        for FedAvg.
+        """
+        if not self.rule.linear:
+            raise ValueError(f"{type(self.rule).__name__} is not linear: it needs every member's shards, not a mean")
+        if isinstance(self.rule, FedAvg):
+            return
+        if self._global is None:
+            raise RuntimeError(f"{type(self.rule).__name__} steps from the global model: call capture_global() "
+                               f"before training starts")
+        for k, (flat, shard_segments, buffer_segments) in enumerate(self._bucket_views()):
+            torch._foreach_copy_(buffer_segments, shard_segments)
+            self._apply(k, flat, lambda g, st: self.rule.apply_mean(g, flat, st))
+            torch._foreach_copy_(shard_segments, buffer_segments)
 
     @torch.no_grad()
     def broadcast(self, rep_group: dist.ProcessGroup) -> None:

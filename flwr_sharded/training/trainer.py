@@ -152,13 +152,16 @@ class Trainer:
         self.step_count += 1
         return total
 
-    def sync(self) -> SyncStats:
-        """Average shards with the other federation groups, weighted by the tokens each processed."""
+    def sync(self, *, apply_rule: bool = True) -> SyncStats:
+        """Average shards with the other federation groups, weighted by the tokens each processed.
+
+        `apply_rule=False`: stop at the weighted mean (a facility-level sync of a hierarchical federation).
+        """
         if self.shard_sync is None:
             raise RuntimeError("this trainer has no federation groups to sync with")
         group_tokens = self.tokens_since_sync * self.topo.group_world  # every rank of a group sees equal-size batches
         with self.timer.phase("sync"):
-            stats = self.shard_sync.sync(weight=float(group_tokens))
+            stats = self.shard_sync.sync(weight=float(group_tokens), apply_rule=apply_rule)
         self.tokens_since_sync = 0
         if self.cfg.parallel.reset_optimizer_state:
             self.optimizer.state.clear()

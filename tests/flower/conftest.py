@@ -26,12 +26,13 @@ class SimulationRun:
     run_id: str
 
 
-def run_demo(tmp: Path, data_dir: Path, run_config: dict, timeout: float = 420) -> SimulationRun:
-    """`apps/llama_fl_hsdp/run_simulation.sh` with `--run-config` overrides; its own FLWR_HOME and ports."""
+def run_demo(tmp: Path, data_dir: Path, run_config: dict, timeout: float = 420, groups: int = 2) -> SimulationRun:
+    """`apps/llama_fl_hsdp/run_simulation.sh` with `--run-config` overrides and `groups` simulated SuperNodes; its
+    own FLWR_HOME and ports."""
     home = tmp / "flwr_home"
     home.mkdir(parents=True, exist_ok=True)
     metrics = tmp / "metrics.jsonl"
-    env = base_env(FLWR_HOME=str(home), FLWR_SHARDED_DATA=str(data_dir))
+    env = base_env(FLWR_HOME=str(home), FLWR_SHARDED_DATA=str(data_dir), FLWR_SHARDED_GROUPS=str(groups))
     cmd = ["bash", str(DEMO), *run_config_args({**run_config, "metrics-path": str(metrics)})]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,

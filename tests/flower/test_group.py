@@ -4,6 +4,7 @@ failed syncs and rollback. Every group runs in its own session and is killed in 
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import threading
@@ -248,3 +249,41 @@ def _join_unreachable(rank: int, world: int, port: int) -> float:
 def test_an_unreachable_rendezvous_fails_within_its_timeout():
     (seconds,) = run_ranks(_join_unreachable, 1, free_port(), timeout=90)
     assert seconds < 20
+
+
+@pytest.mark.timeout(240)
+def test_server_path_export_and_apply_check_every_piece_before_writing(procs, data_dir, tmp_path):
+    """A group exports its own pieces per rank; a bad reply (missing piece, NaN, wrong shape) changes nothing, the
+    good one is adopted by every rank."""
+    import numpy as np
+
+    from flwr_sharded.flower import handoff
+
+    _, address, key = start_group(procs, "g0", shards=2)
+    c = client(address, key)
+    offer = hello(c, spec(data_dir, aggregation="server"), 0, 1)
+    out = c.call(P.TRAIN, {"syncs": 1, "steps": 2, "members": ["0"], "member_index": 0,
+                           "rendezvous_host": offer["rendezvous_host"], "rendezvous_ports": offer["rendezvous_ports"],
+                           "prefix": "r1", "rendezvous_timeout": 30, "sync_timeout": 30, "evaluate": False,
+                           "export": True}, timeout=120)
+    files = out["export_files"]
+    assert len(files) == 2 and out["facility_tokens"] == out["tokens"] > 0  # one file per rank, a group alone
+    arrays, meta = handoff.read_files(files)
+    per_file = [set(handoff.read_files([f])[0]) for f in files]
+    assert not per_file[0] & per_file[1] and per_file[0] | per_file[1] == set(arrays)  # each rank: its own rows
+    before = c.call(P.STATUS)["checksums"]
+    target = tmp_path / "apply.safetensors"
+    some_key = next(k for k, v in arrays.items() if v.dtype == np.float32 and v.size > 1)
+    bad = {"missing piece": {k: v for k, v in arrays.items() if k != some_key},
+           "NaN": {**arrays, some_key: np.full_like(arrays[some_key], np.nan)},
+           "wrong shape": {**arrays, some_key: arrays[some_key].reshape(-1)[:-1]}}
+    for reason, values in bad.items():
+        handoff.write_file(target, values, {k: meta[k] for k in values})
+        with pytest.raises(GroupError, match="nothing changed"):
+            c.call(P.APPLY, {"path": str(target)}, timeout=60)
+        assert c.call(P.STATUS)["checksums"] == before, reason
+    shifted = {k: (v + 1.0 if v.dtype == np.float32 else v) for k, v in arrays.items()}
+    handoff.write_file(target, shifted, meta)
+    after = c.call(P.APPLY, {"path": str(target), "evaluate": True}, timeout=60)
+    assert after["checksums"] != before and math.isfinite(after["eval_loss"])
+    assert after["checksums"] == c.call(P.STATUS)["checksums"]

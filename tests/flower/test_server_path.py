@@ -11,10 +11,11 @@ import logging
 import pytest
 import torch
 
+from flwr_sharded.flower import handoff
 from flwr_sharded.flower.server_aggregation import ShardReply, StreamingShardAggregator, spec_of
 from flwr_sharded.parallel.outer import FedAdam, FedAvg, Nesterov, TrimmedMean, weighted_mean
 from flwr_sharded.parallel.shard_transport import (ShardPiece, ShardPieceError, apply_pieces, decode_pieces,
-                                                   encode_pieces, from_records, shard_pieces, to_records)
+                                                   encode_pieces, shard_pieces)
 from tests.multiproc import run_ranks
 
 SHAPES = {"embed.weight": (7, 3), "block.0.norm": (5,), "block.0.proj": (6, 2, 2), "head.bias": (1,)}
@@ -51,7 +52,7 @@ def test_bf16_round_trip_is_lossless():
     pieces = [p for rank in _chunks(model, 2) for p in rank]
     arrays, meta = encode_pieces(pieces)
     assert {a.dtype.name for a in arrays.values()} == {"int16"}
-    for decoded in (decode_pieces(arrays, meta), from_records(*to_records(pieces))):
+    for decoded in (decode_pieces(arrays, meta), decode_pieces(*handoff.from_records(handoff.to_records(arrays, meta, 0, 1.0))[:2])):
         assert [p.key for p in decoded] == [p.key for p in pieces]
         for a, b in zip(decoded, pieces):
             assert a.data.dtype == torch.bfloat16 and a.global_shape == b.global_shape
@@ -296,7 +297,8 @@ def test_server_memory_stays_near_one_fp32_model_whatever_F(F):
 def test_flower_records_round_trip_and_malformed_records_are_rejected(caplog):
     from flwr.app import ConfigRecord
 
-    from flwr_sharded.flower.server_aggregation import SHARD_META, add_content, reply_content
+    from flwr_sharded.flower.handoff import SHARD_META
+    from flwr_sharded.flower.server_aggregation import add_content, reply_content
 
     models = [_model(1, torch.bfloat16), _model(2, torch.bfloat16)]
     agg = StreamingShardAggregator(FedAvg(), 3, spec=spec_of(models[0].items()))

@@ -30,6 +30,12 @@ def evaluate(msg: Message, context: Context) -> Message:
     return client.handle(msg, context, protocol.EVALUATE)
 
 
+@app.query("apply")
+def apply(msg: Message, context: Context) -> Message:
+    """Server path: adopt the server's average of the facilities (each rank reads only its own rows)."""
+    return client.handle(msg, context, protocol.APPLY)
+
+
 @app.query("finish")
 def finish(msg: Message, context: Context) -> Message:
     """End of the run: shut a launched group down (simulation), or let the group drop the run (deployment)."""

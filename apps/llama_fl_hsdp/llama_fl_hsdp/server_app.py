@@ -1,4 +1,5 @@
-"""The ServerApp: DecentralizedFedAvg sends configuration only; the groups sync their shards among themselves."""
+"""The ServerApp: DecentralizedFedAvg (config-only messages; the groups all-reduce their shards among themselves) or,
+with aggregation="server", ServerShardFedAvg (shards travel through this server, for groups that share no network)."""
 
 from logging import ERROR
 
@@ -21,7 +22,11 @@ def main(grid: Grid, context: Context) -> None:
     except ConfigError as exc:
         log(ERROR, "%s", exc)
         raise
-    strategy = DecentralizedFedAvg(
+    if spec.aggregation == "server":
+        from flwr_sharded.flower.server_strategy import ServerShardFedAvg as strategy_class
+    else:
+        strategy_class = DecentralizedFedAvg
+    strategy = strategy_class(
         spec, deadlines(cfg), evaluate_in_train=flag(cfg, "evaluate-in-train", True),
         metrics_path=str(cfg.get("metrics-path", "")), save_dir=str(cfg.get("save-dir", "")),
         stop_groups=flag(cfg, "stop-groups"), group_idle_timeout=float(cfg.get("group-idle-timeout", 600.0)))

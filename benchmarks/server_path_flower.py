@@ -1,0 +1,94 @@
+"""Server path against decentralised sync through Flower: the same groups, model and schedule in one run each.
+
+    PATH=.venv/bin:$PATH python benchmarks/server_path_flower.py --model small --rounds 5 --out benchmarks/results/...
+
+Runs `apps/llama_fl_hsdp/run_simulation.sh` twice, alternating the order per repeat (decentralized, then server, or
+the reverse), with K = 1 sync per round so both paths sync after the same A steps. Per round it takes from the
+ServerApp's metrics:
+  train_s   the slowest group's local training time of the round
+  sync      decentralized: the slowest group's sync time (rendezvous + shard all-reduce);
+            server: everything from the last train reply's arrival to the last group's adoption of the mean
+            (fold, finalize, encode, send, decode, each rank's read/apply), plus the export the groups did
+  round_s   the round's wall time at the ServerApp
+and reports medians (round 1 is left out: it includes start-up) and the server/decentralized ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "apps" / "llama_fl_hsdp" / "run_simulation.sh"
+
+
+def run(aggregation: str, args: argparse.Namespace, work: Path) -> list[dict]:
+    metrics = work / f"{aggregation}.jsonl"
+    metrics.unlink(missing_ok=True)
+    config = {"model": args.model, "seq-len": args.seq_len, "batch-size": args.batch_size, "syncs-per-round": 1,
+              "aggregate-every": args.aggregate_every, "num-server-rounds": args.rounds, "eval-blocks": 8,
+              "aggregation": aggregation, "metrics-path": str(metrics), "evaluate-in-train": False}
+    options = []
+    for key, value in config.items():
+        options += ["--run-config", f"{key}={json.dumps(value) if isinstance(value, (str, bool)) else value}"]
+    env = {**os.environ, "FLWR_SHARDED_GROUPS": str(args.groups), "OMP_NUM_THREADS": "1"}
+    start = time.monotonic()
+    proc = subprocess.run(["bash", str(DEMO), *options], capture_output=True, text=True, env=env,
+                          timeout=args.timeout)
+    if proc.returncode != 0:
+        sys.exit(f"{aggregation} run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    rounds = [json.loads(line) for line in metrics.read_text().splitlines() if '"kind": "round"' in line]
+    print(f"  {aggregation}: {len(rounds)} rounds in {time.monotonic() - start:.0f} s", file=sys.stderr)
+    return rounds
+
+
+def sync_seconds(record: dict) -> float:
+    if "server_sync_s" in record:  # server path: the facility sync over a group of one is in sync_s too
+        return record["server_sync_s"] + record["sync_s"]
+    return record["sync_s"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="small")
+    p.add_argument("--groups", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--aggregate-every", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=2, help="pairs of runs, order alternated")
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--out", default="")
+    args = p.parse_args()
+    samples: dict[str, dict[str, list[float]]] = {a: {"sync": [], "round": [], "train": []}
+                                                 for a in ("decentralized", "server")}
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat in range(args.repeats):
+            order = ("decentralized", "server") if repeat % 2 == 0 else ("server", "decentralized")
+            for aggregation in order:
+                for r in run(aggregation, args, Path(tmp))[1:]:
+                    samples[aggregation]["sync"].append(sync_seconds(r))
+                    samples[aggregation]["round"].append(r["round_s"])
+                    samples[aggregation]["train"].append(r["train_s"])
+    med = {a: {k: statistics.median(v) for k, v in s.items()} for a, s in samples.items()}
+    result = {"date": time.strftime("%Y-%m-%d"), "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+              "config": vars(args), "load_average": os.getloadavg(), "medians_s": med, "samples_s": samples,
+              "ratio_sync": med["server"]["sync"] / med["decentralized"]["sync"],
+              "ratio_round": med["server"]["round"] / med["decentralized"]["round"]}
+    print(f"{'path':<14} {'sync s':>8} {'train s':>8} {'round s':>8}")
+    for a in med:
+        print(f"{a:<14} {med[a]['sync']:8.3f} {med[a]['train']:8.3f} {med[a]['round']:8.3f}")
+    print(f"server / decentralized: sync {result['ratio_sync']:.2f}x, round {result['ratio_round']:.2f}x")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
