@@ -355,9 +355,11 @@ def _group_args(context: Any, config: Mapping[str, Any], verb: str) -> dict[str,
                 "rendezvous_ports": [int(p) for p in config["rendezvous-ports"]], "prefix": str(config["prefix"]),
                 "rendezvous_timeout": float(config["rendezvous-timeout"]),
                 "sync_timeout": float(config["sync-timeout"]), "evaluate": bool(config.get("evaluate", True)),
-                "export": bool(config.get("export", False))}
+                "export": bool(config.get("export", False)), "checkpoint": bool(config.get("checkpoint", False)),
+                "server_round": int(config.get("server-round", 0))}
     if verb == P.APPLY:
-        return {"evaluate": bool(config.get("evaluate", False)), "server_round": int(config.get("server-round", 0))}
+        return {"evaluate": bool(config.get("evaluate", False)), "server_round": int(config.get("server-round", 0)),
+                "checkpoint": bool(config.get("checkpoint", False))}
     return {}
 
 

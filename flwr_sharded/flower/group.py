@@ -129,6 +129,7 @@ class GroupRuntime:
         self.pids = self._gather(os.getpid())
         self.trainer = None
         self.spec: P.RunSpec | None = None
+        self.resumed_round = 0
         self.handoff_dir = self._broadcast(args.handoff_dir or os.path.join(
             tempfile.gettempdir(), f"flwr_sharded-{os.getuid()}", f"handoff-{os.getpid()}") if self.rank == 0 else None)
         self.key = ""
@@ -276,10 +277,16 @@ class GroupRuntime:
                 spec.data_dir = str(args["data_dir"])
             cfg = config_from_dict(spec.train_config_dict())
             cfg.timeout_s = self.args.collective_timeout
-            preflight(cfg, self.world)
             partition = (int(args["partition_id"]), int(args["num_partitions"]))
             if not 0 <= partition[0] < partition[1]:
                 raise ConfigError(f"partition-id {partition[0]} outside 0..{partition[1] - 1}")
+            preflight(cfg, self.world)
+            if spec.checkpoint_dir:  # series <dir>/group-<partition id>: it follows the data, whichever node trains
+                from flwr_sharded.training.checkpoint import check_resumable
+
+                cfg.checkpoint_dir = spec.checkpoint_dir
+                if spec.resume:
+                    check_resumable(cfg, spec.checkpoint_dir, fed_index=partition[0])
         except (ConfigError, KeyError, ValueError, TypeError) as exc:
             out["error"] = str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
         if not out["error"] and spec.aggregation == "server":
@@ -296,11 +303,18 @@ class GroupRuntime:
             start = time.perf_counter()
             self.trainer = Trainer(cfg, self.topo, static_sync=False, partition=partition)
             self.key, self.tokens, self.syncs, self.spec = key, 0, 0, spec
+            self.resumed_round = 0
+            if spec.resume:
+                meta = self.trainer.resume()
+                self.resumed_round = int(meta.get("round", 0))
+                logger.info("resumed from %s: round %d, step %d", cfg.checkpoint_dir, self.resumed_round,
+                            self.trainer.step_count)
             self._take_snapshot()
             logger.info("built the trainer for partition %d/%d in %.1f s", *partition, time.perf_counter() - start)
         fingerprints = self._gather(self.trainer.shard_sync.fingerprint())
         out.update(compatible=True, fingerprint=hashlib.sha256("|".join(fingerprints).encode()).hexdigest()[:32],
-                   tokens=self.tokens, steps=self.trainer.step_count, partition_id=partition[0],
+                   tokens=self.tokens, steps=self.trainer.step_count, resumed_round=self.resumed_round,
+                   partition_id=partition[0],
                    num_partitions=partition[1])
         return out
 
@@ -320,6 +334,7 @@ class GroupRuntime:
             rdv_timeout, sync_timeout = float(args["rendezvous_timeout"]), float(args["sync_timeout"])
             evaluate = bool(args.get("evaluate", True))
             export = bool(args.get("export", False))
+            checkpoint, server_round = bool(args.get("checkpoint", False)), int(args.get("server_round", 0))
         except (KeyError, ValueError, TypeError) as exc:
             raise InstructionError(f"malformed train instruction: {exc!r}") from None
         server_path = self.spec is not None and self.spec.aggregation == "server"
@@ -381,6 +396,8 @@ class GroupRuntime:
             "train_s": train_s, "sync_s": sync_s, "rendezvous_s": rendezvous_s, "syncs": syncs_done,
             "sync_failed": bool(failure), "sync_error": failure, "checksums": checksums,
             "step": t.step_count, "lr": t.scheduler.get_last_lr()[0], "members": len(members)}
+        if checkpoint and not failure:
+            result["checkpoint_s"] = self._checkpoint(server_round)
         if export and not failure:
             start = time.perf_counter()
             result.update(export_files=self._export(prefix), facility_tokens=weight,
@@ -499,11 +516,22 @@ class GroupRuntime:
         self._take_snapshot()
         result: dict[str, Any] = {"apply_s": time.perf_counter() - start, "checksums": self._checksums(),
                                   "step": t.step_count}
+        if args.get("checkpoint", False):
+            result["checkpoint_s"] = self._checkpoint(int(args.get("server_round", 0)))
         if args.get("evaluate", False):
             start = time.perf_counter()
             result.update(t.evaluate())
             result["eval_s"] = time.perf_counter() - start
         return result
+
+    def _checkpoint(self, server_round: int) -> float:
+        """Checkpoint the group (collective) as the state at the end of `server_round`; returns the seconds."""
+        t = self._need_trainer()
+        if t.checkpointer is None:
+            raise InstructionError("checkpoint asked for, but the run config has no checkpoint-dir")
+        start = time.perf_counter()
+        t.save_checkpoint({"round": server_round})
+        return time.perf_counter() - start
 
     def _take_snapshot(self) -> None:
         """Copy this rank's local shards to CPU: the state a failed sync rolls back to."""

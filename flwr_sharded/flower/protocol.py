@@ -211,6 +211,12 @@ class RunSpec:
     aggregation: str = "decentralized"
     """decentralized (groups all-reduce shards among themselves) or server (shards travel through the Flower server,
     for groups that share no network; groups of one facility still all-reduce among themselves)."""
+    checkpoint_dir: str = ""
+    """Each group checkpoints under <checkpoint-dir>/group-<partition id> (a path its nodes can write); '' for none."""
+    checkpoint_every: int = 1
+    """Checkpoint after every N-th round (and after the last one)."""
+    resume: bool = False
+    """Groups load their newest checkpoint at hello, and the run goes on after the round it holds."""
     facilities: str = ""
     """Server path: facility of each group by partition id, comma-separated (e.g. "a,a,b,b"); a SuperNode's node
     config `facility` overrides it; '' puts every group in a facility of its own."""
@@ -294,6 +300,11 @@ class RunSpec:
         if self.method == "fl-fsdp" and self.replicas != 1:
             raise ConfigError(f"run config: method fl-fsdp has no replication, so 'replicas' must be 1 "
                               f"(got {self.replicas}); use method fl-hsdp for R > 1")
+        if not isinstance(self.checkpoint_every, int) or isinstance(self.checkpoint_every, bool) \
+                or self.checkpoint_every < 1:
+            raise ConfigError(f"run config 'checkpoint-every' must be an integer >= 1, got {self.checkpoint_every!r}")
+        if self.resume and not self.checkpoint_dir:
+            raise ConfigError("run config 'resume' = true needs 'checkpoint-dir' (where the groups' checkpoints are)")
         if self.aggregation not in AGGREGATIONS:
             raise ConfigError(f"run config 'aggregation' must be one of {', '.join(AGGREGATIONS)}; "
                               f"got {self.aggregation!r}")
@@ -313,6 +324,10 @@ class RunSpec:
                 raise ConfigError(f"run config 'outer' = {self.outer!r} needs every member's shards at once, but "
                                   f"aggregation=\"server\" streams a weighted mean; use a linear rule (fedavg, "
                                   f"fedavgm, nesterov, fedadam, fedyogi) or aggregation=\"decentralized\"")
+
+    def checkpoint_due(self, server_round: int) -> bool:
+        """Whether the groups checkpoint at the end of this round."""
+        return bool(self.checkpoint_dir) and (server_round % self.checkpoint_every == 0 or server_round == self.rounds)
 
     def facility_of(self, partition_id: int) -> str:
         """The facility named for a partition id by `facilities` ('' when not named there)."""

@@ -67,7 +67,7 @@ class ServerShardFedAvg(DecentralizedFedAvg):
                     "rendezvous-ports": list(leader.rendezvous_ports),
                     "prefix": f"run{self.run_id}/round{server_round}/{facility}",
                     "rendezvous-timeout": d.rendezvous_timeout, "sync-timeout": d.sync_timeout, "evaluate": False,
-                    "server-round": server_round, "timeout": max(1.0, d.round_timeout - 5.0)}
+                    "server-round": server_round, "checkpoint": False, "timeout": max(1.0, d.round_timeout - 5.0)}
             messages += [self._message(node, P.MSG_TRAIN, {**base, "member-index": i, "export": i == 0},
                                        str(server_round), d.round_timeout) for i, node in enumerate(nodes)]
         return messages
@@ -149,7 +149,7 @@ class ServerShardFedAvg(DecentralizedFedAvg):
         for node in self.members:
             body = RecordDict({**content, P.CONFIG: ConfigRecord({
                 "server-round": server_round, "evaluate": self.evaluate_in_train,
-                "timeout": max(1.0, d.round_timeout - 5.0)})})
+                "checkpoint": self.spec.checkpoint_due(server_round), "timeout": max(1.0, d.round_timeout - 5.0)})})
             messages.append(Message(body, node, P.MSG_APPLY, ttl=d.round_timeout, group_id=f"apply{server_round}"))
         replies = {m.metadata.src_node_id: m for m in self.send_and_receive(grid, messages, d.round_timeout)}
         checksums, evals, dropped = {}, [], {}

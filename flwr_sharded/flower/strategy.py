@@ -73,6 +73,8 @@ class GroupInfo:
     layout: P.GroupLayout
     fingerprint: str
     tokens: int = 0
+    resumed_round: int = 0
+    """The round this group's checkpoint holds (resume)."""
     facility: str = ""
     """The facility (set of groups sharing a fabric) of the server path; '' on the decentralised path."""
     failures: list[str] = field(default_factory=list)
@@ -108,6 +110,8 @@ class DecentralizedFedAvg(Strategy):
         self.members: list[int] = []
         self.left_out: dict[int, str] = {}
         self.history: list[dict[str, Any]] = []
+        self.resumed_round = 0
+        """The round the groups' checkpoints hold (resume); training goes on with the next one."""
         self._round_wall = 0.0
 
     # ----- Strategy interface ---------------------------------------------------------------------------------
@@ -130,6 +134,7 @@ class DecentralizedFedAvg(Strategy):
                 "members": [str(m) for m in self.members], "rendezvous-host": host, "rendezvous-ports": ports,
                 "prefix": f"run{self.run_id}/round{server_round}", "rendezvous-timeout": d.rendezvous_timeout,
                 "sync-timeout": d.sync_timeout, "evaluate": self.evaluate_in_train,
+                "server-round": server_round, "checkpoint": self.spec.checkpoint_due(server_round),
                 "timeout": max(1.0, d.round_timeout - 5.0)}
         return [self._message(node, P.MSG_TRAIN, {**base, "member-index": i}, str(server_round), d.round_timeout)
                 for i, node in enumerate(self.members)]
@@ -215,7 +220,9 @@ class DecentralizedFedAvg(Strategy):
         try:
             self.sampled = self.sample_nodes(grid)
             self.hello(grid, self.sampled)
-            for server_round in range(1, rounds + 1):
+            if self.resumed_round:
+                log(INFO, "resuming after round %d of %d", self.resumed_round, rounds)
+            for server_round in range(self.resumed_round + 1, rounds + 1):
                 if len(self.members) < self.deadlines.min_groups:
                     log(ERROR, "only %d group(s) left, fewer than min-groups %d: stopping before round %d",
                         len(self.members), self.deadlines.min_groups, server_round)
@@ -312,7 +319,8 @@ class DecentralizedFedAvg(Strategy):
                 continue
             partition = int(metrics.get("partition_id", 0))
             candidates[node] = GroupInfo(node, partition, layout, str(info.get("fingerprint", "")),
-                                         int(metrics.get("tokens", 0)), self.facility_of(partition, info))
+                                         int(metrics.get("tokens", 0)), int(metrics.get("resumed_round", 0)),
+                                         self.facility_of(partition, info))
         if candidates:
             common, _ = Counter(g.fingerprint for g in candidates.values()).most_common(1)[0]
             for node, g in list(candidates.items()):
@@ -322,6 +330,8 @@ class DecentralizedFedAvg(Strategy):
                     self.left_out[node] = reason
                     log(ERROR, "group on node %d left out: %s", node, reason)
                     del candidates[node]
+            if self.spec.resume:
+                self._agree_on_resumed_round(candidates)
             partitions = Counter(g.partition_id for g in candidates.values())
             for pid, count in partitions.items():
                 if count > 1:
@@ -336,6 +346,18 @@ class DecentralizedFedAvg(Strategy):
             raise ConfigError(message)
         log(INFO, "hello: %d group(s) ready: %s", len(self.members),
             ", ".join(f"node {n} (partition {self.groups[n].partition_id})" for n in self.members))
+
+    def _agree_on_resumed_round(self, candidates: dict[int, GroupInfo]) -> None:
+        """Resume: the run goes on after the round most groups' checkpoints hold; the others are left out."""
+        common, _ = Counter(g.resumed_round for g in candidates.values()).most_common(1)[0]
+        for node, g in list(candidates.items()):
+            if g.resumed_round != common:
+                reason = (f"its checkpoint holds round {g.resumed_round}, the majority's round {common} (a group "
+                          f"that missed a checkpoint would train from another model)")
+                self.left_out[node] = reason
+                log(ERROR, "group on node %d left out: %s", node, reason)
+                del candidates[node]
+        self.resumed_round = common
 
     def facility_of(self, partition_id: int, hello_info: dict[str, Any]) -> str:
         """The decentralised path has no facilities (the server path overrides this)."""

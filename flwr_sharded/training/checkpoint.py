@@ -53,11 +53,11 @@ def read_meta(checkpoint: str | Path) -> dict[str, Any]:
     return json.loads((Path(checkpoint) / "meta.json").read_text())
 
 
-def check_resumable(cfg: TrainConfig, root: str | Path) -> Path:
-    """Before any work: the newest checkpoint of group 0 exists and was written by a compatible run."""
-    checkpoint = latest_checkpoint(group_dir(root, 0))
+def check_resumable(cfg: TrainConfig, root: str | Path, fed_index: int = 0) -> Path:
+    """Before any work: the newest checkpoint of group `fed_index` exists and was written by a compatible run."""
+    checkpoint = latest_checkpoint(group_dir(root, fed_index))
     if checkpoint is None:
-        raise ConfigError(f"--resume: no complete checkpoint in {group_dir(root, 0)}")
+        raise ConfigError(f"--resume: no complete checkpoint in {group_dir(root, fed_index)}")
     saved = read_meta(checkpoint)["config"]
     mine = config_to_dict(cfg)
     for section, keys in (("parallel", ("method", "federations", "replicas", "shards", "outer")), ("model", ("name",)),

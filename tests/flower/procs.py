@@ -76,6 +76,39 @@ def pids_matching(*needles: str) -> list[int]:
     return out
 
 
+def pids_with_env(name: str, value: str) -> list[int]:
+    """Pids whose environment holds name=value: everything a test's process tree spawned, whatever its session."""
+    needle = f"{name}={value}".encode()
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                environ = (entry / "environ").read_bytes()
+            except OSError:
+                continue
+            if needle in environ.split(b"\0"):
+                out.append(int(entry.name))
+    return out
+
+
+def kill_tree_by_env(name: str, value: str, timeout: float = 30.0) -> int:
+    """SIGKILL every process carrying name=value in its environment (repeatedly, until none is left)."""
+    killed: set[int] = set()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pids = pids_with_env(name, value)
+        if not pids:
+            return len(killed)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.2)
+    raise TimeoutError(f"processes with {name}={value} still alive after {timeout:.0f} s: {pids_with_env(name, value)}")
+
+
 def wait_until(predicate, timeout: float, interval: float = 0.2, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 
 import pytest
 
 from tests.flower.conftest import run_demo
-from tests.flower.procs import FAST_RUN_CONFIG, pids_matching
+from tests.flower.procs import DEMO, FAST_RUN_CONFIG, REPO, base_env, pids_matching, round_records, run_config_args, \
+    wait_until
 from tests.multiproc import torchrun
 
 K, A, N = FAST_RUN_CONFIG["syncs-per-round"], FAST_RUN_CONFIG["aggregate-every"], FAST_RUN_CONFIG["num-server-rounds"]
@@ -70,3 +72,47 @@ def test_bad_run_config_is_a_clear_error_before_any_training(data_dir, tmp_path)
     assert "run config 'method' must be one of fl-fsdp, fl-hsdp" in run.output, run.output[-3000:]
     assert "[ROUND" not in run.output and "hello to" not in run.output
     assert pids_matching("flower-superlink", str(run.flwr_home)) == []
+
+
+@pytest.mark.timeout(900)
+def test_a_killed_run_resumes_after_its_last_checkpointed_round(data_dir, tmp_path):
+    """Checkpoints after rounds 2 and 4; the whole run (SuperLink, ServerApp, Ray, groups) is killed -9 after round 3's
+    record (round 3 is then lost work). `resume = true` goes on after round 2: rounds 3 and 4 give
+    the uninterrupted run's losses, evaluation and shards (no lost or repeated samples, a continuous schedule)."""
+    import uuid
+
+    from tests.flower.procs import kill_tree_by_env
+
+    config = {**FAST_RUN_CONFIG, "num-server-rounds": 4, "syncs-per-round": 1, "aggregate-every": 3,
+              "checkpoint-every": 2}
+    reference = run_demo(tmp_path / "reference", data_dir, {**config, "checkpoint-dir": str(tmp_path / "ref-ckpt")})
+    assert reference.returncode == 0 and [r["round"] for r in reference.rounds] == [1, 2, 3, 4], reference.output
+    checkpoints = tmp_path / "ckpt"
+    tag = uuid.uuid4().hex
+    work = tmp_path / "killed"
+    work.mkdir()
+    metrics = work / "metrics.jsonl"
+    env = base_env(FLWR_HOME=str(work / "flwr_home"), FLWR_SHARDED_DATA=str(data_dir), FLWR_SHARDED_TEST_TAG=tag)
+    cmd = ["bash", str(DEMO), *run_config_args({**config, "checkpoint-dir": str(checkpoints),
+                                                "metrics-path": str(metrics)})]
+    with open(work / "out.txt", "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                start_new_session=True)
+    try:
+        wait_until(lambda: len(round_records(metrics)) >= 3 or proc.poll() is not None, 300, 0.05, "round 3")
+        assert proc.poll() is None, (work / "out.txt").read_text()[-3000:]
+    finally:
+        killed = kill_tree_by_env("FLWR_SHARDED_TEST_TAG", tag)
+    assert killed >= 4  # the script, the SuperLink and its children, the groups' ranks
+    assert [r["round"] for r in round_records(metrics)] == [1, 2, 3]
+    resumed = run_demo(tmp_path / "resumed", data_dir, {**config, "checkpoint-dir": str(checkpoints),
+                                                        "resume": True})
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    assert "resuming after round 2 of 4" in resumed.output
+    assert [r["round"] for r in resumed.rounds] == [3, 4]
+    for got, want in zip(resumed.rounds, reference.rounds[2:]):
+        assert got["groups"] == 2 and got["checksums_equal"] == 1, got
+        assert got["losses"] == pytest.approx(want["losses"], rel=1e-6, abs=1e-6)
+        assert got["eval_loss"] == pytest.approx(want["eval_loss"], rel=1e-6)
+        assert next(iter(got["checksums"].values())) == pytest.approx(next(iter(want["checksums"].values())),
+                                                                       rel=1e-6, abs=1e-6)
