@@ -266,10 +266,14 @@ def find_group(context: Any, config: Mapping[str, Any], *, launch: bool) -> tupl
         return GroupClient(str(nc[NODE_ADDRESS]), P.read_authkey(str(nc[NODE_AUTHKEY]))), None
     group = _launched(context)
     if group is not None:
-        if not pid_alive(group.pid):
+        if pid_alive(group.pid):
+            return group.client(), group
+        if not launch:
             raise GroupUnavailable(f"the group this node launched (pid {group.pid}) has exited; "
                                    f"{group.log_file}:\n{group.log_tail()}")
-        return group.client(), group
+        logger.warning("the group this node launched (pid %d) has exited; launching a new one", group.pid)
+        stop_group(group, graceful=False, timeout=10.0)  # any rank left behind
+        _remember(context, None)
     if not launch:
         raise GroupUnavailable("this node has no group (no hello reached it, and the node config names none)")
     spec = P.RunSpec.from_json(str(config["spec"]))
@@ -347,6 +351,7 @@ def _group_args(context: Any, config: Mapping[str, Any], verb: str) -> dict[str,
         partition_id, num_partitions = _node_partition(context, config)
         return {"spec": config["spec"], "run_key": str(config.get("run-key", context.run_id)),
                 "partition_id": partition_id, "num_partitions": num_partitions,
+                "rejoin": bool(config.get("rejoin", False)),
                 "data_dir": str(context.node_config.get(NODE_DATA_DIR, ""))}
     if verb == P.TRAIN:
         return {"syncs": int(config["syncs"]), "steps": int(config["steps"]),
@@ -356,7 +361,7 @@ def _group_args(context: Any, config: Mapping[str, Any], verb: str) -> dict[str,
                 "rendezvous_timeout": float(config["rendezvous-timeout"]),
                 "sync_timeout": float(config["sync-timeout"]), "evaluate": bool(config.get("evaluate", True)),
                 "export": bool(config.get("export", False)), "checkpoint": bool(config.get("checkpoint", False)),
-                "server_round": int(config.get("server-round", 0))}
+                "server_round": int(config.get("server-round", 0)), "catch_up": bool(config.get("catch-up", False))}
     if verb == P.APPLY:
         return {"evaluate": bool(config.get("evaluate", False)), "server_round": int(config.get("server-round", 0)),
                 "checkpoint": bool(config.get("checkpoint", False))}

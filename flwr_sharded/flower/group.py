@@ -282,11 +282,13 @@ class GroupRuntime:
                 raise ConfigError(f"partition-id {partition[0]} outside 0..{partition[1] - 1}")
             preflight(cfg, self.world)
             if spec.checkpoint_dir:  # series <dir>/group-<partition id>: it follows the data, whichever node trains
-                from flwr_sharded.training.checkpoint import check_resumable
+                from flwr_sharded.training.checkpoint import check_resumable, group_dir, latest_checkpoint
 
                 cfg.checkpoint_dir = spec.checkpoint_dir
                 if spec.resume:
                     check_resumable(cfg, spec.checkpoint_dir, fed_index=partition[0])
+                elif args.get("rejoin") and latest_checkpoint(group_dir(spec.checkpoint_dir, partition[0])):
+                    spec.resume = True  # a restarted group rejoining: its own data position and optimizer state
         except (ConfigError, KeyError, ValueError, TypeError) as exc:
             out["error"] = str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
         if not out["error"] and spec.aggregation == "server":
@@ -335,6 +337,7 @@ class GroupRuntime:
             evaluate = bool(args.get("evaluate", True))
             export = bool(args.get("export", False))
             checkpoint, server_round = bool(args.get("checkpoint", False)), int(args.get("server_round", 0))
+            catch_up = bool(args.get("catch_up", False))
         except (KeyError, ValueError, TypeError) as exc:
             raise InstructionError(f"malformed train instruction: {exc!r}") from None
         server_path = self.spec is not None and self.spec.aggregation == "server"
@@ -351,8 +354,19 @@ class GroupRuntime:
         train_s = sync_s = rendezvous_s = eval_s = 0.0
         syncs_done, failure, weight = 0, "", 0.0
         checksums: list[float] = []
+        caught_up: list[float] = []
         groups: list[rdv.FederationGroup] = []
         try:
+            if catch_up:  # a member (re)joined: everyone adopts member 0's state before training
+                start = time.perf_counter()
+                ok, failure, rendezvous_s = self._catch_up(t, groups, members, me, host, ports, prefix, rdv_timeout,
+                                                           sync_timeout)
+                sync_s += time.perf_counter() - start
+                if not ok:
+                    logger.warning("catch-up of round %s failed: %s", prefix, failure)
+                    periods = 0
+                else:
+                    caught_up = self._checksums()
             for k in range(periods):
                 start = time.perf_counter()
                 for _ in range(steps):
@@ -395,7 +409,8 @@ class GroupRuntime:
             "steps": n_steps, "losses": group_losses, "tokens": tokens, "total_tokens": self.tokens,
             "train_s": train_s, "sync_s": sync_s, "rendezvous_s": rendezvous_s, "syncs": syncs_done,
             "sync_failed": bool(failure), "sync_error": failure, "checksums": checksums,
-            "step": t.step_count, "lr": t.scheduler.get_last_lr()[0], "members": len(members)}
+            "step": t.step_count, "lr": t.scheduler.get_last_lr()[0], "members": len(members),
+            "catch_up_checksums": caught_up}
         if checkpoint and not failure:
             result["checkpoint_s"] = self._checkpoint(server_round)
         if export and not failure:
@@ -427,15 +442,8 @@ class GroupRuntime:
         saved_outer = None
         if self.topo.replica_index == 0:
             try:
-                if k == 0:  # first sync of the round: form the federation group of this shard index
-                    start = time.perf_counter()
-                    s = self.topo.shard_index
-                    backend = rdv.backend_for_device(t.device, self.args.sync_backend)
-                    group = rdv.join(host=host, port=ports[s], prefix=f"{prefix}/s{s}", rank=me, size=len(members),
-                                     rendezvous_timeout=rdv_timeout, sync_timeout=sync_timeout, backend=backend)
-                    groups.append(group)
-                    sync.rebind(group.pg, None)
-                    rdv_s = time.perf_counter() - start
+                if k == 0 and not groups:  # first sync of the round: form the federation group of this shard index
+                    rdv_s = self._join(t, groups, members, me, host, ports, prefix, rdv_timeout, sync_timeout)
                 if not groups:
                     raise rdv.RendezvousError("no federation group (the round's first sync failed)")
                 if sync.rule.stateful:  # outer optimizer state, restored if any shard index fails
@@ -532,6 +540,52 @@ class GroupRuntime:
         start = time.perf_counter()
         t.save_checkpoint({"round": server_round})
         return time.perf_counter() - start
+
+    def _join(self, t, groups: list[rdv.FederationGroup], members: list[str], me: int, host: str, ports: list[int],
+              prefix: str, rdv_timeout: float, sync_timeout: float) -> float:
+        """Replica 0: form the round's federation group of this rank's shard index; returns the seconds it took."""
+        start = time.perf_counter()
+        s = self.topo.shard_index
+        backend = rdv.backend_for_device(t.device, self.args.sync_backend)
+        group = rdv.join(host=host, port=ports[s], prefix=f"{prefix}/s{s}", rank=me, size=len(members),
+                         rendezvous_timeout=rdv_timeout, sync_timeout=sync_timeout, backend=backend)
+        groups.append(group)
+        t.shard_sync.rebind(group.pg, None)
+        return time.perf_counter() - start
+
+    def _catch_up(self, t, groups: list[rdv.FederationGroup], members: list[str], me: int, host: str,
+                  ports: list[int], prefix: str, rdv_timeout: float, sync_timeout: float) -> tuple[bool, str, float]:
+        """Every member adopts member 0's shards, outer state and schedule position (a group (re)joined the run).
+
+        Replica 0 of each shard index joins the round's federation group and receives member 0's shards and outer
+        state by broadcast; the step count travels on shard index 0; FL+HSDP replicas then copy replica 0.
+        """
+        rdv_s, error, step = 0.0, "", t.step_count
+        if self.topo.replica_index == 0:
+            try:
+                rdv_s = self._join(t, groups, members, me, host, ports, prefix, rdv_timeout, sync_timeout)
+                pg = groups[0].pg
+                t.shard_sync.broadcast(pg)
+                t.shard_sync.broadcast_outer_state(pg)
+                box = torch.tensor([t.step_count], dtype=torch.int64, device=t.device)
+                dist.broadcast(box, group=pg, group_src=0)
+                step = int(box.item())
+            except Exception as exc:  # noqa: BLE001 - rendezvous, timeout, peer gone
+                error = f"shard {self.topo.shard_index}: {rdv.first_line(exc)}"
+        errors = [e for e in self._gather(error) if e]
+        if errors:
+            self._restore_snapshot()
+            return False, "; ".join(sorted(set(errors))), rdv_s
+        if self.topo.rep_group is not None:
+            t.shard_sync.broadcast(self.topo.rep_group)
+        step = self._broadcast(step)  # rank 0 (replica 0, shard 0) knows member 0's step count
+        if step != t.step_count:
+            logger.info("caught up: step %d -> %d (member 0's)", t.step_count, step)
+            t.step_count = step
+            t.scheduler.last_epoch = step - 1
+            t.scheduler.step()  # the learning rate of step `step`
+        self._take_snapshot()
+        return True, "", rdv_s
 
     def _take_snapshot(self) -> None:
         """Copy this rank's local shards to CPU: the state a failed sync rolls back to."""

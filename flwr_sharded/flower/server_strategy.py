@@ -43,6 +43,14 @@ class ServerShardFedAvg(DecentralizedFedAvg):
         return (str(hello_info.get("facility", "")) or self.spec.facility_of(partition_id)
                 or f"partition-{partition_id}")
 
+    def readmit(self, grid: Grid, server_round: int) -> list[int]:
+        """Dropped groups do not rejoin on the server path: a group alone in its facility has no member to catch
+        up from, and its stale model would enter the server's mean."""
+        if self.rejoin and self.dropped:
+            log(WARNING, "round %d: %d dropped group(s) stay out (rejoining is not supported on the server path)",
+                server_round, len(self.dropped))
+        return []
+
     def facilities(self) -> dict[str, list[int]]:
         """Facility -> its current member nodes, in member order."""
         out: dict[str, list[int]] = {}

@@ -92,11 +92,12 @@ class DecentralizedFedAvg(Strategy):
         save_dir: at the end, member 0 writes its merged model here.
         stop_groups: at the end, also shut down groups that were not launched by the ClientApp (deployment).
         group_idle_timeout: idle timeout given to groups the ClientApp launches (simulation).
+        rejoin: at the start of each round, offer groups dropped earlier to rejoin (with a catch-up).
     """
 
     def __init__(self, spec: P.RunSpec, deadlines: Deadlines | None = None, *, evaluate_in_train: bool = True,
                  metrics_path: str = "", save_dir: str = "", stop_groups: bool = False,
-                 group_idle_timeout: float = 600.0) -> None:
+                 group_idle_timeout: float = 600.0, rejoin: bool = True) -> None:
         self.spec = spec
         self.deadlines = deadlines or Deadlines()
         self.evaluate_in_train = evaluate_in_train
@@ -112,6 +113,11 @@ class DecentralizedFedAvg(Strategy):
         self.history: list[dict[str, Any]] = []
         self.resumed_round = 0
         """The round the groups' checkpoints hold (resume); training goes on with the next one."""
+        self.rejoin = rejoin
+        self.dropped: set[int] = set()
+        """Nodes whose group was dropped during the run (candidates to rejoin)."""
+        self._catch_up = False
+        self._rejoined: list[int] = []
         self._round_wall = 0.0
 
     # ----- Strategy interface ---------------------------------------------------------------------------------
@@ -135,7 +141,7 @@ class DecentralizedFedAvg(Strategy):
                 "prefix": f"run{self.run_id}/round{server_round}", "rendezvous-timeout": d.rendezvous_timeout,
                 "sync-timeout": d.sync_timeout, "evaluate": self.evaluate_in_train,
                 "server-round": server_round, "checkpoint": self.spec.checkpoint_due(server_round),
-                "timeout": max(1.0, d.round_timeout - 5.0)}
+                "catch-up": self._catch_up, "timeout": max(1.0, d.round_timeout - 5.0)}
         return [self._message(node, P.MSG_TRAIN, {**base, "member-index": i}, str(server_round), d.round_timeout)
                 for i, node in enumerate(self.members)]
 
@@ -157,6 +163,7 @@ class DecentralizedFedAvg(Strategy):
         alive = {**ok, **rolled_back}
         record = self._round_record(server_round, ok, rolled_back, dropped)
         for node, reason in dropped.items():
+            self.dropped.add(node)
             self.groups[node].failures.append(f"round {server_round}: {reason}")
             self.left_out[node] = f"dropped in round {server_round}: {reason}"
             log(WARNING, "round %d: group on node %d dropped: %s", server_round, node, reason)
@@ -223,6 +230,7 @@ class DecentralizedFedAvg(Strategy):
             if self.resumed_round:
                 log(INFO, "resuming after round %d of %d", self.resumed_round, rounds)
             for server_round in range(self.resumed_round + 1, rounds + 1):
+                self._catch_up = bool(self.readmit(grid, server_round))
                 if len(self.members) < self.deadlines.min_groups:
                     log(ERROR, "only %d group(s) left, fewer than min-groups %d: stopping before round %d",
                         len(self.members), self.deadlines.min_groups, server_round)
@@ -292,35 +300,8 @@ class DecentralizedFedAvg(Strategy):
 
     def hello(self, grid: Grid, nodes: list[int]) -> None:
         """Set up every sampled group; keep those that match the run and each other."""
-        d = self.deadlines
-        spec_json = self.spec.to_json()
-        messages = [self._message(node, P.MSG_HELLO,
-                                  {"spec": spec_json, "partition-id": i, "num-partitions": len(nodes),
-                                   "run-key": str(self.run_id), "group-idle-timeout": self.group_idle_timeout,
-                                   "timeout": max(1.0, d.hello_timeout - 5.0)}, "hello", d.hello_timeout)
-                    for i, node in enumerate(nodes)]
         log(INFO, "hello to %d node(s): %s", len(nodes), nodes)
-        replies = {m.metadata.src_node_id: m for m in self.send_and_receive(grid, messages, d.hello_timeout)}
-        candidates: dict[int, GroupInfo] = {}
-        for node in nodes:
-            metrics, error = _reply_payload(replies.get(node))
-            info = _reply_info(replies.get(node))
-            layout = P.GroupLayout(method=str(info.get("method", "?")), replicas=int(metrics.get("replicas", 0)),
-                                   shards=int(metrics.get("shards", 0)), world=int(metrics.get("world", 0)),
-                                   rendezvous_host=str(info.get("rendezvous_host", "")),
-                                   rendezvous_ports=[int(p) for p in metrics.get("rendezvous_ports", [])])
-            if not error and layout.mismatch(self.spec):
-                error = layout.mismatch(self.spec)
-            if not error and len(layout.rendezvous_ports) != self.spec.shards:
-                error = f"offers {len(layout.rendezvous_ports)} rendezvous ports for {self.spec.shards} shard indices"
-            if error:
-                self.left_out[node] = error
-                log(ERROR, "group on node %d left out: %s", node, error)
-                continue
-            partition = int(metrics.get("partition_id", 0))
-            candidates[node] = GroupInfo(node, partition, layout, str(info.get("fingerprint", "")),
-                                         int(metrics.get("tokens", 0)), int(metrics.get("resumed_round", 0)),
-                                         self.facility_of(partition, info))
+        candidates = self._hello_round(grid, {node: i for i, node in enumerate(nodes)}, len(nodes))
         if candidates:
             common, _ = Counter(g.fingerprint for g in candidates.values()).most_common(1)[0]
             for node, g in list(candidates.items()):
@@ -346,6 +327,75 @@ class DecentralizedFedAvg(Strategy):
             raise ConfigError(message)
         log(INFO, "hello: %d group(s) ready: %s", len(self.members),
             ", ".join(f"node {n} (partition {self.groups[n].partition_id})" for n in self.members))
+
+    def _hello_round(self, grid: Grid, partitions: dict[int, int], num_partitions: int,
+                     rejoin: bool = False) -> dict[int, GroupInfo]:
+        """Send hello to the nodes (node -> partition id); the groups whose reply fits the run's layout."""
+        d = self.deadlines
+        spec_json = self.spec.to_json()
+        messages = [self._message(node, P.MSG_HELLO,
+                                  {"spec": spec_json, "partition-id": pid, "num-partitions": num_partitions,
+                                   "run-key": str(self.run_id), "group-idle-timeout": self.group_idle_timeout,
+                                   "rejoin": rejoin, "timeout": max(1.0, d.hello_timeout - 5.0)}, "hello",
+                                  d.hello_timeout)
+                    for node, pid in partitions.items()]
+        replies = {m.metadata.src_node_id: m for m in self.send_and_receive(grid, messages, d.hello_timeout)}
+        candidates: dict[int, GroupInfo] = {}
+        for node in partitions:
+            metrics, error = _reply_payload(replies.get(node))
+            info = _reply_info(replies.get(node))
+            layout = P.GroupLayout(method=str(info.get("method", "?")), replicas=int(metrics.get("replicas", 0)),
+                                   shards=int(metrics.get("shards", 0)), world=int(metrics.get("world", 0)),
+                                   rendezvous_host=str(info.get("rendezvous_host", "")),
+                                   rendezvous_ports=[int(p) for p in metrics.get("rendezvous_ports", [])])
+            if not error and layout.mismatch(self.spec):
+                error = layout.mismatch(self.spec)
+            if not error and len(layout.rendezvous_ports) != self.spec.shards:
+                error = f"offers {len(layout.rendezvous_ports)} rendezvous ports for {self.spec.shards} shard indices"
+            if error:
+                self.left_out[node] = error
+                log(ERROR, "group on node %d left out: %s", node, error)
+                continue
+            partition = int(metrics.get("partition_id", 0))
+            candidates[node] = GroupInfo(node, partition, layout, str(info.get("fingerprint", "")),
+                                         int(metrics.get("tokens", 0)), int(metrics.get("resumed_round", 0)),
+                                         self.facility_of(partition, info))
+        return candidates
+
+    def readmit(self, grid: Grid, server_round: int) -> list[int]:
+        """Groups dropped in an earlier round whose node is online get a hello (a lost group is relaunched or
+        restarted there); those that pass it and match the members' fingerprint rejoin: this round starts with a
+        catch-up in which every member adopts member 0's shards, outer state and step. Returns the rejoined nodes."""
+        if not self.rejoin or not self.dropped or not self.members:
+            return []
+        try:
+            online = set(grid.get_node_ids())
+        except Exception:  # noqa: BLE001 - try again next round
+            return []
+        nodes = [n for n in sorted(self.dropped) if n in online]
+        if not nodes:
+            return []
+        log(INFO, "round %d: hello to %d dropped group(s) to rejoin: %s", server_round, len(nodes), nodes)
+        fingerprint = self.groups[self.members[0]].fingerprint
+        partitions = {n: self.groups[n].partition_id for n in nodes}
+        candidates = self._hello_round(grid, partitions, len(self.sampled), rejoin=True)
+        joined = []
+        for node, g in candidates.items():
+            if g.fingerprint != fingerprint:
+                self.left_out[node] = f"rejoin refused: fingerprint {g.fingerprint[:12]} != the members' {fingerprint[:12]}"
+                log(ERROR, "group on node %d: %s", node, self.left_out[node])
+                continue
+            g.failures = self.groups[node].failures
+            self.groups[node] = g
+            self.dropped.discard(node)
+            self.left_out.pop(node, None)
+            self.members.append(node)  # after the established members: member 0 is the catch-up source
+            joined.append(node)
+        if joined:
+            log(INFO, "round %d: group(s) on node(s) %s rejoin; the round starts with a catch-up", server_round,
+                joined)
+        self._rejoined = joined
+        return joined
 
     def _agree_on_resumed_round(self, candidates: dict[int, GroupInfo]) -> None:
         """Resume: the run goes on after the round most groups' checkpoints hold; the others are left out."""
@@ -447,6 +497,7 @@ class DecentralizedFedAvg(Strategy):
         record: dict[str, Any] = {
             "kind": "round", "round": server_round, "groups": len(ok), "rolled_back": len(rolled_back),
             "dropped": len(dropped), "members": [str(n) for n in self.members],
+            "rejoined": [str(n) for n in self._rejoined] if self._catch_up else [],
             "synced": int(bool(ok) and not rolled_back and not dropped), "syncs": syncs, "steps": steps,
             "train_loss": train_loss, "train_ppl": _ppl(train_loss), "tokens": int(total_tokens),
             "tokens_per_s": total_tokens / round_s if round_s > 0 else 0.0, "round_s": round_s,

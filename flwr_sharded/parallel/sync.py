@@ -284,7 +284,8 @@ class ShardSync:
 
     @torch.no_grad()
     def broadcast(self, rep_group: dist.ProcessGroup) -> None:
-        """Copy replica 0's shards to the other replicas of a group, one broadcast per bucket."""
+        """Copy the shards of rank 0 of `rep_group` to its other ranks, one broadcast per bucket (FL+HSDP: replica
+        0 to the other replicas; a rejoining group: a member's shards to the newcomer)."""
         source = dist.get_rank(rep_group) == 0
         for flat, shard_segments, buffer_segments in self._bucket_views():
             if source:
@@ -292,6 +293,18 @@ class ShardSync:
             dist.broadcast(flat, group=rep_group, group_src=0)
             if not source:
                 torch._foreach_copy_(shard_segments, buffer_segments)
+
+    @torch.no_grad()
+    def broadcast_outer_state(self, group: dist.ProcessGroup) -> None:
+        """Copy the outer state (global shards, rule state) of rank 0 of `group` to its other ranks."""
+        if not self.rule.stateful:
+            return
+        if self._global is None:
+            raise RuntimeError("no outer state to broadcast: call capture_global() first")
+        for k, global_k in enumerate(self._global):
+            dist.broadcast(global_k, group=group, group_src=0)
+            for name in sorted(self._rule_state[k]):
+                dist.broadcast(self._rule_state[k][name], group=group, group_src=0)
 
     def _apply(self, k: int, flat: torch.Tensor, step: Any) -> None:
         """Run the rule on bucket k: write the new global values into `flat`, keep them (and the state)."""

@@ -287,3 +287,42 @@ def test_server_path_export_and_apply_check_every_piece_before_writing(procs, da
     after = c.call(P.APPLY, {"path": str(target), "evaluate": True}, timeout=60)
     assert after["checksums"] != before and math.isfinite(after["eval_loss"])
     assert after["checksums"] == c.call(P.STATUS)["checksums"]
+
+
+@pytest.mark.timeout(300)
+def test_a_restarted_group_catches_up_with_the_members_before_training(procs, data_dir):
+    """Groups A and B sync; B is killed -9 and A goes on alone; a new B joins with a catch-up: before training, both
+    hold A's shards (checksums), B takes A's step count and learning rate, and after the round's sync they agree."""
+    s = spec(data_dir, outer="nesterov", aggregate_every=2, syncs_per_round=1, rounds=4)
+    (_, a_addr, a_key), (_, b_addr, b_key) = start_groups(procs, [("a", {}), ("b", {})])
+    a, b = client(a_addr, a_key), client(b_addr, b_key)
+    offer = hello(a, s, 0, 2)
+    hello(b, s, 1, 2)
+    train_all([a, b], offer, "round1", syncs=1, steps=2)
+    b_pids = group_pids(b_addr, b_key)
+    for pid in b_pids:
+        os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: all_gone(b_pids), 60, what="group b gone")
+    (alone,) = train_all([a], offer, "round2", syncs=1, steps=2)
+    assert alone["syncs"] == 1 and not alone["sync_failed"]
+    _, b_addr, b_key = start_group(procs, "b2")
+    b = client(b_addr, b_key)
+    assert hello(b, s, 1, 2)["steps"] == 0  # a fresh group
+    results: list[Any] = [None, None]
+
+    def go(i: int, c: GroupClient) -> None:
+        results[i] = c.call(P.TRAIN, {
+            "syncs": 1, "steps": 2, "members": ["0", "1"], "member_index": i, "catch_up": True,
+            "rendezvous_host": offer["rendezvous_host"], "rendezvous_ports": offer["rendezvous_ports"],
+            "prefix": "round3", "rendezvous_timeout": 30, "sync_timeout": 30, "evaluate": False}, timeout=180)
+
+    threads = [threading.Thread(target=go, args=(i, c)) for i, c in enumerate([a, b])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    got_a, got_b = results
+    assert got_a is not None and got_b is not None, results
+    assert got_a["catch_up_checksums"] == got_b["catch_up_checksums"] == alone["checksums"]
+    assert got_a["step"] == got_b["step"] == 6 and got_a["lr"] == got_b["lr"]
+    assert not got_a["sync_failed"] and got_a["checksums"] == got_b["checksums"]

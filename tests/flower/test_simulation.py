@@ -116,3 +116,45 @@ def test_a_killed_run_resumes_after_its_last_checkpointed_round(data_dir, tmp_pa
         assert got["eval_loss"] == pytest.approx(want["eval_loss"], rel=1e-6)
         assert next(iter(got["checksums"].values())) == pytest.approx(next(iter(want["checksums"].values())),
                                                                        rel=1e-6, abs=1e-6)
+
+
+@pytest.mark.timeout(600)
+def test_a_killed_group_is_dropped_relaunched_and_rejoins_with_a_catch_up(data_dir, tmp_path):
+    """Kill -9 one group's processes after round 1: its round fails and it is dropped (the survivor rolls back if
+    the sync was under way); at the next round the ServerApp offers it to rejoin, the ClientApp launches a new group,
+    and the round starts with a catch-up, after which both groups hold identical shards again."""
+    import os
+    import signal
+
+    config = {**FAST_RUN_CONFIG, "num-server-rounds": 4, "syncs-per-round": 1, "aggregate-every": 3,
+              "rendezvous-timeout": 10.0, "sync-timeout": 20.0}  # the survivor's wait for the dead member
+    work = tmp_path / "run"
+    work.mkdir()
+    metrics = work / "metrics.jsonl"
+    env = base_env(FLWR_HOME=str(work / "flwr_home"), FLWR_SHARDED_DATA=str(data_dir))
+    cmd = ["bash", str(DEMO), *run_config_args({**config, "metrics-path": str(metrics)})]
+    with open(work / "out.txt", "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                start_new_session=True)
+    try:
+        wait_until(lambda: round_records(metrics) or proc.poll() is not None, 300, 0.05, "round 1")
+        victim = round_records(metrics)[0]["members"][1]
+        pids = pids_matching("flwr_sharded.flower.group", f"node-{victim}")
+        assert pids, "no group process found for the second member"
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=400)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
+    output = (work / "out.txt").read_text()
+    assert proc.returncode == 0, output[-4000:]
+    rounds = round_records(metrics)
+    assert len(rounds) == 4, output[-4000:]
+    dropped = [r for r in rounds if r["dropped"]]
+    rejoined = [r for r in rounds if r["rejoined"]]
+    assert dropped and rejoined and rejoined[0]["round"] > dropped[0]["round"], rounds
+    assert rejoined[0]["rejoined"] == [victim] and "rejoin" in output
+    for r in rounds[rounds.index(rejoined[0]):]:
+        assert r["groups"] == 2 and r["synced"] == 1 and r["checksums_equal"] == 1, r
