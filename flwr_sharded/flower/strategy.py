@@ -303,16 +303,13 @@ class DecentralizedFedAvg(Strategy):
         log(INFO, "hello to %d node(s): %s", len(nodes), nodes)
         candidates = self._hello_round(grid, {node: i for i, node in enumerate(nodes)}, len(nodes))
         if candidates:
-            common, _ = Counter(g.fingerprint for g in candidates.values()).most_common(1)[0]
-            for node, g in list(candidates.items()):
-                if g.fingerprint != common:
-                    reason = (f"model/sharding fingerprint {g.fingerprint[:12]} differs from the majority's "
-                              f"{common[:12]} (another model, dtype or S)")
-                    self.left_out[node] = reason
-                    log(ERROR, "group on node %d left out: %s", node, reason)
-                    del candidates[node]
-            if self.spec.resume:
-                self._agree_on_resumed_round(candidates)
+            self._keep_majority(candidates, lambda g: g.fingerprint, lambda g, common: (
+                f"model/sharding fingerprint {g.fingerprint[:12]} differs from the majority's {common[:12]} "
+                f"(another model, dtype or S)"))
+            if self.spec.resume:  # the run goes on after the round most groups' checkpoints hold
+                self.resumed_round = self._keep_majority(candidates, lambda g: g.resumed_round, lambda g, common: (
+                    f"its checkpoint holds round {g.resumed_round}, the majority's round {common} (a group that "
+                    f"missed a checkpoint would train from another model)"))
             partitions = Counter(g.partition_id for g in candidates.values())
             for pid, count in partitions.items():
                 if count > 1:
@@ -397,17 +394,16 @@ class DecentralizedFedAvg(Strategy):
         self._rejoined = joined
         return joined
 
-    def _agree_on_resumed_round(self, candidates: dict[int, GroupInfo]) -> None:
-        """Resume: the run goes on after the round most groups' checkpoints hold; the others are left out."""
-        common, _ = Counter(g.resumed_round for g in candidates.values()).most_common(1)[0]
+    def _keep_majority(self, candidates: dict[int, GroupInfo], key: Callable[[GroupInfo], Any],
+                       reason: Callable[[GroupInfo, Any], str]) -> Any:
+        """Leave out the candidates whose `key` differs from the most common value (logged); return that value."""
+        common, _ = Counter(key(g) for g in candidates.values()).most_common(1)[0]
         for node, g in list(candidates.items()):
-            if g.resumed_round != common:
-                reason = (f"its checkpoint holds round {g.resumed_round}, the majority's round {common} (a group "
-                          f"that missed a checkpoint would train from another model)")
-                self.left_out[node] = reason
-                log(ERROR, "group on node %d left out: %s", node, reason)
+            if key(g) != common:
+                self.left_out[node] = reason(g, common)
+                log(ERROR, "group on node %d left out: %s", node, self.left_out[node])
                 del candidates[node]
-        self.resumed_round = common
+        return common
 
     def facility_of(self, partition_id: int, hello_info: dict[str, Any]) -> str:
         """The decentralised path has no facilities (the server path overrides this)."""
