@@ -213,7 +213,7 @@ def test_failed_sync_survivors_roll_back_and_membership_reforms(caplog):
 
     grid = FakeGrid({1: group(1, 0, train=rolls_back_in_round_2), 2: group(2, 1, train=rolls_back_in_round_2),
                      3: group(3, 2, train=dies_in_round_2)})
-    strategy = DecentralizedFedAvg(spec(rounds=3), fast(num_groups=3))
+    strategy = DecentralizedFedAvg(spec(rounds=3), fast(num_groups=3), rejoin=False)
     with caplog.at_level(logging.WARNING, logger="flwr"):
         result = strategy.start(grid)
     rounds = [h for h in strategy.history if h["kind"] == "round"]
@@ -287,3 +287,22 @@ def test_separate_evaluate_messages():
     assert len(grid.sent(P.MSG_EVALUATE)) == 4
     assert result.evaluate_metrics_clientapp[2]["eval_loss"] == pytest.approx(3.0)
     assert strategy.history[1]["eval_ppl"] == pytest.approx(math.exp(3.0))
+
+
+def test_a_dropped_group_that_answers_hello_again_rejoins_last_with_a_catch_up(caplog):
+    def fails_in_round_2(m, n):
+        return (0.0, reply(False, "lost the connection to the group")) if n == 2 else (0.0, train_ok())
+
+    grid = FakeGrid({1: group(1, 0), 2: group(2, 1, train=fails_in_round_2), 3: group(3, 2)})
+    strategy = DecentralizedFedAvg(spec(rounds=4), fast(num_groups=3))
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        strategy.start(grid)
+    rounds = [h for h in strategy.history if h["kind"] == "round"]
+    assert [r["dropped"] for r in rounds] == [0, 1, 0, 0]
+    assert [r["rejoined"] for r in rounds] == [[], [], ["2"], []]
+    assert rounds[2]["members"] == ["1", "3", "2"]  # after the established members: member 0 is the source
+    catch_up = {config(m)["prefix"].rsplit("/", 1)[1]: config(m)["catch-up"] for m in grid.sent(P.MSG_TRAIN)}
+    assert catch_up == {"round1": False, "round2": False, "round3": True, "round4": False}
+    hellos = [m for m in grid.sent(P.MSG_HELLO) if m.metadata.dst_node_id == 2]
+    assert len(hellos) == 2 and config(hellos[1])["rejoin"] and config(hellos[1])["partition-id"] == 1
+    assert "rejoin; the round starts with a catch-up" in caplog.text
