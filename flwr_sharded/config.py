@@ -227,10 +227,25 @@ def _positive(value: Any, option: str) -> None:
 
 
 def outer_rule(p: ParallelConfig):
-    """The shard rule the sync applies (`flwr_sharded.parallel.outer`); ConfigError for a bad name or option."""
-    from flwr_sharded.parallel.outer import make_rule
+    """The shard rule the sync applies (`flwr_sharded.parallel.outer`); ConfigError for a bad name or option.
+
+    For the built-in rules, an option the rule does not take or a value out of range is an error naming the option
+    (custom rules check their own keyword arguments).
+    """
+    from flwr_sharded.parallel.outer import RULES, make_rule
 
     options = {k: v for k, v in (("lr", p.outer_lr), ("momentum", p.outer_momentum)) if v is not None}
+    if p.outer in RULES:
+        takes = {name: {f.name for f in dataclasses.fields(cls)} for name, cls in RULES.items()}
+        for key in options:
+            if key not in takes[p.outer]:
+                users = [name for name, fields in takes.items() if key in fields]
+                raise ConfigError(f"--outer-{key} does not apply to --outer {p.outer}; only {', '.join(users)} "
+                                  f"take it")
+        if "lr" in options and not options["lr"] > 0:
+            raise ConfigError(f"--outer-lr must be > 0, got {options['lr']}")
+        if "momentum" in options and not 0 <= options["momentum"] < 1:
+            raise ConfigError(f"--outer-momentum must be in [0, 1), got {options['momentum']}")
     return make_rule(p.outer, **options)
 
 

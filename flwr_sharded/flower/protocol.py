@@ -305,6 +305,11 @@ class RunSpec:
             raise ConfigError(f"run config 'checkpoint-every' must be an integer >= 1, got {self.checkpoint_every!r}")
         if self.resume and not self.checkpoint_dir:
             raise ConfigError("run config 'resume' = true needs 'checkpoint-dir' (where the groups' checkpoints are)")
+        if self.outer_lr < 0:
+            raise ConfigError(f"run config 'outer-lr' must be > 0, or 0 for the rule's default; got {self.outer_lr!r}")
+        if not isinstance(self.max_train_blocks, int) or self.max_train_blocks < 0:
+            raise ConfigError(f"run config 'max-train-blocks' must be an integer >= 0 (0: all blocks); got "
+                              f"{self.max_train_blocks!r}")
         if self.aggregation not in AGGREGATIONS:
             raise ConfigError(f"run config 'aggregation' must be one of {', '.join(AGGREGATIONS)}; "
                               f"got {self.aggregation!r}")

@@ -167,9 +167,12 @@ class DecentralizedFedAvg(Strategy):
             self.groups[node].failures.append(f"round {server_round}: {reason}")
             self.left_out[node] = f"dropped in round {server_round}: {reason}"
             log(WARNING, "round %d: group on node %d dropped: %s", server_round, node, reason)
-        if rolled_back or dropped:
+        if rolled_back:
             log(WARNING, "round %d: sync failed; %d surviving group(s) restored their last synced shards; the next "
-                "round re-forms with %d member(s)", server_round, len(alive), len(alive))
+                "round re-forms with %d member(s)", server_round, len(rolled_back), len(alive))
+        elif dropped:
+            log(WARNING, "round %d: %d group(s) dropped; the next round goes on with %d member(s)", server_round,
+                len(dropped), len(alive))
         self.members = [n for n in self.members if n in alive]
         for node, metrics in alive.items():
             self.groups[node].tokens = int(metrics.get("total_tokens", 0))

@@ -9,6 +9,9 @@ Layout of `DIR/group-<f>/`:
 A checkpoint is written into `step-N.tmp/` and renamed once every rank of the group has finished, then `latest` is
 replaced atomically: a crash mid-write leaves the previous checkpoint usable. Saves can run in the background
 (`async_save`), in which case the commit happens at the next save or at the end of training.
+
+Fault injection (tests only): `$FLWR_SHARDED_FAULT_COMMIT_DELAY_S` seconds of sleep on every rank between writing a
+checkpoint and committing it, so a test can kill the job while `step-N.tmp/` is complete but not yet renamed.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +34,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from flwr_sharded.config import ConfigError, TrainConfig, config_to_dict
 
 LATEST = "latest"
+FAULT_COMMIT_DELAY_ENV = "FLWR_SHARDED_FAULT_COMMIT_DELAY_S"
+"""Fault-injection hook for tests: seconds to sleep between writing a checkpoint and committing it (unset: none)."""
 
 
 def group_dir(root: str | Path, fed_index: int) -> Path:
@@ -121,6 +127,7 @@ class Checkpointer:
             return
         if pending.future is not None:
             pending.future.result()
+        _fault_commit_delay()
         dist.barrier(group=self.group_pg)
         if self.group_rank == 0:
             os.replace(pending.tmp / "meta.json.part", pending.tmp / "meta.json")
@@ -146,6 +153,13 @@ class Checkpointer:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         rank_state = torch.load(checkpoint / f"rank-{self.group_rank}.pt", weights_only=False)
         return read_meta(checkpoint), rank_state
+
+
+def _fault_commit_delay() -> None:
+    """The test-only fault-injection hook (`FAULT_COMMIT_DELAY_ENV`); a no-op unless the variable is set."""
+    delay = float(os.environ.get(FAULT_COMMIT_DELAY_ENV) or 0)
+    if delay > 0:
+        time.sleep(delay)
 
 
 def export_pretrained(checkpoint: str | Path, out: str | Path) -> Path:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.flower.procs import DEMO, FAST_RUN_CONFIG, REPO, base_env, pids_matching, round_records, \
+from tests.flower.procs import DEMO, FAST_RUN_CONFIG, REPO, Procs, base_env, pids_matching, round_records, \
     run_config_args, strip_ansi
 
 
@@ -65,6 +65,16 @@ def _kill_leftovers(home: Path) -> None:
             os.killpg(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+@pytest.fixture
+def procs(tmp_path):
+    """Processes a test starts (groups, SuperLink, SuperNodes), all killed at its end, failed or not."""
+    p = Procs(tmp_path)
+    try:
+        yield p
+    finally:
+        p.close()
 
 
 @pytest.fixture(scope="session")

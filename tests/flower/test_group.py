@@ -16,17 +16,8 @@ import pytest
 
 from flwr_sharded.flower import protocol as P
 from flwr_sharded.flower.client import GroupClient, GroupError, GroupUnavailable
-from tests.flower.procs import Procs, free_port, group_pids, pid_alive, start_group, start_groups, wait_until
+from tests.flower.procs import free_port, group_pids, pid_alive, start_group, start_groups, wait_until
 from tests.multiproc import run_ranks, torchrun
-
-
-@pytest.fixture
-def procs(tmp_path):
-    p = Procs(tmp_path)
-    try:
-        yield p
-    finally:
-        p.close()
 
 
 def client(address: str, key: Path) -> GroupClient:

@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from flwr_sharded.training.checkpoint import LATEST, export_pretrained, latest_checkpoint
-from tests.multiproc import torchrun
+from flwr_sharded.flower.processes import pid_alive
+from flwr_sharded.training.checkpoint import FAULT_COMMIT_DELAY_ENV, LATEST, export_pretrained, latest_checkpoint, \
+    read_meta
+from tests.multiproc import REPO, free_port, torchrun
 
 ARGS = ["--method", "fl-hsdp", "--federations", "2", "--replicas", "1", "--shards", "2", "--model", "tiny",
         "--seq-len", "32", "--batch-size", "2", "--steps", "12", "--aggregate-every", "3", "--log-every", "1",
@@ -74,3 +81,110 @@ def test_resume_refuses_a_missing_or_incompatible_checkpoint(data_dir, tmp_path,
     (series.parent / LATEST).write_text(series.name)
     assert main([*ARGS, "--data-dir", str(data_dir), "--checkpoint-dir", str(tmp_path / "ckpt"), "--resume"]) == 2
     assert "parallel.method='fl-fsdp'" in capsys.readouterr().err
+
+
+def _start_torchrun(nproc: int, args: list[str], log: Path, **env: str) -> subprocess.Popen:
+    """`torchrun -m flwr_sharded.train` in its own session, output to `log`; the caller kills it (`_kill_job`)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+           str(free_port()), "-m", "flwr_sharded.train", *args]
+    with open(log, "ab") as fh:
+        return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                **env}, cwd=REPO, start_new_session=True)
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of `pid` (torchrun starts each worker in a session of its own: killpg misses them)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            pass
+    return out
+
+
+def _kill_job(launcher: subprocess.Popen, workers: list[int]) -> None:
+    """SIGKILL the workers, then the launcher (so none outlives it), and reap the launcher; bounded."""
+    for pid in [*workers, *_children(launcher.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(launcher.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    launcher.wait(timeout=30)
+
+
+def _wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f"the job exited ({proc.returncode}) before {what}:\n{log.read_text()[-4000:]}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not seen within {timeout:.0f} s")
+        time.sleep(0.02)
+
+
+@pytest.mark.timeout(300)
+def test_a_job_killed_while_writing_a_checkpoint_resumes_from_the_last_committed_one(data_dir, tmp_path):
+    """fsdp S=2, 12 steps, a checkpoint every 4. The fault-injection hook (`FAULT_COMMIT_DELAY_ENV`) holds every
+    commit for 8 s; once step 8's files are all written into `step-00000008.tmp/` (its `meta.json.part` exists), the
+    whole job (both ranks and the launcher) gets SIGKILL.
+
+    The committed step 4 stays `latest` and intact, the partial step 8 is never taken as a checkpoint, and `--resume`
+    (no hook) continues at step 5 with the losses the killed run logged for steps 5-8, then commits steps 8 and 12.
+    Recovery time = relaunch -> first step after the checkpoint.
+    """
+    ckpt, series = tmp_path / "ckpt", tmp_path / "ckpt" / "group-0"
+    common = ["--method", "fsdp", "--shards", "2", "--model", "tiny", "--seq-len", "32", "--batch-size", "2",
+              "--steps", "12", "--log-every", "1", "--eval-every", "0", "--eval-blocks", "4", "--lr", "3e-3",
+              "--no-progress", "--data-dir", str(data_dir), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "4"]
+    killed_metrics, resumed_metrics = tmp_path / "killed.jsonl", tmp_path / "resumed.jsonl"
+    job = _start_torchrun(2, [*common, "--metrics", str(killed_metrics)], tmp_path / "killed.log",
+                          **{FAULT_COMMIT_DELAY_ENV: "8"})
+    workers: list[int] = []
+    try:
+        _wait_for(lambda: (series / LATEST).is_file(), 180, "the commit of step 4", job, tmp_path / "killed.log")
+        workers = _children(job.pid)
+        partial = series / "step-00000008.tmp"
+        _wait_for(lambda: (partial / "meta.json.part").is_file(), 60, "step 8 written", job, tmp_path / "killed.log")
+    finally:
+        _kill_job(job, workers)  # the fault: SIGKILL of the whole job (and the clean-up if a wait above failed)
+    assert job.returncode == -signal.SIGKILL
+    assert len(workers) == 2
+    deadline = time.monotonic() + 10
+    while any(pid_alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(pid_alive(pid) for pid in workers)
+
+    # the crash left a complete-looking but uncommitted step 8; `latest` still names step 4, which is whole
+    assert (series / LATEST).read_text() == "step-00000004"
+    assert latest_checkpoint(series) == series / "step-00000004"
+    assert not (series / "step-00000008").exists() and not (partial / "meta.json").exists()
+    assert {"rank-0.pt", "rank-1.pt", ".metadata"} <= {p.name for p in partial.iterdir()}  # written, not committed
+    assert read_meta(series / "step-00000004")["step"] == 4
+    assert {"rank-0.pt", "rank-1.pt", ".metadata"} <= {p.name for p in (series / "step-00000004").iterdir()}
+    killed = _losses(killed_metrics)
+    assert sorted(killed) == list(range(1, 9))
+
+    restarted = time.monotonic()
+    job = _start_torchrun(2, [*common, "--resume", "--metrics", str(resumed_metrics)], tmp_path / "resumed.log")
+    try:
+        _wait_for(lambda: resumed_metrics.is_file() and '"kind": "train"' in resumed_metrics.read_text(), 180,
+                  "the first resumed step", job, tmp_path / "resumed.log")
+        first_step_s = time.monotonic() - restarted
+        assert job.wait(timeout=180) == 0, (tmp_path / "resumed.log").read_text()[-4000:]
+        resumed_s = time.monotonic() - restarted
+    finally:
+        _kill_job(job, [])
+    resumed = _losses(resumed_metrics)
+    assert sorted(resumed) == list(range(5, 13))  # from the committed step 4, not from the partial step 8
+    for step in range(5, 9):
+        assert resumed[step] == pytest.approx(killed[step], abs=1e-6)
+    assert (series / LATEST).read_text() == "step-00000012"
+    assert sorted(p.name for p in series.glob("step-*")) == ["step-00000008", "step-00000012"]  # .tmp replaced
+    print(f"\ncheckpoint-write kill: resumed from step 4 (4 steps redone); first new step {first_step_s:.1f} s after "
+          f"the relaunch, the 8 remaining steps and 2 checkpoints done {resumed_s:.1f} s after it")

@@ -34,7 +34,7 @@ BAD = [
     (4, ["--shards", "4", "--method", "fsdp", "--steps", "0"], ["--steps", ">= 1"]),
     (4, ["--method", "fl-fsdp", "--federations", "4", "--outer", "adagrad"], ["--outer must be one of", "nesterov"]),
     (4, ["--method", "fl-fsdp", "--federations", "4", "--outer", "fedadam", "--outer-momentum", "0.9"],
-     ["--outer fedadam", "momentum"]),
+     ["--outer-momentum does not apply to --outer fedadam", "fedavgm, nesterov"]),
     (4, ["--shards", "4", "--method", "fsdp", "--checkpoint-every", "5"], ["--checkpoint-dir"]),
 ]
 
