@@ -25,6 +25,7 @@ import hashlib
 import logging
 import os
 import queue
+import shutil
 import sys
 import tempfile
 import threading
@@ -191,6 +192,8 @@ class GroupRuntime:
                     return code
         finally:
             endpoint.close()
+            if not self.args.handoff_dir:  # the default, private one
+                shutil.rmtree(self.handoff_dir, ignore_errors=True)
 
     def _stop_reason(self, last: float) -> str:
         idle = self.args.idle_timeout
@@ -291,9 +294,9 @@ class GroupRuntime:
                     spec.resume = True  # a restarted group rejoining: its own data position and optimizer state
         except (ConfigError, KeyError, ValueError, TypeError) as exc:
             out["error"] = str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
-        if not out["error"] and spec.aggregation == "server":
-            out["error"] = self._check_handoff_dir()
         errors = [e for e in self._gather(out["error"]) if e]  # every rank must agree before building anything
+        if not errors and spec.aggregation == "server":  # (collective: only once every rank got this far)
+            errors = [e for e in self._gather(self._check_handoff_dir()) if e]
         if errors:
             out["error"] = errors[0]
             return out
