@@ -21,6 +21,10 @@ from torch.distributed import distributed_c10d as c10d
 logger = logging.getLogger(__name__)
 
 
+GLOO_CONNECT_ATTEMPTS = 5
+"""How many times gloo retries connecting a pair, each with the group's timeout (measured: torch 2.13)."""
+
+
 class RendezvousError(RuntimeError):
     """The federation process group could not be formed in time (a peer is missing, late or unreachable)."""
 
@@ -86,10 +90,16 @@ def join(*, host: str, port: int, prefix: str, rank: int, size: int, rendezvous_
         raise RendezvousError(f"federation group {prefix}: member(s) {missing} did not arrive within "
                               f"{rendezvous_timeout:.0f} s ({first_line(exc)})") from exc
     name = f"flwr-fed:{prefix}"
+    # gloo connects every pair when the group is built and retries a silent peer GLOO_CONNECT_ATTEMPTS times with the
+    # group's timeout: build it with a fraction of sync_timeout (so a peer frozen mid-handshake costs sync_timeout in
+    # all), then give the collectives the whole sync_timeout.
+    connect_s = sync_timeout / GLOO_CONNECT_ATTEMPTS if backend == "gloo" else sync_timeout
     try:
         pg, _ = c10d._new_process_group_helper(size, rank, [], backend, store, group_name=name,
-                                               timeout=timedelta(seconds=sync_timeout),
+                                               timeout=timedelta(seconds=connect_s),
                                                group_desc="flwr_sharded federation group")
+        if connect_s != sync_timeout:
+            pg.set_timeout(timedelta(seconds=sync_timeout))
     except Exception as exc:
         raise RendezvousError(f"federation group {prefix}: backend {backend} rendezvous failed: "
                               f"{first_line(exc)}") from exc
