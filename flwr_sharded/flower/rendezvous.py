@@ -23,6 +23,8 @@ logger = logging.getLogger(__name__)
 
 GLOO_CONNECT_ATTEMPTS = 5
 """How many times gloo retries connecting a pair, each with the group's timeout (measured: torch 2.13)."""
+MIN_CONNECT_S = 10.0
+"""Shortest timeout a federation group is built with (then raised to sync_timeout for its collectives)."""
 
 
 class RendezvousError(RuntimeError):
@@ -91,9 +93,12 @@ def join(*, host: str, port: int, prefix: str, rank: int, size: int, rendezvous_
                               f"{rendezvous_timeout:.0f} s ({first_line(exc)})") from exc
     name = f"flwr-fed:{prefix}"
     # gloo connects every pair when the group is built and retries a silent peer GLOO_CONNECT_ATTEMPTS times with the
-    # group's timeout: build it with a fraction of sync_timeout (so a peer frozen mid-handshake costs sync_timeout in
-    # all), then give the collectives the whole sync_timeout.
-    connect_s = sync_timeout / GLOO_CONNECT_ATTEMPTS if backend == "gloo" else sync_timeout
+    # group's timeout: build it with a fraction of sync_timeout (so a peer frozen mid-handshake costs about
+    # sync_timeout in all, not 5x), but at least MIN_CONNECT_S (the wait for a peer's address is not retried, and a
+    # loaded machine can stall a process for seconds), then give the collectives the whole sync_timeout.
+    connect_s = sync_timeout
+    if backend == "gloo":
+        connect_s = min(sync_timeout, max(MIN_CONNECT_S, sync_timeout / GLOO_CONNECT_ATTEMPTS))
     try:
         pg, _ = c10d._new_process_group_helper(size, rank, [], backend, store, group_name=name,
                                                timeout=timedelta(seconds=connect_s),
