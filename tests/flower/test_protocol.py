@@ -55,7 +55,7 @@ BAD_RUN_CONFIGS = [
     ("grad-accum", {"grad-accum": 0}, [">= 1"]),
     ("precision", {"precision": "fp16"}, ["auto, fp32, bf16"]),
     ("partition", {"partition": "random"}, ["iid, document"]),
-    ("max-train-blocks", {"max-train-blocks": -1}, [">= 1"]),
+    ("max-train-blocks", {"max-train-blocks": -1}, [">= 0", "0: all"]),
     ("eval-blocks", {"eval-blocks": -1}, [">= 0"]),
     ("optimizer", {"optimizer": "adam"}, ["adamw, sgd"]),
     ("lr", {"lr": 0.0}, ["> 0"]),
@@ -69,12 +69,15 @@ BAD_RUN_CONFIGS = [
     ("reset-optimizer-state", {"reset-optimizer-state": "maybe"}, ["of type bool"]),
     ("outer", {"outer": "fedprox"}, ["fedavg, fedavgm, nesterov, fedadam, fedyogi, trimmed-mean"]),
     ("outer-lr", {"outer-lr": 0.5}, ["does not apply to outer fedavg", "fedavgm, nesterov, fedadam, fedyogi"]),
+    ("outer-lr", {"outer": "nesterov", "outer-lr": -1.0}, ["> 0", "0 for the rule's default"]),
     ("outer-momentum", {"outer": "fedadam", "outer-momentum": 0.5}, ["does not apply", "fedavgm, nesterov"]),
     ("outer-momentum", {"outer": "nesterov", "outer-momentum": 1.5}, ["[0, 1)"]),
     ("aggregation", {"aggregation": "p2p"}, ["decentralized, server"]),
     ("facilities", {"facilities": "a,a,b"}, ["server"]),
     ("facilities", {"aggregation": "server", "facilities": "a,,b"}, ["non-empty"]),
     ("outer", {"aggregation": "server", "outer": "trimmed-mean"}, ["fedavg, fedavgm, nesterov, fedadam, fedyogi"]),
+    ("checkpoint-every", {"checkpoint-every": 0}, [">= 1"]),
+    ("resume", {"resume": True}, ["checkpoint-dir"]),
 ]
 
 
