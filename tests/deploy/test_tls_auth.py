@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.flower.procs import REPO, Procs, base_env, free_port, strip_ansi, wait_until
+from tests.flower.procs import REPO, Procs, base_env, free_port, strip_ansi, wait_until, write_flwr_home
 
 DEPLOY = REPO / "deploy"
 
@@ -44,10 +44,8 @@ def test_tls_superlink_admits_only_registered_supernodes(tmp_path: Path):
     assert "IP Address:127.0.0.1" in san and "DNS:localhost" in san
 
     port = free_port()
-    home = tmp_path / "flwr_home"
-    home.mkdir()
-    (home / "config.toml").write_text(f'[superlink]\ndefault = "tls"\n\n[superlink.tls]\naddress = "127.0.0.1:{port}"\n'
-                                      f'root-certificates = "{certs / "ca.crt"}"\n')
+    home = write_flwr_home(tmp_path / "flwr_home", "tls", f"127.0.0.1:{port}",
+                           **{"root-certificates": str(certs / "ca.crt")})
     env = base_env(FLWR_HOME=str(home))
     procs = Procs(tmp_path)
     try:

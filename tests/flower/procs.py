@@ -50,6 +50,16 @@ def run_config_args(values: dict) -> list[str]:
     return out
 
 
+def write_flwr_home(home: Path, connection: str, address: str, **options: str | bool) -> Path:
+    """A FLWR_HOME whose config.toml names one SuperLink connection (the default of `flwr run`)."""
+    home.mkdir(parents=True, exist_ok=True)
+    lines = ["[superlink]", f"default = {json.dumps(connection)}", "", f"[superlink.{connection}]",
+             f"address = {json.dumps(address)}"]
+    lines += [f"{key} = {json.dumps(value)}" for key, value in options.items()]  # JSON strings/bools are TOML
+    (home / "config.toml").write_text("\n".join(lines) + "\n")
+    return home
+
+
 def base_env(**extra: str) -> dict[str, str]:
     env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "OMP_NUM_THREADS": "1",

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.flower.procs import APP, FAST_RUN_CONFIG, Proc, Procs, base_env, free_port, group_pids, \
-    launch_group, round_records, run_config_args, start_groups, strip_ansi, wait_group, wait_until
+    launch_group, round_records, run_config_args, start_groups, strip_ansi, wait_group, wait_until, write_flwr_home
 
 CONNECTION = "loopback"
 
@@ -55,10 +55,7 @@ def deployment(data_dir, tmp_path_factory):
     procs = Procs(work)
     try:
         port = free_port()
-        home = work / "flwr_home"
-        home.mkdir()
-        (home / "config.toml").write_text(f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
-                                          f'address = "127.0.0.1:{port}"\ninsecure = true\n')
+        home = write_flwr_home(work / "flwr_home", CONNECTION, f"127.0.0.1:{port}", insecure=True)
         env = base_env(FLWR_HOME=str(home))
         procs.start("superlink", ["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port),
                                   "--disable-runtime-dependency-installation", "--database", str(work / "state.db")],
