@@ -8,9 +8,13 @@ ServerApp's metrics:
   train_s   the slowest group's local training time of the round
   sync      decentralized: the slowest group's sync time (rendezvous + shard all-reduce);
             server: everything from the last train reply's arrival to the last group's adoption of the mean
-            (fold, finalize, encode, send, decode, each rank's read/apply), plus the export the groups did
+            (manifest checks, pulls, fold, finalize, chunked applies, each rank's assembly and apply), plus the
+            export the groups did
   round_s   the round's wall time at the ServerApp
 and reports medians (round 1 is left out: it includes start-up) and the server/decentralized ratios.
+
+Server memory is measured by `benchmarks/server_memory_flower.py` (a deployment: in a local simulation the
+ServerApp's process also runs the simulation engine).
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ def run(aggregation: str, args: argparse.Namespace, work: Path) -> list[dict]:
     metrics.unlink(missing_ok=True)
     config = {"model": args.model, "seq-len": args.seq_len, "batch-size": args.batch_size, "syncs-per-round": 1,
               "aggregate-every": args.aggregate_every, "num-server-rounds": args.rounds, "eval-blocks": 8,
-              "aggregation": aggregation, "metrics-path": str(metrics), "evaluate-in-train": False}
+              "aggregation": aggregation, "metrics-path": str(metrics), "evaluate-in-train": False,
+              "shards": args.shards, "server-buffer-mb": args.server_buffer_mb, "data-dir": args.data_dir}
     options = []
     for key, value in config.items():
         options += ["--run-config", f"{key}={json.dumps(value) if isinstance(value, (str, bool)) else value}"]
@@ -42,7 +47,7 @@ def run(aggregation: str, args: argparse.Namespace, work: Path) -> list[dict]:
     start = time.monotonic()
     proc = subprocess.run(["bash", str(DEMO), *options], capture_output=True, text=True, env=env,
                           timeout=args.timeout)
-    if proc.returncode != 0:
+    if proc.returncode != 0 or not metrics.exists():
         sys.exit(f"{aggregation} run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     rounds = [json.loads(line) for line in metrics.read_text().splitlines() if '"kind": "round"' in line]
     print(f"  {aggregation}: {len(rounds)} rounds in {time.monotonic() - start:.0f} s", file=sys.stderr)
@@ -63,29 +68,35 @@ def main() -> None:
     p.add_argument("--aggregate-every", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--data-dir", default=str(REPO / ".data"), help="prepared data (`flwr-sharded prepare-data`)")
+    p.add_argument("--shards", type=int, default=2, help="S of every group")
+    p.add_argument("--server-buffer-mb", type=float, default=256.0)
+    p.add_argument("--paths", default="decentralized,server", help="which paths to run (comma-separated)")
     p.add_argument("--repeats", type=int, default=2, help="pairs of runs, order alternated")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--out", default="")
     args = p.parse_args()
-    samples: dict[str, dict[str, list[float]]] = {a: {"sync": [], "round": [], "train": []}
-                                                 for a in ("decentralized", "server")}
+    paths = [a for a in ("decentralized", "server") if a in args.paths.split(",")]
+    if not paths:
+        sys.exit("--paths names neither decentralized nor server")
+    samples: dict[str, dict[str, list[float]]] = {a: {"sync": [], "round": [], "train": []} for a in paths}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
-            order = ("decentralized", "server") if repeat % 2 == 0 else ("server", "decentralized")
-            for aggregation in order:
+            for aggregation in (paths if repeat % 2 == 0 else paths[::-1]):
                 for r in run(aggregation, args, Path(tmp))[1:]:
                     samples[aggregation]["sync"].append(sync_seconds(r))
                     samples[aggregation]["round"].append(r["round_s"])
                     samples[aggregation]["train"].append(r["train_s"])
     med = {a: {k: statistics.median(v) for k, v in s.items()} for a, s in samples.items()}
     result = {"date": time.strftime("%Y-%m-%d"), "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-              "config": vars(args), "load_average": os.getloadavg(), "medians_s": med, "samples_s": samples,
-              "ratio_sync": med["server"]["sync"] / med["decentralized"]["sync"],
-              "ratio_round": med["server"]["round"] / med["decentralized"]["round"]}
+              "config": vars(args), "load_average": os.getloadavg(), "medians_s": med, "samples_s": samples}
     print(f"{'path':<14} {'sync s':>8} {'train s':>8} {'round s':>8}")
     for a in med:
         print(f"{a:<14} {med[a]['sync']:8.3f} {med[a]['train']:8.3f} {med[a]['round']:8.3f}")
-    print(f"server / decentralized: sync {result['ratio_sync']:.2f}x, round {result['ratio_round']:.2f}x")
+    if len(med) == 2:
+        result.update(ratio_sync=med["server"]["sync"] / med["decentralized"]["sync"],
+                      ratio_round=med["server"]["round"] / med["decentralized"]["round"])
+        print(f"server / decentralized: sync {result['ratio_sync']:.2f}x, round {result['ratio_round']:.2f}x")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 

@@ -17,8 +17,11 @@ import yaml
 METHODS = ("fsdp", "hsdp", "fl-fsdp", "fl-hsdp")
 Method = Literal["fsdp", "hsdp", "fl-fsdp", "fl-hsdp"]
 OPTIMIZERS = ("adamw", "sgd")
-PARTITIONS = ("iid", "document")
+PARTITIONS = ("iid", "iid-groups", "document")
 PRECISIONS = ("auto", "fp32", "bf16")
+SYNC_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+"""Wire dtypes of the shard sync (`ParallelConfig.sync_dtype`) and their bytes per parameter."""
+SYNC_DTYPES = tuple(SYNC_DTYPE_BYTES)
 
 
 class ConfigError(ValueError):
@@ -56,6 +59,11 @@ class ParallelConfig:
     """Outer learning rate; None: the rule's default (fedavgm 1.0, nesterov 0.7, fedadam 0.1, fedyogi 0.01)."""
     outer_momentum: float | None = None
     """Outer momentum of fedavgm / nesterov; None: 0.9."""
+    sync_dtype: str = "float32"
+    """Wire dtype of the cross-group all-reduce: float32 or bfloat16. bfloat16 halves the sync's bytes by sending the
+    weighted delta from the last global model (the outer gradient, as DiLoCo does), so only that delta is rounded;
+    it costs one fp32 copy of the rank's shards for fedavg (outer optimizers keep one already) and a half-size
+    bucket. Not with trimmed-mean (it gathers every member's shards)."""
 
     @property
     def world_size(self) -> int:
@@ -99,7 +107,9 @@ class DataConfig:
     seq_len: int = 256
     """Tokens per packed training block."""
     partition: str = "iid"
-    """How blocks are split between federation groups: iid (shuffled) or document (contiguous documents)."""
+    """How blocks are split between federation groups: iid (shuffled; a rank's samples depend only on its
+    data-parallel index), iid-groups (shuffled, split by group first: disjoint for groups of different sizes) or
+    document (contiguous documents)."""
     max_train_blocks: int | None = None
     """Use at most this many training blocks (the paper used the first 65,536); None: all."""
     eval_blocks: int = 64
@@ -263,7 +273,13 @@ def validate_parallel(p: ParallelConfig, world_size: int | None = None) -> None:
         hybrid = "hsdp" if p.method == "fsdp" else "fl-hsdp"
         raise ConfigError(f"--method {p.method} has no replication: --replicas must be 1 (got {p.replicas}); "
                           f"use {hybrid} for R > 1")
-    outer_rule(p)
+    rule = outer_rule(p)
+    if p.sync_dtype not in SYNC_DTYPES:
+        raise ConfigError(f"--sync-dtype must be one of {', '.join(SYNC_DTYPES)}; got {p.sync_dtype!r}")
+    if p.sync_dtype != "float32" and not rule.linear:
+        raise ConfigError(f"--sync-dtype {p.sync_dtype} sends one delta per group through an all-reduce, but "
+                          f"--outer {p.outer} needs every member's shards; use --sync-dtype float32 or a linear "
+                          f"rule")
     if p.bucket_mb <= 0:
         raise ConfigError(f"--bucket-mb must be > 0, got {p.bucket_mb}")
     if world_size is not None and world_size != p.world_size:

@@ -13,8 +13,8 @@ import os
 import sys
 from typing import Any, Sequence
 
-from flwr_sharded.config import (METHODS, OPTIMIZERS, PARTITIONS, PRECISIONS, ConfigError, TrainConfig,
-                                 config_to_dict, load_config, validate)
+from flwr_sharded.config import (METHODS, OPTIMIZERS, PARTITIONS, PRECISIONS, SYNC_DTYPES, ConfigError,
+                                 TrainConfig, config_to_dict, load_config, validate)
 
 # option -> (section or None for top level, field name, type, help)
 OPTIONS: list[tuple[str, str | None, str, Any, str]] = [
@@ -27,6 +27,8 @@ OPTIONS: list[tuple[str, str | None, str, Any, str]] = [
     ("--outer", "parallel", "outer", str, "sync rule: fedavg, fedavgm, nesterov, fedadam, fedyogi, trimmed-mean"),
     ("--outer-lr", "parallel", "outer_lr", float, "outer learning rate (default: the rule's)"),
     ("--outer-momentum", "parallel", "outer_momentum", float, "outer momentum (fedavgm, nesterov)"),
+    ("--sync-dtype", "parallel", "sync_dtype", str, f"wire dtype of the shard sync: {', '.join(SYNC_DTYPES)} "
+                                                    f"(bfloat16 sends the delta from the global model)"),
     ("--model", "model", "name", str, "preset, Hugging Face id or local directory"),
     ("--precision", "model", "precision", str, f"one of {', '.join(PRECISIONS)}"),
     ("--dataset", "data", "dataset", str, "shakespeare, a Hugging Face dataset id or a local file"),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 STATE_KEY = "flwr-sharded-group"
 """Context.state ConfigRecord holding a launched group's pid, address and files."""
+EXPORT_KEY = "flwr-sharded-export"
+"""Context.state ConfigRecord of the server path's exported hand-off files (round, weight, files) until pulled."""
 GROUP_MODULE = "flwr_sharded.flower.group"
 NODE_ADDRESS = "group-address"
 NODE_AUTHKEY = "group-authkey-file"
@@ -276,7 +279,8 @@ def find_group(context: Any, config: Mapping[str, Any], *, launch: bool) -> tupl
         _remember(context, None)
     if not launch:
         raise GroupUnavailable("this node has no group (no hello reached it, and the node config names none)")
-    spec = P.RunSpec.from_json(str(config["spec"]))
+    spec = P.RunSpec.from_json(str(config["spec"])).for_group(_node_partition(context, config)[0],
+                                                               str(context.node_config.get(NODE_FACILITY, "")))
     run_dir = default_run_root() / f"run-{context.run_id}" / f"node-{context.node_id}"
     group = launch_group(run_dir, method=spec.method, replicas=spec.replicas, shards=spec.shards,
                          idle_timeout=float(config.get("group-idle-timeout", 600.0)), watch_pid=os.getpid(),
@@ -324,15 +328,18 @@ def handle(message: Any, context: Any, verb: str) -> Any:
     try:
         if verb == P.FINISH:
             return Message(to_records(True, "", _finish(context, config, timeout)), reply_to=message)
+        if verb == P.PULL:
+            return _pull(message, context, config)
         client, launched = find_group(context, config, launch=verb == P.HELLO)
         args = _group_args(context, config, verb)
         if verb == P.APPLY:
-            return Message(to_records(True, "", _apply(client, message.content, args, timeout)), reply_to=message)
+            return Message(to_records(True, "", _apply(client, context, message.content, args, timeout)),
+                           reply_to=message)
         result = client.call(verb, args, timeout=timeout)
         if verb == P.HELLO:
             result["facility"] = str(context.node_config.get(NODE_FACILITY, ""))
         if verb == P.TRAIN and result.get("export_files"):
-            return _train_reply_with_shards(message, result, int(config.get("server-round", 0)))
+            return _train_reply_with_manifest(message, context, result, int(config.get("server-round", 0)))
         if verb == P.HELLO and launched is not None and result.get("pids"):
             launched.worker_pids = [int(p) for p in result["pids"]]
             _remember(context, launched)
@@ -342,7 +349,8 @@ def handle(message: Any, context: Any, verb: str) -> Any:
     except GroupError as exc:
         return Message(to_records(False, str(exc), exc.result), reply_to=message)
     except (GroupUnavailable, ConfigError, OSError, KeyError, ValueError) as exc:
-        return Message(to_records(False, f"{type(exc).__name__}: {exc}", {"unavailable": True}), reply_to=message)
+        return Message(to_records(False, f"{type(exc).__name__}: {exc}", {"unavailable": verb != P.PULL}),
+                       reply_to=message)
 
 
 def _group_args(context: Any, config: Mapping[str, Any], verb: str) -> dict[str, Any]:
@@ -352,7 +360,8 @@ def _group_args(context: Any, config: Mapping[str, Any], verb: str) -> dict[str,
         return {"spec": config["spec"], "run_key": str(config.get("run-key", context.run_id)),
                 "partition_id": partition_id, "num_partitions": num_partitions,
                 "rejoin": bool(config.get("rejoin", False)),
-                "data_dir": str(context.node_config.get(NODE_DATA_DIR, ""))}
+                "data_dir": str(context.node_config.get(NODE_DATA_DIR, "")),
+                "facility": str(context.node_config.get(NODE_FACILITY, ""))}
     if verb == P.TRAIN:
         return {"syncs": int(config["syncs"]), "steps": int(config["steps"]),
                 "members": [str(m) for m in config["members"]], "member_index": int(config["member-index"]),
@@ -364,41 +373,90 @@ def _group_args(context: Any, config: Mapping[str, Any], verb: str) -> dict[str,
                 "server_round": int(config.get("server-round", 0)), "catch_up": bool(config.get("catch-up", False))}
     if verb == P.APPLY:
         return {"evaluate": bool(config.get("evaluate", False)), "server_round": int(config.get("server-round", 0)),
-                "checkpoint": bool(config.get("checkpoint", False))}
+                "checkpoint": bool(config.get("checkpoint", False)), "chunk": int(config.get("chunk", 0)),
+                "chunks": int(config.get("chunks", 1))}
     return {}
 
 
-def _train_reply_with_shards(message: Any, result: dict[str, Any], server_round: int) -> Any:
-    """The train reply with the group's exported pieces attached (then the hand-off files are removed)."""
-    from flwr.app import Message
+def _train_reply_with_manifest(message: Any, context: Any, result: dict[str, Any], server_round: int) -> Any:
+    """The train reply with the manifest of the group's exported pieces; the server then pulls them in chunks.
+
+    The files stay until the server's last pull of this round, or until the next export or apply replaces them.
+    """
+    from flwr.app import ConfigRecord, Message
 
     files = [str(f) for f in result.pop("export_files")]
+    weight = float(result.get("facility_tokens", 0))
+    _drop_export(context)
+    context.state.config_records[EXPORT_KEY] = ConfigRecord({"round": server_round, "weight": weight,
+                                                             "files": files})
     try:
-        arrays, meta = handoff.read_files(files)
-        content = to_records(True, "", result)
-        for name, record in handoff.to_records(arrays, meta, server_round,
-                                               float(result.get("facility_tokens", 0))).items():
-            content[name] = record
-        del arrays
-        return Message(content, reply_to=message)
-    finally:
-        _remove_files(files)
+        shapes, meta = handoff.manifest(files)
+    except (OSError, ValueError) as exc:
+        _drop_export(context)
+        return Message(to_records(False, f"cannot read the exported shards: {exc}", result), reply_to=message)
+    content = to_records(True, "", result)
+    for name, record in handoff.manifest_records(shapes, meta, server_round, weight).items():
+        content[name] = record
+    return Message(content, reply_to=message)
 
 
-def _apply(client: GroupClient, content: Any, args: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """Write the server's pieces to one hand-off file; every rank of the group reads its own rows from it."""
+def _pull(message: Any, context: Any, config: Mapping[str, Any]) -> Any:
+    """Reply with the requested rows (`"key|start|stop"` each) of this round's exported pieces."""
+    from flwr.app import Message, RecordDict
+
+    export = context.state.config_records.get(EXPORT_KEY)
+    server_round = int(config.get("server-round", 0))
+    if export is None or int(export["round"]) != server_round:
+        held = "none" if export is None else f"round {export['round']}"
+        raise ValueError(f"no exported shards of round {server_round} on this node (it holds {held})")
+    requests = []
+    for text in config.get("pieces", []):
+        key, start, stop = str(text).rsplit("|", 2)
+        requests.append((key, int(start), int(stop)))
+    arrays, meta = handoff.read_rows([str(f) for f in export["files"]], requests)
+    content = RecordDict(handoff.to_records(arrays, meta, server_round, float(export["weight"])))
+    del arrays
+    if bool(config.get("last", False)):
+        _drop_export(context)
+    return Message(content, reply_to=message)
+
+
+def _drop_export(context: Any) -> None:
+    """Remove the exported hand-off files this node still holds, if any."""
+    export = context.state.config_records.get(EXPORT_KEY)
+    if export is not None:
+        _remove_files([str(f) for f in export["files"]])
+        del context.state.config_records[EXPORT_KEY]
+
+
+def _apply(client: GroupClient, context: Any, content: Any, args: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Write one chunk of the server's pieces to the round's apply directory; after the last chunk every rank of
+    the group assembles its own rows from the chunk files and adopts them."""
     arrays, meta, info = handoff.from_records(content)
-    if int(info.get("round", -1)) != args["server_round"]:
-        raise ValueError(f"the shards are for round {info.get('round')}, this message is for round "
-                         f"{args['server_round']}")
-    directory = str(client.call(P.STATUS, timeout=min(timeout, 30.0))["handoff_dir"])
-    path = os.path.join(directory, f"apply-round{args['server_round']}-{os.getpid()}.safetensors")
+    server_round, chunk, chunks = args.pop("server_round"), args.pop("chunk"), args.pop("chunks")
+    if int(info.get("round", -1)) != server_round:
+        raise ValueError(f"the shards are for round {info.get('round')}, this message is for round {server_round}")
+    if not 0 <= chunk < chunks:
+        raise ValueError(f"chunk {chunk} of {chunks}")
+    _drop_export(context)  # the server pulled what it needed
+    handoff_dir = str(client.call(P.STATUS, timeout=min(timeout, 30.0))["handoff_dir"])
+    directory = os.path.join(handoff_dir, f"apply-round{server_round}")
+    if chunk == 0:  # chunks of rounds whose apply did not finish
+        for stale in Path(handoff_dir).glob("apply-round*"):
+            shutil.rmtree(stale, ignore_errors=True)
+    paths = [os.path.join(directory, f"c{c}.safetensors") for c in range(chunks)]
+    handoff.write_file(paths[chunk], arrays, meta)
+    del arrays
+    if chunk < chunks - 1:
+        return {"chunk": chunk}
     try:
-        handoff.write_file(path, arrays, meta)
-        del arrays
-        return client.call(P.APPLY, {**args, "path": path}, timeout=timeout)
+        missing = [p for p in paths if not os.path.isfile(p)]
+        if missing:
+            raise ValueError(f"{len(missing)} of the {chunks} chunks of round {server_round} did not arrive")
+        return client.call(P.APPLY, {**args, "server_round": server_round, "paths": paths}, timeout=timeout)
     finally:
-        _remove_files([path], directories=False)
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _remove_files(paths: list[str], directories: bool = True) -> None:

@@ -269,7 +269,7 @@ class GroupRuntime:
         layout = P.GroupLayout(self.args.method, self.args.replicas, self.args.shards, self.world)
         out = {**self._layout(), "compatible": False, "error": "", "fingerprint": "", "tokens": 0, "steps": 0}
         try:
-            spec = P.RunSpec.from_json(args["spec"])
+            spec = P.RunSpec.from_json(args["spec"]).for_group(int(args["partition_id"]), str(args.get("facility", "")))
             mismatch = layout.mismatch(spec)
             if mismatch:
                 raise ConfigError(mismatch)
@@ -449,7 +449,7 @@ class GroupRuntime:
                     rdv_s = self._join(t, groups, members, me, host, ports, prefix, rdv_timeout, sync_timeout)
                 if not groups:
                     raise rdv.RendezvousError("no federation group (the round's first sync failed)")
-                if sync.rule.stateful:  # outer optimizer state, restored if any shard index fails
+                if sync.keeps_global:  # global shards and outer state, restored if any shard index fails
                     saved_outer = copy.deepcopy(sync.outer_state_dict())
                 weight = t.sync(apply_rule=apply_rule).total_weight  # token-weighted FedAvg (or outer rule)
             except Exception as exc:  # noqa: BLE001 - rendezvous, timeout, peer gone, misaligned shards
@@ -486,27 +486,43 @@ class GroupRuntime:
         return error
 
     def _export(self, prefix: str) -> list[str]:
-        """Replica-0 ranks write their own pieces to a hand-off file each; returns every file (rank 0's view)."""
+        """Replica-0 ranks write their own pieces to a hand-off file each; returns every file (rank 0's view).
+
+        Shards holding NaN or Inf are not exported (InstructionError on every rank), so the server refuses the
+        whole group before pulling any of it.
+        """
         from flwr_sharded.parallel.shard_transport import encode_pieces, shard_pieces
 
-        path = ""
+        path, error = "", ""
         if self.topo.replica_index == 0:
-            safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in prefix)
-            path = os.path.join(self.handoff_dir, safe, f"s{self.topo.shard_index}.safetensors")
-            handoff.write_file(path, *encode_pieces(shard_pieces(self.trainer.model.named_parameters())))
-        return [p for p in self._gather(path) if p]
+            pieces = shard_pieces(self.trainer.model.named_parameters())
+            bad = [p.key for p in pieces if p.data.is_floating_point() and not bool(torch.isfinite(p.data).all())]
+            if bad:
+                error = f"rank {self.rank}: {len(bad)} shard piece(s) hold NaN or Inf, e.g. {bad[:3]}"
+            else:
+                safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in prefix)
+                path = os.path.join(self.handoff_dir, safe, f"s{self.topo.shard_index}.safetensors")
+                handoff.write_file(path, *encode_pieces(pieces))
+        outcome = self._gather((path, error))
+        errors = [e for _, e in outcome if e]
+        if errors:
+            if path:
+                os.unlink(path)
+            raise InstructionError("not exported: " + errors[0])
+        return [p for p, _ in outcome if p]
 
     def do_apply(self, args: dict[str, Any]) -> dict[str, Any]:
-        """Adopt the server's mean: each replica-0 rank reads its own rows, all ranks check, then all write."""
-        from flwr_sharded.parallel.shard_transport import check_pieces, decode_pieces, own_keys
+        """Adopt the server's mean: each replica-0 rank assembles its own rows from the chunk files, all ranks
+        check, then all write."""
+        from flwr_sharded.parallel.shard_transport import check_pieces, decode_pieces, own_pieces
 
         t = self._need_trainer()
-        path = str(args.get("path", ""))
+        paths = [str(p) for p in args.get("paths", [])]
         error, pairs = "", []
         if self.topo.replica_index == 0:
             try:
                 named = list(t.model.named_parameters())
-                arrays, meta = handoff.read_keys(path, own_keys(named))
+                arrays, meta = handoff.assemble(paths, own_pieces(named))
                 pairs = check_pieces(named, decode_pieces(arrays, meta))
             except Exception as exc:  # noqa: BLE001 - missing file or keys, bad shapes, NaN: refuse, change nothing
                 error = f"rank {self.rank}: {type(exc).__name__}: {exc}"

@@ -38,7 +38,10 @@ EVALUATE = "evaluate"
 STATUS = "status"
 """Liveness and progress; changes nothing."""
 APPLY = "apply"
-"""Server path: every rank reads its own rows of the server's mean from a hand-off file and steps the outer rule."""
+"""Server path: every rank assembles its own rows of the server's mean from the chunk files and steps the outer
+rule."""
+PULL = "pull"
+"""Server path, answered by the ClientApp alone: rows of the pieces its group exported this round."""
 SAVE = "save"
 """Merge the group's shards and write a Hugging Face model directory."""
 FINISH = "finish"
@@ -52,6 +55,7 @@ MSG_HELLO = "query.hello"
 MSG_TRAIN = "train"
 MSG_EVALUATE = "evaluate"
 MSG_APPLY = "query.apply"
+MSG_PULL = "query.pull"
 MSG_FINISH = "query.finish"
 
 # ----- Flower record names ----------------------------------------------------------------------------------------
@@ -183,7 +187,7 @@ class RunSpec:
     grad_accum: int = 1
     """Micro-batches per optimizer step."""
     partition: str = "iid"
-    """iid or document."""
+    """iid, iid-groups (disjoint for groups of different sizes: needed with facility-shards) or document."""
     max_train_blocks: int = 0
     """Use at most this many training blocks (0: all)."""
     eval_blocks: int = 16
@@ -200,6 +204,9 @@ class RunSpec:
     seed: int = 42
     bucket_mb: float = 64.0
     """Shard-sync bucket size in MiB."""
+    sync_dtype: str = "float32"
+    """Wire dtype of the groups' shard all-reduce: float32, or bfloat16 (sends each group's weighted delta from the
+    global model, half the bytes; every rank keeps the global shards in fp32)."""
     reset_optimizer_state: bool = False
     """Clear the inner optimizer's state after each sync."""
     outer: str = "fedavg"
@@ -220,6 +227,13 @@ class RunSpec:
     facilities: str = ""
     """Server path: facility of each group by partition id, comma-separated (e.g. "a,a,b,b"); a SuperNode's node
     config `facility` overrides it; '' puts every group in a facility of its own."""
+    facility_shards: str = ""
+    """Server path: S of the groups of some facilities, e.g. "b=1" (others use `shards`); their ranks then hold
+    other rows, which the server combines row by row. Needs partition iid-groups or document."""
+    server_buffer_mb: float = 256.0
+    """Server path: the most shard data (MiB) the server asks for, or sends, in one step, split over the groups; the
+    model travels in as many chunks as it takes. Server memory stays near one fp32 model plus a few times this; each
+    step costs a message round trip (a few seconds in a deployment), so smaller means less memory but slower."""
 
     # ----- conversions ----------------------------------------------------------------------------------------
     @classmethod
@@ -273,6 +287,7 @@ class RunSpec:
         return {
             "parallel": {"method": self.method, "federations": 1, "replicas": self.replicas, "shards": self.shards,
                          "aggregate_every": self.aggregate_every, "bucket_mb": self.bucket_mb,
+                         "sync_dtype": self.sync_dtype,
                          "reset_optimizer_state": self.reset_optimizer_state, "outer": self.outer,
                          "outer_lr": self.outer_lr if self.outer_lr > 0 else None,
                          "outer_momentum": self.outer_momentum if self.outer_momentum >= 0 else None},
@@ -316,6 +331,19 @@ class RunSpec:
         if self.facilities and any(not f.strip() for f in self.facilities.split(",")):
             raise ConfigError(f"run config 'facilities' must be comma-separated non-empty names, one per partition "
                               f"id (e.g. \"a,a,b,b\"); got {self.facilities!r}")
+        try:
+            shards_by_facility = self.shards_by_facility()
+        except ValueError:
+            raise ConfigError(f"run config 'facility-shards' must be comma-separated facility=S pairs with S >= 1 "
+                              f"(e.g. \"b=1\"); got {self.facility_shards!r}") from None
+        if shards_by_facility and self.aggregation != "server":
+            raise ConfigError("run config 'facility-shards' gives facilities their own S, which only the server path "
+                              "can combine; set aggregation=\"server\"")
+        if shards_by_facility and self.partition == "iid":
+            raise ConfigError("run config 'facility-shards': with groups of different sizes, partition \"iid\" "
+                              "would give some blocks to two groups; use partition=\"iid-groups\" or \"document\"")
+        if not self.server_buffer_mb > 0:
+            raise ConfigError(f"run config 'server-buffer-mb' must be > 0, got {self.server_buffer_mb!r}")
         if self.facilities and self.aggregation != "server":
             raise ConfigError("run config 'facilities' groups clients for the server path; set aggregation=\"server\" "
                               "or leave facilities empty")
@@ -333,6 +361,23 @@ class RunSpec:
     def checkpoint_due(self, server_round: int) -> bool:
         """Whether the groups checkpoint at the end of this round."""
         return bool(self.checkpoint_dir) and (server_round % self.checkpoint_every == 0 or server_round == self.rounds)
+
+    def shards_by_facility(self) -> dict[str, int]:
+        """`facility_shards` as a dict; ValueError if malformed."""
+        out: dict[str, int] = {}
+        for item in filter(None, (x.strip() for x in self.facility_shards.split(","))):
+            name, sep, value = item.partition("=")
+            if not sep or not name.strip() or int(value) < 1:
+                raise ValueError(item)
+            out[name.strip()] = int(value)
+        return out
+
+    def for_group(self, partition_id: int, node_facility: str = "") -> RunSpec:
+        """This spec with S set for the group of `partition_id` (its facility: the node config's, else the
+        run config's `facilities`)."""
+        facility = node_facility or self.facility_of(partition_id)
+        shards = self.shards_by_facility().get(facility, self.shards)
+        return self if shards == self.shards else dataclasses.replace(self, shards=shards)
 
     def facility_of(self, partition_id: int) -> str:
         """The facility named for a partition id by `facilities` ('' when not named there)."""

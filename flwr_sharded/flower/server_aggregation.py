@@ -36,7 +36,7 @@ import torch
 
 from flwr_sharded.flower import handoff
 from flwr_sharded.parallel.outer import FedAvg, ShardRule, State
-from flwr_sharded.parallel.shard_transport import ShardPiece
+from flwr_sharded.parallel.shard_transport import PieceLayout, ShardPiece
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,78 @@ class AggregationReport:
     accepted: list[str] = field(default_factory=list)
     rejected: dict[str, str] = field(default_factory=dict)
     total_weight: float = 0.0
+
+
+def check_layout(spec: dict[str, ParamSpec] | None, pieces: Sequence[PieceLayout], *,
+                 complete: bool) -> dict[str, ParamSpec]:
+    """Check where pieces sit (names, global and local shapes, dtypes, overlaps, and with `complete` the coverage
+    of every parameter exactly once) against `spec`, or against each other when `spec` is None; returns the spec.
+
+    Raises RejectedReply naming the first problem. Used for replies and, before anything is pulled, for manifests.
+    """
+    if not pieces:
+        raise RejectedReply("no shard pieces")
+    spec = spec if spec is not None else {p.name: ParamSpec(tuple(p.global_shape), p.dtype) for p in pieces}
+    covered: dict[str, list[tuple[int, int]]] = {}
+    for piece in pieces:
+        where = f"piece {piece.key}"
+        if piece.name not in spec:
+            raise RejectedReply(f"{where}: unknown parameter {piece.name!r}")
+        want = spec[piece.name]
+        if tuple(piece.global_shape) != want.shape:
+            raise RejectedReply(f"{where}: global shape {tuple(piece.global_shape)} != model's {want.shape}")
+        if piece.dtype != want.dtype:
+            raise RejectedReply(f"{where}: dtype {piece.dtype} != model's {want.dtype}")
+        shape = tuple(piece.shape)
+        if not want.shape:
+            ok = shape in ((), (1,)) and piece.row_offset == 0
+        else:
+            ok = (len(shape) == len(want.shape) and shape[1:] == want.shape[1:] and piece.row_offset >= 0
+                  and shape[0] > 0 and piece.row_offset + shape[0] <= want.shape[0])
+        if not ok:
+            raise RejectedReply(f"{where}: local shape {shape} at row {piece.row_offset} does not fit the "
+                                f"global shape {want.shape}")
+        covered.setdefault(piece.name, []).append((piece.row_offset, piece.row_offset + piece.rows))
+    for name, ranges in covered.items():
+        ranges.sort()
+        for (_, end), (start, _) in zip(ranges, ranges[1:]):
+            if start < end:
+                raise RejectedReply(f"pieces of {name!r} overlap (rows {start} < {end})")
+    if complete:
+        missing = [n for n in spec if n not in covered]
+        if missing:
+            raise RejectedReply(f"incomplete: no pieces for {len(missing)} parameters, e.g. {missing[:3]}")
+        for name, ranges in covered.items():
+            if sum(e - s for s, e in ranges) != spec[name].rows:
+                raise RejectedReply(f"incomplete: pieces of {name!r} cover {sum(e - s for s, e in ranges)} "
+                                    f"of {spec[name].rows} rows")
+    return spec
+
+
+def plan_chunks(pieces: Sequence[PieceLayout], budget_bytes: int) -> list[list[tuple[str, int, int]]]:
+    """Cut pieces into chunks of at most `budget_bytes` (at least one row each): lists of `(key, start, stop)`
+    row ranges, in piece order; a piece larger than the budget is split by rows."""
+    budget = max(1, int(budget_bytes))
+    chunks: list[list[tuple[str, int, int]]] = []
+    current: list[tuple[str, int, int]] = []
+    used = 0
+    for piece in pieces:
+        start, row_bytes = 0, max(1, piece.row_bytes)
+        while start < piece.rows:
+            take = min(piece.rows - start, max(1, (budget - used) // row_bytes))
+            if current and used + take * row_bytes > budget:
+                chunks.append(current)
+                current, used = [], 0
+                continue
+            current.append((piece.key, start, start + take))
+            used += take * row_bytes
+            start += take
+        if used >= budget:
+            chunks.append(current)
+            current, used = [], 0
+    if current:
+        chunks.append(current)
+    return chunks
 
 
 class StreamingShardAggregator:
@@ -141,43 +213,10 @@ class StreamingShardAggregator:
             raise RejectedReply(f"weight must be a finite number > 0, got {reply.weight!r}")
         if not reply.pieces:
             raise RejectedReply("no shard pieces")
-        spec = self.spec if self.spec is not None else {
-            p.name: ParamSpec(tuple(p.global_shape), p.data.dtype) for p in reply.pieces}
-        covered: dict[str, list[tuple[int, int]]] = {}
+        spec = check_layout(self.spec, [p.layout for p in reply.pieces], complete=self.complete)
         for piece in reply.pieces:
-            where = f"piece {piece.name}@{piece.row_offset}"
-            if piece.name not in spec:
-                raise RejectedReply(f"{where}: unknown parameter {piece.name!r}")
-            want = spec[piece.name]
-            if tuple(piece.global_shape) != want.shape:
-                raise RejectedReply(f"{where}: global shape {tuple(piece.global_shape)} != model's {want.shape}")
-            if piece.data.dtype != want.dtype:
-                raise RejectedReply(f"{where}: dtype {piece.data.dtype} != model's {want.dtype}")
-            shape = tuple(piece.data.shape)
-            if not want.shape:
-                ok = shape in ((), (1,)) and piece.row_offset == 0
-            else:
-                ok = (len(shape) == len(want.shape) and shape[1:] == want.shape[1:] and piece.row_offset >= 0
-                      and shape[0] > 0 and piece.row_offset + shape[0] <= want.shape[0])
-            if not ok:
-                raise RejectedReply(f"{where}: local shape {shape} at row {piece.row_offset} does not fit the "
-                                    f"global shape {want.shape}")
             if piece.data.is_floating_point() and not bool(torch.isfinite(piece.data).all()):
-                raise RejectedReply(f"{where}: holds NaN or Inf")
-            covered.setdefault(piece.name, []).append((piece.row_offset, piece.row_offset + piece.rows))
-        for name, ranges in covered.items():
-            ranges.sort()
-            for (_, end), (start, _) in zip(ranges, ranges[1:]):
-                if start < end:
-                    raise RejectedReply(f"pieces of {name!r} overlap (rows {start} < {end})")
-        if self.complete:
-            missing = [n for n in spec if n not in covered]
-            if missing:
-                raise RejectedReply(f"incomplete: no pieces for {len(missing)} parameters, e.g. {missing[:3]}")
-            for name, ranges in covered.items():
-                if sum(e - s for s, e in ranges) != spec[name].rows:
-                    raise RejectedReply(f"incomplete: pieces of {name!r} cover {sum(e - s for s, e in ranges)} "
-                                        f"of {spec[name].rows} rows")
+                raise RejectedReply(f"piece {piece.key}: holds NaN or Inf")
         return spec
 
     @torch.no_grad()

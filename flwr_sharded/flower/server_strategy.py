@@ -5,19 +5,23 @@ partition id by the run config's `facilities`; by default every group is a facil
 
 1. train: inside each facility the groups run K periods of A local steps, each followed by a shard all-reduce among
    the facility's groups (the decentralised sync, stopping at the weighted mean); the facility's first group then
-   exports its shards: each of its replica-0 ranks writes its own pieces to a hand-off file, and its ClientApp
-   sends them in the train reply (`flwr_sharded.flower.handoff`), weighted by the facility's tokens of the round;
-2. aggregate: the server folds each facility's reply into one fp32 accumulator as it arrives
-   (`StreamingShardAggregator`: validated reply by reply, a bad one rejected with a log line, the rest kept);
-3. apply: every group receives the weighted mean of the facilities; each of its ranks reads only its own rows and
-   steps the outer optimizer on them (its state is sharded like the parameters and lives with the ranks, so the
-   server keeps no model state between rounds).
+   exports its shards (each replica-0 rank writes its own pieces to a hand-off file) and its train reply carries
+   a manifest of them (`flwr_sharded.flower.handoff`), weighted by the facility's tokens of the round;
+2. pull: the server checks the manifests against the model, then pulls the pieces in chunks of rows, at most
+   `server-buffer-mb` per step for all facilities together, and folds each chunk into one fp32 accumulator as it
+   arrives (`StreamingShardAggregator`: a bad manifest or chunk is rejected with a log line, the rest kept);
+3. apply: every group receives the weighted mean in chunks (cut like one facility's pieces, at most
+   `server-buffer-mb` in flight); each of its ranks assembles its own rows, whatever its S, and steps the outer
+   optimizer on them (its state is sharded like the parameters and lives with the ranks, so the server keeps no
+   model state between rounds).
 
+Memory at the server: one fp32 model plus the chunks in flight, whatever the number of facilities.
 Without facilities (each group alone), this is the plain server path: the groups' syncs are over a group of one.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from logging import ERROR, INFO, WARNING
 from typing import Any
@@ -37,6 +41,9 @@ class ServerShardFedAvg(DecentralizedFedAvg):
 
     Takes the arguments of `DecentralizedFedAvg`; the run spec's `aggregation` must be "server".
     """
+
+    _rss_base: int | None = None
+    """The ServerApp's RSS before its first aggregation: the baseline of every round's `server_peak_mib`."""
 
     def facility_of(self, partition_id: int, hello_info: dict[str, Any]) -> str:
         """The node config's `facility`, else the run config's `facilities[partition_id]`, else the group alone."""
@@ -82,51 +89,53 @@ class ServerShardFedAvg(DecentralizedFedAvg):
 
     def run_round(self, grid: Grid, server_round: int, result: Result, train_config: ConfigRecord | None,
                   evaluate_config: ConfigRecord | None) -> None:
-        from flwr_sharded.flower.server_aggregation import StreamingShardAggregator, add_content
+        from flwr_sharded.flower.server_aggregation import StreamingShardAggregator
+        from flwr_sharded.perf.memory import PeakRSS, current_rss
 
         t0 = time.monotonic()
-        aggregator = StreamingShardAggregator(round=server_round)
-        index: dict[str, tuple[tuple[int, ...], str]] = {}  # piece key -> (local shape, "dtype|global shape")
-        facility_of = {n: g.facility for n, g in self.groups.items()}
-        fold_s = 0.0
-
-        def fold(reply: Message) -> Message:
-            """Fold a facility's shards into the accumulator and drop them from the reply."""
-            nonlocal fold_s
-            if reply.has_error() or handoff.SHARDS not in reply.content:
-                return reply
-            start = time.perf_counter()
-            node = reply.metadata.src_node_id
-            source = f"facility {facility_of.get(node, '?')} (node {node})"
-            if add_content(aggregator, source, reply.content) and not index:
-                shards, meta = reply.content[handoff.SHARDS], reply.content[handoff.SHARD_META]
-                index.update({k: (tuple(shards[k].shape), str(meta[k])) for k in shards.keys()})
-            for name in (handoff.SHARDS, handoff.SHARD_META):
-                del reply.content[name]
-            fold_s += time.perf_counter() - start
-            return reply
-
+        if self._rss_base is None:  # once, with torch imported: what the server path needs, rounds after rounds
+            self._rss_base = current_rss()
+        memory = PeakRSS(self._rss_base)
         messages = self.configure_train(server_round, ArrayRecord(), train_config or ConfigRecord(), grid)
-        replies = self.send_and_receive(grid, messages, self.deadlines.round_timeout, on_reply=fold)
-        train_wall = time.monotonic() - t0
-        self._round_wall = train_wall
+        replies = self.send_and_receive(grid, messages, self.deadlines.round_timeout)
+        manifests, rejected, spec = self._manifests(server_round, replies)
+        self._round_wall = time.monotonic() - t0
         _, metrics = self.aggregate_train(server_round, replies)
+        del replies
         record = self.history[-1]
-        report = aggregator.report
-        for source, reason in report.rejected.items():
+        start = time.monotonic()
+        accepted: list[int] = []
+        aggregator = None
+        if manifests:
+            aggregator = StreamingShardAggregator(round=server_round, spec=spec, complete=False)
+            accepted = self._pull(grid, server_round, manifests, aggregator, rejected, record)
+            if accepted:
+                try:
+                    aggregator.finalize()
+                except RuntimeError as exc:  # rows that no accepted facility sent
+                    log(ERROR, "round %d: server path: %s", server_round, exc)
+                    accepted = []
+        for source, reason in rejected.items():
             log(WARNING, "round %d: server path: rejected the shards of %s: %s", server_round, source, reason)
-        record.update(facilities=len(self.facilities()), facility_replies=len(report.accepted),
-                      facility_rejected=len(report.rejected), fold_s=fold_s)
-        if not report.accepted:
+        record.update(facilities=len(self.facilities()), facility_replies=len(accepted),
+                      facility_rejected=len(rejected), train_checksums=record["checksums"],
+                      facility_weights={str(n): manifests[n][1] for n in accepted})
+        peaks = {"pull": memory.extra_bytes()}  # train, pull, fold and finalize
+        if not accepted:
             log(ERROR, "round %d: no facility's shards reached the server; the groups keep their facility models "
                 "and the next round tries again", server_round)
         else:
-            start = time.monotonic()
-            aggregator.finalize()
-            content = self._result_content(aggregator, index, server_round)
-            del aggregator
-            self._apply(grid, server_round, content, record)
-            record["server_sync_s"] = time.monotonic() - start
+            memory = PeakRSS(self._rss_base)
+            self._apply(grid, server_round, aggregator, manifests[accepted[0]][2], record)
+            peaks["apply"] = memory.extra_bytes()
+        aggregator = None
+        record["server_sync_s"] = time.monotonic() - start
+        if spec and None not in peaks.values():
+            fp32_bytes = 4 * sum(math.prod(p.shape) for p in spec.values())
+            for phase, extra in peaks.items():
+                record[f"server_peak_{phase}_x"] = extra / fp32_bytes
+            record.update(server_peak_mib=max(peaks.values()) / 2**20,
+                          server_peak_x=max(peaks.values()) / fp32_bytes)
         self._round_wall = time.monotonic() - t0
         record.update(round_s=self._round_wall, overhead_s=max(0.0, self._round_wall - record["work_s"]))
         record["overhead_pct"] = 100.0 * record["overhead_s"] / self._round_wall if self._round_wall > 0 else 0.0
@@ -136,31 +145,145 @@ class ServerShardFedAvg(DecentralizedFedAvg):
         self.evaluate_round(grid, server_round, result, evaluate_config)
         self.publish_round()
 
-    def _result_content(self, aggregator: Any, index: dict[str, tuple[tuple[int, ...], str]],
-                        server_round: int) -> RecordDict:
-        """The new global pieces (the keys and dtypes the groups sent) as one message content for every group."""
-        from flwr_sharded.parallel.shard_transport import ShardPiece, dtype_of_tag, encode_pieces, split_key
+    def _manifests(self, server_round: int, replies: list[Message]
+                   ) -> tuple[dict[int, tuple[str, float, list[Any]]], dict[str, str], dict[str, Any] | None]:
+        """The facility leaders' manifests that fit the model (node -> (source, weight, piece layouts)), the
+        rejected ones (source -> reason), and the model's spec (global shapes and dtypes)."""
+        from flwr_sharded.flower.server_aggregation import RejectedReply, check_layout
+        from flwr_sharded.parallel.shard_transport import ShardPieceError, decode_layouts
 
-        pieces = []
-        for key, (shape, tag) in index.items():
-            name, offset = split_key(key)
-            rows = shape[0] if shape else 1
-            value = aggregator.result(name, offset, rows).reshape(shape).to(dtype_of_tag(tag))
-            pieces.append(ShardPiece(name, offset, aggregator.spec[name].shape, value))
-        arrays, meta = encode_pieces(pieces)
-        return RecordDict(handoff.to_records(arrays, meta, server_round, aggregator.report.total_weight))
+        manifests: dict[int, tuple[str, float, list[Any]]] = {}
+        rejected: dict[str, str] = {}
+        spec = None
+        for reply in replies:
+            if reply.has_error() or handoff.SHARD_SHAPES not in reply.content:
+                continue
+            node = reply.metadata.src_node_id
+            group = self.groups.get(node)
+            source = f"facility {group.facility if group else '?'} (node {node})"
+            try:
+                shapes, meta, info = handoff.from_manifest_records(reply.content)
+                weight = float(info.get("weight", float("nan")))
+                if int(info.get("round", -1)) != server_round:
+                    raise RejectedReply(f"round {info.get('round')} is not the current round {server_round}")
+                if not (math.isfinite(weight) and weight > 0):
+                    raise RejectedReply(f"weight must be a finite number > 0, got {weight!r}")
+                layouts = decode_layouts(shapes, meta)
+                spec = check_layout(spec, layouts, complete=True)
+            except (RejectedReply, ShardPieceError, ValueError) as exc:
+                rejected[source] = f"manifest: {exc}"
+                continue
+            manifests[node] = (source, weight, layouts)
+        return manifests, rejected, spec
 
-    def _apply(self, grid: Grid, server_round: int, content: RecordDict, record: dict[str, Any]) -> None:
-        """Send the mean to every member; those that fail to adopt it are dropped. Checksums must then agree."""
+    def _pull(self, grid: Grid, server_round: int, manifests: dict[int, tuple[str, float, list[Any]]],
+              aggregator: Any, rejected: dict[str, str], record: dict[str, Any]) -> list[int]:
+        """Pull every manifest's pieces in chunks, from all sources at once and at most `server-buffer-mb` per
+        step, folding each chunk into `aggregator` as it arrives. Returns the nodes whose every chunk was accepted.
+
+        A source whose chunk is refused (or does not come) is pulled no further; the rows it sent before stay in
+        the mean (each row is the weighted mean of the valid values sent for it). Groups check their shards for
+        NaN/Inf before exporting, so a diverged group is refused whole, at its manifest.
+        """
+        from flwr_sharded.flower.server_aggregation import add_content, plan_chunks
+        from flwr_sharded.perf.memory import release_free_memory
+
         d = self.deadlines
-        messages = []
-        for node in self.members:
-            body = RecordDict({**content, P.CONFIG: ConfigRecord({
-                "server-round": server_round, "evaluate": self.evaluate_in_train,
-                "checkpoint": self.spec.checkpoint_due(server_round), "timeout": max(1.0, d.round_timeout - 5.0)})})
-            messages.append(Message(body, node, P.MSG_APPLY, ttl=d.round_timeout, group_id=f"apply{server_round}"))
-        replies = {m.metadata.src_node_id: m for m in self.send_and_receive(grid, messages, d.round_timeout)}
-        checksums, evals, dropped = {}, [], {}
+        budget = max(1, int(self.spec.server_buffer_mb * 2**20) // len(manifests))
+        plans = {node: plan_chunks(layouts, budget) for node, (_, _, layouts) in manifests.items()}
+        shapes = {node: {p.key: p.shape for p in layouts} for node, (_, _, layouts) in manifests.items()}
+        asked = {node: [{handoff.row_key(k, a): (b - a,) if shapes[node][k] else () for k, a, b in chunk}
+                        for chunk in chunks] for node, chunks in plans.items()}
+        failed: dict[int, str] = {}
+        stats = {"fold_s": 0.0, "pull_chunks": 0}
+
+        def fold(reply: Message) -> Message:
+            start = time.perf_counter()
+            node = reply.metadata.src_node_id
+            c = int(reply.metadata.group_id.rpartition("/")[2])
+            source, weight, _ = manifests[node]
+            label = f"chunk {c + 1}/{len(plans[node])}"
+            error = ""
+            if reply.has_error() or handoff.SHARDS not in reply.content:
+                error = _reply_payload(reply)[1] or "the reply carries no shards"
+            elif {k: tuple(v.shape[:1]) for k, v in reply.content[handoff.SHARDS].items()} != asked[node][c]:
+                error = "it holds other pieces or rows than those asked for"
+            elif float(reply.content[handoff.SHARD_INFO].get("weight", -1.0)) != weight:
+                error = f"its weight differs from the manifest's {weight}"
+            elif not add_content(aggregator, f"{source} {label}", reply.content):
+                error = aggregator.report.rejected[f"{source} {label}"]
+            if error:
+                failed[node] = f"{label}: {error}"
+            else:
+                stats["pull_chunks"] += 1
+            for name in (handoff.SHARDS, handoff.SHARD_META):
+                if name in reply.content:
+                    del reply.content[name]
+            release_free_memory()
+            stats["fold_s"] += time.perf_counter() - start
+            return reply
+
+        for c in range(max(len(chunks) for chunks in plans.values())):
+            messages = [self._message(node, P.MSG_PULL, {
+                "server-round": server_round, "pieces": [f"{k}|{a}|{b}" for k, a, b in chunks[c]],
+                "last": c == len(chunks) - 1, "timeout": max(1.0, d.round_timeout - 5.0)},
+                f"pull{server_round}/{c}", d.round_timeout)
+                for node, chunks in plans.items() if node not in failed and c < len(chunks)]
+            answered = {m.metadata.src_node_id for m in self.send_and_receive(grid, messages, d.round_timeout,
+                                                                               on_reply=fold)}
+            release_free_memory()  # the chunks' buffers, between the accumulator's pages
+            for message in messages:
+                node = message.metadata.dst_node_id
+                if node not in answered and node not in failed:
+                    failed[node] = f"chunk {c + 1}/{len(plans[node])}: no reply"
+        for node, reason in failed.items():
+            rejected[manifests[node][0]] = reason
+        record.update(stats)
+        return [node for node in manifests if node not in failed]
+
+    def _apply(self, grid: Grid, server_round: int, aggregator: Any, layouts: list[Any],
+               record: dict[str, Any]) -> None:
+        """Send the mean to every member in chunks (cut like one accepted manifest, at most `server-buffer-mb` in
+        flight); each rank assembles its own rows, whatever its sharding. Members that fail are dropped."""
+        from flwr_sharded.flower.server_aggregation import plan_chunks
+        from flwr_sharded.parallel.shard_transport import ShardPiece, encode_pieces
+        from flwr_sharded.perf.memory import release_free_memory
+
+        d = self.deadlines
+        budget = max(1, int(self.spec.server_buffer_mb * 2**20) // max(1, len(self.members)))
+        by_key = {layout.key: layout for layout in layouts}
+        chunks = plan_chunks(layouts, budget)
+        replies: dict[int, Message | None] = {}
+        for c, chunk in enumerate(chunks):
+            pieces = []
+            for key, a, b in chunk:
+                layout = by_key[key]
+                value = aggregator.result(layout.name, layout.row_offset + a, b - a)
+                shape = (b - a, *layout.shape[1:]) if layout.shape else layout.shape
+                pieces.append(ShardPiece(layout.name, layout.row_offset + a, layout.global_shape,
+                                         value.reshape(shape).to(layout.dtype)))
+            content = handoff.to_records(*encode_pieces(pieces), server_round, aggregator.report.total_weight)
+            del pieces
+            last = c == len(chunks) - 1
+            messages = []
+            for node in self.members:
+                if node in replies:  # failed an earlier chunk
+                    continue
+                config = {"server-round": server_round, "chunk": c, "chunks": len(chunks),
+                          "evaluate": self.evaluate_in_train and last,
+                          "checkpoint": self.spec.checkpoint_due(server_round) and last,
+                          "timeout": max(1.0, d.round_timeout - 5.0)}
+                messages.append(Message(RecordDict({**content, P.CONFIG: ConfigRecord(config)}), node, P.MSG_APPLY,
+                                        ttl=d.round_timeout, group_id=f"apply{server_round}/{c}"))
+            del content
+            got = {m.metadata.src_node_id: m for m in self.send_and_receive(grid, messages, d.round_timeout)}
+            del messages
+            release_free_memory()
+            for node in [n for n in self.members if n not in replies]:
+                if last or _reply_payload(got.get(node))[1]:
+                    replies[node] = got.get(node)
+        record["apply_chunks"] = len(chunks)
+        checksums, evals, dropped = {}, {}, {}
         for node in list(self.members):
             metrics, error = _reply_payload(replies.get(node))
             if error:
@@ -168,19 +291,22 @@ class ServerShardFedAvg(DecentralizedFedAvg):
                 continue
             checksums[node] = [float(x) for x in metrics.get("checksums", [])]
             if "eval_loss" in metrics:
-                evals.append(float(metrics["eval_loss"]))
+                evals[node] = float(metrics["eval_loss"])
         for node, reason in dropped.items():
             self.left_out[node] = f"dropped in round {server_round} (apply): {reason}"
             log(WARNING, "round %d: group on node %d could not adopt the server's shards, dropped: %s",
                 server_round, node, reason)
         self.members = [n for n in self.members if n not in dropped]
-        vectors = list(checksums.values())
-        record["checksums_equal"] = int(all(v == vectors[0] for v in vectors[1:]))
+        by_layout: dict[str, list[list[float]]] = {}  # groups sharded alike hold the same rows
+        for node, vector in checksums.items():
+            by_layout.setdefault(self.groups[node].fingerprint, []).append(vector)
+        record["checksums_equal"] = int(all(v == same[0] for same in by_layout.values() for v in same[1:]))
         record["checksums"] = {str(n): v for n, v in checksums.items()}
         record["dropped"] += len(dropped)
         record["synced"] = int(record["synced"] and not dropped)
         if evals:
-            record["eval_loss"] = sum(evals) / len(evals)
+            record["eval_losses"] = {str(n): loss for n, loss in evals.items()}
+            record["eval_loss"] = sum(evals.values()) / len(evals)
             record["eval_ppl"] = _ppl(record["eval_loss"])
         if not record["checksums_equal"]:
             log(ERROR, "round %d: the groups' shard checksums differ after adopting the server's mean", server_round)

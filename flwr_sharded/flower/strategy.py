@@ -306,9 +306,14 @@ class DecentralizedFedAvg(Strategy):
         log(INFO, "hello to %d node(s): %s", len(nodes), nodes)
         candidates = self._hello_round(grid, {node: i for i, node in enumerate(nodes)}, len(nodes))
         if candidates:
-            self._keep_majority(candidates, lambda g: g.fingerprint, lambda g, common: (
-                f"model/sharding fingerprint {g.fingerprint[:12]} differs from the majority's {common[:12]} "
-                f"(another model, dtype or S)"))
+            by_shards: dict[int, dict[int, GroupInfo]] = {}  # groups of one S must shard alike (server path: S
+            for node, g in candidates.items():               # may differ between facilities)
+                by_shards.setdefault(g.layout.shards, {})[node] = g
+            for same_s in by_shards.values():
+                self._keep_majority(same_s, lambda g: g.fingerprint, lambda g, common: (
+                    f"model/sharding fingerprint {g.fingerprint[:12]} differs from the majority's {common[:12]} "
+                    f"(another model or dtype)"))
+            candidates = {n: g for same_s in by_shards.values() for n, g in same_s.items()}
             if self.spec.resume:  # the run goes on after the round most groups' checkpoints hold
                 self.resumed_round = self._keep_majority(candidates, lambda g: g.resumed_round, lambda g, common: (
                     f"its checkpoint holds round {g.resumed_round}, the majority's round {common} (a group that "
@@ -348,15 +353,16 @@ class DecentralizedFedAvg(Strategy):
                                    shards=int(metrics.get("shards", 0)), world=int(metrics.get("world", 0)),
                                    rendezvous_host=str(info.get("rendezvous_host", "")),
                                    rendezvous_ports=[int(p) for p in metrics.get("rendezvous_ports", [])])
-            if not error and layout.mismatch(self.spec):
-                error = layout.mismatch(self.spec)
-            if not error and len(layout.rendezvous_ports) != self.spec.shards:
-                error = f"offers {len(layout.rendezvous_ports)} rendezvous ports for {self.spec.shards} shard indices"
+            partition = int(metrics.get("partition_id", 0))
+            expected = self.spec.for_group(partition, str(info.get("facility", "")))
+            if not error and layout.mismatch(expected):
+                error = layout.mismatch(expected)
+            if not error and len(layout.rendezvous_ports) != expected.shards:
+                error = f"offers {len(layout.rendezvous_ports)} rendezvous ports for {expected.shards} shard indices"
             if error:
                 self.left_out[node] = error
                 log(ERROR, "group on node %d left out: %s", node, error)
                 continue
-            partition = int(metrics.get("partition_id", 0))
             candidates[node] = GroupInfo(node, partition, layout, str(info.get("fingerprint", "")),
                                          int(metrics.get("tokens", 0)), int(metrics.get("resumed_round", 0)),
                                          self.facility_of(partition, info))
@@ -438,7 +444,8 @@ class DecentralizedFedAvg(Strategy):
         """Push `messages`, pull replies until all arrived, `timeout` passed, or the awaited nodes went offline.
 
         `on_reply` sees each reply as it arrives (e.g. to fold its arrays into an aggregate and drop them); what it
-        returns is kept.
+        returns is kept. With `on_reply`, replies are pulled one at a time, so only one is in this process at once
+        (the others wait at the SuperLink).
         """
         if not messages:
             return []
@@ -449,9 +456,11 @@ class DecentralizedFedAvg(Strategy):
         replies: list[Message] = []
         next_check = time.monotonic() + d.node_check_interval
         while pending:
-            for reply in grid.pull_messages(list(pending)):
-                if pending.pop(reply.metadata.reply_to_message_id, None) is not None:
-                    replies.append(on_reply(reply) if on_reply is not None else reply)
+            batches = [[mid] for mid in pending] if on_reply is not None else [list(pending)]
+            for batch in batches:
+                for reply in grid.pull_messages(batch):
+                    if pending.pop(reply.metadata.reply_to_message_id, None) is not None:
+                        replies.append(on_reply(reply) if on_reply is not None else reply)
             now = time.monotonic()
             if not pending or now >= deadline:
                 break

@@ -14,6 +14,7 @@ gathers the full model: only its own local tensor is read or written.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -48,6 +49,39 @@ class ShardPiece:
     @property
     def rows(self) -> int:
         return int(self.data.shape[0]) if self.data.dim() else 1
+
+    @property
+    def layout(self) -> PieceLayout:
+        return PieceLayout(self.name, self.row_offset, tuple(self.global_shape), tuple(self.data.shape),
+                           self.data.dtype)
+
+
+@dataclass(frozen=True)
+class PieceLayout:
+    """Where a piece sits and what it holds, without its values (an entry of a group's manifest)."""
+
+    name: str
+    row_offset: int
+    global_shape: tuple[int, ...]
+    shape: tuple[int, ...]
+    """Local shape: rows first."""
+    dtype: torch.dtype
+
+    @property
+    def key(self) -> str:
+        return piece_key(self.name, self.row_offset)
+
+    @property
+    def rows(self) -> int:
+        return int(self.shape[0]) if self.shape else 1
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row on the wire."""
+        n = 1
+        for d in self.shape[1:]:
+            n *= int(d)
+        return n * torch.empty((), dtype=self.dtype).element_size()
 
 
 def piece_key(name: str, row_offset: int) -> str:
@@ -136,10 +170,14 @@ def apply_pieces(named_params: Iterable[tuple[str, torch.Tensor]], pieces: Itera
     return len(pairs)
 
 
-def own_keys(named_params: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
-    """The piece keys of this rank's (non-empty) local shards."""
-    return [piece_key(name, row_offset(p)) for name, p in named_params
-            if not (local_shard(p).dim() and local_shard(p).shape[0] == 0)]
+def own_pieces(named_params: Iterable[tuple[str, torch.Tensor]]) -> dict[str, int]:
+    """Piece key -> rows of this rank's (non-empty) local shards."""
+    out = {}
+    for name, p in named_params:
+        local = local_shard(p)
+        if not (local.dim() and local.shape[0] == 0):
+            out[piece_key(name, row_offset(p))] = local.shape[0] if local.dim() else 1
+    return out
 
 
 def dtype_of_tag(tag: str) -> torch.dtype:
@@ -165,23 +203,44 @@ def encode_pieces(pieces: Iterable[ShardPiece]) -> tuple[dict[str, np.ndarray], 
     return arrays, meta
 
 
+def parse_tag(key: str, tag: str) -> tuple[torch.dtype, tuple[int, ...]]:
+    """(dtype, global shape) of a piece's metadata tag `"dtype|d0,d1,..."`; ShardPieceError if malformed."""
+    dtype_name, _, shape = str(tag).partition("|")
+    if dtype_name not in _DTYPES:
+        raise ShardPieceError(f"piece {key!r}: unknown dtype tag {dtype_name!r}")
+    try:
+        global_shape = tuple(int(d) for d in shape.split(",")) if shape else ()
+    except ValueError:
+        raise ShardPieceError(f"piece {key!r}: malformed global shape {shape!r}") from None
+    return _DTYPES[dtype_name], global_shape
+
+
+def decode_layouts(shapes: dict[str, tuple[int, ...]], meta: dict[str, str]) -> list[PieceLayout]:
+    """The manifest's pieces (`key -> local shape`, `key -> "dtype|global shape"`); ShardPieceError if malformed."""
+    if set(shapes) != set(meta):
+        raise ShardPieceError(f"shapes and metadata name different keys: {sorted(set(shapes) ^ set(meta))[:5]}")
+    out = []
+    for key, shape in shapes.items():
+        name, offset = split_key(key)
+        dtype, global_shape = parse_tag(key, meta[key])
+        out.append(PieceLayout(name, offset, global_shape, tuple(int(d) for d in shape), dtype))
+    return out
+
+
 def decode_pieces(arrays: dict[str, np.ndarray], meta: dict[str, str]) -> list[ShardPiece]:
-    """Inverse of `encode_pieces` (zero-copy where possible). Raises ShardPieceError on malformed input."""
+    """Inverse of `encode_pieces` (zero-copy where possible: the pieces may share read-only memory with `arrays`, so
+    they are for reading). Raises ShardPieceError on malformed input."""
     if set(arrays) != set(meta):
         raise ShardPieceError(f"arrays and metadata name different keys: "
                               f"{sorted(set(arrays) ^ set(meta))[:5]}")
     pieces = []
     for key, array in arrays.items():
         name, offset = split_key(key)
-        dtype_name, _, shape = str(meta[key]).partition("|")
-        if dtype_name not in _DTYPES:
-            raise ShardPieceError(f"piece {key!r}: unknown dtype tag {dtype_name!r}")
-        dtype = _DTYPES[dtype_name]
-        try:
-            global_shape = tuple(int(d) for d in shape.split(",")) if shape else ()
-        except ValueError:
-            raise ShardPieceError(f"piece {key!r}: malformed global shape {shape!r}") from None
-        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        dtype, global_shape = parse_tag(key, meta[key])
+        dtype_name = str(dtype).removeprefix("torch.")
+        with warnings.catch_warnings():  # read-only views of received bytes: pieces are only ever read
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            tensor = torch.from_numpy(np.ascontiguousarray(array))
         if dtype in _BITS_VIEW:
             if tensor.dtype != _BITS_VIEW[dtype]:
                 raise ShardPieceError(f"piece {key!r}: {dtype_name} must travel as {_BITS_VIEW[dtype]}, "

@@ -5,6 +5,10 @@ weight on the way in), each bucket is all-reduced (SUM) over the federation proc
 back. In FL+HSDP only replica 0 of each group joins the cross-group all-reduce and then broadcasts each bucket over
 its replication group, so every replica of every group ends bit-identical.
 
+With a reduced wire dtype (e.g. bfloat16, as DiLoCo-style systems send), the all-reduce carries the weighted delta
+from the global model (the outer gradient) instead of the shards, so precision is lost only on that delta; every
+participating rank keeps the global shards in fp32 and adds the reduced delta back in fp32.
+
 The process groups are arguments: a static torchrun world passes its mesh's groups, a Flower round passes the
 groups it formed for that round's members.
 """
@@ -74,14 +78,18 @@ class ShardSync:
         rule: how shards are combined (`flwr_sharded.parallel.outer`); FedAvg by default. Stateful rules (outer
             optimizers) keep the global shards and their state per bucket (fp32, on this rank's device); rules that
             are not linear all-gather each bucket from every group (F buckets in memory).
+        wire_dtype: dtype of the cross-group all-reduce; None: the shards' own. A dtype other than the shards' (which
+            must then be fp32) sends the weighted delta from the global shards in it, through a second buffer of
+            that dtype; the global shards are then kept for every rule (FedAvg too). Linear rules only.
     """
 
     def __init__(self, named_params: Iterable[tuple[str, torch.Tensor]], *, fed_group: dist.ProcessGroup | None,
                  rep_group: dist.ProcessGroup | None = None, bucket_bytes: int = 64 << 20,
-                 rule: ShardRule | None = None) -> None:
+                 rule: ShardRule | None = None, wire_dtype: torch.dtype | None = None) -> None:
         named = list(named_params)
         if not named:
             raise ValueError("ShardSync needs at least one parameter")
+        rule = rule or FedAvg()
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.fed_group = fed_group
@@ -91,7 +99,18 @@ class ShardSync:
         self._buffer: torch.Tensor | None = None
         self._views: list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]] | None = None
         self._pointers: list[int] = []
-        self.rule = rule or FedAvg()
+        self.rule = rule
+        self.wire_dtype = wire_dtype
+        # a reduced wire: the all-reduce sends weighted deltas from the global shards, in `wire_dtype`
+        self.delta = wire_dtype is not None and any(dtype != wire_dtype for dtype, _ in self._buckets)
+        if self.delta and not rule.linear:
+            raise ValueError(f"{type(rule).__name__} is not linear: it all-gathers every member's shards, which a "
+                             f"reduced wire dtype ({wire_dtype}) cannot carry as one delta; use a linear rule or "
+                             f"the shards' dtype")
+        if self.delta and any(dtype != torch.float32 for dtype, _ in self._buckets):
+            raise ValueError(f"a wire dtype ({wire_dtype}) other than the shards' needs fp32 shards, got "
+                             f"{sorted({str(dtype) for dtype, _ in self._buckets})}")
+        self._wire: torch.Tensor | None = None
         self._global: list[torch.Tensor] | None = None
         self._rule_state: list[dict[str, torch.Tensor]] | None = None
 
@@ -135,6 +154,9 @@ class ShardSync:
         if self._buffer is None:
             largest = max(sum(s.end - s.start for s in segs) * _itemsize(dt) for dt, segs in self._buckets)
             self._buffer = torch.empty(largest, dtype=torch.uint8, device=local_shard(self.params[0]).device)
+            if self.delta:
+                self._wire = torch.empty(max(sum(s.end - s.start for s in segs) for _, segs in self._buckets),
+                                         dtype=self.wire_dtype, device=self._buffer.device)
         shards = [local_shard(p).view(-1) for p in self.params]
         self._views = []
         for dtype, segments in self._buckets:
@@ -188,10 +210,18 @@ class ShardSync:
         self._aligned = False
 
     # ----- outer state ----------------------------------------------------------------------------------------
+    @property
+    def keeps_global(self) -> bool:
+        """Whether this sync keeps the global shards (and rule state): a stateful rule, or a reduced wire dtype.
+
+        Then `outer_state_dict` belongs in checkpoints and must be restored with the shards.
+        """
+        return self.rule.stateful or self.delta
+
     @torch.no_grad()
     def capture_global(self) -> None:
-        """Remember the current shards as the global model (start of a sync period) for stateful rules."""
-        if not self.rule.stateful:
+        """Remember the current shards as the global model (start of a sync period) when `keeps_global`."""
+        if not self.keeps_global:
             return
         self._global = [torch.cat([seg.float() for seg in shard_segments])
                         for _, shard_segments, _ in self._bucket_views()]
@@ -223,9 +253,8 @@ class ShardSync:
             raise ValueError(f"FedAvg weight must be > 0, got {weight}")
         if not self._aligned:
             self.check_alignment()
-        if self.fed_group is not None and self.rule.stateful and self._global is None:
-            raise RuntimeError(f"{type(self.rule).__name__} steps from the global model: call capture_global() "
-                               f"before training starts")
+        if self.fed_group is not None and self.keeps_global and self._global is None:
+            raise RuntimeError(f"{self._needs_global()}: call capture_global() before training starts")
         start = time.perf_counter()
         total, buckets, nbytes = 0.0, 0, 0
         views = self._bucket_views()
@@ -245,23 +274,38 @@ class ShardSync:
                 total = sum(weights)
         for k, (flat, shard_segments, buffer_segments) in enumerate(views):
             if self.fed_group is not None:
-                scale = weight / total if self.rule.linear else 1.0
-                for shard_segment, buffer_segment in zip(shard_segments, buffer_segments):
-                    torch.mul(shard_segment, scale, out=buffer_segment)  # pack (and weight) in one pass
                 if self.rule.linear:
-                    dist.all_reduce(flat, group=self.fed_group)
+                    nbytes += self._reduce_mean(k, flat, shard_segments, buffer_segments, weight / total)
                     if apply_rule and not isinstance(self.rule, FedAvg):
                         self._apply(k, flat, lambda g, st: self.rule.apply_mean(g, flat, st))
                 else:
+                    torch._foreach_copy_(buffer_segments, shard_segments)
                     members = [torch.empty_like(flat) for _ in weights]
                     dist.all_gather(members, flat, group=self.fed_group)
                     self._apply(k, flat, lambda g, st: self.rule.aggregate(g, list(zip(members, weights)), st))
+                    nbytes += flat.numel() * flat.element_size()
                 buckets += 1
-                nbytes += flat.numel() * flat.element_size()
             if self.rep_group is not None:
                 dist.broadcast(flat, group=self.rep_group, group_src=0)
             torch._foreach_copy_(shard_segments, buffer_segments)
+        if self.fed_group is not None and self.delta and isinstance(self.rule, FedAvg):
+            self._store_global()  # after every bucket succeeded: a failed sync leaves the global shards as they were
         return SyncStats(seconds=time.perf_counter() - start, buckets=buckets, bytes=nbytes, total_weight=total)
+
+    def _reduce_mean(self, k: int, flat: torch.Tensor, shard_segments: list[torch.Tensor],
+                     buffer_segments: list[torch.Tensor], scale: float) -> int:
+        """Write the groups' weighted mean of bucket k into `flat` with one all-reduce; return the bytes sent."""
+        if not self.delta:
+            for shard_segment, buffer_segment in zip(shard_segments, buffer_segments):
+                torch.mul(shard_segment, scale, out=buffer_segment)  # pack (and weight) in one pass
+            dist.all_reduce(flat, group=self.fed_group)
+            return flat.numel() * flat.element_size()
+        torch._foreach_copy_(buffer_segments, shard_segments)
+        wire = self._wire[:flat.numel()]
+        torch.mul(flat.sub_(self._global[k]), scale, out=wire)  # the weighted delta in fp32, rounded once
+        dist.all_reduce(wire, group=self.fed_group)
+        torch.add(self._global[k], wire, out=flat)  # global + the summed deltas, in fp32
+        return wire.numel() * wire.element_size()
 
     @torch.no_grad()
     def step_rule(self) -> None:
@@ -273,10 +317,11 @@ class ShardSync:
         if not self.rule.linear:
             raise ValueError(f"{type(self.rule).__name__} is not linear: it needs every member's shards, not a mean")
         if isinstance(self.rule, FedAvg):
+            if self._global is not None:
+                self._store_global()  # the mean is the new global model (a reduced wire sends deltas from it)
             return
         if self._global is None:
-            raise RuntimeError(f"{type(self.rule).__name__} steps from the global model: call capture_global() "
-                               f"before training starts")
+            raise RuntimeError(f"{self._needs_global()}: call capture_global() before training starts")
         for k, (flat, shard_segments, buffer_segments) in enumerate(self._bucket_views()):
             torch._foreach_copy_(buffer_segments, shard_segments)
             self._apply(k, flat, lambda g, st: self.rule.apply_mean(g, flat, st))
@@ -297,7 +342,7 @@ class ShardSync:
     @torch.no_grad()
     def broadcast_outer_state(self, group: dist.ProcessGroup) -> None:
         """Copy the outer state (global shards, rule state) of rank 0 of `group` to its other ranks."""
-        if not self.rule.stateful:
+        if not self.keeps_global:
             return
         if self._global is None:
             raise RuntimeError("no outer state to broadcast: call capture_global() first")
@@ -306,13 +351,24 @@ class ShardSync:
             for name in sorted(self._rule_state[k]):
                 dist.broadcast(self._rule_state[k][name], group=group, group_src=0)
 
+    def _needs_global(self) -> str:
+        if self.rule.stateful:
+            return f"{type(self.rule).__name__} steps from the global model"
+        return f"a {self.wire_dtype} wire sends deltas from the global model"
+
+    def _store_global(self) -> None:
+        """Make the current shards the global model (FedAvg with a reduced wire: the mean just written)."""
+        for (_, segments), global_k, (_, shard_segments, _) in zip(self._buckets, self._global, self._bucket_views()):
+            targets = [global_k[s.offset:s.offset + s.end - s.start] for s in segments]
+            torch._foreach_copy_(targets, shard_segments)
+
     def _apply(self, k: int, flat: torch.Tensor, step: Any) -> None:
         """Run the rule on bucket k: write the new global values into `flat`, keep them (and the state)."""
         global_k = self._global[k] if self._global is not None else None
         state_k = self._rule_state[k] if self._rule_state is not None else {}
         new, state = step(global_k, state_k)
         flat.copy_(new)
-        if self.rule.stateful:
+        if self.keeps_global:
             self._global[k].copy_(new)
             self._rule_state[k] = state
 

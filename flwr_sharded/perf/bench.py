@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from flwr_sharded.config import METHODS, ConfigError
+from flwr_sharded.config import METHODS, SYNC_DTYPE_BYTES, ConfigError
 from flwr_sharded.perf import netemu
 from flwr_sharded.perf.costmodel import TIERS, Placement, Units, check_layout
 
@@ -61,9 +61,11 @@ class Layout:
     def text(self) -> str:
         return f"{self.F}x{self.R}x{self.S}"
 
-    def train_args(self, A: int) -> list[str]:
+    def train_args(self, A: int, sync_dtype: str = "float32") -> list[str]:
+        fl = self.method.startswith("fl-")
         return ["--method", self.method, "--federations", str(self.F), "--replicas", str(self.R),
-                "--shards", str(self.S), "--aggregate-every", str(A if self.method.startswith("fl-") else 1)]
+                "--shards", str(self.S), "--aggregate-every", str(A if fl else 1),
+                *(["--sync-dtype", sync_dtype] if fl else [])]
 
 
 def default_layouts(topo: netemu.EmuTopology) -> dict[str, Layout]:
@@ -202,7 +204,7 @@ def run_training(fab: netemu.Fabric, layout: Layout, opts: argparse.Namespace, *
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics.unlink(missing_ok=True)
     log_every = log_every or A
-    argv = [sys.executable, "-m", "flwr_sharded.train", *layout.train_args(A), "--model", opts.model,
+    argv = [sys.executable, "-m", "flwr_sharded.train", *layout.train_args(A, opts.sync_dtype), "--model", opts.model,
             "--seq-len", str(opts.seq_len), "--batch-size", str(opts.batch_size), "--steps", str(steps),
             "--lr", str(opts.lr), "--seed", str(opts.seed), "--log-every", str(log_every),
             "--eval-every", str(opts.eval_every), "--eval-blocks", str(opts.eval_blocks),
@@ -222,7 +224,8 @@ def run_training(fab: netemu.Fabric, layout: Layout, opts: argparse.Namespace, *
         placement = Placement(F=layout.F, R=layout.R, S=layout.S, gpus_per_node=topo.ranks_per_node,
                               nodes_per_group=topo.nodes_per_group)
         cmp = compare(load_probes(traffic_dir), layout.method, placement, units, A=out["A"], backend="gloo",
-                      reshard_root=True, ranks_per_node=topo.ranks_per_node, uplinks=topo.uplinks())
+                      reshard_root=True, ranks_per_node=topo.ranks_per_node, uplinks=topo.uplinks(),
+                      wire_ratio=SYNC_DTYPE_BYTES[opts.sync_dtype] / 4)  # the units are fp32 (4 bytes per parameter)
         out["traffic"] = cmp.to_dict()
         out["traffic_max_error"] = cmp.max_error()
     return out
@@ -244,7 +247,8 @@ def planner_view(cluster_path: Path, layouts: dict[str, Layout], opts: argparse.
 
     cluster = load_cluster(cluster_path)
     shape = _shape(opts.model, vocab)
-    kw = dict(tokens_per_gpu_batch=opts.batch_size * opts.seq_len, bytes_per_param=4.0)
+    kw = dict(tokens_per_gpu_batch=opts.batch_size * opts.seq_len, bytes_per_param=4.0,
+              sync_bytes_per_param=float(SYNC_DTYPE_BYTES[opts.sync_dtype]))
     margin = opts.fl_margin
     rows = {}
     for method, lay in layouts.items():
@@ -546,7 +550,8 @@ def render(results: dict[str, Any]) -> str:
     w(f"# flwr-sharded bench, {results['date']}")
     w("")
     w(f"Machine: {m['cpus']} CPU cores, {m['memory_gb']} GB available, kernel {m['kernel']}, torch {m['torch']}. "
-      f"Model `{s['model']}` (fp32 on CPU, gloo), lr {s['lr']}, seed {s['seed']}, A = {s['aggregate_every']}. "
+      f"Model `{s['model']}` (fp32 on CPU, gloo), lr {s['lr']}, seed {s['seed']}, A = {s['aggregate_every']}, "
+      f"FL sync in {s.get('sync_dtype', 'float32')}. "
       f"Load average (1 min) during the runs: {min(loads):.1f} to {max(loads):.1f} on {m['cpus']} cores. "
       f"Total {results['elapsed_s'] / 60:.1f} min.")
     for name, scen in results["scenarios"].items():
@@ -914,6 +919,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--methods", type=_method_list, default=list(RUN_KEYS), dest="method_list", metavar="LIST",
                    help=f"runs to do, among {','.join(RUN_KEYS)} (default all)")
     p.add_argument("--aggregate-every", type=int, default=8, help="A of the FL methods (default 8)")
+    p.add_argument("--sync-dtype", choices=tuple(SYNC_DTYPE_BYTES), default="float32",
+                   help="wire dtype of the FL methods' shard sync (train --sync-dtype; default float32); the "
+                        "predicted sync bytes and the planner use its size")
     p.add_argument("--sweep", type=_int_list, default=[1, 2, 4, 8, 16, 32], dest="sweep_values", metavar="LIST",
                    help="values of A for the FL+FSDP sweep (default 1,2,4,8,16,32)")
     p.add_argument("--no-sweep", action="store_true", help="skip the sweep of A")

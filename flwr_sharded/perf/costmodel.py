@@ -201,7 +201,7 @@ class CommTerms:
 def comm_terms(method: str, units: Units, *, S: int, R: int = 1, F: int = 1, A: int = 1, B_S: float | None,
                B_R: float | None = None, B_F: float | None = None, sizes: Sizes = "exact", backend: Backend = "nccl",
                reshard_after_forward: bool = True, reshard_root: bool = False, alpha_S: float = 0.0,
-               alpha_R: float = 0.0, alpha_F: float = 0.0) -> CommTerms:
+               alpha_R: float = 0.0, alpha_F: float = 0.0, wire_ratio: float = 1.0) -> CommTerms:
     """Communication time per optimizer step, split by kind, from Table 1's collective costs.
 
     `sizes="paper"`: Eqs. 1-5 literally, with L = `units.count` and M = the model's bits / L for every collective
@@ -212,6 +212,8 @@ def comm_terms(method: str, units: Units, *, S: int, R: int = 1, F: int = 1, A: 
     with `backend="gloo"` a reduce-scatter costs an all-reduce (gloo implements it as one).
     `alpha_*` (seconds) add, per collective, alpha times its sequential ring steps: n-1 for an all-gather,
     reduce-scatter or chained broadcast, 2 (n-1) for an all-reduce; the sync issues one collective per unit.
+    `wire_ratio` scales the sync's cross-group all-reduce (in both modes): its wire bytes per parameter over the
+    units' (0.5 for a bfloat16 sync of 4-byte units); fl-hsdp's broadcast keeps the units' size.
     """
     check_layout(method, S=S, R=R, F=F, A=A)
     _check_bandwidths(method, S, R, F, B_S, B_R, B_F)
@@ -219,6 +221,8 @@ def comm_terms(method: str, units: Units, *, S: int, R: int = 1, F: int = 1, A: 
         raise ConfigError(f"sizes must be 'exact' or 'paper', got {sizes!r}")
     if backend not in BACKENDS:
         raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if not wire_ratio > 0:
+        raise ConfigError(f"wire_ratio must be positive, got {wire_ratio!r}")
     hsdp = method in ("hsdp", "fl-hsdp")
     syncs = method.startswith("fl-") and F > 1
     if sizes == "paper":
@@ -239,7 +243,7 @@ def comm_terms(method: str, units: Units, *, S: int, R: int = 1, F: int = 1, A: 
     replicate = sum(all_reduce_time(D, R, B_R) for D in shard_msgs) if hsdp else 0.0
     sync = 0.0
     if syncs:
-        sync = sum(all_reduce_time(D, F, B_F) for D in shard_msgs)
+        sync = sum(all_reduce_time(D * wire_ratio, F, B_F) for D in shard_msgs)
         if method == "fl-hsdp":
             sync += sum(broadcast_time(D, R, B_R) for D in shard_msgs)
         sync /= A
@@ -385,7 +389,7 @@ class Traffic:
 
 def rank_traffic(method: str, placement: Placement, units: Units, *, rank: int, A: int = 1,
                  backend: Backend = "nccl", reshard_after_forward: bool = True, reshard_root: bool = False,
-                 grad_ratio: float = 1.0, sync_ratio: float = 1.0) -> Traffic:
+                 grad_ratio: float = 1.0, sync_ratio: float = 1.0, wire_ratio: float = 1.0) -> Traffic:
     """Bytes `rank` sends per optimizer step and per shard sync, by tier, with ring algorithms.
 
     Per unit and step: all-gather in forward and (blocks, if `reshard_after_forward`; root if `reshard_root`) in
@@ -396,7 +400,9 @@ def rank_traffic(method: str, placement: Placement, units: Units, *, rank: int, 
     every rank but the last forwards P/S once). A ring runs over the group's ranks in rank order and rank i sends to
     the next one (the last to the first), so all of a rank's bytes for that collective go to that link's tier.
     `grad_ratio` / `sync_ratio` scale gradient and sync bytes against parameter bytes (e.g. 2 for bf16 parameters
-    all-gathered but gradients reduced in fp32).
+    all-gathered but gradients reduced in fp32); `wire_ratio` scales the sync's cross-group all-reduce on top of
+    that (its wire dtype against the shards': 0.5 for a bfloat16 sync of fp32 shards), not fl-hsdp's broadcast,
+    which sends the shards' dtype.
     """
     check_layout(method, S=placement.S, R=placement.R, F=placement.F, A=A)
     if backend not in BACKENDS:
@@ -422,7 +428,7 @@ def rank_traffic(method: str, placement: Placement, units: Units, *, rank: int, 
         step[out_tier("replica")] += 2 * shard_bytes * grad_ratio * (R - 1) / R
     if method.startswith("fl-") and F > 1:
         if method == "fl-fsdp" or r == 0:
-            sync[out_tier("federation")] += 2 * shard_bytes * sync_ratio * (F - 1) / F
+            sync[out_tier("federation")] += 2 * shard_bytes * sync_ratio * wire_ratio * (F - 1) / F
         if method == "fl-hsdp" and R > 1:
             tier = out_tier("replica", ring=False)
             if tier is not None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from flwr_sharded.config import METHODS, ConfigError
+from flwr_sharded.config import METHODS, SYNC_DTYPE_BYTES, ConfigError
 from flwr_sharded.perf.costmodel import (
     BACKENDS,
     DIMENSIONS,
@@ -309,9 +309,12 @@ def layouts(gpus: int, gpus_per_node: int, methods: tuple[str, ...] = METHODS,
 def evaluate(cluster: Cluster, model: ModelShape, method: str, *, F: int = 1, R: int = 1, S: int, A: int = 1,
              tokens_per_gpu_batch: int = 4096, bytes_per_param: float = 2.0,
              state_bytes_per_param: float | None = None, sizes: str = "exact", latency: bool = False,
-             activation_checkpointing: bool = False, memory_fraction: float = 0.9) -> Candidate:
+             activation_checkpointing: bool = False, memory_fraction: float = 0.9,
+             sync_bytes_per_param: float | None = None) -> Candidate:
     """Predict one layout's step on `cluster` (see `plan` for the options)."""
     check_layout(method, S=S, R=R, F=F, A=A)
+    if sync_bytes_per_param is not None and not sync_bytes_per_param > 0:
+        raise ConfigError(f"sync_bytes_per_param must be positive, got {sync_bytes_per_param!r}")
     if F * R * S != cluster.gpus:
         raise ConfigError(f"layout F={F} x R={R} x S={S} = {F * R * S} ranks, but the cluster has {cluster.gpus} GPUs")
     placement = cluster.placement(F, R, S)
@@ -330,7 +333,8 @@ def evaluate(cluster: Cluster, model: ModelShape, method: str, *, F: int = 1, R:
     alpha = {dim: (cluster.latency[t] if t and latency else 0.0) for dim, t in tiers.items()}
     comm = comm_terms(method, model.units(bytes_per_param), S=S, R=R, F=F, A=A, B_S=bw["shard"],
                       B_R=bw["replica"], B_F=bw["federation"], sizes=sizes, backend=cluster.backend,
-                      alpha_S=alpha["shard"], alpha_R=alpha["replica"], alpha_F=alpha["federation"])
+                      alpha_S=alpha["shard"], alpha_R=alpha["replica"], alpha_F=alpha["federation"],
+                      wire_ratio=(sync_bytes_per_param or bytes_per_param) / bytes_per_param)
     compute = compute_time(model.num_params, tokens_per_gpu_batch, cluster.flops_per_gpu,
                            flops_per_param_token=8.0 if activation_checkpointing else 6.0)
     memory = memory_per_gpu(model, S=S, tokens=tokens_per_gpu_batch, bytes_per_param=bytes_per_param,
@@ -346,7 +350,7 @@ def plan(cluster: Cluster, model: ModelShape, *, tokens_per_gpu_batch: int = 409
          aggregate_every_options: tuple[int, ...] = (1, 2, 4, 8, 16, 32), methods: tuple[str, ...] = METHODS,
          bytes_per_param: float = 2.0, state_bytes_per_param: float | None = None, sizes: str = "exact",
          latency: bool = False, activation_checkpointing: bool = False, memory_fraction: float = 0.9,
-         fl_margin: float = 0.1) -> list[Candidate]:
+         fl_margin: float = 0.1, sync_bytes_per_param: float | None = None) -> list[Candidate]:
     """Every valid layout that fits in memory, best first.
 
     Ranked by predicted step time, except that an FL candidate ranks as if its step took (1 + `fl_margin`) times
@@ -354,6 +358,8 @@ def plan(cluster: Cluster, model: ModelShape, *, tokens_per_gpu_batch: int = 409
     more than that fraction. `sizes`: "exact" or "paper" message sizes (see `costmodel.comm_terms`); `latency`: add
     the cluster's per-tier latencies as an alpha term per ring step; `memory_fraction`: share of GPU memory a layout
     may use (the rest: CUDA context, NCCL buffers, fragmentation). An empty list means nothing fits.
+    `sync_bytes_per_param`: bytes per parameter of the FL sync's cross-group all-reduce (4 float32, 2 bfloat16:
+    `--sync-dtype`); None: `bytes_per_param`, like every other collective.
     """
     unknown = sorted(set(methods) - set(METHODS))
     if unknown or not methods:
@@ -369,7 +375,8 @@ def plan(cluster: Cluster, model: ModelShape, *, tokens_per_gpu_batch: int = 409
     candidates = [
         evaluate(cluster, model, method, F=F, R=R, S=S, A=A, tokens_per_gpu_batch=tokens_per_gpu_batch,
                  bytes_per_param=bytes_per_param, state_bytes_per_param=state_bytes_per_param, sizes=sizes,
-                 latency=latency, activation_checkpointing=activation_checkpointing, memory_fraction=memory_fraction)
+                 latency=latency, activation_checkpointing=activation_checkpointing, memory_fraction=memory_fraction,
+                 sync_bytes_per_param=sync_bytes_per_param)
         for method, F, R, S, A in layouts(cluster.gpus, cluster.gpus_per_node, tuple(methods),
                                           tuple(aggregate_every_options))
     ]
@@ -505,6 +512,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--hidden-size", type=int, help="model width for the activation estimate (with --params)")
     p.add_argument("--vocab-size", type=int, default=32000, help="vocabulary for presets without one (32000)")
     p.add_argument("--bytes-per-param", type=float, default=2.0, help="bytes per parameter on the wire (2: bf16)")
+    p.add_argument("--sync-dtype", choices=tuple(SYNC_DTYPE_BYTES), default=None,
+                   help="wire dtype of the FL shard sync's all-reduce (flwr-sharded train --sync-dtype): its bits = "
+                        "parameters x the dtype's bits (default: --bytes-per-param, like the other collectives)")
     p.add_argument("--state-bytes-per-param", type=float, default=None,
                    help="bytes per parameter of params+grads+AdamW state (default 4 x --bytes-per-param)")
     p.add_argument("--tokens-per-gpu", type=int, default=2 * 2048,
@@ -552,7 +562,8 @@ def _header(cluster: Cluster, model: ModelShape, args: argparse.Namespace) -> st
     groups = f", node groups of {cluster.nodes_per_group} nodes" if cluster.nodes_per_group else ""
     return (f"Cluster {cluster.name}: {cluster.nodes} x {cluster.gpus_per_node} GPUs = {cluster.gpus}{groups}; "
             f"model {model.name} ({model.num_params / 1e9:.3g} B params, {args.bytes_per_param:g} bytes each); "
-            f"{args.tokens_per_gpu} tokens per GPU per step")
+            f"{args.tokens_per_gpu} tokens per GPU per step"
+            + (f"; FL sync in {args.sync_dtype}" if args.sync_dtype else ""))
 
 
 def _print_paper(cluster: Cluster, rows: list[PaperRow], args: argparse.Namespace) -> None:
@@ -591,7 +602,8 @@ def run(args: argparse.Namespace) -> int:
         options = dict(tokens_per_gpu_batch=args.tokens_per_gpu, bytes_per_param=args.bytes_per_param,
                        state_bytes_per_param=args.state_bytes_per_param, sizes=args.sizes, latency=args.latency,
                        activation_checkpointing=args.activation_checkpointing,
-                       memory_fraction=args.memory_fraction)
+                       memory_fraction=args.memory_fraction,
+                       sync_bytes_per_param=SYNC_DTYPE_BYTES.get(args.sync_dtype))
         candidates = plan(cluster, model, aggregate_every_options=tuple(args.aggregate_every),
                           methods=tuple(args.methods), fl_margin=args.fl_margin, **options)
     except ConfigError as exc:

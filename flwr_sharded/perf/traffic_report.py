@@ -268,10 +268,15 @@ def wire_tiers(probes: list[dict[str, Any]], ranks_per_node: int, uplinks: list[
 
 
 def predicted_tiers(method: str, placement: Placement, units: Units, *, A: int, steps: int, syncs: int,
-                    backend: str = "gloo", reshard_root: bool = True) -> dict[str, dict[str, float]]:
-    """`costmodel.traffic` summed over ranks: step bytes x steps and sync bytes x syncs, per tier."""
+                    backend: str = "gloo", reshard_root: bool = True,
+                    wire_ratio: float = 1.0) -> dict[str, dict[str, float]]:
+    """`costmodel.traffic` summed over ranks: step bytes x steps and sync bytes x syncs, per tier.
+
+    `wire_ratio`: the sync all-reduce's bytes per parameter over the units' (0.5 for a bfloat16 sync of fp32 units).
+    """
     out = {p: dict.fromkeys(TIERS, 0.0) for p in PHASES}
-    for t in traffic(method, placement, units, A=A, backend=backend, reshard_root=reshard_root):
+    for t in traffic(method, placement, units, A=A, backend=backend, reshard_root=reshard_root,
+                     wire_ratio=wire_ratio):
         for tier in TIERS:
             out["step"][tier] += t.step[tier] * steps
             out["sync"][tier] += t.sync[tier] * syncs
@@ -323,12 +328,15 @@ class TierComparison:
 
 def compare(probes: list[dict[str, Any]], method: str, placement: Placement, units: Units, *, A: int,
             backend: str = "gloo", reshard_root: bool = True, ranks_per_node: int | None = None,
-            uplinks: list[str] | None = None) -> TierComparison:
-    """Measured (collectives, and wire when counters were taken) against predicted bytes per tier for one run."""
+            uplinks: list[str] | None = None, wire_ratio: float = 1.0) -> TierComparison:
+    """Measured (collectives, and wire when counters were taken) against predicted bytes per tier for one run.
+
+    `wire_ratio`: as in `predicted_tiers` (the run's `--sync-dtype` bytes over the units' bytes per parameter).
+    """
     steps = probes[0]["windows"]["step"]
     syncs = probes[0]["windows"]["sync"]
     predicted = predicted_tiers(method, placement, units, A=A, steps=steps, syncs=syncs, backend=backend,
-                                reshard_root=reshard_root)
+                                reshard_root=reshard_root, wire_ratio=wire_ratio)
     wire = None
     if ranks_per_node and any(p["netdev"] for p in probes):
         wire = wire_tiers(probes, ranks_per_node, uplinks or [])

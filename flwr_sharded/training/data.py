@@ -426,6 +426,9 @@ def partition_indices(n_blocks: int, *, fed_index: int, num_feds: int, dp_index:
 
     iid: one permutation of all blocks from (seed, epoch); the rank takes every `dp_world`-th entry from `dp_index`,
     so its samples depend only on (dp_index, dp_world, seed, epoch), whatever the method.
+    iid-groups: the same permutation; group f takes every `num_feds`-th entry from f and its ranks every
+    `dp_world // num_feds`-th of those. Disjoint even when groups have different sizes (the caller passes its own
+    group's size in `dp_world // num_feds`), as on the server path with a different S per facility.
     document: the blocks are cut into `num_feds` contiguous ranges at document starts (`doc_ids`); group f shuffles
     range f with (seed, epoch, f) and its ranks take every `dp_world // num_feds`-th entry.
     """
@@ -437,6 +440,9 @@ def partition_indices(n_blocks: int, *, fed_index: int, num_feds: int, dp_index:
                          f"({num_feds} groups of {group_world} in a world of {dp_world})")
     if partition == "iid":
         indices = torch.randperm(n_blocks, generator=_generator("iid", seed, epoch))[dp_index::dp_world]
+    elif partition == "iid-groups":
+        group = torch.randperm(n_blocks, generator=_generator("iid", seed, epoch))[fed_index::num_feds]
+        indices = group[dp_index - fed_index * group_world::group_world]
     elif partition == "document":
         if doc_ids is None or len(doc_ids) != n_blocks:
             raise ValueError(f"partition 'document' needs doc_ids for all {n_blocks} blocks")
@@ -446,7 +452,7 @@ def partition_indices(n_blocks: int, *, fed_index: int, num_feds: int, dp_index:
         order = torch.randperm(len(members), generator=_generator("document", seed, epoch, fed_index))
         indices = members[order][dp_index - fed_index * group_world::group_world]
     else:
-        raise ValueError(f"unknown partition {partition!r}; use iid or document")
+        raise ValueError(f"unknown partition {partition!r}; use iid, iid-groups or document")
     if len(indices) == 0:
         raise ValueError(f"rank {dp_index} of {dp_world} gets no training block ({n_blocks} blocks, partition "
                          f"{partition!r}); use more data, fewer ranks or a shorter --seq-len")

@@ -127,7 +127,7 @@ class Trainer:
         """A ShardSync of this rank's shards over the given federation (and replication) groups."""
         return ShardSync(self.model.named_parameters(), fed_group=fed_group, rep_group=rep_group,
                          bucket_bytes=int(self.cfg.parallel.bucket_mb * (1 << 20)),
-                         rule=outer_rule(self.cfg.parallel))
+                         rule=outer_rule(self.cfg.parallel), wire_dtype=getattr(torch, self.cfg.parallel.sync_dtype))
 
     def step(self) -> torch.Tensor:
         """One optimizer step (with gradient accumulation and clipping); returns the mean loss as a tensor."""
@@ -189,7 +189,7 @@ class Trainer:
                 "scheduler": self.scheduler.state_dict(), **(extra_meta or {})}
         rank_state = {"stream": self.stream.state(), "rng": torch.get_rng_state(),
                       "tokens_since_sync": self.tokens_since_sync}
-        if self.shard_sync is not None and self.shard_sync.rule.stateful:
+        if self.shard_sync is not None and self.shard_sync.keeps_global:
             rank_state["outer"] = self.shard_sync.outer_state_dict()  # sharded like the parameters
         if self.device.type == "cuda":
             rank_state["cuda_rng"] = torch.cuda.get_rng_state(self.device)

@@ -245,7 +245,7 @@ def test_an_unreachable_rendezvous_fails_within_its_timeout():
 @pytest.mark.timeout(240)
 def test_server_path_export_and_apply_check_every_piece_before_writing(procs, data_dir, tmp_path):
     """A group exports its own pieces per rank; a bad reply (missing piece, NaN, wrong shape) changes nothing, the
-    good one is adopted by every rank."""
+    good one is adopted by every rank, also when it comes cut into chunk files at other rows than the ranks'."""
     import numpy as np
 
     from flwr_sharded.flower import handoff
@@ -271,11 +271,21 @@ def test_server_path_export_and_apply_check_every_piece_before_writing(procs, da
     for reason, values in bad.items():
         handoff.write_file(target, values, {k: meta[k] for k in values})
         with pytest.raises(GroupError, match="nothing changed"):
-            c.call(P.APPLY, {"path": str(target)}, timeout=60)
+            c.call(P.APPLY, {"paths": [str(target)]}, timeout=60)
         assert c.call(P.STATUS)["checksums"] == before, reason
     shifted = {k: (v + 1.0 if v.dtype == np.float32 else v) for k, v in arrays.items()}
-    handoff.write_file(target, shifted, meta)
-    after = c.call(P.APPLY, {"path": str(target), "evaluate": True}, timeout=60)
+    halves: list[tuple[dict, dict]] = [({}, {}), ({}, {})]  # every piece of 2+ rows cut in two, across two files
+    for k, v in shifted.items():
+        cut = v.shape[0] // 2 if v.ndim and v.shape[0] > 1 else 0
+        if cut:
+            for (values, tags), start, part in ((halves[0], 0, v[:cut]), (halves[1], cut, v[cut:])):
+                values[handoff.row_key(k, start)], tags[handoff.row_key(k, start)] = part, meta[k]
+        else:
+            halves[0][0][k], halves[0][1][k] = v, meta[k]
+    chunk_files = [tmp_path / "c0.safetensors", tmp_path / "c1.safetensors"]
+    for path, (values, tags) in zip(chunk_files, halves):
+        handoff.write_file(path, values, tags)
+    after = c.call(P.APPLY, {"paths": [str(f) for f in chunk_files], "evaluate": True}, timeout=60)
     assert after["checksums"] != before and math.isfinite(after["eval_loss"])
     assert after["checksums"] == c.call(P.STATUS)["checksums"]
 

@@ -54,7 +54,7 @@ BAD_RUN_CONFIGS = [
     ("batch-size", {"batch-size": 0}, [">= 1"]),
     ("grad-accum", {"grad-accum": 0}, [">= 1"]),
     ("precision", {"precision": "fp16"}, ["auto, fp32, bf16"]),
-    ("partition", {"partition": "random"}, ["iid, document"]),
+    ("partition", {"partition": "random"}, ["iid, iid-groups, document"]),
     ("max-train-blocks", {"max-train-blocks": -1}, [">= 0", "0: all"]),
     ("eval-blocks", {"eval-blocks": -1}, [">= 0"]),
     ("optimizer", {"optimizer": "adam"}, ["adamw, sgd"]),
@@ -78,6 +78,14 @@ BAD_RUN_CONFIGS = [
     ("outer", {"aggregation": "server", "outer": "trimmed-mean"}, ["fedavg, fedavgm, nesterov, fedadam, fedyogi"]),
     ("checkpoint-every", {"checkpoint-every": 0}, [">= 1"]),
     ("resume", {"resume": True}, ["checkpoint-dir"]),
+    ("facility-shards", {"facility-shards": "b=1", "partition": "iid-groups"}, ["server"]),
+    ("facility-shards", {"aggregation": "server", "facility-shards": "b=1"}, ["iid-groups", "document"]),
+    ("facility-shards", {"aggregation": "server", "facility-shards": "b=0", "partition": "iid-groups"},
+     ["facility=S", "S >= 1"]),
+    ("facility-shards", {"aggregation": "server", "facility-shards": "b", "partition": "iid-groups"}, ["facility=S"]),
+    ("server-buffer-mb", {"aggregation": "server", "server-buffer-mb": 0.0}, ["> 0"]),
+    ("sync-dtype", {"sync-dtype": "float16"}, ["float32, bfloat16"]),
+    ("sync-dtype", {"sync-dtype": "bfloat16", "outer": "trimmed-mean"}, ["trimmed-mean"]),
 ]
 
 

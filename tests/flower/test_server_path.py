@@ -294,6 +294,26 @@ def test_server_memory_stays_near_one_fp32_model_whatever_F(F):
     assert figures["peak_x"] < 1.5 + 0.25, figures  # the accumulator + one rank's reply (half a model, S = 2)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("F", [2, 4])
+def test_server_strategy_peak_memory_is_under_one_and_a_half_fp32_models_whatever_F(F):
+    """ServerShardFedAvg over whole rounds (manifests, chunked pulls, fold, finalize, chunked applies) on the fake
+    grid: its own peak RSS over its pre-aggregation RSS stays below 1.5 fp32 models (128 MiB model, 8 MiB buffer)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.multiproc import REPO
+
+    out = subprocess.run([sys.executable, "-m", "tests.flower.server_strategy_memory", str(F), "128", "8"], cwd=REPO,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stderr[-2000:]
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    assert figures["accepted"] == [F, F] and figures["pull_chunks"] >= 32 * F, figures
+    assert max(figures["server_peak_x"]) < 1.5, figures
+
+
 def test_flower_records_round_trip_and_malformed_records_are_rejected(caplog):
     from flwr.app import ConfigRecord
 

@@ -37,14 +37,18 @@ def _compare(server: list[dict], reference: list[dict]) -> None:
 
 @pytest.mark.timeout(900)
 def test_server_path_equals_the_decentralised_sync(data_dir, tmp_path):
-    """Two groups of S = 2: the same losses, evaluation and shards after every round, with an outer optimizer."""
+    """Two groups of S = 2: the same losses, evaluation and shards after every round, with an outer optimizer.
+
+    The server's buffer (256 KiB) is far below the model (about 2 MiB), so the shards travel both ways in chunks
+    that cut the ranks' pieces at other rows."""
     reference = _ok(run_demo(tmp_path / "decentralized", data_dir, BASE), 2)
-    run = run_demo(tmp_path / "server", data_dir, {**BASE, "aggregation": "server"})
+    run = run_demo(tmp_path / "server", data_dir, {**BASE, "aggregation": "server", "server-buffer-mb": 0.25})
     server = _ok(run, 2)
     assert "ServerShardFedAvg" in run.output
     for r in server:
         assert (r["facilities"], r["facility_replies"], r["facility_rejected"]) == (2, 2, 0), r
         assert r["server_sync_s"] > 0
+        assert r["pull_chunks"] >= 2 * 8 and r["apply_chunks"] >= 8, r  # <= 128 KiB per group per step
     _compare(server, reference)
     assert server[-1]["eval_loss"] < server[0]["eval_loss"] + 0.5  # it trains (tiny run: no strict decrease)
 
@@ -60,3 +64,34 @@ def test_two_facilities_of_two_groups_equal_a_flat_federation_of_four(data_dir, 
     for r in hierarchical:
         assert (r["facilities"], r["facility_replies"], r["groups"]) == (2, 2, 4), r
     _compare(hierarchical, reference)
+
+
+@pytest.mark.timeout(900)
+def test_facilities_with_different_shard_counts_federate_through_the_server(data_dir, tmp_path):
+    """Facility a runs S = 2, facility b S = 1 (`facility-shards`): the server combines their rows, and each rank
+    assembles its own rows of the mean, so after every round both groups hold the same model (same held-out loss,
+    evaluated over the same blocks, and the same parameter sum), whose sum is the weighted mean of the sums the
+    facilities sent. The groups train on disjoint data (iid-groups)."""
+    config = {**BASE, "outer": "fedavg", "aggregation": "server", "facilities": "a,b", "facility-shards": "b=1",
+              "partition": "iid-groups", "evaluate-in-train": True, "server-buffer-mb": 0.25}
+    run = run_demo(tmp_path / "hetero", data_dir, config)
+    rounds = _ok(run, 2)
+    for r in rounds:
+        assert (r["facilities"], r["facility_replies"], r["facility_rejected"]) == (2, 2, 0), r
+        checksums = sorted(r["checksums"].values(), key=len)
+        assert [len(c) for c in checksums] == [1, 2], r  # one rank in b, two in a
+        losses = sorted(r["eval_losses"].values())
+        assert len(losses) == 2 and math.isclose(losses[0], losses[1], rel_tol=1e-5), r
+        assert math.isclose(sum(checksums[0]), sum(checksums[1]), rel_tol=1e-5), r  # the same parameters
+        # ... and their sum is the token-weighted mean of the sums the two facilities sent (linearity)
+        weights = r["facility_weights"]
+        expected = sum(w * sum(r["train_checksums"][n]) for n, w in weights.items()) / sum(weights.values())
+        assert len(weights) == 2 and math.isclose(sum(checksums[0]), expected, rel_tol=1e-6), (expected, r)
+
+
+def test_each_group_gets_the_shards_of_its_facility():
+    from flwr_sharded.flower.protocol import RunSpec
+
+    spec = RunSpec(aggregation="server", facilities="a,b", facility_shards="b=1", partition="iid-groups")
+    spec.validate()
+    assert [spec.for_group(0).shards, spec.for_group(1).shards, spec.for_group(0, "b").shards] == [2, 1, 1]

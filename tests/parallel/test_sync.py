@@ -35,6 +35,20 @@ def _perturb(model, seed: int) -> None:
             shard.add_(torch.randn(shard.shape, generator=gen))
 
 
+def central_mean(topo, before: list[torch.Tensor], weights: dict[int, float]
+                 ) -> tuple[list[torch.Tensor], list[tuple[int, list[torch.Tensor]]]]:
+    """The reference result of a sync (fp64): the weights-weighted mean of the pre-sync shards `before` of every
+    group's replica 0 holding this rank's shard index, gathered from all ranks (collective); and those
+    (federation index, shards)."""
+    import torch.distributed as dist
+
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (topo.fed_index, topo.replica_index, topo.shard_index, before))
+    sources = [(f, b) for f, r, s, b in everyone if r == 0 and s == topo.shard_index]
+    total = sum(weights[f] for f, _ in sources)
+    return [sum(weights[f] * b[i].double() for f, b in sources) / total for i in range(len(before))], sources
+
+
 def _make_sync(topo, model, bucket_bytes: int):
     from flwr_sharded.parallel.sync import ShardSync
 
@@ -43,20 +57,13 @@ def _make_sync(topo, model, bucket_bytes: int):
 
 
 def _weighted_average_worker(rank: int, world: int, method: str, F: int, R: int, S: int, bucket_bytes: int):
-    import torch.distributed as dist
-
     from flwr_sharded.parallel.sync import local_shard
     from flwr_sharded.parallel.traffic import TrafficMeter
 
     topo, model = _sharded_tiny_model(method, F, R, S)
     _perturb(model, seed=100 + rank)  # every rank differs, replicas included (the broadcast must overwrite them)
     before = [local_shard(p).clone() for p in model.parameters()]
-    # Central reference: gather the pre-sync shards of every group's replica 0 holding the same shard index.
-    everyone: list = [None] * world
-    dist.all_gather_object(everyone, (topo.fed_index, topo.replica_index, topo.shard_index, before))
-    sources = [(f, b) for f, r, s, b in everyone if r == 0 and s == topo.shard_index]
-    total = sum(WEIGHTS[f] for f, _ in sources)
-    expected = [sum(WEIGHTS[f] * b[i].double() for f, b in sources) / total for i in range(len(before))]
+    expected, _ = central_mean(topo, before, WEIGHTS)
 
     sync = _make_sync(topo, model, bucket_bytes)
     sync.check_alignment()  # once, before the first sync; excluded from the traffic of one sync

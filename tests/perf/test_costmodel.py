@@ -235,6 +235,28 @@ def test_fl_hsdp_only_replica_zero_crosses_groups():
             assert t.sync == {"intra_node": 0, "inter_node": 0, "inter_group": 0}
 
 
+def test_a_bf16_sync_halves_the_cross_group_all_reduce_but_not_the_broadcast():
+    # as above; a bfloat16 wire over fp32 shards (wire_ratio 0.5): the all-reduce over F halves, the broadcast stays
+    p = Placement(F=2, R=2, S=2, gpus_per_node=4, nodes_per_group=1)
+    units = Units(blocks=(1000.0, 1000.0))
+    for t in traffic("fl-hsdp", p, units, A=8, wire_ratio=0.5):
+        f, r, s = p.coords(t.rank)
+        assert t.step == {"intra_node": 4000, "inter_node": 0, "inter_group": 0}
+        expected = {"intra_node": 1000, "inter_node": 0, "inter_group": 500} if r == 0 else dict.fromkeys(t.sync, 0.0)
+        assert t.sync == expected
+    bw = dict(B_S=1e9, B_R=1e9, B_F=1e8)
+    full = comm_terms("fl-hsdp", units, S=2, R=2, F=2, A=8, **bw)
+    half = comm_terms("fl-hsdp", units, S=2, R=2, F=2, A=8, wire_ratio=0.5, **bw)
+    broadcast = sum(broadcast_time(u * 8 / 2, 2, 1e9) for u in units.all()) / 8
+    assert half.sync - broadcast == pytest.approx((full.sync - broadcast) / 2)
+    assert half.shard == full.shard and half.replicate == full.replicate
+    paper = comm_terms("fl-fsdp", units, S=2, F=2, A=8, sizes="paper", wire_ratio=0.5, B_S=1e9, B_F=1e8)
+    literal = comm_time("fl-fsdp", M=units.total * 8 / units.count, L=units.count, S=2, F=2, A=8, B_S=1e9, B_F=1e8)
+    assert paper.total == pytest.approx(literal - paper.sync)  # Eq. 4's term at half of M
+    with pytest.raises(ConfigError, match="wire_ratio"):
+        comm_terms("fl-fsdp", units, S=2, F=2, wire_ratio=0, **bw)
+
+
 def test_traffic_matches_exact_time():
     # One tier per dimension: seconds = bytes * 8 / bandwidth for every term.
     p = Placement(F=2, R=2, S=4, gpus_per_node=4, nodes_per_group=2)  # S in a node, R across nodes, F across groups

@@ -194,6 +194,20 @@ def test_shared_uplinks_divide_bandwidth():
     assert planner.evaluate(flat, shape, "hsdp", R=2, S=4).bandwidth["replica"] == 100e6
 
 
+def test_sync_dtype_sets_the_fl_sync_bits(llama8b):
+    leo = load_cluster(CLUSTERS / "leonardo.yaml")
+    kw = dict(F=128, R=1, S=4, A=8, bytes_per_param=2.0)
+    default = planner.evaluate(leo, llama8b, "fl-fsdp", **kw)
+    fp32 = planner.evaluate(leo, llama8b, "fl-fsdp", sync_bytes_per_param=4.0, **kw)
+    bf16 = planner.evaluate(leo, llama8b, "fl-fsdp", sync_bytes_per_param=2.0, **kw)
+    assert bf16.comm == default.comm  # the default: the sync at --bytes-per-param
+    assert fp32.comm.sync == pytest.approx(2 * bf16.comm.sync) and fp32.comm.shard == bf16.comm.shard
+    fsdp = planner.evaluate(leo, llama8b, "fsdp", S=512, sync_bytes_per_param=4.0)
+    assert fsdp.comm == planner.evaluate(leo, llama8b, "fsdp", S=512).comm  # no sync, nothing changes
+    ranked = plan(leo, llama8b, methods=("fl-fsdp",), aggregate_every_options=(8,), sync_bytes_per_param=4.0)
+    assert ranked[0].comm.sync > plan(leo, llama8b, methods=("fl-fsdp",), aggregate_every_options=(8,))[0].comm.sync
+
+
 def test_effective_batch(llama8b):
     leo = load_cluster(CLUSTERS / "leonardo.yaml")
     by_layout = {(c.method, c.F, c.R, c.S): c for c in plan(leo, llama8b, aggregate_every_options=(8,))}
@@ -241,6 +255,18 @@ def test_cli_json_and_params(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["recommended"]["method"] in ("fsdp", "hsdp") and data["candidates"]
     assert {c["A"] for c in data["candidates"]} <= {1, 8}
+
+
+def test_cli_sync_dtype(capsys):
+    def sync_s(*extra: str) -> float:
+        assert _cli("--cluster", str(CLUSTERS / "leonardo.yaml"), "--model", "llama3.1-8b", "--methods", "fl-fsdp",
+                    "--aggregate-every", "8", "--json", *extra) == 0
+        return json.loads(capsys.readouterr().out)["recommended"]["comm_terms_s"]["sync"]
+
+    assert sync_s("--sync-dtype", "float32") == pytest.approx(2 * sync_s("--sync-dtype", "bfloat16"))
+    assert sync_s() == pytest.approx(sync_s("--sync-dtype", "bfloat16"))  # --bytes-per-param 2 by default
+    with pytest.raises(SystemExit):
+        _cli("--cluster", str(CLUSTERS / "leonardo.yaml"), "--model", "tiny", "--sync-dtype", "float16")
 
 
 def test_cli_paper_layouts(capsys):

@@ -34,8 +34,8 @@ def _run(args: list[str]) -> None:
 
 
 @pytest.mark.timeout(480)
-@pytest.mark.parametrize("mode", [[], ["--async-checkpoint", "--outer", "nesterov"]],
-                         ids=["sync-write", "async-write+outer-state"])
+@pytest.mark.parametrize("mode", [[], ["--async-checkpoint", "--outer", "nesterov"], ["--sync-dtype", "bfloat16"]],
+                         ids=["sync-write", "async-write+outer-state", "bf16-sync-fedavg-global-state"])
 def test_resume_continues_the_same_run(data_dir, tmp_path, mode):
     ckpt = tmp_path / "ckpt"
     common = [*ARGS, *mode, "--data-dir", str(data_dir), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5"]
@@ -81,6 +81,14 @@ def test_resume_refuses_a_missing_or_incompatible_checkpoint(data_dir, tmp_path,
     (series.parent / LATEST).write_text(series.name)
     assert main([*ARGS, "--data-dir", str(data_dir), "--checkpoint-dir", str(tmp_path / "ckpt"), "--resume"]) == 2
     assert "parallel.method='fl-fsdp'" in capsys.readouterr().err
+    # a bfloat16 sync needs the global shards, which a float32 fedavg checkpoint does not hold
+    from flwr_sharded.train import build_parser, resolve_config
+
+    saved = config_to_dict(resolve_config(build_parser().parse_args([*ARGS, "--data-dir", str(data_dir)])))
+    (series / "meta.json").write_text(json.dumps({"step": 4, "config": saved}))
+    assert main([*ARGS, "--data-dir", str(data_dir), "--checkpoint-dir", str(tmp_path / "ckpt"), "--resume",
+                 "--sync-dtype", "bfloat16"]) == 2
+    assert "parallel.sync_dtype='float32'" in capsys.readouterr().err
 
 
 def _start_torchrun(nproc: int, args: list[str], log: Path, **env: str) -> subprocess.Popen:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from flwr_sharded.config import ConfigError, load_config, validate
+from flwr_sharded.config import ConfigError, TrainConfig, load_config, validate
 from flwr_sharded.train import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,6 +36,10 @@ BAD = [
     (4, ["--method", "fl-fsdp", "--federations", "4", "--outer", "fedadam", "--outer-momentum", "0.9"],
      ["--outer-momentum does not apply to --outer fedadam", "fedavgm, nesterov"]),
     (4, ["--shards", "4", "--method", "fsdp", "--checkpoint-every", "5"], ["--checkpoint-dir"]),
+    (4, ["--method", "fl-fsdp", "--federations", "4", "--sync-dtype", "float16"],
+     ["--sync-dtype must be one of", "float32, bfloat16", "'float16'"]),
+    (4, ["--method", "fl-fsdp", "--federations", "4", "--outer", "trimmed-mean", "--sync-dtype", "bfloat16"],
+     ["--sync-dtype bfloat16", "--outer trimmed-mean", "--sync-dtype float32"]),
 ]
 
 
@@ -87,3 +91,7 @@ def test_command_line_overrides_yaml(tmp_path):
     assert cfg.parallel.aggregate_every == 3 and cfg.parallel.sync is False and cfg.parallel.replicas == 2
     with pytest.raises(ConfigError):
         validate(cfg, 8)
+    cfg = resolve_config(build_parser().parse_args(["--method", "fl-fsdp", "--federations", "4", "--outer", "nesterov",
+                                                    "--sync-dtype", "bfloat16"]))
+    assert cfg.parallel.sync_dtype == "bfloat16" and TrainConfig().parallel.sync_dtype == "float32"
+    validate(cfg, 4)

@@ -83,6 +83,24 @@ def test_iid_reshuffles_per_epoch_and_seed() -> None:
     assert not torch.equal(part(0, 0), part(1, 0))
 
 
+def test_iid_groups_partition_is_disjoint_for_groups_of_different_sizes() -> None:
+    """Groups of 2, 1 and 3 ranks (each passes its own size): every block goes to exactly one rank, groups get
+    equal shares; plain iid would give some blocks to two groups."""
+    n, sizes = 97, [2, 1, 3]
+
+    def ranks(partition: str) -> list[list[int]]:
+        return [partition_indices(n, fed_index=f, num_feds=len(sizes), dp_index=f * g + i, dp_world=len(sizes) * g,
+                                  seed=4, epoch=1, partition=partition).tolist()
+                for f, g in enumerate(sizes) for i in range(g)]
+
+    blocks = [b for rank in ranks("iid-groups") for b in rank]
+    assert sorted(blocks) == list(range(n))
+    per_group = [sum(len(r) for r in ranks("iid-groups")[sum(sizes[:f]):sum(sizes[:f + 1])]) for f in range(3)]
+    assert max(per_group) - min(per_group) <= 1
+    plain = [b for rank in ranks("iid") for b in rank]
+    assert len(set(plain)) < len(plain)
+
+
 def test_document_partition_gives_contiguous_document_ranges() -> None:
     # 40 documents of 1-12 blocks; some ids are skipped (short documents that start no block).
     rng = random.Random(0)

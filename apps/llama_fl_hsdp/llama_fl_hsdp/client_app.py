@@ -36,6 +36,12 @@ def apply(msg: Message, context: Context) -> Message:
     return client.handle(msg, context, protocol.APPLY)
 
 
+@app.query("pull")
+def pull(msg: Message, context: Context) -> Message:
+    """Server path: rows of the shards this node's group exported in this round (the server pulls them in chunks)."""
+    return client.handle(msg, context, protocol.PULL)
+
+
 @app.query("finish")
 def finish(msg: Message, context: Context) -> Message:
     """End of the run: shut a launched group down (simulation), or let the group drop the run (deployment)."""

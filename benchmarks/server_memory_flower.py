@@ -1,0 +1,107 @@
+"""Peak memory of the ServerApp on the server path, in a real deployment on one machine.
+
+    PATH=.venv/bin:$PATH python benchmarks/server_memory_flower.py --groups 2 4 --model medium \
+        --server-buffer-mb 16 --out benchmarks/results/server_memory_flower.json
+
+For each F: a SuperLink (which runs the ServerApp in its own `flwr-serverapp` process), F group torchrun jobs
+(S = 1 by default) and F SuperNodes on loopback, then `flwr run apps/llama_fl_hsdp` with aggregation="server".
+Every round the ServerApp records its peak RSS during the round over its RSS before the first aggregation
+(`server_peak_mib`; `server_peak_x` in fp32 copies of the model), which this script collects. In a local
+simulation the same figure would also count the simulation engine (Ray's object store, the ClientApps' messages), so
+the deployment is what shows the server's own memory. Everything started is killed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.flower.procs import APP, Procs, base_env, free_port, round_records, run_config_args, start_groups, \
+    write_flwr_home  # noqa: E402
+
+
+def measure(F: int, args: argparse.Namespace, work: Path) -> list[dict]:
+    (work / f"F{F}").mkdir(parents=True)
+    procs = Procs(work / f"F{F}")
+    try:
+        port = free_port()
+        home = write_flwr_home(procs.workdir / "flwr_home", "bench", f"127.0.0.1:{port}", insecure=True)
+        env = base_env(FLWR_HOME=str(home))
+        procs.start("superlink", ["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port),
+                                  "--disable-runtime-dependency-installation",
+                                  "--database", str(procs.workdir / "state.db")], env=env)
+        groups = start_groups(procs, [(f"group{i}", {"shards": args.shards}) for i in range(F)])
+        for i, (_, address, key) in enumerate(groups):
+            procs.start(f"supernode{i}", [
+                "flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}", "--port", str(free_port()),
+                "--node-config", f'group-address="{address}" group-authkey-file="{key}" partition-id={i} '
+                                 f'num-partitions={F}'], env=env)
+        metrics = procs.workdir / "metrics.jsonl"
+        config = {"model": args.model, "shards": args.shards, "seq-len": args.seq_len, "batch-size": 1,
+                  "aggregate-every": 1, "syncs-per-round": 1, "num-server-rounds": args.rounds, "eval-blocks": 4,
+                  "evaluate-in-train": False, "aggregation": "server", "server-buffer-mb": args.server_buffer_mb,
+                  "num-groups": F, "data-dir": args.data_dir, "metrics-path": str(metrics)}
+        run = procs.start("flwr-run", ["flwr", "run", str(APP), "bench", "--stream", *run_config_args(config)],
+                          env=env)
+        try:
+            run.popen.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            sys.exit(f"F = {F}: the run did not finish within {args.timeout} s:\n{run.text()[-3000:]}")
+        rounds = round_records(metrics)
+        if run.popen.returncode != 0 or len(rounds) != args.rounds:
+            sys.exit(f"F = {F}: the run failed ({run.popen.returncode}, {len(rounds)} rounds):\n{run.text()[-3000:]}")
+        return rounds
+    finally:
+        procs.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--groups", type=int, nargs="+", default=[2, 4], help="values of F")
+    p.add_argument("--model", default="medium")
+    p.add_argument("--shards", type=int, default=1)
+    p.add_argument("--seq-len", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--server-buffer-mb", type=float, default=16.0)
+    p.add_argument("--data-dir", default=str(REPO / ".data"))
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--out", default="")
+    args = p.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for F in args.groups:
+            start = time.monotonic()
+            rounds = measure(F, args, Path(tmp))
+            peaks = [r["server_peak_x"] for r in rounds]
+            row = {"F": F, "server_peak_x_max": max(peaks), "server_peak_x_median": statistics.median(peaks),
+                   "server_peak_mib_max": max(r["server_peak_mib"] for r in rounds),
+                   "fp32_model_mib": rounds[0]["server_peak_mib"] / rounds[0]["server_peak_x"],
+                   "pull_chunks": rounds[-1]["pull_chunks"], "apply_chunks": rounds[-1]["apply_chunks"],
+                   "server_sync_s_median": statistics.median(r["server_sync_s"] for r in rounds),
+                   "rounds": [{k: r[k] for k in ("round", "server_peak_mib", "server_peak_x", "server_peak_pull_x",
+                                                 "server_peak_apply_x", "server_sync_s") if k in r}
+                              for r in rounds], "seconds": time.monotonic() - start}
+            results.append(row)
+            print(f"F = {F}: fp32 model {row['fp32_model_mib']:.1f} MiB; server peak over its pre-aggregation RSS: "
+                  f"max {row['server_peak_x_max']:.2f}x, median {row['server_peak_x_median']:.2f}x "
+                  f"(pull phase {rounds[-1].get('server_peak_pull_x', float('nan')):.2f}x, apply phase "
+                  f"{rounds[-1].get('server_peak_apply_x', float('nan')):.2f}x; "
+                  f"{row['pull_chunks']} chunks pulled, {row['apply_chunks']} sent per group; "
+                  f"{row['seconds']:.0f} s)", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "command": " ".join(
+            ["python", "benchmarks/server_memory_flower.py", *sys.argv[1:]]), "config": vars(args),
+            "results": results}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
