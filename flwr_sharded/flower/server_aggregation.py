@@ -211,8 +211,6 @@ class StreamingShardAggregator:
             raise RejectedReply("this source already replied in this round")
         if not (isinstance(reply.weight, (int, float)) and math.isfinite(reply.weight) and reply.weight > 0):
             raise RejectedReply(f"weight must be a finite number > 0, got {reply.weight!r}")
-        if not reply.pieces:
-            raise RejectedReply("no shard pieces")
         spec = check_layout(self.spec, [p.layout for p in reply.pieces], complete=self.complete)
         for piece in reply.pieces:
             if piece.data.is_floating_point() and not bool(torch.isfinite(piece.data).all()):

@@ -219,7 +219,7 @@ class ServerShardFedAvg(DecentralizedFedAvg):
             for name in (handoff.SHARDS, handoff.SHARD_META):
                 if name in reply.content:
                     del reply.content[name]
-            release_free_memory()
+            release_free_memory()  # the chunk's buffers, between the accumulator's pages
             stats["fold_s"] += time.perf_counter() - start
             return reply
 
@@ -231,7 +231,6 @@ class ServerShardFedAvg(DecentralizedFedAvg):
                 for node, chunks in plans.items() if node not in failed and c < len(chunks)]
             answered = {m.metadata.src_node_id for m in self.send_and_receive(grid, messages, d.round_timeout,
                                                                                on_reply=fold)}
-            release_free_memory()  # the chunks' buffers, between the accumulator's pages
             for message in messages:
                 node = message.metadata.dst_node_id
                 if node not in answered and node not in failed:

@@ -180,14 +180,6 @@ def own_pieces(named_params: Iterable[tuple[str, torch.Tensor]]) -> dict[str, in
     return out
 
 
-def dtype_of_tag(tag: str) -> torch.dtype:
-    """The dtype named by a piece's metadata tag `"dtype|global shape"`."""
-    name = str(tag).partition("|")[0]
-    if name not in _DTYPES:
-        raise ShardPieceError(f"unknown dtype tag {name!r}")
-    return _DTYPES[name]
-
-
 def encode_pieces(pieces: Iterable[ShardPiece]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """(arrays, meta): NumPy arrays keyed `name@offset` (bf16 as an int16 bit view) and `key -> "dtype|shape"`."""
     arrays, meta = {}, {}
