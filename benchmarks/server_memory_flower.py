@@ -1,12 +1,13 @@
 """Peak memory of the ServerApp on the server path, in a real deployment on one machine.
 
     PATH=.venv/bin:$PATH python benchmarks/server_memory_flower.py --groups 2 4 --model medium \
-        --server-buffer-mb 16 --out benchmarks/results/server_memory_flower.json
+        --out benchmarks/results/server_memory_flower.json
 
 For each F: a SuperLink (which runs the ServerApp in its own `flwr-serverapp` process), F group torchrun jobs
 (S = 1 by default) and F SuperNodes on loopback, then `flwr run apps/llama_fl_hsdp` with aggregation="server".
-Every round the ServerApp records its peak RSS during the round over its RSS before the first aggregation
-(`server_peak_mib`; `server_peak_x` in fp32 copies of the model), which this script collects. In a local
+Every round the ServerApp records its peak RSS during the round over its RSS before the first round, with the server
+path's code (torch) loaded (`server_peak_mib`; `server_peak_x` in fp32 copies of the model; the baseline itself is
+`server_base_mib`), which this script collects. In a local
 simulation the same figure would also count the simulation engine (Ray's object store, the ClientApps' messages), so
 the deployment is what shows the server's own memory. Everything started is killed at the end.
 """
@@ -40,11 +41,13 @@ def measure(F: int, args: argparse.Namespace, work: Path) -> list[dict]:
                                   "--disable-runtime-dependency-installation",
                                   "--database", str(procs.workdir / "state.db")], env=env)
         groups = start_groups(procs, [(f"group{i}", {"shards": args.shards}) for i in range(F)])
+        node_env = {**env, "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": str(args.task_poll_interval)} \
+            if args.task_poll_interval else env
         for i, (_, address, key) in enumerate(groups):
             procs.start(f"supernode{i}", [
                 "flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}", "--port", str(free_port()),
                 "--node-config", f'group-address="{address}" group-authkey-file="{key}" partition-id={i} '
-                                 f'num-partitions={F}'], env=env)
+                                 f'num-partitions={F}'], env=node_env)
         metrics = procs.workdir / "metrics.jsonl"
         config = {"model": args.model, "shards": args.shards, "seq-len": args.seq_len, "batch-size": 1,
                   "aggregate-every": 1, "syncs-per-round": 1, "num-server-rounds": args.rounds, "eval-blocks": 4,
@@ -71,7 +74,9 @@ def main() -> None:
     p.add_argument("--shards", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=16)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--server-buffer-mb", type=float, default=16.0)
+    p.add_argument("--server-buffer-mb", type=float, default=128.0, help="the run config's (default: its default)")
+    p.add_argument("--task-poll-interval", type=float, default=0.0,
+                   help="FLWR_SUPEREXEC_TASK_POLL_INTERVAL of the SuperNodes, in s (default: Flower's, 1 s)")
     p.add_argument("--data-dir", default=str(REPO / ".data"))
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--out", default="")
@@ -84,19 +89,18 @@ def main() -> None:
             peaks = [r["server_peak_x"] for r in rounds]
             row = {"F": F, "server_peak_x_max": max(peaks), "server_peak_x_median": statistics.median(peaks),
                    "server_peak_mib_max": max(r["server_peak_mib"] for r in rounds),
+                   "server_base_mib": rounds[0]["server_base_mib"],
                    "fp32_model_mib": rounds[0]["server_peak_mib"] / rounds[0]["server_peak_x"],
                    "pull_chunks": rounds[-1]["pull_chunks"], "apply_chunks": rounds[-1]["apply_chunks"],
                    "server_sync_s_median": statistics.median(r["server_sync_s"] for r in rounds),
-                   "rounds": [{k: r[k] for k in ("round", "server_peak_mib", "server_peak_x", "server_peak_pull_x",
-                                                 "server_peak_apply_x", "server_sync_s") if k in r}
+                   "rounds": [{k: r[k] for k in ("round", "server_peak_mib", "server_peak_x", "server_sync_s")}
                               for r in rounds], "seconds": time.monotonic() - start}
             results.append(row)
-            print(f"F = {F}: fp32 model {row['fp32_model_mib']:.1f} MiB; server peak over its pre-aggregation RSS: "
-                  f"max {row['server_peak_x_max']:.2f}x, median {row['server_peak_x_median']:.2f}x "
-                  f"(pull phase {rounds[-1].get('server_peak_pull_x', float('nan')):.2f}x, apply phase "
-                  f"{rounds[-1].get('server_peak_apply_x', float('nan')):.2f}x; "
-                  f"{row['pull_chunks']} chunks pulled, {row['apply_chunks']} sent per group; "
-                  f"{row['seconds']:.0f} s)", flush=True)
+            print(f"F = {F}: fp32 model {row['fp32_model_mib']:.1f} MiB; ServerApp RSS before round 1 "
+                  f"{row['server_base_mib']:.0f} MiB, peak over it: max {row['server_peak_x_max']:.2f}x, median "
+                  f"{row['server_peak_x_median']:.2f}x ({row['server_peak_mib_max']:.1f} MiB); "
+                  f"{row['pull_chunks']} chunks pulled, {row['apply_chunks']} sent per group; server sync "
+                  f"{row['server_sync_s_median']:.1f} s (median); {row['seconds']:.0f} s", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "command": " ".join(
             ["python", "benchmarks/server_memory_flower.py", *sys.argv[1:]]), "config": vars(args),

@@ -70,7 +70,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--data-dir", default=str(REPO / ".data"), help="prepared data (`flwr-sharded prepare-data`)")
     p.add_argument("--shards", type=int, default=2, help="S of every group")
-    p.add_argument("--server-buffer-mb", type=float, default=256.0)
+    p.add_argument("--server-buffer-mb", type=float, default=128.0, help="the run config's (default: its default)")
     p.add_argument("--paths", default="decentralized,server", help="which paths to run (comma-separated)")
     p.add_argument("--repeats", type=int, default=2, help="pairs of runs, order alternated")
     p.add_argument("--timeout", type=float, default=900)

@@ -329,7 +329,12 @@ def handle(message: Any, context: Any, verb: str) -> Any:
         if verb == P.FINISH:
             return Message(to_records(True, "", _finish(context, config, timeout)), reply_to=message)
         if verb == P.PULL:
-            return _pull(message, context, config)
+            applied = None
+            if handoff.SHARDS in message.content:  # a chunk of the mean to apply rides along with this pull
+                group_client, _ = find_group(context, config, launch=False)
+                applied = _apply(group_client, context, message.content, _group_args(context, config, P.APPLY),
+                                 timeout)
+            return _pull(message, context, config, applied)
         client, launched = find_group(context, config, launch=verb == P.HELLO)
         args = _group_args(context, config, verb)
         if verb == P.APPLY:
@@ -374,14 +379,15 @@ def _group_args(context: Any, config: Mapping[str, Any], verb: str) -> dict[str,
     if verb == P.APPLY:
         return {"evaluate": bool(config.get("evaluate", False)), "server_round": int(config.get("server-round", 0)),
                 "checkpoint": bool(config.get("checkpoint", False)), "chunk": int(config.get("chunk", 0)),
-                "chunks": int(config.get("chunks", 1))}
+                "chunks": int(config.get("chunks", 1)), "attempt": int(config.get("attempt", 0))}
     return {}
 
 
 def _train_reply_with_manifest(message: Any, context: Any, result: dict[str, Any], server_round: int) -> Any:
     """The train reply with the manifest of the group's exported pieces; the server then pulls them in chunks.
 
-    The files stay until the server's last pull of this round, or until the next export or apply replaces them.
+    The files stay until the group adopts the round's mean (the server may pull a chunk again if it starts over
+    without a failed facility), or until the next export replaces them.
     """
     from flwr.app import ConfigRecord, Message
 
@@ -401,8 +407,9 @@ def _train_reply_with_manifest(message: Any, context: Any, result: dict[str, Any
     return Message(content, reply_to=message)
 
 
-def _pull(message: Any, context: Any, config: Mapping[str, Any]) -> Any:
-    """Reply with the requested rows (`"key|start|stop"` each) of this round's exported pieces."""
+def _pull(message: Any, context: Any, config: Mapping[str, Any], applied: dict[str, Any] | None = None) -> Any:
+    """Reply with the requested rows (`"key|start|stop"` each) of this round's exported pieces (and with the
+    outcome of the apply chunk the message also carried, if any)."""
     from flwr.app import Message, RecordDict
 
     export = context.state.config_records.get(EXPORT_KEY)
@@ -417,8 +424,9 @@ def _pull(message: Any, context: Any, config: Mapping[str, Any]) -> Any:
     arrays, meta = handoff.read_rows([str(f) for f in export["files"]], requests)
     content = RecordDict(handoff.to_records(arrays, meta, server_round, float(export["weight"])))
     del arrays
-    if bool(config.get("last", False)):
-        _drop_export(context)
+    if applied is not None:
+        for name, record in to_records(True, "", applied).items():
+            content[name] = record
     return Message(content, reply_to=message)
 
 
@@ -431,20 +439,20 @@ def _drop_export(context: Any) -> None:
 
 
 def _apply(client: GroupClient, context: Any, content: Any, args: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """Write one chunk of the server's pieces to the round's apply directory; after the last chunk every rank of
-    the group assembles its own rows from the chunk files and adopts them."""
+    """Write one chunk of the server's pieces to the apply directory of this round's pass (`attempt`: the server
+    starts a pass over when it leaves a facility out); after the pass's last chunk every rank of the group
+    assembles its own rows from the chunk files and adopts them."""
     arrays, meta, info = handoff.from_records(content)
     server_round, chunk, chunks = args.pop("server_round"), args.pop("chunk"), args.pop("chunks")
+    attempt = args.pop("attempt")
     if int(info.get("round", -1)) != server_round:
         raise ValueError(f"the shards are for round {info.get('round')}, this message is for round {server_round}")
     if not 0 <= chunk < chunks:
         raise ValueError(f"chunk {chunk} of {chunks}")
-    _drop_export(context)  # the server pulled what it needed
     handoff_dir = str(client.call(P.STATUS, timeout=min(timeout, 30.0))["handoff_dir"])
-    directory = os.path.join(handoff_dir, f"apply-round{server_round}")
-    if chunk == 0:  # chunks of rounds whose apply did not finish
-        for stale in Path(handoff_dir).glob("apply-round*"):
-            shutil.rmtree(stale, ignore_errors=True)
+    directory = os.path.join(handoff_dir, f"apply-round{server_round}.{attempt}")
+    if chunk == 0:  # chunks of earlier passes, or of rounds whose apply did not finish
+        _remove_applies(handoff_dir, keep=directory)
     paths = [os.path.join(directory, f"c{c}.safetensors") for c in range(chunks)]
     handoff.write_file(paths[chunk], arrays, meta)
     del arrays
@@ -454,9 +462,18 @@ def _apply(client: GroupClient, context: Any, content: Any, args: dict[str, Any]
         missing = [p for p in paths if not os.path.isfile(p)]
         if missing:
             raise ValueError(f"{len(missing)} of the {chunks} chunks of round {server_round} did not arrive")
-        return client.call(P.APPLY, {**args, "server_round": server_round, "paths": paths}, timeout=timeout)
+        out = client.call(P.APPLY, {**args, "server_round": server_round, "paths": paths}, timeout=timeout)
+        _drop_export(context)  # the round's mean is adopted: nothing more will be pulled
+        return out
     finally:
-        shutil.rmtree(directory, ignore_errors=True)
+        _remove_applies(handoff_dir)
+
+
+def _remove_applies(handoff_dir: str, keep: str = "") -> None:
+    """Remove the apply directories under `handoff_dir` but `keep`."""
+    for directory in Path(handoff_dir).glob("apply-round*"):
+        if str(directory) != keep:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 def _remove_files(paths: list[str], directories: bool = True) -> None:

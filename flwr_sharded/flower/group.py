@@ -580,10 +580,12 @@ class GroupRuntime:
         state by broadcast; the step count travels on shard index 0; FL+HSDP replicas then copy replica 0.
         """
         rdv_s, error, step = 0.0, "", t.step_count
+        saved_outer = None
         if self.topo.replica_index == 0:
             try:
                 rdv_s = self._join(t, groups, members, me, host, ports, prefix, rdv_timeout, sync_timeout)
                 pg = groups[0].pg
+                saved_outer = copy.deepcopy(t.shard_sync.outer_state_dict())  # restored if the catch-up fails
                 t.shard_sync.broadcast(pg)
                 t.shard_sync.broadcast_outer_state(pg)
                 box = torch.tensor([t.step_count], dtype=torch.int64, device=t.device)
@@ -594,6 +596,8 @@ class GroupRuntime:
         errors = [e for e in self._gather(error) if e]
         if errors:
             self._restore_snapshot()
+            if saved_outer is not None:
+                t.shard_sync.load_outer_state_dict(saved_outer)
             return False, "; ".join(sorted(set(errors))), rdv_s
         if self.topo.rep_group is not None:
             t.shard_sync.broadcast(self.topo.rep_group)

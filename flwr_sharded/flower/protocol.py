@@ -230,10 +230,12 @@ class RunSpec:
     facility_shards: str = ""
     """Server path: S of the groups of some facilities, e.g. "b=1" (others use `shards`); their ranks then hold
     other rows, which the server combines row by row. Needs partition iid-groups or document."""
-    server_buffer_mb: float = 256.0
-    """Server path: the most shard data (MiB) the server asks for, or sends, in one step, split over the groups; the
-    model travels in as many chunks as it takes. Server memory stays near one fp32 model plus a few times this; each
-    step costs a message round trip (a few seconds in a deployment), so smaller means less memory but slower."""
+    server_buffer_mb: float = 128.0
+    """Server path: the largest chunk, in MiB of fp32 rows. The model travels in chunks of global rows (at most
+    this, and at most a sixteenth of the model or 8 MiB, whichever is larger), each pulled, averaged and sent back
+    before the next; server memory is a few chunks (Flower holds several copies of one while it moves it), whatever
+    the model size and F. Each chunk costs one message per group (a few seconds in a deployment): smaller means
+    less memory but slower."""
 
     # ----- conversions ----------------------------------------------------------------------------------------
     @classmethod

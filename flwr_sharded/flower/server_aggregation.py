@@ -17,6 +17,10 @@ differently (S = 1 and S = 2) combine row by row. `finalize()` divides (and runs
 element-wise, from the global model and the outer state it keeps); `result(name, offset, rows)` / `pieces_for()`
 then slice each rank's own rows back out.
 
+With a `window` (parameter -> global rows), the aggregator covers only those rows: its accumulators are that size and
+pieces outside are rejected. The server path folds the model one window (a chunk of `plan_ranges`) at a time, so
+the server never holds a whole model.
+
 Unit of rejection = unit of a reply. With `complete=True` (default) a reply must carry the whole model of one group
 (all of its ranks' pieces), so a group is taken or dropped as a whole; the cost is that one group's model is in the
 server's memory while its reply is validated (the Flower Message holds it anyway). With `complete=False` a reply may
@@ -30,7 +34,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
@@ -125,22 +129,22 @@ def check_layout(spec: dict[str, ParamSpec] | None, pieces: Sequence[PieceLayout
     return spec
 
 
-def plan_chunks(pieces: Sequence[PieceLayout], budget_bytes: int) -> list[list[tuple[str, int, int]]]:
-    """Cut pieces into chunks of at most `budget_bytes` (at least one row each): lists of `(key, start, stop)`
-    row ranges, in piece order; a piece larger than the budget is split by rows."""
+def _cut(items: Iterable[tuple[str, int, int]], budget_bytes: int) -> list[list[tuple[str, int, int]]]:
+    """Cut `(key, rows, row_bytes)` items, in order, into chunks of at most `budget_bytes` (at least one row each):
+    lists of `(key, start, stop)` row ranges; an item larger than the budget is split by rows."""
     budget = max(1, int(budget_bytes))
     chunks: list[list[tuple[str, int, int]]] = []
     current: list[tuple[str, int, int]] = []
     used = 0
-    for piece in pieces:
-        start, row_bytes = 0, max(1, piece.row_bytes)
-        while start < piece.rows:
-            take = min(piece.rows - start, max(1, (budget - used) // row_bytes))
+    for key, rows, row_bytes in items:
+        start, row_bytes = 0, max(1, row_bytes)
+        while start < rows:
+            take = min(rows - start, max(1, (budget - used) // row_bytes))
             if current and used + take * row_bytes > budget:
                 chunks.append(current)
                 current, used = [], 0
                 continue
-            current.append((piece.key, start, start + take))
+            current.append((key, start, start + take))
             used += take * row_bytes
             start += take
         if used >= budget:
@@ -149,6 +153,26 @@ def plan_chunks(pieces: Sequence[PieceLayout], budget_bytes: int) -> list[list[t
     if current:
         chunks.append(current)
     return chunks
+
+
+def plan_ranges(spec: dict[str, ParamSpec], budget_bytes: int) -> list[list[tuple[str, int, int]]]:
+    """Cut a model into chunks of global rows, `(name, start, stop)` each, of at most `budget_bytes` in fp32 (at
+    least one row): the windows in which the server path pulls, averages and sends back the model."""
+    return _cut(((name, p.rows, 4 * math.prod(p.shape[1:])) for name, p in spec.items()), budget_bytes)
+
+
+def requests_for(pieces: Sequence[PieceLayout], chunk: Sequence[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """The rows `(key, start, stop)` (local to each piece) of a group's pieces that hold a chunk's global rows."""
+    by_name: dict[str, list[PieceLayout]] = {}
+    for piece in pieces:
+        by_name.setdefault(piece.name, []).append(piece)
+    out = []
+    for name, start, stop in chunk:
+        for piece in sorted(by_name.get(name, []), key=lambda p: p.row_offset):
+            a, b = max(start, piece.row_offset), min(stop, piece.row_offset + piece.rows)
+            if a < b:
+                out.append((piece.key, a - piece.row_offset, b - piece.row_offset))
+    return out
 
 
 class StreamingShardAggregator:
@@ -163,11 +187,13 @@ class StreamingShardAggregator:
             with FedAvg it fills rows no valid reply covered (else those rows make `finalize` raise).
         state: name -> the rule's state (from a previous round's `state`), created by `rule.init_state` if missing.
         complete: a reply must cover every parameter exactly once (one reply = one group, rejected as a whole).
+        window: parameter -> its global rows `(start, stop)` this aggregator covers (needs `spec`,
+            `complete=False` and FedAvg); the other parameters and rows are outside it.
     """
 
     def __init__(self, rule: ShardRule | None = None, round: int = 0, *, spec: dict[str, ParamSpec] | None = None,
                  global_params: dict[str, torch.Tensor] | None = None, state: dict[str, State] | None = None,
-                 complete: bool = True) -> None:
+                 complete: bool = True, window: Mapping[str, tuple[int, int]] | None = None) -> None:
         self.rule = rule or FedAvg()
         if not self.rule.linear:
             raise ValueError(f"{type(self.rule).__name__} is not linear: the streaming server path needs a rule that "
@@ -176,6 +202,13 @@ class StreamingShardAggregator:
             raise ValueError(f"{type(self.rule).__name__} steps from the global model: pass global_params")
         if spec is None and not complete:
             raise ValueError("without a declared spec, replies must be complete (the first one defines the model)")
+        if window is not None:
+            if spec is None or complete or not isinstance(self.rule, FedAvg):
+                raise ValueError("a window needs a declared spec, complete=False and FedAvg (the weighted mean)")
+            for name, (start, stop) in window.items():
+                if name not in spec or not 0 <= start < stop <= spec[name].rows:
+                    raise ValueError(f"window rows [{start}, {stop}) of {name!r} are not rows of the model")
+        self.window = dict(window) if window is not None else None
         self.round = round
         self.spec = dict(spec) if spec is not None else None
         self.global_params = global_params
@@ -213,9 +246,27 @@ class StreamingShardAggregator:
             raise RejectedReply(f"weight must be a finite number > 0, got {reply.weight!r}")
         spec = check_layout(self.spec, [p.layout for p in reply.pieces], complete=self.complete)
         for piece in reply.pieces:
+            start, stop = self.window.get(piece.name, (0, 0)) if self.window is not None else (0, spec[piece.name].rows)
+            if not (start <= piece.row_offset and piece.row_offset + piece.rows <= stop):
+                raise RejectedReply(f"piece {piece.key}: rows outside this aggregator's window")
             if piece.data.is_floating_point() and not bool(torch.isfinite(piece.data).all()):
                 raise RejectedReply(f"piece {piece.key}: holds NaN or Inf")
         return spec
+
+    def _rows_of(self, name: str) -> tuple[int, int]:
+        """The global rows of a parameter that this aggregator covers ((0, 0) for one outside its window)."""
+        if self.window is not None:
+            return self.window.get(name, (0, 0))
+        return 0, self.spec[name].rows
+
+    def _zeros(self, name: str) -> torch.Tensor:
+        """A fresh accumulator (and row weights) for the covered rows of a parameter."""
+        want = self.spec[name]
+        start, stop = self._rows_of(name)
+        self._row_weight[name] = torch.zeros(stop - start, dtype=torch.float64)
+        shape = (stop - start, *want.shape[1:]) if want.shape else ()
+        acc = self._acc[name] = torch.zeros(shape, dtype=torch.float32)
+        return acc
 
     @torch.no_grad()
     def _accumulate(self, reply: ShardReply) -> None:
@@ -224,9 +275,9 @@ class StreamingShardAggregator:
             want = self.spec[piece.name]
             acc = self._acc.get(piece.name)
             if acc is None:
-                acc = self._acc[piece.name] = torch.zeros(want.shape, dtype=torch.float32)
-                self._row_weight[piece.name] = torch.zeros(want.rows, dtype=torch.float64)
-            rows = slice(piece.row_offset, piece.row_offset + piece.rows)
+                acc = self._zeros(piece.name)
+            first = self._rows_of(piece.name)[0]
+            rows = slice(piece.row_offset - first, piece.row_offset - first + piece.rows)
             target = acc[rows] if want.shape else acc
             target.add_(piece.data.reshape(target.shape), alpha=w)  # fp32 += w * (fp32 | bf16): no temporary
             self._row_weight[piece.name][rows] += w
@@ -240,20 +291,21 @@ class StreamingShardAggregator:
         if not self.report.accepted:
             raise RuntimeError(f"round {self.round}: no valid reply to aggregate "
                                f"(rejected: {self.report.rejected})")
-        for name, want in self.spec.items():
+        for name in (self.window if self.window is not None else self.spec):
             acc = self._acc.get(name)
             if acc is None:
-                acc = self._acc[name] = torch.zeros(want.shape, dtype=torch.float32)
-                self._row_weight[name] = torch.zeros(want.rows, dtype=torch.float64)
+                acc = self._zeros(name)
+            start, stop = self._rows_of(name)
             weight = self._row_weight[name]
             covered = weight > 0
-            view = acc.view(want.rows, -1)
+            view = acc.view(stop - start, -1)
             view.div_(torch.where(covered, weight, 1.0).to(torch.float32).unsqueeze(1))  # uncovered rows stay 0
             if not bool(covered.all()):
                 if self.global_params is None:
                     raise RuntimeError(f"round {self.round}: rows of {name!r} were sent by no accepted reply and "
                                        f"there is no global model to keep them from")
-                view[~covered] = self.global_params[name].float().reshape(want.rows, -1)[~covered]
+                kept = self.global_params[name].float().reshape(self.spec[name].rows, -1)[start:stop]
+                view[~covered] = kept[~covered]
             if not isinstance(self.rule, FedAvg):
                 global_t = self.global_params[name]
                 state = self.state.get(name)
@@ -265,14 +317,18 @@ class StreamingShardAggregator:
         return self.report
 
     def result(self, name: str, row_offset: int, rows: int | None = None) -> torch.Tensor:
-        """The new global rows `[row_offset, row_offset + rows)` of a parameter (fp32, a view)."""
+        """The new global rows `[row_offset, row_offset + rows)` of a parameter (fp32, a view; with a window,
+        rows inside it)."""
         if not self._finalized:
             raise RuntimeError("call finalize() first")
         acc = self._acc[name]
         if not acc.dim():
             return acc
-        end = acc.shape[0] if rows is None else row_offset + rows
-        return acc[row_offset:end]
+        start, stop = self._rows_of(name)
+        end = stop if rows is None else row_offset + rows
+        if not start <= row_offset <= end <= stop:
+            raise KeyError(f"rows [{row_offset}, {end}) of {name!r} are outside this aggregator's rows")
+        return acc[row_offset - start:end - start]
 
     def pieces_for(self, requested: Iterable[ShardPiece], dtype: torch.dtype | None = None) -> list[ShardPiece]:
         """The new values of exactly the pieces a rank sent (same keys and shapes), in `dtype` or the model's."""
@@ -284,7 +340,8 @@ class StreamingShardAggregator:
         return out
 
     def model(self) -> dict[str, torch.Tensor]:
-        """The new global parameters (fp32 accumulators, finalized), e.g. as the next round's `global_params`."""
+        """The new global parameters (fp32 accumulators, finalized; with a window, its rows), e.g. as the next
+        round's `global_params`."""
         if not self._finalized:
             raise RuntimeError("call finalize() first")
         return dict(self._acc)

@@ -7,20 +7,25 @@ partition id by the run config's `facilities`; by default every group is a facil
    the facility's groups (the decentralised sync, stopping at the weighted mean); the facility's first group then
    exports its shards (each replica-0 rank writes its own pieces to a hand-off file) and its train reply carries
    a manifest of them (`flwr_sharded.flower.handoff`), weighted by the facility's tokens of the round;
-2. pull: the server checks the manifests against the model, then pulls the pieces in chunks of rows, at most
-   `server-buffer-mb` per step for all facilities together, and folds each chunk into one fp32 accumulator as it
-   arrives (`StreamingShardAggregator`: a bad manifest or chunk is rejected with a log line, the rest kept);
-3. apply: every group receives the weighted mean in chunks (cut like one facility's pieces, at most
-   `server-buffer-mb` in flight); each of its ranks assembles its own rows, whatever its S, and steps the outer
-   optimizer on them (its state is sharded like the parameters and lives with the ranks, so the server keeps no
-   model state between rounds).
+2. stream: the server checks the manifests against the model, cuts the model into chunks of global rows (at most
+   `server-buffer-mb` in fp32, and a sixteenth of the model or 8 MiB, whichever is larger) and, chunk by chunk, pulls
+   each facility's rows of it, folds them into the chunk's fp32 sums as they arrive (`StreamingShardAggregator` over
+   that window: a bad chunk is rejected with a log line), and sends the chunk of the weighted mean to every group. A
+   facility whose manifest or chunk is refused is left out; if that happens mid-stream, the stream starts over
+   without it, so every row is the mean of the same facilities. Pulls run one chunk ahead, so SuperNodes do not idle
+   between chunks;
+3. apply: when a group has all chunks, each of its ranks assembles its own rows, whatever its S, and steps the
+   outer optimizer on them (its state is sharded like the parameters and lives with the ranks, so the server keeps
+   no model state between rounds).
 
-Memory at the server: one fp32 model plus the chunks in flight, whatever the number of facilities.
+Memory at the server: one chunk's sums, one pulled chunk and one chunk of the mean, whatever the model size and
+the number of facilities; nothing of the model stays between chunks.
 Without facilities (each group alone), this is the plain server path: the groups' syncs are over a group of one.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 import time
 from logging import ERROR, INFO, WARNING
@@ -33,7 +38,7 @@ from flwr.supercore import log
 
 from flwr_sharded.flower import handoff
 from flwr_sharded.flower import protocol as P
-from flwr_sharded.flower.strategy import DecentralizedFedAvg, _ppl, _reply_payload
+from flwr_sharded.flower.strategy import DecentralizedFedAvg, GroupInfo, _ppl, _reply_payload
 
 
 class ServerShardFedAvg(DecentralizedFedAvg):
@@ -42,8 +47,18 @@ class ServerShardFedAvg(DecentralizedFedAvg):
     Takes the arguments of `DecentralizedFedAvg`; the run spec's `aggregation` must be "server".
     """
 
+    MIN_CHUNKS = 16
+    """The model travels in at least this many chunks (but see `CHUNK_FLOOR_MB`), so the server holds a fraction
+    of it."""
+    CHUNK_FLOOR_MB = 8
+    """Chunks are not cut smaller than this unless `server-buffer-mb` asks: below it, every extra message costs more
+    time than the chunk's memory is worth."""
+    PULL_AHEAD = 1
+    """Chunks each facility has pull requests queued for beyond the one the server is averaging."""
+
     _rss_base: int | None = None
-    """The ServerApp's RSS before its first aggregation: the baseline of every round's `server_peak_mib`."""
+    """The ServerApp's RSS before its first round, with the server path's code (torch) loaded: the baseline of every
+    round's `server_peak_mib` (recorded as `server_base_mib`)."""
 
     def facility_of(self, partition_id: int, hello_info: dict[str, Any]) -> str:
         """The node config's `facility`, else the run config's `facilities[partition_id]`, else the group alone."""
@@ -51,12 +66,23 @@ class ServerShardFedAvg(DecentralizedFedAvg):
                 or f"partition-{partition_id}")
 
     def readmit(self, grid: Grid, server_round: int) -> list[int]:
-        """Dropped groups do not rejoin on the server path: a group alone in its facility has no member to catch
-        up from, and its stale model would enter the server's mean."""
-        if self.rejoin and self.dropped:
-            log(WARNING, "round %d: %d dropped group(s) stay out (rejoining is not supported on the server path)",
-                server_round, len(self.dropped))
-        return []
+        """A dropped group rejoins if its facility still has a member: the facility's round starts with a catch-up
+        from that member (shards, outer state, step). A group whose facility has no member left stays out: nothing
+        it could reach holds the model (its stale model would enter the server's mean)."""
+        live = {self.groups[n].facility for n in self.members}
+        alone = {n for n in self.dropped if self.groups[n].facility not in live}
+        if self.rejoin and alone:
+            log(WARNING, "round %d: dropped group(s) on node(s) %s stay out: no member of their facility is left to "
+                "catch up from", server_round, sorted(alone))
+        self.dropped -= alone
+        try:
+            return super().readmit(grid, server_round)
+        finally:
+            self.dropped |= alone
+
+    def catch_up_source(self, group: GroupInfo) -> int | None:
+        """The first member of the rejoining group's facility (the facility's catch-up source), if any."""
+        return next((n for n in self.members if self.groups[n].facility == group.facility), None)
 
     def facilities(self) -> dict[str, list[int]]:
         """Facility -> its current member nodes, in member order."""
@@ -82,18 +108,19 @@ class ServerShardFedAvg(DecentralizedFedAvg):
                     "rendezvous-ports": list(leader.rendezvous_ports),
                     "prefix": f"run{self.run_id}/round{server_round}/{facility}",
                     "rendezvous-timeout": d.rendezvous_timeout, "sync-timeout": d.sync_timeout, "evaluate": False,
-                    "server-round": server_round, "checkpoint": False, "timeout": max(1.0, d.round_timeout - 5.0)}
+                    "server-round": server_round, "checkpoint": False, "timeout": max(1.0, d.round_timeout - 5.0),
+                    "catch-up": self._catch_up and any(n in self._rejoined for n in nodes)}
             messages += [self._message(node, P.MSG_TRAIN, {**base, "member-index": i, "export": i == 0},
                                        str(server_round), d.round_timeout) for i, node in enumerate(nodes)]
         return messages
 
     def run_round(self, grid: Grid, server_round: int, result: Result, train_config: ConfigRecord | None,
                   evaluate_config: ConfigRecord | None) -> None:
-        from flwr_sharded.flower.server_aggregation import StreamingShardAggregator
         from flwr_sharded.perf.memory import PeakRSS, current_rss
 
+        importlib.import_module("flwr_sharded.flower.server_aggregation")  # torch and this code, before the baseline
         t0 = time.monotonic()
-        if self._rss_base is None:  # once, with torch imported: what the server path needs, rounds after rounds
+        if self._rss_base is None:  # once, with the code loaded: what the server path needs, rounds after rounds
             self._rss_base = current_rss()
         memory = PeakRSS(self._rss_base)
         messages = self.configure_train(server_round, ArrayRecord(), train_config or ConfigRecord(), grid)
@@ -105,37 +132,22 @@ class ServerShardFedAvg(DecentralizedFedAvg):
         record = self.history[-1]
         start = time.monotonic()
         accepted: list[int] = []
-        aggregator = None
         if manifests:
-            aggregator = StreamingShardAggregator(round=server_round, spec=spec, complete=False)
-            accepted = self._pull(grid, server_round, manifests, aggregator, rejected, record)
-            if accepted:
-                try:
-                    aggregator.finalize()
-                except RuntimeError as exc:  # rows that no accepted facility sent
-                    log(ERROR, "round %d: server path: %s", server_round, exc)
-                    accepted = []
+            accepted = self._stream(grid, server_round, manifests, spec, rejected, record)
         for source, reason in rejected.items():
             log(WARNING, "round %d: server path: rejected the shards of %s: %s", server_round, source, reason)
         record.update(facilities=len(self.facilities()), facility_replies=len(accepted),
                       facility_rejected=len(rejected), train_checksums=record["checksums"],
                       facility_weights={str(n): manifests[n][1] for n in accepted})
-        peaks = {"pull": memory.extra_bytes()}  # train, pull, fold and finalize
         if not accepted:
             log(ERROR, "round %d: no facility's shards reached the server; the groups keep their facility models "
                 "and the next round tries again", server_round)
-        else:
-            memory = PeakRSS(self._rss_base)
-            self._apply(grid, server_round, aggregator, manifests[accepted[0]][2], record)
-            peaks["apply"] = memory.extra_bytes()
-        aggregator = None
         record["server_sync_s"] = time.monotonic() - start
-        if spec and None not in peaks.values():
+        extra = memory.extra_bytes()  # the round: train, then pulls, means and applies
+        if spec and extra is not None:
             fp32_bytes = 4 * sum(math.prod(p.shape) for p in spec.values())
-            for phase, extra in peaks.items():
-                record[f"server_peak_{phase}_x"] = extra / fp32_bytes
-            record.update(server_peak_mib=max(peaks.values()) / 2**20,
-                          server_peak_x=max(peaks.values()) / fp32_bytes)
+            record.update(server_peak_mib=extra / 2**20, server_peak_x=extra / fp32_bytes,
+                          server_base_mib=self._rss_base / 2**20)
         self._round_wall = time.monotonic() - t0
         record.update(round_s=self._round_wall, overhead_s=max(0.0, self._round_wall - record["work_s"]))
         record["overhead_pct"] = 100.0 * record["overhead_s"] / self._round_wall if self._round_wall > 0 else 0.0
@@ -176,112 +188,165 @@ class ServerShardFedAvg(DecentralizedFedAvg):
             manifests[node] = (source, weight, layouts)
         return manifests, rejected, spec
 
-    def _pull(self, grid: Grid, server_round: int, manifests: dict[int, tuple[str, float, list[Any]]],
-              aggregator: Any, rejected: dict[str, str], record: dict[str, Any]) -> list[int]:
-        """Pull every manifest's pieces in chunks, from all sources at once and at most `server-buffer-mb` per
-        step, folding each chunk into `aggregator` as it arrives. Returns the nodes whose every chunk was accepted.
+    def _stream(self, grid: Grid, server_round: int, manifests: dict[int, tuple[str, float, list[Any]]],
+                spec: dict[str, Any], rejected: dict[str, str], record: dict[str, Any]) -> list[int]:
+        """Pull, average and send back the model one chunk of global rows at a time; returns the facilities whose
+        shards are in the mean ([] if none).
 
-        A source whose chunk is refused (or does not come) is pulled no further; the rows it sent before stay in
-        the mean (each row is the weighted mean of the valid values sent for it). Groups check their shards for
-        NaN/Inf before exporting, so a diverged group is refused whole, at its manifest.
+        A facility whose chunk is refused or does not come is left out, with its reason in `rejected`, and the
+        pass starts over without it: every row is then the mean of the same facilities, and no group adopts
+        anything before the last chunk of a pass has reached it.
         """
-        from flwr_sharded.flower.server_aggregation import add_content, plan_chunks
-        from flwr_sharded.perf.memory import release_free_memory
+        from flwr_sharded.flower.server_aggregation import plan_ranges
 
-        d = self.deadlines
-        budget = max(1, int(self.spec.server_buffer_mb * 2**20) // len(manifests))
-        plans = {node: plan_chunks(layouts, budget) for node, (_, _, layouts) in manifests.items()}
-        shapes = {node: {p.key: p.shape for p in layouts} for node, (_, _, layouts) in manifests.items()}
-        asked = {node: [{handoff.row_key(k, a): (b - a,) if shapes[node][k] else () for k, a, b in chunk}
-                        for chunk in chunks] for node, chunks in plans.items()}
-        failed: dict[int, str] = {}
-        stats = {"fold_s": 0.0, "pull_chunks": 0}
-
-        def fold(reply: Message) -> Message:
-            start = time.perf_counter()
-            node = reply.metadata.src_node_id
-            c = int(reply.metadata.group_id.rpartition("/")[2])
-            source, weight, _ = manifests[node]
-            label = f"chunk {c + 1}/{len(plans[node])}"
-            error = ""
-            if reply.has_error() or handoff.SHARDS not in reply.content:
-                error = _reply_payload(reply)[1] or "the reply carries no shards"
-            elif {k: tuple(v.shape[:1]) for k, v in reply.content[handoff.SHARDS].items()} != asked[node][c]:
-                error = "it holds other pieces or rows than those asked for"
-            elif float(reply.content[handoff.SHARD_INFO].get("weight", -1.0)) != weight:
-                error = f"its weight differs from the manifest's {weight}"
-            elif not add_content(aggregator, f"{source} {label}", reply.content):
-                error = aggregator.report.rejected[f"{source} {label}"]
-            if error:
-                failed[node] = f"{label}: {error}"
-            else:
-                stats["pull_chunks"] += 1
-            for name in (handoff.SHARDS, handoff.SHARD_META):
-                if name in reply.content:
-                    del reply.content[name]
-            release_free_memory()  # the chunk's buffers, between the accumulator's pages
-            stats["fold_s"] += time.perf_counter() - start
-            return reply
-
-        for c in range(max(len(chunks) for chunks in plans.values())):
-            messages = [self._message(node, P.MSG_PULL, {
-                "server-round": server_round, "pieces": [f"{k}|{a}|{b}" for k, a, b in chunks[c]],
-                "last": c == len(chunks) - 1, "timeout": max(1.0, d.round_timeout - 5.0)},
-                f"pull{server_round}/{c}", d.round_timeout)
-                for node, chunks in plans.items() if node not in failed and c < len(chunks)]
-            answered = {m.metadata.src_node_id for m in self.send_and_receive(grid, messages, d.round_timeout,
-                                                                               on_reply=fold)}
-            for message in messages:
-                node = message.metadata.dst_node_id
-                if node not in answered and node not in failed:
-                    failed[node] = f"chunk {c + 1}/{len(plans[node])}: no reply"
-        for node, reason in failed.items():
-            rejected[manifests[node][0]] = reason
+        fp32_bytes = 4 * sum(math.prod(p.shape) for p in spec.values())
+        chunk_bytes = min(int(self.spec.server_buffer_mb * 2**20),
+                          max(fp32_bytes // self.MIN_CHUNKS, self.CHUNK_FLOOR_MB * 2**20))
+        chunks = plan_ranges(spec, max(1, chunk_bytes))
+        participants = list(manifests)
+        stats = {"fold_s": 0.0, "pull_chunks": 0, "apply_chunks": len(chunks), "stream_restarts": 0}
+        while participants:
+            failed, replies = self._stream_pass(grid, server_round, stats["stream_restarts"], chunks, participants,
+                                                manifests, spec, stats)
+            if not failed:
+                self._adopted(server_round, replies, record)
+                break
+            for node, reason in failed.items():
+                rejected[manifests[node][0]] = reason
+            participants = [n for n in participants if n not in failed]
+            if participants:
+                stats["stream_restarts"] += 1
+                log(WARNING, "round %d: server path: %d facilit%s left out; pulling the model again from the %d "
+                    "other(s)", server_round, len(failed), "y" if len(failed) == 1 else "ies", len(participants))
         record.update(stats)
-        return [node for node in manifests if node not in failed]
+        return participants
 
-    def _apply(self, grid: Grid, server_round: int, aggregator: Any, layouts: list[Any],
-               record: dict[str, Any]) -> None:
-        """Send the mean to every member in chunks (cut like one accepted manifest, at most `server-buffer-mb` in
-        flight); each rank assembles its own rows, whatever its sharding. Members that fail are dropped."""
-        from flwr_sharded.flower.server_aggregation import plan_chunks
+    def _stream_pass(self, grid: Grid, server_round: int, attempt: int, chunks: list[list[tuple[str, int, int]]],
+                     participants: list[int], manifests: dict[int, tuple[str, float, list[Any]]],
+                     spec: dict[str, Any], stats: dict[str, Any]
+                     ) -> tuple[dict[int, str], dict[int, Message | None]]:
+        """One pass over the chunks with these facilities. Returns the facilities that failed (which ends the pass
+        at that chunk) and, for a pass that ended, each member's last apply reply (or its first failed one).
+
+        Pipelined: each facility has the pulls of the next `PULL_AHEAD` chunks queued while the server averages
+        one, and the apply replies are collected as they come, so SuperNodes do not idle between chunks. A
+        facility leader's apply of chunk c travels in the pull message of chunk c + PULL_AHEAD + 1 (an apply
+        failure then fails that pull), so each chunk costs one message per group. In this process at once: one
+        chunk's fp32 sums, one pulled chunk and the chunk of the mean being sent.
+        """
+        from flwr_sharded.flower.server_aggregation import StreamingShardAggregator, add_content, requests_for
         from flwr_sharded.parallel.shard_transport import ShardPiece, encode_pieces
         from flwr_sharded.perf.memory import release_free_memory
 
         d = self.deadlines
-        budget = max(1, int(self.spec.server_buffer_mb * 2**20) // max(1, len(self.members)))
-        by_key = {layout.key: layout for layout in layouts}
-        chunks = plan_chunks(layouts, budget)
-        replies: dict[int, Message | None] = {}
+        requests = {node: [requests_for(manifests[node][2], chunk) for chunk in chunks] for node in participants}
+        scalar = {node: {p.key for p in manifests[node][2] if not p.shape} for node in participants}
+        failed: dict[int, str] = {}
+        pulls: dict[int, dict[str, int]] = {}
+        applies: dict[str, int] = {}
+        last_ids: set[str] = set()
+        errors: dict[int, Message] = {}
+        final: dict[int, Message] = {}
+
+        def pull_config(node: int, c: int) -> dict[str, Any]:
+            return {"server-round": server_round, "pieces": [f"{k}|{a}|{b}" for k, a, b in requests[node][c]],
+                    "timeout": max(1.0, d.round_timeout - 5.0)}
+
+        def push_pulls(c: int) -> None:
+            messages = [self._message(node, P.MSG_PULL, pull_config(node, c), f"pull{server_round}.{attempt}/{c}",
+                                      d.round_timeout) for node in participants]
+            pulls[c] = self.push(grid, messages)
+
+        def take_applies(replies: list[Message]) -> None:
+            for reply in replies:
+                node = reply.metadata.src_node_id
+                if _reply_payload(reply)[1]:
+                    errors.setdefault(node, reply)
+                elif reply.metadata.reply_to_message_id in last_ids:
+                    final[node] = reply
+
+        for c in range(min(self.PULL_AHEAD + 1, len(chunks))):
+            push_pulls(c)
         for c, chunk in enumerate(chunks):
-            pieces = []
-            for key, a, b in chunk:
-                layout = by_key[key]
-                value = aggregator.result(layout.name, layout.row_offset + a, b - a)
-                shape = (b - a, *layout.shape[1:]) if layout.shape else layout.shape
-                pieces.append(ShardPiece(layout.name, layout.row_offset + a, layout.global_shape,
-                                         value.reshape(shape).to(layout.dtype)))
+            label = f"chunk {c + 1}/{len(chunks)}"
+            aggregator = StreamingShardAggregator(round=server_round, spec=spec, complete=False,
+                                                  window={name: (a, b) for name, a, b in chunk})
+            asked = {node: {handoff.row_key(k, a): () if k in scalar[node] else (b - a,)
+                            for k, a, b in requests[node][c]} for node in participants}
+
+            def fold(reply: Message) -> Message:
+                start = time.perf_counter()
+                node = reply.metadata.src_node_id
+                source, weight, _ = manifests[node]
+                error = ""
+                if reply.has_error() or handoff.SHARDS not in reply.content:
+                    error = _reply_payload(reply)[1] or "the reply carries no shards"
+                elif {k: tuple(v.shape[:1]) for k, v in reply.content[handoff.SHARDS].items()} != asked[node]:
+                    error = "it holds other pieces or rows than those asked for"
+                elif float(reply.content[handoff.SHARD_INFO].get("weight", -1.0)) != weight:
+                    error = f"its weight differs from the manifest's {weight}"
+                elif not add_content(aggregator, f"{source} {label}", reply.content):
+                    error = aggregator.report.rejected[f"{source} {label}"]
+                if error:
+                    failed[node] = f"{label}: {error}"
+                else:
+                    stats["pull_chunks"] += 1
+                for name in (handoff.SHARDS, handoff.SHARD_META):
+                    if name in reply.content:
+                        del reply.content[name]
+                release_free_memory()  # the chunk's buffers
+                stats["fold_s"] += time.perf_counter() - start
+                return reply
+
+            pending = pulls.pop(c)
+            for node in set(participants) - set(pending.values()):
+                failed.setdefault(node, f"{label}: the SuperLink did not take the pull")
+            self.await_replies(grid, pending, time.monotonic() + d.round_timeout, on_reply=fold)
+            for node in pending.values():
+                failed.setdefault(node, f"{label}: no reply")
+            if failed:
+                return failed, {}
+            aggregator.finalize()  # every participant sent every row of the chunk
+            pieces = [ShardPiece(name, a, spec[name].shape, aggregator.result(name, a, b - a).to(spec[name].dtype))
+                      for name, a, b in chunk]
             content = handoff.to_records(*encode_pieces(pieces), server_round, aggregator.report.total_weight)
-            del pieces
+            pieces = aggregator = None  # the chunk's sums
             last = c == len(chunks) - 1
+            config = {"server-round": server_round, "chunk": c, "chunks": len(chunks), "attempt": attempt,
+                      "evaluate": self.evaluate_in_train and last,
+                      "checkpoint": self.spec.checkpoint_due(server_round) and last,
+                      "timeout": max(1.0, d.round_timeout - 5.0)}
+            ahead = c + self.PULL_AHEAD + 1  # the chunk whose pulls go out now, with this chunk's applies
+            pulling = set(participants) if ahead < len(chunks) else set()
             messages = []
-            for node in self.members:
-                if node in replies:  # failed an earlier chunk
-                    continue
-                config = {"server-round": server_round, "chunk": c, "chunks": len(chunks),
-                          "evaluate": self.evaluate_in_train and last,
-                          "checkpoint": self.spec.checkpoint_due(server_round) and last,
-                          "timeout": max(1.0, d.round_timeout - 5.0)}
-                messages.append(Message(RecordDict({**content, P.CONFIG: ConfigRecord(config)}), node, P.MSG_APPLY,
-                                        ttl=d.round_timeout, group_id=f"apply{server_round}/{c}"))
+            for node in self.members:  # a facility leader's apply and pull travel in one message
+                applying = node not in errors
+                if node in pulling:
+                    records = {**content, P.CONFIG: ConfigRecord({**config, **pull_config(node, ahead)})} \
+                        if applying else {P.CONFIG: ConfigRecord(pull_config(node, ahead))}
+                    messages.append(Message(RecordDict(records), node, P.MSG_PULL, ttl=d.round_timeout,
+                                            group_id=f"pull{server_round}.{attempt}/{ahead}"))
+                elif applying:
+                    messages.append(Message(RecordDict({**content, P.CONFIG: ConfigRecord(config)}), node,
+                                            P.MSG_APPLY, ttl=d.round_timeout,
+                                            group_id=f"apply{server_round}.{attempt}/{c}"))
             del content
-            got = {m.metadata.src_node_id: m for m in self.send_and_receive(grid, messages, d.round_timeout)}
-            del messages
+            pushed = self.push(grid, messages)
+            if pulling:
+                pulls[ahead] = {mid: node for mid, node in pushed.items() if node in pulling}
+            for mid, node in pushed.items():
+                if node not in pulling:
+                    applies[mid] = node
+                    if last:
+                        last_ids.add(mid)
+            del messages, pushed
             release_free_memory()
-            for node in [n for n in self.members if n not in replies]:
-                if last or _reply_payload(got.get(node))[1]:
-                    replies[node] = got.get(node)
-        record["apply_chunks"] = len(chunks)
+            take_applies(self.await_replies(grid, applies, time.monotonic()))  # those already there
+        take_applies(self.await_replies(grid, applies, time.monotonic() + d.round_timeout))
+        return {}, {node: errors.get(node, final.get(node)) for node in self.members}
+
+    def _adopted(self, server_round: int, replies: dict[int, Message | None], record: dict[str, Any]) -> None:
+        """Record what the members reported after adopting the mean; drop those that could not."""
         checksums, evals, dropped = {}, {}, {}
         for node in list(self.members):
             metrics, error = _reply_payload(replies.get(node))

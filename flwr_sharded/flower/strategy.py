@@ -382,11 +382,16 @@ class DecentralizedFedAvg(Strategy):
         if not nodes:
             return []
         log(INFO, "round %d: hello to %d dropped group(s) to rejoin: %s", server_round, len(nodes), nodes)
-        fingerprint = self.groups[self.members[0]].fingerprint
         partitions = {n: self.groups[n].partition_id for n in nodes}
         candidates = self._hello_round(grid, partitions, len(self.sampled), rejoin=True)
         joined = []
         for node, g in candidates.items():
+            source = self.catch_up_source(g)
+            if source is None:
+                self.left_out[node] = "rejoin refused: no member to catch up from"
+                log(ERROR, "group on node %d: %s", node, self.left_out[node])
+                continue
+            fingerprint = self.groups[source].fingerprint
             if g.fingerprint != fingerprint:
                 self.left_out[node] = f"rejoin refused: fingerprint {g.fingerprint[:12]} != the members' {fingerprint[:12]}"
                 log(ERROR, "group on node %d: %s", node, self.left_out[node])
@@ -402,6 +407,10 @@ class DecentralizedFedAvg(Strategy):
                 joined)
         self._rejoined = joined
         return joined
+
+    def catch_up_source(self, group: GroupInfo) -> int | None:
+        """The member a rejoining group must match (fingerprint) and catches up from: member 0."""
+        return self.members[0] if self.members else None
 
     def _keep_majority(self, candidates: dict[int, GroupInfo], key: Callable[[GroupInfo], Any],
                        reason: Callable[[GroupInfo, Any], str]) -> Any:
@@ -449,10 +458,24 @@ class DecentralizedFedAvg(Strategy):
         """
         if not messages:
             return []
-        d = self.deadlines
-        deadline = time.monotonic() + timeout
+        pending = self.push(grid, messages)
+        replies = self.await_replies(grid, pending, time.monotonic() + timeout, on_reply)
+        if pending:
+            log(WARNING, "no reply from node(s) %s within %.0f s", sorted(set(pending.values())), timeout)
+        return replies
+
+    def push(self, grid: Grid, messages: list[Message]) -> dict[str, int]:
+        """Push `messages`; returns message id -> destination node of those the SuperLink took."""
         ids = list(grid.push_messages(messages))
-        pending = {mid: m.metadata.dst_node_id for mid, m in zip(ids, messages) if mid}
+        return {mid: m.metadata.dst_node_id for mid, m in zip(ids, messages) if mid}
+
+    def await_replies(self, grid: Grid, pending: dict[str, int], deadline: float,
+                      on_reply: Callable[[Message], Message] | None = None) -> list[Message]:
+        """Pull the replies to `pending` (message id -> node) until all arrived, `deadline` passed, or the awaited
+        nodes went offline; answered and given-up ids leave `pending`, which then holds those still unanswered.
+
+        `on_reply` as in `send_and_receive` (replies pulled one at a time)."""
+        d = self.deadlines
         replies: list[Message] = []
         next_check = time.monotonic() + d.node_check_interval
         while pending:
@@ -475,8 +498,6 @@ class DecentralizedFedAvg(Strategy):
                         log(WARNING, "node %d went offline; not waiting for its reply", node)
                         del pending[mid]
             time.sleep(min(d.poll_interval, max(0.0, deadline - now)))
-        if pending:
-            log(WARNING, "no reply from node(s) %s within %.0f s", sorted(set(pending.values())), timeout)
         return replies
 
     # ----- helpers ----------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.flower.procs import DEMO, FAST_RUN_CONFIG, REPO, Procs, base_env, pids_matching, round_records, \
-    run_config_args, strip_ansi
+    run_config_args, strip_ansi, wait_until
 
 
 @dataclass
@@ -53,6 +53,38 @@ def run_demo(tmp: Path, data_dir: Path, run_config: dict, timeout: float = 420, 
     match = re.search(r"Successfully started run (\d+)", text)
     return SimulationRun(proc.returncode, text, round_records(metrics), round_records(metrics, "summary"),
                          time.monotonic() - start, home, match.group(1) if match else "")
+
+
+def run_demo_killing_a_group(tmp: Path, data_dir: Path, run_config: dict, groups: int = 2,
+                             member: int = 1) -> tuple[int, str, list[dict], str]:
+    """The demo, with the processes of round 1's `member`-th group killed (`kill -9`) as soon as round 1 is
+    recorded; returns (exit code, output, round records, the killed group's node id)."""
+    import os
+    import signal
+
+    work = tmp / "run"
+    work.mkdir(parents=True)
+    metrics = work / "metrics.jsonl"
+    env = base_env(FLWR_HOME=str(work / "flwr_home"), FLWR_SHARDED_DATA=str(data_dir),
+                   FLWR_SHARDED_GROUPS=str(groups))
+    cmd = ["bash", str(DEMO), *run_config_args({**run_config, "metrics-path": str(metrics)})]
+    with open(work / "out.txt", "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                start_new_session=True)
+    try:
+        wait_until(lambda: round_records(metrics) or proc.poll() is not None, 300, 0.05, "round 1")
+        victim = round_records(metrics)[0]["members"][member]
+        pids = pids_matching("flwr_sharded.flower.group", f"node-{victim}")
+        assert pids, f"no group process found for member {member} (node {victim})"
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=400)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
+        _kill_leftovers(work / "flwr_home")
+    return proc.returncode, strip_ansi((work / "out.txt").read_text()), round_records(metrics), victim
 
 
 def _kill_leftovers(home: Path) -> None:

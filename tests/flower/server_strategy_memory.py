@@ -1,4 +1,4 @@
-"""Peak memory of `ServerShardFedAvg` over a round: pulls, fold, finalize and chunked applies, in a fresh process.
+"""Peak memory of `ServerShardFedAvg` over a round (the chunked stream of pulls, means and applies), in a fresh process.
 
 `python -m tests.flower.server_strategy_memory F MIB BUFFER_MIB`: F fake groups (S = 2, in this process, on the fake
 grid of `test_server_strategy`) hold a MIB-MiB fp32 model each (32 parameters); the strategy runs 2 rounds with
@@ -42,7 +42,6 @@ def measure(F: int, mib: int, buffer_mb: float) -> dict:
     strategy.start(_Grid({g.node: g for g in groups}))
     rounds = [r for r in strategy.history if r.get("kind") == "round"]
     return {"F": F, "model_mib": mib, "buffer_mib": buffer_mb, "server_peak_x": [r["server_peak_x"] for r in rounds],
-            "pull_x": [r["server_peak_pull_x"] for r in rounds], "apply_x": [r["server_peak_apply_x"] for r in rounds],
             "pull_chunks": rounds[-1]["pull_chunks"], "apply_chunks": rounds[-1]["apply_chunks"],
             "accepted": [r["facility_replies"] for r in rounds]}
 

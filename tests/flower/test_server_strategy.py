@@ -1,7 +1,8 @@
-"""ServerShardFedAvg against the in-process fake Grid: manifests, chunked pulls and applies, bad chunks.
+"""ServerShardFedAvg against the in-process fake Grid: manifests, the chunked stream of pulls and applies, bad chunks.
 
 Each fake group holds a model cut into its own pieces (S = 2 or S = 1); it announces them in its train reply, serves
-the rows the server pulls, and records the chunks of the mean it is sent. No processes, no torch in the groups.
+the rows the server pulls, and keeps the chunks of the mean it is sent (a pass's chunk 0 discards those of an
+earlier pass, as the ClientApp does). No processes, no torch in the groups.
 """
 
 from __future__ import annotations
@@ -44,11 +45,13 @@ class FakeGroup:
 
     def __init__(self, node: int, partition: int, values: dict[str, np.ndarray], tokens: int, shards: int,
                  corrupt: Callable[[int, dict[str, np.ndarray]], None] | None = None,
-                 manifest: Callable[[RecordDict], None] | None = None) -> None:
+                 manifest: Callable[[RecordDict], None] | None = None, fail_in_round: int = 0) -> None:
         self.node, self.partition, self.values, self.tokens, self.shards = node, partition, values, tokens, shards
         self.arrays, self.meta = cut(values, shards)
-        self.corrupt, self.edit_manifest = corrupt, manifest
+        self.corrupt, self.edit_manifest, self.fail_in_round = corrupt, manifest, fail_in_round
         self.pulls = 0
+        self.passes = 0
+        self.applies = 0
         self.received: list[tuple[dict[str, np.ndarray], dict[str, str]]] = []
 
     def __call__(self, m: Message) -> tuple[float, Any]:
@@ -56,8 +59,12 @@ class FakeGroup:
         if kind == P.MSG_HELLO:
             return 0.0, hello_ok(self.node, shards=self.shards, fingerprint=f"S{self.shards}",
                                  partition=self.partition)
+        if kind == P.MSG_TRAIN and cfg["server-round"] == self.fail_in_round:
+            return 0.0, reply(False, "lost the connection to the group")
         if kind == P.MSG_TRAIN:
             content = train_ok(tokens=self.tokens, checksums=[0.0] * self.shards, facility_tokens=self.tokens)
+            if not cfg["export"]:
+                return 0.0, content
             shapes = {k: v.shape for k, v in self.arrays.items()}
             for name, record in handoff.manifest_records(shapes, self.meta, cfg["server-round"],
                                                          self.tokens).items():
@@ -65,6 +72,8 @@ class FakeGroup:
             if self.edit_manifest:
                 self.edit_manifest(content)
             return 0.0, content
+        if kind == P.MSG_PULL and handoff.SHARDS in m.content:  # an apply chunk riding with the pull
+            self.apply(m, cfg)
         if kind == P.MSG_PULL:
             self.pulls += 1
             rows = {}
@@ -76,13 +85,20 @@ class FakeGroup:
             meta = {k: self.meta[f"{k.rpartition('@')[0]}@0"] for k in rows}
             return 0.0, RecordDict(handoff.to_records(rows, meta, cfg["server-round"], self.tokens))
         if kind == P.MSG_APPLY:
-            arrays, meta, _ = handoff.from_records(m.content)
-            self.received.append((arrays, meta))
+            self.apply(m, cfg)
             last = cfg["chunk"] == cfg["chunks"] - 1
             return 0.0, reply(checksums=[0.0] * self.shards) if last else reply(chunk=cfg["chunk"])
         if kind == P.MSG_FINISH:
             return 0.0, reply(stopped=1)
         return 0.0, reply()
+
+    def apply(self, m: Message, cfg: dict) -> None:
+        arrays, meta, _ = handoff.from_records(m.content)
+        if cfg["chunk"] == 0:
+            self.received.clear()
+            self.passes += 1
+        self.received.append((arrays, meta))
+        self.applies += 1
 
     def adopted(self) -> dict[str, np.ndarray]:
         """The mean this group was sent, whole: its own pieces assembled from every chunk."""
@@ -103,7 +119,7 @@ def run(groups: list[FakeGroup], buffer_mb: float) -> tuple[ServerShardFedAvg, F
     return strategy, grid
 
 
-BUFFER = 96 / 2**20  # 96 bytes: 48 per group per step, so rows of w (24 bytes) are cut across chunks
+BUFFER = 24 / 2**20  # chunks of at most 24 bytes: a row of w, or 6 of b
 
 
 def test_chunked_pulls_and_applies_give_every_group_the_weighted_mean_whatever_its_sharding():
@@ -111,8 +127,13 @@ def test_chunked_pulls_and_applies_give_every_group_the_weighted_mean_whatever_i
     strategy, grid = run([a, b], BUFFER)
     record = strategy.history[0]
     assert (record["facility_replies"], record["facility_rejected"], record["dropped"]) == (2, 0, 0), record
-    assert a.pulls > 4 and record["apply_chunks"] > 4  # the model moved in many chunks both ways
-    assert all(sum(v.nbytes for v in arrays.values()) <= 48 for arrays, _ in a.received)
+    chunks = record["apply_chunks"]
+    assert chunks > 4 and a.pulls == b.pulls == a.applies == b.applies == chunks  # many chunks, both ways
+    for g in (a, b):  # each leader's apply rides with a later pull: one message per chunk, plus the pipeline's ends
+        sent = [m for m in grid.pushed if m.metadata.dst_node_id == g.node
+                and m.metadata.message_type in (P.MSG_PULL, P.MSG_APPLY)]
+        assert len(sent) == chunks + ServerShardFedAvg.PULL_AHEAD + 1
+    assert all(sum(v.nbytes for v in arrays.values()) <= 24 for arrays, _ in a.received)
     for name in SHAPES:
         expected = (100 * a.values[name] + 300 * b.values[name]) / 400
         for g in (a, b):
@@ -135,7 +156,7 @@ def _wrong_rows(rows: dict[str, np.ndarray]) -> None:
 
 @pytest.mark.parametrize("corrupt, reason", [(_nan, "NaN"), (_drop_a_piece, "other pieces or rows"),
                                              (_wrong_rows, "other pieces or rows")])
-def test_a_bad_chunk_stops_the_pull_of_that_group_and_keeps_its_earlier_rows(corrupt, reason, caplog):
+def test_a_bad_chunk_leaves_that_facility_out_of_every_row(corrupt, reason, caplog):
     def in_third_pull(pull: int, rows: dict[str, np.ndarray]) -> None:
         if pull == 3:
             corrupt(rows)
@@ -143,17 +164,41 @@ def test_a_bad_chunk_stops_the_pull_of_that_group_and_keeps_its_earlier_rows(cor
     a, b = FakeGroup(1, 0, model(1), 100, shards=2), FakeGroup(2, 1, model(2), 300, shards=1, corrupt=in_third_pull)
     with caplog.at_level(logging.WARNING):
         strategy, grid = run([a, b], BUFFER)
-    assert b.pulls == 3  # nothing more was asked of it
+    assert b.pulls == 3 + ServerShardFedAvg.PULL_AHEAD  # the pulls queued before its bad chunk, then none
     record = strategy.history[0]
-    assert (record["facility_replies"], record["facility_rejected"]) == (1, 1), record
+    assert (record["facility_replies"], record["facility_rejected"], record["stream_restarts"]) == (1, 1, 1), record
     lines = [r.getMessage() for r in caplog.records if "rejected the shards of facility b" in r.getMessage()]
     assert len(lines) == 1 and "chunk 3/" in lines[0] and reason in lines[0], lines
-    # b's chunks 1 and 2 (rows 0-3 of w, 2 rows of 24 bytes each) are in the mean, weighted; the rest is a's alone
-    adopted = a.adopted()
-    mixed = (100 * a.values["w"] + 300 * b.values["w"]) / 400
-    np.testing.assert_allclose(adopted["w"][:4], mixed[:4], rtol=1e-6)
-    np.testing.assert_allclose(adopted["w"][4:], a.values["w"][4:], rtol=1e-6)
-    np.testing.assert_allclose(adopted["b"], a.values["b"], rtol=1e-6)
+    # the first pass had sent b's rows of chunks 1 and 2; the second pass replaces them: every row is a's alone
+    for g in (a, b):
+        assert g.passes == 2
+        for name in SHAPES:
+            np.testing.assert_allclose(g.adopted()[name], a.values[name], rtol=1e-6)
+
+
+def test_a_facility_that_stops_answering_is_left_out_and_the_others_adopt_their_mean():
+    c = FakeGroup(3, 2, model(3), 200, shards=2)
+    answered = FakeGroup.__call__
+
+    def silent_after_two_pulls(self: FakeGroup, m: Message) -> tuple[float, Any]:
+        if m.metadata.message_type == P.MSG_PULL and self.pulls >= 2:
+            self.pulls += 1
+            return 0.0, None  # no reply: the node is there but its ClientApp never answers
+        return answered(self, m)
+
+    a, b = FakeGroup(1, 0, model(1), 100, shards=2), FakeGroup(2, 1, model(2), 300, shards=1)
+    b.__class__ = type("Silent", (FakeGroup,), {"__call__": silent_after_two_pulls})
+    grid = FakeGrid({g.node: g for g in (a, b, c)})
+    strategy = ServerShardFedAvg(spec(rounds=1, syncs_per_round=1, aggregation="server", server_buffer_mb=BUFFER,
+                                      facilities="a,b,c", facility_shards="b=1",
+                                      partition="iid-groups"), fast(num_groups=3))
+    strategy.start(grid)
+    record = strategy.history[0]
+    assert (record["facility_replies"], record["facility_rejected"], record["stream_restarts"]) == (2, 1, 1), record
+    for g in (a, b, c):
+        for name in SHAPES:
+            np.testing.assert_allclose(g.adopted()[name], (100 * a.values[name] + 200 * c.values[name]) / 300,
+                                       rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("edit, reason", [
@@ -173,3 +218,35 @@ def test_a_bad_manifest_is_rejected_before_anything_is_pulled(edit, reason, capl
     for g in (a, b):  # the mean is a's model alone, sent to both
         for name in SHAPES:
             np.testing.assert_allclose(g.adopted()[name], a.values[name], rtol=1e-6)
+
+
+def _rounds_with_a_failure(facilities: str, caplog) -> tuple[ServerShardFedAvg, FakeGrid, list[dict]]:
+    groups = [FakeGroup(1, 0, model(1), 100, 2), FakeGroup(2, 1, model(2), 100, 2, fail_in_round=2),
+              FakeGroup(3, 2, model(3), 100, 2)]
+    grid = FakeGrid({g.node: g for g in groups})
+    strategy = ServerShardFedAvg(spec(rounds=4, syncs_per_round=1, aggregation="server", facilities=facilities),
+                                 fast(num_groups=3))
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        strategy.start(grid)
+    return strategy, grid, [h for h in strategy.history if h["kind"] == "round"]
+
+
+def test_a_dropped_group_rejoins_its_facility_with_a_catch_up(caplog):
+    """Facilities a = {1, 2}, b = {3}; node 2 fails in round 2, rejoins in round 3 behind node 1, and only
+    facility a's round 3 starts with a catch-up (from node 1, its first member)."""
+    strategy, grid, rounds = _rounds_with_a_failure("a,a,b", caplog)
+    assert [r["dropped"] for r in rounds] == [0, 1, 0, 0]
+    assert [r["rejoined"] for r in rounds] == [[], [], ["2"], []]
+    assert [r["facility_replies"] for r in rounds] == [2, 2, 2, 2]
+    trains = {(config(m)["server-round"], m.metadata.dst_node_id): config(m) for m in grid.sent(P.MSG_TRAIN)}
+    assert trains[(3, 1)]["catch-up"] and trains[(3, 2)]["catch-up"] and not trains[(3, 3)]["catch-up"]
+    assert trains[(3, 2)]["members"] == ["1", "2"] and trains[(3, 2)]["member-index"] == 1
+    assert not any(c["catch-up"] for (r, _), c in trains.items() if r != 3)
+
+
+def test_a_dropped_group_alone_in_its_facility_stays_out(caplog):
+    strategy, grid, rounds = _rounds_with_a_failure("a,b,c", caplog)
+    assert [r["groups"] for r in rounds] == [3, 2, 2, 2]
+    assert not any(r["rejoined"] for r in rounds)
+    assert len([m for m in grid.sent(P.MSG_HELLO) if m.metadata.dst_node_id == 2]) == 1  # no second hello
+    assert "stay out: no member of their facility is left to catch up from" in caplog.text

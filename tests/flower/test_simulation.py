@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.flower.conftest import run_demo
+from tests.flower.conftest import run_demo, run_demo_killing_a_group
 from tests.flower.procs import DEMO, FAST_RUN_CONFIG, REPO, base_env, pids_matching, round_records, run_config_args, \
     wait_until
 from tests.multiproc import torchrun
@@ -123,34 +123,10 @@ def test_a_killed_group_is_dropped_relaunched_and_rejoins_with_a_catch_up(data_d
     """Kill -9 one group's processes after round 1: its round fails and it is dropped (the survivor rolls back if
     the sync was under way); at the next round the ServerApp offers it to rejoin, the ClientApp launches a new group,
     and the round starts with a catch-up, after which both groups hold identical shards again."""
-    import os
-    import signal
-
     config = {**FAST_RUN_CONFIG, "num-server-rounds": 4, "syncs-per-round": 1, "aggregate-every": 3,
               "rendezvous-timeout": 10.0, "sync-timeout": 20.0}  # the survivor's wait for the dead member
-    work = tmp_path / "run"
-    work.mkdir()
-    metrics = work / "metrics.jsonl"
-    env = base_env(FLWR_HOME=str(work / "flwr_home"), FLWR_SHARDED_DATA=str(data_dir))
-    cmd = ["bash", str(DEMO), *run_config_args({**config, "metrics-path": str(metrics)})]
-    with open(work / "out.txt", "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                                start_new_session=True)
-    try:
-        wait_until(lambda: round_records(metrics) or proc.poll() is not None, 300, 0.05, "round 1")
-        victim = round_records(metrics)[0]["members"][1]
-        pids = pids_matching("flwr_sharded.flower.group", f"node-{victim}")
-        assert pids, "no group process found for the second member"
-        for pid in pids:
-            os.kill(pid, signal.SIGKILL)
-        proc.wait(timeout=400)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=60)
-    output = (work / "out.txt").read_text()
-    assert proc.returncode == 0, output[-4000:]
-    rounds = round_records(metrics)
+    returncode, output, rounds, victim = run_demo_killing_a_group(tmp_path, data_dir, config)
+    assert returncode == 0, output[-4000:]
     assert len(rounds) == 4, output[-4000:]
     dropped = [r for r in rounds if r["dropped"]]
     rejoined = [r for r in rounds if r["rejoined"]]
