@@ -129,22 +129,23 @@ def check_layout(spec: dict[str, ParamSpec] | None, pieces: Sequence[PieceLayout
     return spec
 
 
-def _cut(items: Iterable[tuple[str, int, int]], budget_bytes: int) -> list[list[tuple[str, int, int]]]:
-    """Cut `(key, rows, row_bytes)` items, in order, into chunks of at most `budget_bytes` (at least one row each):
-    lists of `(key, start, stop)` row ranges; an item larger than the budget is split by rows."""
+def plan_ranges(spec: dict[str, ParamSpec], budget_bytes: int) -> list[list[tuple[str, int, int]]]:
+    """Cut a model into chunks of global rows, `(name, start, stop)` each, of at most `budget_bytes` in fp32 (at
+    least one row; a parameter larger than the budget is split by rows): the windows in which the server path
+    pulls, averages and sends back the model."""
     budget = max(1, int(budget_bytes))
     chunks: list[list[tuple[str, int, int]]] = []
     current: list[tuple[str, int, int]] = []
     used = 0
-    for key, rows, row_bytes in items:
-        start, row_bytes = 0, max(1, row_bytes)
-        while start < rows:
-            take = min(rows - start, max(1, (budget - used) // row_bytes))
+    for name, param in spec.items():
+        start, row_bytes = 0, max(1, 4 * math.prod(param.shape[1:]))
+        while start < param.rows:
+            take = min(param.rows - start, max(1, (budget - used) // row_bytes))
             if current and used + take * row_bytes > budget:
                 chunks.append(current)
                 current, used = [], 0
                 continue
-            current.append((key, start, start + take))
+            current.append((name, start, start + take))
             used += take * row_bytes
             start += take
         if used >= budget:
@@ -153,12 +154,6 @@ def _cut(items: Iterable[tuple[str, int, int]], budget_bytes: int) -> list[list[
     if current:
         chunks.append(current)
     return chunks
-
-
-def plan_ranges(spec: dict[str, ParamSpec], budget_bytes: int) -> list[list[tuple[str, int, int]]]:
-    """Cut a model into chunks of global rows, `(name, start, stop)` each, of at most `budget_bytes` in fp32 (at
-    least one row): the windows in which the server path pulls, averages and sends back the model."""
-    return _cut(((name, p.rows, 4 * math.prod(p.shape[1:])) for name, p in spec.items()), budget_bytes)
 
 
 def requests_for(pieces: Sequence[PieceLayout], chunk: Sequence[tuple[str, int, int]]) -> list[tuple[str, int, int]]:

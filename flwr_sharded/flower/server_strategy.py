@@ -28,6 +28,7 @@ from __future__ import annotations
 import importlib
 import math
 import time
+from collections import Counter
 from logging import ERROR, INFO, WARNING
 from typing import Any
 
@@ -160,13 +161,16 @@ class ServerShardFedAvg(DecentralizedFedAvg):
     def _manifests(self, server_round: int, replies: list[Message]
                    ) -> tuple[dict[int, tuple[str, float, list[Any]]], dict[str, str], dict[str, Any] | None]:
         """The facility leaders' manifests that fit the model (node -> (source, weight, piece layouts)), the
-        rejected ones (source -> reason), and the model's spec (global shapes and dtypes)."""
+        rejected ones (source -> reason), and the model's spec (global shapes and dtypes).
+
+        The model is the one most manifests describe (the first of equals on a tie), so one bad manifest cannot
+        make the others look wrong; each manifest must cover it exactly once."""
         from flwr_sharded.flower.server_aggregation import RejectedReply, check_layout
         from flwr_sharded.parallel.shard_transport import ShardPieceError, decode_layouts
 
         manifests: dict[int, tuple[str, float, list[Any]]] = {}
         rejected: dict[str, str] = {}
-        spec = None
+        specs: dict[int, dict[str, Any]] = {}
         for reply in replies:
             if reply.has_error() or handoff.SHARD_SHAPES not in reply.content:
                 continue
@@ -181,11 +185,21 @@ class ServerShardFedAvg(DecentralizedFedAvg):
                 if not (math.isfinite(weight) and weight > 0):
                     raise RejectedReply(f"weight must be a finite number > 0, got {weight!r}")
                 layouts = decode_layouts(shapes, meta)
-                spec = check_layout(spec, layouts, complete=True)
+                specs[node] = check_layout(None, layouts, complete=False)
             except (RejectedReply, ShardPieceError, ValueError) as exc:
                 rejected[source] = f"manifest: {exc}"
                 continue
             manifests[node] = (source, weight, layouts)
+        if not specs:
+            return manifests, rejected, None
+        common, _ = Counter(frozenset(s.items()) for s in specs.values()).most_common(1)[0]
+        spec = next(s for s in specs.values() if frozenset(s.items()) == common)
+        for node, (source, _, layouts) in list(manifests.items()):
+            try:
+                check_layout(spec, layouts, complete=True)
+            except RejectedReply as exc:
+                rejected[source] = f"manifest: {exc} (the model most facilities announced)"
+                del manifests[node]
         return manifests, rejected, spec
 
     def _stream(self, grid: Grid, server_round: int, manifests: dict[int, tuple[str, float, list[Any]]],

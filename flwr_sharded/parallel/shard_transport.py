@@ -75,14 +75,6 @@ class PieceLayout:
     def rows(self) -> int:
         return int(self.shape[0]) if self.shape else 1
 
-    @property
-    def row_bytes(self) -> int:
-        """Bytes of one row on the wire."""
-        n = 1
-        for d in self.shape[1:]:
-            n *= int(d)
-        return n * torch.empty((), dtype=self.dtype).element_size()
-
 
 def piece_key(name: str, row_offset: int) -> str:
     return f"{name}@{row_offset}"

@@ -39,7 +39,7 @@ def _compare(server: list[dict], reference: list[dict]) -> None:
 def test_server_path_equals_the_decentralised_sync(data_dir, tmp_path):
     """Two groups of S = 2: the same losses, evaluation and shards after every round, with an outer optimizer.
 
-    The chunks (`server-buffer-mb` 0.25: 256 KiB) are far below the model (about 2 MiB), so the shards travel
+    The chunks (`server-buffer-mb` 0.25: 256 KiB) are well below the model (about 1.1 MiB), so the shards travel
     both ways in chunks that cut the ranks' pieces at other rows."""
     reference = _ok(run_demo(tmp_path / "decentralized", data_dir, BASE), 2)
     run = run_demo(tmp_path / "server", data_dir, {**BASE, "aggregation": "server", "server-buffer-mb": 0.25})
@@ -48,7 +48,7 @@ def test_server_path_equals_the_decentralised_sync(data_dir, tmp_path):
     for r in server:
         assert (r["facilities"], r["facility_replies"], r["facility_rejected"]) == (2, 2, 0), r
         assert r["server_sync_s"] > 0
-        assert r["apply_chunks"] >= 8 and r["pull_chunks"] == 2 * r["apply_chunks"], r  # chunks <= 256 KiB fp32
+        assert r["apply_chunks"] >= 4 and r["pull_chunks"] == 2 * r["apply_chunks"], r  # chunks <= 256 KiB fp32
     _compare(server, reference)
     assert server[-1]["eval_loss"] < server[0]["eval_loss"] + 0.5  # it trains (tiny run: no strict decrease)
 

@@ -250,3 +250,26 @@ def test_a_dropped_group_alone_in_its_facility_stays_out(caplog):
     assert not any(r["rejoined"] for r in rounds)
     assert len([m for m in grid.sent(P.MSG_HELLO) if m.metadata.dst_node_id == 2]) == 1  # no second hello
     assert "stay out: no member of their facility is left to catch up from" in caplog.text
+
+
+def test_the_model_is_the_one_most_facilities_announce_so_a_bad_first_manifest_is_rejected(caplog):
+    """Three facilities; the first announces a wrong global shape: it is rejected, and the other two, which agree,
+    are averaged (with the first as the model, both would have been rejected)."""
+    def wrong_shape(content: RecordDict) -> None:
+        content[handoff.SHARD_META]["w@0"] = "float32|11,6"
+        content[handoff.SHARD_SHAPES]["w@0"] = "11,6"
+
+    a = FakeGroup(1, 0, model(1), 100, shards=1, manifest=wrong_shape)
+    b, c = FakeGroup(2, 1, model(2), 100, shards=1), FakeGroup(3, 2, model(3), 300, shards=1)
+    grid = FakeGrid({g.node: g for g in (a, b, c)})
+    strategy = ServerShardFedAvg(spec(rounds=1, syncs_per_round=1, aggregation="server", shards=1,
+                                      server_buffer_mb=BUFFER), fast(num_groups=3))
+    with caplog.at_level(logging.WARNING):
+        strategy.start(grid)
+    record = strategy.history[0]
+    assert (record["facility_replies"], record["facility_rejected"]) == (2, 1), record
+    assert a.pulls == 0 and "global shape (11, 6)" in caplog.text
+    for g in (a, b, c):
+        for name in SHAPES:
+            np.testing.assert_allclose(g.adopted()[name], (100 * b.values[name] + 300 * c.values[name]) / 400,
+                                       rtol=1e-6, atol=1e-7)
