@@ -75,15 +75,6 @@ def _each_piece(paths: Iterable[str | Path]) -> Iterator[tuple[Any, str, str]]:
                 yield fh, key, file_meta.get(key, "")
 
 
-def read_files(paths: Iterable[str | Path]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """All pieces of the given files: (arrays, meta). Raises ValueError if two files name the same key."""
-    arrays: dict[str, np.ndarray] = {}
-    meta: dict[str, str] = {}
-    for fh, key, tag in _each_piece(paths):
-        arrays[key], meta[key] = fh.get_tensor(key), tag
-    return arrays, meta
-
-
 def manifest(paths: Iterable[str | Path]) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
     """(key -> local shape, key -> "dtype|global shape") of the pieces in the given files, reading no values."""
     shapes: dict[str, tuple[int, ...]] = {}
@@ -238,6 +229,6 @@ def from_manifest_records(content: Any) -> tuple[dict[str, tuple[int, ...]], dic
     return shapes, meta, info
 
 
-__all__ = ["SHARDS", "SHARD_META", "SHARD_INFO", "SHARD_SHAPES", "write_file", "read_files",
+__all__ = ["SHARDS", "SHARD_META", "SHARD_INFO", "SHARD_SHAPES", "write_file",
            "manifest", "read_rows", "assemble", "row_key", "parse_shape", "to_records", "from_records",
            "manifest_records", "from_manifest_records", "array_view"]

@@ -62,6 +62,11 @@ def spec_of(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, ParamSpec]:
     return {name: ParamSpec(tuple(t.shape), t.dtype) for name, t in named}
 
 
+def fp32_bytes(spec: Mapping[str, ParamSpec]) -> int:
+    """Bytes of one fp32 copy of the model."""
+    return 4 * sum(math.prod(p.shape) for p in spec.values())
+
+
 @dataclass
 class ShardReply:
     """What one group (or one rank) sent for a sync."""

@@ -25,7 +25,6 @@ Without facilities (each group alone), this is the plain server path: the groups
 
 from __future__ import annotations
 
-import importlib
 import math
 import time
 from collections import Counter
@@ -117,9 +116,9 @@ class ServerShardFedAvg(DecentralizedFedAvg):
 
     def run_round(self, grid: Grid, server_round: int, result: Result, train_config: ConfigRecord | None,
                   evaluate_config: ConfigRecord | None) -> None:
+        from flwr_sharded.flower.server_aggregation import fp32_bytes  # loads torch too, before the baseline
         from flwr_sharded.perf.memory import PeakRSS, current_rss
 
-        importlib.import_module("flwr_sharded.flower.server_aggregation")  # torch and this code, before the baseline
         t0 = time.monotonic()
         if self._rss_base is None:  # once, with the code loaded: what the server path needs, rounds after rounds
             self._rss_base = current_rss()
@@ -146,8 +145,7 @@ class ServerShardFedAvg(DecentralizedFedAvg):
         record["server_sync_s"] = time.monotonic() - start
         extra = memory.extra_bytes()  # the round: train, then pulls, means and applies
         if spec and extra is not None:
-            fp32_bytes = 4 * sum(math.prod(p.shape) for p in spec.values())
-            record.update(server_peak_mib=extra / 2**20, server_peak_x=extra / fp32_bytes,
+            record.update(server_peak_mib=extra / 2**20, server_peak_x=extra / fp32_bytes(spec),
                           server_base_mib=self._rss_base / 2**20)
         self._round_wall = time.monotonic() - t0
         record.update(round_s=self._round_wall, overhead_s=max(0.0, self._round_wall - record["work_s"]))
@@ -211,11 +209,10 @@ class ServerShardFedAvg(DecentralizedFedAvg):
         pass starts over without it: every row is then the mean of the same facilities, and no group adopts
         anything before the last chunk of a pass has reached it.
         """
-        from flwr_sharded.flower.server_aggregation import plan_ranges
+        from flwr_sharded.flower.server_aggregation import fp32_bytes, plan_ranges
 
-        fp32_bytes = 4 * sum(math.prod(p.shape) for p in spec.values())
         chunk_bytes = min(int(self.spec.server_buffer_mb * 2**20),
-                          max(fp32_bytes // self.MIN_CHUNKS, self.CHUNK_FLOOR_MB * 2**20))
+                          max(fp32_bytes(spec) // self.MIN_CHUNKS, self.CHUNK_FLOOR_MB * 2**20))
         chunks = plan_ranges(spec, max(1, chunk_bytes))
         participants = list(manifests)
         stats = {"fold_s": 0.0, "pull_chunks": 0, "apply_chunks": len(chunks), "stream_restarts": 0}
