@@ -55,6 +55,7 @@ def main() -> None:
 
     from flwr_sharded.config import ParallelConfig
     from flwr_sharded.parallel.sharding import apply_fsdp, mixed_precision_policy
+    from flwr_sharded.training.models import transformer_blocks
     from flwr_sharded.parallel.sync import ShardSync, local_shard
     from flwr_sharded.parallel.topology import init_topology
 
@@ -63,7 +64,9 @@ def main() -> None:
     config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
                          num_attention_heads=4, num_key_value_heads=2, intermediate_size=args.hidden * 3,
                          tie_word_embeddings=True)
-    model = apply_fsdp(LlamaForCausalLM(config), topo.fsdp_mesh, mp_policy=mixed_precision_policy("fp32", "cpu"))
+    model = LlamaForCausalLM(config)
+    model = apply_fsdp(model, transformer_blocks(model), topo.fsdp_mesh,
+                       mp_policy=mixed_precision_policy("fp32", "cpu"))
     sync = ShardSync(model.named_parameters(), fed_group=topo.fed_group, bucket_bytes=int(args.bucket_mb * 2**20))
     sync.check_alignment()
     shards = [local_shard(p) for p in model.parameters()]

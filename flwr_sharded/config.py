@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 import yaml
 
+from flwr_sharded.errors import ConfigError
+
 METHODS = ("fsdp", "hsdp", "fl-fsdp", "fl-hsdp")
 Method = Literal["fsdp", "hsdp", "fl-fsdp", "fl-hsdp"]
 OPTIMIZERS = ("adamw", "sgd")
@@ -22,10 +24,6 @@ PRECISIONS = ("auto", "fp32", "bf16")
 SYNC_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 """Wire dtypes of the shard sync (`ParallelConfig.sync_dtype`) and their bytes per parameter."""
 SYNC_DTYPES = tuple(SYNC_DTYPE_BYTES)
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the option and what it accepts."""
 
 
 def default_data_dir() -> str:

@@ -13,8 +13,9 @@ import os
 import sys
 from typing import Any, Sequence
 
-from flwr_sharded.config import (METHODS, OPTIMIZERS, PARTITIONS, PRECISIONS, SYNC_DTYPES, ConfigError,
-                                 TrainConfig, config_to_dict, load_config, validate)
+from flwr_sharded.config import (METHODS, OPTIMIZERS, PARTITIONS, PRECISIONS, SYNC_DTYPES, TrainConfig,
+                                 config_to_dict, load_config, validate)
+from flwr_sharded.errors import ConfigError
 
 # option -> (section or None for top level, field name, type, help)
 OPTIONS: list[tuple[str, str | None, str, Any, str]] = [

@@ -26,7 +26,7 @@ from multiprocessing.connection import Client
 from pathlib import Path
 from typing import Any, Mapping
 
-from flwr_sharded.config import ConfigError
+from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower import handoff
 from flwr_sharded.flower import protocol as P
 from flwr_sharded.flower.processes import pid_alive

@@ -38,7 +38,9 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from flwr_sharded.config import ConfigError, ParallelConfig, config_from_dict, validate_parallel
+from flwr_sharded.config import ParallelConfig, config_from_dict, validate_parallel
+
+from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower import handoff
 from flwr_sharded.flower import protocol as P
 from flwr_sharded.flower import rendezvous as rdv

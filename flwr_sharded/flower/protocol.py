@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from flwr_sharded.config import METHODS, ConfigError, config_from_dict, default_data_dir, outer_rule, validate
+from flwr_sharded.config import METHODS, config_from_dict, default_data_dir, outer_rule, validate
+
+from flwr_sharded.errors import ConfigError
 
 PROTOCOL_VERSION = 1
 AGGREGATIONS = ("decentralized", "server")

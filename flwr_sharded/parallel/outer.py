@@ -19,6 +19,8 @@ from typing import ClassVar, Sequence
 import torch
 from torch import Tensor
 
+from flwr_sharded.errors import ConfigError
+
 State = dict[str, Tensor]
 
 
@@ -158,8 +160,6 @@ def make_rule(name: str, **options: float) -> ShardRule:
 
     e.g. make_rule("nesterov", lr=0.7, momentum=0.9) or make_rule("my_rules:Median").
     """
-    from flwr_sharded.config import ConfigError
-
     if ":" in name:
         import importlib
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from flwr_sharded.training.models import transformer_blocks
 
 
 def mixed_precision_policy(precision: str, device: str) -> MixedPrecisionPolicy:
@@ -24,10 +25,10 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, mp_policy: MixedPrecisionPolicy,
+def apply_fsdp(model: nn.Module, blocks: Iterable[nn.Module], mesh: DeviceMesh, *, mp_policy: MixedPrecisionPolicy,
                reshard_after_forward: bool = True) -> nn.Module:
-    """Shard each block, then the root (embeddings, final norm, head); HSDP when `mesh` is 2-D (rep, shard)."""
-    for block in transformer_blocks(model):
+    """Shard each of `blocks`, then the root (embeddings, final norm, head); HSDP when `mesh` is 2-D (rep, shard)."""
+    for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     return model

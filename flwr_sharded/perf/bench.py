@@ -29,7 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from flwr_sharded.config import METHODS, SYNC_DTYPE_BYTES, ConfigError
+from flwr_sharded.config import METHODS, SYNC_DTYPE_BYTES
+
+from flwr_sharded.errors import ConfigError
 from flwr_sharded.perf import netemu
 from flwr_sharded.perf.costmodel import TIERS, Placement, Units, check_layout
 

@@ -21,7 +21,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from flwr_sharded.config import METHODS, ConfigError
+from flwr_sharded.config import METHODS
+
+from flwr_sharded.errors import ConfigError
 
 TIERS = ("intra_node", "inter_node", "inter_group")
 """Network tiers, fastest first: same node, same node group (rack, cell, facility), different groups."""

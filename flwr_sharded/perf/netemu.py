@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from flwr_sharded.config import ConfigError
+from flwr_sharded.errors import ConfigError
 
 INSIDE_ENV = "FLWR_SHARDED_NETEMU_INSIDE"
 """Set (to the outer process id) in the re-executed runner: it runs in the private namespaces."""

@@ -18,7 +18,9 @@ from typing import Any
 
 import yaml
 
-from flwr_sharded.config import METHODS, SYNC_DTYPE_BYTES, ConfigError
+from flwr_sharded.config import METHODS, SYNC_DTYPE_BYTES
+
+from flwr_sharded.errors import ConfigError
 from flwr_sharded.perf.costmodel import (
     BACKENDS,
     DIMENSIONS,

@@ -31,7 +31,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from flwr_sharded.config import ConfigError, TrainConfig, config_to_dict
+from flwr_sharded.config import TrainConfig, config_to_dict
+
+from flwr_sharded.errors import ConfigError
 
 LATEST = "latest"
 FAULT_COMMIT_DELAY_ENV = "FLWR_SHARDED_FAULT_COMMIT_DELAY_S"

@@ -29,7 +29,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from filelock import FileLock
 
-from flwr_sharded.config import ConfigError, DataConfig, default_data_dir
+from flwr_sharded.config import DataConfig, default_data_dir
+
+from flwr_sharded.errors import ConfigError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast

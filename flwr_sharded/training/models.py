@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from flwr_sharded.config import ConfigError
+from flwr_sharded.errors import ConfigError
 
 
 @dataclass(frozen=True)

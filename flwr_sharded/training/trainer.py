@@ -23,7 +23,7 @@ from flwr_sharded.parallel.topology import Topology
 from flwr_sharded.training import data as data_lib
 from flwr_sharded.training.checkpoint import Checkpointer, latest_checkpoint
 from flwr_sharded.training.metrics import MetricsWriter, PhaseTimer
-from flwr_sharded.training.models import build_model
+from flwr_sharded.training.models import build_model, transformer_blocks
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -89,7 +89,7 @@ class Trainer:
                             pretrained=cfg.model.pretrained, device=self.device)
         if cfg.model.activation_checkpointing:
             apply_activation_checkpointing(model)
-        self.model = apply_fsdp(model, topo.fsdp_mesh,
+        self.model = apply_fsdp(model, transformer_blocks(model), topo.fsdp_mesh,
                                 mp_policy=mixed_precision_policy(cfg.model.precision, topo.mesh.device_type),
                                 reshard_after_forward=cfg.model.reshard_after_forward)
         self.optimizer = build_optimizer(self.model, cfg)

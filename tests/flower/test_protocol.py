@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from flwr_sharded.config import ConfigError
+from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower import protocol as P
 
 

@@ -15,7 +15,7 @@ from flwr.app import ConfigRecord, Error, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
-from flwr_sharded.config import ConfigError
+from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower import protocol as P
 from flwr_sharded.flower.strategy import Deadlines, DecentralizedFedAvg
 

@@ -83,7 +83,7 @@ def test_fedavg_is_the_weighted_mean_and_trimmed_mean_drops_outliers():
 
 
 def test_make_rule_errors():
-    from flwr_sharded.config import ConfigError
+    from flwr_sharded.errors import ConfigError
 
     assert isinstance(make_rule("nesterov", lr=0.5), Nesterov)
     with pytest.raises(ConfigError, match="--outer must be one of"):
@@ -104,6 +104,7 @@ def _decentralised_rule_worker(rank: int, world: int, rule_name: str, F: int, S:
 
     from flwr_sharded.config import ParallelConfig
     from flwr_sharded.parallel.sharding import apply_fsdp, mixed_precision_policy
+    from flwr_sharded.training.models import transformer_blocks
     from flwr_sharded.parallel.sync import ShardSync, local_shard
     from flwr_sharded.parallel.topology import init_topology
 
@@ -111,7 +112,9 @@ def _decentralised_rule_worker(rank: int, world: int, rule_name: str, F: int, S:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                          num_key_value_heads=1, intermediate_size=32)
-    model = apply_fsdp(LlamaForCausalLM(config), topo.fsdp_mesh, mp_policy=mixed_precision_policy("fp32", "cpu"))
+    model = LlamaForCausalLM(config)
+    model = apply_fsdp(model, transformer_blocks(model), topo.fsdp_mesh,
+                       mp_policy=mixed_precision_policy("fp32", "cpu"))
     rule = make_rule(rule_name)
     sync = ShardSync(model.named_parameters(), fed_group=topo.fed_group, rule=rule, bucket_bytes=4096)
     sync.capture_global()

@@ -16,6 +16,7 @@ def _reference_and_sharded(rank: int, world: int, arch: str, options: dict):
 
     from flwr_sharded.config import ParallelConfig
     from flwr_sharded.parallel.sharding import apply_activation_checkpointing, apply_fsdp, mixed_precision_policy
+    from flwr_sharded.training.models import transformer_blocks
     from flwr_sharded.parallel.topology import init_topology
 
     topo = init_topology(ParallelConfig(method="fsdp", shards=world))
@@ -30,7 +31,7 @@ def _reference_and_sharded(rank: int, world: int, arch: str, options: dict):
     reference = copy.deepcopy(model)
     if options.get("activation_checkpointing"):
         apply_activation_checkpointing(model)
-    apply_fsdp(model, topo.fsdp_mesh, mp_policy=mixed_precision_policy("fp32", "cpu"),
+    apply_fsdp(model, transformer_blocks(model), topo.fsdp_mesh, mp_policy=mixed_precision_policy("fp32", "cpu"),
                reshard_after_forward=options.get("reshard_after_forward", True))
     batch = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))  # same batch on every rank
     for m in (model, reference):

@@ -15,13 +15,16 @@ def _sharded_tiny_model(method: str, F: int, R: int, S: int, intermediate_size: 
 
     from flwr_sharded.config import ParallelConfig
     from flwr_sharded.parallel.sharding import apply_fsdp, mixed_precision_policy
+    from flwr_sharded.training.models import transformer_blocks
     from flwr_sharded.parallel.topology import init_topology
 
     topo = init_topology(ParallelConfig(method=method, federations=F, replicas=R, shards=S))
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, intermediate_size=intermediate_size, tie_word_embeddings=True)
-    model = apply_fsdp(LlamaForCausalLM(config), topo.fsdp_mesh, mp_policy=mixed_precision_policy("fp32", "cpu"))
+    model = LlamaForCausalLM(config)
+    model = apply_fsdp(model, transformer_blocks(model), topo.fsdp_mesh,
+                       mp_policy=mixed_precision_policy("fp32", "cpu"))
     return topo, model
 
 

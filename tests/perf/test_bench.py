@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flwr_sharded.config import ConfigError
+from flwr_sharded.errors import ConfigError
 from flwr_sharded.perf import bench, netemu
 from flwr_sharded.perf.costmodel import TIERS, Placement
 from flwr_sharded.perf.traffic_report import compare, load_probes, sent_bytes

@@ -2,7 +2,7 @@
 
 import pytest
 
-from flwr_sharded.config import ConfigError
+from flwr_sharded.errors import ConfigError
 from flwr_sharded.perf.costmodel import (
     ModelShape,
     Placement,

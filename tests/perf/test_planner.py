@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flwr_sharded.config import ConfigError
+from flwr_sharded.errors import ConfigError
 from flwr_sharded.perf import planner
 from flwr_sharded.perf.planner import (
     PAPER_TABLE4,

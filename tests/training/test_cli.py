@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from flwr_sharded.config import ConfigError, TrainConfig, load_config, validate
+from flwr_sharded.config import TrainConfig, load_config, validate
+
+from flwr_sharded.errors import ConfigError
 from flwr_sharded.train import main
 
 REPO = Path(__file__).resolve().parents[2]

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from flwr_sharded.config import ConfigError, DataConfig
+from flwr_sharded.config import DataConfig
+
+from flwr_sharded.errors import ConfigError
 from flwr_sharded.training import data
 from flwr_sharded.training.data import (BatchStream, TokenBlocks, check_data, eval_batches, load_blocks,
                                         load_tokenizer, partition_indices, prepare_data, register, train_tokenizer)

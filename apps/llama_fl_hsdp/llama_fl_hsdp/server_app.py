@@ -7,7 +7,7 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
-from flwr_sharded.config import ConfigError
+from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower.strategy import DecentralizedFedAvg
 from llama_fl_hsdp.task import deadlines, flag, run_spec
 
