@@ -7,12 +7,6 @@ import sys
 from typing import Sequence
 
 
-def _train_command(args: argparse.Namespace) -> int:
-    from flwr_sharded.train import main as train_main
-
-    return train_main(args.train_args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     from flwr_sharded.perf import bench, planner
     from flwr_sharded.training import checkpoint, data
@@ -20,10 +14,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flwr-sharded", description="Sharded data parallelism with federated "
                                      "learning on Flower: training, data preparation and planning.")
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train in a torchrun world (run under torchrun); see `train --help`",
-                           add_help=False)
-    train.add_argument("train_args", nargs=argparse.REMAINDER)
-    train.set_defaults(func=_train_command)
+    sub.add_parser("train", help="train in a torchrun world (run under torchrun); see `train --help`",
+                   add_help=False)  # dispatched in main(): its options are flwr_sharded.train's
     data.register(sub)
     checkpoint.register(sub)
     planner.register(sub)
@@ -32,6 +24,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"]:
+        from flwr_sharded.train import main as train_main
+
+        return train_main(argv[1:])
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

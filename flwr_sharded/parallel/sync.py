@@ -218,6 +218,11 @@ class ShardSync:
         """
         return self.rule.stateful or self.delta
 
+    @property
+    def has_outer_state(self) -> bool:
+        """Whether this rank holds outer state (global shards): replica 0 after `capture_global`."""
+        return self._global is not None
+
     @torch.no_grad()
     def capture_global(self) -> None:
         """Remember the current shards as the global model (start of a sync period) when `keeps_global`."""

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from filelock import FileLock
 
-from flwr_sharded.config import DataConfig, default_data_dir
+from flwr_sharded.config import DataConfig, data_dir_of, default_data_dir
 
 from flwr_sharded.errors import ConfigError
 
@@ -207,13 +207,13 @@ def _check_source(name: str, option: str) -> None:
 
 def check_data(cfg: DataConfig) -> None:
     """Fail fast with a ConfigError if the data directory, dataset or tokenizer named by `cfg` cannot be used."""
-    data_dir = Path(cfg.data_dir).expanduser()
-    prepare = f"run `flwr-sharded prepare-data --data-dir {cfg.data_dir}`"
+    data_dir = data_dir_of(cfg)
+    prepare = f"run `flwr-sharded prepare-data --data-dir {data_dir}`"
     if not data_dir.is_dir():
-        raise ConfigError(f"data directory {cfg.data_dir} does not exist; {prepare}")
+        raise ConfigError(f"data directory {data_dir} does not exist; {prepare}")
     if cfg.dataset == EMBEDDED:
         if not _embedded_prepared(data_dir):
-            raise ConfigError(f"--dataset {EMBEDDED}: the embedded corpus is not prepared in {cfg.data_dir}; {prepare}")
+            raise ConfigError(f"--dataset {EMBEDDED}: the embedded corpus is not prepared in {data_dir}; {prepare}")
     else:
         _check_source(cfg.dataset, "--dataset")
         path = Path(cfg.dataset).expanduser()
@@ -225,9 +225,9 @@ def check_data(cfg: DataConfig) -> None:
 def _check_tokenizer(cfg: DataConfig) -> None:
     if cfg.tokenizer is not None:
         _check_source(cfg.tokenizer, "--tokenizer")
-    elif not (Path(cfg.data_dir).expanduser() / "tokenizer" / "tokenizer.json").is_file():
-        raise ConfigError(f"no tokenizer in {Path(cfg.data_dir) / 'tokenizer'}; run `flwr-sharded prepare-data "
-                          f"--data-dir {cfg.data_dir}` or set --tokenizer")
+    elif not (data_dir_of(cfg) / "tokenizer" / "tokenizer.json").is_file():
+        raise ConfigError(f"no tokenizer in {data_dir_of(cfg) / 'tokenizer'}; run `flwr-sharded prepare-data "
+                          f"--data-dir {data_dir_of(cfg)}` or set --tokenizer")
 
 
 def load_tokenizer(cfg: DataConfig) -> PreTrainedTokenizerBase:
@@ -235,7 +235,7 @@ def load_tokenizer(cfg: DataConfig) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     _check_tokenizer(cfg)
-    name = cfg.tokenizer or str(Path(cfg.data_dir).expanduser() / "tokenizer")
+    name = cfg.tokenizer or str(data_dir_of(cfg) / "tokenizer")
     try:
         return AutoTokenizer.from_pretrained(name)
     except OSError as exc:
@@ -295,7 +295,7 @@ def _local_files(path: Path) -> tuple[str, dict[str, list[str]]]:
 def _dataset_path(cfg: DataConfig) -> Path | None:
     """The local directory or file of `cfg.dataset`, or None for a hub id."""
     if cfg.dataset == EMBEDDED:
-        return Path(cfg.data_dir).expanduser() / EMBEDDED
+        return data_dir_of(cfg) / EMBEDDED
     path = Path(cfg.dataset).expanduser()
     return path if path.exists() else None
 
@@ -309,7 +309,7 @@ def _load_splits(cfg: DataConfig) -> tuple[Any, Any, str]:
     if path is not None:
         builder, data_files = _local_files(path)
         options = {"sample_by": "paragraph"} if builder == "text" else {}
-        cache_dir = str(Path(cfg.data_dir).expanduser() / "cache" / "datasets")
+        cache_dir = str(data_dir_of(cfg) / "cache" / "datasets")
         splits = datasets.load_dataset(builder, data_files=data_files, cache_dir=cache_dir, **options)
         field = "text" if builder == "text" else cfg.text_field
     else:
@@ -382,7 +382,7 @@ def load_blocks(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> TokenBlo
     check_data(cfg)
     if tokenizer.eos_token_id is None:
         raise ConfigError(f"--tokenizer: {tokenizer.name_or_path!r} has no eos token, needed between documents")
-    cache_dir = Path(cfg.data_dir).expanduser() / "cache"
+    cache_dir = data_dir_of(cfg) / "cache"
     cache_dir.mkdir(exist_ok=True)
     path = cache_dir / f"{_cache_key(cfg, tokenizer)}.pt"
     if not path.is_file():

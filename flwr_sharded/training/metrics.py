@@ -1,22 +1,27 @@
-"""Phase timings and metric sinks (JSON lines, optional TensorBoard)."""
+"""What a training rank measures about itself: phase timings, peak memory, model FLOPs and MFU, log lines."""
 
 from __future__ import annotations
 
-import json
+import resource
+import sys
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+from torch import nn
+
+PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.1, "A10": 125.0, "V100": 125.0}
+"""Dense bf16/fp16 tensor-core TFLOP/s of known GPUs (vendor figures; SXM parts), by a substring of the device name."""
 
 
 class PhaseTimer:
     """Times named phases (forward, backward, optimizer, sync) without adding device synchronisations.
 
-    On GPU each phase is bracketed by CUDA events that are only read in `collect()`, which the caller runs at
-    logging time, when it synchronises anyway. On CPU, where kernels run synchronously, it uses a wall clock.
+    On GPU each phase is bracketed by CUDA events that are only read in `collect()`, which the caller runs when it
+    synchronises anyway (at logging time, at the end of a Flower round); until then they accumulate. On CPU, where
+    kernels run synchronously, it uses a wall clock.
     """
 
     def __init__(self, device: str) -> None:
@@ -38,7 +43,7 @@ class PhaseTimer:
             self._totals[name] += time.perf_counter() - t0
 
     def collect(self) -> dict[str, float]:
-        """Seconds spent in each phase since the last call."""
+        """Seconds spent in each phase since the last call (frees the recorded events)."""
         if self._pending:
             self._pending[-1][2].synchronize()
             for name, start, end in self._pending:
@@ -48,34 +53,68 @@ class PhaseTimer:
         return totals
 
 
-class MetricsWriter:
-    """Writes one JSON object per line (and TensorBoard scalars when asked); a no-op on non-logging ranks."""
+def model_flops_per_token(model: nn.Module, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward): 6 x the matmul parameters + 12 x layers x width x sequence for
+    attention scores (PaLM, appendix B). Embedding lookups are not matmuls; a tied output head is counted once."""
+    config = getattr(model, "config", None)
+    matmul = 0
+    seen: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and id(module.weight) not in seen:
+            seen.add(id(module.weight))
+            matmul += module.weight.numel()  # the global count: DTensor parameters report their full size
+    attention = 0.0
+    if config is not None and hasattr(config, "num_hidden_layers") and hasattr(config, "hidden_size"):
+        attention = 12.0 * config.num_hidden_layers * config.hidden_size * seq_len
+    return 6.0 * matmul + attention
 
-    def __init__(self, path: str | None, tensorboard_dir: str | None = None, enabled: bool = True) -> None:
-        self._file = None
-        self._tb = None
-        if not enabled:
-            return
-        if path:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(path, "a", buffering=1)
-        if tensorboard_dir:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as exc:
-                raise RuntimeError("--tensorboard needs the tensorboard package: pip install tensorboard") from exc
-            self._tb = SummaryWriter(tensorboard_dir)
 
-    def write(self, record: dict[str, Any]) -> None:
-        if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
-        if self._tb is not None and "step" in record:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "step":
-                    self._tb.add_scalar(f"{record.get('kind', 'train')}/{key}", value, record["step"])
+def device_peak_tflops(device: torch.device, override: float | None) -> float | None:
+    """The peak used for MFU: the option if set, else a known GPU's figure, else None (CPUs)."""
+    if override is not None:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((tflops for key, tflops in PEAK_TFLOPS.items() if key in name), None)
 
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+
+class Throughput:
+    """Converts a rank's token rate into achieved TFLOP/s and MFU, and reports its peak memory."""
+
+    def __init__(self, model: nn.Module, cfg: Any, device: torch.device) -> None:
+        self.device = device
+        self.flops_per_token = model_flops_per_token(model, cfg.data.seq_len)
+        self.peak_tflops = device_peak_tflops(device, cfg.output.peak_tflops)
+
+    def utilisation(self, tokens_per_s_per_rank: float) -> dict[str, float]:
+        """Achieved model TFLOP/s of one rank and, when the device's peak is known, its MFU."""
+        tflops = self.flops_per_token * tokens_per_s_per_rank / 1e12
+        out = {"tflops_per_rank": tflops}
+        if self.peak_tflops:
+            out["mfu"] = tflops / self.peak_tflops
+        return out
+
+    def peak_memory_mib(self) -> float:
+        """Peak device memory allocated (GPU) or peak resident memory of the process (CPU), in MiB."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**20
+        scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**20
+
+
+def train_line(r: dict[str, Any], total_steps: int) -> str:
+    """One log line of a train record."""
+    phases = " ".join(f"{short} {r[key]:.3f}" for key, short in (("forward_s", "fwd"), ("backward_s", "bwd"),
+                                                                 ("optimizer_s", "opt"), ("sync_s", "sync"))
+                      if key in r)
+    mfu = f", MFU {100 * r['mfu']:.1f}%" if "mfu" in r else ""
+    return (f"step {r['step']}/{total_steps} | loss {r['loss']:.4f} ppl {r['ppl']:.2f} | lr {r['lr']:.2e} | "
+            f"{r['tokens_per_s']:,.0f} tok/s | {r['step_s']:.3f} s/step ({phases}) | peak mem "
+            f"{r['peak_memory_mib']:,.0f} MiB | {r['tflops_per_rank']:.3f} TFLOP/s per rank{mfu}")
+
+
+def progress_bar(total: int, enabled: bool, initial: int = 0, desc: str = "train"):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, disable=not enabled, desc=desc, unit="step", dynamic_ncols=True)

@@ -1,11 +1,12 @@
 """What one rank does: build the sharded model, run local steps, sync shards every A steps, evaluate, log.
 
-The same `Trainer` runs inside the static torchrun world (`flwr_sharded.train`) and inside a Flower group, which
-hands it the federation process groups of each round through `make_sync`.
+The same `Trainer` runs inside the static torchrun world (`flwr_sharded.train`, loop in `run`) and inside a Flower
+group, whose round object (`flwr_sharded.flower.group.round`) drives `step`, the sync and `after_sync` itself.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -18,18 +19,21 @@ from torch.distributed.tensor import DTensor
 
 from flwr_sharded.config import TrainConfig, config_to_dict, outer_rule
 from flwr_sharded.parallel.sharding import apply_activation_checkpointing, apply_fsdp, mixed_precision_policy
-from flwr_sharded.parallel.sync import ShardSync, SyncStats
+from flwr_sharded.parallel.sync import ShardSync, SyncStats, local_shard
 from flwr_sharded.parallel.topology import Topology
+from flwr_sharded.run_dir import perplexity
 from flwr_sharded.training import data as data_lib
 from flwr_sharded.training.checkpoint import Checkpointer, latest_checkpoint
-from flwr_sharded.training.metrics import MetricsWriter, PhaseTimer
+from flwr_sharded.training.metrics import PhaseTimer, Throughput
 from flwr_sharded.training.models import build_model, transformer_blocks
+
+logger = logging.getLogger(__name__)
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     o = cfg.optim
     if o.optimizer == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+        return torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
     return torch.optim.SGD(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
 
 
@@ -73,7 +77,7 @@ class Trainer:
 
         Args:
             static_sync: sync over the mesh's "fed" dimension (the static torchrun world). A Flower group passes
-                False and installs per-round groups with `make_sync`.
+                False and installs per-round groups with `ShardSync.rebind`.
             partition: (federation index, number of federations) for data partitioning when the mesh does not hold
                 the federation dimension (a Flower group is one federation group of a larger run).
         """
@@ -107,28 +111,27 @@ class Trainer:
         self.shard_sync: ShardSync | None = None
         if p.federated:
             replica0 = topo.replica_index == 0
-            if static_sync:
-                self.shard_sync = self.make_sync(topo.fed_group if replica0 else None, topo.rep_group)
-            else:  # a Flower group: `shard_sync.rebind` installs each round's groups
-                self.shard_sync = self.make_sync(None, None)
+            fed_group = topo.fed_group if static_sync and replica0 else None
+            self.shard_sync = ShardSync(self.model.named_parameters(), fed_group=fed_group,
+                                        rep_group=topo.rep_group if static_sync else None,
+                                        bucket_bytes=int(p.bucket_mb * (1 << 20)), rule=outer_rule(p),
+                                        wire_dtype=getattr(torch, p.sync_dtype))
             if replica0:  # only replica 0 joins the cross-group step
                 self.shard_sync.capture_global()  # the start of the first sync period, for outer optimizers
+        self.proximal_mu = cfg.optim.proximal_mu
+        self._anchor: list[torch.Tensor] | None = None
+        """FedProx: this rank's shards after the last sync (allocated once mu > 0)."""
         self.timer = PhaseTimer(topo.mesh.device_type)
         self.step_count = 0
         self.tokens_since_sync = 0  # this rank's tokens since the last sync
         self.checkpointer = None
-        if cfg.checkpoint_dir:
-            self.checkpointer = Checkpointer(cfg.checkpoint_dir, fed_index=fed_index, group_rank=topo.group_rank,
-                                             group_pg=topo.group_pg, keep=cfg.keep_checkpoints,
-                                             async_save=cfg.async_checkpoint)
+        if cfg.checkpoint.dir:
+            self.checkpointer = Checkpointer(cfg.checkpoint.dir, fed_index=fed_index, group_rank=topo.group_rank,
+                                             group_pg=topo.group_pg, keep=cfg.checkpoint.keep,
+                                             async_save=cfg.checkpoint.async_save)
+        self.throughput = Throughput(self.model, cfg, self.device)
 
     # ----- building blocks ------------------------------------------------------------------------------------
-    def make_sync(self, fed_group: dist.ProcessGroup | None, rep_group: dist.ProcessGroup | None) -> ShardSync:
-        """A ShardSync of this rank's shards over the given federation (and replication) groups."""
-        return ShardSync(self.model.named_parameters(), fed_group=fed_group, rep_group=rep_group,
-                         bucket_bytes=int(self.cfg.parallel.bucket_mb * (1 << 20)),
-                         rule=outer_rule(self.cfg.parallel), wire_dtype=getattr(torch, self.cfg.parallel.sync_dtype))
-
     def step(self) -> torch.Tensor:
         """One optimizer step (with gradient accumulation and clipping); returns the mean loss as a tensor."""
         cfg = self.cfg
@@ -144,6 +147,8 @@ class Trainer:
             total += loss.detach()
             self.tokens_since_sync += batch.numel()
         with self.timer.phase("optimizer"):
+            if self.proximal_mu > 0:
+                self._add_proximal_gradient()
             if cfg.optim.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
             self.optimizer.step()
@@ -152,20 +157,53 @@ class Trainer:
         self.step_count += 1
         return total
 
-    def sync(self, *, apply_rule: bool = True) -> SyncStats:
-        """Average shards with the other federation groups, weighted by the tokens each processed.
+    @torch.no_grad()
+    def _add_proximal_gradient(self) -> None:
+        """FedProx: the gradient of mu/2 * ||w - w_sync||^2, mu * (w - w_sync), added on this rank's own shards."""
+        if self._anchor is None:
+            self.set_anchor()
+        for param, anchor in zip(self.model.parameters(), self._anchor):
+            if param.grad is None:
+                continue
+            grad = param.grad._local_tensor if isinstance(param.grad, DTensor) else param.grad
+            grad.add_(local_shard(param) - anchor, alpha=self.proximal_mu)
 
-        `apply_rule=False`: stop at the weighted mean (a facility-level sync of a hierarchical federation).
-        """
+    @torch.no_grad()
+    def set_anchor(self) -> None:
+        """Remember the current shards as the model of the last sync (FedProx's w_sync), when mu > 0."""
+        if self.proximal_mu <= 0:
+            self._anchor = None
+            return
+        shards = [local_shard(p) for p in self.model.parameters()]
+        if self._anchor is None:
+            self._anchor = [torch.empty_like(s) for s in shards]
+        torch._foreach_copy_(self._anchor, shards)
+
+    def set_peak_lr(self, lr: float) -> None:
+        """Make `lr` the schedule's peak from the next step on (the schedule's shape is kept)."""
+        self.scheduler.base_lrs = [lr for _ in self.scheduler.base_lrs]
+        for group, factor in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas):
+            group["lr"] = lr * factor(self.scheduler.last_epoch)
+
+    def sync(self, *, apply_rule: bool = True) -> SyncStats:
+        """Average shards with the other federation groups, weighted by the tokens each processed, then
+        `after_sync`. `apply_rule=False`: stop at the weighted mean (a facility-level sync of a hierarchical
+        federation)."""
         if self.shard_sync is None:
             raise RuntimeError("this trainer has no federation groups to sync with")
         group_tokens = self.tokens_since_sync * self.topo.group_world  # every rank of a group sees equal-size batches
         with self.timer.phase("sync"):
             stats = self.shard_sync.sync(weight=float(group_tokens), apply_rule=apply_rule)
+        self.after_sync()
+        return stats
+
+    def after_sync(self) -> None:
+        """What follows every adopted sync on every rank: a new sync period starts (token count, optimizer reset
+        if configured, FedProx anchor)."""
         self.tokens_since_sync = 0
         if self.cfg.parallel.reset_optimizer_state:
             self.optimizer.state.clear()
-        return stats
+        self.set_anchor()
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -179,7 +217,7 @@ class Trainer:
             sums += torch.tensor([loss.item() * predicted, predicted], dtype=torch.float64, device=self.device)
         dist.all_reduce(sums)
         mean = float(sums[0] / sums[1]) if sums[1] > 0 else float("nan")
-        return {"eval_loss": mean, "eval_ppl": math.exp(mean) if mean < 50 else float("inf")}
+        return {"eval_loss": mean, "eval_ppl": perplexity(mean)}
 
     def save_checkpoint(self, extra_meta: dict[str, Any] | None = None) -> None:
         """Checkpoint this group at the current step (collective over the group)."""
@@ -212,6 +250,7 @@ class Trainer:
         torch.set_rng_state(rank_state["rng"])
         if "cuda_rng" in rank_state:
             torch.cuda.set_rng_state(rank_state["cuda_rng"], self.device)
+        self.set_anchor()
         return meta
 
     def save_pretrained(self, directory: str) -> None:
@@ -228,21 +267,40 @@ class Trainer:
             model.save_pretrained(directory)
             self.tokenizer.save_pretrained(directory)
 
+    def window_stats(self, loss_sum: torch.Tensor, steps: int) -> tuple[float, float]:
+        """(mean loss over all ranks of the last `steps` steps, peak memory in MiB of the largest rank)."""
+        stats = torch.tensor([float(steps), self.throughput.peak_memory_mib()], dtype=torch.float64,
+                             device=self.device)
+        losses = torch.stack([loss_sum.to(torch.float64), stats[0]])
+        dist.all_reduce(losses)
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+        return float(losses[0] / losses[1]), float(stats[1])
+
     # ----- the static loop ------------------------------------------------------------------------------------
-    def run(self) -> dict[str, Any]:
-        """Train `cfg.steps` steps with syncs every A steps, logging and evaluating; returns the final metrics."""
+    def run(self, run_dir: Any = None) -> dict[str, Any]:
+        """Train `cfg.steps` steps with syncs every A steps, logging and evaluating; returns the final metrics.
+
+        `run_dir`: the `flwr_sharded.run_dir.RunDir` that rank 0 writes records to (None elsewhere).
+        """
+        from flwr_sharded.training.metrics import progress_bar, train_line
+
         cfg, p = self.cfg, self.cfg.parallel
-        if cfg.resume:
+        if cfg.checkpoint.resume:
             self.resume()
-        writer = MetricsWriter(cfg.metrics, cfg.tensorboard, enabled=self.is_logger)
-        bar = _progress(cfg.steps, enabled=self.is_logger and cfg.progress, initial=self.step_count)
-        if self.is_logger and not cfg.resume:
-            writer.write({"kind": "config", "layout": self.topo.describe(), "effective_batch": effective_batch(cfg),
-                          "effective_batch_tokens": effective_batch(cfg) * cfg.data.seq_len,
-                          "parameters": sum(p_.numel() for p_ in self.model.parameters())})
+        out = cfg.output
+        bar = progress_bar(cfg.steps, enabled=self.is_logger and out.progress, initial=self.step_count)
+        world_tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.data.seq_len * p.world_size
+        started = time.perf_counter()
         loss_sum = torch.zeros((), device=self.device)
         window_start, window_steps, syncs = time.perf_counter(), 0, 0
         last: dict[str, Any] = {}
+
+        def stamp(record: dict[str, Any]) -> dict[str, Any]:
+            record.update(elapsed_s=time.perf_counter() - started, tokens_seen=self.step_count * world_tokens_per_step)
+            if run_dir is not None:
+                run_dir.log(record)
+            return record
+
         try:
             while self.step_count < cfg.steps:
                 loss_sum += self.step()
@@ -250,56 +308,48 @@ class Trainer:
                 if p.federated and p.sync and self.step_count % p.aggregate_every == 0:
                     self.sync()
                     syncs += 1
-                if self.step_count % cfg.log_every == 0 or self.step_count == cfg.steps:
-                    last = self._log_window(loss_sum, window_steps, time.perf_counter() - window_start, syncs)
-                    writer.write(last)
+                if self.step_count % out.log_every == 0 or self.step_count == cfg.steps:
+                    last = stamp(self._train_record(loss_sum, window_steps, time.perf_counter() - window_start,
+                                                    syncs))
+                    if self.is_logger and out.progress:
+                        bar.write(train_line(last, cfg.steps))
+                    elif self.is_logger:
+                        logger.info("%s", train_line(last, cfg.steps))
                     bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}")
                     loss_sum.zero_()
                     window_start, window_steps = time.perf_counter(), 0
                 if (cfg.eval_every and self.step_count % cfg.eval_every == 0) or self.step_count == cfg.steps:
-                    metrics = {"kind": "eval", "step": self.step_count, **self.evaluate()}
-                    writer.write(metrics)
+                    metrics = stamp({"kind": "eval", "step": self.step_count, **self.evaluate()})
                     last.update(metrics)
                     window_start = time.perf_counter()  # evaluation is not training time
                 if self.checkpointer is not None and (
-                        (cfg.checkpoint_every and self.step_count % cfg.checkpoint_every == 0)
+                        (cfg.checkpoint.every and self.step_count % cfg.checkpoint.every == 0)
                         or self.step_count == cfg.steps):
                     self.save_checkpoint()
                 bar.update(1)
             if self.checkpointer is not None:
                 self.checkpointer.wait()
-            if cfg.save:
-                self.save_pretrained(cfg.save)
         finally:
             bar.close()
-            writer.close()
         return last
 
-    def _log_window(self, loss_sum: torch.Tensor, steps: int, seconds: float, syncs: int) -> dict[str, Any]:
-        """Training loss averaged over all ranks, throughput and phase times of the last `steps` steps."""
+    def _train_record(self, loss_sum: torch.Tensor, steps: int, seconds: float, syncs: int) -> dict[str, Any]:
+        """Training loss averaged over all ranks, throughput, memory and phase times of the last `steps` steps."""
         cfg = self.cfg
-        stats = torch.stack([loss_sum.to(torch.float64), torch.tensor(float(steps), dtype=torch.float64,
-                                                                      device=self.device)])
-        dist.all_reduce(stats)
-        loss = float(stats[0] / stats[1])
+        loss, peak_mib = self.window_stats(loss_sum, steps)
         phases = self.timer.collect()
         world_tokens = steps * cfg.batch_size * cfg.grad_accum * cfg.data.seq_len * cfg.parallel.world_size
-        return {"kind": "train", "step": self.step_count, "loss": loss, "ppl": math.exp(min(loss, 50)),
-                "lr": self.scheduler.get_last_lr()[0], "tokens_per_s": world_tokens / max(seconds, 1e-9),
-                "step_s": seconds / steps, "syncs": syncs,
+        tokens_per_s = world_tokens / max(seconds, 1e-9)
+        return {"kind": "train", "step": self.step_count, "loss": loss, "ppl": perplexity(loss),
+                "lr": self.scheduler.get_last_lr()[0], "tokens_per_s": tokens_per_s, "step_s": seconds / steps,
+                "syncs": syncs, "peak_memory_mib": peak_mib,
+                **self.throughput.utilisation(tokens_per_s / cfg.parallel.world_size),
                 **{f"{name}_s": value / steps for name, value in phases.items()}}
-
-
-def _progress(total: int, enabled: bool, initial: int = 0):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=initial, disable=not enabled, desc="train", unit="step", dynamic_ncols=True)
 
 
 def local_shards_checksum(model: nn.Module) -> float:
     """Sum of this rank's local shard values (float64): a cheap fingerprint of its weights."""
     total = 0.0
     for param in model.parameters():
-        local = param._local_tensor if isinstance(param, DTensor) else param
-        total += float(local.detach().double().sum())
+        total += float(local_shard(param).detach().double().sum())
     return total

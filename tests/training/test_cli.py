@@ -42,19 +42,68 @@ BAD = [
      ["--sync-dtype must be one of", "float32, bfloat16", "'float16'"]),
     (4, ["--method", "fl-fsdp", "--federations", "4", "--outer", "trimmed-mean", "--sync-dtype", "bfloat16"],
      ["--sync-dtype bfloat16", "--outer trimmed-mean", "--sync-dtype float32"]),
+    (4, ["--shards", "4", "--method", "fsdp", "--lr", "nan"], ["--lr", "finite", "nan"]),
+    (4, ["--shards", "4", "--method", "fsdp", "--timeout", "inf"], ["--timeout", "finite", "inf"]),
+    (4, ["--shards", "4", "--method", "fsdp", "--steps", "ten"], ["--steps", "of type int", "'ten'"]),
+    (4, ["--shards", "4", "--method", "fsdp", "--beta2", "1.0"], ["--beta2", "< 1"]),
+    (4, ["--shards", "4", "--method", "fsdp", "--proximal-mu", "0.1"], ["--proximal-mu", "FL method"]),
+    (4, ["--method", "fl-fsdp", "--federations", "4", "--outer", "nesterov", "--outer-lr", "-1"], ["--outer-lr", "> 0"]),
 ]
 
 
 @pytest.mark.parametrize("world,args,words", BAD, ids=[" ".join(b[1]) for b in BAD])
 def test_bad_input_is_refused_before_any_work(data_dir, tmp_path, monkeypatch, capsys, world, args, words):
     monkeypatch.setenv("WORLD_SIZE", str(world))
-    metrics, save = tmp_path / "m.jsonl", tmp_path / "model"
-    code = main([*args, "--data-dir", str(data_dir), "--metrics", str(metrics), "--save", str(save)])
+    run_dir = tmp_path / "run"
+    code = main([*args, "--data-dir", str(data_dir), "--run-dir", str(run_dir)])
     err = capsys.readouterr().err
     assert code == 2
     for word in words:
         assert word in err, err
-    assert not metrics.exists() and not save.exists()
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("yaml_text,words", [
+    ("optim:\n  lr: fast\n", ["'optim.lr'", "of type float", "'fast'"]),
+    ("parallel:\n  shards: 2.5\n", ["'parallel.shards'", "of type int"]),
+    ("parallel: 3\n", ["parallel must be a mapping"]),
+    ("steps: .nan\n", ["'steps'", "of type int"]),
+    ("optim:\n  lr: .inf\n", ["'optim.lr'", "finite"]),
+    ("model:\n  pretrained: maybe\n", ["'model.pretrained'", "of type bool"]),
+])
+def test_wrong_yaml_types_name_the_key(tmp_path, monkeypatch, capsys, yaml_text, words):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml_text)
+    assert main(["--config", str(cfg), "--print-config"]) == 2
+    err = capsys.readouterr().err
+    assert str(cfg) in err
+    for word in words:
+        assert word in err, err
+
+
+def test_print_config_validates_first(capsys):
+    assert main(["--method", "fsdp", "--federations", "2", "--print-config"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "--federations must be 1" in captured.err
+    assert main(["--method", "fl-fsdp", "--federations", "2", "--print-config"]) == 0
+    assert '"federations": 2' in capsys.readouterr().out
+
+
+def test_flwr_sharded_train_takes_the_training_options(capsys):
+    from flwr_sharded.cli import main as cli_main
+
+    assert cli_main(["train", "--method", "fl-fsdp", "--federations", "3", "--lr", "0.01", "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert '"federations": 3' in out and '"lr": 0.01' in out
+
+
+def test_a_run_directory_that_holds_a_run_is_refused(data_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
+    assert main(["--method", "fsdp", "--data-dir", str(data_dir), "--run-dir", str(tmp_path / "run")]) == 2
+    assert "already holds a run" in capsys.readouterr().err
 
 
 def test_missing_data_directory(tmp_path, monkeypatch, capsys):

@@ -1,33 +1,20 @@
-"""The ServerApp: DecentralizedFedAvg (config-only messages; the groups all-reduce their shards among themselves) or,
-with aggregation="server", ServerShardFedAvg (shards travel through this server, for groups that share no network)."""
-
-from logging import ERROR
+"""The ServerApp: the run from the run config, its strategy (DecentralizedFedAvg: config-only messages, the groups
+all-reduce their shards among themselves; ServerShardFedAvg with aggregation="server"; or the `strategy` key's
+class), and the run directory its rounds, summary and model go to."""
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
-from flwr.supercore import log
 
-from flwr_sharded.errors import ConfigError
-from flwr_sharded.flower.strategy import DecentralizedFedAvg
-from llama_fl_hsdp.task import deadlines, flag, run_spec
+from flwr_sharded.flower.server.app import load_run, record_outcome, run_directory, strategy_class
 
 app = ServerApp()
 
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    cfg = context.run_config
-    try:
-        spec = run_spec(cfg)
-    except ConfigError as exc:
-        log(ERROR, "%s", exc)
-        raise
-    if spec.aggregation == "server":
-        from flwr_sharded.flower.server_strategy import ServerShardFedAvg as strategy_class
-    else:
-        strategy_class = DecentralizedFedAvg
-    strategy = strategy_class(
-        spec, deadlines(cfg), evaluate_in_train=flag(cfg, "evaluate-in-train", True),
-        metrics_path=str(cfg.get("metrics-path", "")), save_dir=str(cfg.get("save-dir", "")),
-        stop_groups=flag(cfg, "stop-groups"), group_idle_timeout=float(cfg.get("group-idle-timeout", 600.0)))
-    strategy.start(grid=grid, num_rounds=spec.rounds)
+    run = load_run(context.run_config)
+    strategy_cls = strategy_class(run)
+    with run_directory(run, context.run_id) as run_dir:
+        strategy = strategy_cls(run, run_dir=run_dir)
+        strategy.start(grid=grid)
+        record_outcome(run_dir, strategy)

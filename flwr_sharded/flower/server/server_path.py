@@ -37,14 +37,18 @@ from flwr.serverapp.strategy import Result
 from flwr.supercore import log
 
 from flwr_sharded.flower import handoff
-from flwr_sharded.flower import protocol as P
-from flwr_sharded.flower.strategy import DecentralizedFedAvg, GroupInfo, _ppl, _reply_payload
+from flwr_sharded.flower import messages as M
+from flwr_sharded.flower.run import round_overrides
+from flwr_sharded.flower.server import grid as G
+from flwr_sharded.flower.server.membership import GroupInfo
+from flwr_sharded.flower.server.strategy import DecentralizedFedAvg
+from flwr_sharded.run_dir import perplexity
 
 
 class ServerShardFedAvg(DecentralizedFedAvg):
     """Federation through the Flower server: facility-local shard syncs, facility models averaged by the server.
 
-    Takes the arguments of `DecentralizedFedAvg`; the run spec's `aggregation` must be "server".
+    Takes the arguments of `DecentralizedFedAvg`; the run's `aggregation` must be "server".
     """
 
     MIN_CHUNKS = 16
@@ -62,7 +66,7 @@ class ServerShardFedAvg(DecentralizedFedAvg):
 
     def facility_of(self, partition_id: int, hello_info: dict[str, Any]) -> str:
         """The node config's `facility`, else the run config's `facilities[partition_id]`, else the group alone."""
-        return (str(hello_info.get("facility", "")) or self.spec.facility_of(partition_id)
+        return (str(hello_info.get("facility", "")) or self.run.facility_of(partition_id)
                 or f"partition-{partition_id}")
 
     def readmit(self, grid: Grid, server_round: int) -> list[int]:
@@ -85,9 +89,9 @@ class ServerShardFedAvg(DecentralizedFedAvg):
         return next((n for n in self.members if self.groups[n].facility == group.facility), None)
 
     def facilities(self) -> dict[str, list[int]]:
-        """Facility -> its current member nodes, in member order."""
+        """Facility -> this round's member nodes, in member order."""
         out: dict[str, list[int]] = {}
-        for node in self.members:
+        for node in self.round_members or self.members:
             out.setdefault(self.groups[node].facility, []).append(node)
         return out
 
@@ -99,32 +103,25 @@ class ServerShardFedAvg(DecentralizedFedAvg):
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> list[Message]:
         """Per facility: its members sync among themselves; its first member exports its shards at the end."""
-        d = self.deadlines
+        overrides = round_overrides(dict(config))
         messages = []
         for facility, nodes in self.facilities().items():
-            leader = self.groups[nodes[0]].layout
-            base = {**dict(config), "syncs": self.spec.syncs_per_round, "steps": self.spec.aggregate_every,
-                    "members": [str(m) for m in nodes], "rendezvous-host": leader.rendezvous_host,
-                    "rendezvous-ports": list(leader.rendezvous_ports),
-                    "prefix": f"run{self.run_id}/round{server_round}/{facility}",
-                    "rendezvous-timeout": d.rendezvous_timeout, "sync-timeout": d.sync_timeout, "evaluate": False,
-                    "server-round": server_round, "checkpoint": False, "timeout": max(1.0, d.round_timeout - 5.0),
-                    "catch-up": self._catch_up and any(n in self._rejoined for n in nodes)}
-            messages += [self._message(node, P.MSG_TRAIN, {**base, "member-index": i, "export": i == 0},
-                                       str(server_round), d.round_timeout) for i, node in enumerate(nodes)]
+            messages += self.train_messages(server_round, nodes, self.groups[nodes[0]].layout,
+                                            f"run{self.run_id}/round{server_round}/{facility}", overrides,
+                                            catch_up=any(n in self._rejoined for n in nodes), evaluate=False,
+                                            checkpoint=False, export_first=True)
         return messages
 
-    def run_round(self, grid: Grid, server_round: int, result: Result, train_config: ConfigRecord | None,
-                  evaluate_config: ConfigRecord | None) -> None:
-        from flwr_sharded.flower.server_aggregation import fp32_bytes  # loads torch too, before the baseline
+    def run_round(self, grid: Grid, server_round: int, result: Result, train_config: ConfigRecord | None) -> None:
+        from flwr_sharded.flower.server.aggregation import fp32_bytes  # loads torch too, before the baseline
         from flwr_sharded.perf.memory import PeakRSS, current_rss
 
         t0 = time.monotonic()
         if self._rss_base is None:  # once, with the code loaded: what the server path needs, rounds after rounds
             self._rss_base = current_rss()
         memory = PeakRSS(self._rss_base)
-        messages = self.configure_train(server_round, ArrayRecord(), train_config or ConfigRecord(), grid)
-        replies = self.send_and_receive(grid, messages, self.deadlines.round_timeout)
+        messages = self.configure_train(server_round, ArrayRecord(), ConfigRecord(dict(train_config or {})), grid)
+        replies = self.train_and_collect(grid, messages)
         manifests, rejected, spec = self._manifests(server_round, replies)
         self._round_wall = time.monotonic() - t0
         _, metrics = self.aggregate_train(server_round, replies)
@@ -153,7 +150,7 @@ class ServerShardFedAvg(DecentralizedFedAvg):
         record["tokens_per_s"] = record["tokens"] / self._round_wall if self._round_wall > 0 else 0.0
         if metrics is not None:
             result.train_metrics_clientapp[server_round] = metrics
-        self.evaluate_round(grid, server_round, result, evaluate_config)
+        self.evaluate_round(grid, server_round, result)
         self.publish_round()
 
     def _manifests(self, server_round: int, replies: list[Message]
@@ -163,7 +160,7 @@ class ServerShardFedAvg(DecentralizedFedAvg):
 
         The model is the one most manifests describe (the first of equals on a tie), so one bad manifest cannot
         make the others look wrong; each manifest must cover it exactly once."""
-        from flwr_sharded.flower.server_aggregation import RejectedReply, check_layout
+        from flwr_sharded.flower.server.aggregation import RejectedReply, check_layout
         from flwr_sharded.parallel.shard_transport import ShardPieceError, decode_layouts
 
         manifests: dict[int, tuple[str, float, list[Any]]] = {}
@@ -209,9 +206,9 @@ class ServerShardFedAvg(DecentralizedFedAvg):
         pass starts over without it: every row is then the mean of the same facilities, and no group adopts
         anything before the last chunk of a pass has reached it.
         """
-        from flwr_sharded.flower.server_aggregation import fp32_bytes, plan_ranges
+        from flwr_sharded.flower.server.aggregation import fp32_bytes, plan_ranges
 
-        chunk_bytes = min(int(self.spec.server_buffer_mb * 2**20),
+        chunk_bytes = min(int(self.run.federation.server_buffer_mb * 2**20),
                           max(fp32_bytes(spec) // self.MIN_CHUNKS, self.CHUNK_FLOOR_MB * 2**20))
         chunks = plan_ranges(spec, max(1, chunk_bytes))
         participants = list(manifests)
@@ -245,7 +242,7 @@ class ServerShardFedAvg(DecentralizedFedAvg):
         failure then fails that pull), so each chunk costs one message per group. In this process at once: one
         chunk's fp32 sums, one pulled chunk and the chunk of the mean being sent.
         """
-        from flwr_sharded.flower.server_aggregation import StreamingShardAggregator, add_content, requests_for
+        from flwr_sharded.flower.server.aggregation import StreamingShardAggregator, add_content, requests_for
         from flwr_sharded.parallel.shard_transport import ShardPiece, encode_pieces
         from flwr_sharded.perf.memory import release_free_memory
 
@@ -264,14 +261,14 @@ class ServerShardFedAvg(DecentralizedFedAvg):
                     "timeout": max(1.0, d.round_timeout - 5.0)}
 
         def push_pulls(c: int) -> None:
-            messages = [self._message(node, P.MSG_PULL, pull_config(node, c), f"pull{server_round}.{attempt}/{c}",
+            messages = [G.message(node, M.MSG_PULL, pull_config(node, c), f"pull{server_round}.{attempt}/{c}",
                                       d.round_timeout) for node in participants]
             pulls[c] = self.push(grid, messages)
 
         def take_applies(replies: list[Message]) -> None:
             for reply in replies:
                 node = reply.metadata.src_node_id
-                if _reply_payload(reply)[1]:
+                if G.reply_payload(reply)[1]:
                     errors.setdefault(node, reply)
                 elif reply.metadata.reply_to_message_id in last_ids:
                     final[node] = reply
@@ -291,7 +288,7 @@ class ServerShardFedAvg(DecentralizedFedAvg):
                 source, weight, _ = manifests[node]
                 error = ""
                 if reply.has_error() or handoff.SHARDS not in reply.content:
-                    error = _reply_payload(reply)[1] or "the reply carries no shards"
+                    error = G.reply_payload(reply)[1] or "the reply carries no shards"
                 elif {k: tuple(v.shape[:1]) for k, v in reply.content[handoff.SHARDS].items()} != asked[node]:
                     error = "it holds other pieces or rows than those asked for"
                 elif float(reply.content[handoff.SHARD_INFO].get("weight", -1.0)) != weight:
@@ -325,21 +322,21 @@ class ServerShardFedAvg(DecentralizedFedAvg):
             last = c == len(chunks) - 1
             config = {"server-round": server_round, "chunk": c, "chunks": len(chunks), "attempt": attempt,
                       "evaluate": self.evaluate_in_train and last,
-                      "checkpoint": self.spec.checkpoint_due(server_round) and last,
+                      "checkpoint": self.run.checkpoint_due(server_round) and last,
                       "timeout": max(1.0, d.round_timeout - 5.0)}
             ahead = c + self.PULL_AHEAD + 1  # the chunk whose pulls go out now, with this chunk's applies
             pulling = set(participants) if ahead < len(chunks) else set()
             messages = []
-            for node in self.members:  # a facility leader's apply and pull travel in one message
+            for node in self.round_members:  # a facility leader's apply and pull travel in one message
                 applying = node not in errors
                 if node in pulling:
-                    records = {**content, P.CONFIG: ConfigRecord({**config, **pull_config(node, ahead)})} \
-                        if applying else {P.CONFIG: ConfigRecord(pull_config(node, ahead))}
-                    messages.append(Message(RecordDict(records), node, P.MSG_PULL, ttl=d.round_timeout,
+                    records = {**content, M.CONFIG: ConfigRecord({**config, **pull_config(node, ahead)})} \
+                        if applying else {M.CONFIG: ConfigRecord(pull_config(node, ahead))}
+                    messages.append(Message(RecordDict(records), node, M.MSG_PULL, ttl=d.round_timeout,
                                             group_id=f"pull{server_round}.{attempt}/{ahead}"))
                 elif applying:
-                    messages.append(Message(RecordDict({**content, P.CONFIG: ConfigRecord(config)}), node,
-                                            P.MSG_APPLY, ttl=d.round_timeout,
+                    messages.append(Message(RecordDict({**content, M.CONFIG: ConfigRecord(config)}), node,
+                                            M.MSG_APPLY, ttl=d.round_timeout,
                                             group_id=f"apply{server_round}.{attempt}/{c}"))
             del content
             pushed = self.push(grid, messages)
@@ -354,13 +351,13 @@ class ServerShardFedAvg(DecentralizedFedAvg):
             release_free_memory()
             take_applies(self.await_replies(grid, applies, time.monotonic()))  # those already there
         take_applies(self.await_replies(grid, applies, time.monotonic() + d.round_timeout))
-        return {}, {node: errors.get(node, final.get(node)) for node in self.members}
+        return {}, {node: errors.get(node, final.get(node)) for node in self.round_members}
 
     def _adopted(self, server_round: int, replies: dict[int, Message | None], record: dict[str, Any]) -> None:
         """Record what the members reported after adopting the mean; drop those that could not."""
         checksums, evals, dropped = {}, {}, {}
-        for node in list(self.members):
-            metrics, error = _reply_payload(replies.get(node))
+        for node in list(self.round_members):
+            metrics, error = G.reply_payload(replies.get(node))
             if error:
                 dropped[node] = error
                 continue
@@ -382,7 +379,7 @@ class ServerShardFedAvg(DecentralizedFedAvg):
         if evals:
             record["eval_losses"] = {str(n): loss for n, loss in evals.items()}
             record["eval_loss"] = sum(evals.values()) / len(evals)
-            record["eval_ppl"] = _ppl(record["eval_loss"])
+            record["eval_ppl"] = perplexity(record["eval_loss"])
         if not record["checksums_equal"]:
             log(ERROR, "round %d: the groups' shard checksums differ after adopting the server's mean", server_round)
 

@@ -1,0 +1,326 @@
+"""The thin ClientApp side (no torch): find or launch this node's group, forward each Flower message to it.
+
+Deployment: the SuperNode's `--node-config` names the group: `group-address="127.0.0.1:7100"
+group-authkey-file="/path/key"` (optional: `data-dir`, `partition-id`, `num-partitions`, `facility`, `gpus`).
+
+Local simulation (no `group-address` in the node config): the first hello launches the group on this machine
+(`flwr_sharded.flower.launch`); `Context.state` remembers it so later rounds reuse it; the `finish` message at the
+run's end shuts it down. The group also exits on its own when the process that launched it is gone, or after its
+idle timeout.
+
+A train message starts the round in the group and is answered at once; the collect message that follows it waits
+for the round's result. The train config goes to the group unchanged, so a key the group does not know is an error
+reply, not a silent drop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Mapping
+
+from flwr_sharded.errors import ConfigError
+from flwr_sharded.flower import handoff
+from flwr_sharded.flower import messages as M
+from flwr_sharded.flower.endpoint import GroupClient, GroupError, GroupUnavailable, read_authkey
+from flwr_sharded.flower.launch import (LaunchedGroup, assign_gpus, default_run_root, launch_group, stop_group,
+                                        visible_gpus)
+from flwr_sharded.flower.processes import pid_alive
+
+logger = logging.getLogger(__name__)
+
+STATE_KEY = "flwr-sharded-group"
+"""Context.state ConfigRecord holding a launched group's pid, address and files."""
+EXPORT_KEY = "flwr-sharded-export"
+"""Context.state ConfigRecord of the server path's exported hand-off files (round, weight, files) until pulled."""
+NODE_ADDRESS = "group-address"
+NODE_AUTHKEY = "group-authkey-file"
+NODE_DATA_DIR = "data-dir"
+NODE_FACILITY = "facility"
+NODE_GPUS = "gpus"
+
+
+def _node_partition(context: Any, config: Mapping[str, Any]) -> tuple[int, int]:
+    """The node config's partition-id/num-partitions when set (the Flower convention), else the server's."""
+    nc = context.node_config
+    if "partition-id" in nc and "num-partitions" in nc:
+        return int(nc["partition-id"]), int(nc["num-partitions"])
+    return int(config.get("partition-id", 0)), int(config.get("num-partitions", 1))
+
+
+def _launched(context: Any) -> LaunchedGroup | None:
+    record = context.state.config_records.get(STATE_KEY)
+    return LaunchedGroup.from_record(record) if record is not None else None
+
+
+def _remember(context: Any, group: LaunchedGroup | None) -> None:
+    from flwr.app import ConfigRecord
+
+    if group is None:
+        if STATE_KEY in context.state.config_records:
+            del context.state.config_records[STATE_KEY]
+    else:
+        context.state.config_records[STATE_KEY] = ConfigRecord(group.to_record())
+
+
+def find_group(context: Any, config: Mapping[str, Any], *, launch: bool) -> tuple[GroupClient, LaunchedGroup | None]:
+    """This node's group: named by the node config (deployment), or launched here on first use (simulation)."""
+    nc = context.node_config
+    if NODE_ADDRESS in nc:
+        if NODE_AUTHKEY not in nc:
+            raise ConfigError(f"node config has {NODE_ADDRESS} but no {NODE_AUTHKEY}")
+        return GroupClient(str(nc[NODE_ADDRESS]), read_authkey(str(nc[NODE_AUTHKEY]))), None
+    group = _launched(context)
+    if group is not None:
+        if pid_alive(group.pid):
+            return group.client(), group
+        if not launch:
+            raise GroupUnavailable(f"the group this node launched (pid {group.pid}) has exited; "
+                                   f"{group.log_file}:\n{group.log_tail()}")
+        logger.warning("the group this node launched (pid %d) has exited; launching a new one", group.pid)
+        stop_group(group, graceful=False, timeout=10.0)  # any rank left behind
+        _remember(context, None)
+    if not launch:
+        raise GroupUnavailable("this node has no group (no hello reached it, and the node config names none)")
+    from flwr_sharded.flower.run import FlowerRun
+
+    partition_id = _node_partition(context, config)[0]
+    run = FlowerRun.from_json(str(config["run"])).for_group(partition_id, str(nc.get(NODE_FACILITY, "")))
+    p = run.train.parallel
+    gpus = assign_gpus(partition_id, p.replicas * p.shards, visible_gpus(), str(nc.get(NODE_GPUS, "")))
+    run_dir = default_run_root() / f"run-{context.run_id}" / f"node-{context.node_id}"
+    group = launch_group(run_dir, method=p.method, replicas=p.replicas, shards=p.shards,
+                         idle_timeout=float(config.get("group-idle-timeout", 600.0)), watch_pid=os.getpid(),
+                         ready_timeout=float(config.get("timeout", 180.0)), gpus=gpus)
+    _remember(context, group)
+    return group.client(), group
+
+
+def to_records(ok: bool, error: str, result: Mapping[str, Any]):
+    """A reply's RecordDict: numbers (and lists of numbers) in 'metrics', strings and flags in 'info'."""
+    from flwr.app import ConfigRecord, MetricRecord, RecordDict
+
+    metrics: dict[str, Any] = {}
+    info: dict[str, Any] = {"ok": bool(ok), "error": str(error)}
+    for key, value in result.items():
+        if key in ("ok", "error"):
+            continue
+        if isinstance(value, bool):
+            metrics[key] = int(value)
+        elif isinstance(value, (int, float)):
+            metrics[key] = value
+        elif isinstance(value, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+            floats = any(isinstance(v, float) for v in value)
+            metrics[key] = [float(v) for v in value] if floats else [int(v) for v in value]
+        elif isinstance(value, str):
+            info[key] = value
+        elif value is None:
+            continue
+        else:
+            info[key] = str(value)
+    return RecordDict({M.METRICS: MetricRecord(metrics), M.INFO: ConfigRecord(info)})
+
+
+def handle(message: Any, context: Any, verb: str) -> Any:
+    """Forward one Flower message to this node's group and wrap the outcome as the reply Message.
+
+    Failures (no group, group error, timeout) become a reply with info.ok = False and the reason, so the ServerApp
+    can tell a failed group from a lost node.
+    """
+    from flwr.app import Message
+
+    config = dict(message.content.config_records.get(M.CONFIG, {}))
+    timeout = float(config.get("timeout", 600.0))
+
+    def reply(result: Mapping[str, Any], ok: bool = True, error: str = "") -> Any:
+        return Message(to_records(ok, error, result), reply_to=message)
+
+    try:
+        if verb == M.FINISH:
+            return reply(_finish(context, config, timeout))
+        if verb == M.PULL:
+            applied = None
+            if handoff.SHARDS in message.content:  # a chunk of the mean to apply rides along with this pull
+                group_client, _ = find_group(context, config, launch=False)
+                applied = _apply(group_client, context, message.content, config, timeout)
+            return _pull(message, context, config, applied)
+        client, launched = find_group(context, config, launch=verb == M.HELLO)
+        if verb == M.HELLO:
+            return _hello(message, context, config, client, launched, timeout)
+        if verb == M.TRAIN:
+            args = {k: v for k, v in config.items() if k not in M.ROUTING_KEYS}
+            return reply(client.call(M.TRAIN, args, timeout=min(timeout, M.START_TIMEOUT_S), detach=True))
+        if verb == M.COLLECT:
+            result = client.collect(str(config["job"]), timeout=timeout)
+            if result.get("export_files"):
+                return _train_reply_with_manifest(message, context, result, int(config.get("server-round", 0)))
+            return reply(result)
+        if verb == M.APPLY:
+            return reply(_apply(client, context, message.content, config, timeout))
+        return reply(client.call(verb, {}, timeout=timeout))
+    except GroupError as exc:
+        return Message(to_records(False, str(exc), exc.result), reply_to=message)
+    except (GroupUnavailable, ConfigError, OSError, KeyError, ValueError) as exc:
+        return Message(to_records(False, f"{type(exc).__name__}: {exc}", {"unavailable": verb != M.PULL}),
+                       reply_to=message)
+
+
+def _hello(message: Any, context: Any, config: Mapping[str, Any], client: GroupClient,
+           launched: LaunchedGroup | None, timeout: float) -> Any:
+    from flwr.app import Message
+
+    partition_id, num_partitions = _node_partition(context, config)
+    args = {"run": config["run"], "run_key": str(config.get("run-key", context.run_id)),
+            "partition_id": partition_id, "num_partitions": num_partitions,
+            "rejoin": bool(config.get("rejoin", False)),
+            "data_dir": str(context.node_config.get(NODE_DATA_DIR, "")),
+            "facility": str(context.node_config.get(NODE_FACILITY, ""))}
+    result = client.call(M.HELLO, args, timeout=timeout)
+    result["facility"] = args["facility"]
+    if launched is not None:
+        result["log_file"] = launched.log_file
+        if result.get("pids"):
+            launched.worker_pids = [int(p) for p in result["pids"]]
+            _remember(context, launched)
+    ok = bool(result.get("compatible", False))
+    return Message(to_records(ok, "" if ok else str(result.get("error", "incompatible")), result), reply_to=message)
+
+
+def _train_reply_with_manifest(message: Any, context: Any, result: dict[str, Any], server_round: int) -> Any:
+    """The round's reply with the manifest of the group's exported pieces; the server then pulls them in chunks.
+
+    The files stay until the group adopts the round's mean (the server may pull a chunk again if it starts over
+    without a failed facility), or until the next export replaces them.
+    """
+    from flwr.app import ConfigRecord, Message
+
+    files = [str(f) for f in result.pop("export_files")]
+    weight = float(result.get("facility_tokens", 0))
+    _drop_export(context)
+    context.state.config_records[EXPORT_KEY] = ConfigRecord({"round": server_round, "weight": weight,
+                                                             "files": files})
+    try:
+        shapes, meta = handoff.manifest(files)
+    except (OSError, ValueError) as exc:
+        _drop_export(context)
+        return Message(to_records(False, f"cannot read the exported shards: {exc}", result), reply_to=message)
+    content = to_records(True, "", result)
+    for name, record in handoff.manifest_records(shapes, meta, server_round, weight).items():
+        content[name] = record
+    return Message(content, reply_to=message)
+
+
+def _pull(message: Any, context: Any, config: Mapping[str, Any], applied: dict[str, Any] | None = None) -> Any:
+    """Reply with the requested rows (`"key|start|stop"` each) of this round's exported pieces (and with the
+    outcome of the apply chunk the message also carried, if any)."""
+    from flwr.app import Message, RecordDict
+
+    export = context.state.config_records.get(EXPORT_KEY)
+    server_round = int(config.get("server-round", 0))
+    if export is None or int(export["round"]) != server_round:
+        held = "none" if export is None else f"round {export['round']}"
+        raise ValueError(f"no exported shards of round {server_round} on this node (it holds {held})")
+    requests = []
+    for text in config.get("pieces", []):
+        key, start, stop = str(text).rsplit("|", 2)
+        requests.append((key, int(start), int(stop)))
+    arrays, meta = handoff.read_rows([str(f) for f in export["files"]], requests)
+    content = RecordDict(handoff.to_records(arrays, meta, server_round, float(export["weight"])))
+    del arrays
+    if applied is not None:
+        for name, record in to_records(True, "", applied).items():
+            content[name] = record
+    return Message(content, reply_to=message)
+
+
+def _drop_export(context: Any) -> None:
+    """Remove the exported hand-off files this node still holds, if any."""
+    export = context.state.config_records.get(EXPORT_KEY)
+    if export is not None:
+        _remove_files([str(f) for f in export["files"]])
+        del context.state.config_records[EXPORT_KEY]
+
+
+def _apply(client: GroupClient, context: Any, content: Any, config: Mapping[str, Any],
+           timeout: float) -> dict[str, Any]:
+    """Write one chunk of the server's pieces to the apply directory of this round's pass (`attempt`: the server
+    starts a pass over when it leaves a facility out); after the pass's last chunk every rank of the group
+    assembles its own rows from the chunk files and adopts them."""
+    arrays, meta, info = handoff.from_records(content)
+    server_round, chunk = int(config.get("server-round", 0)), int(config.get("chunk", 0))
+    chunks, attempt = int(config.get("chunks", 1)), int(config.get("attempt", 0))
+    if int(info.get("round", -1)) != server_round:
+        raise ValueError(f"the shards are for round {info.get('round')}, this message is for round {server_round}")
+    if not 0 <= chunk < chunks:
+        raise ValueError(f"chunk {chunk} of {chunks}")
+    handoff_dir = str(client.call(M.STATUS, timeout=min(timeout, 30.0))["handoff_dir"])
+    directory = os.path.join(handoff_dir, f"apply-round{server_round}.{attempt}")
+    if chunk == 0:  # chunks of earlier passes, or of rounds whose apply did not finish
+        _remove_applies(handoff_dir, keep=directory)
+    paths = [os.path.join(directory, f"c{c}.safetensors") for c in range(chunks)]
+    handoff.write_file(paths[chunk], arrays, meta)
+    del arrays
+    if chunk < chunks - 1:
+        return {"chunk": chunk}
+    try:
+        missing = [p for p in paths if not os.path.isfile(p)]
+        if missing:
+            raise ValueError(f"{len(missing)} of the {chunks} chunks of round {server_round} did not arrive")
+        args = {"server_round": server_round, "paths": paths, "evaluate": bool(config.get("evaluate", False)),
+                "checkpoint": bool(config.get("checkpoint", False))}
+        out = client.call(M.APPLY, args, timeout=timeout)
+        _drop_export(context)  # the round's mean is adopted: nothing more will be pulled
+        return out
+    finally:
+        _remove_applies(handoff_dir)
+
+
+def _remove_applies(handoff_dir: str, keep: str = "") -> None:
+    """Remove the apply directories under `handoff_dir` but `keep`."""
+    for directory in Path(handoff_dir).glob("apply-round*"):
+        if str(directory) != keep:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def _remove_files(paths: list[str], directories: bool = True) -> None:
+    for path in paths:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        if directories:
+            try:
+                os.rmdir(os.path.dirname(path))  # the per-round export directory, once empty
+            except OSError:
+                pass
+
+
+def _finish(context: Any, config: Mapping[str, Any], timeout: float) -> dict[str, Any]:
+    """End of the run: a launched group is shut down; a deployment group drops the run (or exits if asked)."""
+    save_dir = str(config.get("save-dir", ""))
+    group = _launched(context)
+    nc = context.node_config
+    if NODE_ADDRESS not in nc and group is not None:
+        saved = ""
+        if save_dir and pid_alive(group.pid):
+            try:
+                saved = group.client().call(M.FINISH, {"save_dir": save_dir}, timeout=timeout).get("saved", "")
+            except (GroupUnavailable, GroupError) as exc:
+                logger.warning("save before shutdown failed: %s", exc)
+        stopped = stop_group(group, timeout=min(timeout, 30.0))
+        _remember(context, None)
+        for name in ("authkey", "address"):  # keep group.log for post-mortems
+            Path(group.run_dir, name).unlink(missing_ok=True)
+        return {"stopped": int(stopped), "saved": saved}
+    if NODE_ADDRESS not in nc:
+        return {"stopped": 1, "saved": ""}  # nothing was launched here
+    client, _ = find_group(context, config, launch=False)
+    if bool(config.get("stop-group", False)):
+        if save_dir:
+            client.call(M.FINISH, {"save_dir": save_dir}, timeout=timeout)
+        client.call(M.SHUTDOWN, timeout=min(timeout, 30.0))
+        return {"stopped": 1, "saved": save_dir}
+    out = client.call(M.FINISH, {"save_dir": save_dir}, timeout=timeout)
+    return {"stopped": 0, "saved": str(out.get("saved", ""))}

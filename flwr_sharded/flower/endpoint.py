@@ -1,0 +1,252 @@
+"""The local authenticated endpoint between a node's ClientApp and its group's rank 0: both ends. Torch-free.
+
+`multiprocessing.connection` with an authkey (HMAC challenge and response in both directions, per connection, each
+in its own thread so a stalled caller blocks nobody), carrying JSON (`send_bytes`/`recv_bytes`, never pickle), one
+instruction per connection. The server hands instructions to the group's main loop one at a time; `collect`
+instructions are answered from the connection's own thread, waiting for a detached job's result, so they never
+queue behind the job they wait for.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import secrets
+import stat
+import threading
+import time
+from multiprocessing.connection import Client, Connection, Listener, answer_challenge, deliver_challenge
+from pathlib import Path
+from typing import Any, Mapping
+
+from flwr_sharded.errors import ConfigError
+from flwr_sharded.flower import messages as M
+
+logger = logging.getLogger(__name__)
+
+REQUEST_TIMEOUT_S = 10.0
+"""A connection that does not send its instruction within this time after the handshake is dropped."""
+KEPT_JOBS = 4
+"""Finished detached jobs whose results the server keeps until collected (older ones are dropped)."""
+
+
+class GroupUnavailable(RuntimeError):
+    """The group cannot be reached, rejected the key, went away or did not answer in time."""
+
+
+class GroupError(RuntimeError):
+    """The group answered with an error."""
+
+    def __init__(self, message: str, result: Mapping[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.result = dict(result or {})
+
+
+# ----------------------------------------------------------------------------------------- addresses and keys
+
+def parse_address(text: str) -> tuple[str, int]:
+    """'host:port' -> (host, port); the port may be 0 (pick a free one) only where a server listens."""
+    host, sep, port = str(text).rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ConfigError(f"address {text!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+def format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def write_authkey(path: str | Path) -> bytes:
+    """Create `path` (mode 0600) holding a fresh random key; returns the key bytes."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key = secrets.token_hex(32).encode()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(key)
+    return key
+
+
+def read_authkey(path: str | Path) -> bytes:
+    """The key in `path` (surrounding whitespace stripped); refuses a missing, empty or world-readable file."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"authkey file {path} does not exist")
+    if path.stat().st_mode & (stat.S_IRWXO):
+        raise ConfigError(f"authkey file {path} is accessible by other users; chmod 600 {path}")
+    key = path.read_bytes().strip()
+    if len(key) < 16:
+        raise ConfigError(f"authkey file {path} holds {len(key)} bytes; use at least 16 (e.g. `openssl rand -hex 32`)")
+    return key
+
+
+# ---------------------------------------------------------------------------------------------------- client
+
+class GroupClient:
+    """Calls one verb per connection on a group's endpoint; every wait is bounded."""
+
+    def __init__(self, address: str, authkey: bytes, *, connect_timeout: float = 15.0) -> None:
+        self.address = address
+        self.host, self.port = parse_address(address)
+        self._authkey = authkey
+        self.connect_timeout = connect_timeout
+
+    def call(self, verb: str, args: Mapping[str, Any] | None = None, *, timeout: float = 600.0,
+             detach: bool = False) -> dict[str, Any]:
+        """Send one instruction and return the group's `result` (`detach`: the job's id, at once; see `collect`).
+
+        Raises GroupUnavailable (cannot connect, bad key, connection lost, no reply within `timeout` seconds) or
+        GroupError (the group replied with an error).
+        """
+        box: dict[str, Any] = {}
+        request = M.encode(M.instruction(verb, args, detach=detach))
+
+        def run() -> None:
+            try:
+                box["reply"] = self._exchange(request, timeout)
+            except BaseException as exc:  # handed to the caller
+                box["error"] = exc
+
+        # A worker thread bounds even the parts of the stdlib client that block without a timeout (connect,
+        # handshake); if it hangs it is abandoned as a daemon.
+        worker = threading.Thread(target=run, name=f"group-call-{verb}", daemon=True)
+        worker.start()
+        worker.join(timeout + self.connect_timeout + 5.0)
+        if worker.is_alive():
+            raise GroupUnavailable(f"group at {self.address}: no reply to {verb} within {timeout:.0f} s")
+        if "error" in box:
+            raise box["error"]
+        reply = box["reply"]
+        if not reply.get("ok"):
+            raise GroupError(str(reply.get("error") or f"{verb} failed"), reply.get("result"))
+        return dict(reply.get("result") or {})
+
+    def collect(self, job: str, *, timeout: float) -> dict[str, Any]:
+        """The result of the detached job `job`, waiting for it at most `timeout` seconds."""
+        return self.call(M.COLLECT, {"job": job, "wait": timeout}, timeout=timeout + 5.0)
+
+    def _exchange(self, request: bytes, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + self.connect_timeout
+        while True:
+            try:
+                conn = Client((self.host, self.port), family="AF_INET", authkey=self._authkey)
+                break
+            except ConnectionRefusedError as exc:
+                if time.monotonic() > deadline:
+                    raise GroupUnavailable(f"no group listens at {self.address} (connection refused)") from exc
+                time.sleep(0.2)
+            except (OSError, EOFError) as exc:
+                raise GroupUnavailable(f"cannot connect to the group at {self.address}: {exc!r}") from exc
+            except Exception as exc:  # multiprocessing.AuthenticationError
+                raise GroupUnavailable(f"the group at {self.address} rejected this node's authkey: {exc}") from exc
+        with conn:
+            try:
+                conn.send_bytes(request)
+                if not conn.poll(timeout):
+                    raise GroupUnavailable(f"group at {self.address}: no reply within {timeout:.0f} s")
+                return M.decode(conn.recv_bytes(M.MAX_MESSAGE_BYTES))
+            except (EOFError, OSError) as exc:
+                raise GroupUnavailable(f"lost the connection to the group at {self.address} (did the group "
+                                       f"die?): {exc!r}") from exc
+
+
+# ---------------------------------------------------------------------------------------------------- server
+
+class Request:
+    """One authenticated connection's instruction, waiting for the main loop."""
+
+    def __init__(self, conn: Connection, verb: str, args: dict[str, Any], detach: bool) -> None:
+        self.conn, self.verb, self.args, self.detach = conn, verb, args, detach
+
+    def reply(self, reply: Mapping[str, Any]) -> None:
+        try:
+            self.conn.send_bytes(M.encode(reply))
+        except OSError as exc:
+            logger.warning("could not deliver the %s reply (caller gone?): %s", self.verb, exc)
+        finally:
+            self.conn.close()
+
+
+class EndpointServer:
+    """Rank 0's endpoint: authenticated instructions arrive on `incoming`; `collect` is answered here."""
+
+    def __init__(self, address: tuple[str, int], authkey: bytes) -> None:
+        self._authkey = authkey
+        self.listener = Listener(address, family="AF_INET")  # the challenge runs per connection, below
+        self.address = self.listener.address
+        self.incoming: queue.Queue[Request] = queue.Queue()
+        self._closed = False
+        self._jobs: dict[str, dict[str, Any] | None] = {}
+        self._done = threading.Condition()
+        threading.Thread(target=self._accept_loop, name="endpoint-accept", daemon=True).start()
+
+    # ----- detached jobs ------------------------------------------------------------------------------------
+    def job_started(self, job: str) -> None:
+        with self._done:
+            self._jobs[job] = None
+            while len(self._jobs) > KEPT_JOBS:
+                del self._jobs[next(iter(self._jobs))]
+
+    def job_finished(self, job: str, reply: dict[str, Any]) -> None:
+        with self._done:
+            if job in self._jobs:
+                self._jobs[job] = reply
+            self._done.notify_all()
+
+    def _collect(self, args: Mapping[str, Any]) -> dict[str, Any]:
+        job, wait = str(args.get("job", "")), float(args.get("wait", 0.0))
+        deadline = time.monotonic() + wait
+        with self._done:
+            while True:
+                if job not in self._jobs:
+                    return M.reply_error(f"no job {job!r} on this group (it was never started here, or the group "
+                                         f"restarted)")
+                if self._jobs[job] is not None:
+                    return self._jobs[job]  # type: ignore[return-value]
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return M.reply_error(f"job {job!r} did not finish within {wait:.0f} s")
+                self._done.wait(min(left, 1.0))
+
+    # ----- connections --------------------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn = self.listener.accept()
+            except OSError:
+                if self._closed:
+                    return
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name="endpoint-conn", daemon=True).start()
+
+    def _serve(self, conn: Connection) -> None:
+        try:
+            deliver_challenge(conn, self._authkey)
+            answer_challenge(conn, self._authkey)
+        except Exception as exc:  # AuthenticationError, EOFError, OSError
+            logger.warning("rejected a connection to the group endpoint: %s", type(exc).__name__)
+            conn.close()
+            return
+        try:
+            if not conn.poll(REQUEST_TIMEOUT_S):
+                conn.close()
+                return
+            obj = M.decode(conn.recv_bytes(M.MAX_MESSAGE_BYTES))
+            verb, args = M.check_instruction(obj)
+        except (EOFError, OSError, M.ProtocolError) as exc:
+            logger.warning("bad request on the endpoint: %s", exc)
+            Request(conn, "", {}, False).reply(M.reply_error(f"bad request: {exc}"))
+            return
+        request = Request(conn, verb, args, bool(obj.get("detach", False)))
+        if verb == M.COLLECT:
+            request.reply(self._collect(args))
+        else:
+            self.incoming.put(request)
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self.listener.close()
+        except OSError:
+            pass

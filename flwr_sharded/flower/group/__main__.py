@@ -1,0 +1,11 @@
+"""`torchrun --nproc-per-node R*S -m flwr_sharded.flower.group ...`: see `flwr_sharded.flower.group.runtime`."""
+
+import os
+import sys
+
+from flwr_sharded.flower.group.runtime import main
+
+code = main()
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(code)  # no interpreter teardown: background store/accept threads must not delay the exit

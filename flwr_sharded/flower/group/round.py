@@ -1,0 +1,193 @@
+"""One Flower round of a group, owned by one object: catch-up, K periods of A local steps, the syncs, commit and
+rollback.
+
+Per round the ServerApp names the members (ordered), member 0's rendezvous offer and a unique prefix. Replica 0 of
+each shard index joins, on the round's first sync, the round's federation group of that index and runs the
+trainer's `ShardSync` over it; FL+HSDP replicas then receive the result by broadcast, but only once every rank of the
+group knows that every shard index succeeded. Every adopted sync is committed (`RollbackPoint`); a sync that fails on
+any rank restores the last commit on every rank, and the round ends there. A group alone in a round still syncs (a
+no-op for FedAvg, the outer step for outer optimizers).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from flwr_sharded.flower import rendezvous as rdv
+from flwr_sharded.flower.messages import TrainArgs
+
+logger = logging.getLogger("flwr_sharded.group")
+
+
+class GroupRound:
+    """One round of one group; `run()` executes it on every rank and returns rank 0's reply."""
+
+    def __init__(self, runtime: Any, args: TrainArgs) -> None:
+        self.rt = runtime
+        self.t = runtime.trainer
+        self.args = args
+        self.topo = runtime.topo
+        self.groups: list[rdv.FederationGroup] = []
+        self.rendezvous_s = 0.0
+        run = runtime.run
+        self.periods = int(args.overrides.get("syncs-per-round", run.federation.syncs_per_round))
+        self.steps = int(args.overrides.get("aggregate-every", run.train.parallel.aggregate_every))
+
+    # ----- the round ------------------------------------------------------------------------------------------
+    def run(self, *, apply_rule: bool = True) -> dict[str, Any]:
+        """Train and sync; `apply_rule=False` stops each sync at the weighted mean (the server path's facility
+        level, whose outer step runs after the server's mean arrives)."""
+        a, t = self.args, self.t
+        self._configure()
+        losses: list[torch.Tensor] = []
+        train_s = sync_s = 0.0
+        syncs_done, failure, weight = 0, "", 0.0
+        checksums: list[float] = []
+        caught_up: list[float] = []
+        try:
+            if a.catch_up:  # a member (re)joined: everyone adopts member 0's state before training
+                start = time.perf_counter()
+                failure = self.catch_up()
+                sync_s += time.perf_counter() - start
+                if failure:
+                    logger.warning("catch-up of round %s failed: %s", a.prefix, failure)
+                else:
+                    caught_up = self.rt.checksums()
+            for k in range(0 if failure else self.periods):
+                start = time.perf_counter()
+                for _ in range(self.steps):
+                    losses.append(t.step())
+                    self._progress(losses)
+                if t.device.type == "cuda":
+                    torch.cuda.synchronize()
+                train_s += time.perf_counter() - start
+                start = time.perf_counter()
+                failure, period_weight = self.sync(apply_rule)
+                sync_s += time.perf_counter() - start
+                if failure:
+                    logger.warning("sync %d of round %s failed, restored the last synced shards: %s", k + 1,
+                                   a.prefix, failure)
+                    break
+                syncs_done += 1
+                weight += period_weight
+                self.rt.syncs += 1
+                checksums.extend(self.rt.checksums())
+                if self.rt.args.debug_exit_after_syncs and self.rt.syncs >= self.rt.args.debug_exit_after_syncs:
+                    logger.error("--debug-exit-after-syncs %d reached: exiting abruptly", self.rt.syncs)
+                    os._exit(17)  # fault injection for tests: a crash between two syncs
+        finally:
+            for g in self.groups:
+                g.destroy()
+        return self._result(losses, train_s, sync_s, syncs_done, failure, weight, checksums, caught_up)
+
+    def _configure(self) -> None:
+        """This round's options: the strategy's overrides, else the run's values."""
+        t, cfg = self.t, self.rt.run.train
+        t.set_peak_lr(float(self.args.overrides.get("lr", cfg.optim.lr)))
+        mu = float(self.args.overrides.get("proximal-mu", cfg.optim.proximal_mu))
+        if mu != t.proximal_mu:
+            t.proximal_mu = mu
+            t.set_anchor()  # the round starts at the last sync: its shards are w_sync
+
+    def _progress(self, losses: list[torch.Tensor]) -> None:
+        every = self.rt.run.train.output.log_every
+        if self.rt.rank == 0 and len(losses) % every == 0:
+            total = self.periods * self.steps
+            logger.info("round %d: step %d/%d of the round (run step %d), loss %.4f", self.args.server_round,
+                        len(losses), total, self.t.step_count, float(losses[-1]))
+
+    def _result(self, losses: list[torch.Tensor], train_s: float, sync_s: float, syncs: int, failure: str,
+                weight: float, checksums: list[float], caught_up: list[float]) -> dict[str, Any]:
+        t, cfg = self.t, self.t.cfg
+        group_losses: list[float] = []
+        if losses:
+            stacked = torch.stack(losses).to(torch.float64)
+            dist.all_reduce(stacked)
+            group_losses = (stacked / self.rt.world).tolist()
+        tokens = len(losses) * cfg.batch_size * cfg.grad_accum * cfg.data.seq_len * self.rt.world
+        self.rt.tokens += tokens
+        phases = t.timer.collect()  # frees the round's CUDA timing events
+        return {"steps": len(losses), "losses": group_losses, "tokens": tokens, "total_tokens": self.rt.tokens,
+                "train_s": train_s, "sync_s": sync_s, "rendezvous_s": self.rendezvous_s, "syncs": syncs,
+                "sync_failed": bool(failure), "sync_error": failure, "checksums": checksums, "step": t.step_count,
+                "lr": t.scheduler.get_last_lr()[0], "members": len(self.args.members),
+                "catch_up_checksums": caught_up, "facility_tokens": weight,
+                **{f"{name}_s_total": value for name, value in phases.items()}}
+
+    # ----- pieces ---------------------------------------------------------------------------------------------
+    def join(self) -> None:
+        """Replica 0: form the round's federation group of this rank's shard index (once per round)."""
+        if self.groups:
+            return
+        a, s = self.args, self.topo.shard_index
+        start = time.perf_counter()
+        backend = rdv.backend_for_device(self.t.device, self.rt.args.sync_backend)
+        group = rdv.join(host=a.rendezvous_host, port=a.rendezvous_ports[s], prefix=f"{a.prefix}/s{s}",
+                         rank=a.member_index, size=len(a.members), rendezvous_timeout=a.rendezvous_timeout,
+                         sync_timeout=a.sync_timeout, backend=backend)
+        self.groups.append(group)
+        self.t.shard_sync.rebind(group.pg, None)
+        self.rendezvous_s += time.perf_counter() - start
+
+    def sync(self, apply_rule: bool) -> tuple[str, float]:
+        """One shard sync with the round's members: ('' or the error, the members' total weight as replica 0
+        knows it). On failure every rank of the group is back at the last commit."""
+        t, error, weight = self.t, "", 0.0
+        if self.topo.replica_index == 0:
+            try:
+                self.join()
+                weight = t.sync(apply_rule=apply_rule).total_weight  # token-weighted FedAvg (or outer rule)
+            except Exception as exc:  # noqa: BLE001 - rendezvous, timeout, peer gone, misaligned shards
+                error = f"shard {self.topo.shard_index}: {rdv.first_line(exc)}"
+        else:  # a replica > 0 receives the result by broadcast below
+            t.after_sync()
+        errors = [e for e in self.rt.gather(error) if e]
+        if errors:
+            self.rt.rollback.restore()
+            t.tokens_since_sync = 0
+            return "; ".join(sorted(set(errors))), weight
+        if self.topo.rep_group is not None:
+            t.shard_sync.broadcast(self.topo.rep_group)
+        self.rt.rollback.commit()
+        return "", weight
+
+    def catch_up(self) -> str:
+        """Every member adopts member 0's shards, outer state and schedule position (a group (re)joined the run);
+        returns '' or the error (then every rank is back at the last commit).
+
+        Replica 0 of each shard index joins the round's federation group and receives member 0's shards and outer
+        state by broadcast; the step count travels on shard index 0; FL+HSDP replicas then copy replica 0.
+        """
+        t, error, step = self.t, "", self.t.step_count
+        if self.topo.replica_index == 0:
+            try:
+                self.join()
+                pg = self.groups[0].pg
+                t.shard_sync.broadcast(pg)
+                t.shard_sync.broadcast_outer_state(pg)
+                box = torch.tensor([t.step_count], dtype=torch.int64, device=t.device)
+                dist.broadcast(box, group=pg, group_src=0)
+                step = int(box.item())
+            except Exception as exc:  # noqa: BLE001 - rendezvous, timeout, peer gone
+                error = f"shard {self.topo.shard_index}: {rdv.first_line(exc)}"
+        errors = [e for e in self.rt.gather(error) if e]
+        if errors:
+            self.rt.rollback.restore()
+            return "; ".join(sorted(set(errors)))
+        if self.topo.rep_group is not None:
+            t.shard_sync.broadcast(self.topo.rep_group)
+        step = self.rt.broadcast(step)  # rank 0 (replica 0, shard 0) knows member 0's step count
+        if step != t.step_count:
+            logger.info("caught up: step %d -> %d (member 0's)", t.step_count, step)
+            t.step_count = step
+            t.scheduler.last_epoch = step - 1
+            t.scheduler.step()  # the learning rate of step `step`
+        t.set_anchor()
+        self.rt.rollback.commit()
+        return ""

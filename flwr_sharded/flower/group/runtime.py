@@ -1,0 +1,418 @@
+"""The long-lived group runtime: one torchrun job (R x S ranks) per Flower client.
+
+    torchrun --nproc-per-node R*S -m flwr_sharded.flower.group --authkey-file KEY --address 127.0.0.1:7100 \\
+        --method fl-fsdp --replicas 1 --shards 2
+
+Rank 0 serves the local endpoint (`flwr_sharded.flower.endpoint`) and broadcasts each instruction to every rank over
+a gloo "control" group; all ranks then execute it together. Between instructions the other ranks wait in that
+broadcast, with a long timeout. A detached instruction (a train round) is acknowledged first and its result kept for
+the `collect` that follows.
+
+The group exits cleanly on the `shutdown` verb, after `--idle-timeout` seconds without an instruction, when the
+process given by `--watch-pid` is gone, and, through torchrun, when any of its ranks dies (every rank also exits
+when its torchrun launcher disappears, so no rank is orphaned).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import logging
+import os
+import queue
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from flwr_sharded.config import ParallelConfig, validate_parallel
+from flwr_sharded.errors import ConfigError
+from flwr_sharded.flower import endpoint as E
+from flwr_sharded.flower import messages as M
+from flwr_sharded.flower import rendezvous as rdv
+from flwr_sharded.flower.group import server_side
+from flwr_sharded.flower.group.round import GroupRound
+from flwr_sharded.flower.group.server_side import InstructionError
+from flwr_sharded.flower.processes import pid_alive
+
+logger = logging.getLogger("flwr_sharded.group")
+
+FOREVER_S = 365 * 24 * 3600.0
+
+
+def _watch_parent() -> None:
+    """Exit this rank as soon as its parent (the torchrun agent) is gone: no orphaned ranks after a `kill -9`."""
+    parent = os.getppid()
+
+    def loop() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(3)
+
+    threading.Thread(target=loop, name="parent-watch", daemon=True).start()
+
+
+class GroupRuntime:
+    """State and verbs of one group; every rank holds one and executes every instruction."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from flwr_sharded.parallel.topology import init_topology
+
+        self.args = args
+        self.pconfig = ParallelConfig(method=args.method, federations=1, replicas=args.replicas, shards=args.shards)
+        self.topo = init_topology(self.pconfig, timeout_s=args.collective_timeout)
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        wait_s = args.idle_timeout + 300.0 if args.idle_timeout > 0 else FOREVER_S
+        self.ctrl = dist.new_group(backend="gloo", timeout=timedelta(seconds=wait_s))
+        self.pids = self.gather(os.getpid())
+        self.trainer = None
+        self.run = None  # the FlowerRun of the current trainer (this group's S)
+        self.rollback = None  # the trainer's RollbackPoint
+        self.resumed_round = 0
+        self.handoff_dir = self.broadcast(args.handoff_dir or os.path.join(
+            tempfile.gettempdir(), f"flwr_sharded-{os.getuid()}", f"handoff-{os.getpid()}") if self.rank == 0 else None)
+        self.key = ""
+        self.tokens = 0
+        self.syncs = 0
+        self.started = time.time()
+        self.stores: list[dist.TCPStore] = []
+        self.offer_ports: list[int] = []
+        if self.rank == 0:
+            ports = [int(p) for p in args.rendezvous_ports.split(",")] if args.rendezvous_ports else None
+            if ports is not None and len(ports) != args.shards:
+                raise ConfigError(f"--rendezvous-ports needs {args.shards} ports (one per shard index), got {ports}")
+            self.stores = rdv.serve_stores(args.rendezvous_host, args.shards, ports)
+            self.offer_ports = [s.port for s in self.stores]
+
+    # ----- collectives on the control group (gloo, CPU) -------------------------------------------------------
+    def gather(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.ctrl)
+        return out
+
+    def broadcast(self, obj: Any) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.ctrl)
+        return box[0]
+
+    # ----- the two loops -------------------------------------------------------------------------------------
+    def serve(self) -> int:
+        """Rank 0: take instructions from the endpoint until shutdown, idle timeout or watched process exit."""
+        authkey = E.read_authkey(self.args.authkey_file)
+        endpoint = E.EndpointServer(E.parse_address(self.args.address), authkey)
+        address = E.format_address(*endpoint.address)
+        if self.args.address_file:
+            tmp = f"{self.args.address_file}.tmp"
+            with open(tmp, "w") as fh:
+                fh.write(address)
+            os.replace(tmp, self.args.address_file)
+        logger.info("group %s R=%d x S=%d (%d ranks, pids %s) serving on %s; rendezvous offer %s:%s",
+                    self.args.method, self.args.replicas, self.args.shards, self.world, self.pids, address,
+                    self.args.rendezvous_host, self.offer_ports)
+        last = time.monotonic()
+        try:
+            while True:
+                try:
+                    request = endpoint.incoming.get(timeout=1.0)
+                except queue.Empty:
+                    reason = self._stop_reason(last)
+                    if reason:
+                        logger.info("shutting down: %s", reason)
+                        self.broadcast(M.instruction(M.SHUTDOWN, {"reason": reason}))
+                        return 0
+                    continue
+                code = self._serve_request(endpoint, request)
+                last = time.monotonic()
+                if request.verb == M.SHUTDOWN or code:
+                    return code
+        finally:
+            endpoint.close()
+            if not self.args.handoff_dir:  # the default, private one
+                shutil.rmtree(self.handoff_dir, ignore_errors=True)
+
+    def _stop_reason(self, last: float) -> str:
+        idle = self.args.idle_timeout
+        if idle > 0 and time.monotonic() - last > idle:
+            return f"no instruction for {idle:.0f} s (--idle-timeout)"
+        if self.args.watch_pid and not pid_alive(self.args.watch_pid):
+            return f"watched process {self.args.watch_pid} is gone"
+        return ""
+
+    def _serve_request(self, endpoint: E.EndpointServer, request: E.Request) -> int:
+        verb, args = request.verb, request.args
+        job = str(args.get("job", "")) if request.detach else ""
+        if request.detach:
+            if not job:
+                request.reply(M.reply_error("a detached instruction needs a job name"))
+                return 0
+            endpoint.job_started(job)
+            request.reply(M.reply_ok({"job": job}))
+        start = time.monotonic()
+        logger.info("received %s%s", verb, f" ({args['prefix']})" if "prefix" in args else "")
+        self.broadcast(M.instruction(verb, args))
+        reply, code = self._execute(verb, args)
+        logger.info("%s -> %s in %.2f s", verb, "ok" if reply["ok"] else f"error: {reply['error']}",
+                    time.monotonic() - start)
+        if request.detach:
+            endpoint.job_finished(job, reply)
+        else:
+            request.reply(reply)
+        return code
+
+    def follow(self) -> int:
+        """Ranks > 0: execute whatever rank 0 broadcasts, until shutdown."""
+        while True:
+            try:
+                verb, args = M.check_instruction(self.broadcast(None))
+            except Exception as exc:  # rank 0 gone or timed out: torchrun tears the rest down
+                logger.error("lost rank 0 (%s); exiting", exc)
+                return 1
+            _, code = self._execute(verb, args)
+            if verb == M.SHUTDOWN or code:
+                return code
+
+    def _execute(self, verb: str, args: dict[str, Any]) -> tuple[dict[str, Any], int]:
+        handler: Callable[[dict[str, Any]], dict[str, Any]] = getattr(self, f"do_{verb}")
+        try:
+            return M.reply_ok(handler(args)), 0
+        except (InstructionError, M.ArgumentError) as exc:
+            return M.reply_error(str(exc)), 0
+        except Exception as exc:  # noqa: BLE001 - anything else leaves the ranks possibly out of step: exit
+            logger.error("rank %d failed in %s:\n%s", self.rank, verb, traceback.format_exc())
+            return M.reply_error(f"group rank {self.rank} failed in {verb}: {type(exc).__name__}: {exc}; "
+                                 f"the group exits"), 1
+
+    # ----- verbs -----------------------------------------------------------------------------------------------
+    def _layout(self) -> dict[str, Any]:
+        return {"method": self.args.method, "replicas": self.args.replicas, "shards": self.args.shards,
+                "world": self.world, "rendezvous_host": self.args.rendezvous_host,
+                "rendezvous_ports": self.offer_ports, "pids": self.pids, "handoff_dir": self.handoff_dir}
+
+    def do_status(self, args: dict[str, Any]) -> dict[str, Any]:
+        t = self.trainer
+        return {**self._layout(), "run_key": self.key, "steps": t.step_count if t else 0,
+                "checksums": self.checksums() if t else [], "syncs": self.syncs,
+                "uptime_s": time.time() - self.started}
+
+    def do_hello(self, args: dict[str, Any]) -> dict[str, Any]:
+        from flwr_sharded.flower.run import FlowerRun
+        from flwr_sharded.training.preflight import preflight
+
+        layout = M.GroupLayout(self.args.method, self.args.replicas, self.args.shards, self.world)
+        out = {**self._layout(), "compatible": False, "error": "", "fingerprint": "", "tokens": 0, "steps": 0}
+        run = cfg = None
+        try:
+            partition = (int(args["partition_id"]), int(args["num_partitions"]))
+            run = FlowerRun.from_json(str(args["run"])).for_group(partition[0], str(args.get("facility", "")))
+            mismatch = layout.mismatch(run)
+            if mismatch:
+                raise ConfigError(mismatch)
+            run.validate()
+            if args.get("data_dir") or self.args.data_dir:  # the node config's, else the group's own
+                run.train.data.data_dir = str(args.get("data_dir") or self.args.data_dir)
+            if not 0 <= partition[0] < partition[1]:
+                raise ConfigError(f"partition-id {partition[0]} outside 0..{partition[1] - 1}")
+            cfg = run.group_config()
+            cfg.timeout_s = self.args.collective_timeout
+            preflight(cfg, self.world)
+            if cfg.checkpoint.dir:  # series <dir>/group-<partition id>: it follows the data, whichever node trains
+                from flwr_sharded.training.checkpoint import check_resumable, group_dir, latest_checkpoint
+
+                if cfg.checkpoint.resume:
+                    check_resumable(cfg, cfg.checkpoint.dir, fed_index=partition[0])
+                elif args.get("rejoin") and latest_checkpoint(group_dir(cfg.checkpoint.dir, partition[0])):
+                    cfg.checkpoint.resume = True  # a restarted group rejoining: its own data position and state
+        except (ConfigError, KeyError, ValueError, TypeError) as exc:
+            out["error"] = str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
+        errors = [e for e in self.gather(out["error"]) if e]  # every rank must agree before building anything
+        if not errors and run.federation.aggregation == "server":  # (collective: once every rank got this far)
+            errors = [e for e in self.gather(server_side.check_handoff_dir(self)) if e]
+        if errors:
+            out["error"] = errors[0]
+            return out
+        key = f"{args.get('run_key', '')}|{partition}|{run.to_json()}|{cfg.checkpoint.resume}"
+        if self.trainer is None or key != self.key:
+            self._build(cfg, partition, key)
+            self.run = run
+        fingerprints = self.gather(self.trainer.shard_sync.fingerprint())
+        out.update(compatible=True, fingerprint=hashlib.sha256("|".join(fingerprints).encode()).hexdigest()[:32],
+                   tokens=self.tokens, steps=self.trainer.step_count, resumed_round=self.resumed_round,
+                   partition_id=partition[0], num_partitions=partition[1])
+        return out
+
+    def _build(self, cfg: Any, partition: tuple[int, int], key: str) -> None:
+        from flwr_sharded.parallel.rollback import RollbackPoint
+        from flwr_sharded.training.trainer import Trainer
+
+        self._drop_trainer()
+        start = time.perf_counter()
+        self.trainer = Trainer(cfg, self.topo, static_sync=False, partition=partition)
+        self.key, self.tokens, self.syncs, self.resumed_round = key, 0, 0, 0
+        if cfg.checkpoint.resume:
+            meta = self.trainer.resume()
+            self.resumed_round = int(meta.get("round", 0))
+            logger.info("resumed from %s: round %d, step %d", cfg.checkpoint.dir, self.resumed_round,
+                        self.trainer.step_count)
+        self.rollback = RollbackPoint(self.trainer.model, self.trainer.shard_sync)
+        self.rollback.commit()
+        logger.info("built the trainer for partition %d/%d in %.1f s", *partition, time.perf_counter() - start)
+
+    def _need_trainer(self):
+        if self.trainer is None:
+            raise InstructionError("this group has no run set up: send hello first")
+        return self.trainer
+
+    def do_train(self, args: dict[str, Any]) -> dict[str, Any]:
+        """One round (`GroupRound`); on the server path, the facility's first member then exports its shards."""
+        t = self._need_trainer()
+        a = M.TrainArgs.from_config(args)
+        server_path = self.run.federation.aggregation == "server"
+        if a.export and not server_path:
+            raise InstructionError("export asks for the server path, but this run's aggregation is decentralized")
+        if len(a.rendezvous_ports) != self.args.shards:
+            raise InstructionError(f"{len(a.rendezvous_ports)} rendezvous ports for {self.args.shards} shard indices")
+        result = GroupRound(self, a).run(apply_rule=not server_path)
+        failed = result["sync_failed"]
+        if a.checkpoint and not failed:
+            result["checkpoint_s"] = self._checkpoint(a.server_round)
+        if a.export and not failed:
+            start = time.perf_counter()
+            result.update(export_files=server_side.export(self, a.prefix), export_s=time.perf_counter() - start)
+        eval_s = 0.0
+        if a.evaluate:
+            start = time.perf_counter()
+            result.update(t.evaluate())
+            eval_s = time.perf_counter() - start
+        result["eval_s"] = eval_s
+        return result
+
+    def do_apply(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Server path: adopt the server's mean from the chunk files, then checkpoint and evaluate if asked."""
+        t = self._need_trainer()
+        result: dict[str, Any] = {"apply_s": server_side.apply(self, [str(p) for p in args.get("paths", [])])}
+        result.update(checksums=self.checksums(), step=t.step_count)
+        if args.get("checkpoint", False):
+            result["checkpoint_s"] = self._checkpoint(int(args.get("server_round", 0)))
+        if args.get("evaluate", False):
+            start = time.perf_counter()
+            result.update(t.evaluate())
+            result["eval_s"] = time.perf_counter() - start
+        return result
+
+    def _checkpoint(self, server_round: int) -> float:
+        """Checkpoint the group (collective) as the state at the end of `server_round`; returns the seconds."""
+        t = self._need_trainer()
+        if t.checkpointer is None:
+            raise InstructionError("checkpoint asked for, but the run config has no checkpoint-dir")
+        start = time.perf_counter()
+        t.save_checkpoint({"round": server_round})
+        return time.perf_counter() - start
+
+    def checksums(self) -> list[float]:
+        from flwr_sharded.training.trainer import local_shards_checksum
+
+        return [float(c) for c in self.gather(local_shards_checksum(self.trainer.model))]
+
+    def do_evaluate(self, args: dict[str, Any]) -> dict[str, Any]:
+        t = self._need_trainer()
+        start = time.perf_counter()
+        out = t.evaluate()
+        return {**out, "eval_s": time.perf_counter() - start, "step": t.step_count}
+
+    def do_save(self, args: dict[str, Any]) -> dict[str, Any]:
+        t = self._need_trainer()
+        directory = args.get("directory")
+        if not directory:
+            raise InstructionError("save needs a directory")
+        t.save_pretrained(str(directory))
+        return {"directory": str(directory)}
+
+    def do_finish(self, args: dict[str, Any]) -> dict[str, Any]:
+        saved = ""
+        if args.get("save_dir") and self.trainer is not None:
+            saved = self.do_save({"directory": args["save_dir"]})["directory"]
+        steps = self.trainer.step_count if self.trainer is not None else 0
+        self._drop_trainer()
+        return {"steps": steps, "saved": saved}
+
+    def do_collect(self, args: dict[str, Any]) -> dict[str, Any]:
+        raise InstructionError("collect is answered by the endpoint, not the group's main loop")
+
+    def do_shutdown(self, args: dict[str, Any]) -> dict[str, Any]:
+        return {"pids": self.pids, "reason": args.get("reason", "requested")}
+
+    def _drop_trainer(self) -> None:
+        if self.trainer is None:
+            return
+        self.trainer, self.run, self.rollback, self.key = None, None, None, ""
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+# -------------------------------------------------------------------------------------------------------------- CLI
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m flwr_sharded.flower.group", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--authkey-file", required=True, help="file holding the endpoint's shared secret (mode 600)")
+    parser.add_argument("--address", default="127.0.0.1:0", help="host:port of the endpoint (port 0: any free one)")
+    parser.add_argument("--address-file", help="write the endpoint's actual host:port here once it listens")
+    parser.add_argument("--method", default="fl-fsdp", choices=["fl-fsdp", "fl-hsdp"])
+    parser.add_argument("--replicas", type=int, default=1, help="R (fl-hsdp: > 1)")
+    parser.add_argument("--shards", type=int, default=None, help="S (default: all ranks / R)")
+    parser.add_argument("--rendezvous-host", default="127.0.0.1",
+                        help="address the other groups reach this group's rendezvous stores at")
+    parser.add_argument("--rendezvous-ports", default="",
+                        help="comma-separated store port per shard index (default: free ports)")
+    parser.add_argument("--data-dir", default="", help="prepared data directory (overrides the run config's)")
+    parser.add_argument("--handoff-dir", default="",
+                        help="where ranks and the ClientApp exchange shard files on the server path; must be shared "
+                             "by the group's nodes (default: a private directory under the system's temp dir)")
+    parser.add_argument("--idle-timeout", type=float, default=600.0,
+                        help="exit after this many seconds without an instruction (0: never)")
+    parser.add_argument("--watch-pid", type=int, default=0, help="exit when this process is gone")
+    parser.add_argument("--collective-timeout", type=float, default=1800.0,
+                        help="timeout of the group's own collectives (FSDP, evaluation) in seconds")
+    parser.add_argument("--debug-exit-after-syncs", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--sync-backend", default="auto", choices=["auto", "gloo", "nccl"],
+                        help="backend of the cross-group shard sync (auto: NCCL for CUDA, else gloo)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stderr,
+                        format=f"%(asctime)s [group rank {rank}] %(levelname)s %(message)s")
+    if "RANK" in os.environ:
+        _watch_parent()
+    if args.shards is None:
+        args.shards = max(1, world // max(1, args.replicas))
+    try:
+        validate_parallel(ParallelConfig(method=args.method, federations=1, replicas=args.replicas,
+                                         shards=args.shards), world)
+        E.read_authkey(args.authkey_file)
+        E.parse_address(args.address)
+    except ConfigError as exc:
+        if rank == 0:
+            print(f"flwr_sharded.flower.group: error: {exc}", file=sys.stderr)
+        return 2
+    runtime = GroupRuntime(args)
+    code = runtime.serve() if runtime.rank == 0 else runtime.follow()
+    if code == 0:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - leaving anyway
+            pass
+    return code

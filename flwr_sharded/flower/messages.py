@@ -1,0 +1,219 @@
+"""What the ServerApp, the thin ClientApp and a group runtime say to each other. Torch-free.
+
+Two hops carry an instruction:
+
+    ServerApp --(Flower Message: ConfigRecord "config")--> ClientApp --(local endpoint: JSON)--> group rank 0
+
+The ClientApp forwards the ConfigRecord's keys unchanged (adding what only its node knows: partition id, data
+directory, facility); the group parses them into the typed arguments below, and a key it does not know is an error
+reply, never dropped. An endpoint instruction is `{"version", "verb", "args"}`; a reply is `{"ok", "error",
+"result"}`. A train round travels as two Flower messages pushed together: `train` starts the round in the group
+and is answered at once, `query.collect` waits for its result (so a simulation with fewer concurrent ClientApps than
+groups never blocks one group's call on another group's rendezvous).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+PROTOCOL_VERSION = 2
+
+# ----- verbs (the group endpoint) ----------------------------------------------------------------------------------
+HELLO = "hello"
+"""Set up (or reuse) the run's trainer; reply with the group's layout, fingerprint and rendezvous offer."""
+TRAIN = "train"
+"""K sync periods of A local steps, each followed by a shard sync with the named members (started detached)."""
+COLLECT = "collect"
+"""The result of a detached instruction (a train round), waiting for it up to a timeout; answered off the main loop."""
+EVALUATE = "evaluate"
+"""Held-out loss and perplexity of the group's current weights."""
+STATUS = "status"
+"""Liveness and progress; changes nothing."""
+APPLY = "apply"
+"""Server path: every rank assembles its own rows of the server's mean from the chunk files and steps the outer
+rule."""
+PULL = "pull"
+"""Server path, answered by the ClientApp alone: rows of the pieces its group exported this round."""
+SAVE = "save"
+"""Merge the group's shards and write a Hugging Face model directory."""
+FINISH = "finish"
+"""The run is over: drop the trainer (free memory), keep serving."""
+SHUTDOWN = "shutdown"
+"""Exit every rank of the group."""
+VERBS = (HELLO, TRAIN, COLLECT, APPLY, EVALUATE, STATUS, SAVE, FINISH, SHUTDOWN)
+
+# ----- Flower message types (ClientApp routes) ---------------------------------------------------------------------
+MSG_HELLO = "query.hello"
+MSG_TRAIN = "train"
+MSG_COLLECT = "query.collect"
+MSG_EVALUATE = "evaluate"
+MSG_APPLY = "query.apply"
+MSG_PULL = "query.pull"
+MSG_FINISH = "query.finish"
+
+# ----- Flower record names -----------------------------------------------------------------------------------------
+CONFIG = "config"
+"""ConfigRecord the ServerApp sends."""
+METRICS = "metrics"
+"""MetricRecord of numbers (and lists of numbers) in a reply."""
+INFO = "info"
+"""ConfigRecord of strings/bools in a reply (ok, error, host, fingerprint, ...)."""
+
+START_TIMEOUT_S = 60.0
+"""How long a ClientApp waits for its group to take a detached instruction (the group is idle between rounds)."""
+MAX_MESSAGE_BYTES = 64 << 20
+"""Largest instruction or reply accepted on the local endpoint."""
+
+
+class ProtocolError(RuntimeError):
+    """A malformed instruction or reply on the local endpoint."""
+
+
+def encode(obj: Mapping[str, Any]) -> bytes:
+    return json.dumps(obj, allow_nan=True, separators=(",", ":")).encode()
+
+
+def decode(data: bytes) -> dict[str, Any]:
+    try:
+        obj = json.loads(data.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ProtocolError(f"not a JSON message: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def instruction(verb: str, args: Mapping[str, Any] | None = None, *, detach: bool = False) -> dict[str, Any]:
+    """An endpoint instruction; `detach`: the group answers at once with a job id and runs it (see COLLECT)."""
+    if verb not in VERBS:
+        raise ProtocolError(f"unknown verb {verb!r}; known: {', '.join(VERBS)}")
+    out = {"version": PROTOCOL_VERSION, "verb": verb, "args": dict(args or {})}
+    if detach:
+        out["detach"] = True
+    return out
+
+
+def check_instruction(obj: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    verb, args = obj.get("verb"), obj.get("args", {})
+    if obj.get("version") != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {obj.get('version')!r}, this group speaks {PROTOCOL_VERSION}")
+    if verb not in VERBS or not isinstance(args, dict):
+        raise ProtocolError(f"malformed instruction: verb {verb!r}, args of type {type(args).__name__}")
+    return verb, args
+
+
+def reply_ok(result: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    return {"ok": True, "error": "", "result": dict(result or {})}
+
+
+def reply_error(error: str, result: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    return {"ok": False, "error": error, "result": dict(result or {})}
+
+
+# ----- typed arguments ---------------------------------------------------------------------------------------------
+class ArgumentError(ValueError):
+    """An instruction's arguments are missing, of the wrong type, or unknown."""
+
+
+@dataclass
+class TrainArgs:
+    """One round's train instruction, as the ServerApp's train config carries it (keys with '-')."""
+
+    server_round: int
+    job: str
+    """Names the round: the collect message asks for this job's result."""
+    members: list[str]
+    """The round's member nodes, in order; member 0 hosts the rendezvous."""
+    member_index: int
+    rendezvous_host: str
+    rendezvous_ports: list[int]
+    """One store port per shard index, on member 0's rank 0."""
+    prefix: str
+    """Unique per round and facility: keys of the rendezvous stores."""
+    rendezvous_timeout: float
+    sync_timeout: float
+    evaluate: bool = True
+    checkpoint: bool = False
+    export: bool = False
+    """Server path: the facility's first member exports its shards after the round."""
+    catch_up: bool = False
+    """A member (re)joined: every member adopts member 0's shards, outer state and step first."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """Round options (`flwr_sharded.flower.run.ROUND_KEYS`) the strategy set for this round."""
+
+    def to_config(self) -> dict[str, Any]:
+        out = {_key(k): v for k, v in self.__dict__.items() if k != "overrides"}
+        return {**out, **self.overrides}
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> TrainArgs:
+        """Parse a train config; ArgumentError names a missing, mistyped or unknown key."""
+        from flwr_sharded.errors import ConfigError
+        from flwr_sharded.flower.run import ROUND_KEYS, round_overrides
+
+        known = {_key(name): name for name in cls.__dataclass_fields__ if name != "overrides"}
+        values: dict[str, Any] = {}
+        extra: dict[str, Any] = {}
+        for key, value in config.items():
+            if key in known:
+                values[known[key]] = value
+            elif key in ROUND_KEYS:
+                extra[key] = value
+            elif key not in ROUTING_KEYS:
+                raise ArgumentError(f"train config key '{key}' is not known to this group (known: "
+                                    f"{', '.join(sorted([*known, *ROUND_KEYS]))})")
+        missing = [_key(n) for n, f in cls.__dataclass_fields__.items() if n not in values
+                   and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        if missing:
+            raise ArgumentError(f"train config lacks {', '.join(missing)}")
+        try:
+            overrides = round_overrides(extra)
+        except ConfigError as exc:
+            raise ArgumentError(str(exc)) from None
+        try:
+            args = cls(**values, overrides=overrides)
+            args.server_round, args.member_index = int(args.server_round), int(args.member_index)
+            args.members = [str(m) for m in args.members]
+            args.rendezvous_ports = [int(p) for p in args.rendezvous_ports]
+            args.job, args.prefix, args.rendezvous_host = str(args.job), str(args.prefix), str(args.rendezvous_host)
+            args.rendezvous_timeout, args.sync_timeout = float(args.rendezvous_timeout), float(args.sync_timeout)
+            for name in ("evaluate", "checkpoint", "export", "catch_up"):
+                if not isinstance(getattr(args, name), bool):
+                    raise TypeError(f"{_key(name)} must be a bool")
+        except (TypeError, ValueError) as exc:
+            raise ArgumentError(f"malformed train config: {exc}") from None
+        if not 0 <= args.member_index < len(args.members):
+            raise ArgumentError(f"member-index {args.member_index} of {len(args.members)} members")
+        return args
+
+
+ROUTING_KEYS = ("timeout", "partition-id", "num-partitions", "node-data-dir", "node-facility")
+"""Keys the ClientApp uses or adds itself, not the group's instruction."""
+
+
+def _key(name: str) -> str:
+    return name.replace("_", "-")
+
+
+@dataclass
+class GroupLayout:
+    """What a group says about itself in its hello reply."""
+
+    method: str
+    replicas: int
+    shards: int
+    world: int
+    rendezvous_host: str = ""
+    rendezvous_ports: list[int] = field(default_factory=list)
+
+    def mismatch(self, run: Any) -> str:
+        """'' when this group can run `run` (a FlowerRun), else a sentence naming the difference."""
+        p = run.train.parallel
+        if (self.method, self.replicas, self.shards) == (p.method, p.replicas, p.shards):
+            return ""
+        return (f"the run config asks for {p.method} with R={p.replicas} x S={p.shards} = {p.replicas * p.shards} "
+                f"ranks per group, but this group runs {self.method} with R={self.replicas} x S={self.shards} = "
+                f"{self.world} ranks; relaunch the group or change the run config")

@@ -1,0 +1,310 @@
+"""The schema of a Flower run: one typed object, validated by the ServerApp and sent once, in each group's hello.
+
+`FlowerRun` = the training settings of one federation group (`flwr_sharded.config.TrainConfig`, with defaults sized
+for a CPU laptop) + how the groups federate (`FederationConfig`) + every wait (`Deadlines`). Its flat option names
+are the app's run-config keys: `[tool.flwr.app.config]` of `apps/llama_fl_hsdp/pyproject.toml` is generated from it
+(`python -m flwr_sharded.flower.run --write PYPROJECT`) and a test fails on any drift. Options a strategy may change
+from one round to the next are listed in `ROUND_KEYS`. Torch-free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import re
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+from flwr_sharded import schema
+from flwr_sharded.config import TrainConfig, outer_rule, validate
+from flwr_sharded.schema import Surface, option
+
+Aggregation = Literal["decentralized", "server"]
+AGGREGATIONS: tuple[str, ...] = typing.get_args(Aggregation)
+RUN_CONFIG = Surface(lambda o: f"'{o.name}'", "run config ")
+"""Errors name run-config keys as typed in `flwr run --run-config 'key=value'`."""
+ROUND_KEYS = ("aggregate-every", "syncs-per-round", "lr", "proximal-mu")
+"""Options a strategy may override for one round in its train config (`configure_train`); anything else there is
+refused. They travel in that round's train messages only; the run's own values travel once, in the hello."""
+
+
+@dataclass
+class FederationConfig:
+    """How a Flower run federates its groups (each Flower client is one FSDP/HSDP group)."""
+
+    rounds: int = option(3, ge=1, name="num-server-rounds")
+    """N: Flower rounds; the learning-rate schedule spans N x K x A steps."""
+    syncs_per_round: int = option(4, ge=1)
+    """K: shard syncs per Flower round; one round is K x A local steps."""
+    aggregation: Aggregation = "decentralized"
+    """decentralized (groups all-reduce shards among themselves; no arrays through the server) or server (shards
+    travel through the Flower server, for groups that share no network; groups of one facility still all-reduce)."""
+    facilities: str | None = None
+    """Server path: the facility of each group by partition id, comma-separated (e.g. "a,a,b,b"); a SuperNode's node
+    config `facility` overrides it; unset: every group is a facility of its own."""
+    facility_shards: str | None = None
+    """Server path: S of the groups of some facilities, e.g. "b=1" (the others use `shards`); their ranks hold other
+    rows, which the server combines row by row. Needs partition iid-groups or document."""
+    server_buffer_mb: float = option(128.0, gt=0)
+    """Server path: the largest chunk, in MiB of fp32 rows. The model travels in chunks of global rows (at most
+    this, and at most a sixteenth of the model or 8 MiB, whichever is larger), each pulled, averaged and sent back
+    before the next; each chunk costs one message per group."""
+    checkpoint_rounds: int = option(1, ge=1)
+    """With checkpoint-dir: each group checkpoints after every N-th round (and after the last one)."""
+    evaluate_in_train: bool = True
+    """Evaluate held-out perplexity at the end of each train message (no extra message round trip); off sends
+    separate evaluate messages."""
+    stop_groups: bool = False
+    """Deployment: also shut the (externally started) groups down at the end of the run."""
+    strategy: str | None = None
+    """The ServerApp's strategy as `package.module:Class` (a subclass of DecentralizedFedAvg, importable where the
+    ServerApp runs); unset: DecentralizedFedAvg, or ServerShardFedAvg with aggregation server."""
+
+
+@dataclass
+class Deadlines:
+    """How long the ServerApp waits for each step, and how many groups it needs; every wait is bounded."""
+
+    num_groups: int = option(2, ge=0)
+    """Groups to wait for before starting (simulation: the number of SuperNodes); 0: whatever is connected when
+    sample-timeout expires."""
+    min_groups: int = option(1, ge=1)
+    """Fewest groups the run goes on with; below it the run stops with an error."""
+    sample_timeout: float = option(120.0, gt=0)
+    """Seconds to wait for num-groups nodes to connect."""
+    hello_timeout: float = option(300.0, gt=0)
+    """Seconds for the hello round (in simulation it includes launching the groups and building the models)."""
+    round_timeout: float = option(900.0, gt=0)
+    """Seconds one training round may take, all K syncs included."""
+    rendezvous_timeout: float = option(60.0, gt=0)
+    """Seconds a group waits at a sync's rendezvous for the other members (covers their speed differences)."""
+    sync_timeout: float = option(120.0, gt=0)
+    """Timeout of each cross-group collective, in seconds."""
+    finish_timeout: float = option(60.0, gt=0)
+    """Seconds for the finish messages at the end."""
+    group_idle_timeout: float = option(600.0, ge=0)
+    """Groups launched in simulation exit after this many seconds without an instruction (0: never)."""
+
+
+def _train_defaults() -> TrainConfig:
+    """A Flower run's training defaults: each group 2 ranks of the tiny model, sized for a CPU laptop."""
+    cfg = TrainConfig()
+    cfg.parallel.shards = 2
+    cfg.parallel.aggregate_every = 25
+    cfg.model.name = "tiny"
+    cfg.data.seq_len = 64
+    cfg.data.eval_blocks = 16
+    cfg.optim.lr = 3e-3
+    cfg.batch_size = 4
+    return cfg
+
+
+@dataclass
+class FlowerRun:
+    """A whole Flower run: one group's training, the federation and the deadlines."""
+
+    train: TrainConfig = field(default_factory=_train_defaults)
+    """The training settings of each group (one federation group: `federations` is 1)."""
+    federation: FederationConfig = field(default_factory=FederationConfig)
+    """Rounds, syncs per round, the aggregation path and its facilities."""
+    deadlines: Deadlines = field(default_factory=Deadlines)
+    """Every wait of the ServerApp and the groups."""
+
+    # ----- sources --------------------------------------------------------------------------------------------
+    @classmethod
+    def from_run_config(cls, run_config: Mapping[str, Any]) -> FlowerRun:
+        """The run described by a Flower run config (flat keys; "" leaves an optional key unset); ConfigError for
+        an unknown key or a value of the wrong type."""
+        return schema.from_flat(cls(), run_config, RUN_CONFIG)
+
+    def to_json(self) -> str:
+        return json.dumps(schema.to_nested(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> FlowerRun:
+        return schema.from_nested(cls, json.loads(text), Surface(RUN_CONFIG.label, "run "))
+
+    # ----- derived values -------------------------------------------------------------------------------------
+    @property
+    def group_world(self) -> int:
+        p = self.train.parallel
+        return p.replicas * p.shards
+
+    @property
+    def total_steps(self) -> int:
+        """Optimizer steps of the whole run: rounds x K x A (the span of the learning-rate schedule)."""
+        f = self.federation
+        return f.rounds * f.syncs_per_round * self.train.parallel.aggregate_every
+
+    def checkpoint_due(self, server_round: int) -> bool:
+        """Whether the groups checkpoint at the end of this round."""
+        return bool(self.train.checkpoint.dir) and (server_round % self.federation.checkpoint_rounds == 0
+                                                    or server_round == self.federation.rounds)
+
+    def shards_by_facility(self) -> dict[str, int]:
+        """`facility_shards` as a dict; ValueError if malformed."""
+        out: dict[str, int] = {}
+        for item in filter(None, (x.strip() for x in (self.federation.facility_shards or "").split(","))):
+            name, sep, value = item.partition("=")
+            if not sep or not name.strip() or not re.fullmatch(r"\s*\d+\s*", value) or int(value) < 1:
+                raise ValueError(item)
+            out[name.strip()] = int(value)
+        return out
+
+    def facility_of(self, partition_id: int) -> str:
+        """The facility named for a partition id by `facilities` ('' when not named there)."""
+        text = self.federation.facilities
+        names = [f.strip() for f in text.split(",")] if text else []
+        return names[partition_id] if 0 <= partition_id < len(names) else ""
+
+    def for_group(self, partition_id: int, node_facility: str = "") -> FlowerRun:
+        """This run with S set for the group of `partition_id` (its facility: the node config's, else the run
+        config's `facilities`)."""
+        facility = node_facility or self.facility_of(partition_id)
+        shards = self.shards_by_facility().get(facility, self.train.parallel.shards)
+        if shards == self.train.parallel.shards:
+            return self
+        out = copy.deepcopy(self)
+        out.train.parallel.shards = shards
+        return out
+
+    def group_config(self) -> TrainConfig:
+        """The TrainConfig of one federation group of this run (call on `for_group`'s result)."""
+        cfg = copy.deepcopy(self.train)
+        cfg.parallel.federations = 1
+        cfg.steps = self.total_steps
+        cfg.eval_every = 0
+        cfg.output.progress = False
+        return cfg
+
+    # ----- checks ---------------------------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Check the whole run without touching files; raises ConfigError naming the run-config key."""
+        S = RUN_CONFIG
+        L = lambda name: S.label(schema.by_name(FlowerRun)[name])  # noqa: E731
+        for o in schema.options(FlowerRun):
+            o.check(schema.get(self, o.path), S)
+        p, f, d = self.train.parallel, self.federation, self.deadlines
+        fl_methods = [m for m in typing.get_args(typing.get_type_hints(type(p))["method"]) if m.startswith("fl-")]
+        if p.method not in fl_methods:
+            raise S.error(f"{L('method')} must be one of {', '.join(fl_methods)} (each Flower client is one "
+                          f"federation group); got {p.method!r}")
+        if f.facilities is not None and any(not x.strip() for x in f.facilities.split(",")):
+            raise S.error(f"{L('facilities')} must be comma-separated non-empty names, one per partition id (e.g. "
+                          f"\"a,a,b,b\"); got {f.facilities!r}")
+        try:
+            by_facility = self.shards_by_facility()
+        except ValueError:
+            raise S.error(f"{L('facility-shards')} must be comma-separated facility=S pairs with S >= 1 (e.g. "
+                          f"\"b=1\"); got {f.facility_shards!r}") from None
+        if by_facility and f.aggregation != "server":
+            raise S.error(f"{L('facility-shards')} gives facilities their own S, which only the server path can "
+                          f"combine; set {L('aggregation')} = \"server\"")
+        if by_facility and self.train.data.partition == "iid":
+            raise S.error(f"{L('facility-shards')}: with groups of different sizes, {L('partition')} \"iid\" would "
+                          f"give some blocks to two groups; use \"iid-groups\" or \"document\"")
+        if f.facilities and f.aggregation != "server":
+            raise S.error(f"{L('facilities')} groups clients for the server path; set {L('aggregation')} = "
+                          f"\"server\" or leave it unset")
+        if d.num_groups and d.min_groups > d.num_groups:
+            raise S.error(f"{L('min-groups')} ({d.min_groups}) must not exceed {L('num-groups')} ({d.num_groups})")
+        for key in ("rendezvous-timeout", "sync-timeout"):
+            if getattr(d, key.replace("-", "_")) >= d.round_timeout:
+                raise S.error(f"{L(key)} must be below {L('round-timeout')} ({d.round_timeout:g} s): a round's K "
+                              f"syncs must fit in it")
+        validate(self.group_config(), surface=S)
+        if f.aggregation == "server" and not outer_rule(p, S).linear:
+            raise S.error(f"{L('outer')} {p.outer!r} needs every member's shards at once, but {L('aggregation')} "
+                          f"\"server\" streams a weighted mean; use a linear rule (fedavg, fedavgm, nesterov, "
+                          f"fedadam, fedyogi) or aggregation \"decentralized\"")
+
+
+def round_overrides(config: Mapping[str, Any], surface: Surface = RUN_CONFIG) -> dict[str, Any]:
+    """The `ROUND_KEYS` a strategy set in a round's train config, checked; ConfigError naming any other key."""
+    options = schema.by_name(FlowerRun)
+    out = {}
+    for key, value in config.items():
+        if key not in ROUND_KEYS:
+            raise surface.error(f"train config key '{key}' is not a round option; a strategy may set "
+                                f"{', '.join(ROUND_KEYS)}")
+        out[key] = options[key].check(value, surface)
+    return out
+
+
+# -------------------------------------------------------------------------------------------- the app's config
+
+def app_config_toml(run: FlowerRun | None = None) -> str:
+    """The `[tool.flwr.app.config]` table of the app: every run-config key with its default, under its summary."""
+    run = run or FlowerRun()
+    lines = ["[tool.flwr.app.config]"]
+    section = None
+    for o in schema.options(run):
+        if not o.flat:
+            continue
+        if o.path[:-1] != section:
+            section = o.path[:-1]
+            lines += ["", f"# ----- {'.'.join(section)}"]
+        unset = " (empty: unset)" if o.optional and "unset" not in o.summary else ""
+        lines.append(f"# {o.summary}{unset}")
+        lines.append(f"{o.name} = {_toml(schema.get(run, o.path))}")
+    return "\n".join(_wrap_comments(lines)) + "\n"
+
+
+def _toml(value: Any) -> str:
+    if value is None:
+        return '""'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, int):
+        return str(value)
+    return json.dumps(value)
+
+
+def _wrap_comments(lines: list[str], width: int = 118) -> list[str]:
+    import textwrap
+
+    out = []
+    for line in lines:
+        if line.startswith("# ") and len(line) > width:
+            out += textwrap.wrap(line[2:], width=width, initial_indent="# ", subsequent_indent="# ",
+                                 break_on_hyphens=False)
+        else:
+            out.append(line)
+    return out
+
+
+BEGIN, END = "# >>> generated by `python -m flwr_sharded.flower.run --write`: edit flwr_sharded/flower/run.py", "# <<<"
+
+
+def write_app_config(pyproject: str | Path) -> bool:
+    """Replace the generated block of an app's pyproject.toml; returns whether it changed."""
+    path = Path(pyproject)
+    text = path.read_text()
+    start, stop = text.index(BEGIN), text.index(END)
+    new = text[:start] + BEGIN + "\n" + app_config_toml() + text[stop:]
+    if new != text:
+        path.write_text(new)
+    return new != text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flwr_sharded.flower.run",
+                                     description="Print or write the app's [tool.flwr.app.config], generated from "
+                                                 "the FlowerRun schema.")
+    parser.add_argument("--write", metavar="PYPROJECT", help="rewrite the generated block of this pyproject.toml")
+    args = parser.parse_args(argv)
+    if args.write:
+        print(f"{args.write}: {'updated' if write_app_config(args.write) else 'up to date'}")
+    else:
+        sys.stdout.write(app_config_toml())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""Who takes part: sampling with a deadline, the hello that admits groups, and the rejoin of dropped ones.
+
+`GroupMembership` is the part of `DecentralizedFedAvg` that owns `groups` (what is known of each node's group),
+`members` (this round's, ordered: member 0 hosts the rendezvous), `left_out` (node -> why) and `dropped` (candidates
+to rejoin). Strategies change who trains in a round by overriding `select_members`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from logging import ERROR, INFO, WARNING
+from typing import Any
+
+from flwr.serverapp import Grid
+from flwr.supercore import log
+
+from flwr_sharded.errors import ConfigError
+from flwr_sharded.flower import messages as M
+from flwr_sharded.flower.server.grid import message, reply_info, reply_payload
+
+
+@dataclass
+class GroupInfo:
+    """What the strategy knows of one group (one Flower node)."""
+
+    node_id: int
+    partition_id: int
+    layout: M.GroupLayout
+    fingerprint: str
+    tokens: int = 0
+    resumed_round: int = 0
+    """The round this group's checkpoint holds (resume)."""
+    facility: str = ""
+    """The facility (set of groups sharing a fabric) of the server path; '' on the decentralised path."""
+    log_file: str = ""
+    """Where the group writes its log (groups launched in simulation)."""
+    failures: list[str] = field(default_factory=list)
+
+
+class GroupMembership:
+    """Sampling, hello, rejoin; mixed into the strategy, whose `run`, `deadlines` and `send_and_receive` it uses."""
+
+    groups: dict[int, GroupInfo]
+    members: list[int]
+    left_out: dict[int, str]
+    dropped: set[int]
+    sampled: list[int]
+
+    def select_members(self, server_round: int) -> list[int]:
+        """The members that train in `server_round` (default: every member); override to let some groups sit a
+        round out. Member 0 of the result hosts the round's rendezvous."""
+        return list(self.members)
+
+    def sample_nodes(self, grid: Grid) -> list[int]:
+        """The connected nodes, once `num-groups` are there or at `sample-timeout` (then at least min-groups)."""
+        d = self.deadlines
+        deadline = time.monotonic() + d.sample_timeout
+        while True:
+            nodes = sorted(grid.get_node_ids())
+            if d.num_groups and len(nodes) >= d.num_groups:
+                return nodes[:d.num_groups]
+            if time.monotonic() >= deadline:
+                if len(nodes) >= max(1, d.min_groups):
+                    if d.num_groups:
+                        log(WARNING, "only %d of %d expected nodes connected within %.0f s; going on with them",
+                            len(nodes), d.num_groups, d.sample_timeout)
+                    return nodes
+                text = (f"only {len(nodes)} node(s) connected within {d.sample_timeout:.0f} s, fewer than "
+                        f"min-groups {d.min_groups}")
+                log(ERROR, "%s", text)
+                raise RuntimeError(text)
+            time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
+
+    def hello(self, grid: Grid, nodes: list[int]) -> None:
+        """Set up every sampled group; keep those that match the run and each other."""
+        log(INFO, "hello to %d node(s): %s", len(nodes), nodes)
+        candidates = self._hello_round(grid, {node: i for i, node in enumerate(nodes)}, len(nodes))
+        if candidates:
+            by_shards: dict[int, dict[int, GroupInfo]] = {}  # groups of one S must shard alike (server path: S
+            for node, g in candidates.items():               # may differ between facilities)
+                by_shards.setdefault(g.layout.shards, {})[node] = g
+            for same_s in by_shards.values():
+                self._keep_majority(same_s, lambda g: g.fingerprint, lambda g, common: (
+                    f"model/sharding fingerprint {g.fingerprint[:12]} differs from the majority's {common[:12]} "
+                    f"(another model or dtype)"))
+            candidates = {n: g for same_s in by_shards.values() for n, g in same_s.items()}
+            if self.run.train.checkpoint.resume:  # the run goes on after the round most groups' checkpoints hold
+                self.resumed_round = self._keep_majority(candidates, lambda g: g.resumed_round, lambda g, common: (
+                    f"its checkpoint holds round {g.resumed_round}, the majority's round {common} (a group that "
+                    f"missed a checkpoint would train from another model)"))
+            partitions = Counter(g.partition_id for g in candidates.values())
+            for pid, count in partitions.items():
+                if count > 1:
+                    log(WARNING, "%d groups train on the same data partition %d", count, pid)
+        self.groups = candidates
+        self.members = sorted(candidates, key=lambda n: (candidates[n].partition_id, n))
+        if len(self.members) < max(1, self.deadlines.min_groups):
+            reasons = "; ".join(f"node {n}: {r}" for n, r in self.left_out.items()) or "no replies"
+            text = (f"{len(self.members)} group(s) passed the hello, fewer than min-groups "
+                    f"{self.deadlines.min_groups}: {reasons}")
+            log(ERROR, "%s", text)
+            raise ConfigError(text)
+        log(INFO, "hello: %d group(s) ready: %s", len(self.members),
+            ", ".join(f"node {n} (partition {self.groups[n].partition_id})" for n in self.members))
+        for node in self.members:
+            if self.groups[node].log_file:
+                log(INFO, "  node %d's group logs its progress to %s", node, self.groups[node].log_file)
+
+    def _hello_round(self, grid: Grid, partitions: dict[int, int], num_partitions: int,
+                     rejoin: bool = False) -> dict[int, GroupInfo]:
+        """Send hello to the nodes (node -> partition id); the groups whose reply fits the run's layout."""
+        d = self.deadlines
+        run_json = self.run.to_json()
+        messages = [message(node, M.MSG_HELLO,
+                            {"run": run_json, "partition-id": pid, "num-partitions": num_partitions,
+                             "run-key": str(self.run_id), "group-idle-timeout": d.group_idle_timeout,
+                             "rejoin": rejoin, "timeout": max(1.0, d.hello_timeout - 5.0)}, "hello", d.hello_timeout)
+                    for node, pid in partitions.items()]
+        replies = {m.metadata.src_node_id: m for m in self.send_and_receive(grid, messages, d.hello_timeout)}
+        candidates: dict[int, GroupInfo] = {}
+        for node in partitions:
+            metrics, error = reply_payload(replies.get(node))
+            info = reply_info(replies.get(node))
+            layout = M.GroupLayout(method=str(info.get("method", "?")), replicas=int(metrics.get("replicas", 0)),
+                                   shards=int(metrics.get("shards", 0)), world=int(metrics.get("world", 0)),
+                                   rendezvous_host=str(info.get("rendezvous_host", "")),
+                                   rendezvous_ports=[int(p) for p in metrics.get("rendezvous_ports", [])])
+            partition = int(metrics.get("partition_id", 0))
+            expected = self.run.for_group(partition, str(info.get("facility", "")))
+            if not error and layout.mismatch(expected):
+                error = layout.mismatch(expected)
+            if not error and len(layout.rendezvous_ports) != expected.train.parallel.shards:
+                error = (f"offers {len(layout.rendezvous_ports)} rendezvous ports for "
+                         f"{expected.train.parallel.shards} shard indices")
+            if error:
+                self.left_out[node] = error
+                log(ERROR, "group on node %d left out: %s", node, error)
+                continue
+            candidates[node] = GroupInfo(node, partition, layout, str(info.get("fingerprint", "")),
+                                         int(metrics.get("tokens", 0)), int(metrics.get("resumed_round", 0)),
+                                         self.facility_of(partition, info), str(info.get("log_file", "")))
+        return candidates
+
+    def readmit(self, grid: Grid, server_round: int) -> list[int]:
+        """Groups dropped in an earlier round whose node is online get a hello (a lost group is relaunched or
+        restarted there); those that pass it and match the members' fingerprint rejoin: this round starts with a
+        catch-up in which every member adopts member 0's shards, outer state and step. Returns the rejoined nodes."""
+        if not self.rejoin or not self.dropped or not self.members:
+            return []
+        try:
+            online = set(grid.get_node_ids())
+        except Exception:  # noqa: BLE001 - try again next round
+            return []
+        nodes = [n for n in sorted(self.dropped) if n in online]
+        if not nodes:
+            return []
+        log(INFO, "round %d: hello to %d dropped group(s) to rejoin: %s", server_round, len(nodes), nodes)
+        partitions = {n: self.groups[n].partition_id for n in nodes}
+        candidates = self._hello_round(grid, partitions, len(self.sampled), rejoin=True)
+        joined = []
+        for node, g in candidates.items():
+            source = self.catch_up_source(g)
+            if source is None:
+                self.left_out[node] = "rejoin refused: no member to catch up from"
+                log(ERROR, "group on node %d: %s", node, self.left_out[node])
+                continue
+            fingerprint = self.groups[source].fingerprint
+            if g.fingerprint != fingerprint:
+                self.left_out[node] = (f"rejoin refused: fingerprint {g.fingerprint[:12]} != the members' "
+                                       f"{fingerprint[:12]}")
+                log(ERROR, "group on node %d: %s", node, self.left_out[node])
+                continue
+            g.failures = self.groups[node].failures
+            self.groups[node] = g
+            self.dropped.discard(node)
+            self.left_out.pop(node, None)
+            self.members.append(node)  # after the established members: member 0 is the catch-up source
+            joined.append(node)
+        if joined:
+            log(INFO, "round %d: group(s) on node(s) %s rejoin; the round starts with a catch-up", server_round,
+                joined)
+        return joined
+
+    def catch_up_source(self, group: GroupInfo) -> int | None:
+        """The member a rejoining group must match (fingerprint) and catches up from: member 0."""
+        return self.members[0] if self.members else None
+
+    def facility_of(self, partition_id: int, hello_info: dict[str, Any]) -> str:
+        """The decentralised path has no facilities (the server path overrides this)."""
+        return ""
+
+    def _keep_majority(self, candidates: dict[int, GroupInfo], key: Callable[[GroupInfo], Any],
+                       reason: Callable[[GroupInfo, Any], str]) -> Any:
+        """Leave out the candidates whose `key` differs from the most common value (logged); return that value."""
+        common, _ = Counter(key(g) for g in candidates.values()).most_common(1)[0]
+        for node, g in list(candidates.items()):
+            if key(g) != common:
+                self.left_out[node] = reason(g, common)
+                log(ERROR, "group on node %d left out: %s", node, self.left_out[node])
+                del candidates[node]
+        return common

@@ -1,0 +1,333 @@
+"""DecentralizedFedAvg: Flower orchestrates rounds, the groups average their shards among themselves.
+
+No arrays cross the server: every message carries a ConfigRecord only. Per run:
+
+1. sample nodes with a deadline (Flower's `FedAvg.sample_nodes` waits forever);
+2. hello: each group builds (or reuses) its trainer from the run's schema (`FlowerRun`, sent once) and replies
+   with its layout, model/sharding fingerprint and a rendezvous offer; groups that fail it are left out, with the
+   reason in the ServerApp log;
+3. rounds: `configure_train` gives each member (ordered by partition id) the member list, member 0's rendezvous
+   offer, a fresh prefix and the round's overrides; each group runs K periods of A local steps and a shard sync
+   after each. The train message starts the round; a collect message pushed with it returns its result, which
+   `aggregate_train` weighs by tokens. A group that fails, or does not answer before the round deadline, or whose
+   node goes offline, is dropped; the survivors of a failed sync have rolled back to their last synced shards, and
+   the next round re-forms from them; dropped groups are offered to rejoin;
+4. finish: every sampled node gets a finish message (simulation: its launched group is shut down); member 0 writes
+   the final model into the run directory.
+
+A strategy of one's own subclasses this and overrides `configure_train` (e.g. to set round options, see
+`flwr_sharded.flower.run.ROUND_KEYS`), `aggregate_train` or `select_members`, as with Flower's strategies.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from logging import ERROR, INFO, WARNING
+from typing import Any
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result, Strategy
+from flwr.supercore import log
+
+from flwr_sharded.errors import ConfigError
+from flwr_sharded.flower import messages as M
+from flwr_sharded.flower.run import FlowerRun, round_overrides
+from flwr_sharded.flower.server import grid as G
+from flwr_sharded.flower.server import records
+from flwr_sharded.flower.server.membership import GroupInfo, GroupMembership
+from flwr_sharded.run_dir import perplexity
+
+
+class DecentralizedFedAvg(GroupMembership, Strategy):
+    """Decentralised FedAvg of sharded models: config-only messages, shard syncs between the groups.
+
+    Args:
+        run: the run's schema (validated before anything is sent; it travels in the hellos).
+        run_dir: where round records, the summary and the final model go (`flwr_sharded.run_dir.RunDir`).
+        rejoin: at the start of each round, offer groups dropped earlier to rejoin (with a catch-up).
+        polling: how often the Grid is pulled and the nodes' liveness checked.
+    """
+
+    def __init__(self, run: FlowerRun, *, run_dir: Any = None, rejoin: bool = True,
+                 polling: G.Polling | None = None) -> None:
+        self.run = run
+        self.deadlines = run.deadlines
+        self.run_dir = run_dir
+        self.rejoin = rejoin
+        self.polling = polling or G.Polling()
+        self.run_id = 0
+        self.sampled: list[int] = []
+        self.groups: dict[int, GroupInfo] = {}
+        self.members: list[int] = []
+        self.left_out: dict[int, str] = {}
+        self.dropped: set[int] = set()
+        self.history: list[dict[str, Any]] = []
+        self.resumed_round = 0
+        """The round the groups' checkpoints hold (resume); training goes on with the next one."""
+        self.round_members: list[int] = []
+        """This round's members (`select_members`)."""
+        self._rejoined: list[int] = []
+        self._round_wall = 0.0
+        self._started = 0.0
+        self._tokens_seen = 0
+        self.saved_model = ""
+        """Where member 0 wrote the final model ('' if it did not)."""
+
+    @property
+    def evaluate_in_train(self) -> bool:
+        return self.run.federation.evaluate_in_train
+
+    # ----- Strategy interface ---------------------------------------------------------------------------------
+    def summary(self) -> None:
+        r, d, p, f = self.run, self.deadlines, self.run.train.parallel, self.run.federation
+        log(INFO, "\t├── Groups: %s R=%d x S=%d (%d ranks each); wait for %d, go on with >= %d", p.method,
+            p.replicas, p.shards, r.group_world, d.num_groups, d.min_groups)
+        log(INFO, "\t├── Per round: K=%d syncs x A=%d steps; %d rounds = %d steps; model %s, seq %d, batch %d",
+            f.syncs_per_round, p.aggregate_every, f.rounds, r.total_steps, r.train.model.name, r.train.data.seq_len,
+            r.train.batch_size)
+        log(INFO, "\t└── Deadlines: sample %.0f s, hello %.0f s, round %.0f s, rendezvous %.0f s, sync %.0f s",
+            d.sample_timeout, d.hello_timeout, d.round_timeout, d.rendezvous_timeout, d.sync_timeout)
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        """One train message per member: the ordered members, member 0's rendezvous offer, a fresh prefix and the
+        round options in `config` (checked: anything but `ROUND_KEYS` is refused)."""
+        members = self.round_members
+        overrides = round_overrides(dict(config))
+        offer = self.groups[members[0]].layout
+        return self.train_messages(server_round, members, offer, f"run{self.run_id}/round{server_round}",
+                                   overrides, catch_up=bool(self._rejoined), evaluate=self.evaluate_in_train,
+                                   checkpoint=self.run.checkpoint_due(server_round))
+
+    def train_messages(self, server_round: int, members: list[int], offer: M.GroupLayout, prefix: str,
+                       overrides: dict[str, Any], *, catch_up: bool, evaluate: bool, checkpoint: bool,
+                       export_first: bool = False) -> list[Message]:
+        """The train messages of one set of members that sync among themselves (a round, or a facility)."""
+        d = self.deadlines
+        out = []
+        for i, node in enumerate(members):
+            args = M.TrainArgs(server_round=server_round, job=f"{prefix}/{node}", members=[str(m) for m in members],
+                               member_index=i, rendezvous_host=offer.rendezvous_host,
+                               rendezvous_ports=list(offer.rendezvous_ports), prefix=prefix,
+                               rendezvous_timeout=d.rendezvous_timeout, sync_timeout=d.sync_timeout,
+                               evaluate=evaluate, checkpoint=checkpoint, export=export_first and i == 0,
+                               catch_up=catch_up, overrides=overrides)
+            out.append(G.message(node, M.MSG_TRAIN, {**args.to_config(), "timeout": M.START_TIMEOUT_S},
+                                 str(server_round), d.round_timeout))
+        return out
+
+    def aggregate_train(self, server_round: int,
+                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Token-weighted metrics of the groups that trained (the collect replies); decide who stays."""
+        by_node = {m.metadata.src_node_id: m for m in replies}
+        ok: dict[int, dict[str, Any]] = {}
+        rolled_back: dict[int, dict[str, Any]] = {}
+        dropped: dict[int, str] = {}
+        for node in self.round_members:
+            metrics, error = G.reply_payload(by_node.get(node))
+            if error:
+                dropped[node] = error
+            elif metrics.get("sync_failed"):
+                rolled_back[node] = metrics
+            else:
+                ok[node] = metrics
+        alive = {**ok, **rolled_back}
+        record = records.round_record(server_round, self.round_members, ok, rolled_back, dropped, self._round_wall,
+                                      self.run.group_world, self._rejoined)
+        for node, reason in dropped.items():
+            self.dropped.add(node)
+            self.groups[node].failures.append(f"round {server_round}: {reason}")
+            self.left_out[node] = f"dropped in round {server_round}: {reason}"
+            log(WARNING, "round %d: group on node %d dropped: %s", server_round, node, reason)
+        if rolled_back:
+            log(WARNING, "round %d: sync failed; %d surviving group(s) restored their last synced shards; the next "
+                "round re-forms with %d member(s)", server_round, len(rolled_back), len(alive))
+        elif dropped:
+            log(WARNING, "round %d: %d group(s) dropped; the next round goes on with %d member(s)", server_round,
+                len(dropped), len(alive))
+        self.members = [n for n in self.members if n not in dropped]
+        for node, metrics in alive.items():
+            self.groups[node].tokens = int(metrics.get("total_tokens", 0))
+        self.history.append(record)  # written and logged by run_round once the round is complete
+        return None, MetricRecord({k: v for k, v in record.items() if isinstance(v, (int, float))
+                                   and not isinstance(v, bool)} | {"losses": record["losses"] or [0.0]})
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        if self.evaluate_in_train:
+            return []
+        timeout = self.deadlines.round_timeout
+        return [G.message(n, M.MSG_EVALUATE, {"timeout": max(1.0, timeout - 5.0)}, f"eval{server_round}", timeout)
+                for n in self.members]
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        losses = []
+        for reply in replies:
+            metrics, error = G.reply_payload(reply)
+            if not error and "eval_loss" in metrics:
+                losses.append(float(metrics["eval_loss"]))
+        if not losses:
+            return None
+        loss = sum(losses) / len(losses)
+        if self.history and self.history[-1]["round"] == server_round:
+            self.history[-1].update(eval_loss=loss, eval_ppl=perplexity(loss))
+        log(INFO, "round %d: eval loss %.4f ppl %.2f (%d groups)", server_round, loss, perplexity(loss), len(losses))
+        return MetricRecord({"eval_loss": loss, "eval_ppl": perplexity(loss)})
+
+    # ----- the run ----------------------------------------------------------------------------------------------
+    def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int | None = None,
+              timeout: float | None = None, train_config: ConfigRecord | None = None,
+              evaluate_config: ConfigRecord | None = None,
+              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
+        """Run hello, `num_rounds` (default: the run's) training rounds and finish; returns Flower's Result.
+
+        `timeout` replaces the round deadline; `train_config` holds round options for every round. The model never
+        reaches the server, so `initial_arrays` and `evaluate_fn` are refused, as is an `evaluate_config`.
+        """
+        refused = [name for name, value in (("initial_arrays", initial_arrays), ("evaluate_fn", evaluate_fn))
+                   if value is not None] + (["evaluate_config"] if evaluate_config else [])
+        try:
+            if refused:
+                raise ConfigError(f"{type(self).__name__}.start: {', '.join(refused)} not supported: the model "
+                                  f"never reaches the server (groups start from the run's model and evaluate "
+                                  f"themselves)")
+            if timeout is not None:
+                self.deadlines.round_timeout = float(timeout)
+            self.run.validate()
+            rounds = int(num_rounds or self.run.federation.rounds)
+            if rounds > self.run.federation.rounds:
+                raise ConfigError(f"num_rounds {rounds} exceeds the run's 'num-server-rounds' "
+                                  f"{self.run.federation.rounds} (the learning-rate schedule spans rounds x K x A "
+                                  f"steps)")
+            round_overrides(dict(train_config or {}))
+        except ConfigError as exc:
+            log(ERROR, "%s", exc)
+            raise
+        self.run_id = G.run_id(grid)
+        log(INFO, "Starting %s:", type(self).__name__)
+        self.summary()
+        result = Result()
+        self._started = time.monotonic()
+        try:
+            self.sampled = self.sample_nodes(grid)
+            self.hello(grid, self.sampled)
+            if self.resumed_round:
+                log(INFO, "resuming after round %d of %d", self.resumed_round, rounds)
+            for server_round in range(self.resumed_round + 1, rounds + 1):
+                self._rejoined = self.readmit(grid, server_round)
+                if len(self.members) < self.deadlines.min_groups:
+                    raise RuntimeError(f"only {len(self.members)} group(s) left, fewer than min-groups "
+                                       f"{self.deadlines.min_groups}: stopping before round {server_round}")
+                self.round_members = self.select_members(server_round)
+                log(INFO, "")
+                log(INFO, "[ROUND %d/%d] %d group(s): nodes %s", server_round, rounds, len(self.round_members),
+                    self.round_members)
+                self.run_round(grid, server_round, result, train_config)
+            summary = records.summary(self.history, time.monotonic() - self._started, self.members, self.left_out)
+            if summary is not None:
+                self.history.append(summary)
+                records.log_summary(summary, self.history)
+        finally:
+            self.finish(grid)
+        return result
+
+    def run_round(self, grid: Grid, server_round: int, result: Result, train_config: ConfigRecord | None) -> None:
+        """Train (K syncs among the groups), aggregate the metrics, evaluate; results go into `result`."""
+        t0 = time.monotonic()
+        messages = list(self.configure_train(server_round, ArrayRecord(), ConfigRecord(dict(train_config or {})),
+                                             grid))
+        replies = self.train_and_collect(grid, messages)
+        self._round_wall = time.monotonic() - t0
+        _, metrics = self.aggregate_train(server_round, replies)
+        if metrics is not None:
+            result.train_metrics_clientapp[server_round] = metrics
+        self.evaluate_round(grid, server_round, result)
+        self.publish_round()
+
+    def train_and_collect(self, grid: Grid, messages: list[Message]) -> list[Message]:
+        """Push the train messages and, right behind them, one collect message per member; return each member's
+        round result (a failed start stands for its result). Pushed together, the collects queue behind every
+        train, so no ClientApp call waits for a group whose round has not started."""
+        d = self.deadlines
+        starts = G.push(grid, messages)
+        collects = [G.message(m.metadata.dst_node_id, M.MSG_COLLECT,
+                              {"job": str(dict(m.content.config_records[M.CONFIG])["job"]),
+                               "server-round": int(dict(m.content.config_records[M.CONFIG])["server-round"]),
+                               "timeout": max(1.0, d.round_timeout - 5.0)}, m.metadata.group_id, d.round_timeout)
+                    for m in messages if m.metadata.dst_node_id in starts.values()]
+        pending = G.push(grid, collects)
+        deadline = time.monotonic() + d.round_timeout
+        failed_starts = {}
+        for reply in G.await_replies(grid, starts, deadline, self.polling):
+            if G.reply_payload(reply)[1]:
+                failed_starts[reply.metadata.src_node_id] = reply
+        pending = {mid: node for mid, node in pending.items() if node not in failed_starts}
+        replies = G.await_replies(grid, pending, deadline, self.polling)
+        if pending:
+            log(WARNING, "no round result from node(s) %s within %.0f s", sorted(set(pending.values())),
+                d.round_timeout)
+        return replies + list(failed_starts.values())
+
+    def evaluate_round(self, grid: Grid, server_round: int, result: Result) -> None:
+        """Separate evaluate messages, or the evaluation that came with the round's replies."""
+        evaluate = list(self.configure_evaluate(server_round, ArrayRecord(), ConfigRecord(), grid))
+        if evaluate:
+            eval_metrics = self.aggregate_evaluate(
+                server_round, self.send_and_receive(grid, evaluate, self.deadlines.round_timeout))
+            if eval_metrics is not None:
+                result.evaluate_metrics_clientapp[server_round] = eval_metrics
+        elif self.history and "eval_loss" in self.history[-1]:
+            h = self.history[-1]
+            result.evaluate_metrics_clientapp[server_round] = MetricRecord(
+                {"eval_loss": h["eval_loss"], "eval_ppl": h["eval_ppl"]})
+
+    def publish_round(self) -> None:
+        """Stamp, write and log the round's record (the last in `history`)."""
+        if self.history and self.history[-1].get("kind") == "round":
+            record = self.history[-1]
+            self._tokens_seen += int(record["tokens"])
+            record.update(elapsed_s=time.monotonic() - self._started, tokens_seen=self._tokens_seen)
+            if self.run_dir is not None:
+                self.run_dir.log(record)
+            records.log_round(record)
+
+    def finish(self, grid: Grid) -> None:
+        """Tell every sampled node the run is over (bounded); a launched group is shut down, member 0 saves."""
+        nodes = self.sampled
+        if not nodes:
+            return
+        try:
+            online = set(grid.get_node_ids())
+        except Exception:  # noqa: BLE001 - best effort at the end of the run
+            online = set(nodes)
+        targets = [n for n in nodes if n in online]
+        d = self.deadlines
+        save = str(self.run_dir.model_dir) if self.run_dir is not None and self.run.train.output.save_model else ""
+        messages = [G.message(n, M.MSG_FINISH, {
+            "save-dir": save if self.members and n == self.members[0] else "",
+            "stop-group": self.run.federation.stop_groups, "timeout": max(1.0, d.finish_timeout - 5.0)}, "finish",
+            d.finish_timeout) for n in targets]
+        if not messages:
+            return
+        replies = self.send_and_receive(grid, messages, d.finish_timeout)
+        stopped = sum(1 for r in replies if G.reply_payload(r)[0].get("stopped"))
+        saved = [str(G.reply_payload(r)[0].get("saved", "")) for r in replies if G.reply_payload(r)[0].get("saved")]
+        self.saved_model = saved[0] if saved else ""
+        log(INFO, "finish: %d of %d node(s) answered (%d group(s) shut down)%s", len(replies), len(messages),
+            stopped, f"; model saved to {saved[0]}" if saved else "")
+
+    def send_and_receive(self, grid: Grid, messages: list[Message], timeout: float,
+                         on_reply: Callable[[Message], Message] | None = None) -> list[Message]:
+        return G.send_and_receive(grid, messages, timeout, self.polling, on_reply)
+
+    def push(self, grid: Grid, messages: list[Message]) -> dict[str, int]:
+        return G.push(grid, messages)
+
+    def await_replies(self, grid: Grid, pending: dict[str, int], deadline: float,
+                      on_reply: Callable[[Message], Message] | None = None) -> list[Message]:
+        return G.await_replies(grid, pending, deadline, self.polling, on_reply)
+
+
+__all__ = ["DecentralizedFedAvg", "GroupInfo"]

@@ -1,0 +1,30 @@
+"""Every check of a training run that can happen before a process group, a model or a file is touched."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from flwr_sharded.config import TrainConfig, validate
+from flwr_sharded.errors import ConfigError
+
+
+def preflight(cfg: TrainConfig, world_size: int) -> None:
+    """Every check that can run before a process group, a model or a file is touched."""
+    from flwr_sharded.run_dir import check_run_dir
+    from flwr_sharded.training.data import check_data
+    from flwr_sharded.training.models import check_model_name
+
+    validate(cfg, world_size)
+    out = cfg.output
+    if out.run_dir:
+        out.run_dir = str(check_run_dir(out.run_dir, resume=cfg.checkpoint.resume))
+    for wanted, package, flag in ((out.tensorboard, "tensorboard", "--tensorboard"),
+                                  (out.wandb_project, "wandb", "--wandb-project")):
+        if wanted and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"{flag} needs the {package} package: pip install 'flwr_sharded[{package}]'")
+    check_model_name(cfg.model.name)
+    check_data(cfg.data)
+    if cfg.checkpoint.resume:
+        from flwr_sharded.training.checkpoint import check_resumable
+
+        check_resumable(cfg, cfg.checkpoint.dir)
