@@ -14,7 +14,7 @@ def _train_command(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from flwr_sharded.perf import bench, planner
+    from flwr_sharded.perf import bench, plan_cli
     from flwr_sharded.training import checkpoint, data
 
     parser = argparse.ArgumentParser(prog="flwr-sharded", description="Sharded data parallelism with federated "
@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=_train_command)
     data.register(sub)
     checkpoint.register(sub)
-    planner.register(sub)
+    plan_cli.register(sub)
     bench.register(sub)
     return parser
 
