@@ -8,7 +8,7 @@ from typing import Sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from flwr_sharded.perf import bench, planner
+    from flwr_sharded.perf import bench, plan_cli
     from flwr_sharded.training import checkpoint, data
 
     parser = argparse.ArgumentParser(prog="flwr-sharded", description="Sharded data parallelism with federated "
@@ -18,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
                    add_help=False)  # dispatched in main(): its options are flwr_sharded.train's
     data.register(sub)
     checkpoint.register(sub)
-    planner.register(sub)
+    plan_cli.register(sub)
     bench.register(sub)
     return parser
 

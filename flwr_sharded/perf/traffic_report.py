@@ -5,14 +5,14 @@ Two measurements of one training run (`train.py --measure-traffic DIR` attaches 
 - **collectives**: a `TrafficMeter` records every collective a rank issues over its training loop (op, process-group
   ranks, payload bytes), each filed under the optimizer step, the shard sync or the rest (evaluation, logging) it
   ran in. `collective_tiers` turns the records into bytes sent per tier with the same ring rules as
-  `costmodel.rank_traffic`: a rank sends its share of a ring collective to the next rank of the group; an all-gather
+  `placement.rank_traffic`: a rank sends its share of a ring collective to the next rank of the group; an all-gather
   or reduce-scatter of D bytes over n ranks sends D (n-1)/n, an all-reduce 2 D (n-1)/n, and gloo's reduce-scatter,
   which runs an all-reduce, 2 D (n-1)/n as well; a broadcast is a chain.
 - **wire** (`wire_tiers`): the interface byte counters of the emulated network (`/proc/<pid>/net/dev`) at the start
   and end of the loop: `lo` of each node namespace (intra-node), `eth0` of each node (everything leaving the node)
   and the group uplinks (everything leaving a node group). They include TCP/IP headers and acknowledgements.
 
-`compare` puts both next to `costmodel.traffic` for the same placement, model units and number of steps and syncs.
+`compare` puts both next to `placement.traffic` for the same placement, model units and number of steps and syncs.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from flwr_sharded.perf.costmodel import TIERS, Placement, Units, traffic
+from flwr_sharded.perf.costmodel import Units
+from flwr_sharded.perf.placement import TIERS, Placement, traffic
 
 PHASES = ("step", "sync")
 ALL_PHASES = (*PHASES, "other")
@@ -270,7 +271,7 @@ def wire_tiers(probes: list[dict[str, Any]], ranks_per_node: int, uplinks: list[
 def predicted_tiers(method: str, placement: Placement, units: Units, *, A: int, steps: int, syncs: int,
                     backend: str = "gloo", reshard_root: bool = True,
                     wire_ratio: float = 1.0) -> dict[str, dict[str, float]]:
-    """`costmodel.traffic` summed over ranks: step bytes x steps and sync bytes x syncs, per tier.
+    """`placement.traffic` summed over ranks: step bytes x steps and sync bytes x syncs, per tier.
 
     `wire_ratio`: the sync all-reduce's bytes per parameter over the units' (0.5 for a bfloat16 sync of fp32 units).
     """

@@ -14,8 +14,11 @@ import pytest
 import yaml
 
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.perf import bench, netemu
-from flwr_sharded.perf.costmodel import TIERS, Placement
+from flwr_sharded.perf.bench.layouts import default_layouts, model_units, parse_layouts, vocab_size_of
+from flwr_sharded.perf.bench.report import agreement
+from flwr_sharded.perf.bench.scenarios import step_stats
+from flwr_sharded.perf.netemu.topology import EmuTopology
+from flwr_sharded.perf.placement import TIERS, Placement
 from flwr_sharded.perf.traffic_report import compare, load_probes, sent_bytes
 from tests.multiproc import torchrun
 
@@ -45,7 +48,7 @@ def _cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
                                                ("hsdp", ["--replicas", "2", "--shards", "2"], 1)],
                          ids=["fl-hsdp", "fl-hsdp-bf16-sync", "hsdp"])
 def test_measured_collectives_match_the_cost_model(data_dir, tmp_path, method, layout, A):
-    """Bytes per tier from the recorded collectives of every step and sync equal `costmodel.traffic` within 5%
+    """Bytes per tier from the recorded collectives of every step and sync equal `placement.traffic` within 5%
     (here: exactly), for a placement of the 4 ranks on 2 pretend nodes (the tiers follow the rank numbers).
     With a bfloat16 sync the cross-group all-reduce (here the only inter-node traffic) is predicted at half."""
     wire_ratio = 0.5 if "bfloat16" in layout else 1.0
@@ -59,7 +62,7 @@ def test_measured_collectives_match_the_cost_model(data_dir, tmp_path, method, l
     assert probes[0]["windows"]["step"] == 6 and probes[0]["windows"]["sync"] == (3 if A == 2 else 0)
     F, R = (2, 2) if method == "fl-hsdp" else (1, 2)
     S = 4 // (F * R)
-    units = bench.model_units("tiny", bench.vocab_size_of(str(data_dir)), 32, S)
+    units = model_units("tiny", vocab_size_of(str(data_dir)), 32, S)
     placement = Placement(F=F, R=R, S=S, gpus_per_node=2, nodes_per_group=None)
     cmp = compare(probes, method, placement, units, A=A, backend="gloo", reshard_root=True, wire_ratio=wire_ratio)
     assert cmp.max_error() <= 0.05, cmp.to_dict()["error"]
@@ -84,20 +87,20 @@ def test_sent_bytes_rules():
 # Layouts, statistics, agreement (no processes).
 
 
-def _topo(**changes) -> netemu.EmuTopology:
-    from flwr_sharded.perf.planner import cluster_from_dict
+def _topo(**changes) -> EmuTopology:
+    from flwr_sharded.perf.cluster import cluster_from_dict
 
-    return netemu.EmuTopology.from_cluster(cluster_from_dict({**SMALL, **changes}))
+    return EmuTopology.from_cluster(cluster_from_dict({**SMALL, **changes}))
 
 
 def test_default_layouts_follow_the_paper():
     big = _topo(nodes=4, nodes_per_group=2, bandwidth={"intra_node": "7Gbit", "inter_node": "1Gbit",
                                                        "inter_group": "100Mbit"})
-    got = {k: v.text() for k, v in bench.default_layouts(big).items()}
+    got = {k: v.text() for k, v in default_layouts(big).items()}
     assert got == {"fsdp": "1x1x8", "hsdp": "1x4x2", "fl-fsdp": "4x1x2", "fl-hsdp": "2x2x2"}
-    assert {k: v.text() for k, v in bench.default_layouts(_topo()).items()} == {
+    assert {k: v.text() for k, v in default_layouts(_topo()).items()} == {
         "fsdp": "1x1x4", "hsdp": "1x2x2", "fl-fsdp": "2x1x2"}
-    over = bench.parse_layouts("fl-fsdp=4x1x1,hsdp=1x4x1", _topo())
+    over = parse_layouts("fl-fsdp=4x1x1,hsdp=1x4x1", _topo())
     assert over["fl-fsdp"].text() == "4x1x1" and over["hsdp"].text() == "1x4x1"
 
 
@@ -106,14 +109,14 @@ def test_default_layouts_follow_the_paper():
                                          ("hsdp=1x1x4", "not a hsdp layout")])
 def test_bad_layouts(text, words):
     with pytest.raises(ConfigError, match=words):
-        bench.parse_layouts(text, _topo())
+        parse_layouts(text, _topo())
 
 
 def test_step_stats_leave_out_the_warm_up_window():
     windows = [{"steps": 4, "step_s": 9.0, "forward": 1, "backward": 1, "optimizer": 1, "sync": 0},
                {"steps": 4, "step_s": 1.0, "forward": 0.2, "backward": 0.5, "optimizer": 0.1, "sync": 0.2},
                {"steps": 4, "step_s": 3.0, "forward": 0.2, "backward": 0.5, "optimizer": 0.1, "sync": 2.2}]
-    stats = bench.step_stats([windows, windows])
+    stats = step_stats([windows, windows])
     assert stats["windows_used"] == 4 and stats["step_s"] == 2.0 and stats["step_s_mean"] == 2.0
     assert stats["step_s_std"] == 1.0 and stats["phases"]["sync"] == pytest.approx(1.2)
 
@@ -129,12 +132,12 @@ def test_agreement_applies_the_planner_rule():
                      "no-sync": _fake_run("fl-fsdp", "4x1x2", 0.5, sync=False)},
             "planner": {"fl_margin": 0.1, "predicted_order": ["hsdp", "fl-fsdp"],
                         "first_choice": {"method": "hsdp", "F": 1, "R": 4, "S": 2, "A": 1}}}
-    agree = bench.agreement(scen)
+    agree = agreement(scen)
     assert agree["planner"] == "hsdp" and agree["measured_fastest"] == "fl-fsdp" and not agree["ok"]
     assert agree["measured_by_rule"] == "hsdp" and agree["ok_by_rule"]  # FL is < 10% faster: the rule keeps HSDP
     assert "+5.3%" in agree["text"]
     scen["runs"]["fl-fsdp"]["step_s"] = 0.5
-    agree = bench.agreement(scen)
+    agree = agreement(scen)
     assert agree["measured_by_rule"] == "fl-fsdp" and not agree["ok_by_rule"]
 
 

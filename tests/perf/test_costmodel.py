@@ -4,21 +4,17 @@ import pytest
 
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.perf.costmodel import (
-    ModelShape,
-    Placement,
     Units,
     all_gather_time,
     all_reduce_time,
     broadcast_time,
     comm_terms,
     comm_time,
-    compute_time,
     fl_comm_time,
-    memory_per_gpu,
-    rank_traffic,
     reduce_scatter_time,
-    traffic,
 )
+from flwr_sharded.perf.model_shape import ModelShape, compute_time, memory_per_gpu
+from flwr_sharded.perf.placement import Placement, rank_traffic, traffic
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Table 1

@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flwr_sharded.perf import netemu
-from flwr_sharded.perf.planner import cluster_from_dict
+from flwr_sharded.perf.cluster import cluster_from_dict
+from flwr_sharded.perf.netemu.fabric import Fabric
+from flwr_sharded.perf.netemu.isolation import check_host, host_leftovers
+from flwr_sharded.perf.netemu.topology import EmulationError, EmuTopology
 
 REPO = Path(__file__).resolve().parents[2]
 CAN_EMULATE = os.geteuid() == 0 and all(shutil.which(t) for t in ("unshare", "ip", "tc"))
@@ -45,7 +47,7 @@ def host_state() -> dict[str, object]:
     def run(*cmd: str) -> str:
         return subprocess.run(cmd, capture_output=True, text=True).stdout
 
-    left = netemu.host_leftovers()
+    left = host_leftovers()
     return {"netns": run("ip", "netns", "list"),
             "links": sorted(line.split(":")[1].strip() for line in run("ip", "-o", "link").splitlines()),
             "qdiscs": run("tc", "qdisc", "show"), "run": sorted({"netns", "mount"} & set(os.listdir("/run"))),
@@ -69,15 +71,15 @@ def assert_clean(before: dict[str, object], timeout: float = 15.0) -> None:
 
 
 def test_topology_from_cluster_description():
-    topo = netemu.EmuTopology.from_cluster(cluster_from_dict({**BASE, "gpus_per_node": 2}))
+    topo = EmuTopology.from_cluster(cluster_from_dict({**BASE, "gpus_per_node": 2}))
     assert (topo.groups, topo.nodes_per_group, topo.ranks_per_node, topo.world_size) == (2, 2, 2, 8)
     assert (topo.inter_node_bps, topo.inter_group_bps) == (200e6, 20e6)
     assert [topo.node_of(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
     assert [topo.node_ip(k) for k in range(4)] == ["10.77.0.1", "10.77.0.2", "10.77.1.1", "10.77.1.2"]
     assert topo.uplinks() == ["up0", "up1"]
     assert any("intra-node" in n for n in topo.notes)
-    flat = netemu.EmuTopology.from_cluster(cluster_from_dict({**BASE, "nodes_per_group": None,
-                                                              "bandwidth": {"inter_node": "1Gbit"}}))
+    flat = EmuTopology.from_cluster(cluster_from_dict({**BASE, "nodes_per_group": None,
+                                                       "bandwidth": {"inter_node": "1Gbit"}}))
     assert (flat.groups, flat.inter_group_bps, flat.uplinks()) == (1, None, [])
 
 
@@ -91,26 +93,26 @@ def test_topology_from_cluster_description():
     ({"nodes": 200, "nodes_per_group": 100}, ["200 nodes", "at most 64"]),
 ])
 def test_topology_that_does_not_fit(changes, words):
-    topo = netemu.EmuTopology.from_cluster(cluster_from_dict({**BASE, **changes}))
-    with pytest.raises(netemu.EmulationError) as err:
+    topo = EmuTopology.from_cluster(cluster_from_dict({**BASE, **changes}))
+    with pytest.raises(EmulationError) as err:
         topo.check_fits(cpus=2, mem_available=24e9)
     for word in words:
         assert word in str(err.value)
 
 
 def test_backend_and_groups_must_suit_the_emulation():
-    with pytest.raises(netemu.EmulationError, match="backend: gloo"):
-        netemu.EmuTopology.from_cluster(cluster_from_dict({**BASE, "backend": "nccl"}))
-    with pytest.raises(netemu.EmulationError, match="multiple of 'nodes_per_group'"):
-        netemu.EmuTopology.from_cluster(cluster_from_dict({**BASE, "nodes": 5}))
+    with pytest.raises(EmulationError, match="backend: gloo"):
+        EmuTopology.from_cluster(cluster_from_dict({**BASE, "backend": "nccl"}))
+    with pytest.raises(EmulationError, match="multiple of 'nodes_per_group'"):
+        EmuTopology.from_cluster(cluster_from_dict({**BASE, "nodes": 5}))
 
 
 def test_not_root_is_a_clear_error(monkeypatch, tmp_path, capsys):
     from flwr_sharded.cli import main
 
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    with pytest.raises(netemu.EmulationError, match="needs root"):
-        netemu.check_host()
+    with pytest.raises(EmulationError, match="needs root"):
+        check_host()
     assert main(["bench", "check", "--cluster", str(write_cluster(tmp_path))]) == 2
     err = capsys.readouterr().err
     assert "needs root" in err and "uid 1000" in err
@@ -124,8 +126,8 @@ def test_missing_tool_is_named(monkeypatch, tmp_path):
         (bin_dir / tool).symlink_to(real or "/bin/true")
     monkeypatch.setenv("PATH", str(bin_dir))
     monkeypatch.setattr(os, "geteuid", lambda: 0)
-    with pytest.raises(netemu.EmulationError) as err:
-        netemu.check_host()
+    with pytest.raises(EmulationError) as err:
+        check_host()
     assert "`ip` (package iproute2)" in str(err.value)
     assert "`tc`" not in str(err.value) and "`unshare`" not in str(err.value)
 
@@ -224,7 +226,7 @@ def test_killed_runner_leaves_nothing(tmp_path):
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
-        while len(netemu.host_leftovers()["processes"]) < 4 + 1:  # 4 ranks and the runner
+        while len(host_leftovers()["processes"]) < 4 + 1:  # 4 ranks and the runner
             assert time.monotonic() < deadline, "the emulated ranks did not start"
             assert proc.poll() is None
             time.sleep(0.2)
@@ -238,8 +240,8 @@ def test_killed_runner_leaves_nothing(tmp_path):
 
 @needs_root
 def test_fabric_refuses_to_build_outside_the_namespaces():
-    topo = netemu.EmuTopology("x", ranks_per_node=1, nodes=2, nodes_per_group=1, inter_node_bps=None,
-                              inter_group_bps=1e8)
-    with pytest.raises(netemu.EmulationError, match="inside run_isolated"):
-        with netemu.Fabric(topo):
+    topo = EmuTopology("x", ranks_per_node=1, nodes=2, nodes_per_group=1, inter_node_bps=None,
+                       inter_group_bps=1e8)
+    with pytest.raises(EmulationError, match="inside run_isolated"):
+        with Fabric(topo):
             pass

@@ -8,20 +8,16 @@ import pytest
 import yaml
 
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.perf import planner
-from flwr_sharded.perf.planner import (
-    PAPER_TABLE4,
+from flwr_sharded.perf import plan_cli, planner
+from flwr_sharded.perf.cluster import (
     cluster_from_dict,
-    layouts,
     load_cluster,
-    model_from_preset,
-    paper_layouts,
     parse_bandwidth,
     parse_flops,
     parse_latency,
     parse_memory,
-    plan,
 )
+from flwr_sharded.perf.planner import PAPER_TABLE4, layouts, model_from_preset, paper_layouts, plan
 from flwr_sharded.training.models import PRESETS
 
 CLUSTERS = Path(__file__).resolve().parents[2] / "examples" / "clusters"
@@ -235,7 +231,7 @@ def test_paper_layouts(llama8b):
 
 def _cli(*argv: str) -> int:
     parser = argparse.ArgumentParser(prog="flwr-sharded")
-    planner.register(parser.add_subparsers(dest="command", required=True))
+    plan_cli.register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["plan", *argv])
     return args.func(args)
 

@@ -1,0 +1,106 @@
+"""Each method's (F, R, S) on the emulated cluster, and the bytes of the model's FSDP2 units."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from flwr_sharded.config import METHODS
+from flwr_sharded.errors import ConfigError
+from flwr_sharded.perf.costmodel import Units, check_layout
+from flwr_sharded.perf.netemu.topology import EmuTopology
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One method's (F, R, S) on the emulated cluster."""
+
+    method: str
+    F: int
+    R: int
+    S: int
+
+    @property
+    def world(self) -> int:
+        return self.F * self.R * self.S
+
+    def text(self) -> str:
+        return f"{self.F}x{self.R}x{self.S}"
+
+    def train_args(self, A: int, sync_dtype: str = "float32") -> list[str]:
+        fl = self.method.startswith("fl-")
+        return ["--method", self.method, "--federations", str(self.F), "--replicas", str(self.R),
+                "--shards", str(self.S), "--aggregate-every", str(A if fl else 1),
+                *(["--sync-dtype", sync_dtype] if fl else [])]
+
+
+def default_layouts(topo: EmuTopology) -> dict[str, Layout]:
+    """The paper's pattern: shard inside a node; HSDP replicates over nodes; FL+FSDP federates nodes; FL+HSDP
+    replicates over the nodes of a group and federates groups (or halves of the nodes with a single group)."""
+    P, N, W = topo.ranks_per_node, topo.nodes, topo.world_size
+    out = {"fsdp": Layout("fsdp", 1, 1, W)}
+    if N > 1:
+        out["hsdp"] = Layout("hsdp", 1, N, P)
+        out["fl-fsdp"] = Layout("fl-fsdp", N, 1, P)
+    if topo.groups > 1 and topo.nodes_per_group > 1:
+        out["fl-hsdp"] = Layout("fl-hsdp", topo.groups, topo.nodes_per_group, P)
+    elif N >= 4 and N % 2 == 0:
+        out["fl-hsdp"] = Layout("fl-hsdp", 2, N // 2, P)
+    return out
+
+
+def parse_layouts(text: str | None, topo: EmuTopology) -> dict[str, Layout]:
+    """`fsdp=1x1x8,fl-fsdp=4x1x2`: overrides of the default layouts (F x R x S)."""
+    layouts = default_layouts(topo)
+    if not text:
+        return layouts
+    for item in text.split(","):
+        method, _, dims = item.strip().partition("=")
+        if method not in METHODS:
+            raise ConfigError(f"--layouts: unknown method {method!r} in {item!r}; use {', '.join(METHODS)}")
+        try:
+            F, R, S = (int(x) for x in dims.lower().split("x"))
+        except ValueError:
+            raise ConfigError(f"--layouts: expected METHOD=FxRxS such as fl-fsdp=4x1x2, got {item!r}") from None
+        check_layout(method, S=S, R=R, F=F)
+        if method in ("hsdp", "fl-hsdp") and R < 2 or method.startswith("fl-") and F < 2:
+            raise ConfigError(f"--layouts: {item} is not a {method} layout (needs "
+                              f"{'R > 1' if 'hsdp' in method else ''}{' and ' if method == 'fl-hsdp' else ''}"
+                              f"{'F > 1' if method.startswith('fl-') else ''})")
+        layouts[method] = Layout(method, F, R, S)
+    for layout in layouts.values():
+        if layout.world != topo.world_size:
+            raise ConfigError(f"--layouts: {layout.method} {layout.text()} has {layout.world} ranks, the emulated "
+                              f"cluster {topo.world_size}")
+    return layouts
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Model units (bytes of each FSDP2 unit, padded as FSDP2 pads shards).
+
+
+def model_units(model_name: str, vocab_size: int, seq_len: int, S: int, bytes_per_param: int = 4) -> Units:
+    """Units of the model the engine builds, each parameter's dim 0 padded to a multiple of S (as FSDP2 does)."""
+    from flwr_sharded.training.models import build_model, transformer_blocks
+
+    model = build_model(model_name, vocab_size=vocab_size, max_seq_len=seq_len)
+
+    def padded(params) -> float:
+        total = 0
+        for p in params:
+            rows = p.shape[0] if p.dim() else 1
+            rest = p.numel() // max(rows, 1)
+            total += math.ceil(rows / S) * S * rest
+        return float(total * bytes_per_param)
+
+    blocks = transformer_blocks(model)
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    root = padded(p for p in model.parameters() if id(p) not in in_blocks)
+    return Units(blocks=tuple(padded(b.parameters()) for b in blocks), root=root)
+
+
+def vocab_size_of(data_dir: str) -> int:
+    from transformers import AutoTokenizer
+
+    return len(AutoTokenizer.from_pretrained(Path(data_dir) / "tokenizer"))

@@ -1,0 +1,66 @@
+"""The benchmark's plots: time to perplexity and the sweep of A."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from flwr_sharded.perf.bench.common import LABELS, _say
+
+
+def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
+    """time_to_ppl.png (training perplexity against training time, like the paper's Figure 2) and a_sweep.png."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        _say("matplotlib is not installed: no plots (pip install 'flwr_sharded[plot]')")
+        return []
+    written = []
+    main = results["scenarios"]["main"]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for key, r in main["runs"].items():
+        xs = [p["time_s"] for p in r["train"]]
+        ys = [p["ppl"] for p in r["train"]]
+        line, = ax.plot(xs, ys, "--" if key == "no-sync" else "-", label=LABELS[key], marker=".")
+        if r["eval"]:
+            ax.plot([e["time_s"] for e in r["eval"]], [e["eval_ppl"] for e in r["eval"]], "x", color=line.get_color(),
+                    markersize=8)
+    ax.set_yscale("log")
+    ax.set_xlabel("training time (s)")
+    ax.set_ylabel("training perplexity (x: evaluation)")
+    ax.set_title(f"{main['topology']['name']}: {results['settings']['model']}, same samples, "
+                 f"A={results['settings']['aggregate_every']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = out_dir / "time_to_ppl.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+    if main.get("sweep"):
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        As = [r["A"] for r in main["sweep"]]
+        sync_per_step = [max(r["sync_s_mean"], 1e-4) for r in main["sweep"]]
+        steps = [r["step_s_mean"] for r in main["sweep"]]
+        ax.plot(As, steps, "o-", label="FL+FSDP s/step")
+        ax.plot(As, sync_per_step, "s--", label="of which sync (s/step)")
+        if "no-sync" in main["runs"]:
+            ax.axhline(main["runs"]["no-sync"]["step_s_mean"], linestyle="--", color="gray", label="no-sync limit")
+        if "fsdp" in main["runs"]:
+            ax.axhline(main["runs"]["fsdp"]["step_s_mean"], linestyle=":", color="red", label="FSDP")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(As, [str(a) for a in As])
+        ax.set_xlabel("A (steps between syncs)")
+        ax.set_ylabel("seconds per step")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        path = out_dir / "a_sweep.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written

@@ -1,0 +1,309 @@
+"""The results against the issue's targets, the planner's agreement with the measurements, and the Markdown report
+(`render`; `rerender` redoes all three, and the plots, from a saved bench.json)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from flwr_sharded.perf.bench.common import LABELS, REPO
+from flwr_sharded.perf.bench.plots import plot
+from flwr_sharded.perf.placement import TIERS
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    raise TypeError(type(value).__name__)
+
+
+def checks(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets, each with its measured value and whether it holds."""
+    out = []
+    main = results["scenarios"]["main"]
+    runs = main["runs"]
+
+    def add(name: str, value: float | None, kind: str, target: str, ok: bool | None) -> None:
+        out.append({"check": name, "value": value, "kind": kind, "target": target, "ok": ok})
+
+    if "fsdp" in runs and "fl-fsdp" in runs:
+        v = runs["fsdp"]["step_s"] / runs["fl-fsdp"]["step_s"]
+        add("FL+FSDP speedup over FSDP (median step time)", v, "ratio", ">= 5x", v >= 5)
+    if "hsdp" in runs and "fl-hsdp" in runs:
+        v = runs["hsdp"]["step_s"] / runs["fl-hsdp"]["step_s"]
+        add("FL+HSDP speedup over HSDP (median step time)", v, "ratio", "> 1x", v > 1)
+    if "no-sync" in runs and "fl-fsdp" in runs:
+        v = runs["fl-fsdp"]["step_s_mean"] / runs["no-sync"]["step_s_mean"] - 1
+        add("FL+FSDP above its no-sync limit (mean step time)", v, "delta", "<= +20%", v <= 0.20)
+        a = runs["fl-fsdp"]
+        v = a["sync_s_mean"] / (a["step_s_mean"] - a["sync_s_mean"])
+        add("(same, within the FL+FSDP run: sync time over the other phases)", v, "delta", "<= +20%", v <= 0.20)
+    for scen_name, scen in results["scenarios"].items():
+        errors = [r["traffic_max_error"] for r in scen["runs"].values() if "traffic_max_error" in r]
+        errors += [r["traffic_max_error"] for r in scen.get("sweep", []) if "traffic_max_error" in r]
+        if "planner_choice_run" in scen:
+            errors.append(scen["planner_choice_run"].get("traffic_max_error", 0.0))
+        if errors:
+            v = max(errors)
+            add(f"{scen_name}: collectives vs predicted bytes per tier, worst run and tier", v, "share", "<= 5%",
+                v <= 0.05)
+        agree = scen.get("agreement")
+        if agree:
+            add(f"{scen_name}: planner's first choice = measured fastest" if agree.get("global") else
+                f"{scen_name}: planner's choice among the measured methods = measured fastest", None, "text",
+                agree["text"], agree["ok"])
+    return out
+
+
+def agreement(scen: dict[str, Any]) -> dict[str, Any] | None:
+    """The planner's first choice against the measurements.
+
+    Over all layouts: the planner's first choice (measured too when it is none of the methods' layouts) against the
+    fastest measured layout. Among the methods' layouts: the planner's ranking of the measured ones against theirs.
+    The planner ranks FL layouts as if `fl_margin` slower (a policy: prefer exact gradient averaging unless FL saves
+    more); the text also says which layout that rule picks from the measured times when it differs.
+    """
+    plan = scen.get("planner")
+    if not plan:
+        return None
+    margin = plan["fl_margin"]
+    measured = {k: r for k, r in scen["runs"].items() if r["sync"]}
+    if "planner_choice_run" in scen:
+        measured["planner-choice"] = scen["planner_choice_run"]
+    if not measured:
+        return None
+
+    def name(k: str) -> str:
+        r = measured[k]
+        return f"{r['method']} {r['layout']} A={r['A']}"
+
+    def rule(keys: list[str]) -> str:
+        return min(keys, key=lambda k: measured[k]["step_s"] * (1 + margin if measured[k]["method"].startswith("fl-")
+                                                                 else 1))
+
+    fastest = min(measured, key=lambda k: measured[k]["step_s"])
+    first = plan["first_choice"]
+    choice = None
+    if "planner-choice" in measured:
+        choice = "planner-choice"
+    elif first is not None:
+        choice = next((k for k, r in measured.items() if (r["method"], r["F"], r["R"], r["S"], r["A"]) ==
+                       (first["method"], first["F"], first["R"], first["S"], first["A"])), None)
+    methods = [k for k in plan["predicted_order"] if k in measured]
+    restricted = methods[0] if methods else None
+    restricted_fastest = min(methods, key=lambda k: measured[k]["step_s"]) if methods else None
+    out: dict[str, Any] = {"methods_only": {"planner": restricted, "measured_fastest": restricted_fastest,
+                                            "ok": restricted is not None and restricted == restricted_fastest}}
+    if choice is None:
+        text = (f"the planner's first choice ({first['method']} {first['F']}x{first['R']}x{first['S']} A={first['A']}) "
+                f"was not measured; among the measured methods: planner {LABELS.get(restricted, restricted)}, "
+                f"measured fastest {LABELS.get(restricted_fastest, restricted_fastest)}") if first else "no choice"
+        return {**out, "planner": restricted, "measured_fastest": restricted_fastest, "gap": None,
+                "ok": out["methods_only"]["ok"], "global": False, "text": text}
+    gap = measured[choice]["step_s"] / measured[fastest]["step_s"] - 1
+    text = f"planner: {name(choice)}; measured fastest: {name(fastest)}"
+    if choice != fastest:
+        text += f" ({gap:+.1%} against the choice)"
+    by_rule = rule(list(measured))
+    if by_rule != fastest:
+        text += f"; the planner's {margin:.0%} FL margin applied to the measured times picks {name(by_rule)}"
+    return {**out, "planner": choice, "measured_fastest": fastest, "measured_by_rule": by_rule, "gap": gap,
+            "ok": choice == fastest, "ok_by_rule": choice == by_rule, "global": True, "text": text}
+
+
+def rerender(out_dir: str | Path) -> str:
+    """Recompute checks and agreement of a saved `bench.json` and rewrite `bench.md` and the plots."""
+    out_dir = Path(out_dir)
+    results = json.loads((out_dir / "bench.json").read_text())
+    for scen in results["scenarios"].values():
+        scen["agreement"] = agreement(scen)
+    results["checks"] = checks(results)
+    report = render(results)
+    (out_dir / "bench.json").write_text(json.dumps(results, indent=1, default=_json_default))
+    (out_dir / "bench.md").write_text(report + "\n")
+    plot(results, out_dir)
+    return report
+
+
+def _fmt(value: float | None, spec: str = ".3f") -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    return format(value, spec)
+
+
+def _ratio(a: float | None, b: float) -> str:
+    return f"{a / b:.2f}x" if a else "-"
+
+
+def _rel(path: str) -> str:
+    try:
+        return str(Path(path).relative_to(REPO))
+    except ValueError:
+        return path
+
+
+def _label(key: str, r: dict[str, Any]) -> str:
+    return f"planner's choice ({r['method']})" if key == "planner-choice" else LABELS.get(key, key)
+
+
+def render(results: dict[str, Any]) -> str:
+    """Markdown tables of everything measured."""
+    lines: list[str] = []
+    w = lines.append
+    s = results["settings"]
+    m = results["machine"]
+    loads = [x for scen in results["scenarios"].values() for r in [*scen["runs"].values(), *scen.get("sweep", [])]
+             for x in r.get("load_avg", [])] or [float("nan")]
+    w(f"# flwr-sharded bench, {results['date']}")
+    w("")
+    w(f"Machine: {m['cpus']} CPU cores, {m['memory_gb']} GB available, kernel {m['kernel']}, torch {m['torch']}. "
+      f"Model `{s['model']}` (fp32 on CPU, gloo), lr {s['lr']}, seed {s['seed']}, A = {s['aggregate_every']}, "
+      f"FL sync in {s.get('sync_dtype', 'float32')}. "
+      f"Load average (1 min) during the runs: {min(loads):.1f} to {max(loads):.1f} on {m['cpus']} cores. "
+      f"Total {results['elapsed_s'] / 60:.1f} min.")
+    for name, scen in results["scenarios"].items():
+        runs = scen["runs"]
+        table = dict(runs)
+        if "planner_choice_run" in scen:
+            table["planner-choice"] = scen["planner_choice_run"]
+        w("")
+        w(f"## Scenario `{name}`: {scen['description']}")
+        w("")
+        w(f"Cluster file `{_rel(scen['cluster_file'])}`; {scen['batch_size']} x {scen['seq_len']} tokens per rank "
+          f"per step, {scen['steps']} steps per run, {scen['repeats']} repeat(s) (interleaved). "
+          + " ".join(f"Note: {n}." for n in scen.get("notes", [])))
+        w("")
+        w("### Step time and speedups")
+        w("Seconds per optimizer step over windows of A steps (each holds one sync of the FL methods), the first "
+          "window of each run left out; std over windows.")
+        w("")
+        w("| method | F x R x S | A | median | mean | std | vs FSDP | vs HSDP | planner predicts |")
+        w("|---|---|---|---|---|---|---|---|---|")
+        base = runs.get("fsdp", {}).get("step_s")
+        hsdp = runs.get("hsdp", {}).get("step_s")
+        pl = scen.get("planner", {})
+        for key, r in table.items():
+            pred = pl.get("measured_layouts", {}).get(r["method"], {}).get("predicted_step_s") \
+                if r["sync"] and key in pl.get("measured_layouts", {}) else None
+            if key == "planner-choice":
+                pred = pl["first_choice"]["predicted_step_s"]
+            w(f"| {_label(key, r)} | {r['layout']} | {r['A']} | {r['step_s']:.3f} | {r['step_s_mean']:.3f} | "
+              f"{r['step_s_std']:.3f} | {_ratio(base, r['step_s'])} | {_ratio(hsdp, r['step_s'])} | {_fmt(pred)} |")
+        w("")
+        w("### Phase breakdown (like the paper's Table 4)")
+        w("Seconds per step, medians over windows; sync amortised over A steps, and per sync.")
+        w("")
+        w("| method | forward | backward | optimizer | sync | sync per sync | overall |")
+        w("|---|---|---|---|---|---|---|")
+        for key, r in table.items():
+            ph = r["phases"]
+            per_sync = ph["sync"] * r["A"] if r["sync"] and r["method"].startswith("fl-") else 0.0
+            w(f"| {_label(key, r)} | {ph['forward']:.3f} | {ph['backward']:.3f} | {ph['optimizer']:.3f} | "
+              f"{ph['sync']:.3f} | {per_sync:.3f} | {r['step_s']:.3f} |")
+        if "no-sync" in runs and "fl-fsdp" in runs:
+            a, b = runs["fl-fsdp"], runs["no-sync"]
+            w("")
+            w(f"No-sync limit (the same FL+FSDP run with `--no-sync`): {b['step_s_mean']:.3f} s/step against "
+              f"{a['step_s_mean']:.3f} s/step with syncs every {a['A']} steps (means): "
+              f"{a['step_s_mean'] / b['step_s_mean'] - 1:+.1%}; medians {b['step_s']:.3f} / {a['step_s']:.3f}. "
+              f"Within the FL+FSDP run itself, the sync takes {a['sync_s_mean']:.3f} of its {a['step_s_mean']:.3f} "
+              f"s/step: {a['sync_s_mean'] / (a['step_s_mean'] - a['sync_s_mean']):+.1%} over its other phases "
+              f"(independent of load changes between runs).")
+        w("")
+        w("### Bytes per tier: predicted vs measured (MB, summed over ranks)")
+        w("*Predicted*: `costmodel.traffic` for the run's steps and syncs (gloo: a reduce-scatter sends what an "
+          "all-reduce sends; FSDP2 reshards the root after forward, so it is all-gathered twice per step). "
+          "*Collectives*: the TrafficMeter's records of those steps and syncs with the same ring rules. "
+          "*Wire*: interface counters (node `lo`, node `eth0`, group uplinks) over the whole training loop, which "
+          "also holds evaluation and logging; *all* = every collective of that span. Wire bytes include TCP/IP "
+          "headers and ACKs (per 64 KiB GSO packet on veths).")
+        w("")
+        w("| run | tier | predicted | collectives | error | all collectives | wire | wire / all |")
+        w("|---|---|---|---|---|---|---|---|")
+        rows = list(table.items()) + [(f"sweep A={x['A']}", x) for x in scen.get("sweep", []) if not x.get("reused")]
+        for key, r in rows:
+            t = r.get("traffic")
+            if not t:
+                continue
+            for tier in TIERS:
+                pred = sum(t["predicted"][ph][tier] for ph in ("step", "sync"))
+                meas = sum(t["collectives"][ph][tier] for ph in ("step", "sync"))
+                allm = sum(t["collectives"][ph][tier] for ph in ("step", "sync", "other"))
+                wire = t["wire"][tier] if t.get("wire") else None
+                if pred == 0 and meas == 0 and allm == 0:
+                    continue
+                w(f"| {_label(key, r)} | {tier} | {pred / 1e6:.2f} | {meas / 1e6:.2f} | "
+                  f"{_fmt(t['error'][tier], '+.2%')} | {allm / 1e6:.2f} | "
+                  f"{_fmt(wire / 1e6 if wire is not None else None, '.2f')} | "
+                  f"{_fmt(t['wire_ratio'][tier] if allm >= 1e6 else None, '.3f')} |")
+        if scen.get("sweep"):
+            ref = runs.get("no-sync", {}).get("step_s_mean")
+            w("")
+            w("### Sweep of A (FL+FSDP): sync overhead against A")
+            w("Mean seconds per step after the first window (windows of max(A, 8) steps); overhead against the "
+              "no-sync limit.")
+            w("")
+            w("| A | steps | s/step | sync s per sync | sync s per step | overhead vs no-sync run | "
+              "overhead vs own non-sync time |")
+            w("|---|---|---|---|---|---|---|")
+            for r in scen["sweep"]:
+                over = r["step_s_mean"] / ref - 1 if ref else None
+                sync_step = r["sync_s_mean"]
+                own = sync_step / (r["step_s_mean"] - sync_step)
+                w(f"| {r['A']} | {r['steps']} | {r['step_s_mean']:.3f} | {sync_step * r['A']:.3f} | "
+                  f"{sync_step:.3f} | {_fmt(over, '+.1%')} | {own:+.1%} |")
+            if ref:
+                w(f"| no sync | {runs['no-sync']['steps']} | {ref:.3f} | - | - | 0 | - |")
+        w("")
+        w("### Learning quality with equal samples (like the paper's Table 3)")
+        w("Every method trains the same number of steps on the same blocks (same seed, batch, ranks: iid "
+          "partition by data-parallel rank). Train ppl: last logging window, mean over ranks; eval ppl: "
+          f"{s['eval_blocks']} held-out blocks at the end; time: training time (the sum of window times).")
+        w("")
+        w("| method | effective batch (sequences / tokens per optimizer step) | samples seen | train ppl | "
+          "eval ppl | time s |")
+        w("|---|---|---|---|---|---|")
+        for key, r in table.items():
+            samples = r["steps"] * scen["batch_size"] * (r["F"] * r["R"] * r["S"])
+            w(f"| {_label(key, r)} | {r['effective_batch']} / {r['effective_batch_tokens']} | {samples} | "
+              f"{_fmt(r['final']['train_ppl'], '.1f')} | {_fmt(r['final']['eval_ppl'], '.1f')} | "
+              f"{r['final']['train_time_s']:.1f} |")
+        if pl:
+            w("")
+            w(f"### Planner agreement (`plan` on `{_rel(scen['cluster_file'])}`, the same model, tokens and "
+              f"vocabulary, fl_margin {pl['fl_margin']:.0%})")
+            w("")
+            order = pl["predicted_order"]
+            measured_order = sorted((k for k in runs if runs[k]["sync"]), key=lambda k: runs[k]["step_s"])
+            w(f"- predicted order of the methods' layouts (FL counted {pl['fl_margin']:.0%} slower): "
+              f"{' < '.join(LABELS[k] for k in order)}")
+            w(f"- measured order: {' < '.join(LABELS[k] for k in measured_order)}")
+            fc = pl["first_choice"]
+            if fc:
+                line = (f"- planner's first choice over all layouts: {fc['method']} F={fc['F']} R={fc['R']} "
+                        f"S={fc['S']} A={fc['A']}, {fc['predicted_step_s']:.3f} s/step predicted")
+                if "planner_choice_run" in scen:
+                    line += f", {scen['planner_choice_run']['step_s']:.3f} s/step measured"
+                w(line)
+            agree = scen.get("agreement")
+            if agree:
+                w(f"- {agree['text']}: {'agree' if agree['ok'] else 'disagree'}")
+                mo = agree["methods_only"]
+                if agree.get("global") and mo["planner"]:
+                    w(f"- among the methods' layouts only: planner {LABELS[mo['planner']]}, measured fastest "
+                      f"{LABELS[mo['measured_fastest']]}: {'agree' if mo['ok'] else 'disagree'}")
+    w("")
+    w("## Targets")
+    w("")
+    w("| check | measured | target | holds |")
+    w("|---|---|---|---|")
+    for c in results["checks"]:
+        value, kind = c["value"], c["kind"]
+        v = "-" if value is None else f"{value:.2f}x" if kind == "ratio" else f"{value:+.1%}" if kind == "delta" \
+            else f"{value:.2%}"
+        w(f"| {c['check']} | {v} | {c['target']} | {'yes' if c['ok'] else 'no'} |")
+    return "\n".join(lines)

@@ -1,0 +1,195 @@
+"""A cluster description (the planner's YAML): tiers, bandwidths, latencies, memory and FLOP/s, parsed and validated."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from flwr_sharded.errors import ConfigError
+from flwr_sharded.perf.costmodel import BACKENDS
+from flwr_sharded.perf.placement import TIERS, Placement
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A GPU cluster with a three-tier network: inside a node, between nodes of a group, between groups."""
+
+    name: str
+    """Label for reports."""
+    gpus_per_node: int
+    """GPUs (ranks) per node."""
+    nodes: int
+    """Nodes used."""
+    nodes_per_group: int | None
+    """Nodes per rack / cell / facility; None: all nodes in one group (no inter-group tier)."""
+    bandwidth: dict[str, float]
+    """Bandwidth per tier (intra_node, inter_node, inter_group) one flow of a ring collective gets, bits/s."""
+    latency: dict[str, float]
+    """Start-up latency per tier, seconds; used only by the planner's optional alpha term (0 if not given)."""
+    gpu_memory: float
+    """Bytes of memory per GPU."""
+    flops_per_gpu: float
+    """Achievable (not peak) FLOP/s per GPU for training."""
+    backend: str = "nccl"
+    """Collective library: nccl, or gloo (whose reduce-scatter costs an all-reduce)."""
+    shared: tuple[str, ...] = ()
+    """Tiers whose bandwidth is one uplink per node (inter_node) or per node group (inter_group), divided among the
+    flows leaving it at once (e.g. tbf-shaped links); other tiers give every flow their full bandwidth."""
+
+    @property
+    def gpus(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    def placement(self, F: int, R: int, S: int) -> Placement:
+        """Placement of an F x R x S mesh on this cluster."""
+        return Placement(F=F, R=R, S=S, gpus_per_node=self.gpus_per_node, nodes_per_group=self.nodes_per_group)
+
+
+_PREFIX = {"": 1.0, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15,
+           "Ki": 2.0**10, "Mi": 2.0**20, "Gi": 2.0**30, "Ti": 2.0**40}
+_NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
+_BANDWIDTH = re.compile(rf"^{_NUMBER}\s*([kKMGT]?)(bit|bits|b|B|byte|bytes)(?:/s|ps)?$")
+_MEMORY = re.compile(rf"^{_NUMBER}\s*([kKMGT]i?)?(B|bytes?)$")
+_LATENCY = re.compile(rf"^{_NUMBER}\s*(s|ms|us|µs|ns)$")
+_FLOPS = re.compile(rf"^{_NUMBER}\s*([kKMGTP]?)(?:FLOPS|FLOP/s|flops)?$")
+_SECONDS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
+def _parse(value: Any, field: str, pattern: re.Pattern, scale: Any, example: str, allow_zero: bool = False) -> float:
+    """A number, or a string matched by `pattern` whose groups `scale(match)` turns into the unit's multiplier."""
+    amount = _number(value)
+    if amount is None and isinstance(value, str):
+        m = pattern.match(value.strip())
+        if m:
+            amount = float(m.group(1)) * scale(m)
+    if amount is None or not math.isfinite(amount) or amount < 0 or (amount == 0 and not allow_zero):
+        raise ConfigError(f"{field}: expected {example}, got {value!r}")
+    return amount
+
+
+def parse_bandwidth(value: Any, field: str = "bandwidth") -> float:
+    """Bits/s from a number (bits/s) or a string: '200Gbit', '7.5Gbit/s', '100Mbps', '25GB/s' (bytes: x 8)."""
+    return _parse(value, field, _BANDWIDTH, lambda m: _PREFIX[m.group(2)] * (8 if m.group(3).startswith("B") else 1),
+                  "a positive bandwidth such as '200Gbit', '100Mbit/s', '25GB/s' or a number of bits/s")
+
+
+def parse_memory(value: Any, field: str = "gpu_memory") -> float:
+    """Bytes from a number or a string: '64GB' (decimal, 64e9), '64GiB' (binary)."""
+    return _parse(value, field, _MEMORY, lambda m: _PREFIX[m.group(2) or ""],
+                  "a positive size such as '64GB', '80GiB' or a number of bytes")
+
+
+def parse_latency(value: Any, field: str = "latency") -> float:
+    """Seconds from a number or a string: '5us', '2ms', '1e-6s'."""
+    return _parse(value, field, _LATENCY, lambda m: _SECONDS[m.group(2)],
+                  "a latency >= 0 such as '5us', '2ms' or a number of seconds", allow_zero=True)
+
+
+def parse_flops(value: Any, field: str = "flops_per_gpu") -> float:
+    """FLOP/s from a number or a string: '150T', '150TFLOPS', '5GFLOP/s'."""
+    return _parse(value, field, _FLOPS, lambda m: _PREFIX[m.group(2)],
+                  "a positive rate such as '150TFLOPS' or a number of FLOP/s")
+
+
+def _count(data: dict, key: str, where: str, required: bool = True) -> int | None:
+    value = data.get(key)
+    if value is None:
+        if required:
+            raise ConfigError(f"{where}: missing field '{key}' (a positive integer)")
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{where}: field '{key}' must be a positive integer, got {value!r}")
+    return value
+
+
+_CLUSTER_KEYS = {"name", "description", "gpus_per_node", "nodes", "nodes_per_group", "bandwidth", "latency",
+                 "gpu_memory", "flops_per_gpu", "backend", "shared"}
+_SHAREABLE = ("inter_node", "inter_group")
+
+
+def cluster_from_dict(data: Any, where: str = "cluster") -> Cluster:
+    """Validate a cluster description (the YAML's mapping); ConfigError names the offending field."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping of cluster fields, got {type(data).__name__}")
+    unknown = sorted(set(data) - _CLUSTER_KEYS)
+    if unknown:
+        raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(_CLUSTER_KEYS))}")
+    gpus_per_node = _count(data, "gpus_per_node", where)
+    nodes = _count(data, "nodes", where)
+    nodes_per_group = _count(data, "nodes_per_group", where, required=False)
+    if nodes_per_group is not None and nodes_per_group > nodes:
+        raise ConfigError(f"{where}: field 'nodes_per_group' ({nodes_per_group}) exceeds 'nodes' ({nodes})")
+    needed = {"intra_node": gpus_per_node > 1, "inter_node": nodes > 1 and (nodes_per_group or nodes) > 1,
+              "inter_group": nodes_per_group is not None and nodes_per_group < nodes}
+    tables: dict[str, dict[str, float]] = {}
+    for key, parse, required in (("bandwidth", parse_bandwidth, True), ("latency", parse_latency, False)):
+        table = data.get(key)
+        if table is None and not required:
+            table = {}
+        if not isinstance(table, dict):
+            raise ConfigError(f"{where}: field '{key}' must be a mapping of tiers ({', '.join(TIERS)}), "
+                              f"got {table!r}")
+        bad = sorted(set(table) - set(TIERS))
+        if bad:
+            raise ConfigError(f"{where}: {key}.{bad[0]}: unknown tier; use {', '.join(TIERS)}")
+        tables[key] = {t: parse(v, f"{where}: {key}.{t}") for t, v in table.items()}
+    for tier, need in needed.items():
+        if need and tier not in tables["bandwidth"]:
+            raise ConfigError(f"{where}: missing field 'bandwidth.{tier}' (this cluster's ranks use that tier)")
+    for key in ("gpu_memory", "flops_per_gpu"):
+        if data.get(key) is None:
+            raise ConfigError(f"{where}: missing field '{key}'")
+    backend = data.get("backend", "nccl")
+    if backend not in BACKENDS:
+        raise ConfigError(f"{where}: field 'backend' must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    shared = data.get("shared", [])
+    if not isinstance(shared, list) or any(t not in _SHAREABLE for t in shared):
+        raise ConfigError(f"{where}: field 'shared' must be a list of tiers among {', '.join(_SHAREABLE)}, "
+                          f"got {shared!r}")
+    for tier in shared:
+        if tier not in tables["bandwidth"]:
+            raise ConfigError(f"{where}: field 'shared' lists {tier} but 'bandwidth.{tier}' is not given")
+    return Cluster(
+        name=str(data.get("name", where)),
+        gpus_per_node=gpus_per_node,
+        nodes=nodes,
+        nodes_per_group=nodes_per_group,
+        bandwidth=tables["bandwidth"],
+        latency={t: tables["latency"].get(t, 0.0) for t in TIERS},
+        gpu_memory=parse_memory(data["gpu_memory"], f"{where}: gpu_memory"),
+        flops_per_gpu=parse_flops(data["flops_per_gpu"], f"{where}: flops_per_gpu"),
+        backend=backend,
+        shared=tuple(shared),
+    )
+
+
+def load_cluster(path: str | Path) -> Cluster:
+    """Read and validate a cluster YAML file (see examples/clusters/)."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"--cluster: cannot read {path}: {exc}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--cluster: {path} is not valid YAML: {exc}") from exc
+    if isinstance(data, dict) and "name" not in data:
+        data = {**data, "name": path.stem}
+    return cluster_from_dict(data, where=str(path))

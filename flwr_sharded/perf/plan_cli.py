@@ -1,0 +1,174 @@
+"""`flwr-sharded plan`: the command line of the planner (its options, the ranked table, JSON, the paper's layouts)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from typing import Any
+
+from flwr_sharded.config import METHODS, SYNC_DTYPE_BYTES
+from flwr_sharded.errors import ConfigError
+from flwr_sharded.perf.cluster import Cluster, load_cluster
+from flwr_sharded.perf.model_shape import ModelShape
+from flwr_sharded.perf.planner import Candidate, PaperRow, evaluate, explain, model_from_preset, paper_layouts, plan
+from flwr_sharded.training.models import PRESETS
+
+GiB = 1024**3
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.replace(",", " ").split())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def _count_arg(text: str) -> int:
+    try:
+        value = int(float(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number such as 8000000000 or 8e9, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the `plan` sub-command; its handler is set with `set_defaults(func=...)` and returns an exit code."""
+    p = subparsers.add_parser(
+        "plan", help="rank (method, F, R, S, A) layouts for a cluster with the communication cost model",
+        description="Predict compute + communication per optimizer step for every layout using all GPUs of a "
+                    "cluster, rank them and recommend one (see docs/cost-model.md).")
+    p.add_argument("--cluster", required=True, metavar="FILE", help="cluster YAML (see examples/clusters/)")
+    p.add_argument("--model", choices=sorted(PRESETS), help="model preset")
+    p.add_argument("--params", type=_count_arg, metavar="N", help="parameter count of a model without preset")
+    p.add_argument("--layers", type=int, metavar="L", help="transformer blocks of that model (with --params)")
+    p.add_argument("--hidden-size", type=int, help="model width for the activation estimate (with --params)")
+    p.add_argument("--vocab-size", type=int, default=32000, help="vocabulary for presets without one (32000)")
+    p.add_argument("--bytes-per-param", type=float, default=2.0, help="bytes per parameter on the wire (2: bf16)")
+    p.add_argument("--sync-dtype", choices=tuple(SYNC_DTYPE_BYTES), default=None,
+                   help="wire dtype of the FL shard sync's all-reduce (flwr-sharded train --sync-dtype): its bits = "
+                        "parameters x the dtype's bits (default: --bytes-per-param, like the other collectives)")
+    p.add_argument("--state-bytes-per-param", type=float, default=None,
+                   help="bytes per parameter of params+grads+AdamW state (default 4 x --bytes-per-param)")
+    p.add_argument("--tokens-per-gpu", type=int, default=2 * 2048,
+                   help="tokens per GPU per step (default 4096: the paper's 2 x 2048)")
+    p.add_argument("--aggregate-every", type=_int_list, default=(1, 2, 4, 8, 16, 32), metavar="LIST",
+                   help="values of A to try for FL methods, e.g. 1,4,8 (default 1,2,4,8,16,32)")
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), help="methods to consider")
+    p.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
+    p.add_argument("--sizes", choices=("exact", "paper"), default="exact",
+                   help="message sizes: each collective's own (exact) or one M for all as Eqs. 1-5 (paper)")
+    p.add_argument("--latency", action="store_true", help="add the cluster's per-tier latency per ring step")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="assume activation checkpointing: less activation memory, 8 instead of 6 FLOPs/param/token")
+    p.add_argument("--memory-fraction", type=float, default=0.9, help="usable share of GPU memory (0.9)")
+    p.add_argument("--fl-margin", type=float, default=0.1,
+                   help="FL must be this fraction faster than a synchronous method to rank above it (0.1)")
+    p.add_argument("--layouts", choices=("paper",),
+                   help="instead of planning, predict the paper's four 512-GPU layouts next to its Table 4")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=run)
+    return p
+
+
+def _model_from_args(args: argparse.Namespace) -> ModelShape | None:
+    if args.model and args.params:
+        raise ConfigError("--model and --params are exclusive: give a preset or a parameter count with --layers")
+    if args.model:
+        return model_from_preset(args.model, args.vocab_size)
+    if args.params:
+        if not args.layers:
+            raise ConfigError("--params needs --layers (number of transformer blocks)")
+        return ModelShape.from_counts(args.params, args.layers, hidden_size=args.hidden_size,
+                                      vocab_size=args.vocab_size)
+    return None
+
+
+def _candidate_dict(c: Candidate) -> dict[str, Any]:
+    return {"method": c.method, "F": c.F, "R": c.R, "S": c.S, "A": c.A, "tiers": c.tiers, "bandwidth": c.bandwidth,
+            "comm_s": c.comm.total, "comm_terms_s": asdict(c.comm), "compute_s": c.compute, "step_s": c.step_time,
+            "batch_tokens": c.batch_tokens, "memory_gib": c.memory.total / GiB,
+            "memory_terms_gib": {k: v / GiB for k, v in asdict(c.memory).items()}}
+
+
+def _header(cluster: Cluster, model: ModelShape, args: argparse.Namespace) -> str:
+    groups = f", node groups of {cluster.nodes_per_group} nodes" if cluster.nodes_per_group else ""
+    return (f"Cluster {cluster.name}: {cluster.nodes} x {cluster.gpus_per_node} GPUs = {cluster.gpus}{groups}; "
+            f"model {model.name} ({model.num_params / 1e9:.3g} B params, {args.bytes_per_param:g} bytes each); "
+            f"{args.tokens_per_gpu} tokens per GPU per step"
+            + (f"; FL sync in {args.sync_dtype}" if args.sync_dtype else ""))
+
+
+def _print_paper(cluster: Cluster, rows: list[PaperRow], args: argparse.Namespace) -> None:
+    if args.json:
+        print(json.dumps([{"layout": r.label, **_candidate_dict(r.predicted), "paper_eq_comm_s": r.paper_eq_comm,
+                           "table4_measured": r.measured} for r in rows], indent=2))
+        return
+    print(f"Paper layouts on {cluster.name} ({args.model or 'llama3.1-8b'}, {args.tokens_per_gpu} tokens/GPU, A=8): "
+          f"predicted s/step vs measured (the paper's Table 4: Llama-3.1-8B, 4096 tokens/GPU, s/batch)")
+    print(f"{'layout':<8} {'F':>4} {'R':>4} {'S':>4} {'comm Eq.1-5':>11} {'comm exact':>10} {'compute':>8} "
+          f"{'predicted':>9} {'Table 4':>12} {'fwd+bwd':>7} {'aggr.':>5}")
+    for r in rows:
+        c, m = r.predicted, r.measured
+        overall = f"{m['overall'][0]:.2f}±{m['overall'][1]:.2f}"
+        print(f"{r.label:<8} {c.F:>4} {c.R:>4} {c.S:>4} {r.paper_eq_comm:>11.3f} {c.comm.total:>10.3f} "
+              f"{c.compute:>8.3f} {c.step_time:>9.3f} {overall:>12} {m['forward'][0] + m['backward'][0]:>7.2f} "
+              f"{m['aggregation'][0]:>5.2f}")
+    base = rows[0]
+    print("Speedup over FSDP, predicted / measured: " + ", ".join(
+        f"{r.label} {base.predicted.step_time / r.predicted.step_time:.2f}x / "
+        f"{base.measured['overall'][0] / r.measured['overall'][0]:.2f}x" for r in rows[1:]))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Handler of `flwr-sharded plan`."""
+    try:
+        cluster = load_cluster(args.cluster)
+        model = _model_from_args(args)
+        if args.layouts == "paper":
+            rows = paper_layouts(cluster, model, tokens_per_gpu_batch=args.tokens_per_gpu,
+                                 bytes_per_param=args.bytes_per_param, latency=args.latency)
+            _print_paper(cluster, rows, args)
+            return 0
+        if model is None:
+            raise ConfigError("give a model: --model PRESET, or --params N --layers L")
+        options = dict(tokens_per_gpu_batch=args.tokens_per_gpu, bytes_per_param=args.bytes_per_param,
+                       state_bytes_per_param=args.state_bytes_per_param, sizes=args.sizes, latency=args.latency,
+                       activation_checkpointing=args.activation_checkpointing,
+                       memory_fraction=args.memory_fraction,
+                       sync_bytes_per_param=SYNC_DTYPE_BYTES.get(args.sync_dtype))
+        candidates = plan(cluster, model, aggregate_every_options=tuple(args.aggregate_every),
+                          methods=tuple(args.methods), fl_margin=args.fl_margin, **options)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not candidates:
+        smallest = evaluate(cluster, model, "fsdp", S=cluster.gpus, **options)
+        print(f"error: no layout fits in {args.memory_fraction:.0%} of {cluster.gpu_memory / GiB:.1f} GiB per GPU "
+              f"(fsdp over all {cluster.gpus} GPUs needs {smallest.memory.total / GiB:.1f} GiB); try "
+              f"--activation-checkpointing, fewer --tokens-per-gpu or a bigger cluster", file=sys.stderr)
+        return 1
+    reference = evaluate(cluster, model, "fsdp", S=cluster.gpus, **options)
+    fastest = min(candidates, key=lambda c: c.step_time)
+    best = candidates[0]
+    reason = explain(best, reference, fastest, args.fl_margin)
+    if args.json:
+        print(json.dumps({"cluster": cluster.name, "model": model.name,
+                          "candidates": [_candidate_dict(c) for c in candidates[:args.top]],
+                          "recommended": _candidate_dict(best), "reason": reason}, indent=2))
+        return 0
+    print(_header(cluster, model, args))
+    print(f"{'#':>3} {'method':<8} {'F':>4} {'R':>4} {'S':>4} {'A':>3} {'comm s/step':>11} {'total s/step':>12} "
+          f"{'eff. batch tok':>14} {'mem/GPU GiB':>11}  tiers S/R/F")
+    for i, c in enumerate(candidates[:args.top], 1):
+        tiers = "/".join(c.tiers[d] or "-" for d in ("shard", "replica", "federation"))
+        print(f"{i:>3} {c.method:<8} {c.F:>4} {c.R:>4} {c.S:>4} {c.A:>3} {c.comm.total:>11.4g} {c.step_time:>12.4g} "
+              f"{c.batch_tokens:>14,} {c.memory.total / GiB:>11.1f}  {tiers}")
+    print(f"Recommended: {reason}")
+    return 0
