@@ -1,7 +1,8 @@
 # Quick start: `make demo` (set up, then run the Flower app on the embedded default) and `make test`.
 PYTHON ?= python3
 VENV ?= .venv
-DATA ?= .data
+# The groups' default data directory, so that a plain `flwr run apps/llama_fl_hsdp` finds the prepared corpus.
+DATA ?= $(HOME)/.cache/flwr_sharded
 # CPU wheel for this kind of machine; GPU users install their own torch (the package asks for torch>=2.6).
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
@@ -18,25 +19,25 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet -e ".[dev,plot]"
 	touch $@
 
-setup: $(VENV)/.installed  ## create the virtualenv and install the package with test/plot extras
-
 $(DATA)/tokenizer/tokenizer.json: | $(VENV)/.installed
 	$(BIN)/flwr-sharded prepare-data --data-dir $(DATA)
 
 data: $(DATA)/tokenizer/tokenizer.json  ## fetch the embedded corpus and train its tokenizer (offline afterwards)
 
-demo: setup data  ## the main job: `flwr run apps/llama_fl_hsdp --stream` in local simulation (2 groups x 2 ranks)
+setup: $(VENV)/.installed data  ## the virtualenv with the package and its test/plot extras, and the prepared corpus
+
+demo: setup  ## the main job: `flwr run apps/llama_fl_hsdp --stream` in local simulation (2 groups x 2 ranks)
 	PATH=$(abspath $(BIN)):$$PATH apps/llama_fl_hsdp/run_simulation.sh
 
-train-demo: setup data  ## the static engine: FL+FSDP on 4 local ranks, small Llama, 100 steps
+train-demo: setup  ## the static engine: FL+FSDP on 4 local ranks, small Llama, 100 steps
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --nproc-per-node 4 -m flwr_sharded.train --config configs/local/fl-fsdp.yaml \
-		--steps 100 --data-dir $(DATA) --metrics runs/train-demo.jsonl
+		--steps 100
 
-test: setup data  ## the whole test suite (CPU, gloo)
+test: setup  ## the whole test suite (CPU, gloo)
 	$(BIN)/python -m pytest -q
 
 plan: setup  ## what the planner recommends for the paper's cluster
 	$(BIN)/flwr-sharded plan --cluster examples/clusters/leonardo.yaml --model llama3.1-8b
 
-clean:
-	rm -rf $(VENV) $(DATA) runs .pytest_cache
+clean:  ## remove the virtualenv, caches and outputs (the prepared corpus in $(DATA) stays)
+	rm -rf $(VENV) outputs .pytest_cache

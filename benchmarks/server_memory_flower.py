@@ -23,11 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from flwr_sharded.perf.local_flower import (Procs, base_env, free_port, round_records, run_config_args,
+                                            start_groups, write_flwr_home)
 
-from tests.flower.procs import APP, Procs, base_env, free_port, round_records, run_config_args, start_groups, \
-    write_flwr_home  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
+APP = REPO / "apps" / "llama_fl_hsdp"
 
 
 def measure(F: int, args: argparse.Namespace, work: Path) -> list[dict]:
@@ -38,7 +38,6 @@ def measure(F: int, args: argparse.Namespace, work: Path) -> list[dict]:
         home = write_flwr_home(procs.workdir / "flwr_home", "bench", f"127.0.0.1:{port}", insecure=True)
         env = base_env(FLWR_HOME=str(home))
         procs.start("superlink", ["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port),
-                                  "--disable-runtime-dependency-installation",
                                   "--database", str(procs.workdir / "state.db")], env=env)
         groups = start_groups(procs, [(f"group{i}", {"shards": args.shards}) for i in range(F)])
         node_env = {**env, "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": str(args.task_poll_interval)} \
@@ -48,11 +47,12 @@ def measure(F: int, args: argparse.Namespace, work: Path) -> list[dict]:
                 "flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}", "--port", str(free_port()),
                 "--node-config", f'group-address="{address}" group-authkey-file="{key}" partition-id={i} '
                                  f'num-partitions={F}'], env=node_env)
-        metrics = procs.workdir / "metrics.jsonl"
+        metrics = procs.workdir / "run" / "metrics.jsonl"
         config = {"model": args.model, "shards": args.shards, "seq-len": args.seq_len, "batch-size": 1,
                   "aggregate-every": 1, "syncs-per-round": 1, "num-server-rounds": args.rounds, "eval-blocks": 4,
                   "evaluate-in-train": False, "aggregation": "server", "server-buffer-mb": args.server_buffer_mb,
-                  "num-groups": F, "data-dir": args.data_dir, "metrics-path": str(metrics)}
+                  "num-groups": F, "data-dir": args.data_dir, "run-dir": str(metrics.parent),
+                  "save-model": False}
         run = procs.start("flwr-run", ["flwr", "run", str(APP), "bench", "--stream", *run_config_args(config)],
                           env=env)
         try:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -34,11 +35,12 @@ DEMO = REPO / "apps" / "llama_fl_hsdp" / "run_simulation.sh"
 
 
 def run(aggregation: str, args: argparse.Namespace, work: Path) -> list[dict]:
-    metrics = work / f"{aggregation}.jsonl"
-    metrics.unlink(missing_ok=True)
+    run_dir = work / aggregation
+    metrics = run_dir / "metrics.jsonl"
+    shutil.rmtree(run_dir, ignore_errors=True)
     config = {"model": args.model, "seq-len": args.seq_len, "batch-size": args.batch_size, "syncs-per-round": 1,
               "aggregate-every": args.aggregate_every, "num-server-rounds": args.rounds, "eval-blocks": 8,
-              "aggregation": aggregation, "metrics-path": str(metrics), "evaluate-in-train": False,
+              "aggregation": aggregation, "run-dir": str(run_dir), "save-model": False, "evaluate-in-train": False,
               "shards": args.shards, "server-buffer-mb": args.server_buffer_mb, "data-dir": args.data_dir}
     options = []
     for key, value in config.items():

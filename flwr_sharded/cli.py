@@ -8,18 +8,21 @@ from typing import Sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from flwr_sharded import options_doc, plot
     from flwr_sharded.perf import bench, plan_cli
-    from flwr_sharded.training import checkpoint, data
+    from flwr_sharded.training import checkpoint, corpus
 
     parser = argparse.ArgumentParser(prog="flwr-sharded", description="Sharded data parallelism with federated "
-                                     "learning on Flower: training, data preparation and planning.")
+                                     "learning on Flower: training, data preparation, planning, plots.")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("train", help="train in a torchrun world (run under torchrun); see `train --help`",
                    add_help=False)  # dispatched in main(): its options are flwr_sharded.train's
-    data.register(sub)
+    corpus.register(sub)
     checkpoint.register(sub)
     plan_cli.register(sub)
     bench.register(sub)
+    plot.register(sub)
+    options_doc.register(sub)
     return parser
 
 

@@ -275,7 +275,7 @@ def outer_rule(p: ParallelConfig, surface: Surface = CLI):
     try:
         return make_rule(p.outer, **options)
     except ConfigError as exc:
-        raise surface.error(f"{outer}: {exc}") from None
+        raise surface.error(f"{outer} {exc}") from None
 
 
 def validate_parallel(p: ParallelConfig, world_size: int | None = None, surface: Surface = CLI) -> None:

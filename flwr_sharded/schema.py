@@ -130,11 +130,21 @@ class Option:
             raise surface.error(f"{label} must be a finite number, got {value}")
         if self.choices is not None and value not in self.choices:
             raise surface.error(f"{label} must be one of {', '.join(map(str, self.choices))}; got {value!r}")
-        for op, bound in self.bounds:
-            if not _OPS[op][0](value, bound):
-                what = "an integer " if self.kind is int else ""
-                raise surface.error(f"{label} must be {what}{_OPS[op][1]} {_num(bound)}, got {value!r}")
+        if any(not _OPS[op][0](value, bound) for op, bound in self.bounds):
+            what = "an integer " if self.kind is int else ""
+            raise surface.error(f"{label} must be {what}{self.range_text()}, got {value!r}")
         return value
+
+    def range_text(self) -> str:
+        """The bounds as `>= 1`, `> 0` or an interval such as `in [0, 1)`."""
+        bounds = dict(self.bounds)
+        low = next(((op, bounds[op]) for op in ("ge", "gt") if op in bounds), None)
+        high = next(((op, bounds[op]) for op in ("le", "lt") if op in bounds), None)
+        if low and high:
+            return (f"in {'[' if low[0] == 'ge' else '('}{_num(low[1])}, {_num(high[1])}"
+                    f"{']' if high[0] == 'le' else ')'}")
+        op, bound = low or high  # type: ignore[misc]
+        return f"{_OPS[op][1]} {_num(bound)}"
 
 
 _OPS: dict[str, tuple[Callable[[Any, float], bool], str]] = {

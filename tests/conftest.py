@@ -12,8 +12,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
-    """`$FLWR_SHARDED_TEST_DATA` or the repository's `.data`, prepared once (idempotent)."""
-    from flwr_sharded.training.data import prepare_data
+    """`$FLWR_SHARDED_TEST_DATA`, else `$FLWR_SHARDED_DATA` (set by the Makefile), else the repository's `.data`;
+    prepared once (idempotent)."""
+    from flwr_sharded.training.corpus import prepare_data
 
-    path = Path(os.environ.get("FLWR_SHARDED_TEST_DATA", REPO / ".data"))
+    path = Path(os.environ.get("FLWR_SHARDED_TEST_DATA") or os.environ.get("FLWR_SHARDED_DATA") or REPO / ".data")
     return prepare_data(path, progress=False)

@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Run apps/llama_fl_hsdp in local simulation with `flwr run ... --stream`, then stop the local SuperLink that
-# `flwr run` started (it would keep running otherwise). Leaves no process behind.
+# Run apps/llama_fl_hsdp in local simulation with `flwr run ... --stream` in a private Flower home, then stop the
+# local SuperLink that `flwr run` started (it would keep running otherwise). Leaves no process behind, and exits
+# non-zero unless the run completed (`flwr run` itself exits 0 whatever the run did).
 #
 #   apps/llama_fl_hsdp/run_simulation.sh [more `flwr run` options, e.g. --run-config 'num-server-rounds=2']
+#
+# The plain command works too: `flwr run apps/llama_fl_hsdp --stream` (Flower's default federation of 2 simulated
+# SuperNodes); this script adds `--federation-config` so that the groups start in parallel (one ClientApp per CPU).
 #
 # Environment (all optional):
 #   FLWR_SHARDED_GROUPS   number of groups = simulated SuperNodes (default 2)
@@ -35,7 +39,6 @@ address = ":local:"
 EOF
 export FLWR_LOCAL_SUPERLINK_HTTP_API_PORT="${FLWR_LOCAL_SUPERLINK_HTTP_API_PORT:-$(free_port)}"
 export FLWR_LOCAL_CONTROL_API_PORT="${FLWR_LOCAL_CONTROL_API_PORT:-$(free_port)}"
-export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1   # run in this environment: no `uv sync` of the app
 
 # Pids of the SuperLink started for this FLWR_HOME (its --log-file lies under it) and of its SuperExec.
 superlink_pids() {
@@ -83,6 +86,14 @@ if [[ -n "${FLWR_SHARDED_DATA:-}" ]]; then  # absolute: the groups do not run in
   export FLWR_SHARDED_DATA
   extra+=(--run-config "data-dir=\"${FLWR_SHARDED_DATA}\"")
 fi
+log="$(mktemp "${TMPDIR:-/tmp}/flwr-run.XXXXXX")"
 flwr run "$here" --stream \
   --federation-config "num-supernodes=$groups client-resources-num-cpus=1 init-args-num-cpus=$((groups > cpus ? groups : cpus))" \
-  --run-config "num-groups=$groups" "${extra[@]}" "$@"
+  --run-config "num-groups=$groups" "${extra[@]}" "$@" 2>&1 | tee "$log"
+if grep -q "flwr_sharded: the run COMPLETED" "$log"; then
+  rm -f "$log"
+  exit 0
+fi
+rm -f "$log"
+echo "run_simulation.sh: the run did not complete (see the log above)" >&2
+exit 1

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 from flwr_sharded import schema
-from flwr_sharded.config import TrainConfig, outer_rule, validate
+from flwr_sharded.config import METHODS, TrainConfig, outer_rule, validate
 from flwr_sharded.schema import Surface, option
 
 Aggregation = Literal["decentralized", "server"]
@@ -119,6 +119,10 @@ class FlowerRun:
     def from_run_config(cls, run_config: Mapping[str, Any]) -> FlowerRun:
         """The run described by a Flower run config (flat keys; "" leaves an optional key unset); ConfigError for
         an unknown key or a value of the wrong type."""
+        method = run_config.get("method")
+        if isinstance(method, str) and method not in _fl_methods():
+            raise RUN_CONFIG.error(f"'method' must be one of {', '.join(_fl_methods())} (each Flower client is one "
+                                   f"federation group); got {method!r}")
         return schema.from_flat(cls(), run_config, RUN_CONFIG)
 
     def to_json(self) -> str:
@@ -178,7 +182,8 @@ class FlowerRun:
         cfg.parallel.federations = 1
         cfg.steps = self.total_steps
         cfg.eval_every = 0
-        cfg.output.progress = False
+        out = cfg.output  # the run directory is the ServerApp's; groups log to their own logs
+        out.run_dir, out.tensorboard, out.wandb_project, out.save_model, out.progress = None, False, None, False, False
         return cfg
 
     # ----- checks ---------------------------------------------------------------------------------------------
@@ -189,9 +194,8 @@ class FlowerRun:
         for o in schema.options(FlowerRun):
             o.check(schema.get(self, o.path), S)
         p, f, d = self.train.parallel, self.federation, self.deadlines
-        fl_methods = [m for m in typing.get_args(typing.get_type_hints(type(p))["method"]) if m.startswith("fl-")]
-        if p.method not in fl_methods:
-            raise S.error(f"{L('method')} must be one of {', '.join(fl_methods)} (each Flower client is one "
+        if p.method not in _fl_methods():
+            raise S.error(f"{L('method')} must be one of {', '.join(_fl_methods())} (each Flower client is one "
                           f"federation group); got {p.method!r}")
         if f.facilities is not None and any(not x.strip() for x in f.facilities.split(",")):
             raise S.error(f"{L('facilities')} must be comma-separated non-empty names, one per partition id (e.g. "
@@ -221,6 +225,10 @@ class FlowerRun:
             raise S.error(f"{L('outer')} {p.outer!r} needs every member's shards at once, but {L('aggregation')} "
                           f"\"server\" streams a weighted mean; use a linear rule (fedavg, fedavgm, nesterov, "
                           f"fedadam, fedyogi) or aggregation \"decentralized\"")
+
+
+def _fl_methods() -> list[str]:
+    return [m for m in METHODS if m.startswith("fl-")]
 
 
 def round_overrides(config: Mapping[str, Any], surface: Surface = RUN_CONFIG) -> dict[str, Any]:

@@ -12,6 +12,7 @@ which the decentralised sync gathers with an all-gather (F shards of one bucket 
 
 from __future__ import annotations
 
+import math
 from abc import ABC
 from dataclasses import dataclass
 from typing import ClassVar, Sequence
@@ -72,7 +73,8 @@ class FedAvg(ShardRule):
 
 @dataclass
 class FedAvgM(ShardRule):
-    """Outer SGD with heavy-ball momentum on the pseudo-gradient (Hsu et al., 2019)."""
+    """Outer SGD with heavy-ball momentum on the pseudo-gradient (Hsu et al., 2019), as Flower's `FedAvgM` computes
+    it with `server_momentum` = momentum; Flower's default momentum is 0 (plain FedAvg), this rule's 0.9."""
 
     lr: float = 1.0
     momentum: float = 0.9
@@ -101,18 +103,22 @@ class Nesterov(FedAvgM):
 
 @dataclass
 class FedAdam(ShardRule):
-    """Adaptive outer step (Reddi et al., 2021), Flower's defaults."""
+    """Adaptive outer step (Reddi et al., 2021) as Flower's `FedAdam` computes it: its defaults (eta 0.1, beta1 0.9,
+    beta2 0.99, tau 1e-3) and its bias-corrected step eta * sqrt(1 - beta2^(t+1)) / (1 - beta1^(t+1)) at sync t
+    (Reddi et al.'s Algorithm 2 has no bias correction: `bias_correction=False`)."""
 
     lr: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.99
-    tau: float = 1e-9
+    tau: float = 1e-3
+    bias_correction: bool = True
     linear: ClassVar[bool] = True
     stateful: ClassVar[bool] = True
 
     def init_state(self, global_shard: Tensor) -> State:
         return {"m": torch.zeros_like(global_shard, dtype=torch.float32),
-                "v": torch.zeros_like(global_shard, dtype=torch.float32)}
+                "v": torch.zeros_like(global_shard, dtype=torch.float32),
+                "t": torch.zeros((), dtype=torch.float64, device=global_shard.device)}
 
     def second_moment(self, v: Tensor, delta_sq: Tensor) -> Tensor:
         return v.mul(self.beta2).add_(delta_sq, alpha=1 - self.beta2)
@@ -121,15 +127,22 @@ class FedAdam(ShardRule):
         delta = mean.float() - global_shard.float()  # the FedOpt update direction
         m = state["m"].mul(self.beta1).add_(delta, alpha=1 - self.beta1)
         v = self.second_moment(state["v"], delta * delta)
-        return global_shard.float() + self.lr * m / (v.sqrt() + self.tau), {"m": m, "v": v}
+        t = state["t"] + 1
+        lr = self.lr
+        if self.bias_correction:
+            step = float(t) + 1.0  # Flower's exponent: its server round (from 1) + 1
+            lr = self.lr * math.sqrt(1 - self.beta2 ** step) / (1 - self.beta1 ** step)
+        return global_shard.float() + lr * m / (v.sqrt() + self.tau), {"m": m, "v": v, "t": t}
 
 
 @dataclass
 class FedYogi(FedAdam):
-    """FedAdam with Yogi's additive second-moment update (Reddi et al., 2021), Flower's defaults."""
+    """FedAdam with Yogi's additive second-moment update (Reddi et al., 2021) as Flower's `FedYogi` computes it: its
+    defaults (eta 0.01, tau 1e-3) and no bias correction."""
 
     lr: float = 0.01
     tau: float = 1e-3
+    bias_correction: bool = False
 
     def second_moment(self, v: Tensor, delta_sq: Tensor) -> Tensor:
         return v - (1 - self.beta2) * delta_sq * torch.sign(v - delta_sq)
@@ -137,7 +150,12 @@ class FedYogi(FedAdam):
 
 @dataclass
 class TrimmedMean(ShardRule):
-    """Coordinate-wise mean after dropping the `trim` largest and smallest values (weights ignored): robust to outliers."""
+    """Coordinate-wise mean after dropping the `trim` largest and smallest values (weights ignored): robust to outliers.
+
+    Flower's `FedTrimmedAvg` cuts a fraction instead (beta 0.2: int(0.2 * F) from each side); the two are equal when
+    trim = int(beta * F). A count is used here because F changes as groups drop and rejoin, and a fraction would then
+    silently stop trimming (int(0.2 * 4) = 0).
+    """
 
     trim: int = 1
 
@@ -158,7 +176,8 @@ RULES: dict[str, type[ShardRule]] = {"fedavg": FedAvg, "fedavgm": FedAvgM, "nest
 def make_rule(name: str, **options: float) -> ShardRule:
     """A rule by name (`RULES`) or import path (`package.module:Class`) with its options.
 
-    e.g. make_rule("nesterov", lr=0.7, momentum=0.9) or make_rule("my_rules:Median").
+    e.g. make_rule("nesterov", lr=0.7, momentum=0.9) or make_rule("my_rules:Median"). A ConfigError's message says
+    what is wrong with the rule; the caller names the option that chose it.
     """
     if ":" in name:
         import importlib
@@ -167,14 +186,14 @@ def make_rule(name: str, **options: float) -> ShardRule:
         try:
             cls = getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError) as exc:
-            raise ConfigError(f"--outer {name}: cannot import it: {exc}") from exc
+            raise ConfigError(f"{name}: cannot import it: {exc}") from exc
         if not (isinstance(cls, type) and issubclass(cls, ShardRule)):
-            raise ConfigError(f"--outer {name}: not a ShardRule subclass")
+            raise ConfigError(f"{name}: not a ShardRule subclass")
     elif name in RULES:
         cls = RULES[name]
     else:
-        raise ConfigError(f"--outer must be one of {', '.join(RULES)} or package.module:Class; got {name!r}")
+        raise ConfigError(f"must be one of {', '.join(RULES)} or package.module:Class; got {name!r}")
     try:
         return cls(**options)
     except TypeError as exc:
-        raise ConfigError(f"--outer {name}: {exc}") from exc
+        raise ConfigError(f"{name}: {exc}") from exc

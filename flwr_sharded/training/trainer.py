@@ -15,7 +15,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from flwr_sharded.config import TrainConfig, config_to_dict, outer_rule
 from flwr_sharded.parallel.sharding import apply_activation_checkpointing, apply_fsdp, mixed_precision_policy
@@ -23,9 +22,11 @@ from flwr_sharded.parallel.sync import ShardSync, SyncStats, local_shard
 from flwr_sharded.parallel.topology import Topology
 from flwr_sharded.run_dir import perplexity
 from flwr_sharded.training import data as data_lib
+from flwr_sharded.training.partition import BatchStream, eval_batches
 from flwr_sharded.training.checkpoint import Checkpointer, latest_checkpoint
 from flwr_sharded.training.metrics import PhaseTimer, Throughput
 from flwr_sharded.training.models import build_model, transformer_blocks
+from flwr_sharded.training.proximal import ProximalTerm
 
 logger = logging.getLogger(__name__)
 
@@ -101,12 +102,12 @@ class Trainer:
 
         p = cfg.parallel
         fed_index, num_feds = partition or (topo.fed_index, p.federations)
-        self.stream = data_lib.BatchStream(self.blocks, batch_size=cfg.batch_size, fed_index=fed_index,
+        self.stream = BatchStream(self.blocks, batch_size=cfg.batch_size, fed_index=fed_index,
                                            num_feds=num_feds, dp_index=fed_index * topo.group_world + topo.group_rank,
                                            dp_world=num_feds * topo.group_world, seed=cfg.seed,
                                            partition=cfg.data.partition)
         n_eval = (min(cfg.data.eval_blocks, len(self.blocks.validation)) // topo.group_world) * topo.group_world
-        self.eval_data = data_lib.eval_batches(self.blocks, batch_size=cfg.batch_size, group_rank=topo.group_rank,
+        self.eval_data = eval_batches(self.blocks, batch_size=cfg.batch_size, group_rank=topo.group_rank,
                                                group_world=topo.group_world, max_blocks=n_eval)
         self.shard_sync: ShardSync | None = None
         if p.federated:
@@ -119,8 +120,8 @@ class Trainer:
             if replica0:  # only replica 0 joins the cross-group step
                 self.shard_sync.capture_global()  # the start of the first sync period, for outer optimizers
         self.proximal_mu = cfg.optim.proximal_mu
-        self._anchor: list[torch.Tensor] | None = None
-        """FedProx: this rank's shards after the last sync (allocated once mu > 0)."""
+        """FedProx's mu of the current round (0: off)."""
+        self.proximal = ProximalTerm(self.model)
         self.timer = PhaseTimer(topo.mesh.device_type)
         self.step_count = 0
         self.tokens_since_sync = 0  # this rank's tokens since the last sync
@@ -148,7 +149,7 @@ class Trainer:
             self.tokens_since_sync += batch.numel()
         with self.timer.phase("optimizer"):
             if self.proximal_mu > 0:
-                self._add_proximal_gradient()
+                self.proximal.add_gradient(self.proximal_mu)
             if cfg.optim.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
             self.optimizer.step()
@@ -157,27 +158,12 @@ class Trainer:
         self.step_count += 1
         return total
 
-    @torch.no_grad()
-    def _add_proximal_gradient(self) -> None:
-        """FedProx: the gradient of mu/2 * ||w - w_sync||^2, mu * (w - w_sync), added on this rank's own shards."""
-        if self._anchor is None:
-            self.set_anchor()
-        for param, anchor in zip(self.model.parameters(), self._anchor):
-            if param.grad is None:
-                continue
-            grad = param.grad._local_tensor if isinstance(param.grad, DTensor) else param.grad
-            grad.add_(local_shard(param) - anchor, alpha=self.proximal_mu)
-
-    @torch.no_grad()
     def set_anchor(self) -> None:
-        """Remember the current shards as the model of the last sync (FedProx's w_sync), when mu > 0."""
-        if self.proximal_mu <= 0:
-            self._anchor = None
-            return
-        shards = [local_shard(p) for p in self.model.parameters()]
-        if self._anchor is None:
-            self._anchor = [torch.empty_like(s) for s in shards]
-        torch._foreach_copy_(self._anchor, shards)
+        """FedProx: the current shards become w_sync (when mu > 0; otherwise the anchor's memory is freed)."""
+        if self.proximal_mu > 0:
+            self.proximal.set_anchor()
+        else:
+            self.proximal.release()
 
     def set_peak_lr(self, lr: float) -> None:
         """Make `lr` the schedule's peak from the next step on (the schedule's shape is kept)."""

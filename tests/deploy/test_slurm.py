@@ -126,10 +126,10 @@ def test_superlink_and_group_jobs_with_tls_and_auth(slurm, data_dir, tmp_path):
             code, job = slurm.sbatch(SLURM_DIR / "group.sbatch", [], env, tmp_path / f"g{i}.out",
                                      options=["--nodes", "1", "--oversubscribe"], wait=False)
             assert code == 0, job
-        metrics = tmp_path / "fl.jsonl"
+        metrics = tmp_path / "fl-run" / "metrics.jsonl"
         config = {"model": "tiny", "seq-len": 32, "batch-size": 2, "eval-blocks": 8, "aggregate-every": 2,
                   "syncs-per-round": 2, "num-server-rounds": 2, "num-groups": 2, "sample-timeout": 240.0,
-                  "data-dir": str(data_dir), "metrics-path": str(metrics)}
+                  "data-dir": str(data_dir), "run-dir": str(metrics.parent)}
         run = procs.start("flwr-run", ["flwr", "run", str(APP), "c", "--stream", *run_config_args(config)],
                           env=cli_env)
         run.popen.wait(timeout=330)

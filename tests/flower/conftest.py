@@ -24,6 +24,7 @@ class SimulationRun:
     seconds: float
     flwr_home: Path
     run_id: str
+    run_dir: Path
 
 
 def run_demo(tmp: Path, data_dir: Path, run_config: dict, timeout: float = 420, groups: int = 2) -> SimulationRun:
@@ -31,9 +32,10 @@ def run_demo(tmp: Path, data_dir: Path, run_config: dict, timeout: float = 420, 
     own FLWR_HOME and ports."""
     home = tmp / "flwr_home"
     home.mkdir(parents=True, exist_ok=True)
-    metrics = tmp / "metrics.jsonl"
+    run_dir = tmp / "run"
+    metrics = run_dir / "metrics.jsonl"
     env = base_env(FLWR_HOME=str(home), FLWR_SHARDED_DATA=str(data_dir), FLWR_SHARDED_GROUPS=str(groups))
-    cmd = ["bash", str(DEMO), *run_config_args({**run_config, "metrics-path": str(metrics)})]
+    cmd = ["bash", str(DEMO), *run_config_args({"run-dir": str(run_dir), **run_config})]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
                             start_new_session=True)
@@ -52,7 +54,7 @@ def run_demo(tmp: Path, data_dir: Path, run_config: dict, timeout: float = 420, 
     text = strip_ansi(out)
     match = re.search(r"Successfully started run (\d+)", text)
     return SimulationRun(proc.returncode, text, round_records(metrics), round_records(metrics, "summary"),
-                         time.monotonic() - start, home, match.group(1) if match else "")
+                         time.monotonic() - start, home, match.group(1) if match else "", run_dir)
 
 
 def run_demo_killing_a_group(tmp: Path, data_dir: Path, run_config: dict, groups: int = 2,
@@ -64,10 +66,10 @@ def run_demo_killing_a_group(tmp: Path, data_dir: Path, run_config: dict, groups
 
     work = tmp / "run"
     work.mkdir(parents=True)
-    metrics = work / "metrics.jsonl"
+    metrics = work / "run" / "metrics.jsonl"
     env = base_env(FLWR_HOME=str(work / "flwr_home"), FLWR_SHARDED_DATA=str(data_dir),
                    FLWR_SHARDED_GROUPS=str(groups))
-    cmd = ["bash", str(DEMO), *run_config_args({**run_config, "metrics-path": str(metrics)})]
+    cmd = ["bash", str(DEMO), *run_config_args({**run_config, "run-dir": str(work / "run")})]
     with open(work / "out.txt", "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO,
                                 start_new_session=True)

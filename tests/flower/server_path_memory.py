@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from flwr_sharded.flower.server_aggregation import ParamSpec, ShardReply, StreamingShardAggregator
+from flwr_sharded.flower.server.aggregation import ParamSpec, ShardReply, StreamingShardAggregator
 from flwr_sharded.parallel.shard_transport import ShardPiece, decode_pieces, encode_pieces
 
 S, PARAMS = 2, 32

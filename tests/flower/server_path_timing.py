@@ -21,7 +21,7 @@ def _worker(rank: int, world: int, mib: int):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from flwr_sharded.flower.server_aggregation import ShardReply, StreamingShardAggregator
+    from flwr_sharded.flower.server.aggregation import ShardReply, StreamingShardAggregator
     from flwr_sharded.parallel.shard_transport import apply_pieces, decode_pieces, encode_pieces, shard_pieces
     from flwr_sharded.parallel.sync import ShardSync
 

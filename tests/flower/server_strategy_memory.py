@@ -14,9 +14,9 @@ import sys
 
 from flwr.supercore.task_identity import TaskIdentity
 
-from flwr_sharded.flower.server_strategy import ServerShardFedAvg
+from flwr_sharded.flower.server.server_path import ServerShardFedAvg
 from tests.flower import test_server_strategy as fake
-from tests.flower.test_strategy import FakeGrid, fast, spec
+from tests.flower.test_strategy import FakeGrid, fast, make, spec
 
 
 class _Grid(FakeGrid):
@@ -37,8 +37,8 @@ def measure(F: int, mib: int, buffer_mb: float) -> dict:
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
     fake.SHAPES = {f"p{i}": (mib * 2**20 // (32 * 4 * 1024), 1024) for i in range(32)}
     groups = [_Group(i + 1, i, fake.model(i), 100 * (i + 1), shards=2) for i in range(F)]
-    strategy = ServerShardFedAvg(spec(rounds=2, syncs_per_round=1, aggregation="server", server_buffer_mb=buffer_mb),
-                                 fast(num_groups=F, round_timeout=120))
+    strategy = make(spec(rounds=2, syncs_per_round=1, aggregation="server", server_buffer_mb=buffer_mb),
+                    fast(num_groups=F, round_timeout=120), ServerShardFedAvg)
     strategy.start(_Grid({g.node: g for g in groups}))
     rounds = [r for r in strategy.history if r.get("kind") == "round"]
     return {"F": F, "model_mib": mib, "buffer_mib": buffer_mb, "server_peak_x": [r["server_peak_x"] for r in rounds],

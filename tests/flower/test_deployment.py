@@ -30,9 +30,9 @@ class Deployment:
 
     def run(self, name: str, run_config: dict, *, during=None, timeout: float = 400) -> tuple[int, str, list[dict]]:
         """`flwr run APP loopback --stream`; `during(proc)` runs while it streams. Returns (code, log, rounds)."""
-        metrics = self.procs.workdir / f"{name}.jsonl"
+        metrics = self.procs.workdir / f"{name}-run" / "metrics.jsonl"
         cmd = ["flwr", "run", str(APP), CONNECTION, "--stream",
-               *run_config_args({**run_config, "data-dir": str(self.data_dir), "metrics-path": str(metrics)})]
+               *run_config_args({**run_config, "data-dir": str(self.data_dir), "run-dir": str(metrics.parent)})]
         proc = self.procs.start(f"flwr-run-{name}", cmd, env=self.env)
         try:
             if during is not None:

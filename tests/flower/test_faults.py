@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from flwr_sharded.flower import protocol as P
-from flwr_sharded.flower.client import GroupClient, GroupError, GroupUnavailable
+from flwr_sharded.flower import messages as P
+from flwr_sharded.flower.endpoint import GroupClient, GroupError, GroupUnavailable
 from tests.flower.procs import Proc, pid_alive, start_groups, wait_until
-from tests.flower.test_group import all_gone, client, hello, spec, train_all
+from tests.flower.test_group import all_gone, client, hello, round_args, spec, train, train_all
 
 RDV_TIMEOUT = 8.0
 SYNC_TIMEOUT = 8.0
@@ -44,7 +44,7 @@ class Round:
 
     def _call(self, i: int) -> None:
         try:
-            self.replies[i] = self.clients[i].call(P.TRAIN, self.args[i], timeout=150)
+            self.replies[i] = train(self.clients[i], self.args[i], timeout=150)
         except Exception as exc:  # noqa: BLE001 - reported to the test
             self.replies[i] = exc
         self.done_at[i] = time.monotonic()
@@ -57,10 +57,8 @@ class Round:
 
 
 def train_round(clients: list[GroupClient], offer: dict, prefix: str, *, syncs: int, steps: int) -> Round:
-    args = [{"syncs": syncs, "steps": steps, "members": [str(m) for m in range(len(clients))], "member_index": i,
-             "rendezvous_host": offer["rendezvous_host"], "rendezvous_ports": offer["rendezvous_ports"],
-             "prefix": prefix, "rendezvous_timeout": RDV_TIMEOUT, "sync_timeout": SYNC_TIMEOUT, "evaluate": True}
-            for i in range(len(clients))]
+    args = [round_args(offer, prefix, i, len(clients), syncs=syncs, steps=steps, rendezvous_timeout=RDV_TIMEOUT,
+                       sync_timeout=SYNC_TIMEOUT) for i in range(len(clients))]
     return Round(clients, args).start()
 
 

@@ -7,59 +7,71 @@ import json
 import math
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from flwr_sharded.flower import protocol as P
-from flwr_sharded.flower.client import GroupClient, GroupError, GroupUnavailable
+from flwr_sharded.flower import messages as P
+from flwr_sharded.flower.endpoint import GroupClient, GroupError, GroupUnavailable, read_authkey, write_authkey
+from flwr_sharded.flower.run import FlowerRun
 from tests.flower.procs import free_port, group_pids, pid_alive, start_group, start_groups, wait_until
 from tests.multiproc import run_ranks, torchrun
 
 
 def client(address: str, key: Path) -> GroupClient:
-    return GroupClient(address, P.read_authkey(key))
+    return GroupClient(address, read_authkey(key))
 
 
-def spec(data_dir: Path, **kw: Any) -> P.RunSpec:
+def spec(data_dir: Path, **kw: Any) -> FlowerRun:
+    """A small run; keyword names are run-config keys with '_' (rounds: num-server-rounds)."""
     values = dict(model="tiny", method="fl-fsdp", replicas=1, shards=2, aggregate_every=3, syncs_per_round=2,
                   rounds=2, data_dir=str(data_dir), seq_len=32, batch_size=2, eval_blocks=8, lr=3e-3, seed=3)
     values.update(kw)
-    return P.RunSpec(**values)
+    flat = {("num-server-rounds" if k == "rounds" else k.replace("_", "-")): v for k, v in values.items()}
+    return FlowerRun.from_run_config(flat)
 
 
-def hello(c: GroupClient, s: P.RunSpec, partition: int, partitions: int) -> dict:
-    out = c.call(P.HELLO, {"spec": s.to_json(), "run_key": "test", "partition_id": partition,
+def hello(c: GroupClient, run: FlowerRun, partition: int, partitions: int) -> dict:
+    out = c.call(P.HELLO, {"run": run.to_json(), "run_key": "test", "partition_id": partition,
                            "num_partitions": partitions}, timeout=120)
     assert out["compatible"], out["error"]
     return out
 
 
-def train_all(clients: list[GroupClient], offer: dict, prefix: str, *, syncs: int, steps: int,
+def round_args(offer: dict, prefix: str, i: int, members: int, *, syncs: int | None = None,
+               steps: int | None = None, rendezvous_timeout: float = 30.0, sync_timeout: float = 30.0,
+               **flags: Any) -> dict:
+    """The train config member `i` of a round gets (K and A as round overrides when given)."""
+    overrides = {k: v for k, v in (("syncs-per-round", syncs), ("aggregate-every", steps)) if v is not None}
+    return P.TrainArgs(server_round=1, job=f"{prefix}/{i}", members=[str(m) for m in range(members)],
+                       member_index=i, rendezvous_host=offer["rendezvous_host"],
+                       rendezvous_ports=offer["rendezvous_ports"], prefix=prefix,
+                       rendezvous_timeout=rendezvous_timeout, sync_timeout=sync_timeout,
+                       overrides=overrides, **flags).to_config()
+
+
+def train(c: GroupClient, config: dict, timeout: float = 180.0) -> dict:
+    """Start a round (detached, as the ClientApp does) and collect its result."""
+    job = c.call(P.TRAIN, config, timeout=30, detach=True)["job"]
+    return c.collect(job, timeout=timeout)
+
+
+def train_all(clients: list[GroupClient], offer: dict, prefix: str, *, syncs: int | None, steps: int | None,
               rendezvous_timeout: float = 30.0, sync_timeout: float = 30.0, members: int | None = None,
               may_fail: tuple[int, ...] = ()) -> list:
-    """One round on every client at once (threads), as the ServerApp would drive it."""
+    """One round on every client: every round started, then every result collected, as the ServerApp drives it."""
     n = members or len(clients)
-    out: list[Any] = [None] * len(clients)
-
-    def go(i: int) -> None:
+    jobs = [c.call(P.TRAIN, round_args(offer, prefix, i, n, syncs=syncs, steps=steps,
+                                       rendezvous_timeout=rendezvous_timeout, sync_timeout=sync_timeout),
+                   timeout=30, detach=True)["job"] for i, c in enumerate(clients)]
+    out: list[Any] = []
+    for c, job in zip(clients, jobs):
         try:
-            out[i] = clients[i].call(P.TRAIN, {
-                "syncs": syncs, "steps": steps, "members": [str(m) for m in range(n)], "member_index": i,
-                "rendezvous_host": offer["rendezvous_host"], "rendezvous_ports": offer["rendezvous_ports"],
-                "prefix": prefix, "rendezvous_timeout": rendezvous_timeout, "sync_timeout": sync_timeout,
-                "evaluate": True}, timeout=180)
+            out.append(c.collect(job, timeout=180))
         except Exception as exc:  # noqa: BLE001 - reported to the test
-            out[i] = exc
-
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(clients))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(240)
+            out.append(exc)
     for i, o in enumerate(out):
         if (isinstance(o, Exception) or o is None) and i not in may_fail:
             raise AssertionError(f"group {i}: {o!r}")
@@ -75,19 +87,19 @@ def test_endpoint_authenticates_and_serves_verbs(procs, data_dir, tmp_path):
     proc, address, key = start_group(procs, "g", shards=1)
     pids = [proc.pid, *group_pids(address, key)]
     wrong = tmp_path / "wrong.key"
-    P.write_authkey(wrong)
+    write_authkey(wrong)
     with pytest.raises(GroupUnavailable, match="rejected"):
         client(address, wrong).call(P.STATUS, timeout=10)
     c = client(address, key)
     status = c.call(P.STATUS, timeout=30)
     assert (status["method"], status["replicas"], status["shards"], status["world"]) == ("fl-fsdp", 1, 1, 1)
     with pytest.raises(GroupError, match="send hello first"):
-        c.call(P.TRAIN, {"syncs": 1, "steps": 1}, timeout=30)
+        c.call(P.TRAIN, {"job": "x"}, timeout=30)
     # a run config the group cannot run: refused with both layouts named, nothing built
-    refused = c.call(P.HELLO, {"spec": spec(data_dir, shards=2).to_json(), "partition_id": 0,
+    refused = c.call(P.HELLO, {"run": spec(data_dir, shards=2).to_json(), "partition_id": 0,
                                "num_partitions": 1}, timeout=60)
     assert not refused["compatible"] and "S=2 = 2 ranks" in refused["error"] and "S=1 = 1 ranks" in refused["error"]
-    missing = c.call(P.HELLO, {"spec": spec(tmp_path / "nodata", shards=1).to_json(), "partition_id": 0,
+    missing = c.call(P.HELLO, {"run": spec(tmp_path / "nodata", shards=1).to_json(), "partition_id": 0,
                                "num_partitions": 1}, timeout=60)
     assert not missing["compatible"] and "prepare-data" in missing["error"]
     # a run: hello builds the trainer (a second hello of the same run reuses it), evaluate, finish with a save
@@ -128,20 +140,19 @@ def test_group_exits_when_idle_when_its_watched_process_ends_and_when_a_rank_or_
     assert f"watched process {sleeper.pid} is gone" in watched.text()
 
 
-def _static_losses(data_dir: Path, tmp: Path, s: P.RunSpec, federations: int) -> tuple[list[float], list[dict]]:
-    steps = s.rounds * s.syncs_per_round * s.aggregate_every
-    metrics = tmp / "static.jsonl"
-    result = torchrun(federations * s.group_world, [
-        "--method", s.method, "--federations", str(federations), "--replicas", str(s.replicas), "--shards",
-        str(s.shards), "--model", s.model, "--data-dir", str(data_dir), "--seq-len", str(s.seq_len),
-        "--batch-size", str(s.batch_size), "--eval-blocks", str(s.eval_blocks), "--steps", str(steps),
-        "--aggregate-every", str(s.aggregate_every), "--lr", str(s.lr), "--warmup", str(s.warmup),
-        "--min-lr-ratio", str(s.min_lr_ratio), "--weight-decay", str(s.weight_decay), "--grad-clip",
-        str(s.grad_clip), "--seed", str(s.seed), "--log-every", "1",
-        "--eval-every", str(s.syncs_per_round * s.aggregate_every), "--metrics", str(metrics), "--no-progress"],
-        timeout=300)
+def _static_losses(data_dir: Path, tmp: Path, run: FlowerRun, federations: int) -> tuple[list[float], list[dict]]:
+    t, p, k = run.train, run.train.parallel, run.federation.syncs_per_round
+    result = torchrun(federations * run.group_world, [
+        "--method", p.method, "--federations", str(federations), "--replicas", str(p.replicas), "--shards",
+        str(p.shards), "--model", t.model.name, "--data-dir", str(data_dir), "--seq-len", str(t.data.seq_len),
+        "--batch-size", str(t.batch_size), "--eval-blocks", str(t.data.eval_blocks), "--steps", str(run.total_steps),
+        "--aggregate-every", str(p.aggregate_every), "--lr", str(t.optim.lr), "--warmup", str(t.optim.warmup),
+        "--min-lr-ratio", str(t.optim.min_lr_ratio), "--weight-decay", str(t.optim.weight_decay), "--grad-clip",
+        str(t.optim.grad_clip), "--seed", str(t.seed), "--log-every", "1",
+        "--eval-every", str(k * p.aggregate_every), "--run-dir", str(tmp / "static"), "--no-save-model",
+        "--no-progress"], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    records = [json.loads(line) for line in (tmp / "static" / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in records if r["kind"] == "train"], [r for r in records if r["kind"] == "eval"]
 
 
@@ -163,16 +174,17 @@ def test_groups_sync_identical_shards_and_match_the_static_engine(procs, data_di
     hellos = [hello(c, s, i, 2) for i, c in enumerate(clients)]
     assert hellos[0]["fingerprint"] == hellos[1]["fingerprint"]
     losses, evals = [], []
-    for r in range(s.rounds):
-        out = train_all(clients, hellos[0], f"test/round{r}", syncs=s.syncs_per_round, steps=s.aggregate_every)
+    K, W, p = s.federation.syncs_per_round, s.group_world, s.train.parallel
+    for r in range(s.federation.rounds):
+        out = train_all(clients, hellos[0], f"test/round{r}", syncs=None, steps=None)  # the run's K and A
         for o in out:
-            assert o["syncs"] == s.syncs_per_round and not o["sync_failed"]
-            assert len(o["checksums"]) == s.syncs_per_round * s.group_world
+            assert o["syncs"] == K and not o["sync_failed"]
+            assert len(o["checksums"]) == K * W
         assert out[0]["checksums"] == out[1]["checksums"]
-        for k in range(s.syncs_per_round):
-            sums = out[0]["checksums"][k * s.group_world:(k + 1) * s.group_world]
-            for rep in range(1, s.replicas):
-                assert sums[rep * s.shards:(rep + 1) * s.shards] == sums[:s.shards]
+        for k in range(K):
+            sums = out[0]["checksums"][k * W:(k + 1) * W]
+            for rep in range(1, p.replicas):
+                assert sums[rep * p.shards:(rep + 1) * p.shards] == sums[:p.shards]
         losses += [(a + b) / 2 for a, b in zip(out[0]["losses"], out[1]["losses"])]
         assert out[0]["eval_loss"] == out[1]["eval_loss"]
         evals.append(out[0]["eval_loss"])
@@ -253,10 +265,9 @@ def test_server_path_export_and_apply_check_every_piece_before_writing(procs, da
     _, address, key = start_group(procs, "g0", shards=2)
     c = client(address, key)
     offer = hello(c, spec(data_dir, aggregation="server"), 0, 1)
-    out = c.call(P.TRAIN, {"syncs": 1, "steps": 2, "members": ["0"], "member_index": 0,
-                           "rendezvous_host": offer["rendezvous_host"], "rendezvous_ports": offer["rendezvous_ports"],
-                           "prefix": "r1", "rendezvous_timeout": 30, "sync_timeout": 30, "evaluate": False,
-                           "export": True}, timeout=120)
+    args = round_args(offer, "r1", 0, 1, syncs=1, steps=2, evaluate=False, export=True)
+    out = train(c, {**args, "proximal-mu": 0.05, "lr": 0.01}, timeout=120)
+    assert (out["steps"], out["proximal_mu"], out["peak_lr"]) == (2, 0.05, 0.01)  # the round's options arrived
     files = out["export_files"]
     assert len(files) == 2 and out["facility_tokens"] == out["tokens"] > 0  # one file per rank, a group alone
     from safetensors.numpy import load_file
@@ -312,19 +323,9 @@ def test_a_restarted_group_catches_up_with_the_members_before_training(procs, da
     _, b_addr, b_key = start_group(procs, "b2")
     b = client(b_addr, b_key)
     assert hello(b, s, 1, 2)["steps"] == 0  # a fresh group
-    results: list[Any] = [None, None]
-
-    def go(i: int, c: GroupClient) -> None:
-        results[i] = c.call(P.TRAIN, {
-            "syncs": 1, "steps": 2, "members": ["0", "1"], "member_index": i, "catch_up": True,
-            "rendezvous_host": offer["rendezvous_host"], "rendezvous_ports": offer["rendezvous_ports"],
-            "prefix": "round3", "rendezvous_timeout": 30, "sync_timeout": 30, "evaluate": False}, timeout=180)
-
-    threads = [threading.Thread(target=go, args=(i, c)) for i, c in enumerate([a, b])]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(240)
+    jobs = [c.call(P.TRAIN, round_args(offer, "round3", i, 2, syncs=1, steps=2, catch_up=True, evaluate=False),
+                   timeout=30, detach=True)["job"] for i, c in enumerate([a, b])]
+    results = [c.collect(job, timeout=180) for c, job in zip([a, b], jobs)]
     got_a, got_b = results
     assert got_a is not None and got_b is not None, results
     assert got_a["catch_up_checksums"] == got_b["catch_up_checksums"] == alone["checksums"]

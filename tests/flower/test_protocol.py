@@ -1,4 +1,5 @@
-"""Run settings, message encoding and keys shared by the ClientApp and the groups (no processes, no torch)."""
+"""The run's schema, the app's run config derived from it, and the messages between the ServerApp, the ClientApp
+and the groups (no processes, no torch)."""
 
 from __future__ import annotations
 
@@ -6,34 +7,63 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
+from flwr_sharded import schema
+from flwr_sharded.config import TrainConfig
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.flower import protocol as P
+from flwr_sharded.flower import endpoint as E
+from flwr_sharded.flower import messages as M
+from flwr_sharded.flower.run import ROUND_KEYS, FlowerRun, app_config_toml, round_overrides
+
+REPO = Path(__file__).resolve().parents[2]
+APP = REPO / "apps" / "llama_fl_hsdp"
 
 
 def test_client_side_modules_do_not_import_torch():
-    app = Path(__file__).resolve().parents[2] / "apps" / "llama_fl_hsdp"
-    code = (f"import sys; sys.path.insert(0, {str(app)!r}); import llama_fl_hsdp.client_app, "
-            "flwr_sharded.flower.client, flwr_sharded.flower.protocol, flwr_sharded.flower.strategy; "
-            "print('torch' in sys.modules)")
+    code = (f"import sys; sys.path.insert(0, {str(APP)!r}); import llama_fl_hsdp.client_app, "
+            "llama_fl_hsdp.server_app, flwr_sharded.flower.clientapp, flwr_sharded.flower.run, "
+            "flwr_sharded.flower.server.strategy; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
 
 
-def test_run_spec_from_run_config_and_back():
-    spec = P.RunSpec.from_run_config({"num-server-rounds": 5, "syncs-per-round": 2, "aggregate-every": 3,
-                                      "method": "fl-hsdp", "replicas": 2, "shards": 1, "lr": 1,
-                                      "unrelated-key": "kept out"})
-    assert (spec.rounds, spec.syncs_per_round, spec.aggregate_every, spec.lr) == (5, 2, 3, 1.0)
-    assert spec.total_steps == 30 and spec.group_world == 2
-    assert P.RunSpec.from_json(spec.to_json()) == spec
-    spec.validate()
-    cfg = spec.train_config_dict()
-    assert cfg["steps"] == 30 and cfg["parallel"]["federations"] == 1 and cfg["parallel"]["replicas"] == 2
+def test_run_from_run_config_and_back():
+    run = FlowerRun.from_run_config({"num-server-rounds": 5, "syncs-per-round": 2, "aggregate-every": 3,
+                                     "method": "fl-hsdp", "replicas": 2, "shards": 1, "lr": 1, "outer-lr": "",
+                                     "tokenizer": ""})
+    assert (run.federation.rounds, run.federation.syncs_per_round, run.train.parallel.aggregate_every) == (5, 2, 3)
+    assert run.train.optim.lr == 1.0 and run.train.parallel.outer_lr is None and run.train.data.tokenizer is None
+    assert run.total_steps == 30 and run.group_world == 2
+    assert FlowerRun.from_json(run.to_json()) == run
+    run.validate()
+    cfg = run.group_config()
+    assert cfg.steps == 30 and cfg.parallel.federations == 1 and cfg.parallel.replicas == 2
+
+
+def test_the_app_config_is_generated_from_the_schema():
+    """apps/llama_fl_hsdp/pyproject.toml holds exactly the generated block: every run-config key with the schema's
+    default and summary (regenerate with `python -m flwr_sharded.flower.run --write ...`)."""
+    text = (APP / "pyproject.toml").read_text()
+    assert app_config_toml() in text, "the app's [tool.flwr.app.config] drifted from flwr_sharded/flower/run.py"
+    table = tomllib.loads(text)["tool"]["flwr"]["app"]["config"]
+    flat = {o.name: o for o in schema.options(FlowerRun) if o.flat}
+    assert set(table) == set(flat)
+    assert FlowerRun.from_run_config(table) == FlowerRun()  # the app's defaults are the schema's
+
+
+def test_every_static_option_is_a_run_config_key_or_says_why_not():
+    """Reachable from `flwr run --run-config` unless the schema gives the reason (shown in the docs)."""
+    keys = {o.name for o in schema.options(FlowerRun) if o.flat}
+    for o in schema.options(TrainConfig):
+        assert o.name in keys or (o.not_flat and len(o.not_flat) > 10), o.name
+    docs = (REPO / "docs" / "options.md").read_text()
+    for o in schema.options(FlowerRun):
+        assert f"`{o.name}`" in docs, f"docs/options.md lacks {o.name}"
 
 
 # (the wrong key, run config, words the message must hold besides the key: allowed values or range). Not here: model,
@@ -55,12 +85,23 @@ BAD_RUN_CONFIGS = [
     ("grad-accum", {"grad-accum": 0}, [">= 1"]),
     ("precision", {"precision": "fp16"}, ["auto, fp32, bf16"]),
     ("partition", {"partition": "random"}, ["iid, iid-groups, document"]),
-    ("max-train-blocks", {"max-train-blocks": -1}, [">= 0", "0: all"]),
+    ("max-train-blocks", {"max-train-blocks": 0}, [">= 1"]),
     ("eval-blocks", {"eval-blocks": -1}, [">= 0"]),
     ("optimizer", {"optimizer": "adam"}, ["adamw, sgd"]),
     ("lr", {"lr": 0.0}, ["> 0"]),
     ("lr", {"lr": -1.0}, ["> 0"]),
     ("lr", {"lr": "fast"}, ["of type float"]),
+    ("lr", {"lr": float("nan")}, ["finite"]),
+    ("round-timeout", {"round-timeout": float("inf")}, ["finite"]),
+    ("sync-timeout", {"sync-timeout": 0.0}, ["> 0"]),
+    ("sync-timeout", {"sync-timeout": 1000.0}, ["below", "round-timeout"]),
+    ("rendezvous-timeout", {"rendezvous-timeout": -5.0}, ["> 0"]),
+    ("min-groups", {"min-groups": 3, "num-groups": 2}, ["num-groups"]),
+    ("num-groups", {"num-groups": -1}, [">= 0"]),
+    ("proximal-mu", {"proximal-mu": -0.1}, [">= 0"]),
+    ("beta1", {"beta1": 1.0}, ["in [0, 1)"]),
+    ("lrr", {"lrr": 0.1}, ["unknown key", "lr"]),
+    ("checkpoint-every", {"checkpoint-every": 2}, ["unknown key"]),
     ("warmup", {"warmup": -0.5}, [">= 0"]),
     ("min-lr-ratio", {"min-lr-ratio": 1.5}, ["[0, 1]"]),
     ("weight-decay", {"weight-decay": -0.1}, [">= 0"]),
@@ -68,15 +109,15 @@ BAD_RUN_CONFIGS = [
     ("bucket-mb", {"bucket-mb": 0.0}, ["> 0"]),
     ("reset-optimizer-state", {"reset-optimizer-state": "maybe"}, ["of type bool"]),
     ("outer", {"outer": "fedprox"}, ["fedavg, fedavgm, nesterov, fedadam, fedyogi, trimmed-mean"]),
-    ("outer-lr", {"outer-lr": 0.5}, ["does not apply to outer fedavg", "fedavgm, nesterov, fedadam, fedyogi"]),
-    ("outer-lr", {"outer": "nesterov", "outer-lr": -1.0}, ["> 0", "0 for the rule's default"]),
+    ("outer-lr", {"outer-lr": 0.5}, ["does not apply to 'outer' fedavg", "fedavgm, nesterov, fedadam, fedyogi"]),
+    ("outer-lr", {"outer": "nesterov", "outer-lr": -1.0}, ["> 0"]),
     ("outer-momentum", {"outer": "fedadam", "outer-momentum": 0.5}, ["does not apply", "fedavgm, nesterov"]),
     ("outer-momentum", {"outer": "nesterov", "outer-momentum": 1.5}, ["[0, 1)"]),
     ("aggregation", {"aggregation": "p2p"}, ["decentralized, server"]),
     ("facilities", {"facilities": "a,a,b"}, ["server"]),
     ("facilities", {"aggregation": "server", "facilities": "a,,b"}, ["non-empty"]),
     ("outer", {"aggregation": "server", "outer": "trimmed-mean"}, ["fedavg, fedavgm, nesterov, fedadam, fedyogi"]),
-    ("checkpoint-every", {"checkpoint-every": 0}, [">= 1"]),
+    ("checkpoint-rounds", {"checkpoint-rounds": 0}, [">= 1"]),
     ("resume", {"resume": True}, ["checkpoint-dir"]),
     ("facility-shards", {"facility-shards": "b=1", "partition": "iid-groups"}, ["server"]),
     ("facility-shards", {"aggregation": "server", "facility-shards": "b=1"}, ["iid-groups", "document"]),
@@ -92,10 +133,10 @@ BAD_RUN_CONFIGS = [
 @pytest.mark.parametrize("key,run_config,words", BAD_RUN_CONFIGS,
                          ids=[" ".join(f"{k}={v}" for k, v in c.items()) for _, c, _ in BAD_RUN_CONFIGS])
 def test_bad_run_config_is_a_clear_config_error(key, run_config, words):
-    """Every RunSpec field that can be wrong: a ConfigError naming the run-config key (with '-', as typed in
+    """Every run option that can be wrong: a ConfigError naming the run-config key (with '-', as typed in
     `--run-config`, not a CLI option '--key') and what it accepts."""
     with pytest.raises(ConfigError) as info:
-        P.RunSpec.from_run_config(run_config).validate()
+        FlowerRun.from_run_config(run_config).validate()
     message = str(info.value)
     assert message.startswith("run config"), message
     assert re.search(rf"(?<![\w-]){re.escape(key)}(?![\w-])", message), f"{key!r} not named in: {message}"
@@ -105,44 +146,82 @@ def test_bad_run_config_is_a_clear_config_error(key, run_config, words):
 
 
 def test_valid_outer_options_pass():
-    P.RunSpec.from_run_config({"outer": "nesterov", "outer-lr": 0.5, "outer-momentum": 0.8}).validate()
-    P.RunSpec.from_run_config({"outer": "fedadam", "outer-lr": 0.05}).validate()
+    FlowerRun.from_run_config({"outer": "nesterov", "outer-lr": 0.5, "outer-momentum": 0.8}).validate()
+    FlowerRun.from_run_config({"outer": "fedadam", "outer-lr": 0.05}).validate()
 
 
 def test_layout_mismatch_names_both_sides():
-    spec = P.RunSpec(method="fl-fsdp", shards=4)
-    layout = P.GroupLayout(method="fl-fsdp", replicas=1, shards=2, world=2)
-    text = layout.mismatch(spec)
+    run = FlowerRun.from_run_config({"method": "fl-fsdp", "shards": 4})
+    layout = M.GroupLayout(method="fl-fsdp", replicas=1, shards=2, world=2)
+    text = layout.mismatch(run)
     assert "R=1 x S=4 = 4 ranks" in text and "S=2 = 2 ranks" in text
-    assert P.GroupLayout("fl-fsdp", 1, 4, 4).mismatch(spec) == ""
+    assert M.GroupLayout("fl-fsdp", 1, 4, 4).mismatch(run) == ""
+
+
+def test_round_options_are_checked_and_nothing_else_passes():
+    assert round_overrides({"aggregate-every": 3, "lr": 0.01}) == {"aggregate-every": 3, "lr": 0.01}
+    with pytest.raises(ConfigError, match="'warmup' is not a round option"):
+        round_overrides({"warmup": 0.5})
+    with pytest.raises(ConfigError, match="'aggregate-every' must be an integer >= 1"):
+        round_overrides({"aggregate-every": 0})
+    assert set(ROUND_KEYS) <= {o.name for o in schema.options(FlowerRun)}
+
+
+TRAIN = dict(server_round=2, job="run1/round2/7", members=["7", "9"], member_index=1, rendezvous_host="h",
+             rendezvous_ports=[1, 2], prefix="run1/round2", rendezvous_timeout=5.0, sync_timeout=9.0)
+
+
+def test_train_arguments_round_trip_and_unknown_keys_are_refused():
+    args = M.TrainArgs(**TRAIN, catch_up=True, overrides={"proximal-mu": 0.01})
+    config = args.to_config()
+    assert config["member-index"] == 1 and config["proximal-mu"] == 0.01 and "overrides" not in config
+    assert M.TrainArgs.from_config({**config, "timeout": 60.0}) == args  # the ClientApp's own keys are allowed
+    with pytest.raises(M.ArgumentError, match="'my-key' is not known to this group"):
+        M.TrainArgs.from_config({**config, "my-key": 1})
+    with pytest.raises(M.ArgumentError, match="lacks members"):
+        M.TrainArgs.from_config({k: v for k, v in config.items() if k != "members"})
+    with pytest.raises(M.ArgumentError, match="member-index 5"):
+        M.TrainArgs.from_config({**config, "member-index": 5})
 
 
 def test_instructions_and_replies_round_trip():
-    obj = P.instruction(P.TRAIN, {"syncs": 2, "members": ["1", "2"]})
-    assert P.check_instruction(P.decode(P.encode(obj))) == (P.TRAIN, {"syncs": 2, "members": ["1", "2"]})
-    with pytest.raises(P.ProtocolError):
-        P.instruction("format-disk")
-    with pytest.raises(P.ProtocolError):
-        P.check_instruction({"version": 99, "verb": "train", "args": {}})
-    with pytest.raises(P.ProtocolError):
-        P.decode(b"\x80not json")
+    obj = M.instruction(M.TRAIN, {"job": "j", "members": ["1", "2"]}, detach=True)
+    assert obj["detach"] is True
+    assert M.check_instruction(M.decode(M.encode(obj))) == (M.TRAIN, {"job": "j", "members": ["1", "2"]})
+    with pytest.raises(M.ProtocolError):
+        M.instruction("format-disk")
+    with pytest.raises(M.ProtocolError):
+        M.check_instruction({"version": 99, "verb": "train", "args": {}})
+    with pytest.raises(M.ProtocolError):
+        M.decode(b"\x80not json")
 
 
 def test_authkey_files(tmp_path):
-    key = P.write_authkey(tmp_path / "k")
+    key = E.write_authkey(tmp_path / "k")
     assert oct((tmp_path / "k").stat().st_mode & 0o777) == "0o600"
-    assert P.read_authkey(tmp_path / "k") == key
+    assert E.read_authkey(tmp_path / "k") == key
     os.chmod(tmp_path / "k", 0o644)
     with pytest.raises(ConfigError, match="accessible by other users"):
-        P.read_authkey(tmp_path / "k")
+        E.read_authkey(tmp_path / "k")
     with pytest.raises(ConfigError, match="does not exist"):
-        P.read_authkey(tmp_path / "missing")
+        E.read_authkey(tmp_path / "missing")
 
 
 def test_addresses():
-    assert P.parse_address("127.0.0.1:7100") == ("127.0.0.1", 7100)
-    assert P.parse_address("[::1]:80") == ("::1", 80)
-    assert P.format_address("::1", 80) == "[::1]:80"
+    assert E.parse_address("127.0.0.1:7100") == ("127.0.0.1", 7100)
+    assert E.parse_address("[::1]:80") == ("::1", 80)
+    assert E.format_address("::1", 80) == "[::1]:80"
     for bad in ("localhost", ":80", "host:port", "h:99999"):
         with pytest.raises(ConfigError):
-            P.parse_address(bad)
+            E.parse_address(bad)
+
+
+def test_the_group_runtime_options_table_lists_every_flag():
+    from flwr_sharded.flower.group.runtime import build_parser
+
+    flags = {a for action in build_parser()._actions for a in action.option_strings
+             if a.startswith("--") and a != "--help" and action.help != "==SUPPRESS=="}
+    text = (REPO / "docs" / "flower.md").read_text()
+    table = text[text.index("### Group runtime options"):text.index("## Run config and outputs")]
+    documented = set(re.findall(r"`(--[a-z-]+)`", table))
+    assert documented == flags

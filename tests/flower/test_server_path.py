@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flwr_sharded.flower import handoff
-from flwr_sharded.flower.server_aggregation import ShardReply, StreamingShardAggregator, spec_of
+from flwr_sharded.flower.server.aggregation import ShardReply, StreamingShardAggregator, spec_of
 from flwr_sharded.parallel.outer import FedAdam, FedAvg, Nesterov, TrimmedMean, weighted_mean
 from flwr_sharded.parallel.shard_transport import (ShardPiece, ShardPieceError, apply_pieces, decode_pieces,
                                                    encode_pieces, shard_pieces)
@@ -145,7 +145,7 @@ def test_bad_reply_is_rejected_and_the_rest_aggregated(case, caplog):
     agg = StreamingShardAggregator(FedAvg(), 0, spec=spec)
     reference = StreamingShardAggregator(FedAvg(), 0, spec=spec)
     good = [_group_reply("g0", _model(1), 2, 1.0), _group_reply("g1", _model(2), 1, 2.0)]
-    with caplog.at_level(logging.WARNING, logger="flwr_sharded.flower.server_aggregation"):
+    with caplog.at_level(logging.WARNING, logger="flwr_sharded.flower.server.aggregation"):
         assert agg.add(good[0])
         assert not agg.add(bad)  # between two good replies: it must not disturb either
         assert agg.add(good[1])
@@ -221,7 +221,7 @@ def test_chunk_windows_give_the_whole_models_mean_for_groups_of_any_sharding():
     """Three groups (S = 1, 2, 3), weighted; the model cut by `plan_ranges` into chunks of at most 40 fp32 bytes;
     each chunk averaged by its own windowed aggregator from the rows `requests_for` names in each group's pieces.
     Together the chunks give the whole model's weighted mean, and each chunk's sums stay within the budget."""
-    from flwr_sharded.flower.server_aggregation import plan_ranges, requests_for
+    from flwr_sharded.flower.server.aggregation import plan_ranges, requests_for
 
     models, weights, shards = [_model(i) for i in range(3)], [1.0, 2.0, 5.0], [1, 2, 3]
     spec = spec_of(models[0].items())
@@ -371,14 +371,14 @@ def test_flower_records_round_trip_and_malformed_records_are_rejected(caplog):
     from flwr.app import ConfigRecord
 
     from flwr_sharded.flower.handoff import SHARD_META
-    from flwr_sharded.flower.server_aggregation import add_content, reply_content
+    from flwr_sharded.flower.server.aggregation import add_content, reply_content
 
     models = [_model(1, torch.bfloat16), _model(2, torch.bfloat16)]
     agg = StreamingShardAggregator(FedAvg(), 3, spec=spec_of(models[0].items()))
     assert add_content(agg, "g0", reply_content(_group_reply("x", models[0], 2, 1.0).pieces, 3, 1.0))
     broken = reply_content(_group_reply("x", models[1], 1, 1.0).pieces, 3, 1.0)
     broken[SHARD_META] = ConfigRecord({k: "float32|7,3" for k in broken[SHARD_META].keys()})
-    with caplog.at_level(logging.WARNING, logger="flwr_sharded.flower.server_aggregation"):
+    with caplog.at_level(logging.WARNING, logger="flwr_sharded.flower.server.aggregation"):
         assert not add_content(agg, "g1", broken)
         assert not add_content(agg, "g2", reply_content(_group_reply("x", models[1], 1, 1.0).pieces, 2, 1.0))
     assert [r.getMessage() for r in caplog.records][0].count("malformed reply") == 1

@@ -90,11 +90,13 @@ def test_facilities_with_different_shard_counts_federate_through_the_server(data
 
 
 def test_each_group_gets_the_shards_of_its_facility():
-    from flwr_sharded.flower.protocol import RunSpec
+    from flwr_sharded.flower.run import FlowerRun
 
-    spec = RunSpec(aggregation="server", facilities="a,b", facility_shards="b=1", partition="iid-groups")
-    spec.validate()
-    assert [spec.for_group(0).shards, spec.for_group(1).shards, spec.for_group(0, "b").shards] == [2, 1, 1]
+    run = FlowerRun.from_run_config({"aggregation": "server", "facilities": "a,b", "facility-shards": "b=1",
+                                     "partition": "iid-groups"})
+    run.validate()
+    shards = [run.for_group(pid, facility).train.parallel.shards for pid, facility in ((0, ""), (1, ""), (0, "b"))]
+    assert shards == [2, 1, 1]
 
 
 @pytest.mark.timeout(600)

@@ -15,9 +15,9 @@ import pytest
 from flwr.app import Message, RecordDict
 
 from flwr_sharded.flower import handoff
-from flwr_sharded.flower import protocol as P
-from flwr_sharded.flower.server_strategy import ServerShardFedAvg
-from tests.flower.test_strategy import FakeGrid, config, fast, hello_ok, reply, spec, task_identity, train_ok
+from flwr_sharded.flower import messages as P
+from flwr_sharded.flower.server.server_path import ServerShardFedAvg
+from tests.flower.test_strategy import FakeGrid, config, fast, hello_ok, make, reply, spec, task_identity, train_ok
 
 __all__ = ["task_identity"]  # the autouse fixture, imported to be active here
 
@@ -113,8 +113,8 @@ class FakeGroup:
 
 def run(groups: list[FakeGroup], buffer_mb: float) -> tuple[ServerShardFedAvg, FakeGrid]:
     grid = FakeGrid({g.node: g for g in groups})
-    strategy = ServerShardFedAvg(spec(rounds=1, syncs_per_round=1, aggregation="server", server_buffer_mb=buffer_mb,
-                                      facilities="a,b", facility_shards="b=1", partition="iid-groups"), fast())
+    strategy = make(spec(rounds=1, syncs_per_round=1, aggregation="server", server_buffer_mb=buffer_mb,
+                         facilities="a,b", facility_shards="b=1", partition="iid-groups"), fast(), ServerShardFedAvg)
     strategy.start(grid)
     return strategy, grid
 
@@ -189,9 +189,9 @@ def test_a_facility_that_stops_answering_is_left_out_and_the_others_adopt_their_
     a, b = FakeGroup(1, 0, model(1), 100, shards=2), FakeGroup(2, 1, model(2), 300, shards=1)
     b.__class__ = type("Silent", (FakeGroup,), {"__call__": silent_after_two_pulls})
     grid = FakeGrid({g.node: g for g in (a, b, c)})
-    strategy = ServerShardFedAvg(spec(rounds=1, syncs_per_round=1, aggregation="server", server_buffer_mb=BUFFER,
-                                      facilities="a,b,c", facility_shards="b=1",
-                                      partition="iid-groups"), fast(num_groups=3))
+    strategy = make(spec(rounds=1, syncs_per_round=1, aggregation="server", server_buffer_mb=BUFFER,
+                         facilities="a,b,c", facility_shards="b=1", partition="iid-groups"), fast(num_groups=3),
+                    ServerShardFedAvg)
     strategy.start(grid)
     record = strategy.history[0]
     assert (record["facility_replies"], record["facility_rejected"], record["stream_restarts"]) == (2, 1, 1), record
@@ -224,8 +224,8 @@ def _rounds_with_a_failure(facilities: str, caplog) -> tuple[ServerShardFedAvg, 
     groups = [FakeGroup(1, 0, model(1), 100, 2), FakeGroup(2, 1, model(2), 100, 2, fail_in_round=2),
               FakeGroup(3, 2, model(3), 100, 2)]
     grid = FakeGrid({g.node: g for g in groups})
-    strategy = ServerShardFedAvg(spec(rounds=4, syncs_per_round=1, aggregation="server", facilities=facilities),
-                                 fast(num_groups=3))
+    strategy = make(spec(rounds=4, syncs_per_round=1, aggregation="server", facilities=facilities),
+                    fast(num_groups=3), ServerShardFedAvg)
     with caplog.at_level(logging.INFO, logger="flwr"):
         strategy.start(grid)
     return strategy, grid, [h for h in strategy.history if h["kind"] == "round"]
@@ -262,8 +262,8 @@ def test_the_model_is_the_one_most_facilities_announce_so_a_bad_first_manifest_i
     a = FakeGroup(1, 0, model(1), 100, shards=1, manifest=wrong_shape)
     b, c = FakeGroup(2, 1, model(2), 100, shards=1), FakeGroup(3, 2, model(3), 300, shards=1)
     grid = FakeGrid({g.node: g for g in (a, b, c)})
-    strategy = ServerShardFedAvg(spec(rounds=1, syncs_per_round=1, aggregation="server", shards=1,
-                                      server_buffer_mb=BUFFER), fast(num_groups=3))
+    strategy = make(spec(rounds=1, syncs_per_round=1, aggregation="server", shards=1, server_buffer_mb=BUFFER),
+                    fast(num_groups=3), ServerShardFedAvg)
     with caplog.at_level(logging.WARNING):
         strategy.start(grid)
     record = strategy.history[0]

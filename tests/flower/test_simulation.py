@@ -33,6 +33,10 @@ def test_demo_runs_end_to_end_and_leaves_no_process(simulation_run):
         assert record["tokens_per_s"] > 0 and record["eval_ppl"] > 0
     assert run.rounds[-1]["train_loss"] < run.rounds[0]["train_loss"]
     assert "finish: 2 of 2 node(s) answered (2 group(s) shut down)" in run.output
+    assert "flwr_sharded: the run COMPLETED" in run.output and str(run.run_dir) in run.output
+    summary = json.loads((run.run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["rounds"] == N
+    assert json.loads((run.run_dir / "config.json").read_text())["federation"]["rounds"] == N
     # nothing left: the SuperLink of this FLWR_HOME, its SuperExec, the groups of this run
     time.sleep(1)
     assert run.run_id
@@ -49,14 +53,14 @@ def test_simulation_loss_curve_matches_the_static_engine(simulation_run, data_di
     run = simulation_run
     assert run.returncode == 0, run.output[-3000:]
     c = FAST_RUN_CONFIG
-    metrics = tmp_path / "static.jsonl"
+    metrics = tmp_path / "static" / "metrics.jsonl"
     result = torchrun(4, ["--method", "fl-fsdp", "--federations", "2", "--shards", "2", "--model", c["model"],
                           "--data-dir", str(data_dir), "--seq-len", str(c["seq-len"]), "--batch-size",
                           str(c["batch-size"]), "--eval-blocks", str(c["eval-blocks"]), "--steps", str(N * K * A),
                           "--aggregate-every", str(A), "--lr", str(c["lr"]), "--seed", str(c["seed"]),
                           "--warmup", "0.1", "--min-lr-ratio", "0.1", "--weight-decay", "0.1", "--grad-clip", "1.0",
-                          "--log-every", "1", "--eval-every", str(K * A), "--metrics", str(metrics),
-                          "--no-progress"], timeout=300)
+                          "--log-every", "1", "--eval-every", str(K * A), "--run-dir", str(metrics.parent),
+                          "--no-save-model", "--no-progress"], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     static_losses = [r["loss"] for r in records if r["kind"] == "train"]
@@ -84,17 +88,17 @@ def test_a_killed_run_resumes_after_its_last_checkpointed_round(data_dir, tmp_pa
     from tests.flower.procs import kill_tree_by_env
 
     config = {**FAST_RUN_CONFIG, "num-server-rounds": 4, "syncs-per-round": 1, "aggregate-every": 3,
-              "checkpoint-every": 2}
+              "checkpoint-rounds": 2}
     reference = run_demo(tmp_path / "reference", data_dir, {**config, "checkpoint-dir": str(tmp_path / "ref-ckpt")})
     assert reference.returncode == 0 and [r["round"] for r in reference.rounds] == [1, 2, 3, 4], reference.output
     checkpoints = tmp_path / "ckpt"
     tag = uuid.uuid4().hex
     work = tmp_path / "killed"
     work.mkdir()
-    metrics = work / "metrics.jsonl"
+    metrics = work / "run" / "metrics.jsonl"
     env = base_env(FLWR_HOME=str(work / "flwr_home"), FLWR_SHARDED_DATA=str(data_dir), FLWR_SHARDED_TEST_TAG=tag)
     cmd = ["bash", str(DEMO), *run_config_args({**config, "checkpoint-dir": str(checkpoints),
-                                                "metrics-path": str(metrics)})]
+                                                "run-dir": str(work / "run")})]
     with open(work / "out.txt", "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO,
                                 start_new_session=True)

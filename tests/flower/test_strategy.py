@@ -1,6 +1,8 @@
 """DecentralizedFedAvg against an in-process fake Grid: sampling deadlines, hello exclusions, failed syncs, lost nodes.
 
-No processes: each fake node answers each message with a scripted reply (or none) after a scripted delay.
+No processes: each fake node answers each message with a scripted reply (or none) after a scripted delay. A round's
+train message is acknowledged at once and its collect message gets the node's scripted train result, as the
+ClientApp does.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.flower import protocol as P
-from flwr_sharded.flower.strategy import Deadlines, DecentralizedFedAvg
+from flwr_sharded.flower import messages as P
+from flwr_sharded.flower.run import FlowerRun
+from flwr_sharded.flower.server.grid import Polling
+from flwr_sharded.flower.server.strategy import DecentralizedFedAvg
 
 Behaviour = Callable[[Message], "tuple[float, RecordDict | Error | None]"]
 
@@ -40,6 +44,7 @@ class FakeGrid(Grid):
         self.offline_at: dict[int, float] = {}
         self.pushed: list[Message] = []
         self._replies: dict[str, tuple[float, Message]] = {}
+        self._started: dict[tuple[int, str], Message] = {}
 
     def set_run(self, run: Any) -> None:
         pass
@@ -60,7 +65,15 @@ class FakeGrid(Grid):
         for m in messages:
             m.metadata.__dict__["_message_id"] = m.object_id
             self.pushed.append(m)
-            delay, content = self.nodes[m.metadata.dst_node_id](m)
+            node, kind = m.metadata.dst_node_id, m.metadata.message_type
+            if kind == P.MSG_TRAIN:  # the round starts; its result goes to the collect message
+                self._started[(node, config(m)["job"])] = m
+                delay, content = 0.0, reply(job=config(m)["job"])
+            elif kind == P.MSG_COLLECT:
+                train = self._started.pop((node, config(m)["job"]), None)
+                delay, content = self.nodes[node](train) if train is not None else (0.0, reply(False, "no job"))
+            else:
+                delay, content = self.nodes[node](m)
             if content is not None:
                 self._replies[m.metadata.message_id] = (time.monotonic() + delay, Message(content, reply_to=m))
             ids.append(m.metadata.message_id)
@@ -118,13 +131,31 @@ def group(node: int, partition: int, *, train: Callable[[Message, int], Any] | N
     return behave
 
 
-def spec(**kw: Any) -> P.RunSpec:
-    return P.RunSpec(**{"rounds": 3, "syncs_per_round": 2, "aggregate_every": 1, **kw})
+FLAT = {"rounds": "num-server-rounds"}
 
 
-def fast(**kw: Any) -> Deadlines:
-    return Deadlines(**{"num_groups": 2, "sample_timeout": 1.0, "hello_timeout": 2.0, "round_timeout": 3.0,
-                        "finish_timeout": 1.0, "poll_interval": 0.01, "node_check_interval": 0.1, **kw})
+def spec(**kw: Any) -> FlowerRun:
+    """A run with these options (field names of the schema), set without checks: `start` validates."""
+    from flwr_sharded import schema
+
+    run, options = FlowerRun(), schema.by_name(FlowerRun)
+    for key, value in {"rounds": 3, "syncs_per_round": 2, "aggregate_every": 1, **kw}.items():
+        schema.put(run, options[FLAT.get(key, key.replace("_", "-"))].path, value)
+    return run
+
+
+def fast(**kw: Any) -> dict[str, Any]:
+    return {"num_groups": 2, "sample_timeout": 1.0, "hello_timeout": 2.0, "round_timeout": 3.0,
+            "rendezvous_timeout": 0.5, "sync_timeout": 0.5, "finish_timeout": 1.0, **kw}
+
+
+def make(run: FlowerRun, deadlines: dict[str, Any], cls: type = DecentralizedFedAvg, *,
+         evaluate_in_train: bool = True, **kw: Any) -> DecentralizedFedAvg:
+    """The strategy `cls` over `run` with these deadlines, polling the fake grid fast."""
+    for key, value in deadlines.items():
+        setattr(run.deadlines, key, value)
+    run.federation.evaluate_in_train = evaluate_in_train
+    return cls(run, polling=Polling(interval=0.01, node_check=0.1), **kw)
 
 
 def config(m: Message) -> dict:
@@ -133,13 +164,13 @@ def config(m: Message) -> dict:
 
 def test_sampling_gives_up_at_its_deadline():
     grid = FakeGrid({1: group(1, 0)})
-    strategy = DecentralizedFedAvg(spec(), fast(num_groups=2, min_groups=2, sample_timeout=0.5))
+    strategy = make(spec(), fast(num_groups=2, min_groups=2, sample_timeout=0.5))
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="only 1 node"):
         strategy.start(grid)
     assert time.monotonic() - start < 3
     # with min-groups 1 it goes on with the one node
-    result = DecentralizedFedAvg(spec(), fast(num_groups=2, min_groups=1, sample_timeout=0.3)).start(FakeGrid(
+    result = make(spec(), fast(num_groups=2, min_groups=1, sample_timeout=0.3)).start(FakeGrid(
         {1: group(1, 0)}))
     assert sorted(result.train_metrics_clientapp) == [1, 2, 3]
 
@@ -147,7 +178,7 @@ def test_sampling_gives_up_at_its_deadline():
 def test_bad_run_config_is_logged_before_anything_is_sent(caplog):
     grid = FakeGrid({1: group(1, 0), 2: group(2, 1)})
     with caplog.at_level(logging.ERROR, logger="flwr"), pytest.raises(ConfigError):
-        DecentralizedFedAvg(spec(aggregate_every=0), fast()).start(grid)
+        make(spec(aggregate_every=0), fast()).start(grid)
     assert "'aggregate-every' must be an integer >= 1" in caplog.text
     assert grid.pushed == []
 
@@ -162,7 +193,7 @@ def test_hello_leaves_out_groups_that_do_not_fit(caplog):
         6: group(6, 5),
     }
     grid = FakeGrid(nodes)
-    strategy = DecentralizedFedAvg(spec(rounds=1), fast(num_groups=6))
+    strategy = make(spec(rounds=1), fast(num_groups=6))
     with caplog.at_level(logging.INFO, logger="flwr"):
         strategy.start(grid)
     assert strategy.members == [1, 6]
@@ -181,20 +212,25 @@ def test_no_group_fits_is_an_error_before_any_training(caplog):
     grid = FakeGrid({n: group(n, n - 1, hello=lambda m, n=n: (0.0, hello_ok(n, shards=4, partition=n - 1)))
                      for n in (1, 2)})
     with caplog.at_level(logging.ERROR, logger="flwr"), pytest.raises(ConfigError, match="passed the hello"):
-        DecentralizedFedAvg(spec(), fast()).start(grid)
+        make(spec(), fast()).start(grid)
     assert grid.sent(P.MSG_TRAIN) == []
     assert "relaunch the group or change the run config" in caplog.text
 
 
 def test_config_only_messages_and_round_layout():
     grid = FakeGrid({7: group(7, 1), 3: group(3, 0)})
-    strategy = DecentralizedFedAvg(spec(rounds=1, syncs_per_round=3, aggregate_every=5), fast())
+    strategy = make(spec(rounds=1, syncs_per_round=3, aggregate_every=5), fast())
     strategy.start(grid)
     assert all(len(m.content.array_records) == 0 for m in grid.pushed)
     trains = sorted(grid.sent(P.MSG_TRAIN), key=lambda m: config(m)["member-index"])
     assert [m.metadata.dst_node_id for m in trains] == [3, 7]  # ordered by partition id
     c = config(trains[0])
-    assert (c["syncs"], c["steps"], c["members"]) == (3, 5, ["3", "7"])
+    assert c["members"] == ["3", "7"] and "syncs-per-round" not in c and "aggregate-every" not in c  # A, K: once
+    run = FlowerRun.from_json(config(grid.sent(P.MSG_HELLO)[0])["run"])
+    assert (run.federation.syncs_per_round, run.train.parallel.aggregate_every) == (3, 5)
+    collects = grid.sent(P.MSG_COLLECT)
+    assert sorted((m.metadata.dst_node_id, config(m)["job"]) for m in collects) == sorted(
+        (m.metadata.dst_node_id, config(m)["job"]) for m in trains)
     assert c["rendezvous-host"] == "host3" and c["rendezvous-ports"] == [300, 301]  # member 0's offer
     assert config(trains[1])["prefix"] == c["prefix"]
     assert all(m.metadata.ttl <= strategy.deadlines.round_timeout for m in trains)
@@ -213,7 +249,7 @@ def test_failed_sync_survivors_roll_back_and_membership_reforms(caplog):
 
     grid = FakeGrid({1: group(1, 0, train=rolls_back_in_round_2), 2: group(2, 1, train=rolls_back_in_round_2),
                      3: group(3, 2, train=dies_in_round_2)})
-    strategy = DecentralizedFedAvg(spec(rounds=3), fast(num_groups=3), rejoin=False)
+    strategy = make(spec(rounds=3), fast(num_groups=3), rejoin=False)
     with caplog.at_level(logging.WARNING, logger="flwr"):
         result = strategy.start(grid)
     rounds = [h for h in strategy.history if h["kind"] == "round"]
@@ -229,7 +265,7 @@ def test_failed_sync_survivors_roll_back_and_membership_reforms(caplog):
 
 def test_a_lost_node_does_not_hang_the_round():
     grid = FakeGrid({1: group(1, 0), 2: group(2, 1, train=lambda m, n: (0.0, None))})
-    strategy = DecentralizedFedAvg(spec(rounds=2), fast(round_timeout=30.0))
+    strategy = make(spec(rounds=2), fast(round_timeout=30.0))
     grid.offline_at[2] = time.monotonic() + 1.0  # its SuperNode is killed: it drops off the online list
     start = time.monotonic()
     strategy.start(grid)
@@ -240,7 +276,7 @@ def test_a_lost_node_does_not_hang_the_round():
 
 def test_a_silent_node_is_dropped_at_the_round_deadline():
     grid = FakeGrid({1: group(1, 0), 2: group(2, 1, train=lambda m, n: (0.0, None))})
-    strategy = DecentralizedFedAvg(spec(rounds=2), fast(round_timeout=1.0))
+    strategy = make(spec(rounds=2), fast(round_timeout=1.0))
     start = time.monotonic()
     strategy.start(grid)
     assert time.monotonic() - start < 8
@@ -249,7 +285,7 @@ def test_a_silent_node_is_dropped_at_the_round_deadline():
 
 def test_flower_error_replies_drop_the_node():
     grid = FakeGrid({1: group(1, 0), 2: group(2, 1, train=lambda m, n: (0.0, Error(code=5, reason="node gone")))})
-    strategy = DecentralizedFedAvg(spec(rounds=2), fast())
+    strategy = make(spec(rounds=2), fast())
     strategy.start(grid)
     assert "node gone" in strategy.left_out[2]
     assert strategy.members == [1]
@@ -259,7 +295,7 @@ def test_metrics_are_token_weighted_and_overhead_is_reported():
     grid = FakeGrid({1: group(1, 0, train=lambda m, n: (1.0, train_ok(loss=1.0, tokens=300))),
                      2: group(2, 1, train=lambda m, n: (0.0, train_ok(loss=3.0, tokens=100,
                                                                        checksums=[9.0, 2.0, 3.0, 4.0])))})
-    strategy = DecentralizedFedAvg(spec(rounds=1), fast())
+    strategy = make(spec(rounds=1), fast())
     result = strategy.start(grid)
     record = strategy.history[0]
     assert record["train_loss"] == pytest.approx(1.5)  # (1*300 + 3*100) / 400
@@ -281,7 +317,7 @@ def test_separate_evaluate_messages():
         return behave
 
     grid = FakeGrid({1: evaluate_reply(1), 2: evaluate_reply(2)})
-    strategy = DecentralizedFedAvg(spec(rounds=2), fast(), evaluate_in_train=False)
+    strategy = make(spec(rounds=2), fast(), evaluate_in_train=False)
     result = strategy.start(grid)
     assert all(not config(m)["evaluate"] for m in grid.sent(P.MSG_TRAIN))
     assert len(grid.sent(P.MSG_EVALUATE)) == 4
@@ -294,7 +330,7 @@ def test_a_dropped_group_that_answers_hello_again_rejoins_last_with_a_catch_up(c
         return (0.0, reply(False, "lost the connection to the group")) if n == 2 else (0.0, train_ok())
 
     grid = FakeGrid({1: group(1, 0), 2: group(2, 1, train=fails_in_round_2), 3: group(3, 2)})
-    strategy = DecentralizedFedAvg(spec(rounds=4), fast(num_groups=3))
+    strategy = make(spec(rounds=4), fast(num_groups=3))
     with caplog.at_level(logging.INFO, logger="flwr"):
         strategy.start(grid)
     rounds = [h for h in strategy.history if h["kind"] == "round"]

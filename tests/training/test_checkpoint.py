@@ -24,8 +24,9 @@ ARGS = ["--method", "fl-hsdp", "--federations", "2", "--replicas", "1", "--shard
         "--eval-every", "0", "--eval-blocks", "4", "--lr", "3e-3", "--no-progress"]
 
 
-def _losses(path: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines()) if r.get("kind") == "train"}
+def _losses(run_dir: Path) -> dict[int, float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if r.get("kind") == "train"}
 
 
 def _run(args: list[str]) -> None:
@@ -39,7 +40,7 @@ def _run(args: list[str]) -> None:
 def test_resume_continues_the_same_run(data_dir, tmp_path, mode):
     ckpt = tmp_path / "ckpt"
     common = [*ARGS, *mode, "--data-dir", str(data_dir), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5"]
-    _run([*common, "--metrics", str(tmp_path / "straight.jsonl"), "--save", str(tmp_path / "straight")])
+    _run([*common, "--run-dir", str(tmp_path / "straight")])
     for group in ("group-0", "group-1"):
         series = ckpt / group
         assert sorted(p.name for p in series.glob("step-*")) == ["step-00000010", "step-00000012"]  # keep 2
@@ -48,17 +49,17 @@ def test_resume_continues_the_same_run(data_dir, tmp_path, mode):
         (series / "step-00000012.tmp" / "meta.json").unlink()
         (series / LATEST).write_text("step-00000010")
         assert latest_checkpoint(series).name == "step-00000010"
-    _run([*common, "--resume", "--metrics", str(tmp_path / "resumed.jsonl"), "--save", str(tmp_path / "resumed")])
-    straight, resumed = _losses(tmp_path / "straight.jsonl"), _losses(tmp_path / "resumed.jsonl")
+    _run([*common, "--resume", "--run-dir", str(tmp_path / "resumed")])
+    straight, resumed = _losses(tmp_path / "straight"), _losses(tmp_path / "resumed")
     assert sorted(resumed) == [11, 12]  # only the steps after the checkpoint were run again
     for step in (11, 12):  # steps 10-12 cross a sync (at 12): data position, RNG, optimizer state all restored
         assert resumed[step] == pytest.approx(straight[step], abs=1e-6)
     from transformers import AutoModelForCausalLM
 
-    a = AutoModelForCausalLM.from_pretrained(tmp_path / "straight").state_dict()
-    b = AutoModelForCausalLM.from_pretrained(tmp_path / "resumed").state_dict()
+    a = AutoModelForCausalLM.from_pretrained(tmp_path / "straight" / "model").state_dict()
+    b = AutoModelForCausalLM.from_pretrained(tmp_path / "resumed" / "model").state_dict()
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-6
-    # export merges the shards of the newest checkpoint into the same model as --save
+    # export merges the shards of the newest checkpoint into the same model as the run's model/
     exported = export_pretrained(ckpt / "group-0", tmp_path / "exported")
     c = AutoModelForCausalLM.from_pretrained(exported).state_dict()
     assert all(torch.equal(b[k], c[k]) for k in b)
@@ -149,9 +150,11 @@ def test_a_job_killed_while_writing_a_checkpoint_resumes_from_the_last_committed
     ckpt, series = tmp_path / "ckpt", tmp_path / "ckpt" / "group-0"
     common = ["--method", "fsdp", "--shards", "2", "--model", "tiny", "--seq-len", "32", "--batch-size", "2",
               "--steps", "12", "--log-every", "1", "--eval-every", "0", "--eval-blocks", "4", "--lr", "3e-3",
-              "--no-progress", "--data-dir", str(data_dir), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "4"]
-    killed_metrics, resumed_metrics = tmp_path / "killed.jsonl", tmp_path / "resumed.jsonl"
-    job = _start_torchrun(2, [*common, "--metrics", str(killed_metrics)], tmp_path / "killed.log",
+              "--no-progress", "--data-dir", str(data_dir), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "4",
+              "--no-save-model"]
+    killed_run, resumed_run = tmp_path / "killed", tmp_path / "resumed"
+    resumed_metrics = resumed_run / "metrics.jsonl"
+    job = _start_torchrun(2, [*common, "--run-dir", str(killed_run)], tmp_path / "killed.log",
                           **{FAULT_COMMIT_DELAY_ENV: "8"})
     workers: list[int] = []
     try:
@@ -175,11 +178,11 @@ def test_a_job_killed_while_writing_a_checkpoint_resumes_from_the_last_committed
     assert {"rank-0.pt", "rank-1.pt", ".metadata"} <= {p.name for p in partial.iterdir()}  # written, not committed
     assert read_meta(series / "step-00000004")["step"] == 4
     assert {"rank-0.pt", "rank-1.pt", ".metadata"} <= {p.name for p in (series / "step-00000004").iterdir()}
-    killed = _losses(killed_metrics)
+    killed = _losses(killed_run)
     assert sorted(killed) == list(range(1, 9))
 
     restarted = time.monotonic()
-    job = _start_torchrun(2, [*common, "--resume", "--metrics", str(resumed_metrics)], tmp_path / "resumed.log")
+    job = _start_torchrun(2, [*common, "--resume", "--run-dir", str(resumed_run)], tmp_path / "resumed.log")
     try:
         _wait_for(lambda: resumed_metrics.is_file() and '"kind": "train"' in resumed_metrics.read_text(), 180,
                   "the first resumed step", job, tmp_path / "resumed.log")
@@ -188,7 +191,7 @@ def test_a_job_killed_while_writing_a_checkpoint_resumes_from_the_last_committed
         resumed_s = time.monotonic() - restarted
     finally:
         _kill_job(job, [])
-    resumed = _losses(resumed_metrics)
+    resumed = _losses(resumed_run)
     assert sorted(resumed) == list(range(5, 13))  # from the committed step 4, not from the partial step 8
     for step in range(5, 9):
         assert resumed[step] == pytest.approx(killed[step], abs=1e-6)

@@ -45,9 +45,10 @@ BAD = [
     (4, ["--shards", "4", "--method", "fsdp", "--lr", "nan"], ["--lr", "finite", "nan"]),
     (4, ["--shards", "4", "--method", "fsdp", "--timeout", "inf"], ["--timeout", "finite", "inf"]),
     (4, ["--shards", "4", "--method", "fsdp", "--steps", "ten"], ["--steps", "of type int", "'ten'"]),
-    (4, ["--shards", "4", "--method", "fsdp", "--beta2", "1.0"], ["--beta2", "< 1"]),
+    (4, ["--shards", "4", "--method", "fsdp", "--beta2", "1.0"], ["--beta2", "in [0, 1)"]),
     (4, ["--shards", "4", "--method", "fsdp", "--proximal-mu", "0.1"], ["--proximal-mu", "FL method"]),
-    (4, ["--method", "fl-fsdp", "--federations", "4", "--outer", "nesterov", "--outer-lr", "-1"], ["--outer-lr", "> 0"]),
+    (4, ["--method", "fl-fsdp", "--federations", "4", "--outer", "nesterov", "--outer-lr", "-1"],
+     ["--outer-lr", "> 0"]),
 ]
 
 

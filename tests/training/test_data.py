@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from flwr_sharded.config import DataConfig
-
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.training import data
-from flwr_sharded.training.data import (BatchStream, TokenBlocks, check_data, eval_batches, load_blocks,
-                                        load_tokenizer, partition_indices, prepare_data, register, train_tokenizer)
+from flwr_sharded.training.corpus import prepare_data, register, train_tokenizer
+from flwr_sharded.training.data import TokenBlocks, check_data, load_blocks, load_tokenizer
+from flwr_sharded.training.partition import BatchStream, eval_batches, partition_indices
 
 WORDS = "the king queen crown sword night day love death honour lord lady speak hence thee thou".split()
 

@@ -20,11 +20,11 @@ LAYOUTS = {
 
 def _common(data_dir: Path, tmp: Path, name: str) -> list[str]:
     return ["--model", "tiny", "--data-dir", str(data_dir), "--seq-len", "64", "--batch-size", "2",
-            "--metrics", str(tmp / f"{name}.jsonl"), "--no-progress", "--eval-blocks", "8"]
+            "--run-dir", str(tmp / name), "--no-progress", "--eval-blocks", "8"]
 
 
-def _records(path: Path, kind: str) -> list[dict]:
-    return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("kind") == kind]
+def _records(run_dir: Path, kind: str) -> list[dict]:
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r.get("kind") == kind]
 
 
 def _state(directory: Path) -> dict[str, torch.Tensor]:
@@ -53,15 +53,15 @@ def test_fl_with_sgd_and_a1_equals_its_base_method(data_dir, tmp_path, fl, base,
 
     Tolerance: 1e-5 absolute on every parameter after 6 steps (fp32; only the summation order differs).
     """
-    _run(nproc, [*fl, *SGD, *_common(data_dir, tmp_path, "fl"), "--save", str(tmp_path / "fl")])
-    _run(nproc, [*base, *SGD, *_common(data_dir, tmp_path, "base"), "--save", str(tmp_path / "base")])
-    fl_state, base_state = _state(tmp_path / "fl"), _state(tmp_path / "base")
+    _run(nproc, [*fl, *SGD, *_common(data_dir, tmp_path, "fl")])
+    _run(nproc, [*base, *SGD, *_common(data_dir, tmp_path, "base")])
+    fl_state, base_state = _state(tmp_path / "fl" / "model"), _state(tmp_path / "base" / "model")
     assert fl_state.keys() == base_state.keys()
     diffs = {k: float((fl_state[k] - base_state[k]).abs().max()) for k in fl_state}
     assert max(diffs.values()) < 1e-5, sorted(diffs.items(), key=lambda kv: -kv[1])[:3]
     # the runs did train: the weights moved away from each other's start by far more than the tolerance
-    fl_losses = [r["loss"] for r in _records(tmp_path / "fl.jsonl", "train")]
-    base_losses = [r["loss"] for r in _records(tmp_path / "base.jsonl", "train")]
+    fl_losses = [r["loss"] for r in _records(tmp_path / "fl", "train")]
+    base_losses = [r["loss"] for r in _records(tmp_path / "base", "train")]
     assert fl_losses == pytest.approx(base_losses, abs=1e-4)
 
 
@@ -69,12 +69,12 @@ def test_fl_with_sgd_and_a1_equals_its_base_method(data_dir, tmp_path, fl, base,
 @pytest.mark.parametrize("method", list(LAYOUTS))
 def test_each_method_lowers_the_loss(data_dir, tmp_path, method):
     _run(4, [*LAYOUTS[method], *_common(data_dir, tmp_path, method), "--steps", "40", "--lr", "3e-3",
-             "--aggregate-every", "4", "--log-every", "5", "--eval-every", "20"])
-    train = _records(tmp_path / f"{method}.jsonl", "train")
-    evals = _records(tmp_path / f"{method}.jsonl", "eval")
+             "--aggregate-every", "4", "--log-every", "5", "--eval-every", "20", "--no-save-model"])
+    train = _records(tmp_path / method, "train")
+    evals = _records(tmp_path / method, "eval")
     assert train[-1]["loss"] < train[0]["loss"] - 1.0, (train[0]["loss"], train[-1]["loss"])
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
-    config = _records(tmp_path / f"{method}.jsonl", "config")[0]
+    config = _records(tmp_path / method, "start")[0]
     assert config["effective_batch"] == (4 if method.startswith("fl-") else 8)
     if method.startswith("fl-"):
         assert train[-1]["syncs"] == 10 and train[-1]["sync_s"] > 0
@@ -85,7 +85,7 @@ def test_gradient_accumulation_equals_the_larger_batch(data_dir, tmp_path):
     """Two micro-batches of 1 sequence give the same step as one batch of 2 (same blocks, mean of equal means)."""
     common = ["--method", "fsdp", "--shards", "2", *SGD, "--model", "tiny", "--data-dir", str(data_dir),
               "--seq-len", "64", "--no-progress", "--eval-blocks", "2"]
-    _run(2, [*common, "--batch-size", "2", "--grad-accum", "1", "--save", str(tmp_path / "big")])
-    _run(2, [*common, "--batch-size", "1", "--grad-accum", "2", "--save", str(tmp_path / "accum")])
-    big, accum = _state(tmp_path / "big"), _state(tmp_path / "accum")
+    _run(2, [*common, "--batch-size", "2", "--grad-accum", "1", "--run-dir", str(tmp_path / "big")])
+    _run(2, [*common, "--batch-size", "1", "--grad-accum", "2", "--run-dir", str(tmp_path / "accum")])
+    big, accum = _state(tmp_path / "big" / "model"), _state(tmp_path / "accum" / "model")
     assert max(float((big[k] - accum[k]).abs().max()) for k in big) < 1e-5

@@ -117,7 +117,8 @@ class GroupRound:
                 "train_s": train_s, "sync_s": sync_s, "rendezvous_s": self.rendezvous_s, "syncs": syncs,
                 "sync_failed": bool(failure), "sync_error": failure, "checksums": checksums, "step": t.step_count,
                 "lr": t.scheduler.get_last_lr()[0], "members": len(self.args.members),
-                "catch_up_checksums": caught_up, "facility_tokens": weight,
+                "catch_up_checksums": caught_up, "facility_tokens": weight, "aggregate_every": self.steps,
+                "syncs_per_round": self.periods, "peak_lr": t.scheduler.base_lrs[0], "proximal_mu": t.proximal_mu,
                 **{f"{name}_s_total": value for name, value in phases.items()}}
 
     # ----- pieces ---------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import argparse
 import datetime as _dt
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -39,7 +40,7 @@ PHASE_NAMES = ("forward", "backward", "optimizer", "sync")
 def summarize_metrics(path: Path) -> dict[str, Any]:
     """Windows, curves and final perplexities from a run's JSON-lines metrics (rank 0)."""
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    config = next((r for r in records if r.get("kind") == "config"), {})
+    config = next((r for r in records if r.get("kind") == "start"), {})
     train = [r for r in records if r.get("kind") == "train"]
     evals = [r for r in records if r.get("kind") == "eval"]
     if not train:
@@ -86,15 +87,16 @@ def run_training(fab: Fabric, layout: Layout, opts: argparse.Namespace, *, A: in
     topo = fab.topology
     label = label or layout.method
     run_dir = work / f"{label}-A{A}-{steps}"
-    metrics, traffic_dir = run_dir / "metrics.jsonl", run_dir / "traffic"
+    outputs, traffic_dir = run_dir / "run", run_dir / "traffic"
+    metrics = outputs / "metrics.jsonl"
     run_dir.mkdir(parents=True, exist_ok=True)
-    metrics.unlink(missing_ok=True)
+    shutil.rmtree(outputs, ignore_errors=True)
     log_every = log_every or A
     argv = [sys.executable, "-m", "flwr_sharded.train", *layout.train_args(A, opts.sync_dtype), "--model", opts.model,
             "--seq-len", str(opts.seq_len), "--batch-size", str(opts.batch_size), "--steps", str(steps),
             "--lr", str(opts.lr), "--seed", str(opts.seed), "--log-every", str(log_every),
             "--eval-every", str(opts.eval_every), "--eval-blocks", str(opts.eval_blocks),
-            "--data-dir", opts.data_dir, "--no-progress", "--metrics", str(metrics),
+            "--data-dir", opts.data_dir, "--no-progress", "--run-dir", str(outputs), "--no-save-model",
             "--measure-traffic", str(traffic_dir), "--timeout", str(opts.collective_timeout)]
     if not sync:
         argv.append("--no-sync")

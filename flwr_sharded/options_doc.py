@@ -1,0 +1,74 @@
+"""The option reference (`docs/options.md`), generated from the schema: `flwr-sharded options --write FILE`.
+
+Two tables: the static engine's flags and YAML keys (`flwr_sharded.config.TrainConfig`), and the Flower app's
+run-config keys (`flwr_sharded.flower.run.FlowerRun`) with the reason for every training option that is not one.
+A test fails when the committed file differs from what this module renders.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from flwr_sharded import schema
+
+HEADER = """# Options
+
+Generated from the configuration dataclasses (`flwr_sharded/config.py`, `flwr_sharded/flower/run.py`) by
+`flwr-sharded options --write docs/options.md`: edit the docstrings there, not this file.
+
+Every option has one flat name: the flag of `flwr-sharded train` / `python -m flwr_sharded.train` (`--name`; booleans
+also `--no-name`), the key of the Flower app's run config (`flwr run apps/llama_fl_hsdp --run-config 'name=value'`;
+an empty string leaves an optional option unset), and, in YAML files, the dotted key in the second column.
+Numbers must be finite; bounds and choices are checked before anything starts.
+"""
+
+
+def _default(value: Any) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return f"`{value}`"
+
+
+def _row(o: schema.Option, *cells: str) -> str:
+    text = " ".join(o.doc.split()).replace("|", "\\|")
+    return "| " + " | ".join([f"`{o.name}`", *cells, text]) + " |"
+
+
+def render() -> str:
+    from flwr_sharded.config import TrainConfig
+    from flwr_sharded.flower.run import ROUND_KEYS, FlowerRun
+
+    lines = [HEADER, "## Training (`flwr-sharded train`, YAML)", "",
+             "| option | YAML key | type | default | meaning |", "|---|---|---|---|---|"]
+    lines += [_row(o, f"`{o.key}`", o.type_name().replace("|", "\\|"), _default(o.default))
+              for o in schema.options(TrainConfig)]
+    lines += ["", "## Flower run config (`apps/llama_fl_hsdp`)", "",
+              "Defaults of a Flower run are sized for a CPU laptop. A strategy may override "
+              f"{', '.join(f'`{k}`' for k in ROUND_KEYS)} for one round (its train config); the run's own values "
+              "travel once, in the hello.", "",
+              "| key | type | default | meaning |", "|---|---|---|---|"]
+    run_options = schema.options(FlowerRun())
+    lines += [_row(o, o.type_name().replace("|", "\\|"), _default(o.default)) for o in run_options if o.flat]
+    lines += ["", "Training options that are not run-config keys, and why:", "", "| option | why |", "|---|---|"]
+    lines += [f"| `{o.name}` | {o.not_flat} |" for o in run_options if not o.flat]
+    return "\n".join(lines) + "\n"
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("options", help="print (or write) the option reference, from the schema")
+    parser.add_argument("--write", metavar="FILE", help="write it to FILE (docs/options.md)")
+    parser.set_defaults(func=_command)
+
+
+def _command(args: argparse.Namespace) -> int:
+    text = render()
+    if args.write:
+        Path(args.write).write_text(text)
+        print(f"wrote {args.write}")
+    else:
+        print(text, end="")
+    return 0

@@ -1,0 +1,100 @@
+"""`flwr-sharded plot RUN_DIR [RUN_DIR ...] -o FILE.png`: train and eval perplexity of runs against wall-clock time
+and against tokens, so methods can be compared (static runs per logged step, Flower runs per round)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from flwr_sharded.errors import ConfigError
+from flwr_sharded.run_dir import CONFIG, read_records
+
+Curve = tuple[list[float], list[float], list[float]]
+"""(elapsed seconds, tokens seen, perplexity) of one series."""
+
+
+def curves(run_dir: str | Path) -> dict[str, Curve]:
+    """'train' and 'eval' perplexity series of one run directory (empty series are left out)."""
+    records = read_records(run_dir)
+    series: dict[str, Curve] = {"train": ([], [], []), "eval": ([], [], [])}
+    for r in records:
+        kind = r.get("kind")
+        points = []
+        if kind == "train" and "ppl" in r:
+            points.append(("train", r["ppl"]))
+        elif kind == "eval" and "eval_ppl" in r:
+            points.append(("eval", r["eval_ppl"]))
+        elif kind == "round":
+            points += [("train", r.get("train_ppl")), ("eval", r.get("eval_ppl"))]
+        for name, ppl in points:
+            if ppl is not None and "elapsed_s" in r and "tokens_seen" in r:
+                xs, ts, ys = series[name]
+                xs.append(float(r["elapsed_s"]))
+                ts.append(float(r["tokens_seen"]))
+                ys.append(float(ppl))
+    return {name: c for name, c in series.items() if c[0]}
+
+
+def label(run_dir: str | Path) -> str:
+    """The run's directory name and method (Flower runs say so)."""
+    path = Path(run_dir)
+    try:
+        config: dict[str, Any] = json.loads((path / CONFIG).read_text())
+    except (OSError, json.JSONDecodeError):
+        return path.name
+    if "train" in config:
+        return f"{path.name} ({config['train']['parallel']['method']}, Flower)"
+    return f"{path.name} ({config.get('parallel', {}).get('method', '?')})"
+
+
+def plot(run_dirs: list[str | Path], out: str | Path) -> Path:
+    """Write a 2 x 2 figure (train/eval perplexity against time/tokens) of the runs to `out`."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ConfigError("plot needs matplotlib: pip install 'flwr_sharded[plot]'") from exc
+    data = [(label(d), curves(d)) for d in run_dirs]
+    if not any(c for _, c in data):
+        raise ConfigError(f"none of {', '.join(map(str, run_dirs))} has perplexity records to plot")
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharey="row")
+    for row, kind in enumerate(("train", "eval")):
+        for col, (axis, name) in enumerate(((0, "wall-clock time (s)"), (1, "tokens seen"))):
+            ax = axes[row][col]
+            for text, series in data:
+                if kind in series:
+                    ax.plot(series[kind][axis], series[kind][2], marker="." if kind == "eval" else None, label=text)
+            ax.set_xlabel(name)
+            ax.set_ylabel(f"{kind} perplexity")
+            ax.set_yscale("log")
+            ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize="small")
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("plot", help="plot train/eval perplexity of run directories against time and "
+                                                "tokens", description=__doc__)
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (with metrics.jsonl)")
+    parser.add_argument("-o", "--out", required=True, metavar="FILE.png", help="the figure to write")
+    parser.set_defaults(func=_command)
+
+
+def _command(args: argparse.Namespace) -> int:
+    import sys
+
+    try:
+        print(f"wrote {plot(args.run_dirs, args.out)}")
+    except ConfigError as exc:
+        print(f"flwr-sharded plot: error: {exc}", file=sys.stderr)
+        return 2
+    return 0

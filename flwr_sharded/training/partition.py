@@ -1,0 +1,108 @@
+"""Which blocks each data-parallel rank sees: partitions of the training blocks by (f, r, s), the batch stream of a
+rank (resumable), and a group's evaluation batches."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from flwr_sharded.training.data import TokenBlocks
+
+
+def _generator(*parts: object) -> torch.Generator:
+    digest = hashlib.sha256(repr(parts).encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def partition_indices(n_blocks: int, *, fed_index: int, num_feds: int, dp_index: int, dp_world: int,
+                      seed: int, epoch: int, partition: str = "iid",
+                      doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The train block indices data-parallel rank `dp_index` (federation group `fed_index`) uses in `epoch`.
+
+    iid: one permutation of all blocks from (seed, epoch); the rank takes every `dp_world`-th entry from `dp_index`,
+    so its samples depend only on (dp_index, dp_world, seed, epoch), whatever the method.
+    iid-groups: the same permutation; group f takes every `num_feds`-th entry from f and its ranks every
+    `dp_world // num_feds`-th of those. Disjoint even when groups have different sizes (the caller passes its own
+    group's size in `dp_world // num_feds`), as on the server path with a different S per facility.
+    document: the blocks are cut into `num_feds` contiguous ranges at document starts (`doc_ids`); group f shuffles
+    range f with (seed, epoch, f) and its ranks take every `dp_world // num_feds`-th entry.
+    """
+    if num_feds < 1 or dp_world < 1 or dp_world % num_feds:
+        raise ValueError(f"dp_world ({dp_world}) must be a positive multiple of num_feds ({num_feds})")
+    group_world = dp_world // num_feds
+    if not 0 <= dp_index < dp_world or fed_index != dp_index // group_world:
+        raise ValueError(f"dp_index {dp_index} is not a rank of federation group {fed_index} "
+                         f"({num_feds} groups of {group_world} in a world of {dp_world})")
+    if partition == "iid":
+        indices = torch.randperm(n_blocks, generator=_generator("iid", seed, epoch))[dp_index::dp_world]
+    elif partition == "iid-groups":
+        group = torch.randperm(n_blocks, generator=_generator("iid", seed, epoch))[fed_index::num_feds]
+        indices = group[dp_index - fed_index * group_world::group_world]
+    elif partition == "document":
+        if doc_ids is None or len(doc_ids) != n_blocks:
+            raise ValueError(f"partition 'document' needs doc_ids for all {n_blocks} blocks")
+        # Every block of a document goes to the group its first block falls in, proportionally.
+        first_block = torch.searchsorted(doc_ids, doc_ids, right=False)
+        members = torch.nonzero(first_block * num_feds // n_blocks == fed_index).flatten()
+        order = torch.randperm(len(members), generator=_generator("document", seed, epoch, fed_index))
+        indices = members[order][dp_index - fed_index * group_world::group_world]
+    else:
+        raise ValueError(f"unknown partition {partition!r}; use iid, iid-groups or document")
+    if len(indices) == 0:
+        raise ValueError(f"rank {dp_index} of {dp_world} gets no training block ({n_blocks} blocks, partition "
+                         f"{partition!r}); use more data, fewer ranks or a shorter --seq-len")
+    return indices
+
+
+class BatchStream:
+    """Infinite iterator of (batch_size, seq_len) int64 batches for one rank, epochs reshuffled.
+
+    The incomplete last batch of an epoch is dropped; `state()` / `load_state()` resume exactly.
+    """
+
+    def __init__(self, blocks: TokenBlocks, *, batch_size: int, fed_index: int, num_feds: int, dp_index: int,
+                 dp_world: int, seed: int, partition: str = "iid") -> None:
+        self._train, self._doc_ids, self.batch_size = blocks.train, blocks.train_doc_ids, batch_size
+        self._layout = dict(fed_index=fed_index, num_feds=num_feds, dp_index=dp_index, dp_world=dp_world,
+                            seed=seed, partition=partition)
+        self.epoch, self.position = 0, 0
+        self._indices = self._epoch_indices(0)
+        if len(self._indices) < batch_size:
+            raise ValueError(f"rank {dp_index} has {len(self._indices)} training blocks, fewer than one batch of "
+                             f"{batch_size}; use more data, fewer ranks or a smaller batch size")
+
+    def _epoch_indices(self, epoch: int) -> torch.Tensor:
+        return partition_indices(len(self._train), epoch=epoch, doc_ids=self._doc_ids, **self._layout)
+
+    def __iter__(self) -> BatchStream:
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        if self.position + self.batch_size > len(self._indices):
+            self.epoch, self.position = self.epoch + 1, 0
+            self._indices = self._epoch_indices(self.epoch)
+        batch = self._train[self._indices[self.position:self.position + self.batch_size]]
+        self.position += self.batch_size
+        return batch
+
+    def state(self) -> dict:
+        """{"epoch", "position"}: where the next batch starts."""
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state(self, state: dict) -> None:
+        """Resume at a position saved by `state()`."""
+        indices = self._epoch_indices(state["epoch"])
+        if not 0 <= state["position"] <= len(indices):
+            raise ValueError(f"stream position {state['position']} outside epoch of {len(indices)} blocks")
+        self.epoch, self.position, self._indices = state["epoch"], state["position"], indices
+
+
+def eval_batches(blocks: TokenBlocks, *, batch_size: int, group_rank: int, group_world: int,
+                 max_blocks: int) -> list[torch.Tensor]:
+    """The first `max_blocks` validation blocks, every `group_world`-th from `group_rank`, in batches.
+
+    Ranks may get different numbers of batches (one fewer, or none).
+    """
+    mine = blocks.validation[:max_blocks][group_rank::group_world].contiguous()
+    return list(mine.split(batch_size)) if len(mine) else []

@@ -1,0 +1,53 @@
+"""FedProx's proximal term over shards (Li et al., 2020): each group minimises its loss + mu/2 * ||w - w_sync||^2.
+
+`w_sync` is the group's model after its last sync. The squared norm of the whole model is the sum over shards, so
+each rank adds the term's gradient, mu * (w - w_sync), on its own shards after backward (before clipping, as if it
+were part of the loss), and no rank ever sees another's rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from flwr_sharded.parallel.sync import local_shard
+
+
+class ProximalTerm:
+    """The anchor w_sync (this rank's shards at the last sync) and the gradient of the proximal term."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.params = list(model.parameters())
+        self._anchor: list[torch.Tensor] | None = None
+
+    @torch.no_grad()
+    def set_anchor(self) -> None:
+        """The current shards become w_sync."""
+        shards = [local_shard(p) for p in self.params]
+        if self._anchor is None:
+            self._anchor = [torch.empty_like(s) for s in shards]
+        torch._foreach_copy_(self._anchor, shards)
+
+    def release(self) -> None:
+        """Forget the anchor (mu is 0): its memory, one copy of the shards, is freed."""
+        self._anchor = None
+
+    @torch.no_grad()
+    def add_gradient(self, mu: float) -> None:
+        """grad += mu * (w - w_sync) on this rank's shards (anchored first if no anchor is set)."""
+        if self._anchor is None:
+            self.set_anchor()
+        for param, anchor in zip(self.params, self._anchor):
+            if param.grad is None:
+                continue
+            grad = param.grad._local_tensor if isinstance(param.grad, DTensor) else param.grad
+            grad.add_(local_shard(param) - anchor, alpha=mu)
+
+    @torch.no_grad()
+    def value(self, mu: float) -> float:
+        """mu/2 * ||w - w_sync||^2 over this rank's shards (sum over ranks for the whole model)."""
+        if self._anchor is None:
+            return 0.0
+        return 0.5 * mu * sum(float((local_shard(p) - a).double().pow(2).sum()) for p, a in zip(self.params,
+                                                                                          self._anchor))

@@ -1,0 +1,60 @@
+"""`flwr run apps/llama_fl_hsdp --stream` exactly as a Flower user types it: Flower's default federation (2 simulated
+SuperNodes, 2 CPUs per ClientApp, so one ClientApp at a time on this 2-core machine), runtime dependency
+installation on, a fresh Flower home, run from a directory of the user's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.flower.procs import APP, base_env, free_port, kill_tree_by_env, pids_matching, run_config_args, \
+    strip_ansi
+
+SMALL = {"seq-len": 32, "batch-size": 2, "eval-blocks": 8, "aggregate-every": 4, "syncs-per-round": 2,
+         "num-server-rounds": 2, "seed": 7}
+
+
+def _flwr_run(cwd: Path, env: dict[str, str], run_config: dict, timeout: float) -> tuple[int, str]:
+    proc = subprocess.run(["flwr", "run", str(APP), "--stream", *run_config_args(run_config)], cwd=cwd, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
+                          start_new_session=True)
+    return proc.returncode, strip_ansi(proc.stdout)
+
+
+@pytest.mark.timeout(900)
+def test_flwr_run_as_typed_completes_and_leaves_a_run_directory(data_dir, tmp_path):
+    home, work = tmp_path / "flwr_home", tmp_path / "work"
+    work.mkdir()
+    env = base_env(FLWR_HOME=str(home), FLWR_SHARDED_DATA=str(data_dir),
+                   FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(free_port()), FLWR_LOCAL_CONTROL_API_PORT=str(free_port()))
+    del env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"]  # Flower's default: it `uv sync`s the app's dependencies
+    try:
+        code, out = _flwr_run(work, env, SMALL, timeout=600)
+        assert code == 0, out[-5000:]
+        assert "Runtime installation of app dependencies failed" not in out and "App dependencies installed" in out
+        assert "2 simulated SuperNodes" in out and "[ROUND 2/2] 2 group(s)" in out, out[-5000:]
+        assert "flwr_sharded: the run COMPLETED: 2 round(s)" in out, out[-5000:]
+        (run_dir,) = (work / "outputs").iterdir()  # outputs/<date>_<time>-run<id> in the user's directory
+        assert str(run_dir) in out
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["status"] == "completed" and summary["rounds"] == 2
+        rounds = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+                  if r["kind"] == "round"]
+        assert [r["round"] for r in rounds] == [1, 2] and all(r["synced"] and r["checksums_equal"] for r in rounds)
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(run_dir / "model")
+        assert model.config.num_hidden_layers == 2 and summary["model"] == str(run_dir / "model")
+        time.sleep(1)
+        assert pids_matching("flwr_sharded.flower.group", f"run-{run_dir.name.rsplit('-run', 1)[1]}/") == []
+
+        # a bad value: a message naming the key, the run marked failed, no group started
+        code, out = _flwr_run(work, env, {**SMALL, "lr": -1.0}, timeout=300)
+        assert "run config 'lr' must be > 0, got -1.0" in out, out[-3000:]
+        assert "flwr_sharded: the run FAILED before it started" in out and "hello to" not in out
+    finally:
+        kill_tree_by_env("FLWR_HOME", str(home))  # the local SuperLink `flwr run` started, and anything it left

@@ -1,0 +1,100 @@
+"""What runs leave behind: the run directory, TensorBoard and W&B sinks, the plot of several runs, the option
+reference generated from the schema."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from flwr_sharded.errors import ConfigError
+from flwr_sharded.run_dir import RunDir, check_run_dir, default_run_dir, read_records
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _static_run(path: Path, speed: float, **sinks) -> Path:
+    run = RunDir(path, config={"parallel": {"method": "fl-fsdp"}}, **sinks)
+    for step in range(1, 6):
+        run.log({"kind": "train", "step": step, "loss": 9 - step, "ppl": 2.0 ** (9 - step),
+                 "elapsed_s": step / speed, "tokens_seen": step * 1000})
+    run.log({"kind": "eval", "step": 5, "eval_loss": 4.5, "eval_ppl": 90.0, "elapsed_s": 5 / speed,
+             "tokens_seen": 5000})
+    run.finish({"status": "completed"})
+    return path
+
+
+def _flower_run(path: Path) -> Path:
+    run = RunDir(path, config={"train": {"parallel": {"method": "fl-hsdp"}}, "federation": {}})
+    for r in range(1, 4):
+        run.log({"kind": "round", "round": r, "train_ppl": 500.0 / r, "eval_ppl": 600.0 / r, "elapsed_s": 10.0 * r,
+                 "tokens_seen": 4000 * r})
+    run.finish({"status": "completed"})
+    return path
+
+
+def test_a_run_directory_holds_config_metrics_and_summary(tmp_path):
+    path = _static_run(tmp_path / "a", speed=1.0)
+    assert json.loads((path / "config.json").read_text()) == {"parallel": {"method": "fl-fsdp"}}
+    records = read_records(path)
+    assert [r["kind"] for r in records] == ["train"] * 5 + ["eval"]
+    summary = json.loads((path / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["elapsed_s"] >= 0
+    with pytest.raises(ConfigError, match="already holds a run"):
+        check_run_dir(path, resume=False)
+    assert check_run_dir(path, resume=True) == path
+    first, second = default_run_dir(parent=tmp_path / "out"), None
+    first.mkdir(parents=True)
+    second = default_run_dir(parent=tmp_path / "out")
+    assert second != first and second.name.startswith(first.name)
+
+
+def test_tensorboard_and_wandb_receive_the_same_records(tmp_path, monkeypatch):
+    calls: dict[str, list] = {"init": [], "log": [], "finish": []}
+
+    class _Run:
+        def log(self, data, step):
+            calls["log"].append((step, data))
+
+        def finish(self):
+            calls["finish"].append(True)
+
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kw: calls["init"].append(kw) or _Run()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    path = _static_run(tmp_path / "tb", speed=1.0, tensorboard=True, wandb_project="proj")
+    events = list((path / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(path / "tensorboard"))
+    acc.Reload()
+    assert [e.value for e in acc.Scalars("train/loss")] == [8, 7, 6, 5, 4]
+    assert calls["init"][0]["project"] == "proj" and calls["init"][0]["config"]["parallel"]["method"] == "fl-fsdp"
+    assert [s for s, _ in calls["log"]] == [1, 2, 3, 4, 5, 5] and calls["finish"] == [True]
+
+
+def test_plot_draws_static_and_flower_runs_against_time_and_tokens(tmp_path, capsys):
+    from flwr_sharded.cli import main
+    from flwr_sharded.plot import curves, label
+
+    fast, slow, flower = (_static_run(tmp_path / "fast", 2.0), _static_run(tmp_path / "slow", 0.5),
+                          _flower_run(tmp_path / "flower"))
+    assert curves(fast)["train"][0] == [0.5, 1.0, 1.5, 2.0, 2.5] and curves(slow)["train"][1] == curves(fast)[
+        "train"][1]
+    assert curves(flower)["eval"][2] == [600.0, 300.0, 200.0] and label(flower) == "flower (fl-hsdp, Flower)"
+    out = tmp_path / "cmp.png"
+    assert main(["plot", str(fast), str(slow), str(flower), "-o", str(out)]) == 0
+    assert out.stat().st_size > 10_000 and out.read_bytes()[:4] == b"\x89PNG"
+    assert main(["plot", str(tmp_path), "-o", str(out)]) == 2
+    assert "not a run directory" in capsys.readouterr().err
+
+
+def test_the_option_reference_is_generated_from_the_schema():
+    from flwr_sharded.options_doc import render
+
+    assert (REPO / "docs" / "options.md").read_text() == render(), \
+        "docs/options.md drifted: run `flwr-sharded options --write docs/options.md`"
