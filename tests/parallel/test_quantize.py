@@ -1,0 +1,284 @@
+"""The 8-bit quantized all-reduce: blockwise rounding bounds, the reduced sum on 2 and 3 gloo ranks, bytes, feedback."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+
+from tests.multiproc import run_ranks
+
+U = 2.0**-24  # fp32 unit roundoff
+INT8, FP8 = torch.int8, torch.float8_e4m3fn
+
+
+def rounding_bound(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Largest |dequantize(quantize(x)) - x| per element (fp64), given each element's block scale.
+
+    int8: half a step, scale / 2, plus the fp32 roundings of x * (1 / scale) and of code * scale (< 382 u scale).
+    e4m3: 3 mantissa bits round to within 1/16 of the scaled value (normal range) or half the smallest subnormal
+    step 2^-9 (below 2^-6), i.e. max(|x| / 16, scale / 1024), plus the same fp32 roundings (< 1400 u scale).
+    """
+    if dtype == INT8:
+        return scale * (0.5 + 2.0**-15)
+    return torch.maximum(x.abs() / 16, scale / 1024) + scale * 2.0**-13
+
+
+def block_scales(x: torch.Tensor, dtype: torch.dtype, block: int) -> torch.Tensor:
+    """Each element's block scale, absmax / 127 (int8) or / 448 (e4m3), in fp64, broadcast to x's length."""
+    from flwr_sharded.parallel.quantize import QMAX
+
+    n = x.numel()
+    padded = torch.zeros(math.ceil(n / block) * block, dtype=torch.float64)
+    padded[:n] = x.double().abs()
+    scale = padded.view(-1, block).amax(1) / QMAX[dtype] * (1 + 2 * U)  # the fp32 division rounds it once
+    return scale.repeat_interleave(block)[:n]
+
+
+def sample(n: int, seed: int, *, outlier: bool = False, zero_block: bool = False, block: int = 256) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=gen) * (1 + seed % 5)
+    if outlier and n > block:
+        x[block + 3] = 1e4 * (1 + seed % 3)  # one huge element: coarsens its own block only
+    if zero_block and n > 3 * block:
+        x[2 * block:3 * block] = 0
+    return x
+
+
+# ----- quantize / dequantize -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [INT8, FP8], ids=["int8", "fp8"])
+@pytest.mark.parametrize("case", ["random", "zeros", "outlier", "partial", "tiny-values"])
+def test_dequantize_is_within_half_a_step_of_the_input(dtype, case):
+    from flwr_sharded.parallel.quantize import QMAX, dequantize, quantize, wire_bytes
+
+    block = 256
+    n = {"partial": 1000, "zeros": 512}.get(case, 4 * block)
+    x = {"zeros": torch.zeros(n), "tiny-values": sample(n, 1) * 1e-30}.get(case, sample(n, 3, outlier=True))
+    q = quantize(x, dtype, block)
+    assert q.values.dtype == dtype and q.values.numel() == n and q.scales.numel() == math.ceil(n / block)
+    assert q.values.numel() * q.values.element_size() + q.scales.numel() * 4 == wire_bytes(n, dtype, block)
+    y = dequantize(q)
+    assert y.dtype == torch.float32 and y.shape == x.shape
+    scale = block_scales(x, dtype, block)
+    err = (y.double() - x.double()).abs()
+    assert bool((err <= rounding_bound(x.double(), scale, dtype)).all()), float((err - scale / 2).max())
+    codes = q.values.float()
+    assert float(codes.abs().max()) <= QMAX[dtype]
+    if case == "zeros":
+        assert torch.equal(y, x)
+    else:  # every block's largest element takes the largest code
+        assert all(float(c.abs().max()) == QMAX[dtype] for c in codes.split(block))
+    if case == "outlier" and dtype == INT8:  # the outlier's block is coarse, the others keep their own fine step
+        assert float(err[:block].max()) < 0.1 < float(err[block:2 * block].max())
+
+
+def test_wire_bytes_and_the_all_reduce_byte_count():
+    from flwr_sharded.parallel.quantize import all_reduce_bytes, wire_bytes
+
+    assert wire_bytes(1000, INT8, 256) == 1000 + 4 * 4
+    assert wire_bytes(1024, FP8, 256) == 1024 + 4 * 4
+    assert wire_bytes(0, INT8, 256) == 0
+    # 200 003 elements, 3 ranks: 782 blocks, 261 per rank; each rank sends 2 of its 3 rows twice
+    assert all_reduce_bytes(200_003, 3, INT8, 256) == 2 * 2 * (261 * 256 + 4 * 261)
+    assert all_reduce_bytes(200_003, 1, INT8, 256) == 0
+    with pytest.raises(ValueError, match="quantized wire dtype"):
+        wire_bytes(10, torch.bfloat16)
+
+
+# ----- the all-reduce on 2 and 3 ranks -------------------------------------------------------------------------
+CASES = {  # name: (numel, dtype, block, sample kwargs)
+    "partial": (5 * 256 + 77, INT8, 256, {"outlier": True, "zero_block": True}),
+    "partial-fp8": (5 * 256 + 77, FP8, 256, {"outlier": True, "zero_block": True}),
+    "no-padding": (None, INT8, 256, {}),  # W * 2 blocks: every chunk lies wholly in the tensor
+    "tiny": (10, INT8, 256, {}),  # one partial block: the other ranks' chunks are all padding
+    "odd-block": (1000, INT8, 100, {}),
+    "large": (200_003, INT8, 256, {}),  # for the byte ratio against a ring fp32 all-reduce
+}
+
+
+def _reduce_worker(rank: int, world: int):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from flwr_sharded.parallel.quantize import Workspace, quantized_all_reduce
+    from flwr_sharded.parallel.traffic import TrafficMeter
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    ws = Workspace()  # reused across cases of different sizes, as a sync reuses it across buckets
+    out = {}
+    for name, (n, dtype, block, kwargs) in CASES.items():
+        flat = sample(n or world * 2 * 256, 10 * rank + 1, block=block, **kwargs)
+        with TrafficMeter() as meter:
+            sent = quantized_all_reduce(flat, dtype=dtype, block=block, workspace=ws)
+        out[name] = {"flat": flat, "sent": sent, "ops": [(r.op, r.nbytes) for r in meter.records]}
+    for name in ("partial", "partial-fp8"):  # one round with (zero) residuals: the same codes, the errors kept
+        n, dtype, block, kwargs = CASES[name]
+        flat, residual = sample(n, 10 * rank + 1, block=block, **kwargs), torch.zeros(n)
+        quantized_all_reduce(flat, dtype=dtype, block=block, residual=residual, workspace=ws)
+        out[name + "+feedback"] = {"flat": flat, "residual": residual}
+    singles = [dist.new_group([r]) for r in range(world)]  # every rank calls new_group for every group
+    x = sample(300, 7)
+    y = x.clone()
+    out["alone"] = (quantized_all_reduce(y, singles[rank]), torch.equal(x, y))
+    return out
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world", [2, 3])
+def test_quantized_all_reduce_is_the_sum_within_two_roundings_bit_identical_and_sends_a_quarter(world):
+    from flwr_sharded.parallel.quantize import all_reduce_bytes
+
+    out = run_ranks(_reduce_worker, world, timeout=150)
+    for name, (n, dtype, block, kwargs) in CASES.items():
+        n = n or world * 2 * 256
+        xs = [sample(n, 10 * r + 1, block=block, **kwargs) for r in range(world)]
+        exact = sum(x.double() for x in xs)
+        # Two roundings: each rank's contribution x_r (block scale s1_r) is off by e1_r <= bound(x_r, s1_r), but on
+        # the chunk rank r owns (and sums), where it is exact; their fp32 sum a, with |a| <= A = sum |x_r| + e1_r,
+        # is off by < W u A; a is rounded again with its block scale s2 <= absmax(A) / qmax: e2 <= bound(A, s2).
+        # Total <= sum_r e1_r + W u A + e2.
+        chunk = math.ceil(math.ceil(n / block) / world) * block
+        owner = torch.arange(n) // chunk
+        e1 = [rounding_bound(x.double(), block_scales(x, dtype, block), dtype) * (owner != r)
+              for r, x in enumerate(xs)]
+        big = sum(x.double().abs() for x in xs) + sum(e1)
+        bound = sum(e1) + world * U * big + rounding_bound(big, block_scales(big, dtype, block), dtype)
+        result = out[0][name]["flat"]
+        err = (result.double() - exact).abs()
+        assert bool((err <= bound).all()), (name, float((err - bound).max()))
+        if kwargs.get("zero_block"):
+            assert not result[2 * block:3 * block].any()  # zeros everywhere stay exactly zero
+        for res in out[1:]:
+            assert torch.equal(res[name]["flat"], result), name  # every rank ends bit-identical
+        for res in out:
+            sent = res[name]["sent"]
+            assert sent == all_reduce_bytes(n, world, dtype, block)
+            # exactly two 8-bit collectives (no fp32 fall-back); the meter counts the full W-row payloads
+            assert [op for op, _ in res[name]["ops"]] == ["all_to_all_single", "all_gather_single"], res[name]["ops"]
+            assert all(nbytes * (world - 1) == sent // 2 * world for _, nbytes in res[name]["ops"])
+    for name in ("partial", "partial-fp8"):
+        n, dtype, block, kwargs = CASES[name]
+        xs = [sample(n, 10 * r + 1, block=block, **kwargs) for r in range(world)]
+        result = out[0][name + "+feedback"]["flat"]
+        assert torch.equal(result, out[0][name]["flat"])  # a zero residual changes nothing on the wire
+        # the residuals are what the result misses, up to the fp32 roundings of the owner's sum and the errors
+        missed = sum(x.double() for x in xs) - result.double() - sum(res[name + "+feedback"]["residual"].double()
+                                                                     for res in out)
+        assert float(missed.abs().max()) <= 4 * world * U * float(sum(x.abs().double() for x in xs).max()), name
+    ring_fp32 = 2 * (world - 1) / world * 4 * CASES["large"][0]
+    assert out[0]["large"]["sent"] <= 0.27 * ring_fp32, out[0]["large"]["sent"] / ring_fp32
+    assert all(res["alone"] == (0, True) for res in out)  # a group of one: nothing sent, exact
+
+
+# ----- error feedback ------------------------------------------------------------------------------------------
+ROUNDS = 50
+
+
+def _feedback_worker(rank: int, world: int, n: int):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from flwr_sharded.parallel.quantize import ErrorFeedback, Workspace, quantized_all_reduce
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    ws = Workspace()
+
+    def signal(r: int, t: int) -> torch.Tensor:  # each round moves it by at most ~1/30 of a quantization step
+        return sample(n, 100 + r) + 2e-4 * t * sample(n, 200 + r)
+
+    errors, rollback_equal = {}, None
+    for mode in ("feedback", "none"):
+        feedback = ErrorFeedback() if mode == "feedback" else None
+        running = torch.zeros(n, dtype=torch.float64)
+        exact = torch.zeros(n, dtype=torch.float64)
+        errors[mode] = []
+        for t in range(ROUNDS):
+            residual = feedback.residual("bucket0", running) if feedback else None
+            if feedback and t == ROUNDS // 2:  # a checkpoint, a round, a rollback, the same round again
+                saved = io.BytesIO()
+                torch.save(feedback.state_dict(), saved)
+                first = signal(rank, t)
+                quantized_all_reduce(first, dtype=INT8, residual=residual, workspace=ws)
+                saved.seek(0)
+                feedback.load_state_dict(torch.load(saved))
+                residual = feedback.residual("bucket0", running)
+            flat = signal(rank, t)
+            quantized_all_reduce(flat, dtype=INT8, residual=residual, workspace=ws)
+            if feedback and t == ROUNDS // 2:
+                rollback_equal = torch.equal(first, flat)
+            running += flat.double()
+            exact += sum(signal(r, t).double() for r in range(world))
+            errors[mode].append(float((running - exact).abs().max()))
+    absmax = max(float(signal(r, t).abs().max()) for r in range(world) for t in (0, ROUNDS - 1))
+    return {"errors": errors, "absmax": absmax, "rollback_equal": rollback_equal}
+
+
+@pytest.mark.timeout(180)
+def test_error_feedback_keeps_the_running_sum_within_one_rounds_error_and_without_it_the_error_grows():
+    world, n = 3, 3 * 256 + 50
+    out = run_ranks(_feedback_worker, world, n, timeout=150)
+    errors, absmax = out[0]["errors"], max(res["absmax"] for res in out)
+    # With feedback the running sum misses exactly the sum of the residuals: each rank's first rounding error
+    # (<= s1 / 2 with s1 <= absmax (1 + 1/254) / 127) plus the owner's second one (the sum's block scale
+    # <= W absmax (1 + 1/127) / 127): <= 2 W absmax / 254 (1 + 1/100), whatever the number of rounds.
+    bound = 2 * world * absmax / 254 * 1.01
+    assert max(errors["feedback"]) <= bound, (max(errors["feedback"]), bound)
+    assert max(errors["feedback"][ROUNDS // 2:]) <= 2 * max(errors["feedback"][:ROUNDS // 2])  # no drift
+    # without feedback the nearly constant rounding error adds up round after round
+    assert errors["none"][-1] > 4 * bound and errors["none"][-1] > 3 * errors["none"][ROUNDS // 5 - 1], errors["none"]
+    assert all(res["rollback_equal"] for res in out)  # the restored residuals redo the round bit for bit
+    for res in out[1:]:
+        assert res["errors"] == errors  # the same running sums everywhere
+
+
+def test_error_feedback_state_is_a_snapshot_and_residuals_must_fit_their_buffer():
+    from flwr_sharded.parallel.quantize import ErrorFeedback
+
+    feedback = ErrorFeedback()
+    res = feedback.residual(0, torch.empty(8))
+    assert torch.equal(res, torch.zeros(8)) and feedback.residual(0, torch.empty(8)) is res
+    res.fill_(1.0)
+    state = feedback.state_dict()
+    res.fill_(2.0)  # later rounds do not change a saved state
+    feedback.load_state_dict(state)
+    assert torch.equal(feedback.residual(0, torch.empty(8)), torch.ones(8))
+    with pytest.raises(ValueError, match="residual 0 has 8 elements"):
+        feedback.residual(0, torch.empty(9))
+
+
+def test_quantized_all_reduce_refuses_what_it_cannot_carry():
+    from flwr_sharded.parallel.quantize import quantized_all_reduce
+
+    with pytest.raises(ValueError, match="flat contiguous fp32"):
+        quantized_all_reduce(torch.zeros(4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="flat contiguous fp32"):
+        quantized_all_reduce(torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="quantized wire dtype"):
+        quantized_all_reduce(torch.zeros(4), dtype=torch.bfloat16)
+
+
+# ----- the wire dtype option -----------------------------------------------------------------------------------
+def test_check_wire_dtype_allows_int8_everywhere_and_fp8_where_the_device_casts_it(monkeypatch):
+    from flwr_sharded.errors import ConfigError
+    from flwr_sharded.parallel import quantize
+
+    assert quantize.check_wire_dtype("int8", "cpu") == INT8
+    assert quantize.check_wire_dtype("float8_e4m3fn", "cpu") == FP8  # torch >= 2.1 casts to e4m3 on CPU
+    with pytest.raises(ConfigError, match=r"--sync-dtype int4 is not a quantized wire dtype.*int8, float8_e4m3fn"):
+        quantize.check_wire_dtype("int4", "cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for capability, ok in (((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert quantize.check_wire_dtype("int8", "cuda:0") == INT8
+        if ok:
+            assert quantize.check_wire_dtype("float8_e4m3fn", "cuda:0") == FP8
+        else:
+            with pytest.raises(ConfigError, match=r"--sync-dtype float8_e4m3fn needs .*capability >= 8.9.*: int8$"):
+                quantize.check_wire_dtype("float8_e4m3fn", "cuda:0")
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: (_ for _ in ()).throw(RuntimeError("no e4m3")))
+    with pytest.raises(ConfigError, match="on cpu: int8$"):  # a CPU build that cannot cast to e4m3
+        quantize.check_wire_dtype("float8_e4m3fn", "cpu")
