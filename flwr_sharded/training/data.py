@@ -185,15 +185,19 @@ def _load_splits(cfg: DataConfig) -> tuple[Any, Any, str]:
 
 
 def _pack(split: Any, field: str, tokenizer: PreTrainedTokenizerBase, seq_len: int,
-          max_blocks: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+          max_blocks: int | None, desc: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """Tokenize documents (eos after each), concatenate and cut into (N, seq_len) blocks, dropping the tail.
 
     Stops reading once `max_blocks` blocks are full. Returns (blocks, index of the document each block starts in).
     """
+    from tqdm.auto import tqdm
+
     eos = tokenizer.eos_token_id
     limit = None if max_blocks is None else max_blocks * seq_len
     pieces, doc_starts, total = [], [], 0
+    bar = tqdm(total=len(split), desc=f"tokenizing {desc}", unit="doc", mininterval=2.0, leave=False)
     for batch in split.iter(batch_size=_TOKENIZE_BATCH):
+        bar.update(len(batch[field]))
         texts = [t for t in batch[field] if t]
         if not texts:
             continue
@@ -203,6 +207,7 @@ def _pack(split: Any, field: str, tokenizer: PreTrainedTokenizerBase, seq_len: i
             total += len(ids) + 1
         if limit is not None and total >= limit:
             break
+    bar.close()
     n = total // seq_len if max_blocks is None else min(total // seq_len, max_blocks)
     tokens = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int64)
     blocks = tokens[: n * seq_len].view(n, seq_len).clone()
@@ -250,8 +255,8 @@ def load_blocks(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> TokenBlo
 def _build_cache(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, path: Path) -> None:
     start = time.perf_counter()
     train_split, val_split, field = _load_splits(cfg)
-    train, doc_ids = _pack(train_split, field, tokenizer, cfg.seq_len, cfg.max_train_blocks)
-    validation, _ = _pack(val_split, field, tokenizer, cfg.seq_len, cfg.max_train_blocks)
+    train, doc_ids = _pack(train_split, field, tokenizer, cfg.seq_len, cfg.max_train_blocks, "train")
+    validation, _ = _pack(val_split, field, tokenizer, cfg.seq_len, cfg.max_train_blocks, "validation")
     if len(train) == 0:
         raise ConfigError(f"--dataset: {cfg.dataset} gives no training block of {cfg.seq_len} tokens")
     # int32 on disk halves the file; every supported vocabulary fits.
