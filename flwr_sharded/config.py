@@ -70,6 +70,10 @@ class ParallelConfig:
     """Outer learning rate; unset: the rule's default (fedavgm 1.0, nesterov 0.7, fedadam 0.1, fedyogi 0.01)."""
     outer_momentum: float | None = option(None, ge=0, lt=1)
     """Outer momentum of fedavgm and nesterov; unset: 0.9."""
+    backend: Literal["auto", "nccl", "gloo"] = option("auto", not_flat="each group picks its backends when it starts "
+                                                                    "(--sync-backend of the group runtime)")
+    """Backend of the static world's process groups: auto (NCCL on GPUs, gloo on CPU), or gloo on GPUs too (several
+    ranks sharing one GPU, where NCCL refuses, e.g. two groups of S = 1 on a one-GPU machine)."""
 
     @property
     def world_size(self) -> int:

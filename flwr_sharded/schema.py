@@ -230,34 +230,17 @@ def is_section(annotation: Any) -> bool:
 
 
 def options(root: Any) -> list[Option]:
-    """Every leaf option of a configuration tree (a dataclass or an instance of one, whose values are then the
+    """Every leaf option of a configuration tree: a dataclass, or an instance of one (whose values are then the
     defaults reported)."""
-    instance = root if not isinstance(root, type) else None
-    return list(_options(type(root) if instance is not None else root, _defaults_key(instance)))
-
-
-def _defaults_key(instance: Any) -> Any:
-    return None if instance is None else _Frozen(instance)
-
-
-class _Frozen:
-    """Hashable stand-in for an instance whose leaf values are the defaults (for caching)."""
-
-    def __init__(self, instance: Any) -> None:
-        self.instance = instance
-        self._key = repr(to_nested(instance))
-
-    def __hash__(self) -> int:
-        return hash(self._key)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Frozen) and other._key == self._key
+    if isinstance(root, type):
+        return list(_options(root))
+    return [dataclasses.replace(o, default=get(root, o.path)) for o in _options(type(root))]
 
 
 @functools.cache
-def _options(cls: type, defaults: _Frozen | None) -> tuple[Option, ...]:
+def _options(cls: type) -> tuple[Option, ...]:
     out: list[Option] = []
-    instance = defaults.instance if defaults is not None else cls()
+    instance = cls()
 
     def walk(klass: type, obj: Any, path: tuple[str, ...]) -> None:
         hints = typing.get_type_hints(klass)

@@ -11,6 +11,9 @@ destroyed and never reused; the next round builds new ones under a new prefix.
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -25,6 +28,7 @@ GLOO_CONNECT_ATTEMPTS = 5
 """How many times gloo retries connecting a pair, each with the group's timeout (measured: torch 2.13)."""
 MIN_CONNECT_S = 10.0
 """Shortest timeout a federation group is built with (then raised to sync_timeout for its collectives)."""
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 
 
 class RendezvousError(RuntimeError):
@@ -51,10 +55,16 @@ class FederationGroup:
     name: str
     store: dist.Store
 
-    def destroy(self) -> None:
-        """Release the group; never raises (a failed group may be in any state)."""
+    backend: str = "gloo"
+
+    def destroy(self, *, failed: bool = False) -> None:
+        """Release the group; never raises (a failed group may be in any state). A failed NCCL group is aborted
+        (its communicator torn down without waiting for peers that may be gone)."""
         try:
-            dist.destroy_process_group(self.pg)
+            if failed and self.backend == "nccl":
+                c10d._abort_process_group(self.pg)
+            else:
+                dist.destroy_process_group(self.pg)
         except Exception as exc:  # noqa: BLE001 - best effort on a possibly broken group
             logger.debug("destroying %s: %s", self.name, exc)
 
@@ -100,9 +110,10 @@ def join(*, host: str, port: int, prefix: str, rank: int, size: int, rendezvous_
     if backend == "gloo":
         connect_s = min(sync_timeout, max(MIN_CONNECT_S, sync_timeout / GLOO_CONNECT_ATTEMPTS))
     try:
-        pg, _ = c10d._new_process_group_helper(size, rank, [], backend, store, group_name=name,
-                                               timeout=timedelta(seconds=connect_s),
-                                               group_desc="flwr_sharded federation group")
+        with _nccl_errors_raise(backend):
+            pg, _ = c10d._new_process_group_helper(size, rank, [], backend, store, group_name=name,
+                                                   timeout=timedelta(seconds=connect_s),
+                                                   group_desc="flwr_sharded federation group")
         if connect_s != sync_timeout:
             pg.set_timeout(timedelta(seconds=sync_timeout))
     except Exception as exc:
@@ -110,7 +121,27 @@ def join(*, host: str, port: int, prefix: str, rank: int, size: int, rendezvous_
                               f"{first_line(exc)}") from exc
     # Registered like a sub-group of this process's world, so that get_rank(group) and destroy work.
     c10d._world.pg_group_ranks[pg] = {dist.get_rank(): rank}
-    return FederationGroup(pg=pg, rank=rank, size=size, name=name, store=store)
+    return FederationGroup(pg=pg, rank=rank, size=size, name=name, store=store, backend=backend)
+
+
+@contextmanager
+def _nccl_errors_raise(backend: str) -> Iterator[None]:
+    """Build an NCCL federation group in error-handling mode 2 (CleanUpOnly): a failed or timed-out collective
+    aborts the group's communicator and raises in this rank, which rolls back, instead of the watchdog tearing the
+    process down (mode 1, `deploy/env.sh`'s default for the group's own collectives). The variable is read when the
+    group is constructed, so the process's other groups keep their mode."""
+    if backend != "nccl":
+        yield
+        return
+    saved = os.environ.get(NCCL_ERROR_HANDLING)
+    os.environ[NCCL_ERROR_HANDLING] = "2"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[NCCL_ERROR_HANDLING]
+        else:
+            os.environ[NCCL_ERROR_HANDLING] = saved
 
 
 def _missing_members(store: dist.Store, size: int) -> list[int]:

@@ -104,8 +104,9 @@ def init_topology(config: ParallelConfig, timeout_s: float = 600.0) -> Topology:
 
         validate_parallel(config, int(os.environ.get("WORLD_SIZE", "1")))
         if device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend_for(device), timeout=timedelta(seconds=timeout_s))
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        backend = backend_for(device) if config.backend == "auto" else config.backend
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     else:
         validate_parallel(config, dist.get_world_size())
     mesh = init_device_mesh(device, (config.federations, config.replicas, config.shards), mesh_dim_names=MESH_DIMS)

@@ -22,9 +22,24 @@ def preflight(cfg: TrainConfig, world_size: int) -> None:
                                   (out.wandb_project, "wandb", "--wandb-project")):
         if wanted and importlib.util.find_spec(package) is None:
             raise ConfigError(f"{flag} needs the {package} package: pip install 'flwr_sharded[{package}]'")
+    check_devices(cfg)
     check_model_name(cfg.model.name)
     check_data(cfg.data)
     if cfg.checkpoint.resume:
         from flwr_sharded.training.checkpoint import check_resumable
 
         check_resumable(cfg, cfg.checkpoint.dir)
+
+
+def check_devices(cfg: TrainConfig) -> None:
+    """On a GPU machine, NCCL needs one GPU per local rank (`LOCAL_WORLD_SIZE`, set by torchrun)."""
+    import os
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    local, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
+    if cfg.parallel.backend in ("auto", "nccl") and local > gpus:
+        raise ConfigError(f"{local} ranks on this node but {gpus} GPU(s): NCCL needs one GPU per rank; launch at most "
+                          f"{gpus} ranks per node, or use --backend gloo to let ranks share GPUs")

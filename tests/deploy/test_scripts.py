@@ -45,3 +45,15 @@ def test_sbatch_headers(script):
     text = (DEPLOY / "slurm" / script).read_text()
     assert text.startswith("#!/usr/bin/env bash\n") and "#SBATCH --job-name=" in text and "set -euo pipefail" in text
     assert 'source "$FLWR_SHARDED_REPO/deploy/env.sh"' in text
+
+
+def test_the_gpu_check_says_so_and_exits_cleanly_without_a_gpu():
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: run benchmarks/gpu_check.py itself")
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py")], capture_output=True, text=True,
+                         timeout=120, cwd=REPO)
+    assert out.returncode == 0 and "no CUDA GPU" in out.stdout, out.stderr

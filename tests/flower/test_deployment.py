@@ -126,7 +126,8 @@ def test_a_group_killed_mid_round(deployment):
     assert len(rounds) == FAST_RUN_CONFIG["num-server-rounds"], log[-4000:]
     first = rounds[0]
     assert (first["dropped"], first["rolled_back"], first["synced"]) == (1, 1, 0)
-    assert "lost the connection to the group" in " ".join(first["errors"].values())
+    errors = " ".join(first["errors"].values())  # the dead group's collect: connection lost, or nobody listens
+    assert "lost the connection to the group" in errors or "no group listens" in errors, errors
     assert "restored their last synced shards" in log
     for record in rounds[1:]:
         assert (record["groups"], record["synced"], record["members"]) == (1, 1, first["members"][:1])

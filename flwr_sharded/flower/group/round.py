@@ -83,7 +83,7 @@ class GroupRound:
                     os._exit(17)  # fault injection for tests: a crash between two syncs
         finally:
             for g in self.groups:
-                g.destroy()
+                g.destroy(failed=bool(failure))
         return self._result(losses, train_s, sync_s, syncs_done, failure, weight, checksums, caught_up)
 
     def _configure(self) -> None:
