@@ -103,10 +103,14 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
 def preflight(cfg: TrainConfig, world_size: int) -> None:
     """Every check that can run before a process group, a model or a file is touched."""
     from flwr_sharded.training.data import check_data
-    from flwr_sharded.training.models import check_model_name
+    from flwr_sharded.training.models import check_model_name, is_preset
 
     validate(cfg, world_size)
     check_model_name(cfg.model.name)
+    if cfg.model.pretrained and not is_preset(cfg.model.name):
+        from flwr_sharded.training.pretrained import check_pretrained
+
+        check_pretrained(cfg.model.name)  # config.json and safetensors headers only
     check_data(cfg.data)
     if cfg.resume:
         from flwr_sharded.training.checkpoint import check_resumable
