@@ -9,6 +9,8 @@
    (`VmHWM`, reset between phases) over start-up (process start -> `Trainer` built), the first AdamW step, `--save`
    (`Trainer.save_pretrained`) and a DCP checkpoint.
 3. The same on the `tiny` preset: the fixed footprint of the same process (imports, data, tokenizer, gloo).
+   Then start-up and step of the big shape with random init (`--model DIR` without `--pretrained`), and loading the
+   same weights from a bf16 safetensors file (converted to the fp32 parameters).
 4. `flwr-sharded export` of both checkpoints in a fresh process each (its peak RSS; the tiny one is the fixed part).
 
 The target: peak <= 1.3 x (16 bytes per parameter / S: fp32 parameters, gradients and AdamW's two moments) + the
@@ -40,8 +42,17 @@ def _hwm_bytes() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-def _reset_hwm() -> None:
+def _rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def _reset_hwm() -> int:
+    """Reset the high-water mark to the current RSS; return that RSS."""
     Path("/proc/self/clear_refs").write_text("5")
+    return _rss_bytes()
 
 
 def generate(directory: Path) -> None:
@@ -58,9 +69,26 @@ def generate(directory: Path) -> None:
     os.replace(tmp, directory)
 
 
+def generate_bf16(source: Path, directory: Path) -> None:
+    """The same model with bf16 tensors (the usual dtype of published checkpoints), unless it is there already."""
+    if (directory / "config.json").is_file():
+        return
+    from safetensors.torch import load_file, save_file
+
+    tmp = directory.with_name(directory.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.bfloat16() for k, v in load_file(source / "model.safetensors").items()},
+              str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    (tmp / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}, indent=2))
+    shutil.copy(source / "generation_config.json", tmp / "generation_config.json")
+    os.replace(tmp, directory)
+
+
 def worker(args: argparse.Namespace, train_args: list[str]) -> None:
     """One torchrun rank: start-up, one step, save_pretrained, checkpoint; write this rank's peaks as JSON."""
     peaks: dict[str, int] = {}
+    starts: dict[str, int] = {}
     import torch
 
     from flwr_sharded.parallel.topology import init_topology
@@ -76,23 +104,26 @@ def worker(args: argparse.Namespace, train_args: list[str]) -> None:
     trainer = Trainer(cfg, topo)
     times["startup_s"] = time.perf_counter() - start
     peaks["startup"] = _hwm_bytes()  # from process start: imports, topology, data, model
-    _reset_hwm()
+    starts["step"] = _reset_hwm()
     start = time.perf_counter()
     float(trainer.step())
     times["step_s"] = time.perf_counter() - start
     peaks["step"] = _hwm_bytes()
-    _reset_hwm()
+    n_params = sum(p.numel() for p in trainer.model.parameters())
+    rank = int(os.environ["RANK"])
+    out = Path(args.work) / f"rank-{args.name}-{rank}.json"
+    if args.startup_only:
+        out.write_text(json.dumps({"rank": rank, "peaks": peaks, "starts": starts, "parameters": n_params, **times}))
+        return
+    starts["save_pretrained"] = _reset_hwm()
     start = time.perf_counter()
     trainer.save_pretrained(str(Path(args.work) / f"saved-{args.name}"))
     times["save_s"] = time.perf_counter() - start
     peaks["save_pretrained"] = _hwm_bytes()
-    _reset_hwm()
+    starts["checkpoint"] = _reset_hwm()
     trainer.save_checkpoint()
     peaks["checkpoint"] = _hwm_bytes()
-    n_params = sum(p.numel() for p in trainer.model.parameters())
-    rank = int(os.environ["RANK"])
-    out = Path(args.work) / f"rank-{args.name}-{rank}.json"
-    out.write_text(json.dumps({"rank": rank, "peaks": peaks, "parameters": n_params, **times}))
+    out.write_text(json.dumps({"rank": rank, "peaks": peaks, "starts": starts, "parameters": n_params, **times}))
     import torch.distributed as dist
 
     dist.destroy_process_group()
@@ -108,8 +139,13 @@ def export_worker(args: argparse.Namespace) -> None:
     (Path(args.work) / f"export-{args.name}.json").write_text(json.dumps({"peak": _hwm_bytes(), "seconds": seconds}))
 
 
+MALLOC: dict[str, str] = {}
+"""glibc allocator settings for the measured processes (`--malloc-mmap-threshold`)."""
+
+
 def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}",
+            **MALLOC}
 
 
 def _run(cmd: list[str], timeout: float) -> None:
@@ -118,16 +154,18 @@ def _run(cmd: list[str], timeout: float) -> None:
         raise RuntimeError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stderr[-4000:]}")
 
 
-def _launch(args: argparse.Namespace, name: str, model: list[str]) -> list[dict]:
+def _launch(args: argparse.Namespace, name: str, model: list[str], startup_only: bool = False) -> list[dict]:
     work = Path(args.work)
     shutil.rmtree(work / f"ckpt-{name}", ignore_errors=True)
     shutil.rmtree(work / f"saved-{name}", ignore_errors=True)
     train_args = ["--method", "fsdp", "--shards", str(NPROC), *model, "--data-dir", args.data_dir, "--seq-len", "64",
                   "--batch-size", "1", "--steps", "1", "--no-progress", "--checkpoint-dir", str(work / f"ckpt-{name}")]
     _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(NPROC), "--master-port",
-          str(args.port), __file__, "--worker", "--name", name, "--work", str(work), "--", *train_args],
-         timeout=args.timeout)
+          str(args.port), __file__, "--worker", "--name", name, "--work", str(work),
+          *(["--startup-only"] if startup_only else []), "--", *train_args], timeout=args.timeout)
     ranks = [json.loads((work / f"rank-{name}-{r}.json").read_text()) for r in range(NPROC)]
+    if startup_only:
+        return ranks
     shutil.rmtree(work / f"exported-{name}", ignore_errors=True)
     _run([sys.executable, __file__, "--export-worker", "--name", name, "--work", str(work)], timeout=args.timeout)
     return ranks
@@ -164,9 +202,13 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--port", type=int, default=29517)
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints and saved models in --work")
+    parser.add_argument("--malloc-mmap-threshold", type=int, default=None,
+                        help="bytes: run the measured processes with MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ "
+                             "at this value (glibc then returns freed buffers above it to the OS at once)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--export-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--name", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--startup-only", action="store_true", help=argparse.SUPPRESS)
     args, rest = parser.parse_known_args()
     if args.worker:
         worker(args, rest[1:] if rest[:1] == ["--"] else rest)
@@ -174,15 +216,22 @@ def main() -> int:
     if args.export_worker:
         export_worker(args)
         return 0
+    if args.malloc_mmap_threshold:
+        MALLOC.update(MALLOC_MMAP_THRESHOLD_=str(args.malloc_mmap_threshold),
+                      MALLOC_TRIM_THRESHOLD_=str(args.malloc_mmap_threshold))
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     load_start, started = os.getloadavg(), time.time()
-    model_dir = work / "model"
+    model_dir, bf16_dir = work / "model", work / "model-bf16"
     _run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(REPO)!r}); from benchmarks.startup_memory "
-                                f"import generate; from pathlib import Path; generate(Path({str(model_dir)!r}))"],
+                                f"import generate, generate_bf16; from pathlib import Path; "
+                                f"generate(Path({str(model_dir)!r})); "
+                                f"generate_bf16(Path({str(model_dir)!r}), Path({str(bf16_dir)!r}))"],
          timeout=args.timeout)
     big = _launch(args, "big", ["--model", str(model_dir), "--pretrained"])
     tiny = _launch(args, "tiny", ["--model", "tiny"])
+    init = _launch(args, "init", ["--model", str(model_dir)], startup_only=True)  # same shape, seeded random init
+    bf16 = _launch(args, "bf16", ["--model", str(bf16_dir), "--pretrained"], startup_only=True)  # bf16 file
     export_big = json.loads((work / "export-big.json").read_text())
     export_tiny = json.loads((work / "export-tiny.json").read_text())
     n_params = big[0]["parameters"]
@@ -196,10 +245,19 @@ def main() -> int:
             "rank": b["rank"], "fixed_gib": fixed / gib, "startup_peak_gib": b["peaks"]["startup"] / gib,
             "step_peak_gib": b["peaks"]["step"] / gib, "save_pretrained_peak_gib": b["peaks"]["save_pretrained"] / gib,
             "checkpoint_peak_gib": b["peaks"]["checkpoint"] / gib,
+            "startup_x": (b["peaks"]["startup"] - t["peaks"]["startup"]) / state,
             "startup_step_x": (train_peak - fixed) / state,
-            "save_pretrained_x": (b["peaks"]["save_pretrained"] - fixed) / state,
+            "step_extra_gib": (b["peaks"]["step"] - b["starts"]["step"]) / gib,
+            "save_pretrained_extra_gib": (b["peaks"]["save_pretrained"] - b["starts"]["save_pretrained"]) / gib,
+            "checkpoint_extra_gib": (b["peaks"]["checkpoint"] - b["starts"]["checkpoint"]) / gib,
             "startup_s": b["startup_s"], "step_s": b["step_s"], "save_s": b["save_s"],
             "within_target": train_peak <= 1.3 * state + fixed})
+    def startup_summary(runs: list[dict]) -> list[dict]:
+        return [{"rank": i["rank"], "startup_peak_gib": i["peaks"]["startup"] / gib,
+                 "startup_x": (i["peaks"]["startup"] - t["peaks"]["startup"]) / state,
+                 "startup_step_x": (max(i["peaks"].values()) - max(t["peaks"].values())) / state,
+                 "startup_s": i["startup_s"]} for i, t in zip(runs, tiny)]
+
     export = {"peak_gib": export_big["peak"] / gib, "fixed_gib": export_tiny["peak"] / gib,
               "x": (export_big["peak"] - export_tiny["peak"]) / state, "seconds": export_big["seconds"],
               "within_target": export_big["peak"] <= 1.3 * state + export_tiny["peak"],
@@ -211,7 +269,9 @@ def main() -> int:
         "model": {**SHAPE, "parameters": n_params, "fp32_gib": 4 * n_params / gib},
         "ranks": NPROC, "method": "fsdp", "shards": NPROC, "seq_len": 64, "batch_size": 1,
         "state_share_gib": state / gib, "target": "peak <= 1.3 x state_share + fixed",
-        "per_rank": per_rank, "max_startup_step_x": max(r["startup_step_x"] for r in per_rank), "export": export}
+        "malloc": MALLOC, "per_rank": per_rank, "max_startup_x": max(r["startup_x"] for r in per_rank),
+        "max_startup_step_x": max(r["startup_step_x"] for r in per_rank), "export": export,
+        "random_init": startup_summary(init), "pretrained_bf16_file": startup_summary(bf16)}
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

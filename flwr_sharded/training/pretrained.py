@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import struct
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -173,39 +172,37 @@ def load_local_shards(model: nn.Module, directory: str | Path) -> None:
     missing = sorted(set(need) - set(stored))
     if missing:
         raise ConfigError(f"--model: the checkpoint in {directory} lacks {missing[:3]}")
-    with ExitStack() as stack:
-        handles: dict[Path, Any] = {}
-
-        def handle(key: str) -> Any:
-            file = stored[key].file
-            if file not in handles:
-                handles[file] = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
-            return handles[file]
-
-        done = set()
-        for name, param, _ in owned_parameters(model):
-            local = local_shard(param)
-            done.add(name)
-            if stored[name].shape != tuple(param.shape):
-                raise ConfigError(f"--model: {name} is {list(stored[name].shape)} in {directory}, the model's is "
-                                  f"{list(param.shape)}")
-            if local.numel() == 0:
-                continue
-            read_rows(handle(name).get_slice(name), local, row_offset(param))
-        for name, buffer in model.state_dict(keep_vars=True).items():  # persistent buffers: whole on every rank
-            name = canonical_name(name)
-            if name in need and name not in done:
-                buffer.copy_(handle(name).get_tensor(name))
+    done = set()
+    for name, param, _ in owned_parameters(model):
+        local = local_shard(param)
+        done.add(name)
+        if stored[name].shape != tuple(param.shape):
+            raise ConfigError(f"--model: {name} is {list(stored[name].shape)} in {directory}, the model's is "
+                              f"{list(param.shape)}")
+        if local.numel():
+            read_rows(stored[name].file, name, local, row_offset(param))
+    for name, buffer in model.state_dict(keep_vars=True).items():  # persistent buffers: whole on every rank
+        name = canonical_name(name)
+        if name in need and name not in done:
+            with safe_open(str(stored[name].file), framework="pt", device="cpu") as handle:
+                buffer.copy_(handle.get_tensor(name))
 
 
-def read_rows(stored: Any, local: torch.Tensor, start: int) -> None:
-    """Copy rows `[start, start + len(local))` of a stored tensor (a safetensors slice) into `local`, in pieces."""
-    if local.dim() == 0:
-        local.copy_(stored[:])
-        return
-    rows = local.shape[0]
-    row_bytes = max(1, local[0].numel() * local.element_size())
+def read_rows(file: Path, name: str, local: torch.Tensor, start: int) -> None:
+    """Copy rows `[start, start + len(local))` of tensor `name` of a safetensors file into `local`.
+
+    In pieces of about `READ_CHUNK_BYTES`, each through its own `safe_open` (a memory map of the file): the pages a
+    piece touches are unmapped when it is copied, so no more than one piece of the file is ever resident here.
+    """
+    from safetensors import safe_open
+
+    rows = local.shape[0] if local.dim() else 1
+    row_bytes = max(1, local[0].numel() * local.element_size()) if local.dim() else local.element_size()
     step = max(1, READ_CHUNK_BYTES // row_bytes)
     for lo in range(0, rows, step):
         hi = min(rows, lo + step)
-        local[lo:hi].copy_(stored[start + lo:start + hi])
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            if local.dim() == 0:
+                local.copy_(handle.get_tensor(name))
+            else:
+                local[lo:hi].copy_(handle.get_slice(name)[start + lo:start + hi])

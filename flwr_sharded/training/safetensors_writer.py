@@ -177,8 +177,8 @@ def saved_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
     out = [(name, param) for name, param, _ in owned_parameters(model)]
     names = {n for n, _ in out} | {canonical_name(n) for n, _ in model.named_parameters(remove_duplicate=False)}
-    out += [(canonical_name(n), t) for n, t in model.state_dict(keep_vars=True).items() if canonical_name(n) not in names]
-    return out
+    buffers = [(canonical_name(n), t) for n, t in model.state_dict(keep_vars=True).items()]
+    return out + [(n, t) for n, t in buffers if n not in names]
 
 
 def writes_rows(tensor: torch.Tensor, group_rank: int) -> bool:

@@ -40,7 +40,7 @@ def _tensors(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def _load_and_save(rank: int, world: int, layout: dict, cases: list[dict]):
-    """Per case: load sharded, compare with from_pretrained, save sharded into case['out'] (then compared by the test)."""
+    """Per case: load sharded, compare with from_pretrained, save sharded into case['out'] (the test compares it)."""
     from transformers import AutoModelForCausalLM
 
     from flwr_sharded.config import ParallelConfig
@@ -237,3 +237,34 @@ def test_export_streams_one_tensor_at_a_time_into_split_bf16_files(tmp_path, mon
     loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16).state_dict()
     assert all(torch.equal(loaded[k], expected[k].bfloat16()) for k in expected)
     assert (out / "tokenizer.json").is_file() and json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_rows_are_read_and_written_in_pieces_at_their_offsets(tmp_path, monkeypatch):
+    """The chunked paths of `read_rows` and `write_rows` (one row per piece), bf16 conversion, a scalar."""
+    from safetensors.torch import load_file, save_file
+
+    from flwr_sharded.training import pretrained, safetensors_writer as writer
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(10, 3, generator=gen), "b": torch.randn(7, generator=gen), "c": torch.tensor(2.5)}
+    save_file(tensors, str(tmp_path / "src.safetensors"))
+    monkeypatch.setattr(pretrained, "READ_CHUNK_BYTES", 1)
+    monkeypatch.setattr(writer, "WRITE_CHUNK_BYTES", 1)
+    rows = torch.empty(4, 3, dtype=torch.bfloat16)
+    pretrained.read_rows(tmp_path / "src.safetensors", "a", rows, 5)
+    assert torch.equal(rows, tensors["a"][5:9].bfloat16())
+    scalar = torch.empty(())
+    pretrained.read_rows(tmp_path / "src.safetensors", "c", scalar, 0)
+    assert float(scalar) == 2.5
+
+    layout = writer.plan_layout([(k, tuple(v.shape)) for k, v in tensors.items()], torch.float32)
+    writer.create_files(tmp_path / "out", layout)
+    writer.write_rows(tmp_path / "out", layout, "a", 6, tensors["a"][6:])  # any order, any split
+    writer.write_rows(tmp_path / "out", layout, "a", 0, tensors["a"][:6])
+    writer.write_rows(tmp_path / "out", layout, "b", 0, tensors["b"])
+    writer.write_rows(tmp_path / "out", layout, "c", 0, tensors["c"])
+    with pytest.raises(ValueError, match="do not fit"):
+        writer.write_rows(tmp_path / "out", layout, "a", 8, tensors["a"][:3])
+    writer.commit(tmp_path / "out", layout)
+    saved = load_file(tmp_path / "out" / "model.safetensors")
+    assert saved.keys() == tensors.keys() and all(torch.equal(saved[k], v) for k, v in tensors.items())
