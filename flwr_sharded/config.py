@@ -179,7 +179,10 @@ class OutputConfig:
     """The run directory; unset: `outputs/<date>_<time>` under the working directory (a Flower run adds its run
     id). It holds config.json, metrics.jsonl, summary.json, model/ and tensorboard/."""
     save_model: bool = True
-    """Write the final model in Hugging Face format to `<run-dir>/model` (`from_pretrained` loads it)."""
+    """Write the final model in Hugging Face format to `<run-dir>/model` (`from_pretrained` loads it); each rank
+    writes its own rows, no rank gathers the model."""
+    save_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the saved model's tensors."""
     tensorboard: bool = False
     """Also write TensorBoard scalars to `<run-dir>/tensorboard` (needs the `tensorboard` extra)."""
     wandb_project: str | None = None

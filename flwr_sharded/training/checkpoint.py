@@ -21,6 +21,7 @@ import os
 import shutil
 import sys
 import time
+import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,11 +169,20 @@ def _fault_commit_delay() -> None:
         time.sleep(delay)
 
 
-def export_pretrained(checkpoint: str | Path, out: str | Path) -> Path:
-    """Merge a checkpoint's model shards into a Hugging Face model (and tokenizer) with `save_pretrained`."""
+def export_pretrained(checkpoint: str | Path, out: str | Path, *, dtype: torch.dtype | None = None,
+                      max_file_bytes: int | None = None) -> Path:
+    """Write a checkpoint's model as a Hugging Face model (safetensors, config, tokenizer), one tensor at a time.
+
+    A single process, no process group: each tensor is read alone from the DCP files (only its chunks), converted
+    to `dtype` (default: as stored) and written at its offset in the pre-sized safetensors file(s), then freed. The
+    peak memory is about one full tensor (the largest, usually the embedding), whatever the model's size or the
+    number of ranks that wrote the checkpoint.
+    """
     from flwr_sharded.config import config_from_dict
+    from flwr_sharded.training import safetensors_writer as writer
     from flwr_sharded.training.data import load_tokenizer
-    from flwr_sharded.training.models import build_model
+    from flwr_sharded.training.model_init import build_meta_model
+    from flwr_sharded.training.models import model_config
 
     checkpoint = Path(checkpoint)
     if not (checkpoint / "meta.json").is_file():
@@ -180,35 +190,48 @@ def export_pretrained(checkpoint: str | Path, out: str | Path) -> Path:
         if found is None:
             raise ConfigError(f"--checkpoint: {checkpoint} is neither a checkpoint nor a series with a '{LATEST}'")
         checkpoint = found
-    cfg = config_from_dict(read_meta(checkpoint)["config"])
-    tokenizer = load_tokenizer(cfg.data)
     meta = read_meta(checkpoint)
-    model = build_model(cfg.model.name, vocab_size=meta["vocab_size"], max_seq_len=cfg.data.seq_len)
-    state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
-    model.load_state_dict(state["model"])
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    cfg = config_from_dict(meta["config"])
+    model = build_meta_model(model_config(cfg.model.name, vocab_size=meta["vocab_size"],
+                                          max_seq_len=cfg.data.seq_len))  # names and shapes only
+    stored = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    tensors = [name for name, _ in writer.saved_tensors(model)]
+    missing = [name for name in tensors if f"model.{name}" not in stored]
+    if missing:
+        raise ConfigError(f"--checkpoint: {checkpoint} lacks the model's {missing[:3]}")
+    dtype = dtype or stored[f"model.{tensors[0]}"].properties.dtype
+    layout = writer.plan_layout([(n, tuple(stored[f"model.{n}"].size)) for n in tensors], dtype,
+                                max_file_bytes=max_file_bytes or writer.MAX_FILE_BYTES)
+    writer.create_files(out, layout)
+    for name in tensors:
+        info = stored[f"model.{name}"]
+        tensor = torch.empty(tuple(info.size), dtype=info.properties.dtype)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # single-process by design
+            dcp.load({"model": {name: tensor}}, checkpoint_id=str(checkpoint), no_dist=True)
+        writer.write_rows(out, layout, name, 0, tensor)
+        del tensor
+    writer.commit(out, layout)
+    writer.write_config(out, model, dtype, load_tokenizer(cfg.data))
     return Path(out)
 
 
 def register(subparsers: Any) -> None:
     """Add the `export` sub-command."""
     parser = subparsers.add_parser("export", help="merge a checkpoint's shards into a Hugging Face model",
-                                   description="Write the model of a sharded checkpoint with save_pretrained.")
+                                   description="Write the model of a sharded checkpoint as a Hugging Face model, one "
+                                   "tensor at a time.")
     parser.add_argument("--checkpoint", required=True,
                         help="a checkpoint directory (step-N) or a group's series (uses its newest)")
     parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                        help="dtype of the written tensors (default: as in the checkpoint)")
     parser.set_defaults(func=_export_command)
 
 
 def _export_command(args: Any) -> int:
-    import warnings
-
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # single-process by design
-            path = export_pretrained(args.checkpoint, args.out)
+        path = export_pretrained(args.checkpoint, args.out, dtype=getattr(torch, args.dtype) if args.dtype else None)
     except ConfigError as exc:
         print(f"flwr-sharded export: error: {exc}", file=sys.stderr)
         return 2

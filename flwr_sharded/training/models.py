@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -72,31 +73,46 @@ def check_model_name(name: str) -> None:
                       f"a Hugging Face id (org/name) or a local model directory")
 
 
-def build_model(name: str, *, vocab_size: int, max_seq_len: int, pretrained: bool = False,
-                device: torch.device | str = "cpu") -> nn.Module:
-    """Instantiate a causal LM: a preset with random init, or a Hugging Face id/path (weights if `pretrained`)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+def model_config(name: str, *, vocab_size: int, max_seq_len: int) -> Any:
+    """The `transformers` config of a preset (a `LlamaConfig`) or of a Hugging Face id/path (its config.json)."""
+    from transformers import AutoConfig, LlamaConfig
 
     check_model_name(name)
+    if name in PRESETS:
+        preset = PRESETS[name]
+        return LlamaConfig(
+            vocab_size=preset.vocab_size or vocab_size,
+            hidden_size=preset.hidden_size,
+            num_hidden_layers=preset.num_hidden_layers,
+            num_attention_heads=preset.num_attention_heads,
+            num_key_value_heads=preset.num_key_value_heads,
+            intermediate_size=preset.intermediate_size,
+            tie_word_embeddings=preset.tie_word_embeddings,
+            max_position_embeddings=max(preset.max_position_embeddings, max_seq_len),
+            rope_theta=preset.rope_theta,
+        )
+    try:
+        return AutoConfig.from_pretrained(name)
+    except OSError as exc:
+        raise ConfigError(f"--model: cannot load {name!r}: {exc}") from exc
+
+
+def build_model(name: str, *, vocab_size: int, max_seq_len: int, pretrained: bool = False,
+                device: torch.device | str = "cpu") -> nn.Module:
+    """Instantiate a whole causal LM: a preset with random init, or a Hugging Face id/path (weights if `pretrained`).
+
+    Training builds its model sharded instead (`flwr_sharded.training.model_init.build_sharded_model`).
+    """
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    config = model_config(name, vocab_size=vocab_size, max_seq_len=max_seq_len)
     with torch.device(device):
         if name in PRESETS:
-            preset = PRESETS[name]
-            config = LlamaConfig(
-                vocab_size=preset.vocab_size or vocab_size,
-                hidden_size=preset.hidden_size,
-                num_hidden_layers=preset.num_hidden_layers,
-                num_attention_heads=preset.num_attention_heads,
-                num_key_value_heads=preset.num_key_value_heads,
-                intermediate_size=preset.intermediate_size,
-                tie_word_embeddings=preset.tie_word_embeddings,
-                max_position_embeddings=max(preset.max_position_embeddings, max_seq_len),
-                rope_theta=preset.rope_theta,
-            )
             return LlamaForCausalLM(config)
         try:
             if pretrained:
                 return AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
-            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(name))
+            return AutoModelForCausalLM.from_config(config)
         except OSError as exc:
             raise ConfigError(f"--model: cannot load {name!r}: {exc}") from exc
 

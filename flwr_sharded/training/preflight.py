@@ -12,7 +12,7 @@ def preflight(cfg: TrainConfig, world_size: int) -> None:
     """Every check that can run before a process group, a model or a file is touched."""
     from flwr_sharded.run_dir import check_run_dir
     from flwr_sharded.training.data import check_data
-    from flwr_sharded.training.models import check_model_name
+    from flwr_sharded.training.models import check_model_name, is_preset
 
     validate(cfg, world_size)
     out = cfg.output
@@ -24,6 +24,10 @@ def preflight(cfg: TrainConfig, world_size: int) -> None:
             raise ConfigError(f"{flag} needs the {package} package: pip install 'flwr_sharded[{package}]'")
     check_devices(cfg)
     check_model_name(cfg.model.name)
+    if cfg.model.pretrained and not is_preset(cfg.model.name):
+        from flwr_sharded.training.pretrained import check_pretrained
+
+        check_pretrained(cfg.model.name)  # config.json and safetensors headers only
     check_data(cfg.data)
     if cfg.checkpoint.resume:
         from flwr_sharded.training.checkpoint import check_resumable

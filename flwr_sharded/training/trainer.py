@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flwr_sharded.config import TrainConfig, config_to_dict, outer_rule
-from flwr_sharded.parallel.sharding import apply_activation_checkpointing, apply_fsdp, mixed_precision_policy
+from flwr_sharded.parallel.sharding import mixed_precision_policy
 from flwr_sharded.parallel.sync import ShardSync, SyncStats, local_shard
 from flwr_sharded.parallel.topology import Topology
 from flwr_sharded.run_dir import perplexity
@@ -25,8 +25,9 @@ from flwr_sharded.training import data as data_lib
 from flwr_sharded.training.partition import BatchStream, eval_batches
 from flwr_sharded.training.checkpoint import Checkpointer, latest_checkpoint
 from flwr_sharded.training.metrics import PhaseTimer, Throughput
-from flwr_sharded.training.models import build_model, transformer_blocks
+from flwr_sharded.training.model_init import build_sharded_model
 from flwr_sharded.training.proximal import ProximalTerm
+from flwr_sharded.training.safetensors_writer import save_sharded_pretrained
 
 logger = logging.getLogger(__name__)
 
@@ -89,14 +90,14 @@ class Trainer:
         self.tokenizer = data_lib.load_tokenizer(cfg.data)
         self.blocks = data_lib.load_blocks(cfg.data, self.tokenizer)
 
-        torch.manual_seed(cfg.seed)  # identical initial weights in every group
-        model = build_model(cfg.model.name, vocab_size=self.blocks.vocab_size, max_seq_len=cfg.data.seq_len,
-                            pretrained=cfg.model.pretrained, device=self.device)
-        if cfg.model.activation_checkpointing:
-            apply_activation_checkpointing(model)
-        self.model = apply_fsdp(model, transformer_blocks(model), topo.fsdp_mesh,
-                                mp_policy=mixed_precision_policy(cfg.model.precision, topo.mesh.device_type),
-                                reshard_after_forward=cfg.model.reshard_after_forward)
+        torch.manual_seed(cfg.seed)
+        # built on the meta device, sharded, then only this rank's rows initialised (a function of the seed alone:
+        # the same full weights in every group and for any S) or read from the pretrained checkpoint
+        self.model = build_sharded_model(
+            cfg.model.name, vocab_size=self.blocks.vocab_size, max_seq_len=cfg.data.seq_len, mesh=topo.fsdp_mesh,
+            seed=cfg.seed, mp_policy=mixed_precision_policy(cfg.model.precision, topo.mesh.device_type),
+            device=self.device, pretrained=cfg.model.pretrained, reshard_after_forward=cfg.model.reshard_after_forward,
+            activation_checkpointing=cfg.model.activation_checkpointing)
         self.optimizer = build_optimizer(self.model, cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
 
@@ -240,18 +241,12 @@ class Trainer:
         return meta
 
     def save_pretrained(self, directory: str) -> None:
-        """Merge federation group 0's shards and write a Hugging Face model + tokenizer (collective in group 0)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
+        """Write federation group 0's model + tokenizer as a Hugging Face checkpoint, each rank its own rows
+        (collective in group 0; replica 0 writes under HSDP), in the run's `save-dtype`."""
         if self.topo.fed_index != 0:
             return
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if self.topo.group_rank == 0:
-            model = build_model(self.cfg.model.name, vocab_size=self.blocks.vocab_size,
-                                max_seq_len=self.cfg.data.seq_len)
-            model.load_state_dict(state)
-            model.save_pretrained(directory)
-            self.tokenizer.save_pretrained(directory)
+        save_sharded_pretrained(self.model, directory, group=self.topo.group_pg,
+                                dtype=getattr(torch, self.cfg.output.save_dtype), tokenizer=self.tokenizer)
 
     def window_stats(self, loss_sum: torch.Tensor, steps: int) -> tuple[float, float]:
         """(mean loss over all ranks of the last `steps` steps, peak memory in MiB of the largest rank)."""

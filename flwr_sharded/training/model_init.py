@@ -1,0 +1,188 @@
+"""Sharded start-up: build the model on the meta device, shard it with FSDP2, then materialise only local rows.
+
+No rank ever holds the whole model. After `fully_shard`, `to_empty` allocates each rank's local shards; they are
+then filled either from a pretrained safetensors checkpoint (`flwr_sharded.training.pretrained`) or by a seeded
+initialisation that is a function of the seed alone: each parameter's values are generated in fixed blocks of
+`INIT_BLOCK_ROWS` rows of its full (unsharded) shape, each block with its own CPU generator seeded from (seed,
+parameter name, block index), and a rank generates only the blocks overlapping its rows. The full parameters are
+therefore identical for any F, R and S, on any device. The distributions are those of Hugging Face's base
+`_init_weights` (what Llama uses): Linear, Conv1D and Embedding weights ~ N(0, initializer_range), biases 0, norm
+weights 1, the embedding's padding row 0. Architecture-specific rules (e.g. GPT-2's scaled projections) are not
+reproduced.
+
+Non-persistent buffers (rotary `inv_freq`) hold garbage after `to_empty`; they are recomputed with the model's own
+`_init_weights` (as `from_pretrained` does), and any that stays unset is an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+
+from flwr_sharded.parallel.shard_transport import row_offset
+from flwr_sharded.parallel.sharding import apply_activation_checkpointing, apply_fsdp
+from flwr_sharded.parallel.sync import local_shard
+from flwr_sharded.training.models import is_preset, model_config, transformer_blocks
+
+INIT_BLOCK_ROWS = 64
+"""Rows of a parameter's full shape drawn from one generator: a fixed grid, whatever the sharding."""
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
+
+
+def build_meta_model(config: Any) -> nn.Module:
+    """The causal LM of a `transformers` config on the meta device, in fp32 (shapes only: no memory, no init)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def build_sharded_model(name: str, *, vocab_size: int, max_seq_len: int, mesh: DeviceMesh, seed: int,
+                        mp_policy: MixedPrecisionPolicy, device: torch.device | str = "cpu", pretrained: bool = False,
+                        reshard_after_forward: bool = True, activation_checkpointing: bool = False) -> nn.Module:
+    """Build, shard and initialise (or load, if `pretrained` and not a preset) a causal LM; collective-free.
+
+    Args:
+        name: a preset, a Hugging Face id or a local directory (as `--model`).
+        vocab_size: the tokenizer's vocabulary, for presets that do not fix one.
+        mesh: the FSDP mesh ("shard",) or ("rep", "shard").
+        seed: random init: the full parameters depend on it alone.
+    """
+    from flwr_sharded.training import pretrained as pretrained_lib
+
+    directory: Path | None = None
+    if pretrained and not is_preset(name):
+        directory = pretrained_lib.resolve_pretrained(name)
+        config = model_config(str(directory), vocab_size=vocab_size, max_seq_len=max_seq_len)
+    else:
+        config = model_config(name, vocab_size=vocab_size, max_seq_len=max_seq_len)
+    model = build_meta_model(config)
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    apply_fsdp(model, transformer_blocks(model), mesh, mp_policy=mp_policy,
+               reshard_after_forward=reshard_after_forward)
+    materialize(model, device)
+    if directory is not None:
+        pretrained_lib.load_local_shards(model, directory)
+    else:
+        init_local_shards(model, seed)
+    return model
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, device: torch.device | str) -> None:
+    """Allocate this rank's local shards (and buffers) on `device` and recompute every buffer.
+
+    The parameters are left uninitialised (`init_local_shards` or a checkpoint fills them).
+    """
+    model.to_empty(device=device)
+    reset_buffers(model)
+
+
+@torch.no_grad()
+def reset_buffers(model: nn.Module) -> None:
+    """Recompute the buffers of a materialised model with its `_init_weights` (parameters untouched)."""
+    init_weights = getattr(model, "_init_weights", None)
+    for module in model.modules():
+        buffers = [b for b in module._buffers.values() if b is not None]
+        if not buffers:
+            continue
+        for buffer in buffers:
+            if buffer.is_floating_point():
+                buffer.fill_(float("nan"))  # whatever `_init_weights` does not set is caught below
+        own = [p for p in module._parameters.values() if p is not None]
+        for param in own:  # Hugging Face's init functions skip tensors marked initialised
+            param._is_hf_initialized = True
+        try:
+            if init_weights is not None:
+                init_weights(module)
+        finally:
+            for param in own:
+                del param._is_hf_initialized
+        unset = [n for n, b in module._buffers.items() if b is not None and b.is_floating_point() and b.isnan().any()]
+        if unset:
+            raise NotImplementedError(f"cannot recompute buffers {unset} of {type(module).__name__} after "
+                                      f"meta-device initialisation (its _init_weights does not set them)")
+
+
+def owned_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter, nn.Module]]:
+    """(name, parameter, owning module) once per parameter, named by its first occurrence (tied weights once)."""
+    seen: set[int] = set()
+    for module_name, module in model.named_modules():
+        for local_name, param in module._parameters.items():
+            if param is None or id(param) in seen:
+                continue
+            seen.add(id(param))
+            yield canonical_name(f"{module_name}.{local_name}" if module_name else local_name), param, module
+
+
+def canonical_name(name: str) -> str:
+    """A parameter name without wrapper modules' segments (activation checkpointing, torch.compile)."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def init_rule(module: nn.Module, param_name: str) -> str:
+    """'normal', 'zeros' or 'ones': Hugging Face's base `_init_weights` rule for this parameter of `module`."""
+    kind = type(module).__name__
+    if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d)) or kind == "Conv1D":
+        return "normal" if param_name == "weight" else "zeros"
+    if "Norm" in kind:
+        return "ones" if param_name == "weight" else "zeros"
+    raise NotImplementedError(f"no sharded initialisation rule for {kind}.{param_name}")
+
+
+@torch.no_grad()
+def init_local_shards(model: nn.Module, seed: int) -> None:
+    """Initialise this rank's rows of every parameter; the full values depend on `seed` alone (module docstring)."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+    std = float(getattr(text, "initializer_range", None) or 0.02)
+    for name, param, module in owned_parameters(model):
+        local_name = name.rsplit(".", 1)[-1]
+        local = local_shard(param)
+        if local.numel() == 0:
+            continue
+        rule = init_rule(module, local_name)
+        if rule == "zeros":
+            local.zero_()
+        elif rule == "ones":
+            local.fill_(1.0)
+        else:
+            start = row_offset(param)
+            fill_normal_rows(local, start=start, full_rows=param.shape[0], std=std, seed=seed, name=name)
+            padding = getattr(module, "padding_idx", None) if isinstance(module, nn.Embedding) else None
+            if padding is not None and start <= padding < start + local.shape[0]:
+                local[padding - start].zero_()
+
+
+def fill_normal_rows(local: torch.Tensor, *, start: int, full_rows: int, std: float, seed: int, name: str) -> None:
+    """Fill `local` (rows `[start, start + len)` of a `full_rows`-row parameter) with its blocks of N(0, std)."""
+    rows = local.shape[0]
+    for block in range(start // INIT_BLOCK_ROWS, (start + rows - 1) // INIT_BLOCK_ROWS + 1):
+        b0, b1 = block * INIT_BLOCK_ROWS, min((block + 1) * INIT_BLOCK_ROWS, full_rows)
+        values = torch.empty((b1 - b0, *local.shape[1:]), dtype=torch.float32)
+        values.normal_(0.0, std, generator=block_generator(seed, name, block))
+        lo, hi = max(b0, start), min(b1, start + rows)
+        local[lo - start:hi - start].copy_(values[lo - b0:hi - b0])
+
+
+def block_generator(seed: int, name: str, block: int) -> torch.Generator:
+    """The CPU generator of one block of rows of parameter `name`."""
+    digest = hashlib.sha256(repr(("init", int(seed), name, int(block))).encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def reshard_all(model: nn.Module) -> None:
+    """Put every FSDP module's sharded parameters back in place (after a forward without backward)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

@@ -1,0 +1,224 @@
+"""Writing a Hugging Face safetensors checkpoint row range by row range, without ever holding a whole tensor set.
+
+A safetensors file is an 8-byte little-endian header length, a JSON header (each tensor's dtype, shape and byte
+range in the data section, padded with spaces to 8 bytes) and the tensors' bytes, contiguous and row-major. Every
+tensor's place is known from names, shapes and the dtype alone, so the layout (`plan_layout`) is computed the same
+way everywhere: one writer creates the files with their headers and sizes them (`create_files`), then any process
+writes any rows of any tensor at their offset (`write_rows`, `os.pwrite`), and the files are renamed into place
+(`commit`), with `model.safetensors.index.json` when the tensors are split over several files (HF's names
+`model-0000i-of-0000n.safetensors`).
+
+`save_sharded_pretrained` is the collective use of it: every rank of a model's FSDP mesh writes its own rows (one
+replica only under HSDP), so no rank gathers the model; the directory's file system must be shared by its ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+MAX_FILE_BYTES = 50_000_000_000
+"""Split the tensors into files of at most this many bytes (Hugging Face's default `max_shard_size`, "50GB")."""
+WRITE_CHUNK_BYTES = 64 << 20
+"""Rows are converted and written in pieces of about this size (bounded transient memory)."""
+_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
+_PART = ".part"
+_SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+@dataclass(frozen=True)
+class Placed:
+    """Where one tensor's bytes go: file and absolute byte offset of its first element."""
+
+    file: str
+    offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def row_bytes(self) -> int:
+        n = 1
+        for d in self.shape[1:]:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass
+class Layout:
+    """The files of a checkpoint: their headers and sizes, and where every tensor sits."""
+
+    tensors: dict[str, Placed]
+    headers: dict[str, bytes]
+    """File name -> the header bytes (length prefix included)."""
+    sizes: dict[str, int]
+    """File name -> total size in bytes."""
+    total_bytes: int
+    num_parameters: int
+
+
+def plan_layout(shapes: Iterable[tuple[str, tuple[int, ...]]], dtype: torch.dtype, *,
+                max_file_bytes: int = MAX_FILE_BYTES, metadata: dict[str, str] | None = None) -> Layout:
+    """Place the tensors, in the given order, into files of at most `max_file_bytes` (a bigger tensor alone)."""
+    if dtype not in _NAMES:
+        raise ValueError(f"cannot write {dtype} tensors to safetensors here; use one of {list(_NAMES)}")
+    element = torch.empty((), dtype=dtype).element_size()
+    groups: list[list[tuple[str, tuple[int, ...], int]]] = [[]]
+    used = 0
+    for name, shape in shapes:
+        nbytes = element
+        for d in shape:
+            nbytes *= int(d)
+        if groups[-1] and used + nbytes > max_file_bytes:
+            groups.append([])
+            used = 0
+        groups[-1].append((name, tuple(int(d) for d in shape), nbytes))
+        used += nbytes
+    names = [SINGLE_FILE] if len(groups) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    tensors, headers, sizes, total, params = {}, {}, {}, 0, 0
+    for file, group in zip(names, groups):
+        table: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+        begin = 0
+        for name, shape, nbytes in group:
+            table[name] = {"dtype": _NAMES[dtype], "shape": list(shape), "data_offsets": [begin, begin + nbytes]}
+            begin += nbytes
+        text = json.dumps(table, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        headers[file] = struct.pack("<Q", len(text)) + text
+        sizes[file] = len(headers[file]) + begin
+        for name, shape, nbytes in group:
+            start = table[name]["data_offsets"][0]
+            tensors[name] = Placed(file, len(headers[file]) + start, shape, dtype)
+            total += nbytes
+            params += nbytes // element
+    return Layout(tensors, headers, sizes, total, params)
+
+
+def create_files(directory: str | Path, layout: Layout) -> None:
+    """Create the (temporary) files with their headers, sized to hold every tensor; remove stale model files."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for old in directory.iterdir():
+        stale = old.name in (SINGLE_FILE, INDEX_FILE) or _SHARD_FILE.fullmatch(old.name)
+        if (stale and old.name not in layout.headers) or old.name.endswith(".safetensors" + _PART):
+            old.unlink()
+    for file, header in layout.headers.items():
+        with open(directory / (file + _PART), "wb") as fh:
+            fh.write(header)
+            fh.truncate(layout.sizes[file])
+
+
+def write_rows(directory: str | Path, layout: Layout, name: str, start: int, rows: torch.Tensor) -> None:
+    """Write `rows` as rows `[start, start + len(rows))` of tensor `name` (converted to the layout's dtype)."""
+    placed = layout.tensors[name]
+    if rows.dim() == 0:
+        rows = rows.reshape(1)
+    full_rows = placed.shape[0] if placed.shape else 1
+    if tuple(rows.shape[1:]) != placed.shape[1:] or start < 0 or start + rows.shape[0] > full_rows:
+        raise ValueError(f"rows {start}..{start + rows.shape[0]} of shape {tuple(rows.shape)} do not fit {name} "
+                         f"{placed.shape}")
+    step = max(1, WRITE_CHUNK_BYTES // max(1, placed.row_bytes))
+    fd = os.open(Path(directory) / (placed.file + _PART), os.O_WRONLY)
+    try:
+        for lo in range(0, rows.shape[0], step):
+            piece = rows[lo:lo + step].detach().to("cpu", placed.dtype).contiguous()
+            data = memoryview(piece.reshape(-1).view(torch.uint8).numpy())
+            offset = placed.offset + (start + lo) * placed.row_bytes
+            while data:
+                written = os.pwrite(fd, data, offset)
+                data, offset = data[written:], offset + written
+    finally:
+        os.close(fd)
+
+
+def commit(directory: str | Path, layout: Layout) -> None:
+    """Rename the written files into place; write the index when there are several."""
+    directory = Path(directory)
+    for file in layout.headers:
+        os.replace(directory / (file + _PART), directory / file)
+    if len(layout.headers) > 1:
+        index = {"metadata": {"total_parameters": layout.num_parameters, "total_size": layout.total_bytes},
+                 "weight_map": {name: placed.file for name, placed in layout.tensors.items()}}
+        tmp = directory / (INDEX_FILE + _PART)
+        tmp.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, directory / INDEX_FILE)
+
+
+def write_config(directory: str | Path, model: nn.Module, dtype: torch.dtype, tokenizer: Any = None) -> None:
+    """config.json (architecture, saved dtype), generation_config.json if the model generates, the tokenizer."""
+    config = copy.deepcopy(model.config)
+    config.architectures = [type(model).__name__.removeprefix("FSDP")]
+    config.dtype = str(dtype).removeprefix("torch.")
+    config.save_pretrained(directory)
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and getattr(model, "can_generate", lambda: False)():
+        generation.save_pretrained(directory)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+
+
+def saved_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """What a Hugging Face checkpoint of `model` holds: each parameter once (tied weights under their first name),
+    then the persistent buffers."""
+    from flwr_sharded.training.model_init import canonical_name, owned_parameters
+
+    out = [(name, param) for name, param, _ in owned_parameters(model)]
+    names = {n for n, _ in out} | {canonical_name(n) for n, _ in model.named_parameters(remove_duplicate=False)}
+    buffers = [(canonical_name(n), t) for n, t in model.state_dict(keep_vars=True).items()]
+    return out + [(n, t) for n, t in buffers if n not in names]
+
+
+def writes_rows(tensor: torch.Tensor, group_rank: int) -> bool:
+    """Whether this rank writes its rows of `tensor`: replica 0 of a DTensor's mesh; group rank 0 for a plain one."""
+    if not isinstance(tensor, DTensor):
+        return group_rank == 0
+    coordinate = tensor.device_mesh.get_coordinate()
+    return coordinate is not None and all(c == 0 for c, p in zip(coordinate, tensor.placements)
+                                          if isinstance(p, Replicate))
+
+
+@torch.no_grad()
+def save_sharded_pretrained(model: nn.Module, directory: str | Path, *, group: dist.ProcessGroup | None = None,
+                            dtype: torch.dtype | None = None, tokenizer: Any = None,
+                            max_file_bytes: int = MAX_FILE_BYTES) -> Path:
+    """Write `model` as a Hugging Face checkpoint, every rank its own rows (collective over `group`).
+
+    `group`: every rank holding a shard of the model (one federation group); its rank 0 writes the headers, the
+    config and the tokenizer. `dtype`: of the saved tensors (default: the parameters'). No rank gathers the model.
+    """
+    from flwr_sharded.parallel.shard_transport import row_offset
+    from flwr_sharded.parallel.sync import local_shard
+    from flwr_sharded.training.model_init import reshard_all
+
+    reshard_all(model)
+    tensors = saved_tensors(model)
+    dtype = dtype or tensors[0][1].dtype
+    layout = plan_layout([(n, tuple(t.shape)) for n, t in tensors], dtype, max_file_bytes=max_file_bytes)
+    directory = Path(directory)
+    rank = dist.get_rank(group)
+    if rank == 0:
+        create_files(directory, layout)
+    dist.barrier(group=group)
+    for name, tensor in tensors:
+        local = local_shard(tensor)
+        if writes_rows(tensor, rank) and local.numel():
+            write_rows(directory, layout, name, row_offset(tensor), local)
+    dist.barrier(group=group)
+    if rank == 0:
+        commit(directory, layout)
+        write_config(directory, model, dtype, tokenizer)
+    dist.barrier(group=group)
+    return directory
