@@ -181,7 +181,7 @@ def export_pretrained(checkpoint: str | Path, out: str | Path) -> Path:
             raise ConfigError(f"--checkpoint: {checkpoint} is neither a checkpoint nor a series with a '{LATEST}'")
         checkpoint = found
     cfg = config_from_dict(read_meta(checkpoint)["config"])
-    tokenizer = load_tokenizer(cfg.data)
+    tokenizer = load_tokenizer(cfg.data, cfg.model.name)
     meta = read_meta(checkpoint)
     model = build_model(cfg.model.name, vocab_size=meta["vocab_size"], max_seq_len=cfg.data.seq_len)
     state = {"model": model.state_dict()}

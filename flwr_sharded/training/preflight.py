@@ -13,6 +13,7 @@ def preflight(cfg: TrainConfig, world_size: int) -> None:
     from flwr_sharded.run_dir import check_run_dir
     from flwr_sharded.training.data import check_data
     from flwr_sharded.training.models import check_model_name
+    from flwr_sharded.training.vocab import check_vocab
 
     validate(cfg, world_size)
     out = cfg.output
@@ -23,7 +24,8 @@ def preflight(cfg: TrainConfig, world_size: int) -> None:
         if wanted and importlib.util.find_spec(package) is None:
             raise ConfigError(f"{flag} needs the {package} package: pip install 'flwr_sharded[{package}]'")
     check_model_name(cfg.model.name)
-    check_data(cfg.data)
+    check_data(cfg.data, cfg.model.name)
+    check_vocab(cfg)
     if cfg.checkpoint.resume:
         from flwr_sharded.training.checkpoint import check_resumable
 
