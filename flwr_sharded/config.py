@@ -90,7 +90,8 @@ class ModelConfig:
 
     name: str = option("small", name="model")
     """A preset (tiny, small, medium, llama-1b, llama-3b, llama3.1-8b), a Hugging Face model id, or a local model
-    directory."""
+    directory. A hub id or directory brings its own tokenizer unless `tokenizer` is set; presets use the tokenizer
+    in `data-dir`."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """Parameter dtype during compute: auto (bf16 on GPU, fp32 on CPU), fp32 or bf16; reductions always in fp32."""
     reshard_after_forward: bool = True
@@ -106,14 +107,32 @@ class DataConfig:
     """Where training text comes from and how it is cut and partitioned."""
 
     dataset: str = "shakespeare"
-    """`shakespeare` (embedded, offline), a Hugging Face dataset id, or a local .txt/.json/.jsonl/.parquet file."""
+    """`shakespeare` (embedded, offline), a Hugging Face dataset id, or a local path: a .txt/.json/.jsonl/.parquet
+    file (.json.gz, .jsonl.gz too), a directory of such files (`train*` / `*validation*` name the splits), or a copy
+    of a hub dataset repository (data files in sub-directories, laid out as on the Hub). Script-based hub datasets
+    do not load with datasets >= 4: use their Parquet conversion (`dataset-revision`) or a copy of their files."""
     data_dir: str | None = None
     """Directory holding the prepared corpus, tokenizer and token caches (`flwr-sharded prepare-data`); unset:
     `$FLWR_SHARDED_DATA`, else ~/.cache/flwr_sharded."""
     tokenizer: str | None = None
-    """Tokenizer id or path; unset: the byte-level BPE trained on the embedded corpus, in `data-dir`."""
+    """Tokenizer id or path; unset: the model's own when `model` is a Hugging Face id or a local model directory,
+    else (presets) the byte-level BPE trained on the embedded corpus, in `data-dir`. It may not hold more tokens
+    than the model's embedding (checked before the run starts)."""
     dataset_config: str | None = None
-    """Configuration (subset) name of a hub dataset, e.g. `tiny` for gsarti/clean_mc4_it."""
+    """Configuration (subset) name of a hub dataset, e.g. `ita_Latn` for HuggingFaceFW/fineweb-2. With
+    `dataset-revision refs/convert/parquet`, and for a local repository copy without a README, it names the
+    configuration's directory."""
+    dataset_revision: str | None = None
+    """Git revision (branch, tag or commit) of a hub dataset; pin a commit for reproducible runs, or use
+    `refs/convert/parquet`, the Hub's Parquet conversion (of script-based datasets among others); unset: main."""
+    streaming: bool = False
+    """Read the dataset as a stream (`datasets` streaming) instead of downloading it whole, for corpora that do not
+    fit on disk: documents are tokenized until `max-train-blocks` blocks are full (required). Validation comes from
+    the `validation` split if there is one, else the first documents are held out until `eval-blocks` blocks are
+    full; training starts at the next document."""
+    tokenize_workers: int | None = option(None, ge=1)
+    """Processes that tokenize a map-style (non-streaming) dataset; unset: min(8, CPUs). The blocks are the same for
+    any number. One rank per data directory tokenizes (with a progress bar), the others wait for its cache."""
     text_field: str = "text"
     """Column holding the text, for json, parquet and hub datasets."""
     seq_len: int = option(256, ge=1)
@@ -323,6 +342,9 @@ def validate(cfg: TrainConfig, world_size: int | None = None, surface: Surface =
     if (c.resume or c.every or c.async_save) and not c.dir:
         raise surface.error(f"{L('resume')}, {L('checkpoint-every')} and {L('async-checkpoint')} need "
                             f"{L('checkpoint-dir')}")
+    if cfg.data.streaming and cfg.data.max_train_blocks is None:
+        raise surface.error(f"{L('streaming')} reads a dataset until {L('max-train-blocks')} blocks are full: set "
+                            f"{L('max-train-blocks')} (e.g. 65536, the paper's), or turn {L('streaming')} off")
     if cfg.optim.proximal_mu > 0 and not cfg.parallel.federated:
         raise surface.error(f"{L('proximal-mu')} pulls each group towards the shards of its last sync: it needs "
                             f"an FL method (fl-fsdp or fl-hsdp), got {L('method')} {cfg.parallel.method}")

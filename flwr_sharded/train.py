@@ -113,7 +113,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"flwr-sharded: error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    final = run(cfg, measure_traffic=args.measure_traffic)
+    try:
+        final = run(cfg, measure_traffic=args.measure_traffic)
+    except ConfigError as exc:  # found once the data is opened (e.g. a hub dataset that needs a loading script)
+        if leader:
+            print(f"flwr-sharded: error: {exc}", file=sys.stderr)
+        return 2
     if leader and final:
         print(json.dumps({k: v for k, v in final.items() if k != "kind"}))
     return 0

@@ -212,7 +212,7 @@ def export_pretrained(checkpoint: str | Path, out: str | Path, *, dtype: torch.d
         writer.write_rows(out, layout, name, 0, tensor)
         del tensor
     writer.commit(out, layout)
-    writer.write_config(out, model, dtype, load_tokenizer(cfg.data))
+    writer.write_config(out, model, dtype, load_tokenizer(cfg.data, cfg.model.name))
     return Path(out)
 
 

@@ -13,6 +13,7 @@ def preflight(cfg: TrainConfig, world_size: int) -> None:
     from flwr_sharded.run_dir import check_run_dir
     from flwr_sharded.training.data import check_data
     from flwr_sharded.training.models import check_model_name, is_preset
+    from flwr_sharded.training.vocab import check_vocab
 
     validate(cfg, world_size)
     out = cfg.output
@@ -28,7 +29,8 @@ def preflight(cfg: TrainConfig, world_size: int) -> None:
         from flwr_sharded.training.pretrained import check_pretrained
 
         check_pretrained(cfg.model.name)  # config.json and safetensors headers only
-    check_data(cfg.data)
+    check_data(cfg.data, cfg.model.name)
+    check_vocab(cfg)
     if cfg.checkpoint.resume:
         from flwr_sharded.training.checkpoint import check_resumable
 

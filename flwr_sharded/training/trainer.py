@@ -87,7 +87,7 @@ class Trainer:
         self.device = torch.device(topo.mesh.device_type, torch.cuda.current_device()) \
             if topo.mesh.device_type == "cuda" else torch.device("cpu")
         self.is_logger = dist.get_rank() == 0
-        self.tokenizer = data_lib.load_tokenizer(cfg.data)
+        self.tokenizer = data_lib.load_tokenizer(cfg.data, cfg.model.name)  # a hub/local model's own by default
         self.blocks = data_lib.load_blocks(cfg.data, self.tokenizer)
 
         torch.manual_seed(cfg.seed)

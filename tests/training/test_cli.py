@@ -31,6 +31,8 @@ BAD = [
     (4, ["--shards", "4", "--method", "fsdp", "--dataset", "no/such/path.txt"], ["--dataset", "does not exist"]),
     (4, ["--shards", "4", "--method", "fsdp", "--dataset", "bad name!"], ["--dataset", "neither"]),
     (4, ["--shards", "4", "--method", "fsdp", "--partition", "random"], ["--partition must be one of", "iid"]),
+    (4, ["--shards", "4", "--method", "fsdp", "--streaming"], ["--streaming", "set --max-train-blocks"]),
+    (4, ["--shards", "4", "--method", "fsdp", "--tokenize-workers", "0"], ["--tokenize-workers", ">= 1"]),
     (4, ["--shards", "4", "--method", "fsdp", "--grad-clip", "-1"], ["--grad-clip", ">= 0"]),
     (4, ["--shards", "4", "--method", "fsdp", "--lr", "0"], ["--lr", "> 0"]),
     (4, ["--shards", "4", "--method", "fsdp", "--steps", "0"], ["--steps", ">= 1"]),

@@ -1,0 +1,196 @@
+"""Where a dataset's documents come from: the shape checks of a dataset name, and opening its splits with `datasets`.
+
+A `--dataset` is the embedded corpus, a local file, a local directory of files (flat: `train*` / `*validation*`
+name the splits), a local copy of a hub dataset repository (data files in sub-directories, handed to `datasets` as
+the Hub's are), or a hub id. Splits open as `datasets.Dataset`s, or as `IterableDataset`s with `streaming`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flwr_sharded.config import DataConfig, data_dir_of
+from flwr_sharded.errors import ConfigError
+from flwr_sharded.training.corpus import EMBEDDED
+
+BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".json.gz": "json", ".jsonl.gz": "json",
+            ".parquet": "parquet"}
+"""Local file suffix -> `datasets` builder. A .txt file is read as one document per paragraph (blank-line separated)."""
+PARQUET_REVISION = "refs/convert/parquet"
+"""The Hub's Parquet conversion of a dataset: one directory per configuration, `<config>/<split>/*.parquet`."""
+_VALIDATION = re.compile(r"(^|[-._ ])validation([-._ 0-9]|$)")
+"""A validation file's name: `validation` as a word, e.g. validation.jsonl or c4-it-validation.tfrecord-0.json.gz."""
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+_SCRIPT_ERROR = "Dataset scripts are no longer supported"
+"""The start of the RuntimeError `datasets` >= 4 raises for a dataset with a loading script."""
+
+
+def suffix(path: Path) -> str:
+    """The suffix that picks a builder: `.json.gz` and `.jsonl.gz` count as one."""
+    double = "".join(path.suffixes[-2:])
+    return double if double in BUILDERS else path.suffix
+
+
+def _looks_local(name: str) -> bool:
+    return name.startswith(("/", ".", "~")) or suffix(Path(name)) in BUILDERS or "\\" in name
+
+
+def check_source(name: str, option: str) -> None:
+    """A dataset/tokenizer name must be an existing path, or else not path-like and shaped like a hub id."""
+    if Path(name).expanduser().exists():
+        return
+    if _looks_local(name):
+        raise ConfigError(f"{option}: local path {name} does not exist")
+    if not _HUB_ID.match(name):
+        raise ConfigError(f"{option}: {name!r} is neither an existing path nor a Hugging Face id (org/name or name)")
+
+
+def script_error(dataset: str, script: str) -> ConfigError:
+    """The error for a dataset that needs its loading script, and the ways out."""
+    import datasets
+
+    return ConfigError(
+        f"--dataset {dataset}: a script-based dataset (its loading script is {script}); datasets >= 4 (installed: "
+        f"{datasets.__version__}) no longer runs loading scripts. Use its Parquet conversion (--dataset-revision "
+        f"{PARQUET_REVISION}, with --dataset-config naming the configuration; the .parquet files are also listed "
+        f"under 'Auto-converted to Parquet' on the dataset's Hub page), or a local copy of its data files "
+        f"(--dataset path/to/files: {', '.join(BUILDERS)})")
+
+
+# ----------------------------------------------------------------------------------------------------- local layouts
+
+@dataclass(frozen=True)
+class LocalFiles:
+    """A local file or flat directory: one `datasets` builder and its split -> files."""
+
+    builder: str
+    splits: dict[str, list[str]]
+
+
+def local_layout(path: Path, dataset: str) -> LocalFiles | None:
+    """How `datasets` reads a local dataset path: `LocalFiles`, or None for a hub-like repository directory.
+
+    In a flat directory, files named with the word `validation` form that split, and files whose names start
+    with `train` the training split; with no `train*` file, every other file is training data. A directory with no
+    data file at its top but some further down is a repository copy; one whose data needs its loading script
+    (`*.py`) is refused, as datasets >= 4 refuses it.
+    """
+    if path.is_file():
+        if path.suffix == ".py":
+            raise script_error(dataset, path.name)
+        if suffix(path) not in BUILDERS:
+            raise ConfigError(f"--dataset: unsupported file type {suffix(path)!r} ({path}); use "
+                              f"{', '.join(BUILDERS)}")
+        files = [path]
+    else:
+        files = sorted(p for p in path.iterdir() if p.is_file() and suffix(p) in BUILDERS)
+        if not files:
+            scripts = sorted(p.name for p in path.glob("*.py"))
+            if f"{path.name}.py" in scripts:  # what datasets looks for in a repository, and refuses
+                raise script_error(dataset, f"{path.name}.py")
+            if any(p.is_file() and suffix(p) in BUILDERS for p in path.rglob("*")):
+                return None
+            if scripts:
+                raise script_error(dataset, scripts[0])
+            raise ConfigError(f"--dataset: directory {path} holds no {'/'.join(BUILDERS)} files")
+    builders = {BUILDERS[suffix(p)] for p in files}
+    if len(builders) > 1:
+        raise ConfigError(f"--dataset: directory {path} mixes file types ({', '.join(sorted(builders))}); use one")
+    validation = [str(p) for p in files if _VALIDATION.search(p.name)]
+    train = [str(p) for p in files if p.name.startswith("train")] or \
+        [str(p) for p in files if str(p) not in validation]
+    if not train:
+        raise ConfigError(f"--dataset: directory {path} has validation files but no training file")
+    return LocalFiles(builders.pop(), {"train": train, "validation": validation} if validation else {"train": train})
+
+
+def dataset_path(cfg: DataConfig) -> Path | None:
+    """The local directory or file of `cfg.dataset`, or None for a hub id."""
+    if cfg.dataset == EMBEDDED:
+        return data_dir_of(cfg) / EMBEDDED
+    path = Path(cfg.dataset).expanduser()
+    return path if path.exists() else None
+
+
+def check_dataset(cfg: DataConfig) -> None:
+    """The offline checks of `cfg.dataset` (the embedded corpus is checked by `check_data`)."""
+    check_source(cfg.dataset, "--dataset")
+    path = dataset_path(cfg)
+    if path is not None:
+        if cfg.dataset_revision:
+            raise ConfigError(f"--dataset-revision {cfg.dataset_revision} applies to hub datasets, not to the local "
+                              f"path {path}")
+        local_layout(path, cfg.dataset)
+
+
+# ----------------------------------------------------------------------------------------------------------- opening
+
+@dataclass
+class Splits:
+    """The opened splits of a dataset."""
+
+    train: Any
+    """`datasets.Dataset`, or `IterableDataset` when streaming."""
+    validation: Any | None
+    """The `validation` split, None if the dataset has none."""
+    field: str
+    """The column holding the text."""
+
+
+def load_arguments(cfg: DataConfig, path: Path | None) -> dict[str, Any]:
+    """Keyword arguments of `datasets.load_dataset` for a hub id or a repository copy at `path`.
+
+    The Parquet conversion (and a copy of a repository without a README, such as a download of it) holds each
+    configuration in a directory: there `dataset-config` is the `data_dir`, elsewhere the configuration name.
+    """
+    kwargs: dict[str, Any] = {"path": str(path) if path is not None else cfg.dataset}
+    as_directory = cfg.dataset_revision == PARQUET_REVISION if path is None else \
+        not (path / "README.md").is_file() and bool(cfg.dataset_config) and (path / cfg.dataset_config).is_dir()
+    if cfg.dataset_config:
+        kwargs["data_dir" if as_directory else "name"] = cfg.dataset_config
+    if cfg.dataset_revision:
+        kwargs["revision"] = cfg.dataset_revision
+    return kwargs
+
+
+def open_splits(cfg: DataConfig, streaming: bool = False) -> Splits:
+    """The train and (if the dataset has one) validation split of `cfg.dataset`; ConfigError if they do not open."""
+    import datasets
+
+    path = dataset_path(cfg)
+    layout = local_layout(path, cfg.dataset) if path is not None else None
+    cache_dir = str(data_dir_of(cfg) / "cache" / "datasets")
+    field = cfg.text_field
+    try:
+        if layout is not None:
+            options = {"sample_by": "paragraph"} if layout.builder == "text" else {}
+            splits = datasets.load_dataset(layout.builder, data_files=layout.splits, cache_dir=cache_dir,
+                                           streaming=streaming, **options)
+            field = "text" if layout.builder == "text" else field
+        else:
+            kwargs = load_arguments(cfg, path)
+            if path is not None:
+                kwargs["cache_dir"] = cache_dir
+            splits = datasets.load_dataset(**kwargs, streaming=streaming)
+    except RuntimeError as exc:
+        if _SCRIPT_ERROR in str(exc):
+            raise script_error(cfg.dataset, str(exc).rsplit(" ", 1)[-1]) from None
+        raise
+    except (OSError, ValueError) as exc:  # not found, offline, gated, no such configuration or revision, ...
+        where = "local dataset" if path is not None else "hub dataset"
+        raise ConfigError(f"--dataset: cannot load {where} {cfg.dataset!r}: {exc}") from exc
+    if "train" not in splits:
+        raise ConfigError(f"--dataset: {cfg.dataset} has no 'train' split (splits: {', '.join(splits)})")
+    train, validation = splits["train"], splits.get("validation")
+    for split in (train, validation):
+        columns = getattr(split, "column_names", None)
+        if split is not None and columns is not None and field not in columns:
+            raise column_error(cfg, field, columns)
+    return Splits(train, validation, field)
+
+
+def column_error(cfg: DataConfig, field: str, columns: Any) -> ConfigError:
+    return ConfigError(f"--text-field: column {field!r} not in {cfg.dataset} (columns: {', '.join(columns)})")
