@@ -19,14 +19,11 @@ import yaml
 
 from flwr_sharded import schema
 from flwr_sharded.errors import ConfigError
+from flwr_sharded.parallel.wire import QUANTIZED, SyncDtype
 from flwr_sharded.schema import CLI, Surface, option
 
 Method = Literal["fsdp", "hsdp", "fl-fsdp", "fl-hsdp"]
 METHODS: tuple[str, ...] = typing.get_args(Method)
-SyncDtype = Literal["float32", "bfloat16"]
-SYNC_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
-"""Wire dtypes of the shard sync (`ParallelConfig.sync_dtype`) and their bytes per parameter."""
-assert tuple(SYNC_DTYPE_BYTES) == typing.get_args(SyncDtype)
 
 
 def default_data_dir() -> str:
@@ -57,8 +54,24 @@ class ParallelConfig:
     """Size of one flat buffer used by the shard sync, in MiB; one collective per bucket."""
     sync_dtype: SyncDtype = "float32"
     """Wire dtype of the cross-group all-reduce. bfloat16 halves the sync's bytes by sending each group's weighted
-    delta from the last global model (the outer gradient, as DiLoCo does), so only that delta is rounded; it costs
-    one fp32 copy of the rank's shards for fedavg (outer optimizers keep one already). Not with trimmed-mean."""
+    delta from the last global model (the outer gradient, as DiLoCo does), so only that delta is rounded; int8 and
+    float8_e4m3fn (CUDA compute capability >= 8.9) quantize the delta blockwise (one fp32 scale per 256 values;
+    about 0.254 of the fp32 bytes) and sum it in fp32. Any of them costs one fp32 copy of the rank's shards for
+    fedavg (outer optimizers keep one already); linear outer rules only (not trimmed-mean)."""
+    sync_error_feedback: bool = False
+    """With an 8-bit `sync-dtype`: carry each rank's rounding errors into its next sync (error feedback), so they do
+    not accumulate over syncs; one more fp32 copy of the rank's shards."""
+    sync_fragments: int = option(1, ge=1)
+    """N: sync the model in N fragments of contiguous transformer blocks (Streaming DiLoCo), fragment i after step
+    round((i + 1) A / N) of each period of A steps, so the link carries about 1/N of the model at a time; each
+    fragment has its own outer-rule state. At most one fragment per block and per step of the period."""
+    sync_delay: int = option(0, ge=0)
+    """tau: start each fragment's sync tau steps before it is merged and reduce it in the background while those
+    steps compute (overlap); the arriving global values are then mixed into the local ones (`sync-alpha`). Smaller
+    than the fewest steps between two fragments' syncs; 0: the sync blocks training, as without overlap."""
+    sync_alpha: float = option(0.0, ge=0, le=1)
+    """alpha: when a sync is merged, every shard becomes alpha * local + (1 - alpha) * global (Streaming DiLoCo's
+    mixing; 0 adopts the global values, discarding the local steps taken while the sync travelled)."""
     reset_optimizer_state: bool = False
     """Clear the inner optimizer's state (e.g. Adam moments) after each sync; by default it stays local and kept."""
     sync: bool = option(True, not_flat="a Flower run always syncs; the no-sync limit is a static-engine benchmark")
@@ -321,10 +334,48 @@ def validate_parallel(p: ParallelConfig, world_size: int | None = None, surface:
         raise surface.error(f"{L('sync-dtype')} {p.sync_dtype} sends one delta per group through an all-reduce, "
                             f"but {L('outer')} {p.outer} needs every member's shards; use {L('sync-dtype')} float32 "
                             f"or a linear rule")
+    validate_sync(p, rule, surface)
     if world_size is not None and world_size != p.world_size:
         raise surface.error(f"world size {world_size} != F*R*S = {p.federations}*{p.replicas}*{p.shards} = "
                             f"{p.world_size}; launch {p.world_size} processes or change {L('federations')}/"
                             f"{L('replicas')}/{L('shards')}")
+
+
+def validate_sync(p: ParallelConfig, rule: Any, surface: Surface = CLI) -> None:
+    """Check the shard sync's wire, fragments and overlap against each other and the outer rule."""
+    from flwr_sharded.parallel.schedule import Schedule
+
+    L = labeler(surface)
+    defaults = ParallelConfig()
+    streaming = [name for name in ("sync-fragments", "sync-delay", "sync-alpha", "sync-error-feedback")
+                 if getattr(p, name.replace("-", "_")) != getattr(defaults, name.replace("-", "_"))]
+    if streaming and not p.federated:
+        raise surface.error(f"{', '.join(L(n) for n in streaming)} shape the shard sync of FL methods; "
+                            f"{L('method')} {p.method} has none (use fl-fsdp or fl-hsdp)")
+    if p.sync_error_feedback and p.sync_dtype not in QUANTIZED:
+        raise surface.error(f"{L('sync-error-feedback')} carries the rounding errors of an 8-bit wire: it needs "
+                            f"{L('sync-dtype')} {' or '.join(QUANTIZED)}, got {p.sync_dtype}")
+    if p.sync_fragments > p.aggregate_every:
+        raise surface.error(f"{L('sync-fragments')} {p.sync_fragments} is more than the {p.aggregate_every} steps of "
+                            f"a period ({L('aggregate-every')}): each fragment syncs after its own step; allowed: "
+                            f"1..{p.aggregate_every}")
+    share = Schedule.shortest_share_of(p.aggregate_every, p.sync_fragments)
+    if p.sync_delay >= share:
+        raise surface.error(f"{L('sync-delay')} {p.sync_delay} is not smaller than a fragment's share of the period "
+                            f"({L('aggregate-every')} {p.aggregate_every} / {L('sync-fragments')} "
+                            f"{p.sync_fragments}: {share} step(s) between two syncs); allowed: 0..{share - 1}")
+    if p.sync_delay and not rule.linear:
+        raise surface.error(f"{L('sync-delay')} {p.sync_delay} reduces a weighted mean in the background, but "
+                            f"{L('outer')} {p.outer} needs every member's shards; use a linear rule (fedavg, "
+                            f"fedavgm, nesterov, fedadam, fedyogi) or {L('sync-delay')} 0")
+
+
+def check_fragments(p: ParallelConfig, blocks: int, model: str, surface: Surface = CLI) -> None:
+    """`sync-fragments` against the model's number of transformer blocks (contiguous groups of blocks)."""
+    if p.sync_fragments > blocks:
+        raise surface.error(f"{label_of(surface, 'sync-fragments')} {p.sync_fragments}: model {model} has "
+                            f"{blocks} transformer blocks, and a fragment is a group of whole blocks; allowed: "
+                            f"1..{blocks}")
 
 
 def labeler(surface: Surface):
@@ -342,6 +393,11 @@ def validate(cfg: TrainConfig, world_size: int | None = None, surface: Surface =
     if (c.resume or c.every or c.async_save) and not c.dir:
         raise surface.error(f"{L('resume')}, {L('checkpoint-every')} and {L('async-checkpoint')} need "
                             f"{L('checkpoint-dir')}")
+    p = cfg.parallel
+    if p.sync_delay and c.every % p.aggregate_every:
+        raise surface.error(f"{L('checkpoint-every')} {c.every} with {L('sync-delay')} {p.sync_delay}: checkpoints "
+                            f"are taken at the end of a period, when no sync is in flight; use a multiple of "
+                            f"{L('aggregate-every')} ({p.aggregate_every})")
     if cfg.data.streaming and cfg.data.max_train_blocks is None:
         raise surface.error(f"{L('streaming')} reads a dataset until {L('max-train-blocks')} blocks are full: set "
                             f"{L('max-train-blocks')} (e.g. 65536, the paper's), or turn {L('streaming')} off")

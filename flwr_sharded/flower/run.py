@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 from flwr_sharded import schema
-from flwr_sharded.config import METHODS, TrainConfig, outer_rule, validate
+from flwr_sharded.config import METHODS, QUANTIZED, TrainConfig, outer_rule, validate
 from flwr_sharded.schema import Surface, option
 
 Aggregation = Literal["decentralized", "server"]
@@ -221,6 +221,12 @@ class FlowerRun:
                 raise S.error(f"{L(key)} must be below {L('round-timeout')} ({d.round_timeout:g} s): a round's K "
                               f"syncs must fit in it")
         validate(self.group_config(), surface=S)
+        decentralized_only = [k for k, on in (("sync-delay", p.sync_delay), ("sync-fragments", p.sync_fragments > 1),
+                                              ("sync-dtype", p.sync_dtype in QUANTIZED)) if on]
+        if f.aggregation == "server" and decentralized_only:
+            raise S.error(f"{', '.join(L(k) for k in decentralized_only)} applies to the decentralized all-reduce; "
+                          f"{L('aggregation')} \"server\" sends whole shards through the Flower server once per "
+                          f"round (use aggregation \"decentralized\", or the defaults)")
         if f.aggregation == "server" and not outer_rule(p, S).linear:
             raise S.error(f"{L('outer')} {p.outer!r} needs every member's shards at once, but {L('aggregation')} "
                           f"\"server\" streams a weighted mean; use a linear rule (fedavg, fedavgm, nesterov, "

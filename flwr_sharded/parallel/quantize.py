@@ -5,20 +5,23 @@ each block has one fp32 scale, absmax / 127 for int8 (symmetric, rounded to near
 float8_e4m3fn (rounded to nearest by the cast), so a block's largest element maps to the largest code and an
 outlier only coarsens its own block. `wire_bytes(n, dtype, block)` = n + 4 ceil(n / block).
 
-`quantized_all_reduce` (as torchft's and INTELLECT-1's int8 all-reduce), on a group of W ranks:
-  1. split the tensor into W equal chunks of whole blocks (bpr = ceil(ceil(N / block) / W) blocks, C = bpr * block
-     elements each; the end is zero-padded, as gloo's all-to-all needs equal splits), quantize every chunk;
-  2. all_to_all: rank r receives every rank's copy of chunk r (values and scales travel as one uint8 row of
-     C + 4 bpr bytes; gloo refuses float8 tensors in collectives, so every 8-bit payload travels as raw bytes);
-  3. rank r sums its own chunk in fp32 (its own values as they are, never quantized) and the W - 1 others'
-     dequantized copies in rank order, and re-quantizes the sum;
-  4. all_gather the W reduced rows; every rank dequantizes the same bytes, so all end bit-identical.
-Each rank sends (W - 1) rows in each of the two collectives: 2 (W - 1) (C + 4 bpr) bytes
-(`all_reduce_bytes`), about (1 + 4 / block) / 4 of a ring fp32 all-reduce's 2 (W - 1) / W * 4 N bytes once
-N >> W block (the padding is at most W blocks: a tensor of a few blocks sends more than its fp32 ring would).
-The result is the sum with two roundings: each element is off by at most sum_r s1_r / 2 + s2 / 2 for int8, with
-s1_r the block scale of rank r's contribution (0 for the owner's) and s2 that of the reduced block (e4m3: 1/16 of
-each rounded value, or scale / 1024 below the normal range, instead of half a step).
+`quantized_all_reduce` (a ring, as INTELLECT-1's int8 all-reduce; torchft's uses an all-to-all), on a group of W
+ranks:
+  1. cut the tensor into W equal chunks of whole blocks (bpr = ceil(ceil(N / block) / W) blocks, C = bpr * block
+     elements each; the end is zero-padded);
+  2. reduce-scatter around the ring in W - 1 steps: at step k rank r quantizes chunk r - k (its own values at
+     k = 0, else the partial sum it holds) and sends it to rank r + 1, and adds its own fp32 values to chunk
+     r - k - 1, dequantized as it arrives from rank r - 1 (values and scales travel as one uint8 row of C + 4 bpr
+     bytes; gloo refuses float8 tensors, so every 8-bit payload travels as raw bytes). The sums are taken in fp32;
+     each partial sum is rounded once, to travel;
+  3. rank r now holds the whole sum of chunk r + 1: it quantizes it once more and the W rows are all-gathered;
+     every rank dequantizes the same bytes, so all end bit-identical.
+Each rank sends (W - 1) rows in each phase, to its ring neighbour: 2 (W - 1) (C + 4 bpr) bytes (`all_reduce_bytes`),
+about (1 + 4 / block) / 4 of a ring fp32 all-reduce's 2 (W - 1) / W * 4 N bytes once N >> W block (the padding is at
+most W blocks: a tensor of a few blocks sends more than its fp32 ring would), over the same links as that ring, so a
+tiered network's slow links carry the same quarter. The result is the sum with W roundings: chunk c's element is off
+by at most sum_j s_j / 2 over the W - 1 partial sums that travel and the final one (int8, s_j their block scales;
+e4m3: 1/16 of each rounded value, or scale / 1024 below the normal range, instead of half a step).
 
 Error feedback (`ErrorFeedback`) makes the running sum of repeated reductions exact up to one round's error.
 """
@@ -33,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from flwr_sharded.errors import ConfigError
+from flwr_sharded.parallel.wire import QUANT_BLOCK
 
 WIRE_DTYPES = {"int8": torch.int8, "float8_e4m3fn": torch.float8_e4m3fn}
 """The 8-bit wire dtypes by their `--sync-dtype` name."""
@@ -52,13 +56,13 @@ class Quantized:
     block: int
 
 
-def wire_bytes(numel: int, dtype: torch.dtype = torch.int8, block: int = 256) -> int:
+def wire_bytes(numel: int, dtype: torch.dtype = torch.int8, block: int = QUANT_BLOCK) -> int:
     """Bytes of `numel` elements quantized to `dtype` with one fp32 scale per block of `block` elements."""
     _check_dtype(dtype, block)
     return numel * torch.empty((), dtype=dtype).element_size() + 4 * math.ceil(numel / block)
 
 
-def all_reduce_bytes(numel: int, world: int, dtype: torch.dtype = torch.int8, block: int = 256) -> int:
+def all_reduce_bytes(numel: int, world: int, dtype: torch.dtype = torch.int8, block: int = QUANT_BLOCK) -> int:
     """Bytes one rank sends in `quantized_all_reduce` of `numel` elements over `world` ranks (0 for one rank)."""
     if world <= 1 or numel == 0:
         return 0
@@ -66,7 +70,7 @@ def all_reduce_bytes(numel: int, world: int, dtype: torch.dtype = torch.int8, bl
     return 2 * (world - 1) * wire_bytes(bpr * block, dtype, block)
 
 
-def quantize(x: torch.Tensor, dtype: torch.dtype = torch.int8, block: int = 256) -> Quantized:
+def quantize(x: torch.Tensor, dtype: torch.dtype = torch.int8, block: int = QUANT_BLOCK) -> Quantized:
     """Quantize a flat fp32 tensor blockwise (int8: absmax / 127 per block, round to nearest; fp8 e4m3: / 448)."""
     _check_dtype(dtype, block)
     n = x.numel()
@@ -150,12 +154,12 @@ class Workspace:
 class ErrorFeedback:
     """One fp32 residual per buffer (key), carried from one quantized all-reduce of that buffer to the next.
 
-    What is fed back, on each rank r: residual_r = (x_r + residual_r) - dequantize(quantize(x_r + residual_r)),
-    this rank's rounding error before the reduce, plus, on the chunk rank r owns, the rounding error of the reduced
-    sum (the second quantization, which only the owner sees; adding it to one rank's next contribution counts it
-    once). The sum of the residuals is then exactly what this round's result misses, so the running sum of the
-    results stays within one round's error of the exact running sum (a rank that leaves takes its residual along).
-    Feeding back only the first error would leave the second one to accumulate, round after round.
+    What is fed back, on each rank r: the rounding errors rank r made in its reduction of x_r + residual_r, one per
+    chunk (of its own values, of each partial sum it passed on, of the whole sum it rounded for the gather). Every
+    error of the result is made by exactly one rank, so the sum of the residuals is exactly what this round's result
+    misses, and the running sum of the results stays within one round's error of the exact running sum (a rank that
+    leaves takes its residual along). Feeding back only the errors of one's own values would leave the others to
+    accumulate, round after round.
     """
 
     def __init__(self) -> None:
@@ -179,27 +183,17 @@ class ErrorFeedback:
         self.residuals = {k: v.clone() for k, v in state["residuals"].items()}
 
 
-def _whole_blocks(t: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, full: int, whole: int,
-                  block: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(part of flat `t`, its codes, its scales) for t's whole blocks: `full` whole chunks, then `whole` blocks."""
-    bpr = codes.shape[1]
-    parts = [(t[:full * bpr * block].view(full, bpr, block), codes[:full], scales[:full])]
-    if whole:
-        start = full * bpr * block
-        parts.append((t[start:start + whole * block].view(whole, block), codes[full, :whole], scales[full, :whole]))
-    return [p for p in parts if p[0].numel()]
-
-
 @torch.no_grad()
 def quantized_all_reduce(flat: torch.Tensor, group: dist.ProcessGroup | None = None, *,
-                         dtype: torch.dtype = torch.int8, block: int = 256, residual: torch.Tensor | None = None,
-                         workspace: Workspace | None = None) -> int:
+                         dtype: torch.dtype = torch.int8, block: int = QUANT_BLOCK,
+                         residual: torch.Tensor | None = None, workspace: Workspace | None = None) -> int:
     """SUM a flat fp32 tensor over `group` in place, through an 8-bit wire (module docstring); return bytes sent.
 
-    `residual` (from `ErrorFeedback.residual`) is added to `flat` first and replaced by the new rounding errors.
-    Every rank ends with bit-identical `flat`. One rank: nothing is sent and `flat` stays exact. Two collectives
-    (all_to_all_single, all_gather_single) on uint8 rows, the same on gloo and NCCL. The input must be finite (a
-    NaN or inf spoils its block). If a collective fails, `flat` is left undefined (it is scratch), as is `residual`.
+    `residual` (from `ErrorFeedback.residual`) is added to `flat` first and replaced by the rounding errors this
+    rank made. Every rank ends with bit-identical `flat`. One rank: nothing is sent and `flat` stays exact. A ring
+    of W - 1 point-to-point steps, then one all_gather_single, on uint8 rows: the same on gloo and NCCL. The input
+    must be finite (a NaN or inf spoils its block). If a collective fails, `flat` is left as it was, `residual`
+    undefined.
     """
     _check_dtype(dtype, block)
     if flat.dtype != torch.float32 or flat.dim() != 1 or not flat.is_contiguous():
@@ -211,73 +205,56 @@ def quantized_all_reduce(flat: torch.Tensor, group: dist.ProcessGroup | None = N
     ws, dev, ef = workspace or Workspace(), flat.device, residual is not None
     bpr = math.ceil(math.ceil(n / block) / world)
     chunk, row = bpr * block, bpr * block + 4 * bpr
-    full = n // chunk  # whole chunks in `flat`; then `whole` whole blocks and `rem` elements; the rest is padding
-    whole, rem = divmod(n - full * chunk, block)
-    send = ws.get("send", world * row, torch.uint8, dev).view(world, row)
-    scales = ws.get("scales", world * bpr, torch.float32, dev).view(world, bpr)
-    codes = send.view(dtype)[:, :chunk].view(world, bpr, block)
-    pad = ws.get("pad", 2 * block, torch.float32, dev).view(2, 1, block)  # the partial block (source, scratch)
-
-    # 1. quantize every chunk but this rank's own (which it adds in fp32), from x + residual with feedback
-    src = residual.add_(flat) if ef else flat  # `flat` is the scratch
-    for lo, hi in ((0, min(me, full)), (me + 1, full)):
-        if lo < hi:
-            _quantize(src[lo * chunk:hi * chunk].view(-1, bpr, block), codes[lo:hi], scales[lo:hi],
-                      flat[lo * chunk:hi * chunk].view(-1, bpr, block), ef, ws)
-    if full < world:
-        empty = full + 1 if rem or whole else full  # the first chunk that is all padding
-        if me != full and empty > full:
-            if whole:
-                part_blocks = slice(full * chunk, full * chunk + whole * block)
-                _quantize(src[part_blocks].view(whole, block), codes[full, :whole], scales[full, :whole],
-                          flat[part_blocks].view(whole, block), ef, ws)
-            if rem:
-                pad[0, 0, :rem].copy_(src[n - rem:])
-                pad[0, 0, rem:].zero_()
-                _quantize(pad[0], codes[full, whole:whole + 1], scales[full, whole:whole + 1], pad[1 if ef else 0],
-                          ef, ws)
-                if ef:
-                    residual[n - rem:].copy_(pad[0, 0, :rem])
-            codes[full, whole + (1 if rem else 0):].view(torch.uint8).zero_()
-            scales[full, whole + (1 if rem else 0):].zero_()
-        codes[empty:].view(torch.uint8).zero_()
-        scales[empty:].zero_()
-    send[:, chunk:].copy_(scales.view(torch.uint8))
-
-    # 2. exchange; sum this rank's chunk (its own fp32 values, then the others' in rank order) and re-quantize it
-    recv = ws.get("recv", world * row, torch.uint8, dev).view(world, row)
-    dist.all_to_all_single(recv, send, group=group)  # recv[r]: rank r's copy of the chunk this rank owns
+    x = ws.get("x", world * chunk, torch.float32, dev)  # this rank's values, zero-padded; then the partial sums
+    x[:n].copy_(flat)
+    if ef:
+        x[:n].add_(residual)
+    x[n:].zero_()
+    chunks = x.view(world, bpr, block)
+    send, recv = (ws.get(name, row, torch.uint8, dev) for name in ("send", "recv"))
     part = ws.get("part", chunk, torch.float32, dev).view(bpr, block)
-    own = slice(min(me * chunk, n), min((me + 1) * chunk, n))
-    if own.stop - own.start == chunk:  # sum in place: with feedback, residual's slice ends as the sum's error
-        acc, scratch = src[own].view(bpr, block), (flat[own].view(bpr, block) if ef else None)
-    else:
-        acc, scratch = ws.get("acc", chunk, torch.float32, dev).view(bpr, block), (part if ef else None)
-        acc.view(-1)[:own.stop - own.start].copy_(src[own])
-        acc.view(-1)[own.stop - own.start:].zero_()
-    theirs = recv[:, chunk:].contiguous().view(torch.float32)
-    recv_codes = recv.view(dtype)[:, :chunk].view(world, bpr, block)
-    for r in range(world):
-        if r != me:
-            _decode(recv_codes[r], part, ws)
-            acc.addcmul_(part, theirs[r].unsqueeze(-1))
-    mine = ws.get("mine", row, torch.uint8, dev)
-    mine_scales = ws.get("mine_scales", bpr, torch.float32, dev)
-    _quantize(acc, mine.view(dtype)[:chunk].view(bpr, block), mine_scales, acc if scratch is None else scratch, ef,
-              ws)
-    mine[chunk:].copy_(mine_scales.view(torch.uint8))
-    if ef and acc.data_ptr() != src[own].data_ptr():
-        residual[own].copy_(acc.view(-1)[:own.stop - own.start])
+    scales = ws.get("scales", bpr, torch.float32, dev)
 
-    # 3. gather the reduced chunks; every rank decodes the same bytes
-    dist.all_gather_single(send.view(-1), mine, group=group)  # `send` is free again: it receives the reduced rows
-    reduced = send[:, chunk:].contiguous().view(torch.float32)
-    for part_, c, s in _whole_blocks(flat, codes, reduced, full, whole, block):
-        _dequantize(c, s, part_, ws)
-    if rem:
-        _dequantize(codes[full, whole:whole + 1], reduced[full, whole:whole + 1], pad[0], ws)
-        flat[n - rem:].copy_(pad[0, 0, :rem])
+    def encode(c: int, out: torch.Tensor) -> None:  # chunk c -> out (codes, then scales); errors stay in chunk c
+        _quantize(chunks[c], out[:chunk].view(dtype).view(bpr, block), scales, part if ef else chunks[c], ef, ws)
+        out[chunk:].copy_(scales.view(torch.uint8))
+
+    # 1. reduce-scatter around the ring: at step k rank r passes chunk r - k on (its own values at k = 0, else the
+    #    partial sum it received and added to), and adds its own fp32 values to chunk r - k - 1 coming from r - 1
+    nxt, prev = (me + 1) % world, (me - 1) % world
+    for k in range(world - 1):
+        encode((me - k) % world, send)
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, send, group=group, group_peer=nxt),
+                                            dist.P2POp(dist.irecv, recv, group=group, group_peer=prev)]):
+            work.wait()
+        c = (me - k - 1) % world
+        _dequantize(recv[:chunk].view(dtype).view(bpr, block), _floats(recv[chunk:]), part, ws)
+        chunks[c].add_(part)  # the sum in fp32: each partial sum is rounded once, to travel
+    # 2. rank r holds the whole sum of chunk r + 1: round it once more and gather every rank's, in rank order
+    mine = ws.get("mine", row, torch.uint8, dev)
+    encode((me + 1) % world, mine)
+    if ef:
+        residual.copy_(x[:n])  # every chunk now holds the rounding error this rank made on it
+    rows = ws.get("rows", world * row, torch.uint8, dev).view(world, row)
+    dist.all_gather_single(rows.view(-1), mine, group=group)
+    # 3. every rank decodes the same bytes: row j is chunk j + 1
+    for j in range(world):
+        c = (j + 1) % world
+        lo, hi = c * chunk, min((c + 1) * chunk, n)
+        if lo >= hi:
+            continue
+        codes, row_scales = rows[j, :chunk].view(dtype).view(bpr, block), _floats(rows[j, chunk:])
+        if hi - lo == chunk:
+            _dequantize(codes, row_scales, flat[lo:hi].view(bpr, block), ws)
+        else:
+            _dequantize(codes, row_scales, part, ws)
+            flat[lo:hi].copy_(part.view(-1)[:hi - lo])
     return 2 * (world - 1) * row
+
+
+def _floats(raw: torch.Tensor) -> torch.Tensor:
+    """The fp32 scales stored as bytes in `raw` (copied when they are not 4-byte aligned)."""
+    return (raw if raw.storage_offset() % 4 == 0 else raw.clone()).view(torch.float32)
 
 
 def fp8_supported(device: torch.device | str) -> bool:

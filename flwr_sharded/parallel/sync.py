@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from flwr_sharded.parallel.outer import FedAvg, ShardRule
+from flwr_sharded.parallel.quantize import QMAX, ErrorFeedback, Workspace, quantized_all_reduce
 
 
 class ShardAlignmentError(RuntimeError):
@@ -80,12 +81,17 @@ class ShardSync:
             are not linear all-gather each bucket from every group (F buckets in memory).
         wire_dtype: dtype of the cross-group all-reduce; None: the shards' own. A dtype other than the shards' (which
             must then be fp32) sends the weighted delta from the global shards in it, through a second buffer of
-            that dtype; the global shards are then kept for every rule (FedAvg too). Linear rules only.
+            that dtype (bfloat16), or blockwise quantized and summed in fp32 (int8, float8_e4m3fn:
+            `flwr_sharded.parallel.quantize`); the global shards are then kept for every rule (FedAvg too). Linear
+            rules only.
+        error_feedback: with a quantized wire, carry each rank's rounding errors into its next sync of the same
+            bucket (`quantize.ErrorFeedback`), so they do not accumulate; part of the outer state.
     """
 
     def __init__(self, named_params: Iterable[tuple[str, torch.Tensor]], *, fed_group: dist.ProcessGroup | None,
                  rep_group: dist.ProcessGroup | None = None, bucket_bytes: int = 64 << 20,
-                 rule: ShardRule | None = None, wire_dtype: torch.dtype | None = None) -> None:
+                 rule: ShardRule | None = None, wire_dtype: torch.dtype | None = None,
+                 error_feedback: bool = False) -> None:
         named = list(named_params)
         if not named:
             raise ValueError("ShardSync needs at least one parameter")
@@ -110,6 +116,12 @@ class ShardSync:
         if self.delta and any(dtype != torch.float32 for dtype, _ in self._buckets):
             raise ValueError(f"a wire dtype ({wire_dtype}) other than the shards' needs fp32 shards, got "
                              f"{sorted({str(dtype) for dtype, _ in self._buckets})}")
+        self.quantized = wire_dtype in QMAX
+        """An 8-bit wire (int8, float8_e4m3fn): the deltas travel through `quantized_all_reduce`, summed in fp32."""
+        if error_feedback and not self.quantized:
+            raise ValueError(f"error feedback needs a quantized wire dtype (int8, float8_e4m3fn), not {wire_dtype}")
+        self.feedback = ErrorFeedback() if error_feedback else None
+        self._workspace = Workspace() if self.quantized else None
         self._wire: torch.Tensor | None = None
         self._global: list[torch.Tensor] | None = None
         self._rule_state: list[dict[str, torch.Tensor]] | None = None
@@ -143,7 +155,7 @@ class ShardSync:
     def num_buckets(self) -> int:
         return len(self._buckets)
 
-    def _bucket_views(self) -> list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]]:
+    def bucket_views(self) -> list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]]:
         """Per bucket: (flat buffer view, views of the shard segments, matching views into the buffer).
 
         Built on the first sync, when the one reusable buffer is allocated, and rebuilt if a shard was reallocated.
@@ -154,7 +166,7 @@ class ShardSync:
         if self._buffer is None:
             largest = max(sum(s.end - s.start for s in segs) * _itemsize(dt) for dt, segs in self._buckets)
             self._buffer = torch.empty(largest, dtype=torch.uint8, device=local_shard(self.params[0]).device)
-            if self.delta:
+            if self.delta and not self.quantized:
                 self._wire = torch.empty(max(sum(s.end - s.start for s in segs) for _, segs in self._buckets),
                                          dtype=self.wire_dtype, device=self._buffer.device)
         shards = [local_shard(p).view(-1) for p in self.params]
@@ -201,6 +213,11 @@ class ShardSync:
             raise ShardAlignmentError(message)
         self._aligned = True
 
+    @property
+    def aligned(self) -> bool:
+        """Whether the alignment with the current peers was checked (`check_alignment`)."""
+        return self._aligned
+
     def rebind(self, fed_group: dist.ProcessGroup | None, rep_group: dist.ProcessGroup | None = None) -> None:
         """Sync over other groups from now on (a new round's members), keeping buckets, buffer and rule state.
 
@@ -229,23 +246,30 @@ class ShardSync:
         if not self.keeps_global:
             return
         self._global = [torch.cat([seg.float() for seg in shard_segments])
-                        for _, shard_segments, _ in self._bucket_views()]
+                        for _, shard_segments, _ in self.bucket_views()]
         if self._rule_state is None:
             self._rule_state = [self.rule.init_state(g) for g in self._global]
 
     def outer_state_dict(self) -> dict[str, Any]:
-        """This rank's outer state (global shards and rule state, flat per bucket), for checkpoints."""
-        return {"rule": type(self.rule).__name__, "global": self._global, "state": self._rule_state}
+        """This rank's outer state (global shards and rule state, flat per bucket, and the error-feedback residuals),
+        for checkpoints and rollbacks."""
+        out = {"rule": type(self.rule).__name__, "global": self._global, "state": self._rule_state}
+        if self.feedback is not None:
+            out["residuals"] = self.feedback.residuals
+        return out
 
     def load_outer_state_dict(self, state: dict[str, Any]) -> None:
         if state["rule"] != type(self.rule).__name__:
             raise ValueError(f"outer state was saved for {state['rule']}, this sync uses {type(self.rule).__name__}")
         self._global, self._rule_state = state["global"], state["state"]
+        if self.feedback is not None:
+            self.feedback.residuals = dict(state.get("residuals") or {})
 
     # ----- the sync -------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def sync(self, weight: float, *, apply_rule: bool = True) -> SyncStats:
-        """Replace every local shard by the rule's aggregate (by default the `weight`-weighted mean) over all groups.
+    def sync(self, weight: float, *, apply_rule: bool = True, alpha: float = 0.0) -> SyncStats:
+        """Replace every local shard by the rule's aggregate (by default the `weight`-weighted mean) over all groups;
+        with `alpha` > 0, by alpha * local + (1 - alpha) * aggregate.
 
         `weight` is this federation group's weight (e.g. tokens it processed since the last sync); every rank of
         the group passes the same value. Weights are normalised by their sum over the participating groups.
@@ -261,56 +285,76 @@ class ShardSync:
         if self.fed_group is not None and self.keeps_global and self._global is None:
             raise RuntimeError(f"{self._needs_global()}: call capture_global() before training starts")
         start = time.perf_counter()
-        total, buckets, nbytes = 0.0, 0, 0
-        views = self._bucket_views()
-        weights: list[float] = []
+        nbytes = 0
+        views = self.bucket_views()
+        total, weights = 0.0, []
         if self.fed_group is not None:
-            device = views[0][0].device
-            if self.rule.linear:
-                total_t = torch.tensor([weight], dtype=torch.float64, device=device)
-                dist.all_reduce(total_t, group=self.fed_group)
-                total = float(total_t.item())
-            else:
-                gathered = [torch.zeros(1, dtype=torch.float64, device=device)
-                            for _ in range(dist.get_world_size(self.fed_group))]
-                dist.all_gather(gathered, torch.tensor([weight], dtype=torch.float64, device=device),
-                                group=self.fed_group)
-                weights = [float(w.item()) for w in gathered]
-                total = sum(weights)
+            total, weights = (self.total_weight(weight), []) if self.rule.linear else self._gather_weights(weight)
         for k, (flat, shard_segments, buffer_segments) in enumerate(views):
-            if self.fed_group is not None:
-                if self.rule.linear:
-                    nbytes += self._reduce_mean(k, flat, shard_segments, buffer_segments, weight / total)
-                    if apply_rule and not isinstance(self.rule, FedAvg):
-                        self._apply(k, flat, lambda g, st: self.rule.apply_mean(g, flat, st))
-                else:
-                    torch._foreach_copy_(buffer_segments, shard_segments)
-                    members = [torch.empty_like(flat) for _ in weights]
-                    dist.all_gather(members, flat, group=self.fed_group)
-                    self._apply(k, flat, lambda g, st: self.rule.aggregate(g, list(zip(members, weights)), st))
-                    nbytes += flat.numel() * flat.element_size()
-                buckets += 1
-            if self.rep_group is not None:
-                dist.broadcast(flat, group=self.rep_group, group_src=0)
-            torch._foreach_copy_(shard_segments, buffer_segments)
+            torch._foreach_copy_(buffer_segments, shard_segments)
+            if self.fed_group is not None and self.rule.linear:
+                nbytes += self.reduce_bucket(k, flat, weight / total)
+            elif self.fed_group is not None:
+                members = [torch.empty_like(flat) for _ in weights]
+                dist.all_gather(members, flat, group=self.fed_group)
+                self._apply(k, flat, lambda g, st: self.rule.aggregate(g, list(zip(members, weights)), st))
+                nbytes += flat.numel() * flat.element_size()
+            self.finish_bucket(k, flat, shard_segments, buffer_segments, apply_rule=apply_rule and self.rule.linear,
+                               alpha=alpha)
         if self.fed_group is not None and self.delta and isinstance(self.rule, FedAvg):
-            self._store_global()  # after every bucket succeeded: a failed sync leaves the global shards as they were
+            self.store_global()  # after every bucket succeeded: a failed sync leaves the global shards as they were
+        buckets = len(views) if self.fed_group is not None else 0
         return SyncStats(seconds=time.perf_counter() - start, buckets=buckets, bytes=nbytes, total_weight=total)
 
-    def _reduce_mean(self, k: int, flat: torch.Tensor, shard_segments: list[torch.Tensor],
-                     buffer_segments: list[torch.Tensor], scale: float) -> int:
-        """Write the groups' weighted mean of bucket k into `flat` with one all-reduce; return the bytes sent."""
+    # ----- the steps of a sync, bucket by bucket (shared with the overlapped sync, `parallel/streaming.py`) -----
+    def total_weight(self, weight: float) -> float:
+        """The sum of the participating groups' weights (one small all-reduce over the federation group)."""
+        total = torch.tensor([weight], dtype=torch.float64, device=local_shard(self.params[0]).device)
+        dist.all_reduce(total, group=self.fed_group)
+        return float(total.item())
+
+    def _gather_weights(self, weight: float) -> tuple[float, list[float]]:
+        device = local_shard(self.params[0]).device
+        gathered = [torch.zeros(1, dtype=torch.float64, device=device)
+                    for _ in range(dist.get_world_size(self.fed_group))]
+        dist.all_gather(gathered, torch.tensor([weight], dtype=torch.float64, device=device), group=self.fed_group)
+        weights = [float(w.item()) for w in gathered]
+        return sum(weights), weights
+
+    def reduce_bucket(self, k: int, flat: torch.Tensor, scale: float) -> int:
+        """`flat` holds this rank's values of bucket k; on return it holds the groups' weighted mean (a linear rule's
+        input). One all-reduce (a quantized one with an 8-bit wire); returns the bytes sent."""
         if not self.delta:
-            for shard_segment, buffer_segment in zip(shard_segments, buffer_segments):
-                torch.mul(shard_segment, scale, out=buffer_segment)  # pack (and weight) in one pass
+            flat.mul_(scale)
             dist.all_reduce(flat, group=self.fed_group)
             return flat.numel() * flat.element_size()
-        torch._foreach_copy_(buffer_segments, shard_segments)
+        if self.quantized:  # the weighted delta, blockwise 8-bit on the wire, summed in fp32, added back in fp32
+            flat.sub_(self._global[k]).mul_(scale)
+            residual = self.feedback.residual(k, flat) if self.feedback is not None else None
+            sent = quantized_all_reduce(flat, self.fed_group, dtype=self.wire_dtype, residual=residual,
+                                        workspace=self._workspace)
+            flat.add_(self._global[k])
+            return sent
         wire = self._wire[:flat.numel()]
         torch.mul(flat.sub_(self._global[k]), scale, out=wire)  # the weighted delta in fp32, rounded once
         dist.all_reduce(wire, group=self.fed_group)
         torch.add(self._global[k], wire, out=flat)  # global + the summed deltas, in fp32
         return wire.numel() * wire.element_size()
+
+    def finish_bucket(self, k: int, flat: torch.Tensor, shard_segments: list[torch.Tensor],
+                      buffer_segments: list[torch.Tensor], *, apply_rule: bool, alpha: float = 0.0) -> None:
+        """Bucket k's groups' mean is in `flat` (replica 0): step the rule on it, broadcast the result to the
+        replicas, and write it into the shards, mixed with their current values as alpha * local + (1 - alpha) *
+        global (alpha 0: replaced)."""
+        if self.fed_group is not None and apply_rule and not isinstance(self.rule, FedAvg):
+            self._apply(k, flat, lambda g, st: self.rule.apply_mean(g, flat, st))
+        if self.rep_group is not None:
+            dist.broadcast(flat, group=self.rep_group, group_src=0)
+        if alpha == 0.0:
+            torch._foreach_copy_(shard_segments, buffer_segments)
+        else:
+            for shard_segment, new in zip(shard_segments, buffer_segments):
+                shard_segment.mul_(alpha).add_(new, alpha=1.0 - alpha)
 
     @torch.no_grad()
     def step_rule(self) -> None:
@@ -323,11 +367,11 @@ class ShardSync:
             raise ValueError(f"{type(self.rule).__name__} is not linear: it needs every member's shards, not a mean")
         if isinstance(self.rule, FedAvg):
             if self._global is not None:
-                self._store_global()  # the mean is the new global model (a reduced wire sends deltas from it)
+                self.store_global()  # the mean is the new global model (a reduced wire sends deltas from it)
             return
         if self._global is None:
             raise RuntimeError(f"{self._needs_global()}: call capture_global() before training starts")
-        for k, (flat, shard_segments, buffer_segments) in enumerate(self._bucket_views()):
+        for k, (flat, shard_segments, buffer_segments) in enumerate(self.bucket_views()):
             torch._foreach_copy_(buffer_segments, shard_segments)
             self._apply(k, flat, lambda g, st: self.rule.apply_mean(g, flat, st))
             torch._foreach_copy_(shard_segments, buffer_segments)
@@ -337,7 +381,7 @@ class ShardSync:
         """Copy the shards of rank 0 of `rep_group` to its other ranks, one broadcast per bucket (FL+HSDP: replica
         0 to the other replicas; a rejoining group: a member's shards to the newcomer)."""
         source = dist.get_rank(rep_group) == 0
-        for flat, shard_segments, buffer_segments in self._bucket_views():
+        for flat, shard_segments, buffer_segments in self.bucket_views():
             if source:
                 torch._foreach_copy_(buffer_segments, shard_segments)
             dist.broadcast(flat, group=rep_group, group_src=0)
@@ -361,11 +405,16 @@ class ShardSync:
             return f"{type(self.rule).__name__} steps from the global model"
         return f"a {self.wire_dtype} wire sends deltas from the global model"
 
-    def _store_global(self) -> None:
-        """Make the current shards the global model (FedAvg with a reduced wire: the mean just written)."""
-        for (_, segments), global_k, (_, shard_segments, _) in zip(self._buckets, self._global, self._bucket_views()):
-            targets = [global_k[s.offset:s.offset + s.end - s.start] for s in segments]
-            torch._foreach_copy_(targets, shard_segments)
+    def store_global(self, means: list[torch.Tensor] | None = None) -> None:
+        """Make the groups' mean the global model (FedAvg with a reduced wire): `means`, one flat tensor per bucket,
+        or else the current shards (which a blocking sync just overwrote with it)."""
+        for k, (global_k, (_, shard_segments, _)) in enumerate(zip(self._global, self.bucket_views())):
+            torch._foreach_copy_(self.segments_of(k, global_k), shard_segments if means is None else
+                                 self.segments_of(k, means[k]))
+
+    def segments_of(self, k: int, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of a flat tensor of bucket k's size, laid out as bucket k's shard segments."""
+        return [flat[seg.offset:seg.offset + seg.end - seg.start] for seg in self._buckets[k][1]]
 
     def _apply(self, k: int, flat: torch.Tensor, step: Any) -> None:
         """Run the rule on bucket k: write the new global values into `flat`, keep them (and the state)."""

@@ -1,13 +1,15 @@
 """Counting the collectives a rank issues: op, process-group members and payload bytes.
 
 `TrafficMeter` wraps the `torch.distributed` collective functions while it is active, so it sees FSDP2's
-all-gathers and reduce-scatters as well as the shard sync's all-reduces and broadcasts, without changing them.
+all-gathers and reduce-scatters as well as the shard sync's all-reduces and broadcasts (and the sends of the 8-bit
+sync's ring, `batch_isend_irecv`), without changing them.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -41,6 +43,12 @@ class CommRecord:
     """Global ranks of the process group it ran on."""
     nbytes: int
     """Payload bytes (the full buffer size D of the cost model)."""
+    background: bool = False
+    """Issued by a thread other than the main one (an overlapped shard sync's communication thread)."""
+
+
+def _background() -> bool:
+    return threading.current_thread() is not threading.main_thread()
 
 
 def _nbytes(value: Any) -> int:
@@ -65,6 +73,8 @@ class TrafficMeter:
                 continue
             self._originals[name] = original
             setattr(dist, name, self._wrap(name, arg_index, keyword, original))
+        self._originals["batch_isend_irecv"] = original = dist.batch_isend_irecv
+        setattr(dist, "batch_isend_irecv", self._wrap_p2p(original))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -90,8 +100,22 @@ class TrafficMeter:
                     pass
             ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(
                 range(dist.get_world_size()))
-            self.records.append(CommRecord(name, ranks, _nbytes(tensor)))
+            self.records.append(CommRecord(name, ranks, _nbytes(tensor), _background()))
             return original(*args, **kwargs)
+
+        return wrapper
+
+    def _wrap_p2p(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """Point-to-point batches: each send is a record "send" with ranks (this rank, the peer); receives are the
+        peers' sends."""
+
+        @functools.wraps(original)
+        def wrapper(ops: list[Any]) -> Any:
+            me = dist.get_rank()
+            for op in ops:
+                if "send" in op.op.__name__:
+                    self.records.append(CommRecord("send", (me, op.peer), _nbytes(op.tensor), _background()))
+            return original(ops)
 
         return wrapper
 

@@ -12,7 +12,7 @@ unless stated; see docs/cost-model.md.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from flwr_sharded.config import METHODS
@@ -184,10 +184,29 @@ class CommTerms:
     """FL shard sync, amortised over A: all-reduce over the federation group (B_F), fl-hsdp's broadcast (B_R)."""
     latency: float = 0.0
     """Alpha term: start-up latency per ring step of every collective (0 unless latencies are given)."""
+    hidden: float = 0.0
+    """Sync seconds per step that an overlapped sync hides behind local steps (`overlapped`); not in `total`."""
 
     @property
     def total(self) -> float:
         return self.shard + self.replicate + self.sync + self.latency
+
+
+def overlapped(terms: CommTerms, *, A: int, fragments: int = 1, delay: int = 0, local_step: float) -> CommTerms:
+    """The sync of `terms` overlapped with local steps (Streaming DiLoCo; `--sync-fragments`, `--sync-delay`):
+    each of a period's N fragment syncs carries 1/N of the sync's bytes and runs while `delay` local steps of
+    `local_step` seconds compute, so only what exceeds them is exposed: sync per step = N max(0, sync A / N -
+    tau local_step) / A; the rest goes to `hidden`. tau = 0: the blocking sync, unchanged (fragments alone change
+    the number of collectives, not the bytes)."""
+    for name, value in (("A", A), ("fragments", fragments)):
+        _positive_int(name, value)
+    if delay < 0 or not local_step >= 0:
+        raise ConfigError(f"delay and local_step must be >= 0, got {delay!r} and {local_step!r}")
+    if delay == 0:
+        return terms
+    per_fragment = terms.sync * A / fragments
+    exposed = max(0.0, per_fragment - delay * local_step) * fragments / A
+    return replace(terms, sync=exposed, hidden=terms.sync - exposed)
 
 
 def comm_terms(method: str, units: Units, *, S: int, R: int = 1, F: int = 1, A: int = 1, B_S: float | None,

@@ -8,7 +8,8 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from flwr_sharded.config import METHODS, SYNC_DTYPE_BYTES
+from flwr_sharded.config import METHODS
+from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.perf.cluster import Cluster, load_cluster
 from flwr_sharded.perf.model_shape import ModelShape

@@ -14,7 +14,7 @@ from typing import Any
 from flwr_sharded.config import METHODS
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.perf.cluster import Cluster
-from flwr_sharded.perf.costmodel import CommTerms, check_layout, comm_terms
+from flwr_sharded.perf.costmodel import CommTerms, check_layout, comm_terms, overlapped
 from flwr_sharded.perf.model_shape import MemoryEstimate, ModelShape, compute_time, memory_per_gpu
 from flwr_sharded.perf.placement import DIMENSIONS
 from flwr_sharded.training.models import PRESETS
@@ -69,7 +69,8 @@ class Candidate:
 
     @property
     def step_time(self) -> float:
-        """Predicted seconds per optimizer step: compute + communication."""
+        """Predicted seconds per optimizer step: compute + communication (of an overlapped sync, what is not
+        hidden)."""
         return self.compute + self.comm.total
 
     @property
@@ -109,8 +110,9 @@ def evaluate(cluster: Cluster, model: ModelShape, method: str, *, F: int = 1, R:
              tokens_per_gpu_batch: int = 4096, bytes_per_param: float = 2.0,
              state_bytes_per_param: float | None = None, sizes: str = "exact", latency: bool = False,
              activation_checkpointing: bool = False, memory_fraction: float = 0.9,
-             sync_bytes_per_param: float | None = None) -> Candidate:
-    """Predict one layout's step on `cluster` (see `plan` for the options)."""
+             sync_bytes_per_param: float | None = None, sync_fragments: int = 1, sync_delay: int = 0) -> Candidate:
+    """Predict one layout's step on `cluster` (see `plan` for the options; `sync_fragments` and `sync_delay`: an
+    overlapped sync, whose step time counts only what does not hide behind the local steps)."""
     check_layout(method, S=S, R=R, F=F, A=A)
     if sync_bytes_per_param is not None and not sync_bytes_per_param > 0:
         raise ConfigError(f"sync_bytes_per_param must be positive, got {sync_bytes_per_param!r}")
@@ -136,6 +138,9 @@ def evaluate(cluster: Cluster, model: ModelShape, method: str, *, F: int = 1, R:
                       wire_ratio=(sync_bytes_per_param or bytes_per_param) / bytes_per_param)
     compute = compute_time(model.num_params, tokens_per_gpu_batch, cluster.flops_per_gpu,
                            flops_per_param_token=8.0 if activation_checkpointing else 6.0)
+    if method.startswith("fl-"):
+        comm = overlapped(comm, A=A, fragments=sync_fragments, delay=sync_delay,
+                          local_step=compute + comm.shard + comm.replicate)
     memory = memory_per_gpu(model, S=S, tokens=tokens_per_gpu_batch, bytes_per_param=bytes_per_param,
                             state_bytes_per_param=state_bytes_per_param,
                             activation_checkpointing=activation_checkpointing)

@@ -142,14 +142,15 @@ class TrafficProbe:
                 phase_of[i] = phase
         self._collectives = {}
         for phase, rec in zip(phase_of, records):
+            phase = "sync" if rec.background else phase  # an overlapped sync's thread, while steps run
             slot = self._collectives.setdefault((phase, rec.op, rec.ranks), [0, 0])
             slot[0] += 1
             slot[1] += rec.nbytes
         self._netdev = {label: _subtract(end[label], self._start[label]) for label in end if label in self._start}
 
     @contextlib.contextmanager
-    def window(self, phase: str) -> Iterator[None]:
-        """Count the body under `phase` ("step" or "sync")."""
+    def window(self, phase: str, count: bool = True) -> Iterator[None]:
+        """Count the body under `phase` ("step" or "sync"); `count=False`: its collectives, not as a window."""
         self.start()
         i0 = len(self._meter.records) if self._meter is not None else 0
         start = time.perf_counter()
@@ -157,21 +158,24 @@ class TrafficProbe:
             yield
         finally:
             self.seconds[phase] += time.perf_counter() - start
-            self.windows[phase] += 1
+            self.windows[phase] += int(count)
             if self._meter is not None:
                 self._spans.append((phase, i0, len(self._meter.records)))
 
-    def wrap(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrap(self, phase: str, fn: Callable[..., Any], count: bool = True) -> Callable[..., Any]:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
-            with self.window(phase):
+            with self.window(phase, count):
                 return fn(*args, **kwargs)
 
         return wrapped
 
     def attach(self, trainer: Any) -> None:
-        """Measure `trainer.step` (one optimizer step) and `trainer.sync` (one shard sync) from now on."""
+        """Measure `trainer.step` (one optimizer step) and the shard syncs from now on: a window per completed
+        fragment sync (`complete_sync`), and the collectives of starting an overlapped one (`start_sync`) and of
+        its communication thread under "sync" too."""
         trainer.step = self.wrap("step", trainer.step)
-        trainer.sync = self.wrap("sync", trainer.sync)
+        trainer.complete_sync = self.wrap("sync", trainer.complete_sync)
+        trainer.start_sync = self.wrap("sync", trainer.start_sync, count=False)
 
     def to_dict(self) -> dict[str, Any]:
         self.finish()
@@ -215,6 +219,8 @@ def sent_bytes(op: str, payload: float, n: int, backend: str = "gloo") -> float:
         return 2.0 * payload * (n - 1) / n
     if op == "broadcast":
         return payload  # pipelined chain: every rank but the last forwards it once (the caller drops the last)
+    if op == "send":
+        return payload  # point to point: its record's ranks are (sender, receiver)
     raise ValueError(f"no ring accounting for collective {op!r}")
 
 
@@ -268,7 +274,7 @@ def wire_tiers(probes: list[dict[str, Any]], ranks_per_node: int, uplinks: list[
     return out
 
 
-def predicted_tiers(method: str, placement: Placement, units: Units, *, A: int, steps: int, syncs: int,
+def predicted_tiers(method: str, placement: Placement, units: Units, *, A: int, steps: int, syncs: float,
                     backend: str = "gloo", reshard_root: bool = True,
                     wire_ratio: float = 1.0) -> dict[str, dict[str, float]]:
     """`placement.traffic` summed over ranks: step bytes x steps and sync bytes x syncs, per tier.
@@ -295,7 +301,7 @@ class TierComparison:
     wire: dict[str, float] | None
     """tier -> bytes on the interfaces over the whole loop (steps, syncs, evaluation, logging)."""
     steps: int
-    syncs: int
+    syncs: float
 
     def predicted_total(self) -> dict[str, float]:
         return {t: sum(self.predicted[p][t] for p in PHASES) for t in TIERS}
@@ -329,13 +335,14 @@ class TierComparison:
 
 def compare(probes: list[dict[str, Any]], method: str, placement: Placement, units: Units, *, A: int,
             backend: str = "gloo", reshard_root: bool = True, ranks_per_node: int | None = None,
-            uplinks: list[str] | None = None, wire_ratio: float = 1.0) -> TierComparison:
+            uplinks: list[str] | None = None, wire_ratio: float = 1.0, fragments: int = 1) -> TierComparison:
     """Measured (collectives, and wire when counters were taken) against predicted bytes per tier for one run.
 
     `wire_ratio`: as in `predicted_tiers` (the run's `--sync-dtype` bytes over the units' bytes per parameter).
+    `fragments`: the run's `--sync-fragments` (each fragment's sync carries its share of the model).
     """
     steps = probes[0]["windows"]["step"]
-    syncs = probes[0]["windows"]["sync"]
+    syncs = probes[0]["windows"]["sync"] / fragments  # whole-model syncs: one per fragment's sync of each
     predicted = predicted_tiers(method, placement, units, A=A, steps=steps, syncs=syncs, backend=backend,
                                 reshard_root=reshard_root, wire_ratio=wire_ratio)
     wire = None

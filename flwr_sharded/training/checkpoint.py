@@ -75,10 +75,13 @@ def check_resumable(cfg: TrainConfig, root: str | Path, fed_index: int = 0) -> P
             if saved[section][key] != mine[section][key]:
                 raise ConfigError(f"--resume: the checkpoint in {root} was written with {section}.{key}="
                                   f"{saved[section][key]!r}, this run has {mine[section][key]!r}")
-    saved_wire = saved["parallel"].get("sync_dtype", "float32")  # checkpoints from before the option: float32
-    if saved_wire != cfg.parallel.sync_dtype:  # a reduced wire needs the global shards, which fp32 fedavg never kept
-        raise ConfigError(f"--resume: the checkpoint in {root} was written with parallel.sync_dtype={saved_wire!r}, "
-                          f"this run has {cfg.parallel.sync_dtype!r}")
+    # the outer state's layout: a reduced wire keeps the global shards (fp32 fedavg never did), fragments have their
+    # own, error feedback its residuals; checkpoints from before an option hold its default
+    for key, default in (("sync_dtype", "float32"), ("sync_fragments", 1), ("sync_error_feedback", False)):
+        saved_value = saved["parallel"].get(key, default)
+        if saved_value != getattr(cfg.parallel, key):
+            raise ConfigError(f"--resume: the checkpoint in {root} was written with parallel.{key}={saved_value!r}, "
+                              f"this run has {getattr(cfg.parallel, key)!r}")
     for key in ("batch_size", "grad_accum", "seed"):
         if saved[key] != mine[key]:
             raise ConfigError(f"--resume: the checkpoint was written with {key}={saved[key]!r}, this run has "

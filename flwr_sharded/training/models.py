@@ -118,10 +118,11 @@ def build_model(name: str, *, vocab_size: int, max_seq_len: int, pretrained: boo
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of a Hugging Face model, found from its `_no_split_modules` class names."""
+    """The repeated blocks of a Hugging Face model, found from its `_no_split_modules` class names (before or after
+    `fully_shard`, which subclasses each block's class)."""
     names = set(getattr(model, "_no_split_modules", None) or [])
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    blocks = [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
     if not blocks:
-        raise ValueError(f"cannot find the transformer blocks of {type(model).__name__}: "
-                         f"it declares no _no_split_modules")
+        raise ValueError(f"cannot find the transformer blocks of {type(model).__name__}: no module is one of its "
+                         f"_no_split_modules ({sorted(names) or 'none declared'})")
     return blocks

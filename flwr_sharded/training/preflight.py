@@ -25,6 +25,7 @@ def preflight(cfg: TrainConfig, world_size: int) -> None:
             raise ConfigError(f"{flag} needs the {package} package: pip install 'flwr_sharded[{package}]'")
     check_devices(cfg)
     check_model_name(cfg.model.name)
+    check_sync(cfg)
     if cfg.model.pretrained and not is_preset(cfg.model.name):
         from flwr_sharded.training.pretrained import check_pretrained
 
@@ -49,3 +50,22 @@ def check_devices(cfg: TrainConfig) -> None:
     if cfg.parallel.backend in ("auto", "nccl") and local > gpus:
         raise ConfigError(f"{local} ranks on this node but {gpus} GPU(s): NCCL needs one GPU per rank; launch at most "
                           f"{gpus} ranks per node, or use --backend gloo to let ranks share GPUs")
+
+
+def check_sync(cfg: TrainConfig) -> None:
+    """The shard sync against the model and the device: fragments are groups of whole transformer blocks, and an
+    fp8 wire needs a device that casts to e4m3."""
+    p = cfg.parallel
+    if p.federated and p.sync_fragments > 1:
+        from flwr_sharded.config import check_fragments
+        from flwr_sharded.training.models import model_config
+
+        config = model_config(cfg.model.name, vocab_size=1, max_seq_len=cfg.data.seq_len)
+        check_fragments(p, int(config.num_hidden_layers), cfg.model.name)
+    if p.federated and p.sync_dtype == "float8_e4m3fn":
+        import torch
+
+        from flwr_sharded.parallel.quantize import check_wire_dtype
+
+        # the shards (and so the quantization) live on the GPU whenever there is one, whatever the backend
+        check_wire_dtype(p.sync_dtype, "cuda" if torch.cuda.is_available() else "cpu")

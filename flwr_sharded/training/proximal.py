@@ -22,12 +22,15 @@ class ProximalTerm:
         self._anchor: list[torch.Tensor] | None = None
 
     @torch.no_grad()
-    def set_anchor(self) -> None:
-        """The current shards become w_sync."""
-        shards = [local_shard(p) for p in self.params]
+    def set_anchor(self, params: list[nn.Parameter] | None = None) -> None:
+        """The current shards (of `params` only, e.g. a sync fragment's, once the anchor exists) become w_sync."""
         if self._anchor is None:
-            self._anchor = [torch.empty_like(s) for s in shards]
-        torch._foreach_copy_(self._anchor, shards)
+            self._anchor = [torch.empty_like(local_shard(p)) for p in self.params]
+            params = None  # the first anchor is the whole model
+        chosen = None if params is None else {id(p) for p in params}
+        pairs = [(a, local_shard(p)) for p, a in zip(self.params, self._anchor) if chosen is None or id(p) in chosen]
+        if pairs:
+            torch._foreach_copy_([a for a, _ in pairs], [s for _, s in pairs])
 
     def release(self) -> None:
         """Forget the anchor (mu is 0): its memory, one copy of the shards, is freed."""

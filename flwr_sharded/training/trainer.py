@@ -17,7 +17,9 @@ import torch.distributed as dist
 from torch import nn
 
 from flwr_sharded.config import TrainConfig, config_to_dict, outer_rule
+from flwr_sharded.parallel.schedule import Schedule
 from flwr_sharded.parallel.sharding import mixed_precision_policy
+from flwr_sharded.parallel.streaming import FragmentedSync, fragment_parameters
 from flwr_sharded.parallel.sync import ShardSync, SyncStats, local_shard
 from flwr_sharded.parallel.topology import Topology
 from flwr_sharded.run_dir import perplexity
@@ -26,6 +28,7 @@ from flwr_sharded.training.partition import BatchStream, eval_batches
 from flwr_sharded.training.checkpoint import Checkpointer, latest_checkpoint
 from flwr_sharded.training.metrics import PhaseTimer, Throughput
 from flwr_sharded.training.model_init import build_sharded_model
+from flwr_sharded.training.models import transformer_blocks
 from flwr_sharded.training.proximal import ProximalTerm
 from flwr_sharded.training.safetensors_writer import save_sharded_pretrained
 
@@ -110,14 +113,19 @@ class Trainer:
         n_eval = (min(cfg.data.eval_blocks, len(self.blocks.validation)) // topo.group_world) * topo.group_world
         self.eval_data = eval_batches(self.blocks, batch_size=cfg.batch_size, group_rank=topo.group_rank,
                                                group_world=topo.group_world, max_blocks=n_eval)
-        self.shard_sync: ShardSync | None = None
+        self.shard_sync: FragmentedSync | None = None
+        self.fragment_tokens = [0] * p.sync_fragments
+        """This rank's tokens since each fragment's last sync started (its weight in the next one)."""
         if p.federated:
             replica0 = topo.replica_index == 0
             fed_group = topo.fed_group if static_sync and replica0 else None
-            self.shard_sync = ShardSync(self.model.named_parameters(), fed_group=fed_group,
-                                        rep_group=topo.rep_group if static_sync else None,
-                                        bucket_bytes=int(p.bucket_mb * (1 << 20)), rule=outer_rule(p),
-                                        wire_dtype=getattr(torch, p.sync_dtype))
+            parts = fragment_parameters(self.model, transformer_blocks(self.model), p.sync_fragments)
+            syncs = [ShardSync(part, fed_group=fed_group, rep_group=topo.rep_group if static_sync else None,
+                               bucket_bytes=int(p.bucket_mb * (1 << 20)), rule=outer_rule(p),
+                               wire_dtype=getattr(torch, p.sync_dtype), error_feedback=p.sync_error_feedback)
+                     for part in parts]
+            self.shard_sync = FragmentedSync(syncs, Schedule(p.aggregate_every, p.sync_fragments, p.sync_delay))
+            self._fragment_of = {id(param): i for i, part in enumerate(parts) for _, param in part}
             if replica0:  # only replica 0 joins the cross-group step
                 self.shard_sync.capture_global()  # the start of the first sync period, for outer optimizers
         self.proximal_mu = cfg.optim.proximal_mu
@@ -125,7 +133,6 @@ class Trainer:
         self.proximal = ProximalTerm(self.model)
         self.timer = PhaseTimer(topo.mesh.device_type)
         self.step_count = 0
-        self.tokens_since_sync = 0  # this rank's tokens since the last sync
         self.checkpointer = None
         if cfg.checkpoint.dir:
             self.checkpointer = Checkpointer(cfg.checkpoint.dir, fed_index=fed_index, group_rank=topo.group_rank,
@@ -147,7 +154,7 @@ class Trainer:
             with self.timer.phase("backward"):
                 loss.backward()
             total += loss.detach()
-            self.tokens_since_sync += batch.numel()
+            self.fragment_tokens = [n + batch.numel() for n in self.fragment_tokens]
         with self.timer.phase("optimizer"):
             if self.proximal_mu > 0:
                 self.proximal.add_gradient(self.proximal_mu)
@@ -159,12 +166,17 @@ class Trainer:
         self.step_count += 1
         return total
 
-    def set_anchor(self) -> None:
-        """FedProx: the current shards become w_sync (when mu > 0; otherwise the anchor's memory is freed)."""
+    def set_anchor(self, fragment: int | None = None) -> None:
+        """FedProx: the current shards (of one fragment, or all) become w_sync when mu > 0; otherwise the anchor's
+        memory is freed."""
         if self.proximal_mu > 0:
-            self.proximal.set_anchor()
+            self.proximal.set_anchor(None if fragment is None else self.fragment_params(fragment))
         else:
             self.proximal.release()
+
+    def fragment_params(self, i: int) -> list[nn.Parameter]:
+        """The parameters of sync fragment i."""
+        return [param for param in self.model.parameters() if self._fragment_of[id(param)] == i]
 
     def set_peak_lr(self, lr: float) -> None:
         """Make `lr` the schedule's peak from the next step on (the schedule's shape is kept)."""
@@ -172,25 +184,71 @@ class Trainer:
         for group, factor in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas):
             group["lr"] = lr * factor(self.scheduler.last_epoch)
 
+    # ----- the shard sync: fragment i of N, blocking (tau = 0) or overlapped (started tau steps before) ---------
+    def take_weight(self, i: int) -> float:
+        """This group's weight in fragment i's sync (its tokens since that fragment's last sync started), and a new
+        count from now on."""
+        weight = float(self.fragment_tokens[i] * self.topo.group_world)  # every rank of a group sees equal batches
+        self.fragment_tokens[i] = 0
+        return weight
+
+    def start_sync(self, i: int) -> None:
+        """Fragment i's overlapped sync begins: its shards are copied out and, on replica 0, reduced in the
+        background while the next steps compute."""
+        with self.timer.phase("sync"):
+            self.shard_sync.start(i, self.take_weight(i))
+
+    def complete_sync(self, i: int, *, apply_rule: bool = True, timeout: float | None = None) -> SyncStats:
+        """Fragment i's synced values into its shards (on ranks that take part in the reduction; a static world's
+        FL+HSDP replicas too, by broadcast): a blocking sync, or the overlapped one's wait (bounded by `timeout`)
+        and merge, with `sync-alpha` mixing. Raises if the sync failed (nothing is then written); `after_sync`
+        follows once the sync is adopted. `apply_rule=False`: stop at the weighted mean (a facility-level sync of a
+        hierarchical federation)."""
+        alpha = self.cfg.parallel.sync_alpha
+        with self.timer.phase("sync"):
+            if self.shard_sync.schedule.delay == 0:
+                return self.shard_sync.sync_fragment(i, self.take_weight(i), apply_rule=apply_rule, alpha=alpha)
+            if self.shard_sync.flights[i].in_flight:
+                self.shard_sync.wait(i, timeout)
+            return self.shard_sync.merge(i, alpha=alpha, apply_rule=apply_rule)
+
+    def abandon_syncs(self) -> None:
+        """Drop the syncs in flight (a round failed) and restart every fragment's token count."""
+        self.shard_sync.abandon()
+        self.fragment_tokens = [0] * len(self.fragment_tokens)
+
+    def sync_point(self, step_in_period: int) -> list[SyncStats]:
+        """What the static loop does after step `step_in_period` (1..A) of a period: start the overlapped syncs due,
+        complete those due (each followed by `after_sync`); returns the completed syncs' stats."""
+        schedule, done = self.shard_sync.schedule, []
+        for i in schedule.merges(step_in_period):
+            done.append(self.complete_sync(i, timeout=self.cfg.timeout_s))
+            self.after_sync(i)
+        for i in schedule.starts(step_in_period):
+            self.start_sync(i)
+        return done
+
     def sync(self, *, apply_rule: bool = True) -> SyncStats:
-        """Average shards with the other federation groups, weighted by the tokens each processed, then
-        `after_sync`. `apply_rule=False`: stop at the weighted mean (a facility-level sync of a hierarchical
-        federation)."""
+        """A blocking sync of the whole model, fragment by fragment, each followed by `after_sync`."""
         if self.shard_sync is None:
             raise RuntimeError("this trainer has no federation groups to sync with")
-        group_tokens = self.tokens_since_sync * self.topo.group_world  # every rank of a group sees equal-size batches
-        with self.timer.phase("sync"):
-            stats = self.shard_sync.sync(weight=float(group_tokens), apply_rule=apply_rule)
-        self.after_sync()
-        return stats
+        stats = []
+        for i in range(len(self.shard_sync.fragments)):
+            with self.timer.phase("sync"):
+                stats.append(self.shard_sync.sync_fragment(i, self.take_weight(i), apply_rule=apply_rule,
+                                                           alpha=self.cfg.parallel.sync_alpha))
+            self.after_sync(i)
+        return SyncStats(seconds=sum(x.seconds for x in stats), buckets=sum(x.buckets for x in stats),
+                         bytes=sum(x.bytes for x in stats), total_weight=stats[0].total_weight)
 
-    def after_sync(self) -> None:
-        """What follows every adopted sync on every rank: a new sync period starts (token count, optimizer reset
-        if configured, FedProx anchor)."""
-        self.tokens_since_sync = 0
+    def after_sync(self, fragment: int | None = None) -> None:
+        """What follows every adopted sync of a fragment (or of all) on every rank: the optimizer's state of its
+        parameters cleared if configured, and the FedProx anchor set."""
         if self.cfg.parallel.reset_optimizer_state:
-            self.optimizer.state.clear()
-        self.set_anchor()
+            params = self.model.parameters() if fragment is None else self.fragment_params(fragment)
+            for param in params:
+                self.optimizer.state.pop(param, None)
+        self.set_anchor(fragment)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -213,7 +271,7 @@ class Trainer:
         meta = {"config": config_to_dict(self.cfg), "vocab_size": self.blocks.vocab_size,
                 "scheduler": self.scheduler.state_dict(), **(extra_meta or {})}
         rank_state = {"stream": self.stream.state(), "rng": torch.get_rng_state(),
-                      "tokens_since_sync": self.tokens_since_sync}
+                      "fragment_tokens": list(self.fragment_tokens)}
         if self.shard_sync is not None and self.shard_sync.keeps_global:
             rank_state["outer"] = self.shard_sync.outer_state_dict()  # sharded like the parameters
         if self.device.type == "cuda":
@@ -231,7 +289,7 @@ class Trainer:
         self.step_count = meta["step"]
         self.scheduler.load_state_dict(meta["scheduler"])
         self.stream.load_state(rank_state["stream"])
-        self.tokens_since_sync = rank_state["tokens_since_sync"]
+        self.fragment_tokens = list(rank_state["fragment_tokens"])
         if "outer" in rank_state:
             self.shard_sync.load_outer_state_dict(rank_state["outer"])
         torch.set_rng_state(rank_state["rng"])
@@ -286,9 +344,8 @@ class Trainer:
             while self.step_count < cfg.steps:
                 loss_sum += self.step()
                 window_steps += 1
-                if p.federated and p.sync and self.step_count % p.aggregate_every == 0:
-                    self.sync()
-                    syncs += 1
+                if p.federated and p.sync:
+                    syncs += len(self.sync_point((self.step_count - 1) % p.aggregate_every + 1))
                 if self.step_count % out.log_every == 0 or self.step_count == cfg.steps:
                     last = stamp(self._train_record(loss_sum, window_steps, time.perf_counter() - window_start,
                                                     syncs))
@@ -311,6 +368,8 @@ class Trainer:
             if self.checkpointer is not None:
                 self.checkpointer.wait()
         finally:
+            if self.shard_sync is not None:
+                self.shard_sync.abandon(self.cfg.timeout_s)  # a sync in flight when `steps` ends mid-period is dropped
             bar.close()
         return last
 

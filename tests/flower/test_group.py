@@ -331,3 +331,32 @@ def test_a_restarted_group_catches_up_with_the_members_before_training(procs, da
     assert got_a["catch_up_checksums"] == got_b["catch_up_checksums"] == alone["checksums"]
     assert got_a["step"] == got_b["step"] == 6 and got_a["lr"] == got_b["lr"]
     assert not got_a["sync_failed"] and got_a["checksums"] == got_b["checksums"]
+
+
+@pytest.mark.timeout(300)
+def test_a_dead_group_during_an_overlapped_int8_sync_makes_the_survivors_roll_back(procs, data_dir):
+    """As above, with each sync started one step before its merge (tau = 1 of A = 2) and an int8 wire: C crashes
+    after the first sync, so the next one, already in flight in A and B while they take their next step, fails
+    within the sync timeout; both restore the shards and outer state of sync 1, and the next round syncs again."""
+    s = spec(data_dir, shards=1, syncs_per_round=2, aggregate_every=2, rounds=2, sync_delay=1, sync_dtype="int8",
+             sync_error_feedback=True)
+    groups = start_groups(procs, [(f"g{i}", dict(shards=1, extra=["--debug-exit-after-syncs", "1"] if i == 2 else []))
+                                  for i in range(3)])
+    clients = [client(a, k) for _, a, k in groups]
+    hellos = [hello(c, s, i, 3) for i, c in enumerate(clients)]
+
+    start = time.monotonic()
+    out = train_all(clients, hellos[0], "t/round1", syncs=2, steps=2, sync_timeout=10.0, may_fail=(2,))
+    assert time.monotonic() - start < 60  # the overlapped sync's failure surfaces at its merge, within the timeout
+    out = out[:2]
+    for o in out:
+        assert (o["syncs"], o["sync_failed"], o["steps"]) == (1, True, 4)
+        assert "shard 0:" in o["sync_error"]
+    assert out[0]["checksums"] == out[1]["checksums"]  # the sync that succeeded
+    after_rollback = [c.call(P.STATUS, timeout=30)["checksums"] for c in clients[:2]]
+    assert after_rollback[0] == after_rollback[1] == out[0]["checksums"]
+
+    out = train_all(clients[:2], hellos[0], "t/round2", syncs=2, steps=2)
+    for o in out:
+        assert (o["syncs"], o["sync_failed"]) == (2, False)
+    assert out[0]["checksums"] == out[1]["checksums"]

@@ -126,9 +126,27 @@ def _reduce_worker(rank: int, world: int):
     return out
 
 
+def ring_bound(xs: list[torch.Tensor], dtype: torch.dtype, block: int) -> torch.Tensor:
+    """Largest error of the ring's result per element (fp64). Chunk c's values are summed in the order of ranks
+    c, c + 1, ..., c + W - 1; each partial sum of the first j of them (j = 1 .. W - 1) is rounded to travel and
+    the whole sum (j = W) once more for the gather: e <= sum_j bound(P_j, s_j), with P_j the sum of the first j
+    magnitudes plus the errors before it (an upper bound of the partial sum) and s_j its block scale; plus the fp32
+    additions, < W u A."""
+    world, n = len(xs), xs[0].numel()
+    chunk = math.ceil(math.ceil(n / block) / world) * block
+    c = torch.arange(n) // chunk
+    order = (c.unsqueeze(0) + torch.arange(world).unsqueeze(1)) % world  # row j: the j-th contributor
+    magnitudes = torch.stack([x.double().abs() for x in xs]).gather(0, order)
+    errors = torch.zeros(n, dtype=torch.float64)
+    for j in range(1, world + 1):
+        partial = magnitudes[:j].sum(0) + errors
+        errors = errors + rounding_bound(partial, block_scales(partial, dtype, block), dtype)
+    return errors + world * U * (magnitudes.sum(0) + errors)
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("world", [2, 3])
-def test_quantized_all_reduce_is_the_sum_within_two_roundings_bit_identical_and_sends_a_quarter(world):
+def test_quantized_all_reduce_is_the_sum_within_its_roundings_bit_identical_and_sends_a_quarter(world):
     from flwr_sharded.parallel.quantize import all_reduce_bytes
 
     out = run_ranks(_reduce_worker, world, timeout=150)
@@ -136,16 +154,7 @@ def test_quantized_all_reduce_is_the_sum_within_two_roundings_bit_identical_and_
         n = n or world * 2 * 256
         xs = [sample(n, 10 * r + 1, block=block, **kwargs) for r in range(world)]
         exact = sum(x.double() for x in xs)
-        # Two roundings: each rank's contribution x_r (block scale s1_r) is off by e1_r <= bound(x_r, s1_r), but on
-        # the chunk rank r owns (and sums), where it is exact; their fp32 sum a, with |a| <= A = sum |x_r| + e1_r,
-        # is off by < W u A; a is rounded again with its block scale s2 <= absmax(A) / qmax: e2 <= bound(A, s2).
-        # Total <= sum_r e1_r + W u A + e2.
-        chunk = math.ceil(math.ceil(n / block) / world) * block
-        owner = torch.arange(n) // chunk
-        e1 = [rounding_bound(x.double(), block_scales(x, dtype, block), dtype) * (owner != r)
-              for r, x in enumerate(xs)]
-        big = sum(x.double().abs() for x in xs) + sum(e1)
-        bound = sum(e1) + world * U * big + rounding_bound(big, block_scales(big, dtype, block), dtype)
+        bound = ring_bound(xs, dtype, block)
         result = out[0][name]["flat"]
         err = (result.double() - exact).abs()
         assert bool((err <= bound).all()), (name, float((err - bound).max()))
@@ -156,15 +165,18 @@ def test_quantized_all_reduce_is_the_sum_within_two_roundings_bit_identical_and_
         for res in out:
             sent = res[name]["sent"]
             assert sent == all_reduce_bytes(n, world, dtype, block)
-            # exactly two 8-bit collectives (no fp32 fall-back); the meter counts the full W-row payloads
-            assert [op for op, _ in res[name]["ops"]] == ["all_to_all_single", "all_gather_single"], res[name]["ops"]
-            assert all(nbytes * (world - 1) == sent // 2 * world for _, nbytes in res[name]["ops"])
+            # only 8-bit rows travel (no fp32 fall-back): W - 1 sends to the ring's next rank, then one gather of
+            # W rows (the meter counts the gather's full payload)
+            ops = res[name]["ops"]
+            assert [op for op, _ in ops] == ["send"] * (world - 1) + ["all_gather_single"], ops
+            row = sent // (2 * (world - 1))
+            assert all(nbytes == row for op, nbytes in ops[:-1]) and ops[-1][1] == world * row
     for name in ("partial", "partial-fp8"):
         n, dtype, block, kwargs = CASES[name]
         xs = [sample(n, 10 * r + 1, block=block, **kwargs) for r in range(world)]
         result = out[0][name + "+feedback"]["flat"]
         assert torch.equal(result, out[0][name]["flat"])  # a zero residual changes nothing on the wire
-        # the residuals are what the result misses, up to the fp32 roundings of the owner's sum and the errors
+        # the residuals are what the result misses, up to the fp32 roundings of the sums and of the errors
         missed = sum(x.double() for x in xs) - result.double() - sum(res[name + "+feedback"]["residual"].double()
                                                                      for res in out)
         assert float(missed.abs().max()) <= 4 * world * U * float(sum(x.abs().double() for x in xs).max()), name
@@ -222,10 +234,10 @@ def test_error_feedback_keeps_the_running_sum_within_one_rounds_error_and_withou
     world, n = 3, 3 * 256 + 50
     out = run_ranks(_feedback_worker, world, n, timeout=150)
     errors, absmax = out[0]["errors"], max(res["absmax"] for res in out)
-    # With feedback the running sum misses exactly the sum of the residuals: each rank's first rounding error
-    # (<= s1 / 2 with s1 <= absmax (1 + 1/254) / 127) plus the owner's second one (the sum's block scale
-    # <= W absmax (1 + 1/127) / 127): <= 2 W absmax / 254 (1 + 1/100), whatever the number of rounds.
-    bound = 2 * world * absmax / 254 * 1.01
+    # With feedback the running sum misses exactly the sum of the residuals: on each element, the rounding errors of
+    # the W - 1 partial sums that travel and of the whole sum, the j-th partial's block scale <= j absmax (1 +
+    # 1/100) / 127: <= (1 + 2 + ... + W) absmax / 254 (1 + 1/100), whatever the number of rounds.
+    bound = world * (world + 1) / 2 * absmax / 254 * 1.01
     assert max(errors["feedback"]) <= bound, (max(errors["feedback"]), bound)
     assert max(errors["feedback"][ROUNDS // 2:]) <= 2 * max(errors["feedback"][:ROUNDS // 2])  # no drift
     # without feedback the nearly constant rounding error adds up round after round

@@ -50,7 +50,7 @@ def _fedavg_worker(rank: int, world: int, method: str, F: int, R: int, S: int):
         after = [local_shard(p).clone() for p in model.parameters()]
         if replica0:  # the kept global model is the new mean, bit for bit
             global_is_mean = all(torch.equal(g, torch.cat([s.float() for s in segs]))
-                           for g, (_, segs, _) in zip(sync._global, sync._bucket_views()))
+                           for g, (_, segs, _) in zip(sync._global, sync.bucket_views()))
         rounds.append({
             "max_err": max(float((a.double() - e).abs().max()) for a, e in zip(after, expected)),
             "max_delta": max(float((b[i] - g).abs().max()) for _, b in sources for i, g in enumerate(global_)),
@@ -101,7 +101,7 @@ def _nesterov_worker(rank: int, world: int, F: int, S: int):
         for round_ in range(2):
             _perturb(model, seed=100 * round_ + rank, scale=0.1)  # the same noise in both runs
             deltas.append(max(float((torch.cat([s.float() for s in segs]) - g).abs().max())
-                              for g, (_, segs, _) in zip(sync._global, sync._bucket_views())))
+                              for g, (_, segs, _) in zip(sync._global, sync.bucket_views())))
             nbytes.append(sync.sync(weight=WEIGHTS[topo.fed_index]).bytes)
         runs[str(wire)] = {"after": [local_shard(p).clone() for p in model.parameters()], "bytes": nbytes,
                            "max_delta": max(deltas)}

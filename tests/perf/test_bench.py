@@ -45,13 +45,19 @@ def _cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("method, layout, A", [("fl-hsdp", ["--federations", "2", "--replicas", "2"], 2),
                                                ("fl-hsdp", ["--federations", "2", "--replicas", "2",
                                                             "--sync-dtype", "bfloat16"], 2),
+                                               ("fl-hsdp", ["--federations", "2", "--replicas", "2",
+                                                            "--sync-dtype", "int8", "--sync-delay", "1"], 2),
                                                ("hsdp", ["--replicas", "2", "--shards", "2"], 1)],
-                         ids=["fl-hsdp", "fl-hsdp-bf16-sync", "hsdp"])
+                         ids=["fl-hsdp", "fl-hsdp-bf16-sync", "fl-hsdp-int8-overlapped-sync", "hsdp"])
 def test_measured_collectives_match_the_cost_model(data_dir, tmp_path, method, layout, A):
     """Bytes per tier from the recorded collectives of every step and sync equal `placement.traffic` within 5%
-    (here: exactly), for a placement of the 4 ranks on 2 pretend nodes (the tiers follow the rank numbers).
-    With a bfloat16 sync the cross-group all-reduce (here the only inter-node traffic) is predicted at half."""
-    wire_ratio = 0.5 if "bfloat16" in layout else 1.0
+    (here: exactly, but for the 8-bit rows' padding), for a placement of the 4 ranks on 2 pretend nodes (the tiers
+    follow the rank numbers). With a bfloat16 or int8 sync the cross-group all-reduce (here the only inter-node
+    traffic) is predicted at its wire bytes per parameter; an overlapped sync's thread is counted as the sync."""
+    from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES
+
+    dtype = layout[layout.index("--sync-dtype") + 1] if "--sync-dtype" in layout else "float32"
+    wire_ratio = SYNC_DTYPE_BYTES[dtype] / 4
     args = ["--method", method, *layout, "--model", "tiny", "--data-dir", str(data_dir), "--seq-len", "32",
             "--batch-size", "1", "--steps", "6", "--aggregate-every", str(A), "--log-every", "2", "--eval-every", "0",
             "--eval-blocks", "4", "--no-progress", "--measure-traffic", str(tmp_path / "traffic")]
@@ -154,12 +160,21 @@ def test_quick_bench_end_to_end(data_dir, tmp_path):
     cluster.write_text(yaml.safe_dump(SMALL))
     before = host_state()
     result = _cli("bench", "--quick", "--cluster", str(cluster), "--data-dir", str(data_dir), "--out",
-                  str(tmp_path / "out"), "--eval-blocks", "4")
+                  str(tmp_path / "out"), "--eval-blocks", "4", "--methods",
+                  "fsdp,hsdp,fl-fsdp,no-sync,fl-fsdp-overlap-int8")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert_clean(before)
     res = json.loads((tmp_path / "out" / "bench.json").read_text())
     runs = res["scenarios"]["main"]["runs"]
-    assert set(runs) == {"fsdp", "hsdp", "fl-fsdp", "no-sync"}
+    assert set(runs) == {"fsdp", "hsdp", "fl-fsdp", "no-sync", "fl-fsdp-overlap-int8"}
+    overlapped = runs.pop("fl-fsdp-overlap-int8")  # an int8 sync overlapped with one step: a quarter on the uplink
+    assert overlapped["sync_variant"] == {"dtype": "int8", "fragments": 1, "delay": 1, "alpha": 0.5,
+                                          "error_feedback": True}
+    assert overlapped["traffic_max_error"] <= 0.05, overlapped["traffic"]["error"]
+    from flwr_sharded.perf.bench.report import cross_group_bytes_per_sync
+
+    ratio = cross_group_bytes_per_sync(overlapped) / cross_group_bytes_per_sync(runs["fl-fsdp"])
+    assert 0.24 <= ratio <= 0.27, ratio
     for key, r in runs.items():
         assert r["traffic_max_error"] <= 0.05, (key, r["traffic"]["error"])
         t = r["traffic"]
@@ -174,8 +189,8 @@ def test_quick_bench_end_to_end(data_dir, tmp_path):
     assert runs["fsdp"]["step_s"] > runs["fl-fsdp"]["step_s"]
     assert (tmp_path / "out" / "time_to_ppl.png").stat().st_size > 10_000
     report = (tmp_path / "out" / "bench.md").read_text()
-    for heading in ("Step time and speedups", "Phase breakdown", "Bytes per tier", "Learning quality",
-                    "Planner agreement", "Targets"):
+    for heading in ("Step time and speedups", "Phase breakdown", "Overlapped and 8-bit syncs", "Bytes per tier",
+                    "Learning quality", "Planner agreement", "Targets"):
         assert heading in report
 
 

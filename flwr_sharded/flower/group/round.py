@@ -34,6 +34,8 @@ class GroupRound:
         self.args = args
         self.topo = runtime.topo
         self.groups: list[rdv.FederationGroup] = []
+        self.start_errors: dict[int, str] = {}
+        """Fragments whose overlapped sync failed to start on this rank, and why."""
         self.rendezvous_s = 0.0
         run = runtime.run
         self.periods = int(args.overrides.get("syncs-per-round", run.federation.syncs_per_round))
@@ -59,29 +61,44 @@ class GroupRound:
                     logger.warning("catch-up of round %s failed: %s", a.prefix, failure)
                 else:
                     caught_up = self.rt.checksums()
+            schedule = t.shard_sync.schedule
             for k in range(0 if failure else self.periods):
                 start = time.perf_counter()
-                for _ in range(self.steps):
+                for step in range(1, self.steps + 1):
                     losses.append(t.step())
                     self._progress(losses)
-                if t.device.type == "cuda":
-                    torch.cuda.synchronize()
+                    merges, starts = schedule.merges(step), schedule.starts(step)
+                    if not merges and not starts:
+                        continue
+                    if t.device.type == "cuda":
+                        torch.cuda.synchronize()
+                    train_s += time.perf_counter() - start
+                    start = time.perf_counter()
+                    for i in merges:
+                        failure, fragment_weight = self.sync(i, apply_rule)
+                        if failure:
+                            break
+                        weight += fragment_weight if i == schedule.fragments - 1 else 0.0  # once per period
+                    for i in ([] if failure else starts):
+                        self.start(i)
+                    sync_s += time.perf_counter() - start
+                    start = time.perf_counter()
+                    if failure:
+                        break
                 train_s += time.perf_counter() - start
-                start = time.perf_counter()
-                failure, period_weight = self.sync(apply_rule)
-                sync_s += time.perf_counter() - start
                 if failure:
                     logger.warning("sync %d of round %s failed, restored the last synced shards: %s", k + 1,
                                    a.prefix, failure)
                     break
                 syncs_done += 1
-                weight += period_weight
                 self.rt.syncs += 1
-                checksums.extend(self.rt.checksums())
+                checksums.extend(self.rt.checksums())  # after the period's last merge: every rank's shards
                 if self.rt.args.debug_exit_after_syncs and self.rt.syncs >= self.rt.args.debug_exit_after_syncs:
                     logger.error("--debug-exit-after-syncs %d reached: exiting abruptly", self.rt.syncs)
                     os._exit(17)  # fault injection for tests: a crash between two syncs
         finally:
+            if any(flight.in_flight for flight in t.shard_sync.flights):  # only if the round broke off mid-period
+                t.shard_sync.abandon()
             for g in self.groups:
                 g.destroy(failed=bool(failure))
         return self._result(losses, train_s, sync_s, syncs_done, failure, weight, checksums, caught_up)
@@ -113,9 +130,11 @@ class GroupRound:
         tokens = len(losses) * cfg.batch_size * cfg.grad_accum * cfg.data.seq_len * self.rt.world
         self.rt.tokens += tokens
         phases = t.timer.collect()  # frees the round's CUDA timing events
+        p = cfg.parallel
+        comparable = {"checksums": checksums} if p.sync_fragments == 1 and p.sync_alpha == 0 else {}
         return {"steps": len(losses), "losses": group_losses, "tokens": tokens, "total_tokens": self.rt.tokens,
                 "train_s": train_s, "sync_s": sync_s, "rendezvous_s": self.rendezvous_s, "syncs": syncs,
-                "sync_failed": bool(failure), "sync_error": failure, "checksums": checksums, "step": t.step_count,
+                "sync_failed": bool(failure), "sync_error": failure, **comparable, "step": t.step_count,
                 "lr": t.scheduler.get_last_lr()[0], "members": len(self.args.members),
                 "catch_up_checksums": caught_up, "facility_tokens": weight, "aggregate_every": self.steps,
                 "syncs_per_round": self.periods, "peak_lr": t.scheduler.base_lrs[0], "proximal_mu": t.proximal_mu,
@@ -136,26 +155,41 @@ class GroupRound:
         self.t.shard_sync.rebind(group.pg, None)
         self.rendezvous_s += time.perf_counter() - start
 
-    def sync(self, apply_rule: bool) -> tuple[str, float]:
-        """One shard sync with the round's members: ('' or the error, the members' total weight as replica 0
-        knows it). On failure every rank of the group is back at the last commit."""
-        t, error, weight = self.t, "", 0.0
-        if self.topo.replica_index == 0:
+    def start(self, i: int) -> None:
+        """Replica 0: begin fragment i's overlapped sync (joining the round's federation group first); an error is
+        kept for the merge, where every rank learns it. Replicas > 0 only restart the fragment's token count."""
+        if self.topo.replica_index != 0:
+            self.t.take_weight(i)
+            return
+        try:
+            self.join()
+            self.t.start_sync(i)
+        except Exception as exc:  # noqa: BLE001 - rendezvous, peer gone, misaligned shards
+            self.start_errors[i] = f"shard {self.topo.shard_index}: {rdv.first_line(exc)}"
+
+    def sync(self, i: int, apply_rule: bool) -> tuple[str, float]:
+        """Fragment i's shard sync with the round's members (blocking, or the merge of the overlapped one started
+        `sync-delay` steps ago): ('' or the error, the members' total weight as replica 0 knows it). On failure
+        every rank of the group is back at the last commit of every fragment, and no sync is left in flight."""
+        t, error, weight = self.t, self.start_errors.pop(i, ""), 0.0
+        if self.topo.replica_index == 0 and not error:
             try:
                 self.join()
-                weight = t.sync(apply_rule=apply_rule).total_weight  # token-weighted FedAvg (or outer rule)
+                # token-weighted FedAvg (or outer rule); an overlapped sync's wait is bounded by the sync timeout
+                weight = t.complete_sync(i, apply_rule=apply_rule, timeout=self.args.sync_timeout + 5.0).total_weight
             except Exception as exc:  # noqa: BLE001 - rendezvous, timeout, peer gone, misaligned shards
                 error = f"shard {self.topo.shard_index}: {rdv.first_line(exc)}"
-        else:  # a replica > 0 receives the result by broadcast below
-            t.after_sync()
+        elif self.topo.replica_index != 0 and t.shard_sync.schedule.delay == 0:
+            t.take_weight(i)  # a replica > 0 receives the result by broadcast below
         errors = [e for e in self.rt.gather(error) if e]
         if errors:
+            t.abandon_syncs()
             self.rt.rollback.restore()
-            t.tokens_since_sync = 0
             return "; ".join(sorted(set(errors))), weight
         if self.topo.rep_group is not None:
-            t.shard_sync.broadcast(self.topo.rep_group)
-        self.rt.rollback.commit()
+            t.shard_sync.fragments[i].broadcast(self.topo.rep_group)
+        t.after_sync(i)
+        self.rt.rollback.commit(i)
         return "", weight
 
     def catch_up(self) -> str:

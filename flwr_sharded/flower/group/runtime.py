@@ -42,6 +42,7 @@ from flwr_sharded.flower.group import server_side
 from flwr_sharded.flower.group.round import GroupRound
 from flwr_sharded.flower.group.server_side import InstructionError
 from flwr_sharded.flower.processes import pid_alive
+from flwr_sharded.parallel.schedule import Schedule
 
 logger = logging.getLogger("flwr_sharded.group")
 
@@ -281,6 +282,13 @@ class GroupRuntime:
             raise InstructionError("export asks for the server path, but this run's aggregation is decentralized")
         if len(a.rendezvous_ports) != self.args.shards:
             raise InstructionError(f"{len(a.rendezvous_ports)} rendezvous ports for {self.args.shards} shard indices")
+        p = self.run.train.parallel
+        steps = int(a.overrides.get("aggregate-every", p.aggregate_every))
+        try:
+            t.shard_sync.schedule = Schedule(steps, p.sync_fragments, p.sync_delay)
+        except ValueError as exc:
+            raise InstructionError(f"aggregate-every {steps} of this round does not fit sync-fragments "
+                                   f"{p.sync_fragments} and sync-delay {p.sync_delay}: {exc}") from None
         result = GroupRound(self, a).run(apply_rule=not server_path)
         failed = result["sync_failed"]
         if a.checkpoint and not failed:

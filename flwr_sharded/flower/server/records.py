@@ -29,7 +29,8 @@ def round_record(server_round: int, members: list[int], ok: dict[int, dict[str, 
                for key in ("train_s", "sync_s", "eval_s")}
     work_s = max((sum(float(m.get(k, 0)) for k in slowest) for m in alive.values()), default=0.0)
     evals = [float(m["eval_loss"]) for m in alive.values() if "eval_loss" in m]
-    checksums = {str(n): [float(x) for x in m.get("checksums", [])] for n, m in alive.items()}
+    # groups send checksums when their shards must be equal after a sync (one fragment, no alpha mixing)
+    checksums = {str(n): [float(x) for x in m["checksums"]] for n, m in alive.items() if "checksums" in m}
     syncs = min((int(m.get("syncs", 0)) for m in alive.values()), default=0)
     record: dict[str, Any] = {
         "kind": "round", "round": server_round, "groups": len(ok), "rolled_back": len(rolled_back),

@@ -22,10 +22,10 @@ import os
 import sys
 from pathlib import Path
 
-from flwr_sharded.config import SYNC_DTYPE_BYTES
+from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.perf.bench.common import REPO
-from flwr_sharded.perf.bench.layouts import parse_layouts
+from flwr_sharded.perf.bench.layouts import VARIANT_RUNS, parse_layouts
 from flwr_sharded.perf.bench.scenarios import _inner_main
 from flwr_sharded.perf.bench.subcommands import _inner_check, _inner_exec, _inner_sync, sync_topologies
 from flwr_sharded.perf.netemu.fabric import RankFailure
@@ -47,7 +47,7 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
-RUN_KEYS = ("fsdp", "hsdp", "fl-fsdp", "fl-hsdp", "no-sync")
+RUN_KEYS = ("fsdp", "hsdp", "fl-fsdp", "fl-hsdp", "no-sync", *VARIANT_RUNS)
 
 
 def _method_list(text: str) -> list[str]:
@@ -98,6 +98,12 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--sync-dtype", choices=tuple(SYNC_DTYPE_BYTES), default="float32",
                    help="wire dtype of the FL methods' shard sync (train --sync-dtype; default float32); the "
                         "predicted sync bytes and the planner use its size")
+    p.add_argument("--overlap-fragments", type=int, default=2,
+                   help="sync fragments N of the overlapped runs (train --sync-fragments; default 2)")
+    p.add_argument("--overlap-delay", type=int, default=3,
+                   help="steps tau each fragment's sync overlaps in the overlapped runs (train --sync-delay; 3)")
+    p.add_argument("--overlap-alpha", type=float, default=0.5,
+                   help="share of the local values kept at a merge in the overlapped runs (train --sync-alpha; 0.5)")
     p.add_argument("--sweep", type=_int_list, default=[1, 2, 4, 8, 16, 32], dest="sweep_values", metavar="LIST",
                    help="values of A for the FL+FSDP sweep (default 1,2,4,8,16,32)")
     p.add_argument("--no-sweep", action="store_true", help="skip the sweep of A")
@@ -154,6 +160,7 @@ def _apply_quick(args: argparse.Namespace) -> None:
     if args.quick:
         args.model, args.seq_len, args.batch_size, args.steps = "tiny", 32, 1, 8
         args.aggregate_every, args.eval_every, args.eval_blocks = 2, 4, 8
+        args.overlap_fragments, args.overlap_delay = 1, 1
         args.sweep_values, args.contrast, args.measure_planner_choice = [], None, False
         args.repeats = 1
         args.sweep_windows = 1
@@ -176,6 +183,18 @@ def _validate(args: argparse.Namespace) -> None:
                           ("--contrast-batch-size", args.contrast_batch_size)):
         if value < 1:
             raise ConfigError(f"{option} must be >= 1, got {value}")
+    from flwr_sharded.config import TrainConfig, validate_sync
+    from flwr_sharded.parallel.outer import FedAvg
+
+    if any("overlap" in key for key in args.method_list):
+        cfg = TrainConfig().parallel
+        cfg.aggregate_every, cfg.sync_fragments, cfg.sync_delay, cfg.sync_alpha = (
+            args.aggregate_every, args.overlap_fragments, args.overlap_delay, args.overlap_alpha)
+        try:
+            validate_sync(cfg, FedAvg())
+        except ConfigError as exc:
+            raise ConfigError(f"the overlapped runs (--overlap-fragments, --overlap-delay, --overlap-alpha with "
+                              f"--aggregate-every): {exc}") from None
     if args.model not in PRESETS:
         raise ConfigError(f"--model: the benchmark needs a preset to predict its traffic; got {args.model!r}, "
                           f"choose one of {', '.join(PRESETS)}")

@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
-LABELS = {"fsdp": "FSDP", "hsdp": "HSDP", "fl-fsdp": "FL+FSDP", "fl-hsdp": "FL+HSDP", "no-sync": "FL+FSDP no-sync"}
+LABELS = {"fsdp": "FSDP", "hsdp": "HSDP", "fl-fsdp": "FL+FSDP", "fl-hsdp": "FL+HSDP", "no-sync": "FL+FSDP no-sync",
+          "fl-fsdp-overlap": "FL+FSDP overlapped", "fl-fsdp-int8": "FL+FSDP int8",
+          "fl-fsdp-overlap-int8": "FL+FSDP overlapped int8"}
 
 
 def _say(message: str) -> None:

@@ -28,11 +28,45 @@ class Layout:
     def text(self) -> str:
         return f"{self.F}x{self.R}x{self.S}"
 
-    def train_args(self, A: int, sync_dtype: str = "float32") -> list[str]:
+    def train_args(self, A: int, sync: SyncVariant | None = None) -> list[str]:
         fl = self.method.startswith("fl-")
         return ["--method", self.method, "--federations", str(self.F), "--replicas", str(self.R),
                 "--shards", str(self.S), "--aggregate-every", str(A if fl else 1),
-                *(["--sync-dtype", sync_dtype] if fl else [])]
+                *((sync or SyncVariant()).train_args() if fl else [])]
+
+
+@dataclass(frozen=True)
+class SyncVariant:
+    """How an FL run syncs: wire dtype, fragments, overlap (`flwr-sharded train --sync-*`)."""
+
+    dtype: str = "float32"
+    fragments: int = 1
+    delay: int = 0
+    alpha: float = 0.0
+    error_feedback: bool = False
+
+    def train_args(self) -> list[str]:
+        return ["--sync-dtype", self.dtype, "--sync-fragments", str(self.fragments), "--sync-delay", str(self.delay),
+                "--sync-alpha", str(self.alpha), *(["--sync-error-feedback"] if self.error_feedback else [])]
+
+    def text(self) -> str:
+        parts = [self.dtype + (" + error feedback" if self.error_feedback else "")]
+        if self.fragments > 1 or self.delay:
+            parts.append(f"N={self.fragments} tau={self.delay} alpha={self.alpha:g}")
+        return ", ".join(parts)
+
+
+VARIANT_RUNS = ("fl-fsdp-overlap", "fl-fsdp-int8", "fl-fsdp-overlap-int8")
+"""Runs of the FL+FSDP layout with another sync: overlapped (the run's dtype), int8 wire (with error feedback),
+both."""
+
+
+def sync_variant(key: str, opts) -> SyncVariant:
+    """The sync of run `key` under the benchmark's options (`--sync-dtype`, `--overlap-*`)."""
+    overlap = dict(fragments=opts.overlap_fragments, delay=opts.overlap_delay, alpha=opts.overlap_alpha) \
+        if "overlap" in key else {}
+    wire = dict(dtype="int8", error_feedback=True) if key.endswith("int8") else dict(dtype=opts.sync_dtype)
+    return SyncVariant(**wire, **overlap)
 
 
 def default_layouts(topo: EmuTopology) -> dict[str, Layout]:

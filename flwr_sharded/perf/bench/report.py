@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from flwr_sharded.perf.bench.common import LABELS, REPO
+from flwr_sharded.perf.bench.layouts import VARIANT_RUNS
 from flwr_sharded.perf.bench.plots import plot
 from flwr_sharded.perf.placement import TIERS
 
@@ -42,6 +43,7 @@ def checks(results: dict[str, Any]) -> list[dict[str, Any]]:
         a = runs["fl-fsdp"]
         v = a["sync_s_mean"] / (a["step_s_mean"] - a["sync_s_mean"])
         add("(same, within the FL+FSDP run: sync time over the other phases)", v, "delta", "<= +20%", v <= 0.20)
+    out.extend(sync_variant_checks(runs))
     for scen_name, scen in results["scenarios"].items():
         errors = [r["traffic_max_error"] for r in scen["runs"].values() if "traffic_max_error" in r]
         errors += [r["traffic_max_error"] for r in scen.get("sweep", []) if "traffic_max_error" in r]
@@ -59,6 +61,49 @@ def checks(results: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def cross_group_bytes_per_sync(run: dict[str, Any]) -> float | None:
+    """Bytes the run's syncs sent across groups, per whole-model sync (collectives, summed over ranks)."""
+    t = run.get("traffic")
+    if not t or not t.get("syncs"):
+        return None
+    return t["collectives"]["sync"]["inter_group"] / t["syncs"]
+
+
+def sync_variant_checks(runs: dict[str, Any]) -> list[dict[str, Any]]:
+    """The overlapped and 8-bit syncs against today's FL+FSDP sync, FSDP and the no-sync limit of the same run."""
+    out = []
+
+    def add(name: str, value: float | None, kind: str, target: str, ok: bool | None) -> None:
+        out.append({"check": name, "value": value, "kind": kind, "target": target, "ok": ok})
+
+    for key in ("fl-fsdp-overlap", "fl-fsdp-overlap-int8"):
+        if key not in runs:
+            continue
+        r = runs[key]
+        if "no-sync" in runs:
+            v = r["step_s_mean"] / runs["no-sync"]["step_s_mean"] - 1
+            add(f"{LABELS[key]} above the no-sync limit (mean step time)", v, "delta", "<= +5%", v <= 0.05)
+        if "fsdp" in runs:
+            v = runs["fsdp"]["step_s"] / r["step_s"]
+            add(f"{LABELS[key]} speedup over FSDP (median step time)", v, "ratio", ">= 8x", v >= 8)
+    reference = runs.get("fl-fsdp")
+    fp32 = reference and (reference.get("sync_variant") or {}).get("dtype", "float32") == "float32"
+    for key in ("fl-fsdp-int8", "fl-fsdp-overlap-int8"):
+        if key in runs and fp32:
+            mine, theirs = cross_group_bytes_per_sync(runs[key]), cross_group_bytes_per_sync(reference)
+            if mine is not None and theirs:
+                add(f"{LABELS[key]}: cross-group bytes per sync over the fp32 sync's", mine / theirs, "ratio",
+                    "<= 0.27x", mine / theirs <= 0.27)
+    base = (reference or {}).get("final", {}).get("eval_ppl")
+    for key in VARIANT_RUNS:
+        ppl = runs.get(key, {}).get("final", {}).get("eval_ppl")
+        if key in runs and base and ppl:
+            v = ppl / base - 1
+            add(f"{LABELS[key]}: eval perplexity against the blocking {reference['sync_variant']['dtype']} sync "
+                f"(same samples)", v, "delta", "within +-2%", abs(v) <= 0.02)
+    return out
+
+
 def agreement(scen: dict[str, Any]) -> dict[str, Any] | None:
     """The planner's first choice against the measurements.
 
@@ -71,7 +116,7 @@ def agreement(scen: dict[str, Any]) -> dict[str, Any] | None:
     if not plan:
         return None
     margin = plan["fl_margin"]
-    measured = {k: r for k, r in scen["runs"].items() if r["sync"]}
+    measured = {k: r for k, r in scen["runs"].items() if r["sync"] and k not in VARIANT_RUNS}
     if "planner_choice_run" in scen:
         measured["planner-choice"] = scen["planner_choice_run"]
     if not measured:
@@ -191,6 +236,8 @@ def render(results: dict[str, Any]) -> str:
                 if r["sync"] and key in pl.get("measured_layouts", {}) else None
             if key == "planner-choice":
                 pred = pl["first_choice"]["predicted_step_s"]
+            if key in pl.get("variants", {}):
+                pred = pl["variants"][key]["predicted_step_s"]
             w(f"| {_label(key, r)} | {r['layout']} | {r['A']} | {r['step_s']:.3f} | {r['step_s_mean']:.3f} | "
               f"{r['step_s_std']:.3f} | {_ratio(base, r['step_s'])} | {_ratio(hsdp, r['step_s'])} | {_fmt(pred)} |")
         w("")
@@ -213,6 +260,28 @@ def render(results: dict[str, Any]) -> str:
               f"Within the FL+FSDP run itself, the sync takes {a['sync_s_mean']:.3f} of its {a['step_s_mean']:.3f} "
               f"s/step: {a['sync_s_mean'] / (a['step_s_mean'] - a['sync_s_mean']):+.1%} over its other phases "
               f"(independent of load changes between runs).")
+        variants = [k for k in ("fl-fsdp", *VARIANT_RUNS) if k in runs and runs[k].get("sync_variant")]
+        if len(variants) > 1:
+            ref = runs.get("no-sync", {}).get("step_s_mean")
+            w("")
+            w("### Overlapped and 8-bit syncs (FL+FSDP, same layout, samples and seed)")
+            w("Sync per step: what the step waits for (an overlapped sync's communication runs during the next "
+              "steps). Cross-group: bytes the syncs sent over the inter-group tier per whole-model sync "
+              "(collectives, all ranks).")
+            w("")
+            w("| run | sync | s/step median | mean | vs no-sync (means) | vs FSDP | sync s per step | cross-group MB "
+              "per sync | eval ppl |")
+            w("|---|---|---|---|---|---|---|---|---|")
+            for key in variants:
+                r, v = runs[key], runs[key]["sync_variant"]
+                text = v["dtype"] + (" + EF" if v["error_feedback"] else "") + (
+                    f", N={v['fragments']} tau={v['delay']} alpha={v['alpha']:g}" if v["delay"] or v["fragments"] > 1
+                    else ", blocking")
+                cross = cross_group_bytes_per_sync(r)
+                w(f"| {_label(key, r)} | {text} | {r['step_s']:.3f} | {r['step_s_mean']:.3f} | "
+                  f"{_fmt(r['step_s_mean'] / ref - 1 if ref else None, '+.1%')} | {_ratio(base, r['step_s'])} | "
+                  f"{r['sync_s_mean']:.3f} | {_fmt(cross / 1e6 if cross is not None else None, '.2f')} | "
+                  f"{_fmt(r['final']['eval_ppl'], '.1f')} |")
         w("")
         w("### Bytes per tier: predicted vs measured (MB, summed over ranks)")
         w("*Predicted*: `costmodel.traffic` for the run's steps and syncs (gloo: a reduce-scatter sends what an "
@@ -278,7 +347,8 @@ def render(results: dict[str, Any]) -> str:
               f"vocabulary, fl_margin {pl['fl_margin']:.0%})")
             w("")
             order = pl["predicted_order"]
-            measured_order = sorted((k for k in runs if runs[k]["sync"]), key=lambda k: runs[k]["step_s"])
+            measured_order = sorted((k for k in runs if runs[k]["sync"] and k not in VARIANT_RUNS),
+                                    key=lambda k: runs[k]["step_s"])
             w(f"- predicted order of the methods' layouts (FL counted {pl['fl_margin']:.0%} slower): "
               f"{' < '.join(LABELS[k] for k in order)}")
             w(f"- measured order: {' < '.join(LABELS[k] for k in measured_order)}")

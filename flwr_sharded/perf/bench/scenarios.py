@@ -4,6 +4,7 @@ merged, each scenario run and the whole benchmark written out."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
 import json
 import os
@@ -15,9 +16,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from flwr_sharded.config import SYNC_DTYPE_BYTES
+from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES
 from flwr_sharded.perf.bench.common import LABELS, _say
-from flwr_sharded.perf.bench.layouts import Layout, model_units, parse_layouts, vocab_size_of
+from flwr_sharded.perf.bench.layouts import (VARIANT_RUNS, Layout, SyncVariant, model_units, parse_layouts,
+                                              sync_variant, vocab_size_of)
 from flwr_sharded.perf.bench.plots import plot
 from flwr_sharded.perf.bench.report import _json_default, agreement, checks, render
 from flwr_sharded.perf.costmodel import Units
@@ -80,8 +82,9 @@ def step_stats(repeats: list[list[dict[str, Any]]]) -> dict[str, Any]:
 
 def run_training(fab: Fabric, layout: Layout, opts: argparse.Namespace, *, A: int, steps: int,
                  sync: bool = True, label: str | None = None, log_every: int | None = None,
-                 units: Units | None = None, work: Path) -> dict[str, Any]:
-    """Train one layout on the fabric; return its summary with measured and predicted traffic per tier."""
+                 units: Units | None = None, work: Path, variant: SyncVariant | None = None) -> dict[str, Any]:
+    """Train one layout on the fabric; return its summary with measured and predicted traffic per tier.
+    `variant`: how an FL layout syncs (default: the benchmark's `--sync-dtype`, blocking, one fragment)."""
     from flwr_sharded.perf.traffic_report import compare, load_probes
 
     topo = fab.topology
@@ -92,7 +95,8 @@ def run_training(fab: Fabric, layout: Layout, opts: argparse.Namespace, *, A: in
     run_dir.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(outputs, ignore_errors=True)
     log_every = log_every or A
-    argv = [sys.executable, "-m", "flwr_sharded.train", *layout.train_args(A, opts.sync_dtype), "--model", opts.model,
+    variant = variant or SyncVariant(dtype=opts.sync_dtype)
+    argv = [sys.executable, "-m", "flwr_sharded.train", *layout.train_args(A, variant), "--model", opts.model,
             "--seq-len", str(opts.seq_len), "--batch-size", str(opts.batch_size), "--steps", str(steps),
             "--lr", str(opts.lr), "--seed", str(opts.seed), "--log-every", str(log_every),
             "--eval-every", str(opts.eval_every), "--eval-blocks", str(opts.eval_blocks),
@@ -106,6 +110,7 @@ def run_training(fab: Fabric, layout: Layout, opts: argparse.Namespace, *, A: in
     summary = summarize_metrics(metrics)
     out = {"label": label, "method": layout.method, "layout": layout.text(), "F": layout.F, "R": layout.R,
            "S": layout.S, "A": A if layout.method.startswith("fl-") else 1, "sync": sync, "steps": steps,
+           "sync_variant": dataclasses.asdict(variant) if layout.method.startswith("fl-") else None,
            "wall_s": wall, "load_avg": [load_before, os.getloadavg()[0]], **summary,
            **step_stats([summary["windows"]]), "repeats": 1}
     if units is not None:
@@ -113,7 +118,8 @@ def run_training(fab: Fabric, layout: Layout, opts: argparse.Namespace, *, A: in
                               nodes_per_group=topo.nodes_per_group)
         cmp = compare(load_probes(traffic_dir), layout.method, placement, units, A=out["A"], backend="gloo",
                       reshard_root=True, ranks_per_node=topo.ranks_per_node, uplinks=topo.uplinks(),
-                      wire_ratio=SYNC_DTYPE_BYTES[opts.sync_dtype] / 4)  # the units are fp32 (4 bytes per parameter)
+                      wire_ratio=SYNC_DTYPE_BYTES[variant.dtype] / 4,  # the units are fp32 (4 bytes per parameter)
+                      fragments=variant.fragments)
         out["traffic"] = cmp.to_dict()
         out["traffic_max_error"] = cmp.max_error()
     return out
@@ -142,13 +148,22 @@ def planner_view(cluster_path: Path, layouts: dict[str, Layout], opts: argparse.
         rows[method] = {"predicted_step_s": c.step_time, "comm_s": c.comm.total, "compute_s": c.compute,
                         "key": c.step_time * (1 + margin if c.federated else 1)}
     order = sorted(rows, key=lambda m: rows[m]["key"])
+    variants = {}  # the FL+FSDP layout with the other syncs (not layouts: kept out of the ranking)
+    for key in VARIANT_RUNS:
+        if key in opts.method_list and "fl-fsdp" in layouts:
+            v, lay = sync_variant(key, opts), layouts["fl-fsdp"]
+            c = evaluate(cluster, shape, "fl-fsdp", F=lay.F, R=lay.R, S=lay.S, A=A,
+                         **{**kw, "sync_bytes_per_param": SYNC_DTYPE_BYTES[v.dtype]}, sync_fragments=v.fragments,
+                         sync_delay=v.delay)
+            variants[key] = {"predicted_step_s": c.step_time, "comm_s": c.comm.total, "compute_s": c.compute,
+                             "hidden_sync_s": c.comm.hidden}
     # the same A as the measured FL runs: a larger A always predicts faster (and drifts more)
     candidates = plan(cluster, shape, aggregate_every_options=(A,), fl_margin=margin, memory_fraction=1.0, **kw)
     first = candidates[0] if candidates else None
     return {"cluster": cluster.name, "first_choice": None if first is None else
             {"method": first.method, "F": first.F, "R": first.R, "S": first.S, "A": first.A,
              "predicted_step_s": first.step_time},
-            "measured_layouts": rows, "predicted_order": order, "fl_margin": margin}
+            "measured_layouts": rows, "variants": variants, "predicted_order": order, "fl_margin": margin}
 
 
 def _shape(model: str, vocab: int):
@@ -193,17 +208,20 @@ def _scenario(name: str, cluster_path: Path, opts: argparse.Namespace, work: Pat
     plan = planner_view(cluster_path, layouts, opts, vocab, A)
     result["planner"] = plan
     # what to run: the methods, the no-sync limit, the planner's first choice if it is none of them
-    jobs: dict[str, tuple[Layout, int, bool]] = {}
+    jobs: dict[str, tuple[Layout, int, bool, SyncVariant | None]] = {}
     for key, lay in layouts.items():
         if key in opts.method_list:
-            jobs[key] = (lay, A if key.startswith("fl-") else 1, True)
+            jobs[key] = (lay, A if key.startswith("fl-") else 1, True, None)
     if main and "no-sync" in opts.method_list and "fl-fsdp" in layouts:
-        jobs["no-sync"] = (layouts["fl-fsdp"], A, False)
+        jobs["no-sync"] = (layouts["fl-fsdp"], A, False, None)
+    for key in VARIANT_RUNS:  # today's FL+FSDP sync next to the overlapped and the 8-bit ones, in the same run
+        if main and key in opts.method_list and "fl-fsdp" in layouts:
+            jobs[key] = (layouts["fl-fsdp"], A, True, sync_variant(key, opts))
     first = plan["first_choice"]
     if opts.measure_planner_choice and first:
         lay = Layout(first["method"], first["F"], first["R"], first["S"])
-        if not any(j == (lay, first["A"], True) for j in jobs.values()):
-            jobs["planner-choice"] = (lay, first["A"], True)
+        if not any(j == (lay, first["A"], True, None) for j in jobs.values()):
+            jobs["planner-choice"] = (lay, first["A"], True, None)
     _say(f"\n== scenario {name}: {topo.describe()}; {steps} steps per run, {repeats} repeat(s)")
     for note in topo.notes:
         _say(f"   note: {note}")
@@ -212,11 +230,13 @@ def _scenario(name: str, cluster_path: Path, opts: argparse.Namespace, work: Pat
         for rep in range(repeats):
             order = list(jobs) if rep % 2 == 0 else list(reversed(jobs))  # interleave: ABC, CBA, ...
             for key in order:
-                lay, a, sync = jobs[key]
-                _say(f"-- {LABELS.get(key, key)} {lay.method} {lay.text()} A={a} (repeat {rep + 1}) ...")
+                lay, a, sync, variant = jobs[key]
+                _say(f"-- {LABELS.get(key, key)} {lay.method} {lay.text()} A={a}"
+                     f"{f' ({variant.text()})' if variant else ''} (repeat {rep + 1}) ...")
                 # windows of the benchmark's A steps for every method: each holds one sync of the FL runs
                 run = run_training(fab, lay, opts, A=a, steps=steps, sync=sync, label=f"{key}-r{rep}",
-                                   log_every=max(a, opts.aggregate_every), units=units(lay.S), work=work / name)
+                                   log_every=max(a, opts.aggregate_every), units=units(lay.S), work=work / name,
+                                   variant=variant)
                 run["label"] = key
                 collected[key].append(run)
                 _say(f"   {run['step_s']:.3f} s/step (median of {run['windows_used']} windows), wall "

@@ -1,0 +1,201 @@
+"""Fragmented and overlapped shard syncs (Streaming DiLoCo) on real FSDP2 shards over gloo."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.multiproc import run_ranks
+from tests.parallel.test_sync import WEIGHTS, _sharded_tiny_model, central_mean
+
+
+def test_schedule_staggers_fragments_and_bounds_the_delay():
+    from flwr_sharded.parallel.schedule import Schedule
+
+    s = Schedule(period=8, fragments=3, delay=1)
+    assert [s.boundary(i) for i in range(3)] == [3, 5, 8]
+    assert s.shortest_share() == 2 and Schedule.shortest_share_of(8, 3) == 2  # shares of 3, 2 and 3 steps
+    with pytest.raises(ValueError, match=r"\[0, 2\)"):
+        Schedule(period=8, fragments=3, delay=2)
+    starts = {step: s.starts(step) for step in range(1, 9) if s.starts(step)}
+    merges = {step: s.merges(step) for step in range(1, 9) if s.merges(step)}
+    assert starts == {2: [0], 4: [1], 7: [2]} and merges == {3: [0], 5: [1], 8: [2]}
+    assert Schedule(period=8).merges(8) == [0] and not any(Schedule(period=8).starts(k) for k in range(1, 9))
+
+
+def _step(model, fed: int, step: int, scale: float = 0.05) -> None:
+    """Stand-in for a local optimizer step: a group- and step-specific change of every shard (replicas alike)."""
+    from flwr_sharded.parallel.sync import local_shard
+
+    gen = torch.Generator().manual_seed(1000 * step + fed)
+    with torch.no_grad():
+        for p in model.parameters():
+            shard = local_shard(p)
+            shard.add_(scale * torch.randn(shard.shape, generator=gen))
+
+
+def _fragmented(topo, model, *, fragments: int, delay: int, wire: str | None, feedback: bool = False,
+                period: int = 4, rule: str = "fedavg"):
+    from flwr_sharded.parallel.outer import make_rule
+    from flwr_sharded.parallel.schedule import Schedule
+    from flwr_sharded.parallel.streaming import FragmentedSync, fragment_parameters
+    from flwr_sharded.parallel.sync import ShardSync
+    from flwr_sharded.training.models import transformer_blocks
+
+    parts = fragment_parameters(model, transformer_blocks(model), fragments)
+    fed = topo.fed_group if topo.replica_index == 0 else None
+    syncs = [ShardSync(part, fed_group=fed, rep_group=topo.rep_group, bucket_bytes=4096, rule=make_rule(rule),
+                       wire_dtype=getattr(torch, wire) if wire else None, error_feedback=feedback) for part in parts]
+    sync = FragmentedSync(syncs, Schedule(period, fragments, delay))
+    if topo.replica_index == 0:
+        sync.capture_global()
+    return sync
+
+
+def _overlap_matches_central(rank: int, world: int, wire: str | None, alpha: float) -> list[float]:
+    """Two periods of a 2-fragment schedule with tau = 1: each merge must equal alpha * local + (1 - alpha) * the
+    weighted mean of the groups' snapshots taken tau steps earlier (fp64, computed from every rank's copies)."""
+    from flwr_sharded.parallel.sync import local_shard
+
+    topo, model = _sharded_tiny_model("fl-fsdp", 2, 1, 2)
+    sync = _fragmented(topo, model, fragments=2, delay=1, wire=wire)
+    weight = WEIGHTS[topo.fed_index]
+    snapshots: dict[int, list[torch.Tensor]] = {}
+    errors = []
+    for step in range(1, 9):
+        _step(model, topo.fed_index, step)
+        period_step = (step - 1) % 4 + 1
+        for i in sync.schedule.merges(period_step):
+            local = [local_shard(p).double().clone() for p in sync.params(i)]
+            sync.wait(i, timeout=60)
+            sync.merge(i, alpha=alpha)
+            mean, sources = central_mean(topo, snapshots.pop(i), WEIGHTS)
+            for got, loc, ref in zip(sync.params(i), local, mean):
+                expected = alpha * loc + (1 - alpha) * ref
+                errors.append(float((local_shard(got).double() - expected).abs().max()))
+        for i in sync.schedule.starts(period_step):
+            snapshots[i] = [local_shard(p).detach().clone() for p in sync.params(i)]
+            sync.start(i, weight)
+    return errors
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("wire,alpha,tolerance", [(None, 0.5, 1e-6), ("int8", 0.25, 2e-3)],
+                         ids=["fp32-alpha0.5", "int8-alpha0.25"])
+def test_overlapped_sync_equals_the_delayed_alpha_mixed_central_update(wire, alpha, tolerance):
+    errors = [e for rank_errors in run_ranks(_overlap_matches_central, 4, wire, alpha, timeout=240)
+              for e in rank_errors]
+    assert errors and max(errors) <= tolerance, max(errors)
+
+
+def _replicas_after_every_merge(rank: int, world: int, wire: str | None, delay: int) -> list[bool]:
+    """FL+HSDP (F=2, R=2, S=1): after every merge every replica of a group holds bit-identical shards."""
+    import torch.distributed as dist
+
+    from flwr_sharded.parallel.sync import local_shard
+
+    topo, model = _sharded_tiny_model("fl-hsdp", 2, 2, 1)
+    sync = _fragmented(topo, model, fragments=2, delay=delay, wire=wire, feedback=wire is not None)
+    identical = []
+    for step in range(1, 9):
+        _step(model, topo.fed_index, step)  # replicas of a group take the same steps, as HSDP's do
+        period_step = (step - 1) % 4 + 1
+        for i in sync.schedule.merges(period_step):
+            if delay == 0:
+                sync.sync_fragment(i, WEIGHTS[topo.fed_index], alpha=0.5)
+            else:
+                if sync.flights[i].in_flight:
+                    sync.wait(i, timeout=60)
+                sync.merge(i, alpha=0.5)
+            flat = torch.cat([local_shard(p).reshape(-1) for p in model.parameters()])
+            gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size(topo.rep_group))]
+            dist.all_gather(gathered, flat, group=topo.rep_group)
+            identical.append(all(torch.equal(g, gathered[0]) for g in gathered))
+        for i in sync.schedule.starts(period_step):
+            sync.start(i, WEIGHTS[topo.fed_index])
+    return identical
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("wire,delay", [("int8", 1), (None, 0)], ids=["int8-overlapped", "fp32-blocking"])
+def test_fl_hsdp_replicas_bit_identical_after_every_merge(wire, delay):
+    results = run_ranks(_replicas_after_every_merge, 4, wire, delay, timeout=240)
+    assert all(len(r) == 4 for r in results) and all(all(r) for r in results), results
+
+
+def _trainer_equals_todays_loop(rank: int, world: int, data_dir: str) -> bool:
+    """The trainer's fragment schedule with N = 1 and tau = 0 against today's loop written out: A steps, then one
+    blocking `ShardSync.sync` weighted by the group's tokens. Same seed, same data: bit-identical shards."""
+    from flwr_sharded.config import TrainConfig
+    from flwr_sharded.parallel.outer import make_rule
+    from flwr_sharded.parallel.sync import ShardSync, local_shard
+    from flwr_sharded.parallel.topology import init_topology
+    from flwr_sharded.training.trainer import Trainer
+
+    cfg = TrainConfig()
+    cfg.parallel.method, cfg.parallel.federations, cfg.parallel.shards = "fl-fsdp", 2, 1
+    cfg.parallel.aggregate_every, cfg.parallel.outer = 2, "nesterov"
+    cfg.model.name, cfg.data.data_dir, cfg.data.seq_len, cfg.batch_size, cfg.steps = "tiny", data_dir, 32, 2, 6
+    topo = init_topology(cfg.parallel)
+    ours, ref = Trainer(cfg, topo), Trainer(cfg, topo)
+    todays = ShardSync(ref.model.named_parameters(), fed_group=topo.fed_group, rule=make_rule("nesterov"))
+    todays.capture_global()
+    for step in range(1, cfg.steps + 1):
+        ours.step()
+        ours.sync_point((step - 1) % 2 + 1)
+        ref.step()
+        if step % 2 == 0:
+            todays.sync(float(2 * 32 * 2 * topo.group_world))
+    return all(torch.equal(local_shard(a), local_shard(b)) for a, b in zip(ours.model.parameters(),
+                                                                           ref.model.parameters()))
+
+
+@pytest.mark.timeout(300)
+def test_one_fragment_without_delay_is_the_blocking_sync(data_dir):
+    assert all(run_ranks(_trainer_equals_todays_loop, 2, str(data_dir), timeout=240))
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"sync_delay": 4, "sync_fragments": 2}, r"--sync-delay 4 is not smaller .* allowed: 0\.\.3"),
+    ({"sync_fragments": 9}, r"--sync-fragments 9 .* allowed: 1\.\.8"),
+    ({"sync_dtype": "int8", "outer": "trimmed-mean"}, r"--sync-dtype int8 .* --outer trimmed-mean"),
+    ({"sync_delay": 1, "outer": "trimmed-mean"}, r"--sync-delay 1 .* linear rule"),
+    ({"sync_error_feedback": True}, r"--sync-error-feedback .* int8 or float8_e4m3fn"),
+    ({"sync_delay": 1, "method": "fsdp", "federations": 1}, r"--sync-delay .* fl-fsdp or fl-hsdp"),
+])
+def test_bad_sync_options_are_refused_naming_the_option(options, message):
+    from flwr_sharded.config import TrainConfig, validate
+    from flwr_sharded.errors import ConfigError
+
+    cfg = TrainConfig()
+    for key, value in options.items():
+        setattr(cfg.parallel, key, value)
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg)
+
+
+def test_more_fragments_than_blocks_and_fp8_without_support_are_refused(monkeypatch, data_dir):
+    from flwr_sharded.config import TrainConfig
+    from flwr_sharded.errors import ConfigError
+    from flwr_sharded.parallel import quantize
+    from flwr_sharded.training.preflight import check_sync
+
+    cfg = TrainConfig()
+    cfg.model.name, cfg.parallel.sync_fragments = "tiny", 3  # tiny has 2 blocks
+    with pytest.raises(ConfigError, match=r"--sync-fragments 3: model tiny has 2 transformer blocks.*1\.\.2"):
+        check_sync(cfg)
+    cfg.parallel.sync_fragments, cfg.parallel.sync_dtype = 2, "float8_e4m3fn"
+    monkeypatch.setattr(quantize, "fp8_supported", lambda device: False)
+    with pytest.raises(ConfigError, match=r"--sync-dtype float8_e4m3fn needs .*quantized wire dtypes on cpu: int8"):
+        check_sync(cfg)
+
+
+def test_flower_run_refuses_overlap_on_the_server_path():
+    from flwr_sharded.errors import ConfigError
+    from flwr_sharded.flower.run import FlowerRun
+
+    run = FlowerRun()
+    run.federation.aggregation = "server"
+    run.train.parallel.sync_delay = 1
+    with pytest.raises(ConfigError, match=r"'sync-delay' applies to the decentralized all-reduce; 'aggregation' \"server\""):
+        run.validate()
