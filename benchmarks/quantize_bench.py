@@ -11,7 +11,7 @@ Each repeat times, interleaved, on the same fp32 tensor of --mb MB (refilled bef
   int8_ef    the same with error feedback
   fp8        the same with float8_e4m3fn, where check_wire_dtype allows it on this device
 and, to split the time, two parts of these on their own:
-  int8_wire  only int8's two collectives (all_to_all_single, all_gather_single) of the same uint8 rows
+  int8_wire  only int8's communication (W - 1 ring steps, all_gather_single) of the same uint8 rows
   bf16_casts only the bf16 wire's two casts (fp32 -> bf16 -> fp32), no collective
 An op's time is the slowest rank's (a barrier before each). Rank 0 prints one JSON line: medians in ms, ratios to
 bf16, bytes one rank sends, the 1-minute load average before and after, and the torch profiler's top ops of the
@@ -65,12 +65,15 @@ def main() -> None:
                                                    residual=feedback.residual(0, flat))}
     bpr = math.ceil(math.ceil(n / args.block) / world)
     row = bpr * args.block + 4 * bpr
-    rows, received, mine = (torch.zeros(world * row, dtype=torch.uint8), torch.empty(world * row, dtype=torch.uint8),
-                            torch.zeros(row, dtype=torch.uint8))
+    rows, send, received = (torch.zeros(world * row, dtype=torch.uint8), torch.zeros(row, dtype=torch.uint8),
+                            torch.empty(row, dtype=torch.uint8))
 
     def int8_wire() -> None:
-        dist.all_to_all_single(received, rows)
-        dist.all_gather_single(rows, mine)
+        for _ in range(world - 1):
+            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, send, (rank + 1) % world),
+                                                dist.P2POp(dist.irecv, received, (rank - 1) % world)]):
+                work.wait()
+        dist.all_gather_single(rows, send)
 
     def bf16_casts() -> None:
         wire.copy_(flat)

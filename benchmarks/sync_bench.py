@@ -6,6 +6,8 @@ Builds a Llama shape sharded with FSDP2 on an (F, 1, S) mesh, then times, interl
   sync      ShardSync.sync (bucketed, token-weighted FedAvg over the federation group)
   flat      one all-reduce of one preallocated flat buffer holding as many bytes as the rank's shards
   per-param one all-reduce per local shard (what a naive implementation issues)
+  sync-bf16, sync-int8, sync-int8-ef   the same model's sync through a bf16 or int8 wire (weighted deltas from
+            the global shards; int8 with and without error feedback), shards moved a little between samples
 and measures the peak extra memory the sync allocates (torch profiler memory events) against one bucket.
 Rank 0 prints medians and ratios and writes them as JSON (--out).
 """
@@ -91,11 +93,23 @@ def main() -> None:
         dist.all_reduce(flat, group=group)
 
     runs = {"sync": run_sync, "flat": run_flat, "per-param": run_per_param, "flat+scalar": run_flat_and_scalar}
+    # the same model's sync through the reduced wires: each group's weighted delta from the global shards
+    for name, dtype, feedback in (("sync-bf16", torch.bfloat16, False), ("sync-int8", torch.int8, False),
+                                  ("sync-int8-ef", torch.int8, True)):
+        wired = ShardSync(model.named_parameters(), fed_group=topo.fed_group,
+                          bucket_bytes=int(args.bucket_mb * 2**20), wire_dtype=dtype, error_feedback=feedback)
+        wired.check_alignment()
+        wired.capture_global()
+        runs[name] = (lambda w: lambda: w.sync(weight=1.0 + topo.fed_index))(wired)
+    noise = torch.Generator().manual_seed(topo.fed_index)
     times: dict[str, list[float]] = {k: [] for k in runs}
     for fn in runs.values():  # warm-up
         fn()
     for _ in range(args.repeats):
         for name, fn in runs.items():
+            with torch.no_grad():  # untimed: the groups drift apart a little, so every delta is non-zero
+                for s in shards:
+                    s.add_(torch.randn(s.shape, generator=noise), alpha=1e-3)
             dist.barrier()
             t0 = time.perf_counter()
             fn()
@@ -118,6 +132,8 @@ def main() -> None:
             "median_s": med,
             "sync_over_flat": med["sync"] / med["flat"],
             "per_param_over_sync": med["per-param"] / med["sync"],
+            "int8_over_bf16_sync": med["sync-int8"] / med["sync-bf16"],
+            "int8_ef_over_bf16_sync": med["sync-int8-ef"] / med["sync-bf16"],
             "peak_extra_bytes": int(peaks.item()), "one_bucket_bytes": bucket,
             "peak_over_bucket": int(peaks.item()) / bucket,
         }

@@ -107,7 +107,7 @@ def _quantize(src: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, scr
     `scratch` may be `src` itself unless `error`; with `error`, `src` ends holding its rounding error
     (src - values * scales, in fp32).
     """
-    absmax = torch.maximum(src.amax(-1), src.amin(-1).neg_())  # no |x| temporary: two reductions, in place
+    absmax = torch.maximum(src.amax(-1), src.amin(-1).neg_())  # no |x| temporary (aminmax is slower on CPU)
     torch.div(absmax, QMAX[values.dtype], out=scales).clamp_(min=_TINY)
     torch.mul(src, scales.reciprocal().unsqueeze(-1), out=scratch)  # |.| <= QMAX (+ an ulp: rounds back to it)
     if values.dtype == torch.int8:
@@ -192,8 +192,8 @@ def quantized_all_reduce(flat: torch.Tensor, group: dist.ProcessGroup | None = N
     `residual` (from `ErrorFeedback.residual`) is added to `flat` first and replaced by the rounding errors this
     rank made. Every rank ends with bit-identical `flat`. One rank: nothing is sent and `flat` stays exact. A ring
     of W - 1 point-to-point steps, then one all_gather_single, on uint8 rows: the same on gloo and NCCL. The input
-    must be finite (a NaN or inf spoils its block). If a collective fails, `flat` is left as it was, `residual`
-    undefined.
+    must be finite (a NaN or inf spoils its block). If a collective fails, `flat` and `residual` are left
+    undefined (`flat` is the scratch).
     """
     _check_dtype(dtype, block)
     if flat.dtype != torch.float32 or flat.dim() != 1 or not flat.is_contiguous():
@@ -205,18 +205,26 @@ def quantized_all_reduce(flat: torch.Tensor, group: dist.ProcessGroup | None = N
     ws, dev, ef = workspace or Workspace(), flat.device, residual is not None
     bpr = math.ceil(math.ceil(n / block) / world)
     chunk, row = bpr * block, bpr * block + 4 * bpr
-    x = ws.get("x", world * chunk, torch.float32, dev)  # this rank's values, zero-padded; then the partial sums
-    x[:n].copy_(flat)
+    # `flat` is the scratch: it holds this rank's values, then the partial sums, then the errors, then the result;
+    # the chunks past its end (the last one partial, the rest padding) live zero-padded in `tail`
+    full, rest = n // chunk, n % chunk
+    tail = ws.get("tail", (world - full) * chunk, torch.float32, dev) if full < world else None
     if ef:
-        x[:n].add_(residual)
-    x[n:].zero_()
-    chunks = x.view(world, bpr, block)
+        flat.add_(residual)
+    if tail is not None:
+        tail[:rest].copy_(flat[full * chunk:])
+        tail[rest:].zero_()
+
+    def acc(c: int) -> torch.Tensor:  # chunk c of this rank's values / partial sums, (bpr, block)
+        return (flat[c * chunk:(c + 1) * chunk] if c < full else tail[(c - full) * chunk:(c - full + 1) * chunk]
+                ).view(bpr, block)
+
     send, recv = (ws.get(name, row, torch.uint8, dev) for name in ("send", "recv"))
     part = ws.get("part", chunk, torch.float32, dev).view(bpr, block)
     scales = ws.get("scales", bpr, torch.float32, dev)
 
     def encode(c: int, out: torch.Tensor) -> None:  # chunk c -> out (codes, then scales); errors stay in chunk c
-        _quantize(chunks[c], out[:chunk].view(dtype).view(bpr, block), scales, part if ef else chunks[c], ef, ws)
+        _quantize(acc(c), out[:chunk].view(dtype).view(bpr, block), scales, part if ef else acc(c), ef, ws)
         out[chunk:].copy_(scales.view(torch.uint8))
 
     # 1. reduce-scatter around the ring: at step k rank r passes chunk r - k on (its own values at k = 0, else the
@@ -227,28 +235,28 @@ def quantized_all_reduce(flat: torch.Tensor, group: dist.ProcessGroup | None = N
         for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, send, group=group, group_peer=nxt),
                                             dist.P2POp(dist.irecv, recv, group=group, group_peer=prev)]):
             work.wait()
-        c = (me - k - 1) % world
-        _dequantize(recv[:chunk].view(dtype).view(bpr, block), _floats(recv[chunk:]), part, ws)
-        chunks[c].add_(part)  # the sum in fp32: each partial sum is rounded once, to travel
+        _decode(recv[:chunk].view(dtype).view(bpr, block), part, ws)
+        acc((me - k - 1) % world).addcmul_(part, _floats(recv[chunk:]).unsqueeze(-1))  # the sum, in fp32
     # 2. rank r holds the whole sum of chunk r + 1: round it once more and gather every rank's, in rank order
     mine = ws.get("mine", row, torch.uint8, dev)
     encode((me + 1) % world, mine)
-    if ef:
-        residual.copy_(x[:n])  # every chunk now holds the rounding error this rank made on it
+    if ef:  # every chunk now holds the rounding error this rank made on it
+        residual[:full * chunk].copy_(flat[:full * chunk])
+        if tail is not None:
+            residual[full * chunk:].copy_(tail[:rest])
     rows = ws.get("rows", world * row, torch.uint8, dev).view(world, row)
     dist.all_gather_single(rows.view(-1), mine, group=group)
     # 3. every rank decodes the same bytes: row j is chunk j + 1
     for j in range(world):
         c = (j + 1) % world
-        lo, hi = c * chunk, min((c + 1) * chunk, n)
-        if lo >= hi:
-            continue
+        if c > full or (c == full and not rest):
+            continue  # padding
         codes, row_scales = rows[j, :chunk].view(dtype).view(bpr, block), _floats(rows[j, chunk:])
-        if hi - lo == chunk:
-            _dequantize(codes, row_scales, flat[lo:hi].view(bpr, block), ws)
+        if c < full:
+            _dequantize(codes, row_scales, flat[c * chunk:(c + 1) * chunk].view(bpr, block), ws)
         else:
             _dequantize(codes, row_scales, part, ws)
-            flat[lo:hi].copy_(part.view(-1)[:hi - lo])
+            flat[c * chunk:].copy_(part.view(-1)[:rest])
     return 2 * (world - 1) * row
 
 

@@ -114,8 +114,9 @@ def _reduce_worker(rank: int, world: int):
         with TrafficMeter() as meter:
             sent = quantized_all_reduce(flat, dtype=dtype, block=block, workspace=ws)
         out[name] = {"flat": flat, "sent": sent, "ops": [(r.op, r.nbytes) for r in meter.records]}
-    for name in ("partial", "partial-fp8"):  # one round with (zero) residuals: the same codes, the errors kept
+    for name in ("partial", "partial-fp8", "no-padding"):  # with (zero) residuals: the same codes, errors kept
         n, dtype, block, kwargs = CASES[name]
+        n = n or world * 2 * 256
         flat, residual = sample(n, 10 * rank + 1, block=block, **kwargs), torch.zeros(n)
         quantized_all_reduce(flat, dtype=dtype, block=block, residual=residual, workspace=ws)
         out[name + "+feedback"] = {"flat": flat, "residual": residual}
@@ -171,8 +172,9 @@ def test_quantized_all_reduce_is_the_sum_within_its_roundings_bit_identical_and_
             assert [op for op, _ in ops] == ["send"] * (world - 1) + ["all_gather_single"], ops
             row = sent // (2 * (world - 1))
             assert all(nbytes == row for op, nbytes in ops[:-1]) and ops[-1][1] == world * row
-    for name in ("partial", "partial-fp8"):
+    for name in ("partial", "partial-fp8", "no-padding"):
         n, dtype, block, kwargs = CASES[name]
+        n = n or world * 2 * 256
         xs = [sample(n, 10 * r + 1, block=block, **kwargs) for r in range(world)]
         result = out[0][name + "+feedback"]["flat"]
         assert torch.equal(result, out[0][name]["flat"])  # a zero residual changes nothing on the wire

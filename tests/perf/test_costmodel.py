@@ -310,3 +310,17 @@ def test_model_shape_units():
     assert shape.units(2) == Units(blocks=(1000.0, 1000.0), root=200.0)
     guessed = ModelShape.from_counts(12 * 64 * 64 * 4, 4)
     assert guessed.hidden_size == 64 and guessed.root_params == 0
+
+
+def test_an_overlapped_sync_exposes_only_what_its_steps_do_not_hide():
+    from flwr_sharded.perf.costmodel import CommTerms, overlapped
+
+    blocking = CommTerms(shard=0.2, sync=0.5)  # 0.5 s per step = a 4 s sync every A = 8 steps
+    assert overlapped(blocking, A=8, fragments=2, delay=0, local_step=1.0) == blocking
+    half = overlapped(blocking, A=8, fragments=2, delay=1, local_step=1.0)  # 2 s per fragment, 1 s hidden of each
+    assert half.sync == pytest.approx(2 * 1.0 / 8) and half.hidden == pytest.approx(0.5 - 0.25)
+    assert half.total == pytest.approx(0.2 + 0.25)
+    hidden = overlapped(blocking, A=8, fragments=2, delay=3, local_step=1.0)  # 3 s of steps cover a 2 s fragment
+    assert hidden.sync == 0 and hidden.hidden == pytest.approx(0.5)
+    with pytest.raises(ConfigError):
+        overlapped(blocking, A=8, fragments=0, delay=1, local_step=1.0)
