@@ -69,14 +69,13 @@ LAYOUTS: dict[str, list[str]] = {
 def worker(out_dir: str, argv: list[str]) -> int:
     """Run `flwr_sharded.train` with `Trainer.run` wrapped to record this rank's peak RSS during training."""
     from flwr_sharded import train
-    from flwr_sharded.perf.memory import PeakRSS, current_rss, release_free_memory
-    from flwr_sharded.perf.memory import _status_kib
+    from flwr_sharded.perf.memory import PeakRSS, current_rss, peak_rss, release_free_memory
     from flwr_sharded.training import trainer as trainer_module
 
     original = trainer_module.Trainer.run
 
     def run(self: Any, run_dir: Any = None) -> dict[str, Any]:
-        build_hwm = (_status_kib("VmHWM") or 0) * 1024
+        build_hwm = peak_rss() or 0
         release_free_memory()
         start = current_rss() or 0
         peak = PeakRSS(start)

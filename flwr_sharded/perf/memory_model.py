@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from flwr_sharded.config import SYNC_DTYPE_BYTES
+from flwr_sharded.config import SYNC_DTYPE_BYTES, TrainConfig
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.perf.model_shape import ModelShape
 
@@ -100,7 +100,7 @@ class StepOptions:
             raise ConfigError(f"bucket_mb must be positive, got {self.bucket_mb!r}")
 
     @classmethod
-    def from_config(cls, cfg, device: str) -> StepOptions:
+    def from_config(cls, cfg: TrainConfig, device: str) -> StepOptions:
         """The options of a `flwr_sharded.config.TrainConfig` run on `device` (cuda or cpu)."""
         precision = cfg.model.precision if cfg.model.precision != "auto" else ("bf16" if device == "cuda" else "fp32")
         p = cfg.parallel
