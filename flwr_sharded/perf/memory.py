@@ -51,6 +51,12 @@ def current_rss() -> int | None:
     return None if kib is None else kib * 1024
 
 
+def peak_rss() -> int | None:
+    """This process's resident high-water mark (VmHWM) in bytes (None where /proc does not tell)."""
+    kib = _status_kib("VmHWM")
+    return None if kib is None else kib * 1024
+
+
 class PeakRSS:
     """The peak RSS of this process from construction on, over `base_bytes` (default: the RSS at construction)."""
 
@@ -70,4 +76,4 @@ class PeakRSS:
         return None if peak is None else max(0, peak * 1024 - self.base_bytes)
 
 
-__all__ = ["PeakRSS", "current_rss", "release_free_memory"]
+__all__ = ["PeakRSS", "current_rss", "peak_rss", "release_free_memory"]

@@ -11,7 +11,9 @@ from typing import Any
 from flwr_sharded.config import METHODS
 from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES
 from flwr_sharded.errors import ConfigError
+from flwr_sharded.parallel.outer import RULES
 from flwr_sharded.perf.cluster import Cluster, load_cluster
+from flwr_sharded.perf.memory_model import OPTIMIZER_STATE_BYTES, StepOptions
 from flwr_sharded.perf.model_shape import ModelShape
 from flwr_sharded.perf.planner import Candidate, PaperRow, evaluate, explain, model_from_preset, paper_layouts, plan
 from flwr_sharded.training.models import PRESETS
@@ -56,7 +58,17 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="wire dtype of the FL shard sync's all-reduce (flwr-sharded train --sync-dtype): its bits = "
                         "parameters x the dtype's bits (default: --bytes-per-param, like the other collectives)")
     p.add_argument("--state-bytes-per-param", type=float, default=None,
-                   help="bytes per parameter of params+grads+AdamW state (default 4 x --bytes-per-param)")
+                   help="override the bytes per parameter of parameters + gradients + optimizer state (default: the "
+                        "trainer's: fp32 weights, gradients and AdamW moments, 16)")
+    p.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATE_BYTES), default="adamw",
+                   help="the trainer's optimizer, for memory (adamw)")
+    p.add_argument("--outer", choices=tuple(RULES), default="fedavg",
+                   help="the FL sync's outer rule, for memory: outer optimizers keep the global shards and state")
+    p.add_argument("--bucket-mb", type=float, default=64.0, help="the FL sync's bucket in MiB, for memory (64)")
+    p.add_argument("--grad-accum", type=int, default=1,
+                   help="micro-batches per step: --tokens-per-gpu is split over them; > 1 keeps unsharded gradients")
+    p.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
+                   help="assume every block stays gathered from forward to backward (more memory)")
     p.add_argument("--tokens-per-gpu", type=int, default=2 * 2048,
                    help="tokens per GPU per step (default 4096: the paper's 2 x 2048)")
     p.add_argument("--aggregate-every", type=_int_list, default=(1, 2, 4, 8, 16, 32), metavar="LIST",
@@ -94,8 +106,10 @@ def _model_from_args(args: argparse.Namespace) -> ModelShape | None:
 def _candidate_dict(c: Candidate) -> dict[str, Any]:
     return {"method": c.method, "F": c.F, "R": c.R, "S": c.S, "A": c.A, "tiers": c.tiers, "bandwidth": c.bandwidth,
             "comm_s": c.comm.total, "comm_terms_s": asdict(c.comm), "compute_s": c.compute, "step_s": c.step_time,
-            "batch_tokens": c.batch_tokens, "memory_gib": c.memory.total / GiB,
-            "memory_terms_gib": {k: v / GiB for k, v in asdict(c.memory).items()}}
+            "batch_tokens": c.batch_tokens, "memory_gib": c.memory.total / GiB, "fits": c.fits,
+            "memory_peak_phase": c.memory.peak_phase,
+            "memory_terms_gib": {k: v / GiB for k, v in c.memory.terms().items()},
+            "memory_phases_gib": {k: v / GiB for k, v in c.memory.phases.items()}}
 
 
 def _header(cluster: Cluster, model: ModelShape, args: argparse.Namespace) -> str:
@@ -111,20 +125,27 @@ def _print_paper(cluster: Cluster, rows: list[PaperRow], args: argparse.Namespac
         print(json.dumps([{"layout": r.label, **_candidate_dict(r.predicted), "paper_eq_comm_s": r.paper_eq_comm,
                            "table4_measured": r.measured} for r in rows], indent=2))
         return
-    print(f"Paper layouts on {cluster.name} ({args.model or 'llama3.1-8b'}, {args.tokens_per_gpu} tokens/GPU, A=8): "
-          f"predicted s/step vs measured (the paper's Table 4: Llama-3.1-8B, 4096 tokens/GPU, s/batch)")
+    ckpt = ", activation checkpointing" if args.activation_checkpointing else ""
+    print(f"Paper layouts on {cluster.name} ({args.model or 'llama3.1-8b'}, {args.tokens_per_gpu} tokens/GPU, "
+          f"A=8{ckpt}): predicted s/step vs measured (the paper's Table 4: Llama-3.1-8B, 4096 tokens/GPU, s/batch), "
+          f"and the trainer's peak memory per GPU")
     print(f"{'layout':<8} {'F':>4} {'R':>4} {'S':>4} {'comm Eq.1-5':>11} {'comm exact':>10} {'compute':>8} "
-          f"{'predicted':>9} {'Table 4':>12} {'fwd+bwd':>7} {'aggr.':>5}")
+          f"{'predicted':>9} {'Table 4':>12} {'fwd+bwd':>7} {'aggr.':>5} {'mem/GPU GiB':>11} {'fits':>4}")
     for r in rows:
         c, m = r.predicted, r.measured
         overall = f"{m['overall'][0]:.2f}±{m['overall'][1]:.2f}"
         print(f"{r.label:<8} {c.F:>4} {c.R:>4} {c.S:>4} {r.paper_eq_comm:>11.3f} {c.comm.total:>10.3f} "
               f"{c.compute:>8.3f} {c.step_time:>9.3f} {overall:>12} {m['forward'][0] + m['backward'][0]:>7.2f} "
-              f"{m['aggregation'][0]:>5.2f}")
+              f"{m['aggregation'][0]:>5.2f} {c.memory.total / GiB:>11.1f} {'yes' if c.fits else 'NO':>4}")
     base = rows[0]
     print("Speedup over FSDP, predicted / measured: " + ", ".join(
         f"{r.label} {base.predicted.step_time / r.predicted.step_time:.2f}x / "
         f"{base.measured['overall'][0] / r.measured['overall'][0]:.2f}x" for r in rows[1:]))
+    if not all(r.predicted.fits for r in rows):
+        usable = args.memory_fraction * cluster.gpu_memory / GiB
+        print(f"NO: more than {args.memory_fraction:.0%} of the GPU's memory ({usable:.1f} GiB) at the step's peak "
+              f"({', '.join(sorted({r.predicted.memory.peak_phase for r in rows if not r.predicted.fits}))}); "
+              f"try --activation-checkpointing or fewer --tokens-per-gpu")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -132,9 +153,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         cluster = load_cluster(args.cluster)
         model = _model_from_args(args)
+        step = StepOptions(optimizer=args.optimizer, outer=args.outer, bucket_mb=args.bucket_mb,
+                           grad_accum=args.grad_accum, reshard_after_forward=args.reshard_after_forward,
+                           sync_dtype=args.sync_dtype or "float32")
         if args.layouts == "paper":
             rows = paper_layouts(cluster, model, tokens_per_gpu_batch=args.tokens_per_gpu,
-                                 bytes_per_param=args.bytes_per_param, latency=args.latency)
+                                 bytes_per_param=args.bytes_per_param, latency=args.latency,
+                                 activation_checkpointing=args.activation_checkpointing,
+                                 memory_fraction=args.memory_fraction,
+                                 sync_bytes_per_param=SYNC_DTYPE_BYTES.get(args.sync_dtype), step=step)
             _print_paper(cluster, rows, args)
             return 0
         if model is None:
@@ -143,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
                        state_bytes_per_param=args.state_bytes_per_param, sizes=args.sizes, latency=args.latency,
                        activation_checkpointing=args.activation_checkpointing,
                        memory_fraction=args.memory_fraction,
-                       sync_bytes_per_param=SYNC_DTYPE_BYTES.get(args.sync_dtype))
+                       sync_bytes_per_param=SYNC_DTYPE_BYTES.get(args.sync_dtype), step=step)
         candidates = plan(cluster, model, aggregate_every_options=tuple(args.aggregate_every),
                           methods=tuple(args.methods), fl_margin=args.fl_margin, **options)
     except ConfigError as exc:

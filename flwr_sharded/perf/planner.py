@@ -8,16 +8,18 @@ The `plan` sub-command is in `plan_cli`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from flwr_sharded.config import METHODS
 from flwr_sharded.errors import ConfigError
+from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES
 from flwr_sharded.perf.cluster import Cluster
 from flwr_sharded.perf.costmodel import CommTerms, check_layout, comm_terms, overlapped
-from flwr_sharded.perf.model_shape import MemoryEstimate, ModelShape, compute_time, memory_per_gpu
+from flwr_sharded.perf.memory_model import MemoryBreakdown, StepOptions, memory_per_gpu
+from flwr_sharded.perf.model_shape import ModelShape, compute_time
 from flwr_sharded.perf.placement import DIMENSIONS
-from flwr_sharded.training.models import PRESETS
+from flwr_sharded.training.models import PRESETS, Preset
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Model description.
@@ -27,11 +29,17 @@ def model_from_preset(name: str, vocab_size: int = 32000) -> ModelShape:
     """Shape of a preset of `flwr_sharded.training.models.PRESETS` (its own vocabulary, else `vocab_size`)."""
     if name not in PRESETS:
         raise ConfigError(f"--model: unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
-    p = PRESETS[name]
+    return shape_of(PRESETS[name], vocab_size, name=name)
+
+
+def shape_of(p: Preset, vocab_size: int = 32000, *, name: str = "custom") -> ModelShape:
+    """Shape of a Llama `Preset` (its own vocabulary, else `vocab_size`)."""
     vocab = p.vocab_size or vocab_size
     root = vocab * p.hidden_size * (1 if p.tie_word_embeddings else 2) + p.hidden_size
+    kv = p.num_key_value_heads * (p.hidden_size // p.num_attention_heads)
     return ModelShape(num_params=p.num_parameters(vocab), num_layers=p.num_hidden_layers, root_params=root,
-                      hidden_size=p.hidden_size, intermediate_size=p.intermediate_size, vocab_size=vocab, name=name)
+                      hidden_size=p.hidden_size, intermediate_size=p.intermediate_size, vocab_size=vocab, name=name,
+                      kv_size=kv)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -60,8 +68,8 @@ class Candidate:
     """Communication seconds per step, by kind."""
     compute: float
     """Compute seconds per step."""
-    memory: MemoryEstimate
-    """Bytes per GPU."""
+    memory: MemoryBreakdown
+    """Bytes per GPU (the trainer's, `memory_model`); `memory.total` is the step's peak."""
     batch_tokens: int
     """Effective batch of one optimizer step of one model: all GPUs for fsdp/hsdp, one group (R x S GPUs) for FL."""
     fits: bool
@@ -110,7 +118,8 @@ def evaluate(cluster: Cluster, model: ModelShape, method: str, *, F: int = 1, R:
              tokens_per_gpu_batch: int = 4096, bytes_per_param: float = 2.0,
              state_bytes_per_param: float | None = None, sizes: str = "exact", latency: bool = False,
              activation_checkpointing: bool = False, memory_fraction: float = 0.9,
-             sync_bytes_per_param: float | None = None, sync_fragments: int = 1, sync_delay: int = 0) -> Candidate:
+             sync_bytes_per_param: float | None = None, step: StepOptions | None = None, sync_fragments: int = 1,
+             sync_delay: int = 0) -> Candidate:
     """Predict one layout's step on `cluster` (see `plan` for the options; `sync_fragments` and `sync_delay`: an
     overlapped sync, whose step time counts only what does not hide behind the local steps)."""
     check_layout(method, S=S, R=R, F=F, A=A)
@@ -138,12 +147,21 @@ def evaluate(cluster: Cluster, model: ModelShape, method: str, *, F: int = 1, R:
                       wire_ratio=(sync_bytes_per_param or bytes_per_param) / bytes_per_param)
     compute = compute_time(model.num_params, tokens_per_gpu_batch, cluster.flops_per_gpu,
                            flops_per_param_token=8.0 if activation_checkpointing else 6.0)
+    step = step or StepOptions()
     if method.startswith("fl-"):
         comm = overlapped(comm, A=A, fragments=sync_fragments, delay=sync_delay,
                           local_step=compute + comm.shard + comm.replicate)
-    memory = memory_per_gpu(model, S=S, tokens=tokens_per_gpu_batch, bytes_per_param=bytes_per_param,
+    if sync_bytes_per_param is not None and step.sync_dtype == "float32":
+        dtypes: dict[float, str] = {}
+        for dtype, size in SYNC_DTYPE_BYTES.items():
+            dtypes.setdefault(size, dtype)  # int8 for fp8's size too: the same buffers
+        if sync_bytes_per_param not in dtypes:
+            raise ConfigError(f"sync_bytes_per_param: the trainer's sync dtypes have {sorted(dtypes)} bytes, "
+                              f"got {sync_bytes_per_param!r}")
+        step = replace(step, sync_dtype=dtypes[sync_bytes_per_param])
+    memory = memory_per_gpu(model, S=S, R=R, F=F, tokens=tokens_per_gpu_batch, bytes_per_param=bytes_per_param,
                             state_bytes_per_param=state_bytes_per_param,
-                            activation_checkpointing=activation_checkpointing)
+                            activation_checkpointing=activation_checkpointing, options=step)
     group_gpus = R * S if method.startswith("fl-") else cluster.gpus
     return Candidate(method=method, F=F, R=R, S=S, A=A, tiers=tiers, bandwidth=bw, comm=comm, compute=compute,
                      memory=memory, batch_tokens=group_gpus * tokens_per_gpu_batch,
@@ -154,7 +172,8 @@ def plan(cluster: Cluster, model: ModelShape, *, tokens_per_gpu_batch: int = 409
          aggregate_every_options: tuple[int, ...] = (1, 2, 4, 8, 16, 32), methods: tuple[str, ...] = METHODS,
          bytes_per_param: float = 2.0, state_bytes_per_param: float | None = None, sizes: str = "exact",
          latency: bool = False, activation_checkpointing: bool = False, memory_fraction: float = 0.9,
-         fl_margin: float = 0.1, sync_bytes_per_param: float | None = None) -> list[Candidate]:
+         fl_margin: float = 0.1, sync_bytes_per_param: float | None = None,
+         step: StepOptions | None = None) -> list[Candidate]:
     """Every valid layout that fits in memory, best first.
 
     Ranked by predicted step time, except that an FL candidate ranks as if its step took (1 + `fl_margin`) times
@@ -163,7 +182,10 @@ def plan(cluster: Cluster, model: ModelShape, *, tokens_per_gpu_batch: int = 409
     the cluster's per-tier latencies as an alpha term per ring step; `memory_fraction`: share of GPU memory a layout
     may use (the rest: CUDA context, NCCL buffers, fragmentation). An empty list means nothing fits.
     `sync_bytes_per_param`: bytes per parameter of the FL sync's cross-group all-reduce (4 float32, 2 bfloat16:
-    `--sync-dtype`); None: `bytes_per_param`, like every other collective.
+    `--sync-dtype`); None: `bytes_per_param`, like every other collective (the memory estimate then assumes the
+    trainer's default float32 sync, which keeps no global copy). `step`: the trainer options the memory estimate
+    follows (optimizer, outer rule, bucket, grad-accum, reshard-after-forward, ...); `bytes_per_param` sets its
+    compute dtype and `activation_checkpointing` its checkpointing.
     """
     unknown = sorted(set(methods) - set(METHODS))
     if unknown or not methods:
@@ -180,7 +202,7 @@ def plan(cluster: Cluster, model: ModelShape, *, tokens_per_gpu_batch: int = 409
         evaluate(cluster, model, method, F=F, R=R, S=S, A=A, tokens_per_gpu_batch=tokens_per_gpu_batch,
                  bytes_per_param=bytes_per_param, state_bytes_per_param=state_bytes_per_param, sizes=sizes,
                  latency=latency, activation_checkpointing=activation_checkpointing, memory_fraction=memory_fraction,
-                 sync_bytes_per_param=sync_bytes_per_param)
+                 sync_bytes_per_param=sync_bytes_per_param, step=step)
         for method, F, R, S, A in layouts(cluster.gpus, cluster.gpus_per_node, tuple(methods),
                                           tuple(aggregate_every_options))
     ]
@@ -262,8 +284,10 @@ class PaperRow:
 
 
 def paper_layouts(cluster: Cluster, model: ModelShape | None = None, *, A: int = 8, tokens_per_gpu_batch: int = 4096,
-                  bytes_per_param: float = 2.0, latency: bool = False) -> list[PaperRow]:
-    """Predictions for the paper's four layouts (needs a 512-GPU cluster) next to Table 4."""
+                  bytes_per_param: float = 2.0, latency: bool = False, activation_checkpointing: bool = False,
+                  memory_fraction: float = 0.9, sync_bytes_per_param: float | None = None,
+                  step: StepOptions | None = None) -> list[PaperRow]:
+    """Predictions for the paper's four layouts (needs a 512-GPU cluster) next to Table 4, with their memory."""
     if cluster.gpus != 512:
         raise ConfigError(f"--layouts paper: the paper's layouts use 512 GPUs, cluster {cluster.name} has "
                           f"{cluster.gpus}")
@@ -271,7 +295,9 @@ def paper_layouts(cluster: Cluster, model: ModelShape | None = None, *, A: int =
     rows = []
     for label, method, F, R, S in PAPER_LAYOUTS:
         a = A if F > 1 else 1
-        kwargs = dict(F=F, R=R, S=S, A=a, tokens_per_gpu_batch=tokens_per_gpu_batch, bytes_per_param=bytes_per_param)
+        kwargs = dict(F=F, R=R, S=S, A=a, tokens_per_gpu_batch=tokens_per_gpu_batch, bytes_per_param=bytes_per_param,
+                      activation_checkpointing=activation_checkpointing, memory_fraction=memory_fraction,
+                      sync_bytes_per_param=sync_bytes_per_param, step=step)
         exact = evaluate(cluster, model, method, latency=latency, **kwargs)
         literal = evaluate(cluster, model, method, sizes="paper", **kwargs)
         rows.append(PaperRow(label=label, predicted=exact, paper_eq_comm=literal.comm.total,

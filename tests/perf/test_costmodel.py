@@ -13,7 +13,8 @@ from flwr_sharded.perf.costmodel import (
     fl_comm_time,
     reduce_scatter_time,
 )
-from flwr_sharded.perf.model_shape import ModelShape, compute_time, memory_per_gpu
+from flwr_sharded.perf.memory_model import memory_per_gpu
+from flwr_sharded.perf.model_shape import ModelShape, compute_time
 from flwr_sharded.perf.placement import Placement, rank_traffic, traffic
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -291,17 +292,26 @@ def test_compute_time():
 
 
 def test_memory_by_hand():
+    """The planner's memory is the trainer's (tests/perf/test_memory_model.py checks every term); here its summaries."""
     shape = ModelShape(num_params=1100, num_layers=2, root_params=100, hidden_size=10, intermediate_size=20,
                        vocab_size=50)
     m = memory_per_gpu(shape, S=4, tokens=3, bytes_per_param=2)
-    assert m.states == pytest.approx(8 * 1100 / 4)  # 4 x 2 bytes per parameter, sharded over S = 4
-    assert m.gathered == pytest.approx(2 * (100 + 2 * 500 + 500))  # root + 2 blocks gathered + one block of grads
-    # per token: 2 blocks x (9*10 + 4*20) + 3*10 = 370 elements x 2 bytes, plus 50 fp32 logits x 4 bytes
-    assert m.activations == pytest.approx(3 * (370 * 2 + 50 * 4))
+    # Was 8 bytes per parameter (4 x the 2-byte compute dtype). The trainer keeps fp32 master weights (FSDP2 shards
+    # keep the model's dtype; bf16 is the all-gather's compute copy), fp32 gradients and AdamW's two fp32 moments.
+    assert m.states == pytest.approx(16 * 1100 / 4)
+    # root + 2 blocks gathered in bf16; unsharded gradients: the root's (bf16) and one block's in bf16 + its fp32
+    # reduce-scatter input (was "one unit of full gradients" in the compute dtype)
+    assert m.gathered_params == pytest.approx(2 * (100 + 2 * 500))
+    assert m.gathered_grads == pytest.approx(2 * 100 + (2 + 4) * 500)
+    # per token: 2 blocks x (2 bytes x (8h + 2kv + 4i) + 2 RMSNorm fp32 upcasts x 2 bytes x h) + outside
+    # (2 bytes x 3h + 2 bytes x h); the logits are their own term now: 3 fp32 copies of the vocabulary per token
+    assert m.activations == pytest.approx(3 * (2 * (2 * 180 + 2 * 2 * 10) + (2 * 30 + 2 * 10)))
+    assert m.logits == pytest.approx(3 * 3 * 4 * 50)
     ckpt = memory_per_gpu(shape, S=1, tokens=3, bytes_per_param=2, activation_checkpointing=True)
-    assert ckpt.gathered == 0 and ckpt.states == pytest.approx(8 * 1100)
-    assert ckpt.activations == pytest.approx(3 * ((2 * 10 + 170 + 30) * 2 + 200))
-    assert memory_per_gpu(shape, S=4, tokens=3, state_bytes_per_param=16).states == pytest.approx(16 * 1100 / 4)
+    # FSDP2 copies a unit into its compute buffer even with S = 1 (was 0): the root and the block computing
+    assert ckpt.gathered_params == pytest.approx(2 * (100 + 500)) and ckpt.states == pytest.approx(16 * 1100)
+    assert ckpt.activations == pytest.approx(3 * (2 * 2 * 10 + 80))  # each block keeps only its input
+    assert memory_per_gpu(shape, S=4, tokens=3, state_bytes_per_param=8).states == pytest.approx(8 * 1100 / 4)
 
 
 def test_model_shape_units():
