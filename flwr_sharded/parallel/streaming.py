@@ -22,6 +22,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from flwr_sharded.parallel.admission import all_finite, healthy, vote
 from flwr_sharded.parallel.outer import FedAvg
 from flwr_sharded.parallel.schedule import Schedule
 from flwr_sharded.parallel.sync import ShardSync, SyncStats
@@ -105,19 +106,23 @@ class OverlappedSync:
         self._error, self._bytes, self._total, self._started = None, 0, 0.0, time.perf_counter()
         if s.fed_group is None:  # nothing to reduce here; merge() receives the result from replica 0
             return
+        ok = healthy(self._sends, weight, s.max_weight)
         if self._sends[0].is_cuda:  # the copies above run on the current stream
             self._stream = self._stream or torch.cuda.Stream(device=self._sends[0].device)
             self._stream.wait_stream(torch.cuda.current_stream(self._sends[0].device))
-        self._thread = threading.Thread(target=self._reduce, args=(weight,), name="flwr-sharded-sync", daemon=True)
+        self._thread = threading.Thread(target=self._reduce, args=(weight, ok), name="flwr-sharded-sync",
+                                        daemon=True)
         self._thread.start()
 
-    def _reduce(self, weight: float) -> None:
+    def _reduce(self, weight: float, ok: bool) -> None:
         try:
             stream = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
             with torch.no_grad(), stream:
-                self._total = self.sync.total_weight(weight)
+                admission = self.sync.admit(weight, ok)
+                self._total = admission.total
                 for k, send in enumerate(self._sends):
-                    self._bytes += self.sync.reduce_bucket(k, send, weight / self._total)
+                    self._bytes += self.sync.reduce_bucket(k, send, admission.mine / self._total)
+                vote(all_finite(self._sends), self.sync.fed_group, self._sends[0].device)  # before any merge
                 if self._stream is not None:
                     self._stream.synchronize()
         except BaseException as exc:  # noqa: BLE001 - raised by wait() on the main thread
@@ -205,6 +210,11 @@ class FragmentedSync:
 
     def fingerprint(self) -> str:
         return "|".join(s.fingerprint() for s in self.fragments)
+
+    def set_max_weight(self, max_weight: float | None) -> None:
+        """The largest weight a member may bring to the next syncs (`flwr_sharded.parallel.admission`)."""
+        for s in self.fragments:
+            s.max_weight = max_weight
 
     def rebind(self, fed_group: object, rep_group: object = None) -> None:
         for s in self.fragments:

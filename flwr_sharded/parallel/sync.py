@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from flwr_sharded.parallel.admission import Admission, admit, all_finite, healthy, vote
 from flwr_sharded.parallel.outer import FedAvg, ShardRule
 from flwr_sharded.parallel.quantize import QMAX, ErrorFeedback, Workspace, quantized_all_reduce
 
@@ -125,6 +126,8 @@ class ShardSync:
         self._wire: torch.Tensor | None = None
         self._global: list[torch.Tensor] | None = None
         self._rule_state: list[dict[str, torch.Tensor]] | None = None
+        self.max_weight: float | None = None
+        """The largest weight a member may bring to a sync (`flwr_sharded.parallel.admission`); None: unchecked."""
 
     # ----- planning -------------------------------------------------------------------------------------------
     def _plan_buckets(self, bucket_bytes: int) -> list[tuple[torch.dtype, list[_Segment]]]:
@@ -287,56 +290,60 @@ class ShardSync:
         start = time.perf_counter()
         nbytes = 0
         views = self.bucket_views()
-        total, weights = 0.0, []
+        total, weights, finite = 0.0, [], True
         if self.fed_group is not None:
-            total, weights = (self.total_weight(weight), []) if self.rule.linear else self._gather_weights(weight)
+            ok = healthy([seg for _, shard_segments, _ in views for seg in shard_segments], weight, self.max_weight)
+            admission = self.admit(weight, ok)
+            total, weights = admission.total, admission.weights
         for k, (flat, shard_segments, buffer_segments) in enumerate(views):
             torch._foreach_copy_(buffer_segments, shard_segments)
             if self.fed_group is not None and self.rule.linear:
-                nbytes += self.reduce_bucket(k, flat, weight / total)
+                nbytes += self.reduce_bucket(k, flat, admission.mine / total)
             elif self.fed_group is not None:
                 members = [torch.empty_like(flat) for _ in weights]
                 dist.all_gather(members, flat, group=self.fed_group)
-                self._apply(k, flat, lambda g, st: self.rule.aggregate(g, list(zip(members, weights)), st))
+                admitted = [(m, w) for m, w in zip(members, weights) if w > 0]
+                self._apply(k, flat, lambda g, st: self.rule.aggregate(g, admitted, st))
                 nbytes += flat.numel() * flat.element_size()
+            if self.fed_group is not None:
+                finite = finite and all_finite([flat])
             self.finish_bucket(k, flat, shard_segments, buffer_segments, apply_rule=apply_rule and self.rule.linear,
                                alpha=alpha)
+        if self.fed_group is not None:
+            vote(finite, self.fed_group, flat.device)  # raises on every member unless finite on every member
         if self.fed_group is not None and self.delta and isinstance(self.rule, FedAvg):
             self.store_global()  # after every bucket succeeded: a failed sync leaves the global shards as they were
         buckets = len(views) if self.fed_group is not None else 0
         return SyncStats(seconds=time.perf_counter() - start, buckets=buckets, bytes=nbytes, total_weight=total)
 
     # ----- the steps of a sync, bucket by bucket (shared with the overlapped sync, `parallel/streaming.py`) -----
-    def total_weight(self, weight: float) -> float:
-        """The sum of the participating groups' weights (one small all-reduce over the federation group)."""
-        total = torch.tensor([weight], dtype=torch.float64, device=local_shard(self.params[0]).device)
-        dist.all_reduce(total, group=self.fed_group)
-        return float(total.item())
-
-    def _gather_weights(self, weight: float) -> tuple[float, list[float]]:
-        device = local_shard(self.params[0]).device
-        gathered = [torch.zeros(1, dtype=torch.float64, device=device)
-                    for _ in range(dist.get_world_size(self.fed_group))]
-        dist.all_gather(gathered, torch.tensor([weight], dtype=torch.float64, device=device), group=self.fed_group)
-        weights = [float(w.item()) for w in gathered]
-        return sum(weights), weights
+    def admit(self, weight: float, ok: bool) -> Admission:
+        """The members' admitted weights (`flwr_sharded.parallel.admission.admit`; one all-gather)."""
+        return admit(weight, ok, self.max_weight, self.fed_group, local_shard(self.params[0]).device)
 
     def reduce_bucket(self, k: int, flat: torch.Tensor, scale: float) -> int:
         """`flat` holds this rank's values of bucket k; on return it holds the groups' weighted mean (a linear rule's
-        input). One all-reduce (a quantized one with an 8-bit wire); returns the bytes sent."""
+        input). One all-reduce (a quantized one with an 8-bit wire); returns the bytes sent. `scale` 0: this
+        member is left out of the sync and sends zeros."""
+        if scale == 0.0:
+            flat.zero_()  # NaN * 0 is NaN; with a delta wire, flat then holds the zero delta
         if not self.delta:
             flat.mul_(scale)
             dist.all_reduce(flat, group=self.fed_group)
             return flat.numel() * flat.element_size()
         if self.quantized:  # the weighted delta, blockwise 8-bit on the wire, summed in fp32, added back in fp32
-            flat.sub_(self._global[k]).mul_(scale)
-            residual = self.feedback.residual(k, flat) if self.feedback is not None else None
+            if scale:
+                flat.sub_(self._global[k]).mul_(scale)
+            residual = self.feedback.residual(k, flat) if self.feedback is not None and scale else None
             sent = quantized_all_reduce(flat, self.fed_group, dtype=self.wire_dtype, residual=residual,
                                         workspace=self._workspace)
             flat.add_(self._global[k])
             return sent
         wire = self._wire[:flat.numel()]
-        torch.mul(flat.sub_(self._global[k]), scale, out=wire)  # the weighted delta in fp32, rounded once
+        if scale:
+            torch.mul(flat.sub_(self._global[k]), scale, out=wire)  # the weighted delta in fp32, rounded once
+        else:
+            wire.zero_()
         dist.all_reduce(wire, group=self.fed_group)
         torch.add(self._global[k], wire, out=flat)  # global + the summed deltas, in fp32
         return wire.numel() * wire.element_size()

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flwr_sharded.config import TrainConfig, config_to_dict, outer_rule
+from flwr_sharded.parallel.contribution import expected_weight_of
 from flwr_sharded.parallel.schedule import Schedule
 from flwr_sharded.parallel.sharding import mixed_precision_policy
 from flwr_sharded.parallel.streaming import FragmentedSync, fragment_parameters
@@ -190,6 +191,10 @@ class Trainer:
         count from now on."""
         weight = float(self.fragment_tokens[i] * self.topo.group_world)  # every rank of a group sees equal batches
         self.fragment_tokens[i] = 0
+        cfg, schedule = self.cfg, self.shard_sync.schedule
+        # no group can have trained on more than a period (and the delay of an overlapped sync) of full batches
+        self.shard_sync.set_max_weight(expected_weight_of(cfg, steps=schedule.period + schedule.delay,
+                                                          worlds=[self.topo.group_world]))
         return weight
 
     def start_sync(self, i: int) -> None:

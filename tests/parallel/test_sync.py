@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flwr_sharded.parallel.admission import ADMISSION_BYTES, VOTE_BYTES
 from tests.multiproc import run_ranks
 
 WEIGHTS = {0: 1.0, 1: 3.0}  # unequal FedAvg weights per federation group
@@ -108,8 +109,8 @@ def test_fl_hsdp_replica0_syncs_then_broadcasts():
         f, r, s = res["coords"]
         assert res["max_err"] < 1e-6
         if r == 0:
-            # replica 0 sends its whole shard across groups (payload = shard bytes + the weight scalar)
-            assert res["cross_group_bytes"] == res["shard_bytes"] + 8
+            # replica 0 sends its whole shard across groups (+ its weight and verdict, and its vote)
+            assert res["cross_group_bytes"] == res["shard_bytes"] + ADMISSION_BYTES + VOTE_BYTES
             assert res["broadcasts"] >= 1
         else:
             assert res["cross_group_bytes"] == 0, "a replica other than 0 sent cross-group traffic"

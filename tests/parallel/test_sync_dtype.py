@@ -7,6 +7,7 @@ import io
 import pytest
 import torch
 
+from flwr_sharded.parallel.admission import VOTE_BYTES
 from tests.multiproc import run_ranks
 from tests.parallel.test_sync import _sharded_tiny_model, central_mean
 
@@ -74,7 +75,7 @@ def test_bf16_wire_fedavg_equals_the_weighted_mean_within_bf16_rounding_of_the_d
             if res["coords"][1] == 0:
                 assert r["global_is_mean"]
                 assert r["bytes"] * 2 == r["shard_bytes"]  # half of the fp32 sync's payload (= the shards' bytes)
-                assert r["all_reduce_bytes"] == r["shard_bytes"] // 2 + 8  # + the fp64 weight scalar
+                assert r["all_reduce_bytes"] == r["shard_bytes"] // 2 + VOTE_BYTES  # + the vote
             else:
                 assert r["bytes"] == 0 and r["all_reduce_bytes"] == 0
         # every rank holding a shard index, in every group and replica, ends bit-identical

@@ -154,8 +154,10 @@ def test_missing_tool_through_the_cli(tmp_path):
 def test_bad_cluster_file_through_the_cli(tmp_path, content, words):
     path = tmp_path / "bad.yaml"
     path.write_text(content)
-    for args in (["bench", "check", "--cluster", str(path)], ["bench", "--cluster", str(path), "--quick"],
-                 ["bench", "exec", "--cluster", str(path), "--", "true"]):
+    every = (["bench", "check", "--cluster", str(path)], ["bench", "--cluster", str(path), "--quick"],
+             ["bench", "exec", "--cluster", str(path), "--", "true"])
+    # the three sub-commands load the file through one function: each is checked on the first case
+    for args in every if "'bandwidth'" in words else every[:1]:
         result = cli(*args)
         assert result.returncode == 2, result.stderr
         assert "error:" in result.stderr

@@ -35,8 +35,8 @@ def _run(args: list[str]) -> None:
 
 
 @pytest.mark.timeout(480)
-@pytest.mark.parametrize("mode", [[], ["--async-checkpoint", "--outer", "nesterov"], ["--sync-dtype", "bfloat16"]],
-                         ids=["sync-write", "async-write+outer-state", "bf16-sync-fedavg-global-state"])
+@pytest.mark.parametrize("mode", [[], ["--async-checkpoint", "--outer", "nesterov", "--sync-dtype", "bfloat16"]],
+                         ids=["sync-write", "async-write+outer-state+bf16-sync-global-state"])
 def test_resume_continues_the_same_run(data_dir, tmp_path, mode):
     ckpt = tmp_path / "ckpt"
     common = [*ARGS, *mode, "--data-dir", str(data_dir), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5"]

@@ -1,0 +1,77 @@
+"""How the overlapped and 8-bit syncs move learning quality: eval perplexity after the same samples.
+
+The emulated benchmark's FL+FSDP run (`flwr-sharded bench`: 4 x 1 x 2 on 8 ranks, the `small` model, 1 x 64 tokens
+per rank per step, AdamW lr 1e-3, seed 42, A = 8, 32 steps, 32 eval blocks) with one sync variant at a time; only
+the sync differs, so the network does not matter and the ranks talk over loopback. Quality is deterministic for a
+given variant (the same numbers as the bench's runs of the same variant).
+
+    PYTHONPATH=. .venv/bin/python benchmarks/overlap_quality.py --data-dir .data --out results/overlap_quality.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from flwr_sharded.perf.bench.layouts import SyncVariant
+
+VARIANTS = {
+    "blocking fp32": SyncVariant(),
+    "int8 + EF": SyncVariant(dtype="int8", error_feedback=True),
+    "N=1 tau=1 alpha=0": SyncVariant(delay=1),
+    "N=1 tau=3 alpha=0": SyncVariant(delay=3),
+    "N=2 tau=0": SyncVariant(fragments=2),
+    "N=2 tau=1 alpha=0": SyncVariant(fragments=2, delay=1),
+    "N=2 tau=1 alpha=0.5": SyncVariant(fragments=2, delay=1, alpha=0.5),
+    "N=2 tau=3 alpha=0": SyncVariant(fragments=2, delay=3),
+    "N=2 tau=3 alpha=0.5": SyncVariant(fragments=2, delay=3, alpha=0.5),
+    "N=4 tau=1 alpha=0": SyncVariant(fragments=4, delay=1),
+    "N=2 tau=1 alpha=0, int8 + EF": SyncVariant(dtype="int8", error_feedback=True, fragments=2, delay=1),
+}
+
+
+def run(variant: SyncVariant, data_dir: str, work: Path, steps: int) -> dict:
+    run_dir = work / "run"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8", "--master-port", "0",
+            "-m", "flwr_sharded.train", "--method", "fl-fsdp", "--federations", "4", "--replicas", "1",
+            "--shards", "2", "--aggregate-every", "8", *variant.train_args(), "--model", "small", "--seq-len", "64",
+            "--batch-size", "1", "--steps", str(steps), "--lr", "0.001", "--seed", "42", "--log-every", "8",
+            "--eval-every", "16", "--eval-blocks", "32", "--data-dir", data_dir, "--no-progress",
+            "--run-dir", str(run_dir), "--no-save-model", "--timeout", "300"]
+    start = time.perf_counter()
+    subprocess.run(argv, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.PIPE, timeout=1800)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {"eval_ppl": summary["eval_ppl"], "train_ppl": summary["ppl"], "wall_s": time.perf_counter() - start}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data-dir", required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--only", default="", help="comma-separated variant names (default all)")
+    args = parser.parse_args()
+    names = [n for n in VARIANTS if not args.only or n in args.only.split(",")]
+    rows = {}
+    for name in names:
+        with tempfile.TemporaryDirectory() as tmp:
+            rows[name] = {**run(VARIANTS[name], args.data_dir, Path(tmp), args.steps), "load_avg": os.getloadavg()[0]}
+        ref = rows.get("blocking fp32", {}).get("eval_ppl")
+        rel = f"{rows[name]['eval_ppl'] / ref - 1:+.2%}" if ref else "-"
+        print(f"{name:32s} eval ppl {rows[name]['eval_ppl']:8.1f} ({rel} vs blocking fp32), train ppl "
+              f"{rows[name]['train_ppl']:8.1f}, {rows[name]['wall_s']:.0f} s", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "steps": args.steps, "runs": rows}, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,111 @@
+"""Which groups a decentralised sync admits, and the vote that adopts its result.
+
+Before its reduction, each member decides whether it may contribute: its weight is a finite number in
+(0, `max_weight`] (`max_weight`: the round's steps x tokens per step x a group's ranks, the most tokens a group can
+have trained on) and every value it would send is finite. The members exchange (weight, healthy) pairs (one
+all-gather over the federation group), so every member admits the same set. Each shard index decides on its own:
+a group whose weight is out of bounds is left out on every shard index, one whose values are NaN only on some
+shards is left out where they are; every group still ends with the same values. A member that is left out sends
+zeros and receives the others' mean, which heals it.
+
+After the reduction, the members vote (MIN over the federation group): the result is adopted only if it is finite on
+every member, so one member that sends NaN or a huge value in spite of its vote (a broken or hostile peer: inside an
+all-reduce nobody sees another's values) makes every member roll back instead of adopting it. The server path, which
+sees each facility's values, excludes that facility instead (`flwr_sharded.flower.server.aggregation`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from flwr_sharded.parallel.contribution import check_weight
+
+log = logging.getLogger(__name__)
+
+ADMISSION_BYTES = 16
+"""What a member sends in `admit`'s all-gather: its weight and verdict, two float64."""
+VOTE_BYTES = 4
+"""What a member sends in `vote`'s all-reduce: one float32."""
+
+
+class SyncRejected(RuntimeError):
+    """A sync that must not be adopted: no member may contribute, or its result is not finite on every member."""
+
+
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every element of `tensors` is finite (no NaN or infinity)."""
+    return all(bool(torch.isfinite(t).all()) for t in tensors if t.numel())
+
+
+def _weight_problem(weight: float, max_weight: float | None) -> str | None:
+    problem = check_weight(weight)
+    if problem is None and max_weight is not None and weight > max_weight:
+        problem = (f"weight {weight:.6g} is out of bounds: the round's steps, batch, sequence length and ranks give "
+                   f"at most {max_weight:.6g} tokens")
+    return problem
+
+
+def healthy(tensors: list[torch.Tensor], weight: float, max_weight: float | None) -> bool:
+    """This member's verdict on itself: `weight` in bounds and `tensors` (what it would send) finite."""
+    return _weight_problem(weight, max_weight) is None and all_finite(tensors)
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The members' weights as admitted: 0 for a member left out."""
+
+    weights: list[float]
+    me: int
+    """This rank's index in the federation group."""
+
+    @property
+    def total(self) -> float:
+        return sum(self.weights)
+
+    @property
+    def mine(self) -> float:
+        """This member's admitted weight (0: it sends zeros)."""
+        return self.weights[self.me]
+
+
+def admit(weight: float, ok: bool, max_weight: float | None, fed_group: dist.ProcessGroup,
+          device: torch.device) -> Admission:
+    """Exchange every member's (weight, verdict) and admit those healthy and in bounds, the same set everywhere
+    (one all-gather over `fed_group`); a member left out is named in one log line by the rank left out and by global
+    rank 0. Raises `SyncRejected` if none is left."""
+    size = dist.get_world_size(fed_group)
+    mine = torch.tensor([weight, 1.0 if ok else 0.0], dtype=torch.float64, device=device)  # ADMISSION_BYTES
+    gathered = [torch.zeros(2, dtype=torch.float64, device=device) for _ in range(size)]
+    dist.all_gather(gathered, mine, group=fed_group)
+    weights, me, speak = [], dist.get_rank(fed_group), dist.get_rank() == 0
+    for j, pair in enumerate(gathered):
+        w, verdict = (float(x) for x in pair.tolist())
+        problem = _weight_problem(w, max_weight) or (None if verdict == 1.0 else "its values are not finite")
+        if problem is not None:
+            if speak or j == me:
+                log.warning("flwr_sharded: sync: member %d of the federation group is left out of this sync: %s",
+                            j, problem)
+            w = 0.0
+        weights.append(w)
+    admission = Admission(weights=weights, me=me)
+    if not admission.total > 0:
+        raise SyncRejected("no member of the federation group may contribute to this sync (see the log lines)")
+    return admission
+
+
+def vote(result_finite: bool, fed_group: dist.ProcessGroup | None, device: torch.device) -> None:
+    """Adopt the result only if it is finite on every member (one all-reduce MIN over `fed_group`); raises
+    `SyncRejected` everywhere otherwise."""
+    flag = torch.tensor([1.0 if result_finite else 0.0], dtype=torch.float32, device=device)  # VOTE_BYTES
+    if fed_group is not None:
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=fed_group)
+    if flag.item() != 1.0:
+        raise SyncRejected("the sync's result is not finite on some member (a member sent NaN, infinity or values "
+                           "that overflow): it is not adopted")
+
+
+__all__ = ["ADMISSION_BYTES", "VOTE_BYTES", "Admission", "SyncRejected", "admit", "all_finite", "healthy", "vote"]
