@@ -1,0 +1,63 @@
+"""What a contribution to a sync should weigh, and whether a reported weight is that.
+
+A sync's weights are tokens (`Trainer.sync`): a group of `world` ranks, each reading batches of `batch_size` blocks
+of `seq_len` tokens with `grad_accum` micro-batches per optimizer step, weighs
+
+    steps x batch_size x grad_accum x seq_len x world
+
+after `steps` optimizer steps since its last sync (the data stream always yields full batches). A facility of the
+server path weighs the sum of its members' weights over the round's K syncs of A steps (`steps` = K x A). Whoever
+coordinates knows every factor (the run config, the groups' checked layouts, the round's options), so a reported
+weight can be checked exactly: a group that reports more tokens than it trained on would otherwise take over the
+mean (1e12 against 1e5 replaces the model), and an absurd one (1e300) overflows the sums.
+
+Pure Python (no torch): the ServerApp and the groups' sync both use it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+WEIGHT_RTOL = 1e-9
+"""Relative difference between a reported and an expected weight still taken as equal: weights are integer token
+counts summed in float64, exact far beyond any run's size; the margin only absorbs a float round trip."""
+
+
+def expected_weight(*, steps: int, batch_size: int, grad_accum: int, seq_len: int, worlds: Iterable[int]) -> float:
+    """The tokens a set of groups trained on in `steps` optimizer steps: `worlds` holds each group's ranks (one
+    entry for a group's own sync, one per member for a facility)."""
+    ranks = 0
+    for world in worlds:
+        if int(world) < 1:
+            raise ValueError(f"a group has at least one rank, got {world!r}")
+        ranks += int(world)
+    if steps < 0 or min(batch_size, grad_accum, seq_len) < 1 or ranks < 1:
+        raise ValueError(f"no tokens: steps {steps}, batch {batch_size}, grad-accum {grad_accum}, seq {seq_len}, "
+                         f"{ranks} ranks")
+    return float(steps * batch_size * grad_accum * seq_len * ranks)
+
+
+def expected_weight_of(train: Any, *, steps: int, worlds: Iterable[int]) -> float:
+    """`expected_weight` with the batch, gradient accumulation and sequence length of a `TrainConfig`."""
+    return expected_weight(steps=steps, batch_size=train.batch_size, grad_accum=train.grad_accum,
+                           seq_len=train.data.seq_len, worlds=worlds)
+
+
+def check_weight(weight: Any, expected: float | None = None, rtol: float = WEIGHT_RTOL) -> str | None:
+    """None if `weight` is a finite number > 0 and (given `expected`) equals it within `rtol`; else why not, as a
+    sentence for a log line (the caller names the contributor)."""
+    number = isinstance(weight, (int, float)) and not isinstance(weight, bool)
+    if not (number and math.isfinite(weight) and weight > 0):
+        return f"weight must be a finite number > 0, got {weight!r}"
+    if expected is None:
+        return None
+    if not (math.isfinite(expected) and expected > 0):
+        raise ValueError(f"an expected weight is a finite number > 0, got {expected!r}")
+    if abs(float(weight) - expected) > rtol * expected:
+        return (f"weight {float(weight):.6g} is out of bounds: the round's steps, batch, sequence length and ranks "
+                f"give {expected:.6g} tokens")
+    return None
+
+
+__all__ = ["WEIGHT_RTOL", "check_weight", "expected_weight", "expected_weight_of"]
