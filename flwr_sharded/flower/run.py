@@ -25,6 +25,7 @@ from flwr_sharded.schema import Surface, option
 
 Aggregation = Literal["decentralized", "server"]
 AGGREGATIONS: tuple[str, ...] = typing.get_args(Aggregation)
+ServerRule = Literal["mean", "median", "trimmed-mean"]
 RUN_CONFIG = Surface(lambda o: f"'{o.name}'", "run config ")
 """Errors name run-config keys as typed in `flwr run --run-config 'key=value'`."""
 ROUND_KEYS = ("aggregate-every", "syncs-per-round", "lr", "proximal-mu")
@@ -53,6 +54,17 @@ class FederationConfig:
     """Server path: the largest chunk, in MiB of fp32 rows. The model travels in chunks of global rows (at most
     this, and at most a sixteenth of the model or 8 MiB, whichever is larger), each pulled, averaged and sent back
     before the next; each chunk costs one message per group."""
+    server_rule: ServerRule = "mean"
+    """Server path: how the server combines the facilities' models, chunk by chunk: mean (token-weighted), or the
+    coordinate-wise median or trimmed-mean (unweighted; a minority of outlier facilities cannot move them far). The
+    robust rules hold every facility's rows of a chunk at once, so their chunks are cut F times smaller."""
+    server_trim: int = option(1, ge=1)
+    """Server path, trimmed-mean: facilities dropped from each side of every coordinate (a count, not a fraction,
+    as the outer rule trimmed-mean); a round needs more than twice this many facilities."""
+    server_outlier_ratio: float = option(100.0, ge=0)
+    """Server path: a facility whose largest |value| in a chunk is above this many times max(1, the median of the
+    facilities' largest |values| there) is left out of the round; 0: off (values whose weighted sum would overflow
+    are refused anyway)."""
     checkpoint_rounds: int = option(1, ge=1)
     """With checkpoint-dir: each group checkpoints after every N-th round (and after the last one)."""
     evaluate_in_train: bool = True
@@ -149,6 +161,14 @@ class FlowerRun:
         return bool(self.train.checkpoint.dir) and (server_round % self.federation.checkpoint_rounds == 0
                                                     or server_round == self.federation.rounds)
 
+    def known_facilities(self) -> int | None:
+        """How many facilities the run config makes of `num-groups` groups (None when num-groups is 0); a node
+        config's `facility` may regroup them."""
+        n = self.deadlines.num_groups
+        if not n:
+            return None
+        return len({self.facility_or_own(i) for i in range(n)})
+
     def shards_by_facility(self) -> dict[str, int]:
         """`facility_shards` as a dict; ValueError if malformed."""
         out: dict[str, int] = {}
@@ -164,6 +184,10 @@ class FlowerRun:
         text = self.federation.facilities
         names = [f.strip() for f in text.split(",")] if text else []
         return names[partition_id] if 0 <= partition_id < len(names) else ""
+
+    def facility_or_own(self, partition_id: int) -> str:
+        """`facility_of`, else a facility of the group alone."""
+        return self.facility_of(partition_id) or f"partition-{partition_id}"
 
     def for_group(self, partition_id: int, node_facility: str = "") -> FlowerRun:
         """This run with S set for the group of `partition_id` (its facility: the node config's, else the run
@@ -214,6 +238,15 @@ class FlowerRun:
         if f.facilities and f.aggregation != "server":
             raise S.error(f"{L('facilities')} groups clients for the server path; set {L('aggregation')} = "
                           f"\"server\" or leave it unset")
+        if f.server_rule != "mean" and f.aggregation != "server":
+            raise S.error(f"{L('server-rule')} {f.server_rule!r} combines facilities at the server; set "
+                          f"{L('aggregation')} = \"server\" or leave it at \"mean\"")
+        known = self.known_facilities()
+        if f.server_rule == "trimmed-mean" and known is not None and known <= 2 * f.server_trim:
+            raise S.error(f"{L('server-rule')} \"trimmed-mean\" with {L('server-trim')} {f.server_trim} needs more "
+                          f"than {2 * f.server_trim} facilities; this run has {known} ({L('num-groups')} "
+                          f"{d.num_groups}{', ' + L('facilities') if f.facilities else ''}); use \"median\" or a "
+                          f"smaller trim")
         if d.num_groups and d.min_groups > d.num_groups:
             raise S.error(f"{L('min-groups')} ({d.min_groups}) must not exceed {L('num-groups')} ({d.num_groups})")
         for key in ("rendezvous-timeout", "sync-timeout"):

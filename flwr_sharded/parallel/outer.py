@@ -148,6 +148,29 @@ class FedYogi(FedAdam):
         return v - (1 - self.beta2) * delta_sq * torch.sign(v - delta_sq)
 
 
+TRIM_BLOCK = 2**20
+"""Values (members x coordinates) `trimmed_mean` sorts at once: its temporaries stay a few times this size."""
+
+
+def trimmed_mean(stacked: Tensor, trim: int, out: Tensor | None = None) -> Tensor:
+    """Coordinate-wise mean of `stacked` (members along dim 0) after dropping the `trim` largest and smallest values
+    of each coordinate, in fp32 (summed in float64: finite inputs never overflow). trim = (n - 1) // 2 is the median
+    (the mean of the two middle values for even n). Sorts a block of coordinates at a time, so beyond `stacked` and
+    the result it needs memory for `TRIM_BLOCK` values, not for n copies of them."""
+    n = stacked.shape[0] if stacked.dim() else 0
+    if trim < 0 or n <= 2 * trim:
+        raise ValueError(f"trimming {trim} from each side needs more than {2 * trim} members, got {n}")
+    flat = stacked.reshape(n, -1)
+    result = out if out is not None else torch.empty(stacked.shape[1:], dtype=torch.float32, device=stacked.device)
+    target = result.view(-1)
+    step = max(1, TRIM_BLOCK // n)
+    for start in range(0, flat.shape[1], step):
+        block = flat[:, start:start + step]
+        kept = block.sort(dim=0).values[trim:n - trim] if trim else block
+        target[start:start + step] = kept.to(torch.float64).mean(dim=0)
+    return result
+
+
 @dataclass
 class TrimmedMean(ShardRule):
     """Coordinate-wise mean after dropping the `trim` largest and smallest values (weights ignored): robust to outliers.
@@ -161,12 +184,7 @@ class TrimmedMean(ShardRule):
 
     def aggregate(self, global_shard: Tensor, members: Sequence[tuple[Tensor, float]],
                   state: State) -> tuple[Tensor, State]:
-        if len(members) <= 2 * self.trim:
-            raise ValueError(f"trimming {self.trim} from each side needs more than {2 * self.trim} members, "
-                             f"got {len(members)}")
-        stacked = torch.stack([shard.float() for shard, _ in members]).sort(dim=0).values
-        kept = stacked[self.trim:len(members) - self.trim] if self.trim else stacked
-        return kept.mean(dim=0), state
+        return trimmed_mean(torch.stack([shard for shard, _ in members]), self.trim), state
 
 
 RULES: dict[str, type[ShardRule]] = {"fedavg": FedAvg, "fedavgm": FedAvgM, "nesterov": Nesterov,

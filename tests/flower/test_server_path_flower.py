@@ -116,3 +116,38 @@ def test_a_killed_group_rejoins_its_facility_with_a_catch_up(data_dir, tmp_path)
     for r in rounds[rounds.index(rejoined[0]):]:
         assert (r["groups"], r["facilities"], r["facility_replies"]) == (3, 2, 2), r
         assert r["synced"] == 1 and r["checksums_equal"] == 1, r
+
+
+@pytest.mark.timeout(900)
+def test_a_hostile_facility_is_excluded_and_the_others_go_on(data_dir, tmp_path, monkeypatch):
+    """Three groups (each its own facility, S = 1) on the server path, with a ServerApp that makes the last one
+    hostile (`tests.flower.hostile_facility`): round 2 its manifest claims the weight 1e300, round 3 its first chunk
+    holds a NaN. Each time it alone is left out, with one log line naming it, the round and why; the run finishes;
+    every group (the hostile one too) adopts the token-weighted mean of the two others' models (parameter sums); in
+    round 4 it is honest again and counted."""
+    from tests.flower.procs import REPO
+
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    config = {**BASE, "outer": "fedavg", "shards": 1, "num-server-rounds": 4, "aggregation": "server",
+              "strategy": "tests.flower.hostile_facility:HostileFacility"}
+    run = run_demo(tmp_path / "hostile", data_dir, config, groups=3)
+    assert run.returncode == 0, run.output[-4000:]
+    assert len(run.rounds) == 4, run.output[-4000:]
+    victim = run.rounds[0]["members"][-1]
+    for r, reason in zip(run.rounds, ("", "out of bounds", "NaN or Inf", "")):
+        assert r["synced"] == 1 and r["checksums_equal"] == 1 and r["dropped"] == 0, r
+        if not reason:
+            assert (r["facility_replies"], r["facility_rejected"]) == (3, 0), r
+            continue
+        assert (r["facility_replies"], r["facility_rejected"]) == (2, 1), r
+        (source, why), = r["facility_rejections"].items()
+        assert f"(node {victim})" in source and reason in why, r["facility_rejections"]
+        lines = [line for line in run.output.splitlines() if f"{source}" in line and f"round {r['round']}:" in line]
+        assert len(lines) == 1 and "server path: rejected the shards of" in lines[0] and reason in lines[0], lines
+        weights = r["facility_weights"]
+        assert victim not in weights and len(weights) == 2, weights
+        expected = sum(w * sum(r["train_checksums"][n]) for n, w in weights.items()) / sum(weights.values())
+        for sums in r["checksums"].values():
+            assert math.isclose(sum(sums), expected, rel_tol=1e-6), (expected, r)
+    print({r["round"]: (round(r["round_s"], 2), round(r["server_sync_s"], 2), r["stream_restarts"])
+           for r in run.rounds})

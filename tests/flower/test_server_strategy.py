@@ -16,6 +16,7 @@ from flwr.app import Message, RecordDict
 
 from flwr_sharded.flower import handoff
 from flwr_sharded.flower import messages as P
+from flwr_sharded.flower.run import FlowerRun
 from flwr_sharded.flower.server.server_path import ServerShardFedAvg
 from tests.flower.test_strategy import FakeGrid, config, fast, hello_ok, make, reply, spec, task_identity, train_ok
 
@@ -41,12 +42,18 @@ def cut(values: dict[str, np.ndarray], shards: int) -> tuple[dict[str, np.ndarra
 
 
 class FakeGroup:
-    """A facility of one group: its model, the chunks of the mean it received, and an optional corruption."""
+    """A facility of one group: its model, the chunks of the mean it received, and an optional corruption.
 
-    def __init__(self, node: int, partition: int, values: dict[str, np.ndarray], tokens: int, shards: int,
+    `tokens`: the weight it reports; None: the tokens it trained on, as a real group counts them (the run's K x A
+    steps of batch x grad-accum x seq-len tokens on each of its ranks, summed over its facility's members, which
+    all share its S), read from the run in the hello."""
+
+    def __init__(self, node: int, partition: int, values: dict[str, np.ndarray], tokens: float | None, shards: int,
                  corrupt: Callable[[int, dict[str, np.ndarray]], None] | None = None,
                  manifest: Callable[[RecordDict], None] | None = None, fail_in_round: int = 0) -> None:
         self.node, self.partition, self.values, self.tokens, self.shards = node, partition, values, tokens, shards
+        self.weight = 0.0
+        self.per_rank_round = 0
         self.arrays, self.meta = cut(values, shards)
         self.corrupt, self.edit_manifest, self.fail_in_round = corrupt, manifest, fail_in_round
         self.pulls = 0
@@ -57,17 +64,23 @@ class FakeGroup:
     def __call__(self, m: Message) -> tuple[float, Any]:
         kind, cfg = m.metadata.message_type, config(m)
         if kind == P.MSG_HELLO:
+            run = FlowerRun.from_json(cfg["run"])
+            self.per_rank_round = (run.federation.syncs_per_round * run.train.parallel.aggregate_every
+                                   * run.train.batch_size * run.train.grad_accum * run.train.data.seq_len)
             return 0.0, hello_ok(self.node, shards=self.shards, fingerprint=f"S{self.shards}",
                                  partition=self.partition)
         if kind == P.MSG_TRAIN and cfg["server-round"] == self.fail_in_round:
             return 0.0, reply(False, "lost the connection to the group")
         if kind == P.MSG_TRAIN:
-            content = train_ok(tokens=self.tokens, checksums=[0.0] * self.shards, facility_tokens=self.tokens)
+            members = len(cfg["members"])
+            self.weight = float(self.per_rank_round * self.shards * members if self.tokens is None else self.tokens)
+            content = train_ok(tokens=self.per_rank_round * self.shards, checksums=[0.0] * self.shards,
+                               facility_tokens=self.weight)
             if not cfg["export"]:
                 return 0.0, content
             shapes = {k: v.shape for k, v in self.arrays.items()}
             for name, record in handoff.manifest_records(shapes, self.meta, cfg["server-round"],
-                                                         self.tokens).items():
+                                                         self.weight).items():
                 content[name] = record
             if self.edit_manifest:
                 self.edit_manifest(content)
@@ -83,7 +96,7 @@ class FakeGroup:
             if self.corrupt:
                 self.corrupt(self.pulls, rows)
             meta = {k: self.meta[f"{k.rpartition('@')[0]}@0"] for k in rows}
-            return 0.0, RecordDict(handoff.to_records(rows, meta, cfg["server-round"], self.tokens))
+            return 0.0, RecordDict(handoff.to_records(rows, meta, cfg["server-round"], self.weight))
         if kind == P.MSG_APPLY:
             self.apply(m, cfg)
             last = cfg["chunk"] == cfg["chunks"] - 1
@@ -111,6 +124,11 @@ class FakeGroup:
         return out
 
 
+def weighted(groups: list[FakeGroup], name: str) -> np.ndarray:
+    """The groups' token-weighted mean of a parameter (their weights of the last round)."""
+    return sum(g.weight * g.values[name] for g in groups) / sum(g.weight for g in groups)
+
+
 def run(groups: list[FakeGroup], buffer_mb: float) -> tuple[ServerShardFedAvg, FakeGrid]:
     grid = FakeGrid({g.node: g for g in groups})
     strategy = make(spec(rounds=1, syncs_per_round=1, aggregation="server", server_buffer_mb=buffer_mb,
@@ -123,7 +141,7 @@ BUFFER = 24 / 2**20  # chunks of at most 24 bytes: a row of w, or 6 of b
 
 
 def test_chunked_pulls_and_applies_give_every_group_the_weighted_mean_whatever_its_sharding():
-    a, b = FakeGroup(1, 0, model(1), 100, shards=2), FakeGroup(2, 1, model(2), 300, shards=1)
+    a, b = FakeGroup(1, 0, model(1), None, shards=2), FakeGroup(2, 1, model(2), None, shards=1)
     strategy, grid = run([a, b], BUFFER)
     record = strategy.history[0]
     assert (record["facility_replies"], record["facility_rejected"], record["dropped"]) == (2, 0, 0), record
@@ -135,7 +153,7 @@ def test_chunked_pulls_and_applies_give_every_group_the_weighted_mean_whatever_i
         assert len(sent) == chunks + ServerShardFedAvg.PULL_AHEAD + 1
     assert all(sum(v.nbytes for v in arrays.values()) <= 24 for arrays, _ in a.received)
     for name in SHAPES:
-        expected = (100 * a.values[name] + 300 * b.values[name]) / 400
+        expected = weighted([a, b], name)
         for g in (a, b):
             np.testing.assert_allclose(g.adopted()[name], expected, rtol=1e-6, atol=1e-7)
 
@@ -161,7 +179,7 @@ def test_a_bad_chunk_leaves_that_facility_out_of_every_row(corrupt, reason, capl
         if pull == 3:
             corrupt(rows)
 
-    a, b = FakeGroup(1, 0, model(1), 100, shards=2), FakeGroup(2, 1, model(2), 300, shards=1, corrupt=in_third_pull)
+    a, b = FakeGroup(1, 0, model(1), None, shards=2), FakeGroup(2, 1, model(2), None, shards=1, corrupt=in_third_pull)
     with caplog.at_level(logging.WARNING):
         strategy, grid = run([a, b], BUFFER)
     assert b.pulls == 3 + ServerShardFedAvg.PULL_AHEAD  # the pulls queued before its bad chunk, then none
@@ -177,7 +195,7 @@ def test_a_bad_chunk_leaves_that_facility_out_of_every_row(corrupt, reason, capl
 
 
 def test_a_facility_that_stops_answering_is_left_out_and_the_others_adopt_their_mean():
-    c = FakeGroup(3, 2, model(3), 200, shards=2)
+    c = FakeGroup(3, 2, model(3), None, shards=2)
     answered = FakeGroup.__call__
 
     def silent_after_two_pulls(self: FakeGroup, m: Message) -> tuple[float, Any]:
@@ -186,7 +204,7 @@ def test_a_facility_that_stops_answering_is_left_out_and_the_others_adopt_their_
             return 0.0, None  # no reply: the node is there but its ClientApp never answers
         return answered(self, m)
 
-    a, b = FakeGroup(1, 0, model(1), 100, shards=2), FakeGroup(2, 1, model(2), 300, shards=1)
+    a, b = FakeGroup(1, 0, model(1), None, shards=2), FakeGroup(2, 1, model(2), None, shards=1)
     b.__class__ = type("Silent", (FakeGroup,), {"__call__": silent_after_two_pulls})
     grid = FakeGrid({g.node: g for g in (a, b, c)})
     strategy = make(spec(rounds=1, syncs_per_round=1, aggregation="server", server_buffer_mb=BUFFER,
@@ -197,7 +215,7 @@ def test_a_facility_that_stops_answering_is_left_out_and_the_others_adopt_their_
     assert (record["facility_replies"], record["facility_rejected"], record["stream_restarts"]) == (2, 1, 1), record
     for g in (a, b, c):
         for name in SHAPES:
-            np.testing.assert_allclose(g.adopted()[name], (100 * a.values[name] + 200 * c.values[name]) / 300,
+            np.testing.assert_allclose(g.adopted()[name], weighted([a, c], name),
                                        rtol=1e-6, atol=1e-7)
 
 
@@ -208,8 +226,8 @@ def test_a_facility_that_stops_answering_is_left_out_and_the_others_adopt_their_
     (lambda c: c[handoff.SHARD_INFO].__setitem__("weight", -1.0), "weight must be"),
 ])
 def test_a_bad_manifest_is_rejected_before_anything_is_pulled(edit, reason, caplog):
-    a = FakeGroup(1, 0, model(1), 100, shards=2)
-    b = FakeGroup(2, 1, model(2), 300, shards=1, manifest=edit)
+    a = FakeGroup(1, 0, model(1), None, shards=2)
+    b = FakeGroup(2, 1, model(2), None, shards=1, manifest=edit)
     with caplog.at_level(logging.WARNING):
         strategy, grid = run([a, b], BUFFER)
     assert b.pulls == 0 and not [m for m in grid.sent(P.MSG_PULL) if m.metadata.dst_node_id == 2]
@@ -221,8 +239,8 @@ def test_a_bad_manifest_is_rejected_before_anything_is_pulled(edit, reason, capl
 
 
 def _rounds_with_a_failure(facilities: str, caplog) -> tuple[ServerShardFedAvg, FakeGrid, list[dict]]:
-    groups = [FakeGroup(1, 0, model(1), 100, 2), FakeGroup(2, 1, model(2), 100, 2, fail_in_round=2),
-              FakeGroup(3, 2, model(3), 100, 2)]
+    groups = [FakeGroup(1, 0, model(1), None, 2), FakeGroup(2, 1, model(2), None, 2, fail_in_round=2),
+              FakeGroup(3, 2, model(3), None, 2)]
     grid = FakeGrid({g.node: g for g in groups})
     strategy = make(spec(rounds=4, syncs_per_round=1, aggregation="server", facilities=facilities),
                     fast(num_groups=3), ServerShardFedAvg)
@@ -259,8 +277,8 @@ def test_the_model_is_the_one_most_facilities_announce_so_a_bad_first_manifest_i
         content[handoff.SHARD_META]["w@0"] = "float32|11,6"
         content[handoff.SHARD_SHAPES]["w@0"] = "11,6"
 
-    a = FakeGroup(1, 0, model(1), 100, shards=1, manifest=wrong_shape)
-    b, c = FakeGroup(2, 1, model(2), 100, shards=1), FakeGroup(3, 2, model(3), 300, shards=1)
+    a = FakeGroup(1, 0, model(1), None, shards=1, manifest=wrong_shape)
+    b, c = FakeGroup(2, 1, model(2), None, shards=1), FakeGroup(3, 2, model(3), None, shards=1)
     grid = FakeGrid({g.node: g for g in (a, b, c)})
     strategy = make(spec(rounds=1, syncs_per_round=1, aggregation="server", shards=1, server_buffer_mb=BUFFER),
                     fast(num_groups=3), ServerShardFedAvg)
@@ -271,5 +289,88 @@ def test_the_model_is_the_one_most_facilities_announce_so_a_bad_first_manifest_i
     assert a.pulls == 0 and "global shape (11, 6)" in caplog.text
     for g in (a, b, c):
         for name in SHAPES:
-            np.testing.assert_allclose(g.adopted()[name], (100 * b.values[name] + 300 * c.values[name]) / 400,
+            np.testing.assert_allclose(g.adopted()[name], weighted([b, c], name),
                                        rtol=1e-6, atol=1e-7)
+
+
+# ----- bounded damage: a bad facility among three, and the robust rules ---------------------------------------------
+def run_facilities(groups: list[FakeGroup], **options: Any) -> ServerShardFedAvg:
+    names = ",".join("abcdefgh"[:len(groups)])
+    strategy = make(spec(rounds=1, syncs_per_round=1, aggregation="server", server_buffer_mb=BUFFER,
+                         facilities=names, facility_shards="b=1", partition="iid-groups", **options),
+                    fast(num_groups=len(groups)), ServerShardFedAvg)
+    strategy.start(FakeGrid({g.node: g for g in groups}))
+    return strategy
+
+
+def _huge_in_third_pull(pull: int, rows: dict[str, np.ndarray]) -> None:
+    if pull == 3:
+        next(iter(rows.values()))[0] = 1e30
+
+
+def _nan_in_third_pull(pull: int, rows: dict[str, np.ndarray]) -> None:
+    if pull == 3:
+        _nan(rows)
+
+
+@pytest.mark.parametrize("corrupt, manifest, reason", [
+    (_nan_in_third_pull, None, "NaN or Inf"),
+    (None, lambda c: c[handoff.SHARD_INFO].__setitem__("weight", 1e12), "out of bounds"),
+    (None, lambda c: c[handoff.SHARD_INFO].__setitem__("weight", 1e300), "out of bounds"),
+    (None, lambda c: c[handoff.SHARD_INFO].__setitem__("weight", float("inf")), "finite number > 0"),
+    (_huge_in_third_pull, None, "largest |value| 1e+30 is more than 100 x"),
+], ids=["nan", "weight-1e12", "weight-1e300", "weight-inf", "values-1e30"])
+def test_a_bad_facility_is_excluded_with_one_line_and_the_others_mean_adopted(corrupt, manifest, reason, caplog):
+    """Facilities a (S = 2), b (S = 1) and c (S = 2); c sends NaN, an inflated weight or values far above the
+    others'. c is left out with one log line naming it, the round and why; nothing crashes; every group adopts the
+    weighted mean of a and b; the round's record names c and the reason."""
+    a, b = FakeGroup(1, 0, model(1), None, shards=2), FakeGroup(2, 1, model(2), None, shards=1)
+    c = FakeGroup(3, 2, model(3), None, shards=2, corrupt=corrupt, manifest=manifest)
+    with caplog.at_level(logging.WARNING):
+        strategy = run_facilities([a, b, c])
+    record = strategy.history[0]
+    assert (record["facility_replies"], record["facility_rejected"]) == (2, 1), record
+    (source, why), = record["facility_rejections"].items()
+    assert source == "facility c (node 3)" and reason in why, record["facility_rejections"]
+    lines = [r.getMessage() for r in caplog.records if "facility c" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("round 1: server path: rejected the shards of facility c"), lines
+    assert reason in lines[0]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    for g in (a, b, c):
+        for name in SHAPES:
+            np.testing.assert_allclose(g.adopted()[name], weighted([a, b], name), rtol=1e-6, atol=1e-7)
+
+
+def _offset(seed: int, by: float) -> dict[str, np.ndarray]:
+    return {n: v + by for n, v in model(seed).items()}
+
+
+@pytest.mark.parametrize("rule, trim", [("median", 1), ("trimmed-mean", 1), ("trimmed-mean", 2)])
+def test_robust_server_rules_give_every_group_the_coordinate_rule_of_the_facilities(rule, trim):
+    """Five facilities, one of them 50 away from the others (within the magnitude bound): every group adopts the
+    coordinate-wise median / trimmed mean of the five models (numpy's), chunk by chunk."""
+    groups = [FakeGroup(i + 1, i, _offset(i + 1, 50.0 if i == 4 else 0.0), None, shards=1 if i == 1 else 2)
+              for i in range(5)]
+    strategy = run_facilities(groups, server_rule=rule, server_trim=trim)
+    record = strategy.history[0]
+    assert (record["facility_replies"], record["facility_rejected"]) == (5, 0), record
+    for name in SHAPES:
+        stacked = np.stack([g.values[name] for g in groups])
+        central = np.median(stacked, axis=0) if rule == "median" else np.sort(stacked, axis=0)[trim:5 - trim].mean(0)
+        for g in groups:
+            np.testing.assert_allclose(g.adopted()[name], central, rtol=1e-6, atol=1e-6)
+        assert np.abs(central).max() < 10  # the outlier facility did not move it
+
+
+def test_a_trimmed_mean_short_of_facilities_skips_the_server_mean_with_one_error(caplog):
+    """trimmed-mean with trim 1 over three facilities, one of which sends NaN: two are left, too few; the round
+    ends without a server mean (one ERROR line saying why) and nobody adopts anything."""
+    groups = [FakeGroup(1, 0, model(1), None, shards=2), FakeGroup(2, 1, model(2), None, shards=1),
+              FakeGroup(3, 2, model(3), None, shards=2, corrupt=_nan_in_third_pull)]
+    with caplog.at_level(logging.WARNING):
+        strategy = run_facilities(groups, server_rule="trimmed-mean")
+    record = strategy.history[0]
+    assert (record["facility_replies"], record["facility_rejected"]) == (0, 1), record
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR and "server-rule" in r.getMessage()]
+    assert len(errors) == 1 and "needs 3 facilities, 2 sent valid shards" in errors[0], errors
+    assert all(len(g.received) < record["apply_chunks"] for g in groups)  # no pass reached its last chunk

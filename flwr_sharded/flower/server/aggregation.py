@@ -5,11 +5,18 @@ offset) that one group, or one rank of a group, sent for this sync, with the gro
 reply wholly BEFORE touching any accumulator, and rejects it with one log line naming the reason when:
 
 - its round is not this aggregator's round (stale or early reply), or its source already replied this round;
-- its weight is not a finite number > 0;
+- its weight is not a finite number > 0, or (with `expected_weight`) not the weight expected of its source
+  (`flwr_sharded.parallel.contribution`), or so large that it times the reply's largest |value| would overflow the
+  fp32 sums;
 - a key names no parameter of the model, or a piece's global shape, trailing dims or row range do not fit it;
 - a piece's dtype differs from the model's (declared, or learned from the first accepted reply);
-- a piece holds NaN or Inf;
+- a piece holds NaN or Inf (found with one min/max pass per piece, which also gives the reply's largest |value|);
 - two pieces of the reply overlap, or (with `complete=True`) the reply does not cover every parameter exactly once.
+
+`finalize()` then excludes accepted replies that are out of bounds (`flwr_sharded.flower.server.robust`: a largest
+|value| far above the others', or values that would overflow the mean's sums), decided on all of them at once: it
+raises `ExcludedContributions` naming them and why, and the caller aggregates again without them (the server path
+starts its pass over). A reply whose values could overflow the sums is never folded into them.
 
 Accepted replies of linear rules (FedAvg and the outer optimizers) are folded into one fp32 accumulator per parameter
 (`sum(w * x)`, memory: one fp32 copy of the model whatever F is) and a per-row weight sum, so groups sharded
@@ -27,6 +34,10 @@ server's memory while its reply is validated (the Flower Message holds it anyway
 be one rank's pieces: memory per reply drops to 1/S of a model, and if one rank's reply is rejected the other ranks'
 rows of that group are kept, so those rows are averaged over a different set of groups than the rest (each row is
 still a correct weighted mean of the valid values sent for it; nothing invalid enters).
+
+Robust rules (`combine="median"` or `"trimmed-mean"`, with a window): each accepted reply's rows of the window are
+kept in a stack (one slot per contribution, `slots` of them, in the wire dtype) and `finalize()` takes the
+coordinate-wise median or trimmed mean; memory = slots x the window.
 """
 
 from __future__ import annotations
@@ -34,15 +45,18 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
 from flwr_sharded.flower import handoff
+from flwr_sharded.flower.server.robust import ROBUST_RULES, SUM_LIMIT, ChunkStack, min_contributors, out_of_bounds
+from flwr_sharded.parallel.contribution import check_weight
 from flwr_sharded.parallel.outer import FedAvg, ShardRule, State
 from flwr_sharded.parallel.shard_transport import PieceLayout, ShardPiece
 
 log = logging.getLogger(__name__)
+FP32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass(frozen=True)
@@ -81,11 +95,26 @@ class RejectedReply(ValueError):
     pass
 
 
+class ExcludedContributions(RuntimeError):
+    """Accepted replies `finalize` found out of bounds (source -> why); aggregate again without them."""
+
+    def __init__(self, reasons: dict[str, str]) -> None:
+        super().__init__("; ".join(f"{source}: {why}" for source, why in reasons.items()))
+        self.reasons = reasons
+
+
 @dataclass
 class AggregationReport:
     accepted: list[str] = field(default_factory=list)
     rejected: dict[str, str] = field(default_factory=dict)
     total_weight: float = 0.0
+    excluded: dict[str, str] = field(default_factory=dict)
+    """Accepted replies `finalize` found out of bounds (then it raised `ExcludedContributions`)."""
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """No NaN or Inf in `t` (one min/max pass, no mask)."""
+    return not t.numel() or all(math.isfinite(float(x)) for x in torch.aminmax(t))
 
 
 def check_layout(spec: dict[str, ParamSpec] | None, pieces: Sequence[PieceLayout], *,
@@ -189,11 +218,20 @@ class StreamingShardAggregator:
         complete: a reply must cover every parameter exactly once (one reply = one group, rejected as a whole).
         window: parameter -> its global rows `(start, stop)` this aggregator covers (needs `spec`,
             `complete=False` and FedAvg); the other parameters and rows are outside it.
+        combine: "mean" (the rule on the weighted mean), "median" or "trimmed-mean" (coordinate-wise, unweighted;
+            need a window, which each reply must cover exactly, and `slots`).
+        trim: trimmed-mean: values dropped from each side of each coordinate.
+        slots: robust rules: the most replies the stack holds (the participants).
+        outlier_ratio: `robust.out_of_bounds`' magnitude test (0: off; the overflow test is always on).
+        expected_weight: source -> the weight its reply must carry (None: any finite weight > 0).
+        log_rejections: log one warning per rejected reply (off when the caller logs its own line).
     """
 
     def __init__(self, rule: ShardRule | None = None, round: int = 0, *, spec: dict[str, ParamSpec] | None = None,
                  global_params: dict[str, torch.Tensor] | None = None, state: dict[str, State] | None = None,
-                 complete: bool = True, window: Mapping[str, tuple[int, int]] | None = None) -> None:
+                 complete: bool = True, window: Mapping[str, tuple[int, int]] | None = None,
+                 combine: str = "mean", trim: int = 1, slots: int | None = None, outlier_ratio: float = 0.0,
+                 expected_weight: Callable[[str], float | None] | None = None, log_rejections: bool = True) -> None:
         self.rule = rule or FedAvg()
         if not self.rule.linear:
             raise ValueError(f"{type(self.rule).__name__} is not linear: the streaming server path needs a rule that "
@@ -208,7 +246,21 @@ class StreamingShardAggregator:
             for name, (start, stop) in window.items():
                 if name not in spec or not 0 <= start < stop <= spec[name].rows:
                     raise ValueError(f"window rows [{start}, {stop}) of {name!r} are not rows of the model")
+        if combine not in ("mean", *ROBUST_RULES):
+            raise ValueError(f"combine must be mean, {' or '.join(ROBUST_RULES)}; got {combine!r}")
+        if combine != "mean" and (window is None or not slots or slots < min_contributors(combine, trim)):
+            raise ValueError(f"{combine} needs a window and at least {min_contributors(combine, trim)} slots")
+        if not (outlier_ratio >= 0 and math.isfinite(outlier_ratio)):
+            raise ValueError(f"outlier_ratio must be a finite number >= 0, got {outlier_ratio!r}")
         self.window = dict(window) if window is not None else None
+        self.combine, self.trim, self.outlier_ratio = combine, trim, float(outlier_ratio)
+        self.expected_weight = expected_weight
+        self.log_rejections = log_rejections
+        self._stack = ChunkStack(self.window, {n: p.shape for n, p in spec.items()},
+                                 {n: p.dtype for n, p in spec.items()}, slots) if combine != "mean" else None
+        self._stats: dict[str, tuple[float, float]] = {}  # accepted source -> (weight, largest |value|)
+        self._bound = 0.0  # sum of weight x largest |value| over the replies folded into the sums
+        self._unfolded: list[str] = []  # accepted replies that could have overflowed the sums
         self.round = round
         self.spec = dict(spec) if spec is not None else None
         self.global_params = global_params
@@ -225,33 +277,62 @@ class StreamingShardAggregator:
         if self._finalized:
             raise RuntimeError("this aggregator is finalized; start a new one for the next round")
         try:
-            spec = self._validate(reply)
+            spec, largest = self._validate(reply)
         except RejectedReply as exc:
             self.report.rejected[reply.source] = str(exc)
-            log.warning("server path: round %s: rejected the reply of %s: %s", self.round, reply.source, exc)
+            if self.log_rejections:
+                log.warning("server path: round %s: rejected the reply of %s: %s", self.round, reply.source, exc)
             return False
         if self.spec is None:
             self.spec = spec
-        self._accumulate(reply)
+        w = float(reply.weight)
+        if self._stack is not None:
+            for piece in reply.pieces:
+                self._stack.put(len(self._stats), piece.name, piece.row_offset, piece.data)
+        elif self._bound + w * largest <= SUM_LIMIT:
+            self._accumulate(reply)
+            self._bound += w * largest
+        else:
+            self._unfolded.append(reply.source)  # `finalize` excludes the largest contributions first
+        self._stats[reply.source] = (w, largest)
         self.report.accepted.append(reply.source)
-        self.report.total_weight += float(reply.weight)
+        self.report.total_weight += w
         return True
 
-    def _validate(self, reply: ShardReply) -> dict[str, ParamSpec]:
+    def _validate(self, reply: ShardReply) -> tuple[dict[str, ParamSpec], float]:
+        """The model's spec and the reply's largest |value|; RejectedReply naming the first problem."""
         if reply.round != self.round:
             raise RejectedReply(f"round {reply.round} is not the current round {self.round} (stale or early reply)")
         if reply.source in self.report.accepted or reply.source in self.report.rejected:
             raise RejectedReply("this source already replied in this round")
-        if not (isinstance(reply.weight, (int, float)) and math.isfinite(reply.weight) and reply.weight > 0):
-            raise RejectedReply(f"weight must be a finite number > 0, got {reply.weight!r}")
+        expected = self.expected_weight(reply.source) if self.expected_weight is not None else None
+        reason = check_weight(reply.weight, expected)
+        if reason:
+            raise RejectedReply(reason)
+        if reply.weight > FP32_MAX:
+            raise RejectedReply(f"weight {reply.weight:.3g} is beyond the fp32 range of the sums")
+        if self._stack is not None and len(self._stats) >= self._stack.slots:
+            raise RejectedReply(f"more replies than the {self._stack.slots} this {self.combine} expects")
         spec = check_layout(self.spec, [p.layout for p in reply.pieces], complete=self.complete)
+        largest, rows = 0.0, {}
         for piece in reply.pieces:
             start, stop = self.window.get(piece.name, (0, 0)) if self.window is not None else (0, spec[piece.name].rows)
             if not (start <= piece.row_offset and piece.row_offset + piece.rows <= stop):
                 raise RejectedReply(f"piece {piece.key}: rows outside this aggregator's window")
-            if piece.data.is_floating_point() and not bool(torch.isfinite(piece.data).all()):
+            lo, hi = (float(x) for x in torch.aminmax(piece.data))  # NaN and Inf show in the extremes
+            if not (math.isfinite(lo) and math.isfinite(hi)):
                 raise RejectedReply(f"piece {piece.key}: holds NaN or Inf")
-        return spec
+            largest = max(largest, -lo, hi)
+            rows[piece.name] = rows.get(piece.name, 0) + piece.rows
+        if self._stack is not None:
+            short = [n for n, (a, b) in self.window.items() if rows.get(n, 0) != b - a]
+            if short:
+                raise RejectedReply(f"{self.combine} needs every row of the window; {len(short)} parameter(s) lack "
+                                    f"some, e.g. {short[:3]}")
+        elif float(reply.weight) * largest > SUM_LIMIT:
+            raise RejectedReply(f"the mean would overflow: weight {float(reply.weight):.3g} x its largest |value| "
+                                f"{largest:.3g} is above the {SUM_LIMIT:.3g} fp32 sums can hold")
+        return spec, largest
 
     def _rows_of(self, name: str) -> tuple[int, int]:
         """The global rows of a parameter that this aggregator covers ((0, 0) for one outside its window)."""
@@ -291,6 +372,34 @@ class StreamingShardAggregator:
         if not self.report.accepted:
             raise RuntimeError(f"round {self.round}: no valid reply to aggregate "
                                f"(rejected: {self.report.rejected})")
+        self._exclude(out_of_bounds(self._stats, self.outlier_ratio, sums=self._stack is None))
+        if self._unfolded:  # cannot be: without exclusions every reply fitted the bound
+            raise RuntimeError(f"round {self.round}: replies {self._unfolded} were not folded in")
+        if self._stack is not None:
+            self._acc = self._stack.combine(self.combine, self.trim, len(self._stats))
+            self._stack = None
+        else:
+            self._divide()
+        bad = [n for n, t in self._acc.items() if not _finite(t)]
+        if bad:  # a guard: finite inputs within the bound give a finite mean
+            self._exclude({max(self._stats, key=lambda s: self._stats[s][0] * self._stats[s][1]):
+                           f"the mean of {bad[:3]} is not finite; this contribution is the largest"})
+        self._finalized = True
+        return self.report
+
+    def _exclude(self, reasons: dict[str, str]) -> None:
+        """Raise `ExcludedContributions` (and log one line per source) if there are any."""
+        if not reasons:
+            return
+        self.report.excluded.update(reasons)
+        if self.log_rejections:
+            for source, why in reasons.items():
+                log.warning("server path: round %s: excluded the reply of %s: %s", self.round, source, why)
+        raise ExcludedContributions(reasons)
+
+    @torch.no_grad()
+    def _divide(self) -> None:
+        """The weighted mean from the sums (and the rule's step), in place."""
         for name in (self.window if self.window is not None else self.spec):
             acc = self._acc.get(name)
             if acc is None:
@@ -313,8 +422,11 @@ class StreamingShardAggregator:
                     state = self.rule.init_state(global_t.float())
                 new, self.state[name] = self.rule.apply_mean(global_t, acc, state)
                 acc.copy_(new)
-        self._finalized = True
-        return self.report
+
+    def held_bytes(self) -> int:
+        """Bytes of the tensors this aggregator holds now (sums, row weights, the robust rules' stack)."""
+        tensors = [*self._acc.values(), *self._row_weight.values()]
+        return sum(t.numel() * t.element_size() for t in tensors) + (self._stack.nbytes() if self._stack else 0)
 
     def result(self, name: str, row_offset: int, rows: int | None = None) -> torch.Tensor:
         """The new global rows `[row_offset, row_offset + rows)` of a parameter (fp32, a view; with a window,
@@ -368,6 +480,7 @@ def add_content(agg: StreamingShardAggregator, source: str, content) -> bool:
         pieces = decode_pieces(arrays, meta)
     except (ShardPieceError, KeyError, TypeError, ValueError) as exc:
         agg.report.rejected[source] = f"malformed reply: {exc}"
-        log.warning("server path: round %s: rejected the reply of %s: malformed reply: %s", agg.round, source, exc)
+        if agg.log_rejections:
+            log.warning("server path: round %s: rejected the reply of %s: malformed reply: %s", agg.round, source, exc)
         return False
     return agg.add(ShardReply(source, int(info["round"]), float(info["weight"]), pieces))

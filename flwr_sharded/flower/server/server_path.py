@@ -13,7 +13,9 @@ partition id by the run config's `facilities`; by default every group is a facil
    that window: a bad chunk is rejected with a log line), and sends the chunk of the weighted mean to every group. A
    facility whose manifest or chunk is refused is left out; if that happens mid-stream, the stream starts over
    without it, so every row is the mean of the same facilities. Pulls run one chunk ahead, so SuperNodes do not idle
-   between chunks;
+   between chunks. Refused: a weight other than the facility's tokens of the round (`expected_weight`), NaN/Inf,
+   values out of bounds or that would overflow the sums (`robust.out_of_bounds`); one log line each. The
+   `server-rule` median or trimmed-mean replaces the weighted mean with a coordinate-wise rule per chunk;
 3. apply: when a group has all chunks, each of its ranks assembles its own rows, whatever its S, and steps the
    outer optimizer on them (its state is sharded like the parameters and lives with the ranks, so the server keeps
    no model state between rounds).
@@ -66,8 +68,7 @@ class ServerShardFedAvg(DecentralizedFedAvg):
 
     def facility_of(self, partition_id: int, hello_info: dict[str, Any]) -> str:
         """The node config's `facility`, else the run config's `facilities[partition_id]`, else the group alone."""
-        return (str(hello_info.get("facility", "")) or self.run.facility_of(partition_id)
-                or f"partition-{partition_id}")
+        return str(hello_info.get("facility", "")) or self.run.facility_or_own(partition_id)
 
     def readmit(self, grid: Grid, server_round: int) -> list[int]:
         """A dropped group rejoins if its facility still has a member: the facility's round starts with a catch-up
@@ -122,7 +123,7 @@ class ServerShardFedAvg(DecentralizedFedAvg):
         memory = PeakRSS(self._rss_base)
         messages = self.configure_train(server_round, ArrayRecord(), ConfigRecord(dict(train_config or {})), grid)
         replies = self.train_and_collect(grid, messages)
-        manifests, rejected, spec = self._manifests(server_round, replies)
+        manifests, rejected, spec = self._manifests(server_round, replies, round_overrides(dict(train_config or {})))
         self._round_wall = time.monotonic() - t0
         _, metrics = self.aggregate_train(server_round, replies)
         del replies
@@ -131,14 +132,12 @@ class ServerShardFedAvg(DecentralizedFedAvg):
         accepted: list[int] = []
         if manifests:
             accepted = self._stream(grid, server_round, manifests, spec, rejected, record)
-        for source, reason in rejected.items():
-            log(WARNING, "round %d: server path: rejected the shards of %s: %s", server_round, source, reason)
         record.update(facilities=len(self.facilities()), facility_replies=len(accepted),
-                      facility_rejected=len(rejected), train_checksums=record["checksums"],
-                      facility_weights={str(n): manifests[n][1] for n in accepted})
+                      facility_rejected=len(rejected), facility_rejections=dict(rejected),
+                      train_checksums=record["checksums"], facility_weights={str(n): manifests[n][1] for n in accepted})
         if not accepted:
-            log(ERROR, "round %d: no facility's shards reached the server; the groups keep their facility models "
-                "and the next round tries again", server_round)
+            log(ERROR, "round %d: %s; the groups keep their facility models and the next round tries again",
+                server_round, record.pop("no_server_mean", "no facility's shards reached the server"))
         record["server_sync_s"] = time.monotonic() - start
         extra = memory.extra_bytes()  # the round: train, then pulls, means and applies
         if spec and extra is not None:
@@ -153,14 +152,33 @@ class ServerShardFedAvg(DecentralizedFedAvg):
         self.evaluate_round(grid, server_round, result)
         self.publish_round()
 
-    def _manifests(self, server_round: int, replies: list[Message]
+    def expected_weight(self, node: int, overrides: dict[str, Any]) -> float:
+        """The tokens the facility led by `node` trained on in this round: K syncs of A steps, by each member of
+        the facility with its R x S ranks (checked at hello), of `batch-size` x `grad-accum` blocks of `seq-len`."""
+        from flwr_sharded.parallel.contribution import expected_weight_of
+
+        K = int(overrides.get("syncs-per-round", self.run.federation.syncs_per_round))
+        A = int(overrides.get("aggregate-every", self.run.train.parallel.aggregate_every))
+        members = self.facilities().get(self.groups[node].facility, [node])
+        return expected_weight_of(self.run.train, steps=K * A,
+                                  worlds=[self.groups[n].layout.replicas * self.groups[n].layout.shards
+                                          for n in members])
+
+    def _reject(self, server_round: int, rejected: dict[str, str], source: str, reason: str, then: str = "") -> None:
+        """Leave a facility's shards out of the round: the one log line, and its reason for the round's record."""
+        rejected[source] = reason
+        log(WARNING, "round %d: server path: rejected the shards of %s: %s%s", server_round, source, reason, then)
+
+    def _manifests(self, server_round: int, replies: list[Message], overrides: dict[str, Any]
                    ) -> tuple[dict[int, tuple[str, float, list[Any]]], dict[str, str], dict[str, Any] | None]:
         """The facility leaders' manifests that fit the model (node -> (source, weight, piece layouts)), the
         rejected ones (source -> reason), and the model's spec (global shapes and dtypes).
 
-        The model is the one most manifests describe (the first of equals on a tie), so one bad manifest cannot
-        make the others look wrong; each manifest must cover it exactly once."""
+        The weight must be the facility's tokens of the round (`expected_weight`). The model is the one most
+        manifests describe (the first of equals on a tie), so one bad manifest cannot make the others look wrong;
+        each manifest must cover it exactly once."""
         from flwr_sharded.flower.server.aggregation import RejectedReply, check_layout
+        from flwr_sharded.parallel.contribution import check_weight
         from flwr_sharded.parallel.shard_transport import ShardPieceError, decode_layouts
 
         manifests: dict[int, tuple[str, float, list[Any]]] = {}
@@ -177,12 +195,15 @@ class ServerShardFedAvg(DecentralizedFedAvg):
                 weight = float(info.get("weight", float("nan")))
                 if int(info.get("round", -1)) != server_round:
                     raise RejectedReply(f"round {info.get('round')} is not the current round {server_round}")
-                if not (math.isfinite(weight) and weight > 0):
-                    raise RejectedReply(f"weight must be a finite number > 0, got {weight!r}")
+                if group is None or node not in self.round_members:
+                    raise RejectedReply("the node is not a member of this round")
+                reason = check_weight(weight, self.expected_weight(node, overrides) if math.isfinite(weight) else None)
+                if reason:
+                    raise RejectedReply(reason)
                 layouts = decode_layouts(shapes, meta)
                 specs[node] = check_layout(None, layouts, complete=False)
             except (RejectedReply, ShardPieceError, ValueError) as exc:
-                rejected[source] = f"manifest: {exc}"
+                self._reject(server_round, rejected, source, f"manifest: {exc}")
                 continue
             manifests[node] = (source, weight, layouts)
         if not specs:
@@ -193,7 +214,7 @@ class ServerShardFedAvg(DecentralizedFedAvg):
             try:
                 check_layout(spec, layouts, complete=True)
             except RejectedReply as exc:
-                rejected[source] = f"manifest: {exc} (the model most facilities announced)"
+                self._reject(server_round, rejected, source, f"manifest: {exc} (the model most facilities announced)")
                 del manifests[node]
         return manifests, rejected, spec
 
@@ -204,28 +225,38 @@ class ServerShardFedAvg(DecentralizedFedAvg):
 
         A facility whose chunk is refused or does not come is left out, with its reason in `rejected`, and the
         pass starts over without it: every row is then the mean of the same facilities, and no group adopts
-        anything before the last chunk of a pass has reached it.
+        anything before the last chunk of a pass has reached it. A robust `server-rule` combines each chunk from
+        every facility's rows at once, so its chunks are cut F times smaller (the same memory in all).
         """
         from flwr_sharded.flower.server.aggregation import fp32_bytes, plan_ranges
+        from flwr_sharded.flower.server.robust import min_contributors
 
-        chunk_bytes = min(int(self.run.federation.server_buffer_mb * 2**20),
+        f = self.run.federation
+        chunk_bytes = min(int(f.server_buffer_mb * 2**20),
                           max(fp32_bytes(spec) // self.MIN_CHUNKS, self.CHUNK_FLOOR_MB * 2**20))
+        if f.server_rule != "mean":
+            chunk_bytes //= len(manifests)
         chunks = plan_ranges(spec, max(1, chunk_bytes))
         participants = list(manifests)
+        need = min_contributors(f.server_rule, f.server_trim)
         stats = {"fold_s": 0.0, "pull_chunks": 0, "apply_chunks": len(chunks), "stream_restarts": 0}
         while participants:
+            if len(participants) < need:
+                record["no_server_mean"] = (f"server-rule {f.server_rule} with server-trim {f.server_trim} needs "
+                                            f"{need} facilities, {len(participants)} sent valid shards")
+                participants = []
+                break
             failed, replies = self._stream_pass(grid, server_round, stats["stream_restarts"], chunks, participants,
                                                 manifests, spec, stats)
             if not failed:
                 self._adopted(server_round, replies, record)
                 break
-            for node, reason in failed.items():
-                rejected[manifests[node][0]] = reason
             participants = [n for n in participants if n not in failed]
+            then = f"; pulling the model again from the {len(participants)} other(s)" if participants else ""
+            for node, reason in failed.items():
+                self._reject(server_round, rejected, manifests[node][0], reason, then)
             if participants:
                 stats["stream_restarts"] += 1
-                log(WARNING, "round %d: server path: %d facilit%s left out; pulling the model again from the %d "
-                    "other(s)", server_round, len(failed), "y" if len(failed) == 1 else "ies", len(participants))
         record.update(stats)
         return participants
 
@@ -242,7 +273,8 @@ class ServerShardFedAvg(DecentralizedFedAvg):
         failure then fails that pull), so each chunk costs one message per group. In this process at once: one
         chunk's fp32 sums, one pulled chunk and the chunk of the mean being sent.
         """
-        from flwr_sharded.flower.server.aggregation import StreamingShardAggregator, add_content, requests_for
+        from flwr_sharded.flower.server.aggregation import (ExcludedContributions, StreamingShardAggregator,
+                                                            add_content, requests_for)
         from flwr_sharded.parallel.shard_transport import ShardPiece, encode_pieces
         from flwr_sharded.perf.memory import release_free_memory
 
@@ -275,10 +307,14 @@ class ServerShardFedAvg(DecentralizedFedAvg):
 
         for c in range(min(self.PULL_AHEAD + 1, len(chunks))):
             push_pulls(c)
+        f = self.run.federation
         for c, chunk in enumerate(chunks):
             label = f"chunk {c + 1}/{len(chunks)}"
             aggregator = StreamingShardAggregator(round=server_round, spec=spec, complete=False,
-                                                  window={name: (a, b) for name, a, b in chunk})
+                                                  window={name: (a, b) for name, a, b in chunk},
+                                                  combine=f.server_rule, trim=f.server_trim, slots=len(participants),
+                                                  outlier_ratio=f.server_outlier_ratio, log_rejections=False)
+            nodes_of: dict[str, int] = {}
             asked = {node: {handoff.row_key(k, a): () if k in scalar[node] else (b - a,)
                             for k, a, b in requests[node][c]} for node in participants}
 
@@ -293,8 +329,14 @@ class ServerShardFedAvg(DecentralizedFedAvg):
                     error = "it holds other pieces or rows than those asked for"
                 elif float(reply.content[handoff.SHARD_INFO].get("weight", -1.0)) != weight:
                     error = f"its weight differs from the manifest's {weight}"
-                elif not add_content(aggregator, f"{source} {label}", reply.content):
-                    error = aggregator.report.rejected[f"{source} {label}"]
+                else:
+                    key = f"{source} {label}"
+                    nodes_of[key] = node
+                    try:
+                        if not add_content(aggregator, key, reply.content):
+                            error = aggregator.report.rejected[key]
+                    except Exception as exc:  # noqa: BLE001 - never crash the round; the pass restarts without it
+                        error = f"the aggregation failed on it: {type(exc).__name__}: {exc}"
                 if error:
                     failed[node] = f"{label}: {error}"
                 else:
@@ -314,7 +356,10 @@ class ServerShardFedAvg(DecentralizedFedAvg):
                 failed.setdefault(node, f"{label}: no reply")
             if failed:
                 return failed, {}
-            aggregator.finalize()  # every participant sent every row of the chunk
+            try:
+                aggregator.finalize()  # every participant sent every row of the chunk
+            except ExcludedContributions as exc:  # out of bounds: the pass restarts without them
+                return {nodes_of[key]: f"{label}: {why}" for key, why in exc.reasons.items()}, {}
             pieces = [ShardPiece(name, a, spec[name].shape, aggregator.result(name, a, b - a).to(spec[name].dtype))
                       for name, a, b in chunk]
             content = handoff.to_records(*encode_pieces(pieces), server_round, aggregator.report.total_weight)
