@@ -200,7 +200,8 @@ class CheckpointConfig:
                                not_flat="a group commits its round's checkpoint before it replies")
     """Write checkpoints in a background thread; the commit (rename) happens at the next save or at the end."""
     resume: bool = False
-    """Continue from the newest complete checkpoint in `checkpoint-dir` (model, optimizer, schedule, data, RNG)."""
+    """Continue from the newest complete checkpoint in `checkpoint-dir` (model, optimizer, schedule, data, RNG); a
+    damaged or incomplete newest one is skipped (logged) for the one before."""
 
 
 @dataclass

@@ -1,7 +1,9 @@
 """The thin ClientApp side (no torch): find or launch this node's group, forward each Flower message to it.
 
 Deployment: the SuperNode's `--node-config` names the group: `group-address="127.0.0.1:7100"
-group-authkey-file="/path/key"` (optional: `data-dir`, `partition-id`, `num-partitions`, `facility`, `gpus`).
+group-authkey-file="/path/key"` (optional: `data-dir`, `partition-id`, `num-partitions`, `facility`, `gpus`, and
+what run configs may make the group do: `allow-custom-rules`, `allowed-checkpoint-root`, `allowed-save-root`, see
+`flwr_sharded.flower.node_policy`).
 
 Local simulation (no `group-address` in the node config): the first hello launches the group on this machine
 (`flwr_sharded.flower.launch`); `Context.state` remembers it so later rounds reuse it; the `finish` message at the
@@ -27,6 +29,7 @@ from flwr_sharded.flower import messages as M
 from flwr_sharded.flower.endpoint import GroupClient, GroupError, GroupUnavailable, read_authkey
 from flwr_sharded.flower.launch import (LaunchedGroup, assign_gpus, default_run_root, launch_group, stop_group,
                                         visible_gpus)
+from flwr_sharded.flower.node_policy import NodePolicy
 from flwr_sharded.flower.processes import pid_alive
 
 logger = logging.getLogger(__name__)
@@ -176,7 +179,10 @@ def _hello(message: Any, context: Any, config: Mapping[str, Any], client: GroupC
             "partition_id": partition_id, "num_partitions": num_partitions,
             "rejoin": bool(config.get("rejoin", False)),
             "data_dir": str(context.node_config.get(NODE_DATA_DIR, "")),
-            "facility": str(context.node_config.get(NODE_FACILITY, ""))}
+            "facility": str(context.node_config.get(NODE_FACILITY, "")),
+            "save_dir": str(config.get("save-dir", "")),
+            "policy": NodePolicy.from_node_config(context.node_config,
+                                                  launched=NODE_ADDRESS not in context.node_config).to_args()}
     result = client.call(M.HELLO, args, timeout=timeout)
     result["facility"] = args["facility"]
     if launched is not None:

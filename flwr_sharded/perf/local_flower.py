@@ -206,8 +206,9 @@ class Procs:
 
 def launch_group(procs: Procs, name: str, *, shards: int = 2, replicas: int = 1, method: str = "fl-fsdp",
                  idle_timeout: float = 300.0, extra: Sequence[str] = (), address: str = "127.0.0.1:0",
-                 key: Path | None = None) -> tuple[Proc, Path, Path]:
-    """Start a group torchrun job, as an operator would for a SuperNode; returns (proc, address file, authkey)."""
+                 key: Path | None = None, env: dict[str, str] | None = None) -> tuple[Proc, Path, Path]:
+    """Start a group torchrun job, as an operator would for a SuperNode; returns (proc, address file, authkey).
+    `env`: variables added to `base_env()`."""
     from flwr_sharded.flower.endpoint import write_authkey
 
     if key is None:
@@ -219,7 +220,7 @@ def launch_group(procs: Procs, name: str, *, shards: int = 2, replicas: int = 1,
            "-m", "flwr_sharded.flower.group", "--authkey-file", str(key), "--address", address,
            "--address-file", str(address_file), "--method", method, "--replicas", str(replicas), "--shards",
            str(shards), "--idle-timeout", str(idle_timeout), *extra]
-    return procs.start(name, cmd), address_file, key
+    return procs.start(name, cmd, env=base_env(**(env or {}))), address_file, key
 
 
 def wait_group(proc: Proc, address_file: Path, timeout: float = 180.0) -> str:

@@ -3,12 +3,23 @@
 Layout of `DIR/group-<f>/`:
 
     step-00000100/        DCP files (model and optimizer shards, each rank writes its own) + rank-<i>.pt
-                          (data position, RNG states, tokens since the last sync) + meta.json (step, schedule, config)
-    latest                name of the newest complete checkpoint
+                          (data position, RNG states, tokens since the last sync: tensors, numbers and strings only,
+                          loaded with `weights_only=True`) + meta.json (step, schedule, config, file manifest)
+    latest                name of the newest committed checkpoint
 
-A checkpoint is written into `step-N.tmp/` and renamed once every rank of the group has finished, then `latest` is
-replaced atomically: a crash mid-write leaves the previous checkpoint usable. Saves can run in the background
-(`async_save`), in which case the commit happens at the next save or at the end of training.
+A checkpoint is written into `step-N.tmp/`; every file is fsync'd, and once every rank has written, group rank 0
+commits: `meta.json` (with the manifest of every file and its size) goes in, the directory is renamed to `step-N/`
+(a `step-N/` that already exists is first renamed to `step-N.old/`, removed only after the commit) and `latest` is
+replaced atomically; each step is fsync'd before the next. At every moment a complete checkpoint is on disk: a crash
+mid-write or mid-commit leaves the previous one usable.
+
+Resume takes the checkpoint `latest` names if it is complete (`durable.incomplete_reason`), else the newest complete
+one, with one log line naming what it skipped and why; a checkpoint whose files fail to load is skipped the same way.
+A write that fails on any rank (a full disk) removes the partial `step-N.tmp/`, leaves the previous checkpoint as it
+was and raises `CheckpointWriteError` on every rank of the group, which can keep training.
+
+Resuming refuses (ConfigError naming the option) a run whose optimizer, learning rate, optimizer settings, schedule
+or precision differ from the checkpoint's: the checkpoint's would otherwise silently win.
 
 Fault injection (tests only): `$FLWR_SHARDED_FAULT_COMMIT_DELAY_S` seconds of sleep on every rank between writing a
 checkpoint and committing it, so a test can kill the job while `step-N.tmp/` is complete but not yet renamed.
@@ -16,7 +27,7 @@ checkpoint and committing it, so a test can kill the job while `step-N.tmp/` is 
 
 from __future__ import annotations
 
-import json
+import logging
 import os
 import shutil
 import sys
@@ -25,20 +36,40 @@ import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from flwr_sharded.config import TrainConfig, config_to_dict
-
 from flwr_sharded.errors import ConfigError
+from flwr_sharded.training import durable
+from flwr_sharded.training.durable import META, read_meta
+
+logger = logging.getLogger(__name__)
 
 LATEST = "latest"
+TMP, OLD = ".tmp", ".old"
+META_PART = META + ".part"
 FAULT_COMMIT_DELAY_ENV = "FLWR_SHARDED_FAULT_COMMIT_DELAY_S"
 """Fault-injection hook for tests: seconds to sleep between writing a checkpoint and committing it (unset: none)."""
+
+MUST_MATCH = ("parallel.method", "parallel.federations", "parallel.replicas", "parallel.shards", "parallel.outer",
+              "model.name", "data.dataset", "data.seq_len", "data.partition", "batch_size", "grad_accum", "seed",
+              "optim.optimizer")
+"""What a resumed run must share with its checkpoint: layout, model, data, batches, seed and optimizer."""
+CHANGEABLE = ("optim.lr", "optim.beta1", "optim.beta2", "optim.weight_decay", "optim.warmup", "optim.min_lr_ratio",
+              "steps", "model.precision")
+"""What a resumed run must share with its checkpoint too, listed together when refused: learning rate, optimizer
+settings, schedule, precision."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written on some rank of the group (e.g. a full disk). Raised on every rank; the
+    partial checkpoint is removed and the previous one is unchanged."""
 
 
 def group_dir(root: str | Path, fed_index: int) -> Path:
@@ -49,44 +80,107 @@ def step_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
+def step_of(path: Path) -> int | None:
+    """The step of a committed (`step-N`) or mid-commit (`step-N.old`) checkpoint directory; None otherwise."""
+    name = path.name[:-len(OLD)] if path.name.endswith(OLD) else path.name
+    if not name.startswith("step-") or not name[5:].isdigit():
+        return None
+    return int(name[5:])
+
+
+def candidates(directory: str | Path) -> list[Path]:
+    """The checkpoints of a series that may be complete, preferred first: the one `latest` names, then the others
+    (`step-N/`, and `step-N.old/` left by a commit cut short), newest step first."""
+    directory = Path(directory)
+    out: list[Path] = []
+    try:
+        named = (directory / LATEST).read_text().strip()
+    except OSError:
+        named = ""
+    if named and step_of(Path(named)) is not None and "/" not in named:
+        out.append(directory / named)
+    others = [p for p in directory.glob("step-*") if step_of(p) is not None and p.is_dir()]
+    others.sort(key=lambda p: (step_of(p), not p.name.endswith(OLD)), reverse=True)
+    return out + [p for p in others if p not in out]
+
+
+def find_checkpoint(directory: str | Path) -> tuple[Path | None, list[str]]:
+    """The newest complete checkpoint of a series (`candidates` order), and what was skipped on the way and why."""
+    skipped = []
+    for path in candidates(directory):
+        reason = durable.incomplete_reason(path)
+        if not reason:
+            return path, skipped
+        skipped.append(f"{path.name} ({reason})")
+    return None, skipped
+
+
 def latest_checkpoint(directory: str | Path) -> Path | None:
     """The newest complete checkpoint of one group's series, or None."""
-    pointer = Path(directory) / LATEST
-    if not pointer.is_file():
-        return None
-    path = Path(directory) / pointer.read_text().strip()
-    return path if (path / "meta.json").is_file() else None
+    return find_checkpoint(directory)[0]
 
 
-def read_meta(checkpoint: str | Path) -> dict[str, Any]:
-    return json.loads((Path(checkpoint) / "meta.json").read_text())
+def _setting(config: dict[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(config, dict) or part not in config:
+            return KeyError
+        config = config[part]
+    return config
 
 
-def check_resumable(cfg: TrainConfig, root: str | Path, fed_index: int = 0) -> Path:
-    """Before any work: the newest checkpoint of group `fed_index` exists and was written by a compatible run."""
-    checkpoint = latest_checkpoint(group_dir(root, fed_index))
-    if checkpoint is None:
-        raise ConfigError(f"--resume: no complete checkpoint in {group_dir(root, fed_index)}")
+def changed_settings(saved: dict[str, Any], cfg: TrainConfig) -> list[tuple[str, Any, Any]]:
+    """(option, checkpoint's value, this run's value) of every `CHANGEABLE` option that differs."""
+    mine = config_to_dict(cfg)
+    out = []
+    for key in CHANGEABLE:
+        old, new = _setting(saved, key), _setting(mine, key)
+        if old is not KeyError and old != new:  # an option the checkpoint predates cannot be compared
+            out.append((key, old, new))
+    return out
+
+
+def check_compatible(cfg: TrainConfig, checkpoint: Path) -> None:
+    """ConfigError unless `cfg` may resume from `checkpoint` (see `MUST_MATCH`, `CHANGEABLE`)."""
     saved = read_meta(checkpoint)["config"]
     mine = config_to_dict(cfg)
-    for section, keys in (("parallel", ("method", "federations", "replicas", "shards", "outer")), ("model", ("name",)),
-                          ("data", ("dataset", "seq_len", "partition"))):
-        for key in keys:
-            if saved[section][key] != mine[section][key]:
-                raise ConfigError(f"--resume: the checkpoint in {root} was written with {section}.{key}="
-                                  f"{saved[section][key]!r}, this run has {mine[section][key]!r}")
+    for key in MUST_MATCH:
+        old, new = _setting(saved, key), _setting(mine, key)
+        if old is not KeyError and old != new:
+            why = " (its state does not carry over to another optimizer)" if key == "optim.optimizer" else ""
+            raise ConfigError(f"--resume: the checkpoint {checkpoint} was written with {key}={old!r}, this run has "
+                              f"{new!r}{why}")
     # the outer state's layout: a reduced wire keeps the global shards (fp32 fedavg never did), fragments have their
     # own, error feedback its residuals; checkpoints from before an option hold its default
     for key, default in (("sync_dtype", "float32"), ("sync_fragments", 1), ("sync_error_feedback", False)):
-        saved_value = saved["parallel"].get(key, default)
+        saved_value = _setting(saved, f"parallel.{key}")
+        saved_value = default if saved_value is KeyError else saved_value
         if saved_value != getattr(cfg.parallel, key):
-            raise ConfigError(f"--resume: the checkpoint in {root} was written with parallel.{key}={saved_value!r}, "
-                              f"this run has {getattr(cfg.parallel, key)!r}")
-    for key in ("batch_size", "grad_accum", "seed"):
-        if saved[key] != mine[key]:
-            raise ConfigError(f"--resume: the checkpoint was written with {key}={saved[key]!r}, this run has "
-                              f"{mine[key]!r}")
+            raise ConfigError(f"--resume: the checkpoint {checkpoint} was written with parallel.{key}={saved_value!r},"
+                              f" this run has {getattr(cfg.parallel, key)!r}")
+    changes = changed_settings(saved, cfg)
+    if changes:
+        raise ConfigError(
+            f"--resume: the checkpoint {checkpoint} was written with "
+            f"{', '.join(f'{k}={old!r}' for k, old, _ in changes)}; this run has "
+            f"{', '.join(f'{k}={new!r}' for k, _, new in changes)}. Resuming would keep the checkpoint's optimizer "
+            f"state and schedule: resume with the checkpoint's values")
+
+
+def check_resumable(cfg: TrainConfig, root: str | Path, fed_index: int = 0) -> Path:
+    """Before any work: group `fed_index`'s series has a complete checkpoint written by a compatible run."""
+    checkpoint, skipped = find_checkpoint(group_dir(root, fed_index))
+    if checkpoint is None:
+        raise ConfigError(f"--resume: no complete checkpoint in {group_dir(root, fed_index)}"
+                          + (f" (skipped {'; '.join(skipped)})" if skipped else ""))
+    check_compatible(cfg, checkpoint)
     return checkpoint
+
+
+def describe(exc: BaseException) -> str:
+    """One line for an error of a write or load; DCP's gathered failures name the group rank each happened on."""
+    if isinstance(exc, CheckpointException):
+        return "; ".join(f"group rank {rank}: {type(e).__name__}: {e}" for rank, (e, _) in exc.failures.items())
+    return f"{type(exc).__name__}: {exc}"
 
 
 @dataclass
@@ -94,6 +188,9 @@ class _Pending:
     future: Future | None
     tmp: Path
     final: Path
+    meta: dict[str, Any]
+    error: str = ""
+    """Why starting the write failed on this rank ('' if it did not)."""
 
 
 class Checkpointer:
@@ -106,54 +203,136 @@ class Checkpointer:
         self.keep, self.async_save = keep, async_save
         self._pending: _Pending | None = None
 
+    # ----- agreement within the group --------------------------------------------------------------------------
+    def _errors(self, error: str) -> list[str]:
+        """Every rank's `error` ('' for none), each once: as is when every rank has the same, else named by group
+        rank (a collective)."""
+        out: list[Any] = [None] * dist.get_world_size(self.group_pg)
+        dist.all_gather_object(out, error, group=self.group_pg)
+        if out[0] and all(e == out[0] for e in out) and not out[0].startswith("group rank "):
+            return [out[0]]
+        named = [e if e.startswith("group rank ") else f"group rank {r}: {e}" for r, e in enumerate(out) if e]
+        return list(dict.fromkeys(named))
+
+    def _phase(self, what: str, tmp: Path, action: Callable[[], Any]) -> None:
+        """Run `action` on every rank; if it failed on any, remove `tmp` and raise CheckpointWriteError on all."""
+        error = ""
+        try:
+            action()
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported on every rank of the group
+            error = describe(exc)
+        self._agree(what, tmp, error)
+
+    def _agree(self, what: str, tmp: Path, error: str) -> None:
+        errors = self._errors(error)
+        if not errors:
+            return
+        if self.group_rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # frees what the partial write took
+        dist.barrier(group=self.group_pg)
+        kept = latest_checkpoint(self.directory)
+        raise CheckpointWriteError(f"checkpoint {tmp.name[:-len(TMP)]} not written ({what} failed on "
+                                   f"{'; '.join(errors)}); the previous checkpoint "
+                                   f"{kept.name if kept else '(none)'} is kept")
+
+    # ----- saving ----------------------------------------------------------------------------------------------
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
              meta: dict[str, Any], rank_state: dict[str, Any]) -> None:
-        """Write checkpoint `step` (collective over the group); commit it now, or at the next call if async."""
-        self.wait()
+        """Write checkpoint `step` (collective over the group); commit it now, or at the next call if async.
+
+        CheckpointWriteError (on every rank) if any rank could not write it, or could not commit the pending one."""
+        earlier: CheckpointWriteError | None = None
+        try:
+            self.wait()
+        except CheckpointWriteError as exc:  # the async one before: still try this one, then report that one
+            earlier = exc
         final = self.directory / step_name(step)
-        tmp = final.with_name(final.name + ".tmp")
-        if self.group_rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        dist.barrier(group=self.group_pg)
-        torch.save(rank_state, tmp / f"rank-{self.group_rank}.pt")
+        tmp = final.with_name(final.name + TMP)
+
+        def create() -> None:
+            if self.group_rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+                durable.fsync_dir(self.directory)
+
+        self._phase("creating its directory", tmp, create)
+        self._phase("writing the rank state", tmp,
+                    lambda: durable.save_tensors(rank_state, tmp / f"rank-{self.group_rank}.pt"))
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        future = None
-        if self.async_save:
-            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group_pg)
-        else:
-            dcp.save(state, checkpoint_id=str(tmp), process_group=self.group_pg)
-        if self.group_rank == 0:
-            (tmp / "meta.json.part").write_text(json.dumps({"step": step, **meta}))
-        self._pending = _Pending(future, tmp, final)
+        future, error = None, ""
+        try:  # DCP fsyncs its files; a failed write raises on every rank (its results are gathered)
+            if self.async_save:
+                future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group_pg)
+            else:
+                dcp.save(state, checkpoint_id=str(tmp), process_group=self.group_pg)
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - agreed on in `wait`
+            error = describe(exc)
+        # no collective of ours before `wait`: an async save's own collectives run in its thread on this group
+        self._pending = _Pending(future, tmp, final, {"step": step, **meta}, error)
         if not self.async_save:
             self.wait()
+        if earlier is not None:
+            raise earlier
 
     def wait(self) -> None:
-        """Finish the pending save: wait for its writes on every rank, then rename it into place and prune."""
+        """Finish the pending save: wait for its writes on every rank, record its files, then commit and prune."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
+        error = pending.error
         if pending.future is not None:
-            pending.future.result()
-        _fault_commit_delay()
-        dist.barrier(group=self.group_pg)
-        if self.group_rank == 0:
-            os.replace(pending.tmp / "meta.json.part", pending.tmp / "meta.json")
-            shutil.rmtree(pending.final, ignore_errors=True)
-            os.replace(pending.tmp, pending.final)
-            pointer = self.directory / (LATEST + ".tmp")
-            pointer.write_text(pending.final.name)
-            os.replace(pointer, self.directory / LATEST)
-            self._prune()
-        dist.barrier(group=self.group_pg)
+            try:
+                pending.future.result()
+            except (Exception, CheckpointException) as exc:  # noqa: BLE001 - agreed on below
+                error = describe(exc)
+        self._agree("writing the model and optimizer shards", pending.tmp, error)
+        self._phase("syncing the directory", pending.tmp, lambda: durable.fsync_dir(pending.tmp))
 
-    def _prune(self) -> None:
-        complete = sorted(p for p in self.directory.glob("step-*") if not p.name.endswith(".tmp"))
+        def record() -> None:
+            if self.group_rank == 0:  # every rank's files are there: the manifest of what resume must find
+                files = durable.manifest(pending.tmp, exclude=(META_PART,))
+                durable.write_json(pending.tmp / META_PART, {**pending.meta, "files": files})
+
+        self._phase("recording its files", pending.tmp, record)
+        _fault_commit_delay()
+        self._phase("committing", pending.tmp, lambda: self._commit(pending) if self.group_rank == 0 else None)
+
+    def _commit(self, pending: _Pending) -> None:
+        """Group rank 0: put the written checkpoint in place, with a complete one on disk at every moment."""
+        tmp, final = pending.tmp, pending.final
+        old = final.with_name(final.name + OLD)
+        os.replace(tmp / META_PART, tmp / META)
+        durable.fsync_dir(tmp)
+        if final.exists():  # the same step written again (after a resume from an earlier checkpoint)
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)  # still a complete checkpoint (`candidates` looks at .old too)
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            if old.exists() and not final.exists():
+                os.replace(old, final)
+            raise
+        durable.fsync_dir(self.directory)
+        pointer = self.directory / (LATEST + TMP)
+        durable.write_bytes(pointer, lambda fh: fh.write(final.name.encode()))
+        os.replace(pointer, self.directory / LATEST)
+        durable.fsync_dir(self.directory)
+        shutil.rmtree(old, ignore_errors=True)
+        self._prune(step_of(final) or 0)
+
+    def _prune(self, committed: int) -> None:
+        """Keep the `keep` newest checkpoints up to `committed`; drop later ones (a timeline abandoned by a resume
+        from an earlier checkpoint), leftovers of commits cut short and partial writes."""
+        for path in self.directory.glob("step-*"):
+            step = step_of(path)
+            if path.name.endswith(TMP) or path.name.endswith(OLD) or (step is not None and step > committed):
+                shutil.rmtree(path, ignore_errors=True)
+        complete = sorted((p for p in self.directory.glob("step-*") if step_of(p) is not None), key=step_of)
         for old in complete[:-self.keep] if self.keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
 
+    # ----- loading ---------------------------------------------------------------------------------------------
     def load(self, checkpoint: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[
             dict[str, Any], dict[str, Any]]:
         """Restore model and optimizer shards in place; return (meta, this rank's own state)."""
@@ -161,8 +340,30 @@ class Checkpointer:
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(checkpoint), process_group=self.group_pg)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        rank_state = torch.load(checkpoint / f"rank-{self.group_rank}.pt", weights_only=False)
+        rank_state = durable.load_tensors(checkpoint / f"rank-{self.group_rank}.pt")
         return read_meta(checkpoint), rank_state
+
+    def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                check: Callable[[Path], None] | None = None) -> tuple[Path, dict[str, Any], dict[str, Any], list[str]]:
+        """Load the newest usable checkpoint (collective): complete on every rank, `check` passes, and its files
+        load. Returns (its path, meta, this rank's state, what was skipped and why); RuntimeError if none is."""
+        skipped = []
+        for path in candidates(self.directory):
+            errors = self._errors(durable.incomplete_reason(path))
+            if not errors:
+                if check is not None:
+                    check(path)  # the same on every rank (it reads meta.json)
+                error = ""
+                try:
+                    meta, rank_state = self.load(path, model, optimizer)
+                except (Exception, CheckpointException) as exc:  # noqa: BLE001 - agreed on below; the next
+                    error = describe(exc)                          # candidate overwrites it all
+                errors = [f"failed to load on {e}" for e in self._errors(error)]
+                if not errors:
+                    return path, meta, rank_state, skipped
+            skipped.append(f"{path.name} ({errors[0]})")
+        raise RuntimeError(f"no usable checkpoint in {self.directory}"
+                           + (f" (skipped {'; '.join(skipped)})" if skipped else ""))
 
 
 def _fault_commit_delay() -> None:

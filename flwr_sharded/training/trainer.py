@@ -26,7 +26,7 @@ from flwr_sharded.parallel.topology import Topology
 from flwr_sharded.run_dir import perplexity
 from flwr_sharded.training import data as data_lib
 from flwr_sharded.training.partition import BatchStream, eval_batches
-from flwr_sharded.training.checkpoint import Checkpointer, latest_checkpoint
+from flwr_sharded.training.checkpoint import CheckpointWriteError, Checkpointer, check_compatible
 from flwr_sharded.training.metrics import PhaseTimer, Throughput
 from flwr_sharded.training.model_init import build_sharded_model
 from flwr_sharded.training.models import transformer_blocks
@@ -283,14 +283,28 @@ class Trainer:
             rank_state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
         self.checkpointer.save(self.step_count, self.model, self.optimizer, meta=meta, rank_state=rank_state)
 
+    def checkpoint_or_report(self, write: Any) -> str:
+        """Run `write` (a save or the pending commit); a failed write (e.g. a full disk) is logged and returned, the
+        previous checkpoint stays and training goes on. Returns '' or the error."""
+        try:
+            write()
+        except CheckpointWriteError as exc:
+            if self.topo.group_rank == 0:
+                logger.error("%s; training goes on", exc)
+            return str(exc)
+        return ""
+
     def resume(self) -> dict[str, Any]:
-        """Load this group's newest checkpoint: shards, optimizer, schedule, data position, RNG; return its meta."""
+        """Load this group's newest usable checkpoint: shards, optimizer, schedule, data position, RNG; return its
+        meta. A damaged newest one is skipped for the one before (one log line says which and why); a run whose
+        optimizer, learning rate, schedule or precision differ from the checkpoint's is refused (ConfigError)."""
         if self.checkpointer is None:
             raise RuntimeError("no --checkpoint-dir configured")
-        checkpoint = latest_checkpoint(self.checkpointer.directory)
-        if checkpoint is None:
-            raise RuntimeError(f"no complete checkpoint in {self.checkpointer.directory}")
-        meta, rank_state = self.checkpointer.load(checkpoint, self.model, self.optimizer)
+        checkpoint, meta, rank_state, skipped = self.checkpointer.restore(
+            self.model, self.optimizer, check=lambda path: check_compatible(self.cfg, path))
+        if skipped and self.topo.group_rank == 0:
+            logger.warning("resume: skipped %s in %s; resuming from %s", "; ".join(skipped),
+                           self.checkpointer.directory, checkpoint.name)
         self.step_count = meta["step"]
         self.scheduler.load_state_dict(meta["scheduler"])
         self.stream.load_state(rank_state["stream"])
@@ -368,10 +382,10 @@ class Trainer:
                 if self.checkpointer is not None and (
                         (cfg.checkpoint.every and self.step_count % cfg.checkpoint.every == 0)
                         or self.step_count == cfg.steps):
-                    self.save_checkpoint()
+                    self.checkpoint_or_report(self.save_checkpoint)
                 bar.update(1)
             if self.checkpointer is not None:
-                self.checkpointer.wait()
+                self.checkpoint_or_report(self.checkpointer.wait)
         finally:
             if self.shard_sync is not None:
                 self.shard_sync.abandon(self.cfg.timeout_s)  # a sync in flight when `steps` ends mid-period is dropped

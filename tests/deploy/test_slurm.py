@@ -121,7 +121,7 @@ def test_superlink_and_group_jobs_with_tls_and_auth(slurm, data_dir, tmp_path):
             env = _job_env(tmp_path, FLWR_GROUP_NAME=f"g{i}", FLWR_PARTITION_ID=str(i), FLWR_NUM_PARTITIONS="2",
                            FLWR_METHOD="fl-fsdp", FLWR_NPROC_PER_NODE="2", FLWR_DATA_DIR=str(data_dir),
                            FLWR_GROUP_PORT=str(free_port()), FLWR_SUPERNODE_PORT=str(free_port()),
-                           FLWR_TORCHRUN_PORT=str(free_port()),
+                           FLWR_TORCHRUN_PORT=str(free_port()), FLWR_ALLOWED_SAVE_ROOT=str(tmp_path),
                            FLWR_RENDEZVOUS_PORTS=f"{free_port()},{free_port()}")
             code, job = slurm.sbatch(SLURM_DIR / "group.sbatch", [], env, tmp_path / f"g{i}.out",
                                      options=["--nodes", "1", "--oversubscribe"], wait=False)

@@ -45,8 +45,9 @@ class Deployment:
         return proc.popen.returncode, strip_ansi(proc.text()), round_records(metrics)
 
 
-def _node_config(address: str, key: Path, partition: int) -> str:
-    return f'group-address="{address}" group-authkey-file="{key}" partition-id={partition} num-partitions=2'
+def _node_config(address: str, key: Path, partition: int, save_root: Path) -> str:
+    return (f'group-address="{address}" group-authkey-file="{key}" partition-id={partition} num-partitions=2 '
+            f'allowed-save-root="{save_root}"')
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +64,7 @@ def deployment(data_dir, tmp_path_factory):
         groups = start_groups(procs, [(f"group{i}", {}) for i in range(2)])
         supernodes = [procs.start(f"supernode{i}", [
             "flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}", "--port", str(free_port()),
-            "--node-config", _node_config(address, key, i)], env=env) for i, (_, address, key) in enumerate(groups)]
+            "--node-config", _node_config(address, key, i, work)], env=env) for i, (_, address, key) in enumerate(groups)]
         yield Deployment(procs, env, port, groups, supernodes, data_dir)
     finally:
         procs.close()

@@ -15,6 +15,7 @@ import pytest
 
 from flwr_sharded.flower import messages as P
 from flwr_sharded.flower.endpoint import GroupClient, GroupError, GroupUnavailable, read_authkey, write_authkey
+from flwr_sharded.flower.node_policy import NodePolicy
 from flwr_sharded.flower.run import FlowerRun
 from tests.flower.procs import free_port, group_pids, pid_alive, start_group, start_groups, wait_until
 from tests.multiproc import run_ranks, torchrun
@@ -33,9 +34,10 @@ def spec(data_dir: Path, **kw: Any) -> FlowerRun:
     return FlowerRun.from_run_config(flat)
 
 
-def hello(c: GroupClient, run: FlowerRun, partition: int, partitions: int) -> dict:
+def hello(c: GroupClient, run: FlowerRun, partition: int, partitions: int, **args: Any) -> dict:
+    """A hello as a ClientApp that launched its group sends it (its node policy allows rules and directories)."""
     out = c.call(P.HELLO, {"run": run.to_json(), "run_key": "test", "partition_id": partition,
-                           "num_partitions": partitions}, timeout=120)
+                           "num_partitions": partitions, "policy": NodePolicy.open().to_args(), **args}, timeout=120)
     assert out["compatible"], out["error"]
     return out
 

@@ -28,6 +28,7 @@ Behaviour = Callable[[Message], "tuple[float, RecordDict | Error | None]"]
 
 @pytest.fixture(autouse=True)
 def task_identity():
+    """Flower's task identity, which creating a Message needs outside a run."""
     saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
     yield
@@ -342,3 +343,16 @@ def test_a_dropped_group_that_answers_hello_again_rejoins_last_with_a_catch_up(c
     hellos = [m for m in grid.sent(P.MSG_HELLO) if m.metadata.dst_node_id == 2]
     assert len(hellos) == 2 and config(hellos[1])["rejoin"] and config(hellos[1])["partition-id"] == 1
     assert "rejoin; the round starts with a catch-up" in caplog.text
+
+
+def test_a_failed_checkpoint_write_is_logged_and_recorded_and_the_group_stays(caplog):
+    full = "checkpoint step-00000004 not written (No space left on device); the previous one step-00000002 is kept"
+    first_fails = {1: {"checkpoint_error": full}}
+    grid = FakeGrid({1: group(1, 0, train=lambda m, n: (0.0, train_ok(**first_fails.get(n, {})))), 2: group(2, 1)})
+    strategy = make(spec(rounds=2), fast())
+    with caplog.at_level(logging.ERROR):
+        strategy.start(grid)
+    first, second = strategy.history[0], strategy.history[1]
+    assert first["checkpoint_errors"] == {"1": full} and "checkpoint_errors" not in second
+    assert first["groups"] == second["groups"] == 2  # the group trains on
+    assert "round 1: group on node 1 could not write its checkpoint, it trains on" in caplog.text

@@ -41,6 +41,7 @@ from flwr_sharded.flower import rendezvous as rdv
 from flwr_sharded.flower.group import server_side
 from flwr_sharded.flower.group.round import GroupRound
 from flwr_sharded.flower.group.server_side import InstructionError
+from flwr_sharded.flower.node_policy import NodePolicy
 from flwr_sharded.flower.processes import pid_alive
 from flwr_sharded.parallel.schedule import Schedule
 
@@ -78,6 +79,7 @@ class GroupRuntime:
         self.pids = self.gather(os.getpid())
         self.trainer = None
         self.run = None  # the FlowerRun of the current trainer (this group's S)
+        self.policy = NodePolicy()  # what the last hello's node config allowed (nothing until a hello)
         self.rollback = None  # the trainer's RollbackPoint
         self.resumed_round = 0
         self.handoff_dir = self.broadcast(args.handoff_dir or os.path.join(
@@ -218,6 +220,8 @@ class GroupRuntime:
             mismatch = layout.mismatch(run)
             if mismatch:
                 raise ConfigError(mismatch)
+            policy = NodePolicy.from_args(args.get("policy"))  # before anything imports a rule or touches a path
+            policy.check_run(run, save_dir=str(args.get("save_dir", "")))
             run.validate()
             if args.get("data_dir") or self.args.data_dir:  # the node config's, else the group's own
                 run.train.data.data_dir = str(args.get("data_dir") or self.args.data_dir)
@@ -242,6 +246,7 @@ class GroupRuntime:
             out["error"] = errors[0]
             return out
         key = f"{args.get('run_key', '')}|{partition}|{run.to_json()}|{cfg.checkpoint.resume}"
+        self.policy = policy
         if self.trainer is None or key != self.key:
             self._build(cfg, partition, key)
             self.run = run
@@ -292,7 +297,7 @@ class GroupRuntime:
         result = GroupRound(self, a).run(apply_rule=not server_path)
         failed = result["sync_failed"]
         if a.checkpoint and not failed:
-            result["checkpoint_s"] = self._checkpoint(a.server_round)
+            result.update(self._checkpoint(a.server_round))
         if a.export and not failed:
             start = time.perf_counter()
             result.update(export_files=server_side.export(self, a.prefix), export_s=time.perf_counter() - start)
@@ -310,21 +315,26 @@ class GroupRuntime:
         result: dict[str, Any] = {"apply_s": server_side.apply(self, [str(p) for p in args.get("paths", [])])}
         result.update(checksums=self.checksums(), step=t.step_count)
         if args.get("checkpoint", False):
-            result["checkpoint_s"] = self._checkpoint(int(args.get("server_round", 0)))
+            result.update(self._checkpoint(int(args.get("server_round", 0))))
         if args.get("evaluate", False):
             start = time.perf_counter()
             result.update(t.evaluate())
             result["eval_s"] = time.perf_counter() - start
         return result
 
-    def _checkpoint(self, server_round: int) -> float:
-        """Checkpoint the group (collective) as the state at the end of `server_round`; returns the seconds."""
+    def _checkpoint(self, server_round: int) -> dict[str, Any]:
+        """Checkpoint the group (collective) as the state at the end of `server_round`: {"checkpoint_s"}, and
+        {"checkpoint_error"} when the write failed (e.g. a full disk: the previous checkpoint stays, the group trains
+        on and the ServerApp logs it)."""
         t = self._need_trainer()
         if t.checkpointer is None:
             raise InstructionError("checkpoint asked for, but the run config has no checkpoint-dir")
         start = time.perf_counter()
-        t.save_checkpoint({"round": server_round})
-        return time.perf_counter() - start
+        error = t.checkpoint_or_report(lambda: t.save_checkpoint({"round": server_round}))
+        out: dict[str, Any] = {"checkpoint_s": time.perf_counter() - start}
+        if error:
+            out["checkpoint_error"] = error
+        return out
 
     def checksums(self) -> list[float]:
         from flwr_sharded.training.trainer import local_shards_checksum
@@ -342,15 +352,20 @@ class GroupRuntime:
         directory = args.get("directory")
         if not directory:
             raise InstructionError("save needs a directory")
+        refused = self.policy.save_dir_refusal(str(directory))
+        if refused:
+            raise InstructionError(refused)
         t.save_pretrained(str(directory))
         return {"directory": str(directory)}
 
     def do_finish(self, args: dict[str, Any]) -> dict[str, Any]:
         saved = ""
-        if args.get("save_dir") and self.trainer is not None:
-            saved = self.do_save({"directory": args["save_dir"]})["directory"]
         steps = self.trainer.step_count if self.trainer is not None else 0
-        self._drop_trainer()
+        try:
+            if args.get("save_dir") and self.trainer is not None:
+                saved = self.do_save({"directory": args["save_dir"]})["directory"]  # refused unless allowed
+        finally:
+            self._drop_trainer()
         return {"steps": steps, "saved": saved}
 
     def do_collect(self, args: dict[str, Any]) -> dict[str, Any]:

@@ -49,6 +49,11 @@ class GroupMembership:
     dropped: set[int]
     sampled: list[int]
 
+    def save_dir(self) -> str:
+        """Where member 0 writes the final model at the end ('' for nowhere). It travels in every hello, so that a
+        group whose node config does not allow it refuses before training (`flwr_sharded.flower.node_policy`)."""
+        raise NotImplementedError
+
     def select_members(self, server_round: int) -> list[int]:
         """The members that train in `server_round` (default: every member); override to let some groups sit a
         round out. Member 0 of the result hosts the round's rendezvous."""
@@ -117,6 +122,7 @@ class GroupMembership:
         messages = [message(node, M.MSG_HELLO,
                             {"run": run_json, "partition-id": pid, "num-partitions": num_partitions,
                              "run-key": str(self.run_id), "group-idle-timeout": d.group_idle_timeout,
+                             "save-dir": self.save_dir(),
                              "rejoin": rejoin, "timeout": max(1.0, d.hello_timeout - 5.0)}, "hello", d.hello_timeout)
                     for node, pid in partitions.items()]
         replies = {m.metadata.src_node_id: m for m in self.send_and_receive(grid, messages, d.hello_timeout)}

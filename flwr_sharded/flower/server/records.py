@@ -51,6 +51,17 @@ def round_record(server_round: int, members: list[int], ok: dict[int, dict[str, 
     return record
 
 
+def note_checkpoint_errors(server_round: int, replies: dict[int, dict[str, Any]], record: dict[str, Any]) -> None:
+    """Log each group whose checkpoint write failed (it keeps its previous checkpoint and trains on) and put them in
+    the round record's `checkpoint_errors` (node -> error)."""
+    errors = {node: str(m["checkpoint_error"]) for node, m in replies.items() if m.get("checkpoint_error")}
+    for node, error in errors.items():
+        log(ERROR, "round %d: group on node %d could not write its checkpoint, it trains on: %s", server_round, node,
+            error)
+    if errors:
+        record["checkpoint_errors"] = {str(n): e for n, e in errors.items()}
+
+
 def checksums_equal(checksums: dict[str, list[float]], syncs: int, group_world: int) -> bool:
     """After each of the first `syncs` syncs, every group's rank holding shard s has the same checksum."""
     if len(checksums) < 2 or syncs == 0:

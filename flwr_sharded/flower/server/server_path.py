@@ -42,6 +42,7 @@ from flwr_sharded.flower import handoff
 from flwr_sharded.flower import messages as M
 from flwr_sharded.flower.run import round_overrides
 from flwr_sharded.flower.server import grid as G
+from flwr_sharded.flower.server.records import note_checkpoint_errors
 from flwr_sharded.flower.server.membership import GroupInfo
 from flwr_sharded.flower.server.strategy import DecentralizedFedAvg
 from flwr_sharded.run_dir import perplexity
@@ -400,15 +401,17 @@ class ServerShardFedAvg(DecentralizedFedAvg):
 
     def _adopted(self, server_round: int, replies: dict[int, Message | None], record: dict[str, Any]) -> None:
         """Record what the members reported after adopting the mean; drop those that could not."""
-        checksums, evals, dropped = {}, {}, {}
+        checksums, evals, dropped, adopted = {}, {}, {}, {}
         for node in list(self.round_members):
             metrics, error = G.reply_payload(replies.get(node))
             if error:
                 dropped[node] = error
                 continue
+            adopted[node] = metrics
             checksums[node] = [float(x) for x in metrics.get("checksums", [])]
             if "eval_loss" in metrics:
                 evals[node] = float(metrics["eval_loss"])
+        note_checkpoint_errors(server_round, adopted, record)
         for node, reason in dropped.items():
             self.left_out[node] = f"dropped in round {server_round} (apply): {reason}"
             log(WARNING, "round %d: group on node %d could not adopt the server's shards, dropped: %s",

@@ -136,6 +136,7 @@ class DecentralizedFedAvg(GroupMembership, Strategy):
         alive = {**ok, **rolled_back}
         record = records.round_record(server_round, self.round_members, ok, rolled_back, dropped, self._round_wall,
                                       self.run.group_world, self._rejoined)
+        records.note_checkpoint_errors(server_round, alive, record)
         for node, reason in dropped.items():
             self.dropped.add(node)
             self.groups[node].failures.append(f"round {server_round}: {reason}")
@@ -304,7 +305,7 @@ class DecentralizedFedAvg(GroupMembership, Strategy):
             online = set(nodes)
         targets = [n for n in nodes if n in online]
         d = self.deadlines
-        save = str(self.run_dir.model_dir) if self.run_dir is not None and self.run.train.output.save_model else ""
+        save = self.save_dir()
         messages = [G.message(n, M.MSG_FINISH, {
             "save-dir": save if self.members and n == self.members[0] else "",
             "stop-group": self.run.federation.stop_groups, "timeout": max(1.0, d.finish_timeout - 5.0)}, "finish",
@@ -317,6 +318,9 @@ class DecentralizedFedAvg(GroupMembership, Strategy):
         self.saved_model = saved[0] if saved else ""
         log(INFO, "finish: %d of %d node(s) answered (%d group(s) shut down)%s", len(replies), len(messages),
             stopped, f"; model saved to {saved[0]}" if saved else "")
+
+    def save_dir(self) -> str:
+        return str(self.run_dir.model_dir) if self.run_dir is not None and self.run.train.output.save_model else ""
 
     def send_and_receive(self, grid: Grid, messages: list[Message], timeout: float,
                          on_reply: Callable[[Message], Message] | None = None) -> list[Message]:
