@@ -38,15 +38,17 @@ VARIANTS = {
 
 def run(variant: SyncVariant, data_dir: str, work: Path, steps: int) -> dict:
     run_dir = work / "run"
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8", "--master-port", "0",
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8", "--standalone",
             "-m", "flwr_sharded.train", "--method", "fl-fsdp", "--federations", "4", "--replicas", "1",
             "--shards", "2", "--aggregate-every", "8", *variant.train_args(), "--model", "small", "--seq-len", "64",
             "--batch-size", "1", "--steps", str(steps), "--lr", "0.001", "--seed", "42", "--log-every", "8",
             "--eval-every", "16", "--eval-blocks", "32", "--data-dir", data_dir, "--no-progress",
             "--run-dir", str(run_dir), "--no-save-model", "--timeout", "300"]
     start = time.perf_counter()
-    subprocess.run(argv, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.PIPE, timeout=1800)
+    done = subprocess.run(argv, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True, timeout=1800)
+    if done.returncode:
+        raise SystemExit(f"the run failed (exit code {done.returncode}):\n{done.stderr[-4000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())
     return {"eval_ppl": summary["eval_ppl"], "train_ppl": summary["ppl"], "wall_s": time.perf_counter() - start}
 
