@@ -39,9 +39,9 @@ SHARD_SHAPES = "shard-shapes"
 
 
 def private_dir(path: str | Path) -> Path:
-    """`path` as a directory only this user can enter: made with mode 700 if missing (its parent must exist); an
-    existing one must be a real directory (not a link), owned by this user, with mode & 0o077 == 0, else
-    ConfigError (someone else could swap the files in it: keys, shards)."""
+    """`path` as a directory only this user can enter: made with mode 700 if missing (its parent must exist). An
+    existing one must be a real directory (not a link) owned by this user that nobody else may write to (someone who
+    can could swap the files in it: keys, shards); ConfigError otherwise. One that others may read is made 700."""
     path = Path(path)
     try:
         os.mkdir(path, 0o700)
@@ -50,16 +50,23 @@ def private_dir(path: str | Path) -> Path:
     info = os.lstat(path)
     if not stat.S_ISDIR(info.st_mode):
         raise ConfigError(f"{path} exists and is not a directory (a link or a file); remove it or choose another")
-    if info.st_uid != os.getuid() or info.st_mode & 0o077:
+    if info.st_uid != os.getuid() or info.st_mode & 0o022:
         raise ConfigError(f"directory {path} is not private to this user (owner uid {info.st_uid}, mode "
-                          f"{info.st_mode & 0o777:03o}); use a directory of your own with mode 700 "
-                          f"(chmod 700 {path}) or remove it")
+                          f"{info.st_mode & 0o777:03o}: others may write to it); use a directory of your own with "
+                          f"mode 700 or remove it")
+    if info.st_mode & 0o077:
+        os.chmod(path, 0o700)
     return path
 
 
 def fresh_private_dir(prefix: str, parent: str | Path | None = None) -> str:
-    """A new directory (mode 700, never one that existed before: `mkdtemp`) under `parent` (the temp dir)."""
-    return tempfile.mkdtemp(prefix=prefix, dir=None if parent is None else str(parent))
+    """A new directory (mode 700, never one that existed before: `mkdtemp`) under `parent` (default: the temp dir);
+    ConfigError if `parent` is not a directory this user can create one in."""
+    try:
+        return tempfile.mkdtemp(prefix=prefix, dir=None if parent is None else str(parent))
+    except OSError as exc:
+        raise ConfigError(f"cannot make a private directory under {parent or tempfile.gettempdir()}: {exc}; it must "
+                          f"be an existing directory this user can write to") from None
 
 
 def _shape_text(shape: Iterable[int]) -> str:

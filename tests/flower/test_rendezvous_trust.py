@@ -1,6 +1,6 @@
 """Members-only rendezvous: stores bind the interface they are given, strangers who reach a round's store are never
 counted and cannot take a member's slot or put their address into the process group, a proof for another node is
-refused, and the news that a member is gone ends the wait at once. gloo on CPU, 1-2 spawned ranks, every wait
+refused, and the news that a member is gone ends the wait at once. gloo on CPU, two spawned ranks, every wait
 bounded (`tests.multiproc.run_ranks` kills every rank at the end)."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def _stranger_writes(port: int, prefix: str, keys: list[str]) -> None:
     client.set(f"{prefix}/arrived", "2")
 
 
-def _join(rank: int, world: int, port: int, prefix: str, members: list[str], delay: float, timeout: float,
+def _join(rank: int, port: int, prefix: str, members: list[str], delay: float, timeout: float,
           abort_after: float | None = None) -> dict:
     """Member `rank` (of `members`) joins; returns what happened: the all-reduce of rank+1, the keys it saw forged,
     or the error and how long it took."""
@@ -45,7 +45,6 @@ def _join(rank: int, world: int, port: int, prefix: str, members: list[str], del
 
     from flwr_sharded.flower import rendezvous
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     time.sleep(delay)
     start = time.monotonic()
     def gone() -> str:
@@ -63,6 +62,25 @@ def _join(rank: int, world: int, port: int, prefix: str, members: list[str], del
     forged = sorted(group.store.forged)
     group.destroy()
     return {"sum": float(value.item()), "forged": forged, "seconds": time.monotonic() - start}
+
+
+def _scenarios(rank: int, world: int, port: int) -> dict:
+    """Both ranks: the stranger's round (rank 1 0.5 s after rank 0's proof). Then rank 0 alone: member 1 dead with a
+    stranger in its slot (3 s timeout), a signed proof for another node, and the news that member 1 is gone (1 s into
+    30 s)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if rank == 1:  # member 0 must have seen the forged proof before member 1 writes its own
+        client, deadline = _store_client(port), time.monotonic() + 60
+        while not client.check(["run1/round1/s0/member/0"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    out = {"stranger": _join(rank, port, "run1/round1/s0", MEMBERS, delay=0.5 * rank, timeout=20.0)}
+    if rank == 0:
+        out["dead slot"] = _join(0, port, "run1/round2/s0", MEMBERS, 0.0, 3.0)
+        out["other node"] = _join(0, port, "run1/round3/s0", MEMBERS, 0.0, 10.0)
+        out["gone"] = _join(0, port, "run1/round4/s0", MEMBERS, 0.0, 30.0, 1.0)
+    return out
 
 
 def test_a_store_listens_on_the_rendezvous_host_only():
@@ -83,24 +101,52 @@ def test_a_store_listens_on_the_rendezvous_host_only():
     assert store.get("k") == b"v"
 
 
-@pytest.mark.timeout(120)
-def test_a_stranger_is_not_counted_and_cannot_put_its_values_into_the_group():
-    """Before the members arrive, a stranger writes a forged proof for member 1. Member 0 arrives first and sees it,
-    member 1 a second later: the forged proof is not counted, the group forms with the two members only and the
-    all-reduce is theirs (1 + 2)."""
+@pytest.mark.timeout(150)
+def test_strangers_are_not_counted_cannot_take_a_slot_and_the_news_of_a_gone_member_ends_the_wait():
+    """One store, four rounds (one spawn of two ranks, `_scenarios`):
+    - a stranger writes a forged proof for member 1 before anyone arrives; member 0 sees it, member 1 comes 0.5 s
+      after member 0's proof: the forged proof is not counted, the group forms with the two members and the
+      all-reduce is theirs;
+    - member 1 is dead and a stranger writes its proof (and the old arrival marker): member 0 fails at the
+      rendezvous timeout, naming the missing member and the unsigned values;
+    - member 1's slot holds a correctly signed proof (someone with the secret) that names another node: refused at
+      once, not at the timeout;
+    - member 1 never comes and 1 s into a 30 s rendezvous abort() says it is gone: member 0 stops waiting then."""
+    import torch.distributed as dist
+
     from flwr_sharded.flower import rendezvous
+    from flwr_sharded.flower.signed_store import SignedStore
 
     (store,) = rendezvous.serve_stores("127.0.0.1", 1)
-    prefix = "run1/round1/s0"
-    _stranger_writes(store.port, prefix, ["member/1"])
-    out = run_ranks(_join_by_rank, 2, store.port, prefix, timeout=90)
-    assert [o.get("error", "") for o in out] == ["", ""]
-    assert [o["sum"] for o in out] == [3.0, 3.0]
-    assert "member/1" in out[0]["forged"]  # member 0 looked at it, and did not count it
+    _stranger_writes(store.port, "run1/round1/s0", ["member/1"])
+    _stranger_writes(store.port, "run1/round2/s0", ["member/1"])
+    other = SignedStore(dist.PrefixStore("run1/round3/s0", _store_client(store.port)), ROUND_SECRET.encode(),
+                        "run1/round3/s0", timeout=5.0)
+    other.set("member/1", '{"node": "node-z", "rank": 1, "nonce": "n"}')
+    out = run_ranks(_scenarios, 2, store.port, timeout=120)
 
+    stranger = [o["stranger"] for o in out]
+    assert [o.get("error", "") for o in stranger] == ["", ""]
+    assert [o["sum"] for o in stranger] == [3.0, 3.0]
+    assert "member/1" in stranger[0]["forged"]  # member 0 looked at it, and did not count it
 
-def _join_by_rank(rank: int, world: int, port: int, prefix: str) -> dict:
-    return _join(rank, world, port, prefix, MEMBERS, delay=1.0 * rank, timeout=20.0)
+    dead = out[0]["dead slot"]
+    assert "member(s) [1] did not arrive within 3 s" in dead["error"]
+    assert "not signed with the round's secret were written for member index(es) [1]" in dead["error"]
+    assert 2.5 < dead["seconds"] < 15
+
+    claimed = out[0]["other node"]
+    assert "names node 'node-z'" in claimed["error"] and "listed node 'node-b'" in claimed["error"]
+    assert claimed["seconds"] < 5
+
+    gone = out[0]["gone"]
+    assert "member(s) [1] are gone (test)" in gone["error"]
+    assert 0.9 < gone["seconds"] < 5
+    print(f"\nstranger: not counted (the round formed with its two members, member 0 waited "
+          f"{stranger[0]['seconds']:.2f} s for member 1); a stranger in a dead member's slot: the wait "
+          f"failed at its {dead['seconds']:.1f} s timeout (3 s); a proof for another node: refused after "
+          f"{claimed['seconds']:.2f} s; abort: member 0 stopped waiting {gone['seconds']:.2f} s into a 30 s "
+          f"rendezvous (told after 1 s)")
 
 
 def test_the_signed_store_refuses_forged_replayed_and_foreign_values():
@@ -131,51 +177,3 @@ def test_the_signed_store_refuses_forged_replayed_and_foreign_values():
         assert time.monotonic() - start < 3
     with pytest.raises(TimeoutError):
         round1.wait(["addr/9"], timedelta(seconds=0.3))
-
-
-@pytest.mark.timeout(120)
-def test_a_stranger_cannot_take_a_dead_members_slot():
-    """Member 1 is dead; a stranger without the secret writes its proof (and the old arrival marker). Member 0 does
-    not count it: it fails at the rendezvous timeout, naming the missing member and the unsigned values."""
-    from flwr_sharded.flower import rendezvous
-
-    (store,) = rendezvous.serve_stores("127.0.0.1", 1)
-    prefix = "run1/round2/s0"
-    _stranger_writes(store.port, prefix, ["member/1"])
-    (out,) = run_ranks(_join, 1, store.port, prefix, MEMBERS, 0.0, 3.0, timeout=90)
-    assert "member(s) [1] did not arrive within 3 s" in out["error"]
-    assert "not signed with the round's secret were written for member index(es) [1]" in out["error"]
-    assert 2.5 < out["seconds"] < 15
-
-
-def _claims_other_node(rank: int, world: int, port: int, prefix: str) -> dict:
-    """Member 1's slot holds a correctly signed proof (someone with the secret) that names another node."""
-    import torch.distributed as dist
-
-    from flwr_sharded.flower.signed_store import SignedStore
-
-    signed = SignedStore(dist.PrefixStore(prefix, _store_client(port)), ROUND_SECRET.encode(), prefix, timeout=5.0)
-    signed.set("member/1", '{"node": "node-z", "rank": 1, "nonce": "n"}')
-    return _join(0, 1, port, prefix, MEMBERS, 0.0, 10.0)
-
-
-@pytest.mark.timeout(120)
-def test_a_proof_for_a_node_the_serverapp_did_not_list_is_refused():
-    from flwr_sharded.flower import rendezvous
-
-    (store,) = rendezvous.serve_stores("127.0.0.1", 1)
-    (out,) = run_ranks(_claims_other_node, 1, store.port, "run1/round3/s0", timeout=90)
-    assert "names node 'node-z'" in out["error"] and "listed node 'node-b'" in out["error"]
-    assert out["seconds"] < 5  # refused at once, not at the timeout
-
-
-@pytest.mark.timeout(120)
-def test_the_news_that_a_member_is_gone_ends_the_wait_at_once():
-    """Member 1 never comes; 1 s into a 30 s rendezvous, abort() says it is gone: member 0 stops waiting then."""
-    from flwr_sharded.flower import rendezvous
-
-    (store,) = rendezvous.serve_stores("127.0.0.1", 1)
-    (out,) = run_ranks(_join, 1, store.port, "run1/round4/s0", MEMBERS, 0.0, 30.0, 1.0, timeout=90)
-    assert "member(s) [1] are gone (test)" in out["error"]
-    assert 0.9 < out["seconds"] < 5
-    print(f"\nabort: member 0 stopped waiting {out['seconds']:.2f} s into a 30 s rendezvous (told after 1 s)")

@@ -1,11 +1,12 @@
 """A SuperLink restart on a loopback deployment (SuperLink with a database, one SuperNode, one group): the SuperLink
-and its ServerApp are killed mid-run; the group drops the dead run within its group-idle-timeout (freeing its
-memory instead of holding it for the next hello), the SuperNode reconnects to the restarted SuperLink on its own,
-and a new run completes on the same group. Everything is started in its own session and killed at the end."""
+and its ServerApp are killed mid-run and the SuperLink restarted; the SuperNode reconnects on its own and a new run
+completes on the same group, whose hello replaces the dead run's trainer. (A group that hears nothing more drops the
+run after its group-idle-timeout: tests/flower/test_liveness.py.) Everything is started in its own session and
+killed at the end."""
 
 from __future__ import annotations
 
-import re
+import socket
 import subprocess
 import time
 
@@ -14,14 +15,20 @@ import pytest
 from tests.flower.procs import APP, FAST_RUN_CONFIG, base_env, free_port, round_records, run_config_args, \
     start_group, strip_ansi, wait_until, write_flwr_home
 
-IDLE_S = 85.0
-"""The run's group-idle-timeout (above round-timeout + hello-timeout, as validated)."""
 RUN = {**FAST_RUN_CONFIG, "num-groups": 1, "shards": 1, "round-timeout": 40.0, "hello-timeout": 40.0,
-       "rendezvous-timeout": 3.0, "sync-timeout": 3.0, "finish-timeout": 10.0, "group-idle-timeout": IDLE_S}
+       "rendezvous-timeout": 3.0, "sync-timeout": 3.0, "finish-timeout": 10.0, "group-idle-timeout": 85.0}
 
 
-@pytest.mark.timeout(600)
-def test_a_superlink_restart_frees_the_dead_run_and_the_supernode_reconnects(procs, data_dir):
+def _listens(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(400)
+def test_after_a_superlink_restart_the_supernode_reconnects_and_a_new_run_completes(procs, data_dir):
     port = free_port()
     home = write_flwr_home(procs.workdir / "flwr_home", "loopback", f"127.0.0.1:{port}", insecure=True)
     env = base_env(FLWR_HOME=str(home))
@@ -44,24 +51,20 @@ def test_a_superlink_restart_frees_the_dead_run_and_the_supernode_reconnects(pro
     wait_until(lambda: round_records(metrics) or first.popen.poll() is not None, 300, 0.2, "round 1 recorded")
     assert round_records(metrics), first.text()[-3000:]
     procs.kill(superlink)  # SIGKILL of its session: the SuperLink and the run's ServerApp
-    killed = time.monotonic()
     procs.kill(first)
-    time.sleep(2.0)
+    time.sleep(1.0)
+    start = time.monotonic()
     procs.start("superlink-again", superlink_cmd, env=env)
-    wait_until(lambda: "dropping the run" in group.text(), IDLE_S + 60, 0.2, "the group dropped the dead run")
-    dropped_s = time.monotonic() - killed
-    assert group.popen.poll() is None and supernode.popen.poll() is None  # the run dropped; both still serve
-    match = re.search(r"no instruction for (\d+) s \(group-idle-timeout (\d+) s", group.text())
-    assert match and int(match.group(2)) == IDLE_S and int(match.group(1)) < IDLE_S + 5
-
-    start = time.monotonic()  # the SuperNode reconnected by itself: a new run finds it and completes
+    wait_until(lambda: _listens(port), 60, 0.1, "the restarted SuperLink listening")
     second, metrics2 = flwr_run("after-restart", {**RUN, "num-server-rounds": 1})
     try:
         second.popen.wait(timeout=300)
     except subprocess.TimeoutExpired:
         raise TimeoutError(f"the run after the restart did not finish:\n{strip_ansi(second.text())[-5000:]}")
+    took = time.monotonic() - start
     rounds = round_records(metrics2)
     assert len(rounds) == 1 and rounds[0]["groups"] == 1, strip_ansi(second.text())[-5000:]
-    print(f"\nSuperLink restart: the group dropped the dead run {dropped_s:.1f} s after the kill (group-idle-timeout "
-          f"{IDLE_S:.0f} s); with the SuperLink back after 2 s, a new 1-round run on the same SuperNode and group "
-          f"completed {time.monotonic() - start:.1f} s after it was submitted")
+    assert group.popen.poll() is None and supernode.popen.poll() is None  # the same group and SuperNode
+    assert group.text().count("built the trainer") == 2  # the new run's hello replaced the dead run's trainer
+    print(f"\nSuperLink restart: the SuperNode reconnected by itself and a new 1-round run on the same group "
+          f"completed {took:.1f} s after the SuperLink was restarted")

@@ -82,8 +82,8 @@ class GroupRuntime:
         self.run = None  # the FlowerRun of the current trainer (this group's S)
         self.rollback = None  # the trainer's RollbackPoint
         self.resumed_round = 0
-        # the default hand-off directory is a fresh private one (mkdtemp), never a predictable path someone made
-        self.handoff_dir = self.broadcast((args.handoff_dir or handoff.fresh_private_dir("flwr_sharded-handoff-"))
+        # the hand-off directory is a fresh private one (mkdtemp) under --handoff-dir, never a path someone made
+        self.handoff_dir = self.broadcast(handoff.fresh_private_dir("flwr_sharded-handoff-", args.handoff_dir or None)
                                           if self.rank == 0 else None)
         self.key = ""
         self.run_idle_s = 0.0
@@ -172,8 +172,7 @@ class GroupRuntime:
                     return code
         finally:
             endpoint.close()
-            if not self.args.handoff_dir:  # the default, private one
-                shutil.rmtree(self.handoff_dir, ignore_errors=True)
+            shutil.rmtree(self.handoff_dir, ignore_errors=True)  # made for this group alone
 
     def _drop_idle_run(self, idle: float) -> None:
         """No instruction for the run's `group-idle-timeout`: its ServerApp is gone (a SuperLink restart, a killed
@@ -422,8 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="comma-separated store port per shard index (default: free ports)")
     parser.add_argument("--data-dir", default="", help="prepared data directory (overrides the run config's)")
     parser.add_argument("--handoff-dir", default="",
-                        help="where ranks and the ClientApp exchange shard files on the server path; must be shared "
-                             "by the group's nodes (default: a private directory under the system's temp dir)")
+                        help="the server path's ranks and ClientApp exchange shard files in a fresh private directory "
+                             "made under this one (default: the system's temp dir); it must be shared by the group's "
+                             "nodes")
     parser.add_argument("--idle-timeout", type=float, default=600.0,
                         help="exit after this many seconds without an instruction (0: never)")
     parser.add_argument("--watch-pid", type=int, default=0, help="exit when this process is gone")

@@ -28,7 +28,7 @@ def check_handoff_dir(rt: Any) -> str:
     error = ""
     if rt.rank == 0:
         try:
-            handoff.private_dir(rt.handoff_dir)  # --handoff-dir: made private, or refused unless it is
+            handoff.private_dir(rt.handoff_dir)  # still this group's own (made fresh at start)
             with open(probe, "w") as fh:
                 fh.write("ok")
         except ConfigError as exc:
