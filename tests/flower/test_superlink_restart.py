@@ -1,8 +1,8 @@
-"""A SuperLink restart on a loopback deployment (SuperLink with a database, one SuperNode, one group): the SuperLink
-and its ServerApp are killed mid-run (once the group holds the run's trainer) and the SuperLink restarted; the
-SuperNode reconnects on its own and a new run completes on the same group, whose hello replaces the dead run's
-trainer. (A group that hears nothing more drops the run after its group-idle-timeout: tests/flower/test_liveness.py.)
-Everything is started in its own session and killed at the end."""
+"""A SuperLink restart on a loopback deployment (SuperLink with a database, one SuperNode, one group): while the
+group holds the trainer of a run whose ServerApp is gone, the SuperLink is killed and restarted; the SuperNode
+reconnects on its own and a new run completes on the same group, whose hello replaces the dead run's trainer. (A
+group that hears nothing more drops the run after its group-idle-timeout: tests/flower/test_liveness.py.) Everything
+is started in its own session and killed at the end."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ import time
 
 import pytest
 
+from flwr_sharded.flower import messages as P
 from tests.flower.procs import APP, FAST_RUN_CONFIG, base_env, free_port, round_records, run_config_args, \
     start_group, strip_ansi, wait_until, write_flwr_home
+from tests.flower.test_group import client, spec
 
 RUN = {**FAST_RUN_CONFIG, "num-groups": 1, "shards": 1, "round-timeout": 40.0, "hello-timeout": 40.0,
        "rendezvous-timeout": 3.0, "sync-timeout": 3.0, "finish-timeout": 10.0, "group-idle-timeout": 85.0}
@@ -47,12 +49,13 @@ def test_after_a_superlink_restart_the_supernode_reconnects_and_a_new_run_comple
                *run_config_args({**config, "data-dir": str(data_dir), "run-dir": str(metrics.parent)})]
         return procs.start(f"flwr-run-{name}", cmd, env=env), metrics
 
-    first, _ = flwr_run("long", {**RUN, "num-server-rounds": 50})
-    wait_until(lambda: "built the trainer" in group.text() or first.popen.poll() is not None, 300, 0.2,
-               "the first run's hello")
-    assert first.popen.poll() is None, first.text()[-3000:]
-    procs.kill(superlink)  # SIGKILL of its session: the SuperLink and the run's ServerApp
-    procs.kill(first)
+    # the group holds a run's trainer whose ServerApp is gone (a hello straight to its endpoint, as such a run
+    # leaves it; a whole flwr run would cost a minute more), and the SuperNode is connected
+    dead = client(address, key).call(P.HELLO, {"run": spec(data_dir, shards=1).to_json(), "run_key": "dead-run",
+                                               "partition_id": 0, "num_partitions": 1}, timeout=120)
+    assert dead["compatible"], dead["error"]
+    wait_until(lambda: "SuperNode ID:" in supernode.text(), 120, 0.2, "the SuperNode connected")
+    procs.kill(superlink)  # SIGKILL of its session
     time.sleep(1.0)
     start = time.monotonic()
     procs.start("superlink-again", superlink_cmd, env=env)
