@@ -28,6 +28,15 @@ export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 FLWR_TELEMETRY_ENABLED="${
 : "${FLWR_RENDEZVOUS_PORT_BASE:=29600}"   # shard-sync stores on rank 0: S ports from here, one per shard index
                                           # (or FLWR_RENDEZVOUS_PORTS=p0,p1,... exactly S of them)
 export FLWR_SUPERLINK_PORT FLWR_SUPERNODE_PORT FLWR_GROUP_PORT FLWR_TORCHRUN_PORT FLWR_RENDEZVOUS_PORT_BASE
+# Host firewall (deploy/firewall/make-rules.sh): FLWR_FEDERATION_NODES = addresses/CIDRs of every node of every group
+# (they alone may reach the torchrun, rendezvous and gloo/NCCL ports), FLWR_SUPERLINK_CLIENTS = who may reach the
+# SuperLink (default: the federation's nodes), FLWR_EPHEMERAL_PORTS = the range gloo/NCCL listen in (default: the
+# kernel's net.ipv4.ip_local_port_range).
+
+# --- liveness --------------------------------------------------------------------------------------------------------
+: "${FLWR_GROUP_IDLE_TIMEOUT:=7200}"      # group.sbatch: a group that gets no instruction for this long (no run,
+                                          # the SuperLink gone for good) exits and ends its job; 0: wait forever
+export FLWR_GROUP_IDLE_TIMEOUT
 
 # --- threads -------------------------------------------------------------------------------------------------------
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}"

@@ -11,8 +11,10 @@ run's end shuts it down. The group also exits on its own when the process that l
 idle timeout.
 
 A train message starts the round in the group and is answered at once; the collect message that follows it waits
-for the round's result. The train config goes to the group unchanged, so a key the group does not know is an error
-reply, not a silent drop.
+for the round's result, up to its timeout (then it replies `pending` and the ServerApp sends another, so that an
+abort - members of the round are gone - never waits long behind it: a SuperNode handles one message at a time).
+The train config goes to the group unchanged, so a key the group does not know is an error reply, not a silent
+drop.
 """
 
 from __future__ import annotations
@@ -156,12 +158,20 @@ def handle(message: Any, context: Any, verb: str) -> Any:
             args = {k: v for k, v in config.items() if k not in M.ROUTING_KEYS}
             return reply(client.call(M.TRAIN, args, timeout=min(timeout, M.START_TIMEOUT_S), detach=True))
         if verb == M.COLLECT:
-            result = client.collect(str(config["job"]), timeout=timeout)
+            try:
+                result = client.collect(str(config["job"]), timeout=timeout)
+            except GroupError as exc:
+                if exc.result.get("pending"):  # the round still runs: the ServerApp sends another collect
+                    return reply({"pending": True})
+                raise
             if result.get("export_files"):
                 return _train_reply_with_manifest(message, context, result, int(config.get("server-round", 0)))
             return reply(result)
         if verb == M.APPLY:
             return reply(_apply(client, context, message.content, config, timeout))
+        if verb == M.ABORT:
+            args = {k: config[k] for k in ("prefix", "gone", "reason") if k in config}
+            return reply(client.call(M.ABORT, args, timeout=min(timeout, 30.0)))
         return reply(client.call(verb, {}, timeout=timeout))
     except GroupError as exc:
         return Message(to_records(False, str(exc), exc.result), reply_to=message)
@@ -178,6 +188,7 @@ def _hello(message: Any, context: Any, config: Mapping[str, Any], client: GroupC
     args = {"run": config["run"], "run_key": str(config.get("run-key", context.run_id)),
             "partition_id": partition_id, "num_partitions": num_partitions,
             "rejoin": bool(config.get("rejoin", False)),
+            "idle_timeout": float(config.get("group-idle-timeout", 0.0)),
             "data_dir": str(context.node_config.get(NODE_DATA_DIR, "")),
             "facility": str(context.node_config.get(NODE_FACILITY, "")),
             "save_dir": str(config.get("save-dir", "")),

@@ -2,9 +2,9 @@
 
 `multiprocessing.connection` with an authkey (HMAC challenge and response in both directions, per connection, each
 in its own thread so a stalled caller blocks nobody), carrying JSON (`send_bytes`/`recv_bytes`, never pickle), one
-instruction per connection. The server hands instructions to the group's main loop one at a time; `collect`
-instructions are answered from the connection's own thread, waiting for a detached job's result, so they never
-queue behind the job they wait for.
+instruction per connection. The server hands instructions to the group's main loop one at a time; `collect` and
+`abort` instructions are answered from the connection's own thread (`collect` waiting for a detached job's result),
+so they never queue behind the job they concern.
 """
 
 from __future__ import annotations
@@ -13,12 +13,13 @@ import logging
 import os
 import queue
 import secrets
-import stat
+import socket
+import struct
 import threading
 import time
 from multiprocessing.connection import Client, Connection, Listener, answer_challenge, deliver_challenge
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower import messages as M
@@ -27,6 +28,15 @@ logger = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT_S = 10.0
 """A connection that does not send its instruction within this time after the handshake is dropped."""
+AUTH_TIMEOUT_S = 5.0
+"""A connection that does not complete the handshake within this time is dropped; it also bounds every read that
+makes no progress (a caller that stalls in the middle of a message)."""
+SEND_TIMEOUT_S = 60.0
+"""A reply that the caller does not read within this time is dropped."""
+MAX_UNAUTHENTICATED = 8
+"""Connections in the handshake at once; more are closed at once (a flood costs its sender, not the group)."""
+MAX_CONNECTIONS = 64
+"""Authenticated connections served at once (requests being read, collects waiting for their job)."""
 KEPT_JOBS = 4
 """Finished detached jobs whose results the server keeps until collected (older ones are dropped)."""
 
@@ -58,27 +68,42 @@ def format_address(host: str, port: int) -> str:
 
 
 def write_authkey(path: str | Path) -> bytes:
-    """Create `path` (mode 0600) holding a fresh random key; returns the key bytes."""
+    """Create `path` (mode 0600, also if it existed) holding a fresh random key; returns the key bytes."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     key = secrets.token_hex(32).encode()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    os.fchmod(fd, 0o600)
     with os.fdopen(fd, "wb") as fh:
         fh.write(key)
     return key
 
 
 def read_authkey(path: str | Path) -> bytes:
-    """The key in `path` (surrounding whitespace stripped); refuses a missing, empty or world-readable file."""
+    """The key in `path` (surrounding whitespace stripped); refuses a missing or empty file, and one that anyone but
+    its owner may read or write (mode & 0o077)."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise ConfigError(f"authkey file {path} does not exist")
-    if path.stat().st_mode & (stat.S_IRWXO):
-        raise ConfigError(f"authkey file {path} is accessible by other users; chmod 600 {path}")
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o077:
+        raise ConfigError(f"authkey file {path} has mode {mode:03o}: it is accessible by other users or the group; "
+                          f"chmod 600 {path}")
     key = path.read_bytes().strip()
     if len(key) < 16:
         raise ConfigError(f"authkey file {path} holds {len(key)} bytes; use at least 16 (e.g. `openssl rand -hex 32`)")
     return key
+
+
+def _set_io_timeouts(conn: Connection, receive_s: float, send_s: float) -> None:
+    """Bound every blocking read and write on `conn`'s socket (SO_RCVTIMEO / SO_SNDTIMEO): a stalled peer then
+    raises OSError instead of holding the thread forever."""
+    sock = socket.socket(fileno=os.dup(conn.fileno()))
+    try:
+        for option, seconds in ((socket.SO_RCVTIMEO, receive_s), (socket.SO_SNDTIMEO, send_s)):
+            sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", int(seconds), int(seconds % 1 * 1e6)))
+    finally:
+        sock.close()  # the duplicate only; the options belong to the socket both descriptors share
 
 
 # ---------------------------------------------------------------------------------------------------- client
@@ -100,7 +125,7 @@ class GroupClient:
         GroupError (the group replied with an error).
         """
         box: dict[str, Any] = {}
-        request = M.encode(M.instruction(verb, args, detach=detach))
+        request = M.encode(M.instruction(verb, args, detach=detach), allow_nan=False)
 
         def run() -> None:
             try:
@@ -136,6 +161,12 @@ class GroupClient:
                 if time.monotonic() > deadline:
                     raise GroupUnavailable(f"no group listens at {self.address} (connection refused)") from exc
                 time.sleep(0.2)
+            except (EOFError, ConnectionResetError) as exc:  # closed during the handshake: the endpoint is full
+                if time.monotonic() > deadline:
+                    raise GroupUnavailable(f"the group at {self.address} closed every connection during the "
+                                           f"handshake for {self.connect_timeout:.0f} s (too many connections?): "
+                                           f"{exc!r}") from exc
+                time.sleep(0.2)
             except (OSError, EOFError) as exc:
                 raise GroupUnavailable(f"cannot connect to the group at {self.address}: {exc!r}") from exc
             except Exception as exc:  # multiprocessing.AuthenticationError
@@ -145,7 +176,7 @@ class GroupClient:
                 conn.send_bytes(request)
                 if not conn.poll(timeout):
                     raise GroupUnavailable(f"group at {self.address}: no reply within {timeout:.0f} s")
-                return M.decode(conn.recv_bytes(M.MAX_MESSAGE_BYTES))
+                return M.decode(conn.recv_bytes(M.MAX_MESSAGE_BYTES), allow_nan=True)  # a loss may be NaN
             except (EOFError, OSError) as exc:
                 raise GroupUnavailable(f"lost the connection to the group at {self.address} (did the group "
                                        f"die?): {exc!r}") from exc
@@ -169,13 +200,30 @@ class Request:
 
 
 class EndpointServer:
-    """Rank 0's endpoint: authenticated instructions arrive on `incoming`; `collect` is answered here."""
+    """Rank 0's endpoint: authenticated instructions arrive on `incoming`; `collect` is answered here.
 
-    def __init__(self, address: tuple[str, int], authkey: bytes) -> None:
+    Hostile or broken callers cost a bounded amount: the handshake must finish within `auth_timeout` (so must every
+    read that makes no progress), at most `max_unauthenticated` connections may be in it and `max_connections` past
+    it (more are closed at once), and a request that is not a well-formed instruction (not JSON, nested too deep,
+    NaN, unknown verb) is answered with an error without reaching the main loop.
+    """
+
+    def __init__(self, address: tuple[str, int], authkey: bytes, *, auth_timeout: float = AUTH_TIMEOUT_S,
+                 max_unauthenticated: int = MAX_UNAUTHENTICATED, max_connections: int = MAX_CONNECTIONS) -> None:
         self._authkey = authkey
-        self.listener = Listener(address, family="AF_INET")  # the challenge runs per connection, below
+        self.auth_timeout = auth_timeout
+        self.max_unauthenticated = max_unauthenticated
+        self._unauthenticated = threading.BoundedSemaphore(max_unauthenticated)
+        self._connections = threading.BoundedSemaphore(max_connections)
+        self.refused = 0
+        """Connections closed because a cap was reached (for logs and tests)."""
+        self.listener = Listener(address, family="AF_INET", backlog=64)  # the challenge runs per connection
         self.address = self.listener.address
         self.incoming: queue.Queue[Request] = queue.Queue()
+        self.last_request = 0.0
+        """`time.monotonic()` of the last well-formed instruction (any verb, including those answered here)."""
+        self.on_abort: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+        """Answers `abort` in the connection's thread (set by the group runtime)."""
         self._closed = False
         self._jobs: dict[str, dict[str, Any] | None] = {}
         self._done = threading.Condition()
@@ -195,7 +243,10 @@ class EndpointServer:
             self._done.notify_all()
 
     def _collect(self, args: Mapping[str, Any]) -> dict[str, Any]:
-        job, wait = str(args.get("job", "")), float(args.get("wait", 0.0))
+        try:
+            job, wait = str(args.get("job", "")), float(args.get("wait", 0.0))
+        except (TypeError, ValueError):
+            return M.reply_error(f"collect: 'wait' must be a number of seconds, got {args.get('wait')!r}")
         deadline = time.monotonic() + wait
         with self._done:
             while True:
@@ -206,7 +257,7 @@ class EndpointServer:
                     return self._jobs[job]  # type: ignore[return-value]
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    return M.reply_error(f"job {job!r} did not finish within {wait:.0f} s")
+                    return M.reply_error(f"job {job!r} did not finish within {wait:.0f} s", {"pending": True})
                 self._done.wait(min(left, 1.0))
 
     # ----- connections --------------------------------------------------------------------------------------
@@ -218,16 +269,41 @@ class EndpointServer:
                 if self._closed:
                     return
                 continue
+            if not self._unauthenticated.acquire(blocking=False):
+                self._refuse(conn, f"{self.max_unauthenticated} connections already in the handshake")
+                continue
             threading.Thread(target=self._serve, args=(conn,), name="endpoint-conn", daemon=True).start()
+
+    def _refuse(self, conn: Connection, why: str) -> None:
+        self.refused += 1
+        if self.refused in (1, 10, 100) or self.refused % 1000 == 0:
+            logger.warning("closed a connection to the group endpoint at once (%s; %d so far)", why, self.refused)
+        conn.close()
 
     def _serve(self, conn: Connection) -> None:
         try:
+            _set_io_timeouts(conn, self.auth_timeout, SEND_TIMEOUT_S)
             deliver_challenge(conn, self._authkey)
             answer_challenge(conn, self._authkey)
-        except Exception as exc:  # AuthenticationError, EOFError, OSError
+        except Exception as exc:  # AuthenticationError, EOFError, OSError (the handshake's time ran out)
             logger.warning("rejected a connection to the group endpoint: %s", type(exc).__name__)
             conn.close()
             return
+        finally:
+            self._unauthenticated.release()
+        if not self._connections.acquire(blocking=False):
+            Request(conn, "", {}, False).reply(M.reply_error("too many connections to this group's endpoint"))
+            self.refused += 1
+            return
+        try:
+            self._handle(conn)
+        except Exception:  # noqa: BLE001 - never lose the thread's connection or the endpoint to one request
+            logger.exception("endpoint: unexpected error while serving a request")
+            conn.close()
+        finally:
+            self._connections.release()
+
+    def _handle(self, conn: Connection) -> None:
         try:
             if not conn.poll(REQUEST_TIMEOUT_S):
                 conn.close()
@@ -235,14 +311,25 @@ class EndpointServer:
             obj = M.decode(conn.recv_bytes(M.MAX_MESSAGE_BYTES))
             verb, args = M.check_instruction(obj)
         except (EOFError, OSError, M.ProtocolError) as exc:
-            logger.warning("bad request on the endpoint: %s", exc)
-            Request(conn, "", {}, False).reply(M.reply_error(f"bad request: {exc}"))
+            logger.warning("bad request on the endpoint: %s", str(exc)[:200])
+            Request(conn, "", {}, False).reply(M.reply_error(f"bad request: {str(exc)[:200]}"))
             return
+        self.last_request = time.monotonic()
         request = Request(conn, verb, args, bool(obj.get("detach", False)))
         if verb == M.COLLECT:
             request.reply(self._collect(args))
+        elif verb == M.ABORT:
+            request.reply(self._abort(args))
         else:
             self.incoming.put(request)
+
+    def _abort(self, args: Mapping[str, Any]) -> dict[str, Any]:
+        if self.on_abort is None:
+            return M.reply_error("this endpoint takes no abort")
+        try:
+            return M.reply_ok(self.on_abort(dict(args)))
+        except Exception as exc:  # noqa: BLE001 - reported to the caller; the group goes on
+            return M.reply_error(f"abort failed: {type(exc).__name__}: {exc}")
 
     def close(self) -> None:
         self._closed = True

@@ -18,11 +18,15 @@ bf16 as an int16 bit view) and the file's metadata maps each key to `"dtype|glob
 from __future__ import annotations
 
 import os
+import stat
+import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
 import numpy as np
+
+from flwr_sharded.errors import ConfigError
 
 SHARDS = "shards"
 """ArrayRecord of a message's pieces."""
@@ -32,6 +36,37 @@ SHARD_INFO = "shard-info"
 """MetricRecord with the pieces' `round` and `weight`."""
 SHARD_SHAPES = "shard-shapes"
 """ConfigRecord `key -> "d0,d1,..."` (local shapes) of a manifest: the pieces a group holds, without their values."""
+
+
+def private_dir(path: str | Path) -> Path:
+    """`path` as a directory only this user can enter: made with mode 700 if missing (its parent must exist). An
+    existing one must be a real directory (not a link) owned by this user that nobody else may write to (someone who
+    can could swap the files in it: keys, shards); ConfigError otherwise. One that others may read is made 700."""
+    path = Path(path)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode):
+        raise ConfigError(f"{path} exists and is not a directory (a link or a file); remove it or choose another")
+    if info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise ConfigError(f"directory {path} is not private to this user (owner uid {info.st_uid}, mode "
+                          f"{info.st_mode & 0o777:03o}: others may write to it); use a directory of your own with "
+                          f"mode 700 or remove it")
+    if info.st_mode & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
+
+def fresh_private_dir(prefix: str, parent: str | Path | None = None) -> str:
+    """A new directory (mode 700, never one that existed before: `mkdtemp`) under `parent` (default: the temp dir);
+    ConfigError if `parent` is not a directory this user can create one in."""
+    try:
+        return tempfile.mkdtemp(prefix=prefix, dir=None if parent is None else str(parent))
+    except OSError as exc:
+        raise ConfigError(f"cannot make a private directory under {parent or tempfile.gettempdir()}: {exc}; it must "
+                          f"be an existing directory this user can write to") from None
 
 
 def _shape_text(shape: Iterable[int]) -> str:
@@ -229,6 +264,6 @@ def from_manifest_records(content: Any) -> tuple[dict[str, tuple[int, ...]], dic
     return shapes, meta, info
 
 
-__all__ = ["SHARDS", "SHARD_META", "SHARD_INFO", "SHARD_SHAPES", "write_file",
+__all__ = ["private_dir", "fresh_private_dir", "SHARDS", "SHARD_META", "SHARD_INFO", "SHARD_SHAPES", "write_file",
            "manifest", "read_rows", "assemble", "row_key", "parse_shape", "to_records", "from_records",
            "manifest_records", "from_manifest_records", "array_view"]

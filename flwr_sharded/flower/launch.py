@@ -21,6 +21,7 @@ from typing import Any, Mapping
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower.endpoint import GroupClient, GroupError, GroupUnavailable, read_authkey, write_authkey
 from flwr_sharded.flower import messages as M
+from flwr_sharded.flower.handoff import private_dir
 from flwr_sharded.flower.processes import pid_alive
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,8 @@ class LaunchedGroup:
 
 
 def default_run_root() -> Path:
-    return Path(tempfile.gettempdir()) / f"flwr_sharded-{os.getuid()}"
+    """This user's directory for launched groups in the temp dir; refused (ConfigError) unless it is private."""
+    return private_dir(Path(tempfile.gettempdir()) / f"flwr_sharded-{os.getuid()}")
 
 
 # ----------------------------------------------------------------------------------------------------- GPUs
@@ -108,7 +110,8 @@ def launch_group(run_dir: str | Path, *, method: str, replicas: int, shards: int
                  env: Mapping[str, str] | None = None) -> LaunchedGroup:
     """Start a group of R*S local ranks and wait until its endpoint listens; returns how to reach and stop it."""
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(run_dir)  # its key and log: refused if someone else made or can enter it
     authkey_file, address_file, log_file = run_dir / "authkey", run_dir / "address", run_dir / "group.log"
     write_authkey(authkey_file)
     address_file.unlink(missing_ok=True)

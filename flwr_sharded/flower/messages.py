@@ -28,6 +28,9 @@ TRAIN = "train"
 """K sync periods of A local steps, each followed by a shard sync with the named members (started detached)."""
 COLLECT = "collect"
 """The result of a detached instruction (a train round), waiting for it up to a timeout; answered off the main loop."""
+ABORT = "abort"
+"""Members of a round are gone (the ServerApp knows): the round's rendezvous waits end at once instead of at their
+timeout; answered off the main loop."""
 EVALUATE = "evaluate"
 """Held-out loss and perplexity of the group's current weights."""
 STATUS = "status"
@@ -43,12 +46,13 @@ FINISH = "finish"
 """The run is over: drop the trainer (free memory), keep serving."""
 SHUTDOWN = "shutdown"
 """Exit every rank of the group."""
-VERBS = (HELLO, TRAIN, COLLECT, APPLY, EVALUATE, STATUS, SAVE, FINISH, SHUTDOWN)
+VERBS = (HELLO, TRAIN, COLLECT, ABORT, APPLY, EVALUATE, STATUS, SAVE, FINISH, SHUTDOWN)
 
 # ----- Flower message types (ClientApp routes) ---------------------------------------------------------------------
 MSG_HELLO = "query.hello"
 MSG_TRAIN = "train"
 MSG_COLLECT = "query.collect"
+MSG_ABORT = "query.abort"
 MSG_EVALUATE = "evaluate"
 MSG_APPLY = "query.apply"
 MSG_PULL = "query.pull"
@@ -72,17 +76,37 @@ class ProtocolError(RuntimeError):
     """A malformed instruction or reply on the local endpoint."""
 
 
-def encode(obj: Mapping[str, Any]) -> bytes:
-    return json.dumps(obj, allow_nan=True, separators=(",", ":")).encode()
+MAX_DEPTH = 32
+"""Deepest nesting of arrays and objects accepted in an endpoint message (the protocol itself needs 3)."""
 
 
-def decode(data: bytes) -> dict[str, Any]:
+def encode(obj: Mapping[str, Any], *, allow_nan: bool = True) -> bytes:
+    """JSON bytes of `obj`; `allow_nan=False` (instructions) raises ValueError for NaN or infinite numbers."""
+    return json.dumps(obj, allow_nan=allow_nan, separators=(",", ":")).encode()
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not accepted in an instruction")
+
+
+def decode(data: bytes, *, allow_nan: bool = False) -> dict[str, Any]:
+    """The JSON object in `data`; ProtocolError for anything else: not JSON, not an object, nested deeper than
+    `MAX_DEPTH`, or (unless `allow_nan`: a group's reply may report a NaN loss) NaN or Infinity."""
     try:
-        obj = json.loads(data.decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        obj = json.loads(data.decode(), parse_constant=None if allow_nan else _no_constant)
+    except (UnicodeDecodeError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
         raise ProtocolError(f"not a JSON message: {exc}") from exc
+    except RecursionError:
+        raise ProtocolError(f"JSON nested deeper than {MAX_DEPTH} levels") from None
     if not isinstance(obj, dict):
         raise ProtocolError(f"expected a JSON object, got {type(obj).__name__}")
+    stack: list[tuple[Any, int]] = [(obj, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ProtocolError(f"JSON nested deeper than {MAX_DEPTH} levels")
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
     return obj
 
 
@@ -135,6 +159,9 @@ class TrainArgs:
     """Unique per round and facility: keys of the rendezvous stores."""
     rendezvous_timeout: float
     sync_timeout: float
+    secret: str = field(repr=False)
+    """Fresh per round and facility (the ServerApp's, over Flower's TLS channel): members prove it in the rendezvous
+    store and sign what they exchange there; never logged."""
     evaluate: bool = True
     checkpoint: bool = False
     export: bool = False
@@ -179,6 +206,8 @@ class TrainArgs:
             args.members = [str(m) for m in args.members]
             args.rendezvous_ports = [int(p) for p in args.rendezvous_ports]
             args.job, args.prefix, args.rendezvous_host = str(args.job), str(args.prefix), str(args.rendezvous_host)
+            if not isinstance(args.secret, str) or len(args.secret) < 32:
+                raise ValueError("secret must be a string of at least 32 characters")
             args.rendezvous_timeout, args.sync_timeout = float(args.rendezvous_timeout), float(args.sync_timeout)
             for name in ("evaluate", "checkpoint", "export", "catch_up"):
                 if not isinstance(getattr(args, name), bool):
@@ -187,6 +216,8 @@ class TrainArgs:
             raise ArgumentError(f"malformed train config: {exc}") from None
         if not 0 <= args.member_index < len(args.members):
             raise ArgumentError(f"member-index {args.member_index} of {len(args.members)} members")
+        if len(set(args.members)) != len(args.members):
+            raise ArgumentError(f"members {args.members} name a node twice")
         return args
 
 

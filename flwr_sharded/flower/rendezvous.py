@@ -1,18 +1,34 @@
-"""Per-round federation process groups between Flower groups: one small group per shard index, bounded timeouts.
+"""Per-round federation process groups between Flower groups: one small group per shard index, members only,
+bounded timeouts.
 
-Each group's rank 0 hosts one persistent `TCPStore` server per shard index s (the "rendezvous offer" of its hello).
-For a round, the ServerApp names the members (ordered) and takes member 0's offer; in every member, the rank
-holding shard s (replica 0) joins a process group of len(members) ranks through `PrefixStore(<round prefix>/s<s>,
-TCPStore client at host:ports[s])`, with rank = its member index. Every wait is bounded: connecting to the store by
-`rendezvous_timeout`, the backend's own rendezvous and every collective by `sync_timeout`. A group that failed is
-destroyed and never reused; the next round builds new ones under a new prefix.
+Each group's rank 0 hosts one persistent `TCPStore` server per shard index s (the "rendezvous offer" of its hello),
+listening on exactly `--rendezvous-host` (a socket bound there, handed to the store). For a round, the ServerApp
+names the members (ordered), takes member 0's offer and sends every member a fresh secret (over Flower's TLS
+channel); in every member, the rank holding shard s (replica 0) joins a process group of len(members) ranks through
+`SignedStore(PrefixStore(<round prefix>/s<s>, TCPStore client at host:ports[s]))`, with rank = its member index.
+
+Members only: each member writes a proof (its node id, index and a nonce, signed with the round's secret) and waits
+until every member's proof is there and names the node the ServerApp listed at that index; values without a valid
+signature (a stranger writing to the store) are never counted, a proof naming another node is refused, and a member
+that finds its own slot taken by another process refuses too. gloo and NCCL then exchange their addresses through the
+same signed store. What is not covered: the connections gloo and NCCL open between members carry no authentication
+(`docs/security.md`).
+
+Every wait is bounded: connecting to the store and the arrivals by `rendezvous_timeout`, the backend's own rendezvous
+and every collective by `sync_timeout`. Every store wait also polls `abort()`: the ServerApp's news that a member is
+gone ends it at once. A group that failed is destroyed and never reused; the next round builds new ones under a new
+prefix.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-from collections.abc import Iterator
+import secrets
+import socket
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -20,6 +36,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
+
+from flwr_sharded.flower.signed_store import SignedStore, StoreAborted
 
 logger = logging.getLogger(__name__)
 
@@ -36,13 +54,33 @@ class RendezvousError(RuntimeError):
 
 
 def serve_stores(host: str, count: int, ports: list[int] | None = None) -> list[dist.TCPStore]:
-    """Start `count` TCPStore servers on `host` (port 0: any free port); they live as long as the objects."""
+    """Start `count` TCPStore servers listening on `host` only (port 0: any free port); they live as long as the
+    objects. (A TCPStore server given only a port listens on every interface: each gets a socket bound to `host`.)"""
     stores = []
     for s in range(count):
-        port = ports[s] if ports else 0
+        sock = listening_socket(host, ports[s] if ports else 0)
+        port = sock.getsockname()[1]
         stores.append(dist.TCPStore(host, port, world_size=None, is_master=True, wait_for_workers=False,
-                                    timeout=timedelta(seconds=60)))
-    return stores
+                                    timeout=timedelta(seconds=60), master_listen_fd=sock.detach()))
+    return stores  # each store owns (and closes) its socket's descriptor
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to `host`:`port` (the first address `host` resolves to) and listening."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise RendezvousError(f"--rendezvous-host {host!r} does not resolve: {exc}") from exc
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(socket.SOMAXCONN)
+    except OSError as exc:
+        sock.close()
+        raise RendezvousError(f"cannot listen on {host}:{port} for a rendezvous store: {exc}") from exc
+    return sock
 
 
 @dataclass
@@ -77,30 +115,24 @@ def backend_for_device(device: torch.device, choice: str = "auto") -> str:
 
 
 def join(*, host: str, port: int, prefix: str, rank: int, size: int, rendezvous_timeout: float,
-         sync_timeout: float, backend: str = "gloo", device: torch.device | None = None) -> FederationGroup:
+         sync_timeout: float, secret: str, members: Sequence[str], backend: str = "gloo",
+         device: torch.device | None = None, abort: Callable[[], str] | None = None) -> FederationGroup:
     """Join the federation group `prefix` of `size` members as `rank`, through the store at host:port.
 
-    Raises RendezvousError if the store cannot be reached or the other members do not arrive in time.
+    `secret` is the round's (from the ServerApp), `members` the node ids the ServerApp listed, in order; `abort()`
+    returns why to stop waiting ('' to go on). Raises RendezvousError if the store cannot be reached, the other
+    members do not prove themselves in time, a proof names another node or this member's slot is taken, or
+    `abort()` gives a reason.
     """
-    if not 0 <= rank < size:
-        raise ValueError(f"member index {rank} outside a group of {size}")
-    try:
-        client = dist.TCPStore(host, port, world_size=None, is_master=False, wait_for_workers=False,
-                               timeout=timedelta(seconds=rendezvous_timeout))
-    except Exception as exc:  # DistNetworkError, DistStoreError, RuntimeError
-        raise RendezvousError(f"cannot reach the rendezvous store at {host}:{port} within "
-                              f"{rendezvous_timeout:.0f} s: {first_line(exc)}") from exc
-    store = dist.PrefixStore(prefix, client)
-    # Count arrivals first: a missing member then fails here, within the rendezvous timeout, before any backend
-    # (NCCL's watchdog would tear the process down on a collective timeout).
-    try:
-        store.add("arrived", 1)
-        store.set(f"member/{rank}", "1")
-        store.wait([f"member/{r}" for r in range(size)], timedelta(seconds=rendezvous_timeout))
-    except Exception as exc:
-        missing = _missing_members(store, size)
-        raise RendezvousError(f"federation group {prefix}: member(s) {missing} did not arrive within "
-                              f"{rendezvous_timeout:.0f} s ({first_line(exc)})") from exc
+    if not 0 <= rank < size or len(members) != size or len(set(members)) != size:
+        raise ValueError(f"member index {rank} of {size} members {list(members)} (distinct node ids expected)")
+    deadline = time.monotonic() + rendezvous_timeout
+    client = _connect(host, port, prefix, deadline, rendezvous_timeout, abort)
+    store = SignedStore(dist.PrefixStore(prefix, client), secret.encode(), prefix, timeout=rendezvous_timeout,
+                        abort=abort)
+    # Members prove themselves first: a missing one then fails here, within the rendezvous timeout, before any
+    # backend (NCCL's watchdog would tear the process down on a collective timeout), and a stranger is never counted.
+    _arrive(store, prefix, rank, list(members), deadline, rendezvous_timeout)
     name = f"flwr-fed:{prefix}"
     # gloo connects every pair when the group is built and retries a silent peer GLOO_CONNECT_ATTEMPTS times with the
     # group's timeout: build it with a fraction of sync_timeout (so a peer frozen mid-handshake costs about
@@ -109,6 +141,7 @@ def join(*, host: str, port: int, prefix: str, rank: int, size: int, rendezvous_
     connect_s = sync_timeout
     if backend == "gloo":
         connect_s = min(sync_timeout, max(MIN_CONNECT_S, sync_timeout / GLOO_CONNECT_ATTEMPTS))
+    store.set_timeout(timedelta(seconds=connect_s))
     try:
         with _nccl_errors_raise(backend):
             pg, _ = c10d._new_process_group_helper(size, rank, [], backend, store, group_name=name,
@@ -122,6 +155,71 @@ def join(*, host: str, port: int, prefix: str, rank: int, size: int, rendezvous_
     # Registered like a sub-group of this process's world, so that get_rank(group) and destroy work.
     c10d._world.pg_group_ranks[pg] = {dist.get_rank(): rank}
     return FederationGroup(pg=pg, rank=rank, size=size, name=name, store=store, backend=backend)
+
+
+def _connect(host: str, port: int, prefix: str, deadline: float, timeout: float,
+             abort: Callable[[], str] | None) -> dist.TCPStore:
+    """A client of the store at host:port, trying until `deadline` (quietly: a plain TCP connect first)."""
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
+                break
+        except OSError as exc:
+            reason = abort() if abort is not None else ""
+            if reason:
+                raise RendezvousError(f"federation group {prefix}: {reason}") from exc
+            if time.monotonic() >= deadline:
+                raise RendezvousError(f"cannot reach the rendezvous store at {host}:{port} within {timeout:.0f} s: "
+                                      f"{first_line(exc)}") from exc
+            time.sleep(0.2)
+    try:
+        return dist.TCPStore(host, port, world_size=None, is_master=False, wait_for_workers=False,
+                             timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
+    except Exception as exc:  # DistNetworkError, DistStoreError, RuntimeError
+        raise RendezvousError(f"cannot reach the rendezvous store at {host}:{port} within "
+                              f"{timeout:.0f} s: {first_line(exc)}") from exc
+
+
+def _arrive(store: SignedStore, prefix: str, rank: int, members: list[str], deadline: float, timeout: float) -> None:
+    """Write this member's proof, then wait until every member's is there and names the listed node."""
+    nonce = secrets.token_hex(16)
+    store.set(f"member/{rank}", json.dumps({"node": members[rank], "rank": rank, "nonce": nonce}))
+    proven: set[int] = set()
+    while True:
+        try:
+            store.check_abort()
+            for r in range(len(members)):
+                if r in proven and r != rank:
+                    continue
+                value = store.verified(f"member/{r}")
+                if value is None:
+                    continue
+                proof = json.loads(value)
+                if not isinstance(proof, dict) or proof.get("node") != members[r] or proof.get("rank") != r:
+                    proof = proof if isinstance(proof, dict) else {}
+                    raise RendezvousError(f"federation group {prefix}: a proof for member index {r} names node "
+                                          f"{proof.get('node')!r} (index {proof.get('rank')!r}), but the ServerApp "
+                                          f"listed node {members[r]!r} there: refused")
+                if r == rank and proof.get("nonce") != nonce:
+                    raise RendezvousError(f"federation group {prefix}: another process holding the round's secret "
+                                          f"took this member's slot (index {rank}, node {members[rank]!r}): refused")
+                proven.add(r)
+        except StoreAborted as exc:
+            raise RendezvousError(f"federation group {prefix}: {exc}") from None
+        except (RuntimeError, ValueError) as exc:  # the store went away, or a proof is not JSON
+            if isinstance(exc, RendezvousError):
+                raise
+            raise RendezvousError(f"federation group {prefix}: rendezvous failed: {first_line(exc)}") from exc
+        if len(proven) == len(members):
+            return
+        if time.monotonic() >= deadline:
+            missing = sorted(set(range(len(members))) - proven)
+            forged = sorted(int(k.rsplit("/", 1)[1]) for k in store.forged if k.startswith("member/"))
+            note = (f"; values not signed with the round's secret were written for member index(es) {forged} and "
+                    f"ignored (a stranger?)" if forged else "")
+            raise RendezvousError(f"federation group {prefix}: member(s) {missing} did not arrive within "
+                                  f"{timeout:.0f} s{note}")
+        time.sleep(0.05)
 
 
 @contextmanager
@@ -142,17 +240,6 @@ def _nccl_errors_raise(backend: str) -> Iterator[None]:
             del os.environ[NCCL_ERROR_HANDLING]
         else:
             os.environ[NCCL_ERROR_HANDLING] = saved
-
-
-def _missing_members(store: dist.Store, size: int) -> list[int]:
-    missing = []
-    for r in range(size):
-        try:
-            if not store.check([f"member/{r}"]):
-                missing.append(r)
-        except Exception:  # noqa: BLE001 - store gone: report all as unknown
-            return list(range(size))
-    return missing
 
 
 def first_line(exc: BaseException) -> str:

@@ -96,10 +96,16 @@ class Deadlines:
     """Seconds a group waits at a sync's rendezvous for the other members (covers their speed differences)."""
     sync_timeout: float = option(120.0, gt=0)
     """Timeout of each cross-group collective, in seconds."""
+    collect_interval: float = option(20.0, gt=0)
+    """Seconds a collect message waits for a round's result before its group answers that the round still runs (the
+    ServerApp then sends another). A SuperNode handles one message at a time, so this bounds how long the news that a
+    member is gone waits before the survivors stop waiting for it at the rendezvous; each interval costs a message."""
     finish_timeout: float = option(60.0, gt=0)
     """Seconds for the finish messages at the end."""
-    group_idle_timeout: float = option(600.0, ge=0)
-    """Groups launched in simulation exit after this many seconds without an instruction (0: never)."""
+    group_idle_timeout: float = option(1800.0, ge=0)
+    """A group with this run set up drops it (freeing its accelerator memory) after this many seconds without an
+    instruction - its ServerApp is gone, e.g. with a restarted SuperLink; groups launched in simulation exit then
+    (0: never). Must exceed round-timeout + hello-timeout, the longest wait between two instructions."""
 
 
 def _train_defaults() -> TrainConfig:
@@ -249,6 +255,10 @@ class FlowerRun:
                           f"smaller trim")
         if d.num_groups and d.min_groups > d.num_groups:
             raise S.error(f"{L('min-groups')} ({d.min_groups}) must not exceed {L('num-groups')} ({d.num_groups})")
+        if d.group_idle_timeout and d.group_idle_timeout <= d.round_timeout + d.hello_timeout:
+            raise S.error(f"{L('group-idle-timeout')} ({d.group_idle_timeout:g} s) must exceed {L('round-timeout')} + "
+                          f"{L('hello-timeout')} ({d.round_timeout + d.hello_timeout:g} s): a group waits that long "
+                          f"between two instructions of a live run (0: never drop the run)")
         for key in ("rendezvous-timeout", "sync-timeout"):
             if getattr(d, key.replace("-", "_")) >= d.round_timeout:
                 raise S.error(f"{L(key)} must be below {L('round-timeout')} ({d.round_timeout:g} s): a round's K "

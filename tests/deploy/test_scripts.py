@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import subprocess
 
@@ -16,7 +18,7 @@ SCRIPTS = sorted(p for p in DEPLOY.rglob("*") if p.suffix in (".sh", ".sbatch", 
 def test_there_are_scripts():
     names = {p.relative_to(DEPLOY).as_posix() for p in SCRIPTS}
     assert {"env.sh", "slurm/superlink.sbatch", "slurm/group.sbatch", "slurm/all-in-one.sbatch",
-            "tls/make-certs.sh", "auth/make-supernode-keys.sh"} <= names
+            "tls/make-certs.sh", "auth/make-supernode-keys.sh", "firewall/make-rules.sh"} <= names
     assert any(n.startswith("slurm/cross-facility/") for n in names)
 
 
@@ -34,7 +36,7 @@ def test_shellcheck():
 
 
 @pytest.mark.parametrize("script", ["tls/make-certs.sh", "auth/make-supernode-keys.sh",
-                                    "slurm/cross-facility/submit-groups.sh"])
+                                    "slurm/cross-facility/submit-groups.sh", "firewall/make-rules.sh"])
 def test_usage(script):
     out = subprocess.run(["bash", str(DEPLOY / script), "--help"], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0 and "deploy/" in out.stdout
@@ -57,3 +59,55 @@ def test_the_gpu_check_says_so_and_exits_cleanly_without_a_gpu():
     out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py")], capture_output=True, text=True,
                          timeout=120, cwd=REPO)
     assert out.returncode == 0 and "no CUDA GPU" in out.stdout, out.stderr
+
+
+def _rules(fmt: str, shards: int, **env: str) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("FLWR_")}
+    return subprocess.run(["bash", str(DEPLOY / "firewall" / "make-rules.sh"), fmt, str(shards)], capture_output=True,
+                          text=True, timeout=30, env={**clean, "FLWR_SHARDED_SITE_ENV": "", **env})
+
+
+def test_firewall_rules_name_every_port_env_sh_defines():
+    """Each `FLWR_*_PORT*` default of env.sh (a port base: S ports from it) is in the rendered rules, so a port
+    added to the deployment cannot be left out of the firewall."""
+    defaults = dict(re.findall(r'^: "\$\{(FLWR_\w*PORT\w*):=(\d+)\}"', (DEPLOY / "env.sh").read_text(), re.M))
+    assert {"FLWR_SUPERLINK_PORT", "FLWR_SUPERNODE_PORT", "FLWR_GROUP_PORT", "FLWR_TORCHRUN_PORT",
+            "FLWR_RENDEZVOUS_PORT_BASE"} <= defaults.keys(), defaults
+    ports = {int(p) + s for name, p in defaults.items() for s in (range(3) if name.endswith("_BASE") else [0])}
+    nft = _rules("nft", 3, FLWR_FEDERATION_NODES="10.0.0.0/24", FLWR_EPHEMERAL_PORTS="40000-50000")
+    assert nft.returncode == 0, nft.stderr
+    named = {int(p) for line in nft.stdout.splitlines() if "dport" in line for p in re.findall(r"\b(\d{2,5})\b", line)}
+    assert ports <= named, ports - named
+    assert "40000-50000" in nft.stdout
+
+
+def test_firewall_rules_restrict_the_unauthenticated_ports_to_the_federation(tmp_path):
+    """The rules name env.sh's ports: the torchrun and S rendezvous ports and the ephemeral range only from the
+    federation's nodes, the SuperLink only from its clients, the local ports never from outside; nft and
+    iptables-restore accept them where installed."""
+    env = dict(FLWR_FEDERATION_NODES="10.0.0.0/24, 10.1.0.7 fd00::/64", FLWR_SUPERLINK_CLIENTS="10.0.0.0/24 10.9.9.9",
+               FLWR_RENDEZVOUS_PORT_BASE="31000", FLWR_TORCHRUN_PORT="31500", FLWR_SUPERLINK_PORT="31093",
+               FLWR_EPHEMERAL_PORTS="40000-50000")
+    nft = _rules("nft", 12, **env)
+    assert nft.returncode == 0, nft.stderr
+    federation = "{ 31500, " + ", ".join(str(31000 + s) for s in range(12)) + ", 40000-50000 }"
+    assert f"tcp dport {federation} ip saddr @federation4 accept" in nft.stdout
+    assert f"tcp dport {federation} counter drop" in nft.stdout
+    assert "elements = { 10.0.0.0/24, 10.1.0.7 }" in nft.stdout and "elements = { fd00::/64 }" in nft.stdout
+    assert "elements = { 10.0.0.0/24, 10.9.9.9 }" in nft.stdout and "tcp dport 31093 counter drop" in nft.stdout
+    ipt = _rules("iptables", 12, **env)
+    assert ipt.returncode == 0, ipt.stderr
+    lines = ipt.stdout.splitlines()
+    assert "-A FLWR_SHARDED -p tcp --dport 31093 -s 10.9.9.9 -j RETURN" in lines
+    assert all(line.count(",") <= 6 for line in lines if "multiport" in line)  # at most 15 ports per rule
+    opened = {p for line in lines if "-s 10.1.0.7 " in line for p in line.split("--dports ")[1].split()[0].split(",")}
+    assert opened == {"31500", *(str(31000 + s) for s in range(12)), "40000:50000"}
+    assert _rules("nft", 2, FLWR_FEDERATION_NODES="").returncode == 2
+    for fmt, check in (("nft", ["nft", "-c", "-f"]), ("iptables", ["iptables-restore", "--test", "--noflush"]),
+                       ("ip6tables", ["ip6tables-restore", "--test", "--noflush"])):
+        if shutil.which(check[0]) is None:
+            continue
+        path = tmp_path / f"rules.{fmt}"
+        path.write_text(_rules(fmt, 12, **env).stdout)
+        out = subprocess.run([*check, str(path)], capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, (fmt, out.stderr)

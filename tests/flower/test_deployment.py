@@ -5,6 +5,7 @@ mid-round, a SuperNode killed mid-round. Everything is started in its own sessio
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -103,8 +104,10 @@ def test_a_run_config_that_does_not_fit_the_groups_fails_before_training(deploym
 
 @pytest.mark.timeout(600)
 def test_a_group_killed_mid_round(deployment):
-    """Group 1 is killed while round 1 trains: group 0 fails its sync within the rendezvous timeout, restores its
-    last synced shards, and the run goes on with it alone. Then group 1 is restarted for the next test."""
+    """Group 1 is killed while round 1 trains: its ClientApp reports the group lost, the ServerApp tells group 0
+    (an abort behind its current collect, collect-interval 3 s), which stops waiting for it at the rendezvous long
+    before its 60 s timeout, restores its last synced shards, and the run goes on with it alone. Then group 1 is
+    restarted for the next test."""
     proc1, address1, key1 = deployment.groups[1]
     pids1 = [proc1.pid, *group_pids(address1, key1)]
     deployment.procs.track(*pids1)
@@ -118,8 +121,8 @@ def test_a_group_killed_mid_round(deployment):
             except ProcessLookupError:
                 pass
 
-    config = {**FAST_RUN_CONFIG, "aggregate-every": 10, "rendezvous-timeout": 6.0, "sync-timeout": 10.0,
-              "round-timeout": 120.0, "finish-timeout": 15.0}
+    config = {**FAST_RUN_CONFIG, "aggregate-every": 10, "rendezvous-timeout": 60.0, "sync-timeout": 10.0,
+              "round-timeout": 120.0, "finish-timeout": 15.0, "collect-interval": 3.0}
     start = time.monotonic()
     code, log, rounds = deployment.run("group-killed", config, during=kill_group_1)
     assert code == 0, log[-5000:]
@@ -130,6 +133,13 @@ def test_a_group_killed_mid_round(deployment):
     errors = " ".join(first["errors"].values())  # the dead group's collect: connection lost, or nobody listens
     assert "lost the connection to the group" in errors or "no group listens" in errors, errors
     assert "restored their last synced shards" in log
+    survivor = first["members"][0]
+    assert "the ServerApp said so" in first["errors"][survivor], first["errors"]  # told, not timed out
+    assert first["sync_s"] < 0.8 * config["rendezvous-timeout"], first  # stopped waiting well before the timeout
+    told = re.search(r"round (\S+): telling node (\d+) that member\(s\) \[1\] are gone", log)
+    assert told and told.group(2) == survivor
+    print(f"\ngroup killed (deployment): the survivor was told and gave up its rendezvous after "
+          f"{first['sync_s']:.1f} s in the sync (rendezvous-timeout 60 s); round 1 took {first['round_s']:.1f} s")
     for record in rounds[1:]:
         assert (record["groups"], record["synced"], record["members"]) == (1, 1, first["members"][:1])
     # bring group 1 back at the same address, for the SuperNode test

@@ -21,6 +21,10 @@ from tests.flower.procs import free_port, group_pids, pid_alive, start_group, st
 from tests.multiproc import run_ranks, torchrun
 
 
+ROUND_SECRET = "0123456789abcdef" * 4
+"""The secret of every round these tests run (the ServerApp makes a fresh one per round)."""
+
+
 def client(address: str, key: Path) -> GroupClient:
     return GroupClient(address, read_authkey(key))
 
@@ -51,7 +55,7 @@ def round_args(offer: dict, prefix: str, i: int, members: int, *, syncs: int | N
                        member_index=i, rendezvous_host=offer["rendezvous_host"],
                        rendezvous_ports=offer["rendezvous_ports"], prefix=prefix,
                        rendezvous_timeout=rendezvous_timeout, sync_timeout=sync_timeout,
-                       overrides=overrides, **flags).to_config()
+                       secret=ROUND_SECRET, overrides=overrides, **flags).to_config()
 
 
 def train(c: GroupClient, config: dict, timeout: float = 180.0) -> dict:
@@ -93,8 +97,18 @@ def test_endpoint_authenticates_and_serves_verbs(procs, data_dir, tmp_path):
     with pytest.raises(GroupUnavailable, match="rejected"):
         client(address, wrong).call(P.STATUS, timeout=10)
     c = client(address, key)
+    from multiprocessing.connection import Client
+
+    from flwr_sharded.flower.endpoint import parse_address
+
+    for payload in (b'{"version": 2, "verb": "status", "args": ' + b"[" * 50000 + b"]" * 50000 + b"}",
+                    b'{"version": 2, "verb": "train", "args": {"lr": NaN}}'):  # rank 0 answers, and survives
+        with Client(parse_address(address), authkey=read_authkey(key)) as conn:
+            conn.send_bytes(payload)
+            assert conn.poll(30) and "bad request" in P.decode(conn.recv_bytes(), allow_nan=True)["error"]
     status = c.call(P.STATUS, timeout=30)
     assert (status["method"], status["replicas"], status["shards"], status["world"]) == ("fl-fsdp", 1, 1, 1)
+    assert os.stat(status["handoff_dir"]).st_mode & 0o777 == 0o700  # fresh and private (mkdtemp)
     with pytest.raises(GroupError, match="send hello first"):
         c.call(P.TRAIN, {"job": "x"}, timeout=30)
     # a run config the group cannot run: refused with both layouts named, nothing built
@@ -246,7 +260,7 @@ def _join_unreachable(rank: int, world: int, port: int) -> float:
     start = time.monotonic()
     with pytest.raises(rendezvous.RendezvousError, match="cannot reach the rendezvous store"):
         rendezvous.join(host="127.0.0.1", port=port, prefix="x", rank=1, size=2, rendezvous_timeout=2.0,
-                        sync_timeout=2.0)
+                        sync_timeout=2.0, secret=ROUND_SECRET, members=["a", "b"])
     return time.monotonic() - start
 
 

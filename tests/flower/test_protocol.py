@@ -96,6 +96,8 @@ BAD_RUN_CONFIGS = [
     ("sync-timeout", {"sync-timeout": 0.0}, ["> 0"]),
     ("sync-timeout", {"sync-timeout": 1000.0}, ["below", "round-timeout"]),
     ("rendezvous-timeout", {"rendezvous-timeout": -5.0}, ["> 0"]),
+    ("group-idle-timeout", {"group-idle-timeout": 600.0}, ["must exceed", "round-timeout", "hello-timeout"]),
+    ("collect-interval", {"collect-interval": 0.0}, ["> 0"]),
     ("min-groups", {"min-groups": 3, "num-groups": 2}, ["num-groups"]),
     ("num-groups", {"num-groups": -1}, [">= 0"]),
     ("proximal-mu", {"proximal-mu": -0.1}, [">= 0"]),
@@ -168,7 +170,8 @@ def test_round_options_are_checked_and_nothing_else_passes():
 
 
 TRAIN = dict(server_round=2, job="run1/round2/7", members=["7", "9"], member_index=1, rendezvous_host="h",
-             rendezvous_ports=[1, 2], prefix="run1/round2", rendezvous_timeout=5.0, sync_timeout=9.0)
+             rendezvous_ports=[1, 2], prefix="run1/round2", rendezvous_timeout=5.0, sync_timeout=9.0,
+             secret="s" * 64)
 
 
 def test_train_arguments_round_trip_and_unknown_keys_are_refused():

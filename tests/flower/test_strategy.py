@@ -46,6 +46,8 @@ class FakeGrid(Grid):
         self.pushed: list[Message] = []
         self._replies: dict[str, tuple[float, Message]] = {}
         self._started: dict[tuple[int, str], Message] = {}
+        self.running: dict[tuple[int, str], tuple[float, RecordDict | Error | None]] = {}
+        """(node, job) -> (when its round ends, its result): rounds a collect asked for that still run."""
 
     def set_run(self, run: Any) -> None:
         pass
@@ -70,9 +72,22 @@ class FakeGrid(Grid):
             if kind == P.MSG_TRAIN:  # the round starts; its result goes to the collect message
                 self._started[(node, config(m)["job"])] = m
                 delay, content = 0.0, reply(job=config(m)["job"])
-            elif kind == P.MSG_COLLECT:
-                train = self._started.pop((node, config(m)["job"]), None)
-                delay, content = self.nodes[node](train) if train is not None else (0.0, reply(False, "no job"))
+            elif kind == P.MSG_COLLECT:  # the round's result if it ends within the collect's wait, else pending
+                key, now = (node, config(m)["job"]), time.monotonic()
+                train = self._started.pop(key, None)
+                if train is not None:
+                    delay, content = self.nodes[node](train)
+                    self.running[key] = (now + delay, content)
+                if key not in self.running:
+                    delay, content = 0.0, reply(False, "no job")
+                else:
+                    ends, content = self.running[key]
+                    wait = float(config(m).get("timeout", math.inf))
+                    if ends <= now + wait:
+                        delay = max(0.0, ends - now)
+                        del self.running[key]
+                    else:
+                        delay, content = wait, reply(pending=1)
             else:
                 delay, content = self.nodes[node](m)
             if content is not None:
@@ -262,6 +277,50 @@ def test_failed_sync_survivors_roll_back_and_membership_reforms(caplog):
     assert all(config(m)["members"] == ["1", "2"] for m in round3)
     assert "restored their last synced shards" in caplog.text
     assert sorted(result.train_metrics_clientapp) == [1, 2, 3]
+
+
+def test_survivors_are_told_at_once_when_a_member_is_gone_and_every_round_has_its_own_secret():
+    """Round 1: node 3's group dies (its collect fails at once) while nodes 1 and 2 wait at the rendezvous, which
+    would take them 20 s. Their collects wait 0.3 s each (collect-interval) and come back pending; the ServerApp
+    tells both at once that member index 2 is gone (an abort naming the round), they give up and reply sync_failed,
+    and the round ends within seconds instead of at the rendezvous timeout."""
+    told: dict[int, float] = {}
+
+    class Grid(FakeGrid):
+        def push_messages(self, messages):
+            for m in messages:  # an abort ends the survivor's wait at the rendezvous: it replies sync_failed now
+                if m.metadata.message_type == P.MSG_ABORT:
+                    node = m.metadata.dst_node_id
+                    told.setdefault(node, time.monotonic())
+                    for key in [k for k in self.running if k[0] == node]:
+                        self.running[key] = (time.monotonic(), train_ok(syncs=0, sync_failed=1, sync_error="gone"))
+            return super().push_messages(messages)
+
+    def waits(m, n):
+        return (20.0, train_ok(syncs=0, sync_failed=1, sync_error="did not arrive")) if n == 1 else (0.0, train_ok())
+
+    def dies(m, n):
+        return (0.0, reply(False, "lost the connection to the group (did the group die?)"))
+
+    grid = Grid({1: group(1, 0, train=waits), 2: group(2, 1, train=waits), 3: group(3, 2, train=dies)})
+    strategy = make(spec(rounds=2), fast(num_groups=3, round_timeout=60.0, rendezvous_timeout=20.0,
+                                         collect_interval=0.3), rejoin=False)
+    start = time.monotonic()
+    strategy.start(grid)
+    assert time.monotonic() - start < 10, "the survivors waited out their rendezvous"
+    aborts = grid.sent(P.MSG_ABORT)
+    assert sorted(m.metadata.dst_node_id for m in aborts) == [1, 2]
+    assert all(config(m)["gone"] == [2] and config(m)["prefix"].endswith("round1") for m in aborts)
+    assert "lost the connection" in config(aborts[0])["reason"]
+    assert max(told.values()) - start < 5
+    round1 = [m for m in grid.sent(P.MSG_COLLECT) if config(m)["job"].endswith(("round1/1", "round1/2"))]
+    assert len(round1) >= 4 and all(config(m)["timeout"] <= 1.0 for m in round1)  # bounded, then sent again
+    rounds = [h for h in strategy.history if h["kind"] == "round"]
+    assert (rounds[0]["rolled_back"], rounds[0]["dropped"]) == (2, 1) and rounds[1]["members"] == ["1", "2"]
+    secrets = [{config(m)["secret"] for m in grid.sent(P.MSG_TRAIN) if config(m)["server-round"] == r}
+               for r in (1, 2)]
+    assert [len(s) for s in secrets] == [1, 1] and secrets[0] != secrets[1]  # one per round, shared by its members
+    assert all(len(next(iter(s))) >= 32 for s in secrets)
 
 
 def test_a_lost_node_does_not_hang_the_round():

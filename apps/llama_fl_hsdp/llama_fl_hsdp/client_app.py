@@ -27,8 +27,15 @@ def train(msg: Message, context: Context) -> Message:
 
 @app.query("collect")
 def collect(msg: Message, context: Context) -> Message:
-    """The result of the round the train message started (it waits for the round to end)."""
+    """The result of the round the train message started (it waits for it up to the message's timeout; then it
+    replies that the round still runs, and the ServerApp sends another)."""
     return clientapp.handle(msg, context, M.COLLECT)
+
+
+@app.query("abort")
+def abort(msg: Message, context: Context) -> Message:
+    """Members of a round are gone (the ServerApp knows): the group stops waiting for them at the rendezvous."""
+    return clientapp.handle(msg, context, M.ABORT)
 
 
 @app.evaluate()

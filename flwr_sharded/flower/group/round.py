@@ -150,7 +150,8 @@ class GroupRound:
         backend = rdv.backend_for_device(self.t.device, self.rt.args.sync_backend)
         group = rdv.join(host=a.rendezvous_host, port=a.rendezvous_ports[s], prefix=f"{a.prefix}/s{s}",
                          rank=a.member_index, size=len(a.members), rendezvous_timeout=a.rendezvous_timeout,
-                         sync_timeout=a.sync_timeout, backend=backend)
+                         sync_timeout=a.sync_timeout, backend=backend, secret=a.secret, members=a.members,
+                         abort=self.rt.abort_check(a.prefix))
         self.groups.append(group)
         self.t.shard_sync.rebind(group.pg, None)
         self.rendezvous_s += time.perf_counter() - start

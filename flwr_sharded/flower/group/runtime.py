@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 import gc
 import hashlib
+import json
 import logging
 import os
 import queue
 import shutil
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -36,6 +36,7 @@ import torch.distributed as dist
 from flwr_sharded.config import ParallelConfig, validate_parallel
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower import endpoint as E
+from flwr_sharded.flower import handoff
 from flwr_sharded.flower import messages as M
 from flwr_sharded.flower import rendezvous as rdv
 from flwr_sharded.flower.group import server_side
@@ -48,6 +49,8 @@ from flwr_sharded.parallel.schedule import Schedule
 logger = logging.getLogger("flwr_sharded.group")
 
 FOREVER_S = 365 * 24 * 3600.0
+ABORT_KEY = "flwr_sharded/abort/"
+"""Key prefix, in the group's own store, of the rounds whose members are gone (`GroupRuntime.abort_round`)."""
 
 
 def _watch_parent() -> None:
@@ -82,9 +85,12 @@ class GroupRuntime:
         self.policy = NodePolicy()  # what the last hello's node config allowed (nothing until a hello)
         self.rollback = None  # the trainer's RollbackPoint
         self.resumed_round = 0
-        self.handoff_dir = self.broadcast(args.handoff_dir or os.path.join(
-            tempfile.gettempdir(), f"flwr_sharded-{os.getuid()}", f"handoff-{os.getpid()}") if self.rank == 0 else None)
+        # the hand-off directory is a fresh private one (mkdtemp) under --handoff-dir, never a path someone made
+        self.handoff_dir = self.broadcast(handoff.fresh_private_dir("flwr_sharded-handoff-", args.handoff_dir or None)
+                                          if self.rank == 0 else None)
         self.key = ""
+        self.run_idle_s = 0.0
+        """The run's group-idle-timeout (from its hello): drop the run after that long without an instruction."""
         self.tokens = 0
         self.syncs = 0
         self.started = time.time()
@@ -108,11 +114,37 @@ class GroupRuntime:
         dist.broadcast_object_list(box, src=0, group=self.ctrl)
         return box[0]
 
+    # ----- a round's members gone (the ServerApp says so) ----------------------------------------------------
+    def abort_round(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Endpoint thread of rank 0: mark round `prefix` aborted in the group's own store (torchrun's, which every
+        rank reaches), so that each rank's rendezvous wait of that round ends at its next look."""
+        prefix, reason = str(args.get("prefix", "")), str(args.get("reason", "") or "gone")
+        gone = [int(i) for i in args.get("gone", [])]
+        if not prefix:
+            raise InstructionError("abort needs the round's prefix")
+        dist.distributed_c10d._get_default_store().set(ABORT_KEY + prefix, json.dumps({"gone": gone,
+                                                                                      "reason": reason[:500]}))
+        logger.warning("the ServerApp says member(s) %s of round %s are gone (%s): its rendezvous stops waiting", gone,
+                       prefix, reason[:200])
+        return {"prefix": prefix, "gone": gone}
+
+    def abort_check(self, prefix: str) -> Callable[[], str]:
+        """For round `prefix`: a function returning '' or why its waits end (see `abort_round`)."""
+        store, key = dist.distributed_c10d._get_default_store(), ABORT_KEY + prefix
+
+        def check() -> str:
+            if not store.check([key]):
+                return ""
+            info = json.loads(store.get(key))
+            return f"member(s) {info['gone']} are gone ({info['reason']}; the ServerApp said so): not waiting for them"
+        return check
+
     # ----- the two loops -------------------------------------------------------------------------------------
     def serve(self) -> int:
         """Rank 0: take instructions from the endpoint until shutdown, idle timeout or watched process exit."""
         authkey = E.read_authkey(self.args.authkey_file)
         endpoint = E.EndpointServer(E.parse_address(self.args.address), authkey)
+        endpoint.on_abort = self.abort_round
         address = E.format_address(*endpoint.address)
         if self.args.address_file:
             tmp = f"{self.args.address_file}.tmp"
@@ -128,11 +160,14 @@ class GroupRuntime:
                 try:
                     request = endpoint.incoming.get(timeout=1.0)
                 except queue.Empty:
+                    last = max(last, endpoint.last_request)  # collects and aborts count as signs of life
                     reason = self._stop_reason(last)
                     if reason:
                         logger.info("shutting down: %s", reason)
                         self.broadcast(M.instruction(M.SHUTDOWN, {"reason": reason}))
                         return 0
+                    if self.trainer is not None and self.run_idle_s and time.monotonic() - last > self.run_idle_s:
+                        self._drop_idle_run(time.monotonic() - last)
                     continue
                 code = self._serve_request(endpoint, request)
                 last = time.monotonic()
@@ -140,8 +175,16 @@ class GroupRuntime:
                     return code
         finally:
             endpoint.close()
-            if not self.args.handoff_dir:  # the default, private one
-                shutil.rmtree(self.handoff_dir, ignore_errors=True)
+            shutil.rmtree(self.handoff_dir, ignore_errors=True)  # made for this group alone
+
+    def _drop_idle_run(self, idle: float) -> None:
+        """No instruction for the run's `group-idle-timeout`: its ServerApp is gone (a SuperLink restart, a killed
+        run). Every rank drops the trainer, freeing its accelerator memory; the group keeps serving (a new run's
+        hello builds it again, from its checkpoint with resume)."""
+        logger.warning("no instruction for %.0f s (group-idle-timeout %.0f s of run %s): its ServerApp is gone; "
+                       "dropping the run to free this group's memory", idle, self.run_idle_s, self.key.split("|")[0])
+        self.broadcast(M.instruction(M.FINISH, {"reason": "idle"}))
+        self._execute(M.FINISH, {"reason": "idle"})
 
     def _stop_reason(self, last: float) -> str:
         idle = self.args.idle_timeout
@@ -250,6 +293,7 @@ class GroupRuntime:
         if self.trainer is None or key != self.key:
             self._build(cfg, partition, key)
             self.run = run
+        self.run_idle_s = max(0.0, float(args.get("idle_timeout", 0.0) or 0.0))
         fingerprints = self.gather(self.trainer.shard_sync.fingerprint())
         out.update(compatible=True, fingerprint=hashlib.sha256("|".join(fingerprints).encode()).hexdigest()[:32],
                    tokens=self.tokens, steps=self.trainer.step_count, resumed_round=self.resumed_round,
@@ -400,8 +444,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="comma-separated store port per shard index (default: free ports)")
     parser.add_argument("--data-dir", default="", help="prepared data directory (overrides the run config's)")
     parser.add_argument("--handoff-dir", default="",
-                        help="where ranks and the ClientApp exchange shard files on the server path; must be shared "
-                             "by the group's nodes (default: a private directory under the system's temp dir)")
+                        help="the server path's ranks and ClientApp exchange shard files in a fresh private directory "
+                             "made under this one (default: the system's temp dir); it must be shared by the group's "
+                             "nodes")
     parser.add_argument("--idle-timeout", type=float, default=600.0,
                         help="exit after this many seconds without an instruction (0: never)")
     parser.add_argument("--watch-pid", type=int, default=0, help="exit when this process is gone")

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower import handoff
 
 
@@ -27,9 +28,11 @@ def check_handoff_dir(rt: Any) -> str:
     error = ""
     if rt.rank == 0:
         try:
-            os.makedirs(rt.handoff_dir, mode=0o700, exist_ok=True)
+            handoff.private_dir(rt.handoff_dir)  # still this group's own (made fresh at start)
             with open(probe, "w") as fh:
                 fh.write("ok")
+        except ConfigError as exc:
+            error = f"hand-off directory (--handoff-dir): {exc}"
         except OSError as exc:
             error = f"cannot write the hand-off directory {rt.handoff_dir}: {exc}"
     error = rt.broadcast(error)

@@ -7,11 +7,12 @@ No arrays cross the server: every message carries a ConfigRecord only. Per run:
    with its layout, model/sharding fingerprint and a rendezvous offer; groups that fail it are left out, with the
    reason in the ServerApp log;
 3. rounds: `configure_train` gives each member (ordered by partition id) the member list, member 0's rendezvous
-   offer, a fresh prefix and the round's overrides; each group runs K periods of A local steps and a shard sync
-   after each. The train message starts the round; a collect message pushed with it returns its result, which
-   `aggregate_train` weighs by tokens. A group that fails, or does not answer before the round deadline, or whose
-   node goes offline, is dropped; the survivors of a failed sync have rolled back to their last synced shards, and
-   the next round re-forms from them; dropped groups are offered to rejoin;
+   offer, a fresh prefix, a fresh secret (members prove it at the rendezvous) and the round's overrides; each group
+   runs K periods of A local steps and a shard sync after each. The train message starts the round; collect
+   messages pushed behind it return its result, which `aggregate_train` weighs by tokens. A group that fails, or
+   does not answer before the round deadline, or whose node goes offline, is dropped, and the other members are told
+   at once (they stop waiting for it at the rendezvous); the survivors of a failed sync have rolled back to their
+   last synced shards, and the next round re-forms from them; dropped groups are offered to rejoin;
 4. finish: every sampled node gets a finish message (simulation: its launched group is shut down); member 0 writes
    the final model into the run directory.
 
@@ -21,6 +22,7 @@ A strategy of one's own subclasses this and overrides `configure_train` (e.g. to
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable, Iterable
 from logging import ERROR, INFO, WARNING
@@ -34,6 +36,7 @@ from flwr.supercore import log
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower import messages as M
 from flwr_sharded.flower.run import FlowerRun, round_overrides
+from flwr_sharded.flower.server import collect
 from flwr_sharded.flower.server import grid as G
 from flwr_sharded.flower.server import records
 from flwr_sharded.flower.server.membership import GroupInfo, GroupMembership
@@ -107,11 +110,12 @@ class DecentralizedFedAvg(GroupMembership, Strategy):
         """The train messages of one set of members that sync among themselves (a round, or a facility)."""
         d = self.deadlines
         out = []
+        secret = secrets.token_hex(32)  # the members' proof at the rendezvous; travels over Flower's TLS channel
         for i, node in enumerate(members):
             args = M.TrainArgs(server_round=server_round, job=f"{prefix}/{node}", members=[str(m) for m in members],
                                member_index=i, rendezvous_host=offer.rendezvous_host,
                                rendezvous_ports=list(offer.rendezvous_ports), prefix=prefix,
-                               rendezvous_timeout=d.rendezvous_timeout, sync_timeout=d.sync_timeout,
+                               rendezvous_timeout=d.rendezvous_timeout, sync_timeout=d.sync_timeout, secret=secret,
                                evaluate=evaluate, checkpoint=checkpoint, export=export_first and i == 0,
                                catch_up=catch_up, overrides=overrides)
             out.append(G.message(node, M.MSG_TRAIN, {**args.to_config(), "timeout": M.START_TIMEOUT_S},
@@ -250,26 +254,12 @@ class DecentralizedFedAvg(GroupMembership, Strategy):
     def train_and_collect(self, grid: Grid, messages: list[Message]) -> list[Message]:
         """Push the train messages and, right behind them, one collect message per member; return each member's
         round result (a failed start stands for its result). Pushed together, the collects queue behind every
-        train, so no ClientApp call waits for a group whose round has not started."""
+        train, so no ClientApp call waits for a group whose round has not started. Each collect waits at most
+        `collect-interval`; when a member is gone, the others of its round are told at once
+        (`flwr_sharded.flower.server.collect`)."""
         d = self.deadlines
-        starts = G.push(grid, messages)
-        collects = [G.message(m.metadata.dst_node_id, M.MSG_COLLECT,
-                              {"job": str(dict(m.content.config_records[M.CONFIG])["job"]),
-                               "server-round": int(dict(m.content.config_records[M.CONFIG])["server-round"]),
-                               "timeout": max(1.0, d.round_timeout - 5.0)}, m.metadata.group_id, d.round_timeout)
-                    for m in messages if m.metadata.dst_node_id in starts.values()]
-        pending = G.push(grid, collects)
-        deadline = time.monotonic() + d.round_timeout
-        failed_starts = {}
-        for reply in G.await_replies(grid, starts, deadline, self.polling):
-            if G.reply_payload(reply)[1]:
-                failed_starts[reply.metadata.src_node_id] = reply
-        pending = {mid: node for mid, node in pending.items() if node not in failed_starts}
-        replies = G.await_replies(grid, pending, deadline, self.polling)
-        if pending:
-            log(WARNING, "no round result from node(s) %s within %.0f s", sorted(set(pending.values())),
-                d.round_timeout)
-        return replies + list(failed_starts.values())
+        return collect.train_and_collect(grid, messages, round_timeout=d.round_timeout,
+                                         collect_interval=d.collect_interval, polling=self.polling)
 
     def evaluate_round(self, grid: Grid, server_round: int, result: Result) -> None:
         """Separate evaluate messages, or the evaluation that came with the round's replies."""
