@@ -152,8 +152,10 @@ def join(*, host: str, port: int, prefix: str, rank: int, size: int, rendezvous_
     except Exception as exc:
         raise RendezvousError(f"federation group {prefix}: backend {backend} rendezvous failed: "
                               f"{first_line(exc)}") from exc
-    # Registered like a sub-group of this process's world, so that get_rank(group) and destroy work.
-    c10d._world.pg_group_ranks[pg] = {dist.get_rank(): rank}
+    # Registered like a sub-group of this process's world, so that get_rank(group) and destroy work; the other
+    # members live in other worlds, so they get global ranks of their own (negative: no rank of this world), which
+    # point-to-point ops (the 8-bit ring) map back to their group ranks.
+    c10d._world.pg_group_ranks[pg] = {dist.get_rank(): rank, **{-1 - j: j for j in range(size) if j != rank}}
     return FederationGroup(pg=pg, rank=rank, size=size, name=name, store=store, backend=backend)
 
 

@@ -231,7 +231,7 @@ def test_a_dead_group_makes_the_sync_fail_and_the_survivors_roll_back(procs, dat
     assert isinstance(out[2], GroupUnavailable), out[2]  # the crashed group's caller sees the connection drop
     out = out[:2]
     for o in out:
-        assert (o["syncs"], o["sync_failed"], o["steps"]) == (1, True, 4)
+        assert (o["syncs"], o["sync_failed"], o["steps"]) == (1, True, 4), o.get("sync_error")
         assert "shard 0:" in o["sync_error"]
     assert out[0]["checksums"] == out[1]["checksums"]  # the sync that succeeded
     wait_until(lambda: all_gone(dead_pids), 60, what="the crashed group's exit")
@@ -366,7 +366,7 @@ def test_a_dead_group_during_an_overlapped_int8_sync_makes_the_survivors_roll_ba
     assert time.monotonic() - start < 60  # the overlapped sync's failure surfaces at its merge, within the timeout
     out = out[:2]
     for o in out:
-        assert (o["syncs"], o["sync_failed"], o["steps"]) == (1, True, 4)
+        assert (o["syncs"], o["sync_failed"], o["steps"]) == (1, True, 4), o.get("sync_error")
         assert "shard 0:" in o["sync_error"]
     assert out[0]["checksums"] == out[1]["checksums"]  # the sync that succeeded
     after_rollback = [c.call(P.STATUS, timeout=30)["checksums"] for c in clients[:2]]

@@ -6,6 +6,7 @@ is started in its own session and killed at the end."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import time
@@ -19,6 +20,11 @@ from tests.flower.test_group import client, spec
 
 RUN = {**FAST_RUN_CONFIG, "num-groups": 1, "shards": 1, "round-timeout": 40.0, "hello-timeout": 40.0,
        "rendezvous-timeout": 3.0, "sync-timeout": 3.0, "finish-timeout": 10.0, "group-idle-timeout": 85.0}
+
+
+# A whole second `flwr run` (about a minute on 2 cores): outside the default suite, which has to fit CI's time.
+pytestmark = pytest.mark.skipif(os.environ.get("FLWR_SHARDED_SLOW_TESTS") != "1",
+                                reason="a second flwr run (~1 min): set FLWR_SHARDED_SLOW_TESTS=1")
 
 
 def _listens(port: int) -> bool:
