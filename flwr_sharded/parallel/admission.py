@@ -27,7 +27,7 @@ from flwr_sharded.parallel.contribution import check_weight
 log = logging.getLogger(__name__)
 
 ADMISSION_BYTES = 16
-"""What a member sends in `admit`'s all-gather: its weight and verdict, two float64."""
+"""What each member contributes to `admit`'s all-gather: its weight and verdict, two float64."""
 VOTE_BYTES = 4
 """What a member sends in `vote`'s all-reduce: one float32."""
 
@@ -79,11 +79,10 @@ def admit(weight: float, ok: bool, max_weight: float | None, fed_group: dist.Pro
     rank 0. Raises `SyncRejected` if none is left."""
     size = dist.get_world_size(fed_group)
     mine = torch.tensor([weight, 1.0 if ok else 0.0], dtype=torch.float64, device=device)  # ADMISSION_BYTES
-    gathered = [torch.zeros(2, dtype=torch.float64, device=device) for _ in range(size)]
-    dist.all_gather(gathered, mine, group=fed_group)
+    gathered = torch.empty(size * 2, dtype=torch.float64, device=device)
+    dist.all_gather_into_tensor(gathered, mine, group=fed_group)
     weights, me, speak = [], dist.get_rank(fed_group), dist.get_rank() == 0
-    for j, pair in enumerate(gathered):
-        w, verdict = (float(x) for x in pair.tolist())
+    for j, (w, verdict) in enumerate(gathered.view(size, 2).tolist()):
         problem = _weight_problem(w, max_weight) or (None if verdict == 1.0 else "its values are not finite")
         if problem is not None:
             if speak or j == me:
