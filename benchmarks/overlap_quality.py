@@ -24,15 +24,19 @@ from flwr_sharded.perf.bench.layouts import SyncVariant
 VARIANTS = {
     "blocking fp32": SyncVariant(),
     "int8 + EF": SyncVariant(dtype="int8", error_feedback=True),
+    "N=2 tau=0": SyncVariant(fragments=2),
     "N=1 tau=1 alpha=0": SyncVariant(delay=1),
     "N=1 tau=3 alpha=0": SyncVariant(delay=3),
-    "N=2 tau=0": SyncVariant(fragments=2),
     "N=2 tau=1 alpha=0": SyncVariant(fragments=2, delay=1),
     "N=2 tau=1 alpha=0.5": SyncVariant(fragments=2, delay=1, alpha=0.5),
     "N=2 tau=3 alpha=0": SyncVariant(fragments=2, delay=3),
     "N=2 tau=3 alpha=0.5": SyncVariant(fragments=2, delay=3, alpha=0.5),
-    "N=4 tau=1 alpha=0": SyncVariant(fragments=4, delay=1),
-    "N=2 tau=1 alpha=0, int8 + EF": SyncVariant(dtype="int8", error_feedback=True, fragments=2, delay=1),
+    "N=1 tau=3 alpha=0 carry": SyncVariant(delay=3, carry=True),
+    "N=2 tau=3 alpha=0 carry": SyncVariant(fragments=2, delay=3, carry=True),
+    "N=2 tau=3 alpha=0.5 carry": SyncVariant(fragments=2, delay=3, alpha=0.5, carry=True),
+    "N=4 tau=1 alpha=0 carry": SyncVariant(fragments=4, delay=1, carry=True),
+    "N=2 tau=3 alpha=0 carry, int8 + EF": SyncVariant(dtype="int8", error_feedback=True, fragments=2, delay=3,
+                                                      carry=True),
 }
 
 
@@ -58,9 +62,9 @@ def main() -> int:
     parser.add_argument("--data-dir", required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--only", default="", help="comma-separated variant names (default all)")
+    parser.add_argument("--only", default="", help="variant names separated by '|' (default all)")
     args = parser.parse_args()
-    names = [n for n in VARIANTS if not args.only or n in args.only.split(",")]
+    names = [n for n in VARIANTS if not args.only or n in args.only.split("|")]
     rows = {}
     for name in names:
         with tempfile.TemporaryDirectory() as tmp:

@@ -72,6 +72,10 @@ class ParallelConfig:
     sync_alpha: float = option(0.0, ge=0, le=1)
     """alpha: when a sync is merged, every shard becomes alpha * local + (1 - alpha) * global (Streaming DiLoCo's
     mixing; 0 adopts the global values, discarding the local steps taken while the sync travelled)."""
+    sync_carry: bool = False
+    """With sync-delay: keep the local steps taken while the sync travelled: the global values a merge mixes in
+    become global + (local - snapshot), so a shard becomes local + (1 - alpha) * (global - snapshot). Costs one more
+    copy of the largest fragment's shards."""
     reset_optimizer_state: bool = False
     """Clear the inner optimizer's state (e.g. Adam moments) after each sync; by default it stays local and kept."""
     sync: bool = option(True, not_flat="a Flower run always syncs; the no-sync limit is a static-engine benchmark")
@@ -348,7 +352,7 @@ def validate_sync(p: ParallelConfig, rule: Any, surface: Surface = CLI) -> None:
 
     L = labeler(surface)
     defaults = ParallelConfig()
-    streaming = [name for name in ("sync-fragments", "sync-delay", "sync-alpha", "sync-error-feedback")
+    streaming = [name for name in ("sync-fragments", "sync-delay", "sync-alpha", "sync-carry", "sync-error-feedback")
                  if getattr(p, name.replace("-", "_")) != getattr(defaults, name.replace("-", "_"))]
     if streaming and not p.federated:
         raise surface.error(f"{', '.join(L(n) for n in streaming)} shape the shard sync of FL methods; "
@@ -365,6 +369,9 @@ def validate_sync(p: ParallelConfig, rule: Any, surface: Surface = CLI) -> None:
         raise surface.error(f"{L('sync-delay')} {p.sync_delay} is not smaller than a fragment's share of the period "
                             f"({L('aggregate-every')} {p.aggregate_every} / {L('sync-fragments')} "
                             f"{p.sync_fragments}: {share} step(s) between two syncs); allowed: 0..{share - 1}")
+    if p.sync_carry and not p.sync_delay:
+        raise surface.error(f"{L('sync-carry')} keeps the local steps taken while an overlapped sync travels; with "
+                            f"{L('sync-delay')} 0 there are none: set {L('sync-delay')} >= 1 or leave it off")
     if p.sync_delay and not rule.linear:
         raise surface.error(f"{L('sync-delay')} {p.sync_delay} reduces a weighted mean in the background, but "
                             f"{L('outer')} {p.outer} needs every member's shards; use a linear rule (fedavg, "

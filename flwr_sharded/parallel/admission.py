@@ -27,7 +27,7 @@ from flwr_sharded.parallel.contribution import check_weight
 log = logging.getLogger(__name__)
 
 ADMISSION_BYTES = 16
-"""What a member sends in `admit`'s all-gather: its weight and verdict, two float64."""
+"""What each member contributes to `admit`'s all-gather: its weight and verdict, two float64."""
 VOTE_BYTES = 4
 """What a member sends in `vote`'s all-reduce: one float32."""
 

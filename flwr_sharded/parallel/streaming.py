@@ -70,9 +70,12 @@ class Snapshot:
 class OverlappedSync:
     """One fragment's sync in flight: a snapshot of its buckets, reduced by a background thread, merged later."""
 
-    def __init__(self, sync: ShardSync, snapshot: Snapshot | None = None) -> None:
+    def __init__(self, sync: ShardSync, snapshot: Snapshot | None = None, origin: Snapshot | None = None) -> None:
         self.sync = sync
         self.snapshot = snapshot or Snapshot()
+        self.origin = origin
+        """Where a carrying sync keeps the shards as they were at its start (`merge` adds the steps since)."""
+        self._origins: list[torch.Tensor] | None = None
         self._sends: list[torch.Tensor] = []
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -103,6 +106,9 @@ class OverlappedSync:
         self._sends = self.snapshot.views([flat for flat, _, _ in views])
         for k, (send, (_, shard_segments, _)) in enumerate(zip(self._sends, views)):
             torch._foreach_copy_(s.segments_of(k, send), shard_segments)
+        if self.origin is not None:
+            self._origins = self.origin.views(self._sends)
+            torch._foreach_copy_(self._origins, self._sends)
         self._error, self._bytes, self._total, self._started = None, 0, 0.0, time.perf_counter()
         if s.fed_group is None:  # nothing to reduce here; merge() receives the result from replica 0
             return
@@ -150,7 +156,9 @@ class OverlappedSync:
             raise RuntimeError("merge() before wait(): the reduction may still be running")
         self._waited = False
         for k, (send, (_, shard_segments, _)) in enumerate(zip(self._sends, s.bucket_views())):
-            s.finish_bucket(k, send, shard_segments, s.segments_of(k, send), apply_rule=apply_rule, alpha=alpha)
+            origin = s.segments_of(k, self._origins[k]) if self._origins is not None else None
+            s.finish_bucket(k, send, shard_segments, s.segments_of(k, send), apply_rule=apply_rule, alpha=alpha,
+                            origin_segments=origin)
         if s.fed_group is not None and s.delta and isinstance(s.rule, FedAvg):
             s.store_global(self._sends)  # the mean, not the alpha-mixed shards
         return SyncStats(seconds=time.perf_counter() - self._started,
@@ -169,13 +177,14 @@ class FragmentedSync:
     rebinding to a round's groups, outer state, broadcasts, the server path's rule step) goes to each in order;
     `sync_fragment`, `start`, `wait` and `merge` act on one. One fragment and no delay is exactly a `ShardSync`."""
 
-    def __init__(self, syncs: list[ShardSync], schedule: Schedule) -> None:
+    def __init__(self, syncs: list[ShardSync], schedule: Schedule, carry: bool = False) -> None:
         if len(syncs) != schedule.fragments:
             raise ValueError(f"{len(syncs)} syncs for a schedule of {schedule.fragments} fragments")
         self.fragments = syncs
         self.schedule = schedule
         snapshot = Snapshot()  # the schedule never has two fragments in flight at once
-        self.flights = [OverlappedSync(s, snapshot) for s in syncs]
+        origin = Snapshot() if carry else None
+        self.flights = [OverlappedSync(s, snapshot, origin) for s in syncs]
 
     # ----- one fragment ---------------------------------------------------------------------------------------
     def sync_fragment(self, i: int, weight: float, *, apply_rule: bool = True, alpha: float = 0.0) -> SyncStats:

@@ -349,15 +349,20 @@ class ShardSync:
         return wire.numel() * wire.element_size()
 
     def finish_bucket(self, k: int, flat: torch.Tensor, shard_segments: list[torch.Tensor],
-                      buffer_segments: list[torch.Tensor], *, apply_rule: bool, alpha: float = 0.0) -> None:
+                      buffer_segments: list[torch.Tensor], *, apply_rule: bool, alpha: float = 0.0,
+                      origin_segments: list[torch.Tensor] | None = None) -> None:
         """Bucket k's groups' mean is in `flat` (replica 0): step the rule on it, broadcast the result to the
         replicas, and write it into the shards, mixed with their current values as alpha * local + (1 - alpha) *
-        global (alpha 0: replaced)."""
+        global (alpha 0: replaced). `origin_segments` (the shards when an overlapped sync started; used as scratch):
+        keep the local steps since, local + (1 - alpha) * (global - origin)."""
         if self.fed_group is not None and apply_rule and not isinstance(self.rule, FedAvg):
             self._apply(k, flat, lambda g, st: self.rule.apply_mean(g, flat, st))
         if self.rep_group is not None:
             dist.broadcast(flat, group=self.rep_group, group_src=0)
-        if alpha == 0.0:
+        if origin_segments is not None:
+            for shard_segment, new, origin in zip(shard_segments, buffer_segments, origin_segments):
+                shard_segment.add_(origin.sub_(new).neg_(), alpha=1.0 - alpha)  # origin := global - origin
+        elif alpha == 0.0:
             torch._foreach_copy_(shard_segments, buffer_segments)
         else:
             for shard_segment, new in zip(shard_segments, buffer_segments):

@@ -35,7 +35,7 @@ def _step(model, fed: int, step: int, scale: float = 0.05) -> None:
 
 
 def _fragmented(topo, model, *, fragments: int, delay: int, wire: str | None, feedback: bool = False,
-                period: int = 4, rule: str = "fedavg"):
+                period: int = 4, rule: str = "fedavg", carry: bool = False):
     from flwr_sharded.parallel.outer import make_rule
     from flwr_sharded.parallel.schedule import Schedule
     from flwr_sharded.parallel.streaming import FragmentedSync, fragment_parameters
@@ -46,19 +46,20 @@ def _fragmented(topo, model, *, fragments: int, delay: int, wire: str | None, fe
     fed = topo.fed_group if topo.replica_index == 0 else None
     syncs = [ShardSync(part, fed_group=fed, rep_group=topo.rep_group, bucket_bytes=4096, rule=make_rule(rule),
                        wire_dtype=getattr(torch, wire) if wire else None, error_feedback=feedback) for part in parts]
-    sync = FragmentedSync(syncs, Schedule(period, fragments, delay))
+    sync = FragmentedSync(syncs, Schedule(period, fragments, delay), carry=carry)
     if topo.replica_index == 0:
         sync.capture_global()
     return sync
 
 
-def _overlap_matches_central(rank: int, world: int, wire: str | None, alpha: float) -> list[float]:
+def _overlap_matches_central(rank: int, world: int, wire: str | None, alpha: float, carry: bool) -> list[float]:
     """Two periods of a 2-fragment schedule with tau = 1: each merge must equal alpha * local + (1 - alpha) * the
-    weighted mean of the groups' snapshots taken tau steps earlier (fp64, computed from every rank's copies)."""
+    weighted mean of the groups' snapshots taken tau steps earlier (fp64, computed from every rank's copies); with
+    `carry`, local + (1 - alpha) * (that mean - this rank's snapshot)."""
     from flwr_sharded.parallel.sync import local_shard
 
     topo, model = _sharded_tiny_model("fl-fsdp", 2, 1, 2)
-    sync = _fragmented(topo, model, fragments=2, delay=1, wire=wire)
+    sync = _fragmented(topo, model, fragments=2, delay=1, wire=wire, carry=carry)
     weight = WEIGHTS[topo.fed_index]
     snapshots: dict[int, list[torch.Tensor]] = {}
     errors = []
@@ -69,9 +70,10 @@ def _overlap_matches_central(rank: int, world: int, wire: str | None, alpha: flo
             local = [local_shard(p).double().clone() for p in sync.params(i)]
             sync.wait(i, timeout=60)
             sync.merge(i, alpha=alpha)
-            mean, sources = central_mean(topo, snapshots.pop(i), WEIGHTS)
-            for got, loc, ref in zip(sync.params(i), local, mean):
-                expected = alpha * loc + (1 - alpha) * ref
+            mine = snapshots.pop(i)
+            mean, sources = central_mean(topo, mine, WEIGHTS)
+            for got, loc, ref, snap in zip(sync.params(i), local, mean, mine):
+                expected = loc + (1 - alpha) * (ref - snap.double()) if carry else alpha * loc + (1 - alpha) * ref
                 errors.append(float((local_shard(got).double() - expected).abs().max()))
         for i in sync.schedule.starts(period_step):
             snapshots[i] = [local_shard(p).detach().clone() for p in sync.params(i)]
@@ -80,10 +82,10 @@ def _overlap_matches_central(rank: int, world: int, wire: str | None, alpha: flo
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("wire,alpha,tolerance", [(None, 0.5, 1e-6), ("int8", 0.25, 2e-3)],
-                         ids=["fp32-alpha0.5", "int8-alpha0.25"])
-def test_overlapped_sync_equals_the_delayed_alpha_mixed_central_update(wire, alpha, tolerance):
-    errors = [e for rank_errors in run_ranks(_overlap_matches_central, 4, wire, alpha, timeout=240)
+@pytest.mark.parametrize("wire,alpha,carry,tolerance", [(None, 0.5, False, 1e-6), ("int8", 0.25, True, 2e-3)],
+                         ids=["fp32-alpha0.5", "int8-alpha0.25-carry"])
+def test_overlapped_sync_equals_the_delayed_alpha_mixed_central_update(wire, alpha, carry, tolerance):
+    errors = [e for rank_errors in run_ranks(_overlap_matches_central, 4, wire, alpha, carry, timeout=240)
               for e in rank_errors]
     assert errors and max(errors) <= tolerance, max(errors)
 
@@ -162,6 +164,7 @@ def test_one_fragment_without_delay_is_the_blocking_sync(data_dir):
     ({"sync_delay": 1, "outer": "trimmed-mean"}, r"--sync-delay 1 .* linear rule"),
     ({"sync_error_feedback": True}, r"--sync-error-feedback .* int8 or float8_e4m3fn"),
     ({"sync_delay": 1, "method": "fsdp", "federations": 1}, r"--sync-delay .* fl-fsdp or fl-hsdp"),
+    ({"sync_carry": True}, r"--sync-carry .* --sync-delay 0 there are none"),
 ])
 def test_bad_sync_options_are_refused_naming_the_option(options, message):
     from flwr_sharded.config import TrainConfig, validate

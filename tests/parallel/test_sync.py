@@ -110,7 +110,7 @@ def test_fl_hsdp_replica0_syncs_then_broadcasts():
         assert res["max_err"] < 1e-6
         if r == 0:
             # replica 0 sends its whole shard across groups (+ its weight and verdict, and its vote)
-            assert res["cross_group_bytes"] == res["shard_bytes"] + ADMISSION_BYTES + VOTE_BYTES
+            assert res["cross_group_bytes"] == res["shard_bytes"] + F * ADMISSION_BYTES + VOTE_BYTES
             assert res["broadcasts"] >= 1
         else:
             assert res["cross_group_bytes"] == 0, "a replica other than 0 sent cross-group traffic"

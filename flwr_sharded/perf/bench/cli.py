@@ -102,8 +102,11 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="sync fragments N of the overlapped runs (train --sync-fragments; default 2)")
     p.add_argument("--overlap-delay", type=int, default=3,
                    help="steps tau each fragment's sync overlaps in the overlapped runs (train --sync-delay; 3)")
-    p.add_argument("--overlap-alpha", type=float, default=0.5,
-                   help="share of the local values kept at a merge in the overlapped runs (train --sync-alpha; 0.5)")
+    p.add_argument("--overlap-alpha", type=float, default=0.0,
+                   help="share of the local values kept at a merge in the overlapped runs (train --sync-alpha; 0)")
+    p.add_argument("--overlap-carry", action=argparse.BooleanOptionalAction, default=True,
+                   help="the overlapped runs keep the local steps taken while their syncs travel (train "
+                        "--sync-carry; default on)")
     p.add_argument("--sweep", type=_int_list, default=[1, 2, 4, 8, 16, 32], dest="sweep_values", metavar="LIST",
                    help="values of A for the FL+FSDP sweep (default 1,2,4,8,16,32)")
     p.add_argument("--no-sweep", action="store_true", help="skip the sweep of A")
@@ -188,8 +191,8 @@ def _validate(args: argparse.Namespace) -> None:
 
     if any("overlap" in key for key in args.method_list):
         cfg = TrainConfig().parallel
-        cfg.aggregate_every, cfg.sync_fragments, cfg.sync_delay, cfg.sync_alpha = (
-            args.aggregate_every, args.overlap_fragments, args.overlap_delay, args.overlap_alpha)
+        cfg.aggregate_every, cfg.sync_fragments, cfg.sync_delay, cfg.sync_alpha, cfg.sync_carry = (
+            args.aggregate_every, args.overlap_fragments, args.overlap_delay, args.overlap_alpha, args.overlap_carry)
         try:
             validate_sync(cfg, FedAvg())
         except ConfigError as exc:

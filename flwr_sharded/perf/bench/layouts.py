@@ -43,16 +43,18 @@ class SyncVariant:
     fragments: int = 1
     delay: int = 0
     alpha: float = 0.0
+    carry: bool = False
     error_feedback: bool = False
 
     def train_args(self) -> list[str]:
         return ["--sync-dtype", self.dtype, "--sync-fragments", str(self.fragments), "--sync-delay", str(self.delay),
-                "--sync-alpha", str(self.alpha), *(["--sync-error-feedback"] if self.error_feedback else [])]
+                "--sync-alpha", str(self.alpha), *(["--sync-carry"] if self.carry else []),
+                *(["--sync-error-feedback"] if self.error_feedback else [])]
 
     def text(self) -> str:
         parts = [self.dtype + (" + error feedback" if self.error_feedback else "")]
         if self.fragments > 1 or self.delay:
-            parts.append(f"N={self.fragments} tau={self.delay} alpha={self.alpha:g}")
+            parts.append(f"N={self.fragments} tau={self.delay} alpha={self.alpha:g}" + (" carry" if self.carry else ""))
         return ", ".join(parts)
 
 
@@ -63,8 +65,8 @@ both."""
 
 def sync_variant(key: str, opts) -> SyncVariant:
     """The sync of run `key` under the benchmark's options (`--sync-dtype`, `--overlap-*`)."""
-    overlap = dict(fragments=opts.overlap_fragments, delay=opts.overlap_delay, alpha=opts.overlap_alpha) \
-        if "overlap" in key else {}
+    overlap = dict(fragments=opts.overlap_fragments, delay=opts.overlap_delay, alpha=opts.overlap_alpha,
+                   carry=opts.overlap_carry) if "overlap" in key else {}
     wire = dict(dtype="int8", error_feedback=True) if key.endswith("int8") else dict(dtype=opts.sync_dtype)
     return SyncVariant(**wire, **overlap)
 
