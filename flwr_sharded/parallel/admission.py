@@ -37,8 +37,10 @@ class SyncRejected(RuntimeError):
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:
-    """Whether every element of `tensors` is finite (no NaN or infinity)."""
-    return all(bool(torch.isfinite(t).all()) for t in tensors if t.numel())
+    """Whether every element of `tensors` is finite (no NaN or infinity), through their sums: one read of the
+    values and no temporary the size of a tensor (a sum that overflows counts as not finite, as it would in a mean)."""
+    sums = [t.sum(dtype=torch.float32) for t in tensors if t.numel()]
+    return not sums or bool(torch.isfinite(torch.stack(sums).sum()))
 
 
 def _weight_problem(weight: float, max_weight: float | None) -> str | None:
