@@ -82,7 +82,7 @@ def admit(weight: float, ok: bool, max_weight: float | None, fed_group: dist.Pro
     size = dist.get_world_size(fed_group)
     mine = torch.tensor([weight, 1.0 if ok else 0.0], dtype=torch.float64, device=device)  # ADMISSION_BYTES
     gathered = torch.empty(size * 2, dtype=torch.float64, device=device)
-    dist.all_gather_into_tensor(gathered, mine, group=fed_group)
+    dist.all_gather_single(gathered, mine, group=fed_group)
     weights, me, speak = [], dist.get_rank(fed_group), dist.get_rank() == 0
     for j, (w, verdict) in enumerate(gathered.view(size, 2).tolist()):
         problem = _weight_problem(w, max_weight) or (None if verdict == 1.0 else "its values are not finite")

@@ -277,7 +277,9 @@ class ShardSync:
         `weight` is this federation group's weight (e.g. tokens it processed since the last sync); every rank of
         the group passes the same value. Weights are normalised by their sum over the participating groups.
         `apply_rule=False` (a linear rule only) stops at the weighted mean: the lower level of a hierarchical
-        federation, whose top level (`step_rule`) runs the outer optimizer.
+        federation, whose top level (`step_rule`) runs the outer optimizer. Members that are not finite or whose
+        weight exceeds `max_weight` are left out (`flwr_sharded.parallel.admission`); raises `SyncRejected` on every
+        member if none is left or the result is not finite on some member (the shards are then to be rolled back).
         """
         if not apply_rule and not self.rule.linear:
             raise ValueError(f"{type(self.rule).__name__} is not linear: it has no plain-mean level to stop at")

@@ -168,7 +168,7 @@ def test_quick_bench_end_to_end(data_dir, tmp_path):
     runs = res["scenarios"]["main"]["runs"]
     assert set(runs) == {"fsdp", "hsdp", "fl-fsdp", "no-sync", "fl-fsdp-overlap-int8"}
     overlapped = runs.pop("fl-fsdp-overlap-int8")  # an int8 sync overlapped with one step: a quarter on the uplink
-    assert overlapped["sync_variant"] == {"dtype": "int8", "fragments": 1, "delay": 1, "alpha": 0.5,
+    assert overlapped["sync_variant"] == {"dtype": "int8", "fragments": 1, "delay": 1, "alpha": 0.0, "carry": True,
                                           "error_feedback": True}
     assert overlapped["traffic_max_error"] <= 0.05, overlapped["traffic"]["error"]
     from flwr_sharded.perf.bench.report import cross_group_bytes_per_sync

@@ -58,13 +58,16 @@ def train_and_collect(grid: Grid, messages: list[Message], *, round_timeout: flo
     _collect(grid, [m for m in members.values() if not m.gone], waiting, deadline, collect_interval)
     told: set[tuple[int, int]] = set()  # (node told, gone node)
     next_check = time.monotonic() + polling.node_check
-    while any(m.result is None and not m.gone for m in members.values()):
+    def running() -> bool:
+        return any(m.result is None and not m.gone for m in members.values())
+
+    while running():
         for reply in grid.pull_messages(list(waiting)):
             node, kind = waiting.pop(reply.metadata.reply_to_message_id, (None, ""))
             if node is not None:
                 _take(grid, members[node], kind, reply, waiting, deadline, collect_interval)
         now = time.monotonic()
-        if now >= deadline:
+        if now >= deadline or not running():  # the last result: no poll interval more
             break
         if now >= next_check:
             next_check = now + polling.node_check

@@ -275,8 +275,8 @@ def render(results: dict[str, Any]) -> str:
             for key in variants:
                 r, v = runs[key], runs[key]["sync_variant"]
                 text = v["dtype"] + (" + EF" if v["error_feedback"] else "") + (
-                    f", N={v['fragments']} tau={v['delay']} alpha={v['alpha']:g}" if v["delay"] or v["fragments"] > 1
-                    else ", blocking")
+                    f", N={v['fragments']} tau={v['delay']} alpha={v['alpha']:g}" + (" carry" if v.get("carry") else "")
+                    if v["delay"] or v["fragments"] > 1 else ", blocking")
                 cross = cross_group_bytes_per_sync(r)
                 w(f"| {_label(key, r)} | {text} | {r['step_s']:.3f} | {r['step_s_mean']:.3f} | "
                   f"{_fmt(r['step_s_mean'] / ref - 1 if ref else None, '+.1%')} | {_ratio(base, r['step_s'])} | "
