@@ -23,7 +23,7 @@ from flwr_sharded.perf.bench.layouts import (VARIANT_RUNS, Layout, SyncVariant, 
 from flwr_sharded.perf.bench.plots import plot
 from flwr_sharded.perf.bench.report import _json_default, agreement, checks, render
 from flwr_sharded.perf.costmodel import Units
-from flwr_sharded.perf.netemu.fabric import Fabric
+from flwr_sharded.perf.netemu.fabric import Fabric, RankFailure
 from flwr_sharded.perf.netemu.isolation import enter_private_run
 from flwr_sharded.perf.netemu.topology import _mem_available, load_topology, topology_dict
 from flwr_sharded.perf.placement import Placement
@@ -104,14 +104,23 @@ def run_training(fab: Fabric, layout: Layout, opts: argparse.Namespace, *, A: in
             "--measure-traffic", str(traffic_dir), "--timeout", str(opts.collective_timeout)]
     if not sync:
         argv.append("--no-sync")
-    start, load_before = time.perf_counter(), os.getloadavg()[0]
-    fab.run_ranks(argv, world=layout.world, timeout=opts.run_timeout, log_dir=run_dir / "logs")
+    for attempt in (1, 2):
+        start, load_before = time.perf_counter(), os.getloadavg()[0]
+        try:
+            fab.run_ranks(argv, world=layout.world, timeout=opts.run_timeout, log_dir=run_dir / "logs")
+            break
+        except RankFailure as exc:  # a native abort (a signal) is run again once, and said; anything else stops
+            if attempt == 2 or exc.code is None or exc.code >= 0:
+                raise
+            _say(f"   {label}: {str(exc).splitlines()[0]}; running it again once")
+            shutil.rmtree(outputs, ignore_errors=True)
+            shutil.rmtree(traffic_dir, ignore_errors=True)
     wall = time.perf_counter() - start
     summary = summarize_metrics(metrics)
     out = {"label": label, "method": layout.method, "layout": layout.text(), "F": layout.F, "R": layout.R,
            "S": layout.S, "A": A if layout.method.startswith("fl-") else 1, "sync": sync, "steps": steps,
            "sync_variant": dataclasses.asdict(variant) if layout.method.startswith("fl-") else None,
-           "wall_s": wall, "load_avg": [load_before, os.getloadavg()[0]], **summary,
+           "wall_s": wall, "attempts": attempt, "load_avg": [load_before, os.getloadavg()[0]], **summary,
            **step_stats([summary["windows"]]), "repeats": 1}
     if units is not None:
         placement = Placement(F=layout.F, R=layout.R, S=layout.S, gpus_per_node=topo.ranks_per_node,

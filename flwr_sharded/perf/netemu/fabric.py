@@ -43,6 +43,11 @@ class RankResult:
 class RankFailure(RuntimeError):
     """A rank of an emulated run failed or the run timed out; every rank was killed."""
 
+    def __init__(self, message: str, code: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        """The failed rank's exit code (negative: killed by that signal); None for a timeout."""
+
 
 @dataclass
 class Fabric:
@@ -225,7 +230,7 @@ class Fabric:
                 self.kill_all()
                 rank, code = failed
                 raise RankFailure(f"rank {rank} (node {t.node_of(rank)}) exited with code {code}; all ranks killed"
-                                  + _tail(log_dir / f"rank{rank}.err"))
+                                  + _tail(log_dir / f"rank{rank}.err"), code=code)
             results = []
             for rank, proc, out, err in procs:
                 out.close()
