@@ -43,17 +43,9 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
     return not sums or bool(torch.isfinite(torch.stack(sums).sum()))
 
 
-def _weight_problem(weight: float, max_weight: float | None) -> str | None:
-    problem = check_weight(weight)
-    if problem is None and max_weight is not None and weight > max_weight:
-        problem = (f"weight {weight:.6g} is out of bounds: the round's steps, batch, sequence length and ranks give "
-                   f"at most {max_weight:.6g} tokens")
-    return problem
-
-
 def healthy(tensors: list[torch.Tensor], weight: float, max_weight: float | None) -> bool:
     """This member's verdict on itself: `weight` in bounds and `tensors` (what it would send) finite."""
-    return _weight_problem(weight, max_weight) is None and all_finite(tensors)
+    return check_weight(weight, at_most=max_weight) is None and all_finite(tensors)
 
 
 @dataclass(frozen=True)
@@ -85,7 +77,7 @@ def admit(weight: float, ok: bool, max_weight: float | None, fed_group: dist.Pro
     dist.all_gather_single(gathered, mine, group=fed_group)
     weights, me, speak = [], dist.get_rank(fed_group), dist.get_rank() == 0
     for j, (w, verdict) in enumerate(gathered.view(size, 2).tolist()):
-        problem = _weight_problem(w, max_weight) or (None if verdict == 1.0 else "its values are not finite")
+        problem = check_weight(w, at_most=max_weight) or (None if verdict == 1.0 else "its values are not finite")
         if problem is not None:
             if speak or j == me:
                 log.warning("flwr_sharded: sync: member %d of the federation group is left out of this sync: %s",

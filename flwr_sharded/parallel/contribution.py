@@ -44,12 +44,16 @@ def expected_weight_of(train: Any, *, steps: int, worlds: Iterable[int]) -> floa
                            seq_len=train.data.seq_len, worlds=worlds)
 
 
-def check_weight(weight: Any, expected: float | None = None, rtol: float = WEIGHT_RTOL) -> str | None:
-    """None if `weight` is a finite number > 0 and (given `expected`) equals it within `rtol`; else why not, as a
-    sentence for a log line (the caller names the contributor)."""
+def check_weight(weight: Any, expected: float | None = None, rtol: float = WEIGHT_RTOL, *,
+                 at_most: float | None = None) -> str | None:
+    """None if `weight` is a finite number > 0, (given `expected`) equals it within `rtol` and (given `at_most`) is
+    not above that bound; else why not, as a sentence for a log line (the caller names the contributor)."""
     number = isinstance(weight, (int, float)) and not isinstance(weight, bool)
     if not (number and math.isfinite(weight) and weight > 0):
         return f"weight must be a finite number > 0, got {weight!r}"
+    if at_most is not None and weight > at_most:
+        return (f"weight {float(weight):.6g} is out of bounds: the round's steps, batch, sequence length and ranks "
+                f"give at most {at_most:.6g} tokens")
     if expected is None:
         return None
     if not (math.isfinite(expected) and expected > 0):

@@ -363,7 +363,7 @@ class ShardSync:
             dist.broadcast(flat, group=self.rep_group, group_src=0)
         if origin_segments is not None:
             for shard_segment, new, origin in zip(shard_segments, buffer_segments, origin_segments):
-                shard_segment.add_(origin.sub_(new).neg_(), alpha=1.0 - alpha)  # origin := global - origin
+                shard_segment.add_(torch.sub(new, origin, out=origin), alpha=1.0 - alpha)  # origin := global - origin
         elif alpha == 0.0:
             torch._foreach_copy_(shard_segments, buffer_segments)
         else:
