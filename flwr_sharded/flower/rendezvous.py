@@ -50,7 +50,12 @@ NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 
 
 class RendezvousError(RuntimeError):
-    """The federation process group could not be formed in time (a peer is missing, late or unreachable)."""
+    """The federation process group could not be formed in time (a peer is missing, late or unreachable);
+    `missing`: the member indices that did not arrive, where known."""
+
+    def __init__(self, message: str, missing: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.missing = list(missing or [])
 
 
 def serve_stores(host: str, count: int, ports: list[int] | None = None) -> list[dist.TCPStore]:
@@ -220,7 +225,7 @@ def _arrive(store: SignedStore, prefix: str, rank: int, members: list[str], dead
             note = (f"; values not signed with the round's secret were written for member index(es) {forged} and "
                     f"ignored (a stranger?)" if forged else "")
             raise RendezvousError(f"federation group {prefix}: member(s) {missing} did not arrive within "
-                                  f"{timeout:.0f} s{note}")
+                                  f"{timeout:.0f} s{note}", missing)
         time.sleep(0.05)
 
 

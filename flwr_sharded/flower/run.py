@@ -65,6 +65,14 @@ class FederationConfig:
     """Server path: a facility whose largest |value| in a chunk is above this many times max(1, the median of the
     facilities' largest |values| there) is left out of the round; 0: off (values whose weighted sum would overflow
     are refused anyway)."""
+    max_strikes: int = option(3, ge=0)
+    """Decentralised path: a group held at fault in this many consecutive rounds sits out `bench-rounds` rounds, then
+    may rejoin with a catch-up (each later bench lasts twice as long); 0: never. At fault: dropped (no reply in time,
+    an error, its node offline), or named by more than half of the round's other members as absent at the rendezvous
+    (a straggler), as failing its part of a sync, or as left out of one (non-finite values, a weight out of bounds).
+    Never below min-groups members."""
+    bench_rounds: int = option(4, ge=1)
+    """Decentralised path: rounds a group left out by `max-strikes` sits out the first time."""
     checkpoint_rounds: int = option(1, ge=1)
     """With checkpoint-dir: each group checkpoints after every N-th round (and after the last one)."""
     evaluate_in_train: bool = True

@@ -12,6 +12,11 @@ After the reduction, the members vote (MIN over the federation group): the resul
 every member, so one member that sends NaN or a huge value in spite of its vote (a broken or hostile peer: inside an
 all-reduce nobody sees another's values) makes every member roll back instead of adopting it. The server path, which
 sees each facility's values, excludes that facility instead (`flwr_sharded.flower.server.aggregation`).
+
+A Flower round adds a commit vote after each sync (`commit_vote`, the second phase of a two-phase commit): every
+member has finished its part, replicas included, and says whether it succeeded; the sync is adopted only if all did,
+so a member that fails after the others finished makes all of them roll back, at once, instead of leaving them
+diverged.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ ADMISSION_BYTES = 16
 """What each member contributes to `admit`'s all-gather: its weight and verdict, two float64."""
 VOTE_BYTES = 4
 """What a member sends in `vote`'s all-reduce: one float32."""
+COMMIT_BYTES = 4
+"""What a member contributes to `commit_vote`'s all-gather: one float32."""
 
 
 class SyncRejected(RuntimeError):
@@ -64,6 +71,11 @@ class Admission:
     def mine(self) -> float:
         """This member's admitted weight (0: it sends zeros)."""
         return self.weights[self.me]
+
+    @property
+    def left_out(self) -> list[int]:
+        """The members (indices in the federation group) left out of this sync."""
+        return [j for j, w in enumerate(self.weights) if w == 0]
 
 
 def admit(weight: float, ok: bool, max_weight: float | None, fed_group: dist.ProcessGroup,
@@ -101,4 +113,16 @@ def vote(result_finite: bool, fed_group: dist.ProcessGroup | None, device: torch
                            "that overflow): it is not adopted")
 
 
-__all__ = ["ADMISSION_BYTES", "VOTE_BYTES", "Admission", "SyncRejected", "admit", "all_finite", "healthy", "vote"]
+def commit_vote(succeeded: bool, fed_group: dist.ProcessGroup, device: torch.device) -> list[int]:
+    """Phase two of a sync: every member says whether its part succeeded (one all-gather over `fed_group`); returns
+    the members (indices in the group) that did not, the same list everywhere: the sync is adopted only if it is
+    empty. A member that cannot reach the others raises here (the group's timeout bounds the wait)."""
+    size = dist.get_world_size(fed_group)
+    mine = torch.tensor([1.0 if succeeded else 0.0], dtype=torch.float32, device=device)  # COMMIT_BYTES
+    gathered = torch.empty(size, dtype=torch.float32, device=device)
+    dist.all_gather_single(gathered, mine, group=fed_group)
+    return [j for j, flag in enumerate(gathered.tolist()) if flag != 1.0]
+
+
+__all__ = ["ADMISSION_BYTES", "COMMIT_BYTES", "VOTE_BYTES", "Admission", "SyncRejected", "admit", "all_finite",
+           "commit_vote", "healthy", "vote"]

@@ -128,6 +128,10 @@ class ShardSync:
         self._rule_state: list[dict[str, torch.Tensor]] | None = None
         self.max_weight: float | None = None
         """The largest weight a member may bring to a sync (`flwr_sharded.parallel.admission`); None: unchecked."""
+        self.left_out: list[int] = []
+        """The members (indices in the federation group) the last sync's admission left out."""
+        self.member = 0
+        """This rank's index in the federation group, as of the last sync."""
 
     # ----- planning -------------------------------------------------------------------------------------------
     def _plan_buckets(self, bucket_bytes: int) -> list[tuple[torch.dtype, list[_Segment]]]:
@@ -320,8 +324,11 @@ class ShardSync:
 
     # ----- the steps of a sync, bucket by bucket (shared with the overlapped sync, `parallel/streaming.py`) -----
     def admit(self, weight: float, ok: bool) -> Admission:
-        """The members' admitted weights (`flwr_sharded.parallel.admission.admit`; one all-gather)."""
-        return admit(weight, ok, self.max_weight, self.fed_group, local_shard(self.params[0]).device)
+        """The members' admitted weights (`flwr_sharded.parallel.admission.admit`; one all-gather); the members
+        left out are kept in `left_out`."""
+        admission = admit(weight, ok, self.max_weight, self.fed_group, local_shard(self.params[0]).device)
+        self.left_out, self.member = admission.left_out, admission.me
+        return admission
 
     def reduce_bucket(self, k: int, flat: torch.Tensor, scale: float) -> int:
         """`flat` holds this rank's values of bucket k; on return it holds the groups' weighted mean (a linear rule's

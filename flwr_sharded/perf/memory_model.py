@@ -86,7 +86,7 @@ class StepOptions:
     proximal: bool = False
     """FedProx anchor (`proximal-mu` > 0)."""
     rollback: bool = False
-    """A Flower group: its rollback copy of the shards (host memory)."""
+    """A Flower group: its rollback copy of the shards, their optimizer state and the outer state (host memory)."""
     device: str = "cuda"
     """cuda (foreach optimizer kernels) or cpu (one parameter at a time)."""
 
@@ -143,7 +143,8 @@ class MemoryBreakdown:
     logits: float
     """batch x seq x vocab in fp32 at the loss (3 copies)."""
     host: float
-    """Host memory, not on the GPU: a Flower group's rollback copy of the shards (and outer state)."""
+    """Host memory, not on the GPU: a Flower group's rollback copy of the shards, their optimizer state (and outer
+    state)."""
     phases: dict[str, float] = field(default_factory=dict)
     """Bytes at each moment of a step that can be the peak."""
 
@@ -243,7 +244,7 @@ def trainer_memory(shape: ModelShape, *, S: int, tokens: int, R: int = 1, F: int
             SYNC_RULE_TEMP_BUCKETS.get(o.outer, 0)
         sync_temp = temps * bucket
     if o.rollback:
-        host = MASTER_BYTES * shard + outer_state
+        host = MASTER_BYTES * shard + optimizer + outer_state
     anchor = MASTER_BYTES * shard if o.proximal else 0.0
     accumulated = ACCUM_BYTES * P if o.grad_accum > 1 else 0.0
 

@@ -338,7 +338,7 @@ class Checkpointer:
         """Restore model and optimizer shards in place; return (meta, this rank's own state)."""
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(checkpoint), process_group=self.group_pg)
+        dcp.load(state, storage_reader=durable.SafeReader(str(checkpoint)), process_group=self.group_pg)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         rank_state = durable.load_tensors(checkpoint / f"rank-{self.group_rank}.pt")
         return read_meta(checkpoint), rank_state
@@ -398,7 +398,7 @@ def export_pretrained(checkpoint: str | Path, out: str | Path, *, dtype: torch.d
     cfg = config_from_dict(meta["config"])
     model = build_meta_model(model_config(cfg.model.name, vocab_size=meta["vocab_size"],
                                           max_seq_len=cfg.data.seq_len))  # names and shapes only
-    stored = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    stored = durable.SafeReader(str(checkpoint)).read_metadata().state_dict_metadata
     tensors = [name for name, _ in writer.saved_tensors(model)]
     missing = [name for name in tensors if f"model.{name}" not in stored]
     if missing:
@@ -412,7 +412,7 @@ def export_pretrained(checkpoint: str | Path, out: str | Path, *, dtype: torch.d
         tensor = torch.empty(tuple(info.size), dtype=info.properties.dtype)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # single-process by design
-            dcp.load({"model": {name: tensor}}, checkpoint_id=str(checkpoint), no_dist=True)
+            dcp.load({"model": {name: tensor}}, storage_reader=durable.SafeReader(str(checkpoint)), no_dist=True)
         writer.write_rows(out, layout, name, 0, tensor)
         del tensor
     writer.commit(out, layout)

@@ -8,12 +8,16 @@ load fails (DCP keeps no checksums), which resume also treats as "not usable".
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import pickle
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 META = "meta.json"
 
@@ -58,6 +62,41 @@ def save_tensors(obj: Any, path: str | Path) -> None:
 def load_tensors(path: str | Path) -> Any:
     """Read a file written by `save_tensors`; nothing is unpickled beyond tensors and plain containers."""
     return torch.load(path, weights_only=True, map_location="cpu")
+
+
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("pathlib", "PosixPath"),
+                     ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")}
+"""Beyond the classes of `_METADATA_MODULE` and torch's dtypes, what a DCP `.metadata` file names (torch 2.x)."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's metadata classes and nothing else: a crafted `.metadata` file cannot run code."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = getattr(importlib.import_module(module), name, None) if module in {
+            _METADATA_MODULE, "torch", *(m for m, _ in _METADATA_GLOBALS)} else None
+        if (module, name) in _METADATA_GLOBALS or isinstance(found, torch.dtype) or (
+                module == _METADATA_MODULE and isinstance(found, type) and found.__module__ == module):
+            return found
+        raise pickle.UnpicklingError(f"a checkpoint's .metadata names {module}.{name}, which is not one of DCP's "
+                                     f"metadata classes: refused (a crafted or foreign file?)")
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's file-system reader whose `.metadata` is read by `_MetadataUnpickler` instead of `pickle.load`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as fh:
+            metadata = _MetadataUnpickler(fh).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f"a checkpoint's .metadata holds a {type(metadata).__name__}, not DCP "
+                                         f"Metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 def write_json(path: str | Path, value: Any) -> None:

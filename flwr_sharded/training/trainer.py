@@ -413,3 +413,13 @@ def local_shards_checksum(model: nn.Module) -> float:
     for param in model.parameters():
         total += float(local_shard(param).detach().double().sum())
     return total
+
+
+def optimizer_checksum(optimizer: torch.optim.Optimizer) -> float:
+    """Sum of this rank's local optimizer state values (moments and step counts, float64): a fingerprint of it."""
+    total = 0.0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                total += float(local_shard(value).detach().double().sum())
+    return total

@@ -245,6 +245,7 @@ def test_a_dead_group_makes_the_sync_fail_and_the_survivors_roll_back(procs, dat
     for o in out:
         assert (o["syncs"], o["sync_failed"]) == (0, True)
         assert "did not arrive" in o["sync_error"] and "[2]" in o["sync_error"]
+        assert o["sync_blame"] == [2]  # the ServerApp counts it against member 2 (max-strikes)
     assert [c.call(P.STATUS, timeout=30)["checksums"] for c in clients[:2]] == after_rollback
 
     out = train_all(clients[:2], hellos[0], "t/round3", syncs=2, steps=2)
@@ -252,6 +253,42 @@ def test_a_dead_group_makes_the_sync_fail_and_the_survivors_roll_back(procs, dat
         assert (o["syncs"], o["sync_failed"]) == (2, False)
     assert out[0]["checksums"] == out[1]["checksums"]
     assert out[0]["checksums"][:1] != after_rollback[0]
+
+
+@pytest.mark.timeout(240)
+def test_a_sync_that_fails_for_one_member_after_the_others_finished_is_rolled_back_by_all(procs, data_dir):
+    """Two groups of one rank. B brings NaN shards and moments to its first sync: it is left out of it, adopts A's
+    shards and the optimizer state of its last commit (finite). B's second sync fails on B after the reduction
+    succeeded everywhere (A has its result). The commit vote makes both roll back at once, not after a timeout:
+    shards, optimizer moments, step and learning rate are those of the first sync on both, both name B, and the
+    next round syncs them again."""
+    s = spec(data_dir, shards=1, aggregate_every=2, syncs_per_round=1, rounds=3)
+    faults = ["--debug-nan-sync", "1", "--debug-fail-sync", "2"]
+    groups = start_groups(procs, [("a", dict(shards=1)), ("b", dict(shards=1, extra=faults))])
+    clients = [client(a, k) for _, a, k in groups]
+    offer = hello(clients[0], s, 0, 2)
+    hello(clients[1], s, 1, 2)
+    out = train_all(clients, offer, "vote/round1", syncs=1, steps=2, sync_timeout=20.0)
+    assert [(o["syncs"], o["sync_failed"], o["sync_left_out"]) for o in out] == [(1, False, [1])] * 2
+    committed = [c.call(P.STATUS, timeout=30) for c in clients]
+    assert committed[0]["checksums"] == committed[1]["checksums"] == out[0]["checksums"]  # B healed by A's mean
+    assert all(math.isfinite(c) for c in committed[1]["optimizer_checksums"])
+
+    out = train_all(clients, offer, "vote/round2", syncs=1, steps=2, sync_timeout=20.0)
+    for o in out:
+        assert (o["syncs"], o["sync_failed"], o["sync_blame"]) == (0, True, [1]), o.get("sync_error")
+        assert o["sync_s"] < 10  # told by B's vote, not by the 20 s sync timeout
+    assert "member(s) [1] did not complete the sync" in out[0]["sync_error"]
+    assert "--debug-fail-sync 2" in out[1]["sync_error"]
+    for c, before in zip(clients, committed):
+        now = c.call(P.STATUS, timeout=30)
+        for key in ("checksums", "optimizer_checksums", "steps", "lr"):
+            assert now[key] == before[key], key  # everything back at the first sync's commit
+    assert committed[0]["checksums"] == committed[1]["checksums"]
+
+    out = train_all(clients, offer, "vote/round3", syncs=1, steps=2, sync_timeout=20.0)
+    assert [(o["syncs"], o["sync_failed"], o["step"]) for o in out] == [(1, False, 4)] * 2
+    assert out[0]["checksums"] == out[1]["checksums"] != committed[0]["checksums"]
 
 
 def _join_unreachable(rank: int, world: int, port: int) -> float:

@@ -415,3 +415,49 @@ def test_a_failed_checkpoint_write_is_logged_and_recorded_and_the_group_stays(ca
     assert first["checkpoint_errors"] == {"1": full} and "checkpoint_errors" not in second
     assert first["groups"] == second["groups"] == 2  # the group trains on
     assert "round 1: group on node 1 could not write its checkpoint, it trains on" in caplog.text
+
+
+def test_a_persistent_straggler_sits_out_after_max_strikes_then_rejoins_with_a_catch_up(caplog):
+    """Node 3 (member index 2) reaches the rendezvous late in every round it is in, until round 5: nodes 1 and 2
+    give up on it and name it (sync_blame); it names them back, a lone report that strikes nobody. After
+    max-strikes = 2 such rounds it sits out bench-rounds = 2 rounds, which sync; it then rejoins with a catch-up."""
+    def honest(m, n):
+        if len(config(m)["members"]) == 3 and config(m)["server-round"] <= 2:
+            return 0.0, train_ok(syncs=0, checksums=[], sync_failed=1, sync_blame=[2],
+                                 sync_error="shard 0: member(s) [2] did not arrive within 0 s")
+        return 0.0, train_ok()
+
+    def straggler(m, n):
+        if n <= 2:
+            return 0.0, train_ok(syncs=0, checksums=[], sync_failed=1, sync_blame=[0, 1], sync_error="late")
+        return 0.0, train_ok()
+
+    grid = FakeGrid({1: group(1, 0, train=honest), 2: group(2, 1, train=honest), 3: group(3, 2, train=straggler)})
+    strategy = make(spec(rounds=6, max_strikes=2, bench_rounds=2), fast(num_groups=3))
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        strategy.start(grid)
+    rounds = [h for h in strategy.history if h["kind"] == "round"]
+    assert [r["members"] for r in rounds] == [["1", "2", "3"]] * 2 + [["1", "2"]] * 2 + [["1", "2", "3"]] * 2
+    assert [r["synced"] for r in rounds] == [0, 0, 1, 1, 1, 1]
+    assert [sorted(r["at_fault"]) for r in rounds] == [["3"], ["3"], [], [], [], []]
+    assert [r["rejoined"] for r in rounds][4] == ["3"]
+    catch_up = {config(m)["server-round"]: config(m)["catch-up"] for m in grid.sent(P.MSG_TRAIN)}
+    assert catch_up == {1: False, 2: False, 3: False, 4: False, 5: True, 6: False}
+    assert "group on node 3 left out after round 2 for 2 round(s)" in caplog.text
+    assert "it may rejoin in round 5" in caplog.text
+
+
+def test_a_round_that_leaves_groups_diverged_is_repaired_by_a_catch_up(caplog):
+    """Node 2's sync fails after node 1 adopted it (its commit vote was lost): the next round starts with a
+    catch-up from member 0, so both train on from the same shards."""
+    def fails_once(m, n):
+        return (0.0, train_ok(syncs=1, sync_failed=1, sync_error="commit vote: peer gone")) if n == 1 \
+            else (0.0, train_ok())
+
+    grid = FakeGrid({1: group(1, 0), 2: group(2, 1, train=fails_once)})
+    strategy = make(spec(rounds=3), fast())
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        strategy.start(grid)
+    catch_up = {config(m)["server-round"]: config(m)["catch-up"] for m in grid.sent(P.MSG_TRAIN)}
+    assert catch_up == {1: False, 2: True, 3: False}
+    assert "round 2 starts with a catch-up from member 0: round 1 left the groups with different shards" in caplog.text

@@ -25,7 +25,7 @@ def _admission_worker(rank: int, world: int):
 
     import flwr_sharded.parallel.streaming as streaming_module
     import flwr_sharded.parallel.sync as sync_module
-    from flwr_sharded.parallel.admission import SyncRejected
+    from flwr_sharded.parallel.admission import SyncRejected, commit_vote
     from flwr_sharded.parallel.streaming import OverlappedSync
     from flwr_sharded.parallel.sync import ShardSync
 
@@ -68,13 +68,16 @@ def _admission_worker(rank: int, world: int):
             return {"rejected": str(exc), "before": before}
         finally:
             sync_module.healthy = streaming_module.healthy = honest
-        return {"after": [p.detach().clone() for p in params], "total": stats.total_weight, "before": before}
+        return {"after": [p.detach().clone() for p in params], "total": stats.total_weight, "before": before,
+                "left_out": sync.left_out}
 
     out = {case: run(case) for case in ("nan", "inflated", "absurd", "liar", "all-nan")}
     out["nan-overlapped"] = run("nan", overlapped=True)
     out["nan-int8-overlapped"] = run("nan", overlapped=True, wire=torch.int8)
     out["nan-overlapped-liar"] = run("liar", overlapped=True)
     out["lines"] = lines
+    out["commit-vote"] = [commit_vote(True, dist.group.WORLD, torch.device("cpu")),
+                          commit_vote(rank != 1, dist.group.WORLD, torch.device("cpu"))]
     return out
 
 
@@ -90,6 +93,7 @@ def test_a_member_that_is_not_finite_or_out_of_bounds_is_left_out_and_healed(res
     for rank in range(3):  # the member left out receives the others' mean too
         out = results[rank][case]
         assert out["total"] == WEIGHTS[0] + WEIGHTS[1]
+        assert out["left_out"] == [2]  # every member knows who was left out
         for got, want in zip(out["after"], expected):
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
@@ -115,6 +119,11 @@ def test_one_log_line_names_the_member_left_out(results):
     assert all("member 2" in line for line in results[2]["lines"])  # a member names itself, rank 0 names all
     assert all("member 1" in line for line in results[1]["lines"])  # left out once: the all-NaN case
     assert len(results[2]["lines"]) == len([line for line in lines if "member 2" in line])
+
+
+def test_the_commit_vote_names_the_members_that_failed_on_every_member(results):
+    for rank in range(3):
+        assert results[rank]["commit-vote"] == [[], [1]]
 
 
 def test_healthy_checks_the_weight_and_the_values():

@@ -129,7 +129,8 @@ def test_other_options():
     assert trainer_memory(four, S=2, tokens=T, options=StepOptions(reshard_after_forward=False)).gathered_params \
         == 2 * (100 + 4 * 500) > trainer_memory(four, S=2, tokens=T).gathered_params
     rollback = trainer_memory(SHAPE, S=2, F=2, tokens=T, options=StepOptions(rollback=True, outer="nesterov"))
-    assert rollback.host == (4 + 4 + 4) * 1100 / 2  # the shards, the global shards and the momentum, on the host
+    # on the host: the shards, their AdamW moments, the global shards and the outer momentum
+    assert rollback.host == (4 + 8 + 4 + 4) * 1100 / 2
     assert rollback.total == trainer_memory(SHAPE, S=2, F=2, tokens=T, options=StepOptions(outer="nesterov")).total
 
 

@@ -202,3 +202,31 @@ def test_incomplete_and_damaged_checkpoints_are_named_and_skipped(tmp_path):
     assert "meta.json unreadable" in find_checkpoint(series)[1][0]
     os.replace(good, good.with_name(good.name + ".old"))  # a commit cut short between its two renames
     assert find_checkpoint(series)[0] == series / "step-00000002.old"
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+def test_a_crafted_metadata_file_is_refused_without_running_code(tmp_path, monkeypatch):
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    good = tmp_path / "good"
+    model = torch.nn.Linear(3, 2).to(torch.bfloat16)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(good), no_dist=True)
+    stored = durable.SafeReader(str(good)).read_metadata().state_dict_metadata
+    assert stored["model.weight"].properties.dtype == torch.bfloat16 and tuple(stored["model.weight"].size) == (2, 3)
+    restored = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
+    dcp.load(restored, storage_reader=durable.SafeReader(str(good)), no_dist=True)
+    torch.testing.assert_close(restored["model"], model.state_dict(), rtol=0, atol=0)
+
+    evil = tmp_path / "evil"
+    evil.mkdir()
+    (evil / ".metadata").write_bytes(pickle.dumps(_Evil()))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(pickle.UnpicklingError, match=r"names (posix|nt|os)\.system, which is not one of DCP's"):
+        durable.SafeReader(str(evil)).read_metadata()
+    assert not (tmp_path / "pwned").exists()

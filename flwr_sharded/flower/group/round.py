@@ -4,8 +4,10 @@ rollback.
 Per round the ServerApp names the members (ordered), member 0's rendezvous offer and a unique prefix. Replica 0 of
 each shard index joins, on the round's first sync, the round's federation group of that index and runs the
 trainer's `ShardSync` over it; FL+HSDP replicas then receive the result by broadcast, but only once every rank of the
-group knows that every shard index succeeded. Every adopted sync is committed (`RollbackPoint`); a sync that fails on
-any rank restores the last commit on every rank, and the round ends there. A group alone in a round still syncs (a
+group knows that every shard index succeeded. A sync is adopted by a two-phase commit: only when every member's every
+rank succeeded (`commit_vote`); then it is committed (`RollbackPoint`). A sync that fails on any rank of any member
+restores the last commit on every rank of every member (shards, optimizer, outer state, step and schedule), and the
+round ends there; the reply names the members held at fault. A group alone in a round still syncs (a
 no-op for FedAvg, the outer step for outer optimizers).
 """
 
@@ -21,6 +23,8 @@ import torch.distributed as dist
 
 from flwr_sharded.flower import rendezvous as rdv
 from flwr_sharded.flower.messages import TrainArgs
+from flwr_sharded.parallel.admission import commit_vote
+from flwr_sharded.parallel.sync import local_shard
 
 logger = logging.getLogger("flwr_sharded.group")
 
@@ -34,8 +38,12 @@ class GroupRound:
         self.args = args
         self.topo = runtime.topo
         self.groups: list[rdv.FederationGroup] = []
-        self.start_errors: dict[int, str] = {}
-        """Fragments whose overlapped sync failed to start on this rank, and why."""
+        self.start_errors: dict[int, tuple[str, list[int]]] = {}
+        """Fragments whose overlapped sync failed to start on this rank: why, and the members it holds at fault."""
+        self.blame: set[int] = set()
+        """Members this group holds at fault for a failed sync: absent at the rendezvous, or failed their part."""
+        self.left_out: set[int] = set()
+        """Members an adopted sync of this round left out (weight out of bounds, or values not finite)."""
         self.rendezvous_s = 0.0
         run = runtime.run
         self.periods = int(args.overrides.get("syncs-per-round", run.federation.syncs_per_round))
@@ -136,7 +144,8 @@ class GroupRound:
                 "train_s": train_s, "sync_s": sync_s, "rendezvous_s": self.rendezvous_s, "syncs": syncs,
                 "sync_failed": bool(failure), "sync_error": failure, **comparable, "step": t.step_count,
                 "lr": t.scheduler.get_last_lr()[0], "members": len(self.args.members),
-                "catch_up_checksums": caught_up, "facility_tokens": weight, "aggregate_every": self.steps,
+                "catch_up_checksums": caught_up, "sync_blame": sorted(self.blame),
+                "sync_left_out": sorted(self.left_out), "facility_tokens": weight, "aggregate_every": self.steps,
                 "syncs_per_round": self.periods, "peak_lr": t.scheduler.base_lrs[0], "proximal_mu": t.proximal_mu,
                 **{f"{name}_s_total": value for name, value in phases.items()}}
 
@@ -166,32 +175,77 @@ class GroupRound:
             self.join()
             self.t.start_sync(i)
         except Exception as exc:  # noqa: BLE001 - rendezvous, peer gone, misaligned shards
-            self.start_errors[i] = f"shard {self.topo.shard_index}: {rdv.first_line(exc)}"
+            self.start_errors[i] = (f"shard {self.topo.shard_index}: {rdv.first_line(exc)}",
+                                    list(getattr(exc, "missing", [])))
 
     def sync(self, i: int, apply_rule: bool) -> tuple[str, float]:
         """Fragment i's shard sync with the round's members (blocking, or the merge of the overlapped one started
-        `sync-delay` steps ago): ('' or the error, the members' total weight as replica 0 knows it). On failure
-        every rank of the group is back at the last commit of every fragment, and no sync is left in flight."""
-        t, error, weight = self.t, self.start_errors.pop(i, ""), 0.0
+        `sync-delay` steps ago), adopted by a two-phase commit: ('' or the error, the members' total weight as
+        replica 0 knows it). On failure every rank of every member is back at the last commit of every fragment,
+        and no sync is left in flight.
+
+        Phase one: replica 0 of each shard index runs its part; the group's ranks learn each other's outcome.
+        Phase two: each of them tells the members of its federation group whether the whole group succeeded
+        (`commit_vote`); the sync is adopted only if every member did. A rank whose own collective failed does not
+        vote (its peers' vote then fails too, within the sync timeout, or at once when its group is released)."""
+        t, weight, reached = self.t, 0.0, False
+        error, blame = self.start_errors.pop(i, ("", []))
+        self.rt.sync_attempts += 1
+        if self.rt.rank == 0 and self.rt.sync_attempts == self.rt.args.debug_nan_sync:
+            self._poison()
         if self.topo.replica_index == 0 and not error:
             try:
                 self.join()
                 # token-weighted FedAvg (or outer rule); an overlapped sync's wait is bounded by the sync timeout
                 weight = t.complete_sync(i, apply_rule=apply_rule, timeout=self.args.sync_timeout + 5.0).total_weight
+                reached = True
+                if self.rt.rank == 0 and self.rt.sync_attempts == self.rt.args.debug_fail_sync:
+                    error = f"--debug-fail-sync {self.rt.args.debug_fail_sync}: failed after the reduction"
             except Exception as exc:  # noqa: BLE001 - rendezvous, timeout, peer gone, misaligned shards
                 error = f"shard {self.topo.shard_index}: {rdv.first_line(exc)}"
+                blame = list(getattr(exc, "missing", []))
         elif self.topo.replica_index != 0 and t.shard_sync.schedule.delay == 0:
             t.take_weight(i)  # a replica > 0 receives the result by broadcast below
-        errors = [e for e in self.rt.gather(error) if e]
+        phase_one = self.rt.gather((error, blame))
+        errors = sorted({e for e, _ in phase_one if e})
+        vote_error, noes = "", []
+        if reached:
+            try:
+                noes = commit_vote(not errors, self.groups[0].pg, t.device)
+            except Exception as exc:  # noqa: BLE001 - a member gone between the phases
+                vote_error = f"shard {self.topo.shard_index}: commit vote: {rdv.first_line(exc)}"
+        left_out = t.shard_sync.fragments[i].left_out if reached else []
+        phase_two = self.rt.gather((vote_error, noes, left_out))
+        noes = sorted({j for _, js, _ in phase_two for j in js})
+        self.blame.update(j for _, js in phase_one for j in js)
+        self.blame.update(noes)
+        errors += sorted({e for e, _, _ in phase_two if e})
+        if noes and not errors:
+            errors.append(f"member(s) {noes} did not complete the sync: no member adopts it")
         if errors:
             t.abandon_syncs()
             self.rt.rollback.restore()
-            return "; ".join(sorted(set(errors))), weight
+            return "; ".join(errors), weight
         if self.topo.rep_group is not None:
             t.shard_sync.fragments[i].broadcast(self.topo.rep_group)
         t.after_sync(i)
+        excluded = sorted({j for _, _, js in phase_two for j in js})
+        self.left_out.update(excluded)
+        if self.args.member_index in excluded:  # healed by the others' mean; its moments may hold the same NaN
+            self.rt.rollback.restore_optimizer(i)
         self.rt.rollback.commit(i)
         return "", weight
+
+    @torch.no_grad()
+    def _poison(self) -> None:
+        """Fault injection for tests (`--debug-nan-sync`): a diverged rank, NaN in a shard and in its moments."""
+        logger.error("--debug-nan-sync %d: NaN in this rank's first shard and its optimizer state",
+                     self.rt.sync_attempts)
+        param = next(iter(self.t.model.parameters()))
+        local_shard(param).view(-1)[0] = float("nan")
+        for value in self.t.optimizer.state.get(param, {}).values():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                local_shard(value).fill_(float("nan"))
 
     def catch_up(self) -> str:
         """Every member adopts member 0's shards, outer state and schedule position (a group (re)joined the run);

@@ -93,6 +93,8 @@ class GroupRuntime:
         """The run's group-idle-timeout (from its hello): drop the run after that long without an instruction."""
         self.tokens = 0
         self.syncs = 0
+        self.sync_attempts = 0
+        """Fragment syncs attempted since the trainer was built (`--debug-fail-sync` counts them)."""
         self.started = time.time()
         self.stores: list[dist.TCPStore] = []
         self.offer_ports: list[int] = []
@@ -248,6 +250,8 @@ class GroupRuntime:
         t = self.trainer
         return {**self._layout(), "run_key": self.key, "steps": t.step_count if t else 0,
                 "checksums": self.checksums() if t else [], "syncs": self.syncs,
+                "optimizer_checksums": self.checksums(optimizer=True) if t else [],
+                "lr": t.scheduler.get_last_lr()[0] if t else 0.0,
                 "uptime_s": time.time() - self.started}
 
     def do_hello(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -307,13 +311,13 @@ class GroupRuntime:
         self._drop_trainer()
         start = time.perf_counter()
         self.trainer = Trainer(cfg, self.topo, static_sync=False, partition=partition)
-        self.key, self.tokens, self.syncs, self.resumed_round = key, 0, 0, 0
+        self.key, self.tokens, self.syncs, self.sync_attempts, self.resumed_round = key, 0, 0, 0, 0
         if cfg.checkpoint.resume:
             meta = self.trainer.resume()
             self.resumed_round = int(meta.get("round", 0))
             logger.info("resumed from %s: round %d, step %d", cfg.checkpoint.dir, self.resumed_round,
                         self.trainer.step_count)
-        self.rollback = RollbackPoint(self.trainer.model, self.trainer.shard_sync)
+        self.rollback = RollbackPoint(self.trainer)
         self.rollback.commit()
         logger.info("built the trainer for partition %d/%d in %.1f s", *partition, time.perf_counter() - start)
 
@@ -380,10 +384,13 @@ class GroupRuntime:
             out["checkpoint_error"] = error
         return out
 
-    def checksums(self) -> list[float]:
-        from flwr_sharded.training.trainer import local_shards_checksum
+    def checksums(self, *, optimizer: bool = False) -> list[float]:
+        """Every rank's checksum of its local shards (or of its optimizer state)."""
+        from flwr_sharded.training.trainer import local_shards_checksum, optimizer_checksum
 
-        return [float(c) for c in self.gather(local_shards_checksum(self.trainer.model))]
+        t = self.trainer
+        mine = optimizer_checksum(t.optimizer) if optimizer else local_shards_checksum(t.model)
+        return [float(c) for c in self.gather(mine)]
 
     def do_evaluate(self, args: dict[str, Any]) -> dict[str, Any]:
         t = self._need_trainer()
@@ -453,6 +460,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--collective-timeout", type=float, default=1800.0,
                         help="timeout of the group's own collectives (FSDP, evaluation) in seconds")
     parser.add_argument("--debug-exit-after-syncs", type=int, default=0, help=argparse.SUPPRESS)
+    # fault injection for tests, counted in sync attempts: the N-th fails on rank 0 after the reduction succeeded
+    # everywhere (the commit vote); rank 0 brings NaN shards and moments to the N-th (admission and healing)
+    parser.add_argument("--debug-fail-sync", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--debug-nan-sync", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--sync-backend", default="auto", choices=["auto", "gloo", "nccl"],
                         help="backend of the cross-group shard sync (auto: NCCL for CUDA, else gloo)")
     return parser

@@ -38,6 +38,12 @@ class GroupInfo:
     log_file: str = ""
     """Where the group writes its log (groups launched in simulation)."""
     failures: list[str] = field(default_factory=list)
+    strikes: int = 0
+    """Consecutive rounds this group was held at fault (`GroupMembership.hold_at_fault`)."""
+    benched: int = 0
+    """How many times `max-strikes` has left it out."""
+    benched_until: int = 0
+    """The first round it may rejoin in after being left out by `max-strikes`."""
 
 
 class GroupMembership:
@@ -160,7 +166,7 @@ class GroupMembership:
             online = set(grid.get_node_ids())
         except Exception:  # noqa: BLE001 - try again next round
             return []
-        nodes = [n for n in sorted(self.dropped) if n in online]
+        nodes = [n for n in sorted(self.dropped) if n in online and self.groups[n].benched_until <= server_round]
         if not nodes:
             return []
         log(INFO, "round %d: hello to %d dropped group(s) to rejoin: %s", server_round, len(nodes), nodes)
@@ -179,7 +185,8 @@ class GroupMembership:
                                        f"{fingerprint[:12]}")
                 log(ERROR, "group on node %d: %s", node, self.left_out[node])
                 continue
-            g.failures = self.groups[node].failures
+            old = self.groups[node]
+            g.failures, g.benched = old.failures, old.benched
             self.groups[node] = g
             self.dropped.discard(node)
             self.left_out.pop(node, None)
@@ -189,6 +196,45 @@ class GroupMembership:
             log(INFO, "round %d: group(s) on node(s) %s rejoin; the round starts with a catch-up", server_round,
                 joined)
         return joined
+
+    def hold_at_fault(self, server_round: int, members: list[int], reports: dict[int, dict[str, Any]],
+                      dropped: dict[int, str]) -> dict[int, str]:
+        """Who was at fault in a round (node -> why): the dropped members, and those named in more than half of the
+        other members' reports (`sync_blame`: absent at the rendezvous or failed their part of a sync;
+        `sync_left_out`: left out of an adopted sync), member indices as in `members`. A lone report cannot strike
+        an honest group. Counts consecutive strikes; `max-strikes` in a row leave a group out for `bench-rounds`
+        rounds (doubling each time), never below `min-groups` members. Returns the faults of the round."""
+        faults = dict(dropped)
+        for index, node in enumerate(members):
+            if node in faults:
+                continue
+            others = [m for n, m in reports.items() if n != node]
+            named = [m for m in others if index in m.get("sync_blame", []) or index in m.get("sync_left_out", [])]
+            if others and 2 * len(named) > len(others):
+                faults[node] = (f"named at fault by {len(named)} of {len(others)} other member(s) (absent at the "
+                                f"rendezvous, failed its part of a sync, or left out of one)")
+        limit, bench = self.run.federation.max_strikes, self.run.federation.bench_rounds
+        for node in members:
+            g = self.groups[node]
+            g.strikes = g.strikes + 1 if node in faults else 0
+            if not limit or g.strikes < limit:
+                continue
+            staying = [n for n in self.members if n != node]
+            if len(staying) < max(1, self.deadlines.min_groups):
+                log(WARNING, "round %d: group on node %d was at fault in %d rounds in a row, but leaving it out "
+                    "would leave %d group(s), fewer than min-groups %d: it stays", server_round, node, g.strikes,
+                    len(staying), self.deadlines.min_groups)
+                continue
+            g.benched += 1
+            rounds = bench * 2 ** (g.benched - 1)
+            g.benched_until, g.strikes = server_round + rounds + 1, 0
+            self.members = staying
+            self.dropped.add(node)
+            self.left_out[node] = (f"left out after round {server_round} for {rounds} round(s): at fault in "
+                                   f"{limit} rounds in a row ({faults[node][:160]})")
+            log(WARNING, "round %d: group on node %d %s; it may rejoin in round %d", server_round, node,
+                self.left_out[node], g.benched_until)
+        return faults
 
     def catch_up_source(self, group: GroupInfo) -> int | None:
         """The member a rejoining group must match (fingerprint) and catches up from: member 0."""

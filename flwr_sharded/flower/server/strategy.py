@@ -12,7 +12,9 @@ No arrays cross the server: every message carries a ConfigRecord only. Per run:
    messages pushed behind it return its result, which `aggregate_train` weighs by tokens. A group that fails, or
    does not answer before the round deadline, or whose node goes offline, is dropped, and the other members are told
    at once (they stop waiting for it at the rendezvous); the survivors of a failed sync have rolled back to their
-   last synced shards, and the next round re-forms from them; dropped groups are offered to rejoin;
+   last synced shards, and the next round re-forms from them; dropped groups are offered to rejoin; a group at
+   fault in `max-strikes` rounds in a row (dropped, or named by most other members: late, failed, left out) sits
+   out `bench-rounds` rounds first; a round that left groups with different shards is repaired by a catch-up;
 4. finish: every sampled node gets a finish message (simulation: its launched group is shut down); member 0 writes
    the final model into the run directory.
 
@@ -72,6 +74,8 @@ class DecentralizedFedAvg(GroupMembership, Strategy):
         self.round_members: list[int] = []
         """This round's members (`select_members`)."""
         self._rejoined: list[int] = []
+        self._repair = ""
+        """Why the next round starts with a catch-up although nobody rejoined: the last one left groups diverged."""
         self._round_wall = 0.0
         self._started = 0.0
         self._tokens_seen = 0
@@ -100,8 +104,11 @@ class DecentralizedFedAvg(GroupMembership, Strategy):
         members = self.round_members
         overrides = round_overrides(dict(config))
         offer = self.groups[members[0]].layout
+        if self._repair:
+            log(WARNING, "round %d starts with a catch-up from member 0: %s", server_round, self._repair)
+        catch_up, self._repair = bool(self._rejoined or self._repair), ""
         return self.train_messages(server_round, members, offer, f"run{self.run_id}/round{server_round}",
-                                   overrides, catch_up=bool(self._rejoined), evaluate=self.evaluate_in_train,
+                                   overrides, catch_up=catch_up, evaluate=self.evaluate_in_train,
                                    checkpoint=self.run.checkpoint_due(server_round))
 
     def train_messages(self, server_round: int, members: list[int], offer: M.GroupLayout, prefix: str,
@@ -153,6 +160,11 @@ class DecentralizedFedAvg(GroupMembership, Strategy):
             log(WARNING, "round %d: %d group(s) dropped; the next round goes on with %d member(s)", server_round,
                 len(dropped), len(alive))
         self.members = [n for n in self.members if n not in dropped]
+        record["at_fault"] = {str(n): why for n, why in
+                              self.hold_at_fault(server_round, self.round_members, alive, dropped).items()}
+        if ok and rolled_back or (record["syncs"] and not record["checksums_equal"]):
+            self._repair = (f"round {server_round} left the groups with different shards (the sync was adopted by "
+                            f"{sorted(ok)}, rolled back by {sorted(rolled_back)})")
         for node, metrics in alive.items():
             self.groups[node].tokens = int(metrics.get("total_tokens", 0))
         self.history.append(record)  # written and logged by run_round once the round is complete

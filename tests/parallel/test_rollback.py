@@ -1,0 +1,80 @@
+"""The rollback point restores shards, optimizer moments, step and learning-rate schedule exactly as committed."""
+
+from __future__ import annotations
+
+import copy
+import math
+from types import SimpleNamespace
+
+import torch
+
+from flwr_sharded.parallel.rollback import RollbackPoint
+
+
+def _trainer(seed: int = 0) -> SimpleNamespace:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / 20)))
+    return SimpleNamespace(model=model, optimizer=optimizer, scheduler=scheduler, step_count=0, shard_sync=None)
+
+
+def _step(t: SimpleNamespace, n: int = 1) -> None:
+    for _ in range(n):
+        t.model(torch.randn(3, 4)).square().mean().backward()
+        t.optimizer.step()
+        t.scheduler.step()
+        t.optimizer.zero_grad()
+        t.step_count += 1
+
+
+def _state(t: SimpleNamespace) -> dict:
+    return {"params": [p.detach().clone() for p in t.model.parameters()],
+            "optimizer": copy.deepcopy(t.optimizer.state_dict()), "step": t.step_count,
+            "lr": [g["lr"] for g in t.optimizer.param_groups], "scheduler": t.scheduler.state_dict()}
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    torch.testing.assert_close(a["params"], b["params"], rtol=0, atol=0)
+    torch.testing.assert_close(a["optimizer"]["state"], b["optimizer"]["state"], rtol=0, atol=0)
+    assert (a["step"], a["lr"], a["scheduler"]) == (b["step"], b["lr"], b["scheduler"])
+
+
+def test_restore_returns_to_the_commit_and_training_goes_on_as_from_it():
+    t = _trainer()
+    _step(t, 3)
+    point = RollbackPoint(t)
+    point.commit()
+    committed = _state(t)
+    _step(t, 4)
+    assert t.step_count == 7 and t.optimizer.param_groups[0]["lr"] != committed["lr"][0]
+    point.restore()
+    _assert_same(_state(t), committed)
+    torch.manual_seed(5)
+    _step(t, 2)  # training from the restored state equals training from the commit
+    twin = _trainer()
+    _step(twin, 3)
+    torch.manual_seed(5)
+    _step(twin, 2)
+    _assert_same(_state(t), _state(twin))
+
+
+def test_state_that_did_not_exist_at_the_commit_is_dropped_and_moments_alone_can_be_restored():
+    t = _trainer()
+    point = RollbackPoint(t)
+    point.commit()  # before the first step: AdamW has no state yet
+    _step(t, 2)
+    point.restore()
+    assert not t.optimizer.state and t.step_count == 0
+    _step(t, 2)
+    point.commit()
+    moments = copy.deepcopy(t.optimizer.state_dict()["state"])
+    _step(t, 1)
+    with torch.no_grad():
+        for p in t.model.parameters():
+            t.optimizer.state[p]["exp_avg"].fill_(float("nan"))
+    params, step = [p.detach().clone() for p in t.model.parameters()], t.step_count
+    point.restore_optimizer(0)  # a member healed by the others' mean: only its moments go back
+    torch.testing.assert_close(t.optimizer.state_dict()["state"], moments, rtol=0, atol=0)
+    torch.testing.assert_close([p.detach() for p in t.model.parameters()], params, rtol=0, atol=0)
+    assert t.step_count == step
