@@ -48,6 +48,11 @@ GLOBAL_BYTES = 4
 SYNC_RULE_TEMP_BUCKETS = {"fedavgm": 4, "nesterov": 4, "fedadam": 6, "fedyogi": 6}
 """Bucket-sized fp32 temporaries of an outer rule's step (`outer.py`: delta, new momentum, step, result; Adam also
 the second moment and its square root). FedAvg writes into the sync's buffers and has none."""
+SNAPSHOT_BYTES = 4
+"""An overlapped sync's snapshot of the fragment in flight (fp32; `parallel/streaming.py`), and a carrying sync's
+copy of that fragment at its start: one buffer each, sized for the largest fragment."""
+FEEDBACK_BYTES = 4
+"""Error feedback of an 8-bit wire: an fp32 residual per value of every bucket of the shard (`parallel/quantize.py`)."""
 TRIMMED_MEAN_TEMP_BUCKETS_PER_GROUP = 5
 """Trimmed mean: per federation group, its all-gathered bucket, the stack, the sorted values and int64 indices."""
 
@@ -85,6 +90,14 @@ class StepOptions:
     reshard_after_forward: bool = True
     proximal: bool = False
     """FedProx anchor (`proximal-mu` > 0)."""
+    sync_fragments: int = 1
+    """N: fragments the FL sync cuts the model into (`sync-fragments`)."""
+    sync_delay: int = 0
+    """tau: steps an overlapped sync runs behind the training (`sync-delay`); > 0 keeps a snapshot of a fragment."""
+    sync_carry: bool = False
+    """A carrying overlapped sync (`sync-carry`): a second copy of the fragment in flight."""
+    error_feedback: bool = False
+    """Error feedback of an 8-bit wire (`sync-error-feedback`)."""
     rollback: bool = False
     """A Flower group: its rollback copy of the shards, their optimizer state and the outer state (host memory)."""
     device: str = "cuda"
@@ -95,8 +108,10 @@ class StepOptions:
                               ("sync_dtype", SYNC_DTYPE_BYTES), ("device", ("cuda", "cpu"))):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name}: choose one of {', '.join(allowed)}, got {getattr(self, name)!r}")
-        if isinstance(self.grad_accum, bool) or not isinstance(self.grad_accum, int) or self.grad_accum < 1:
-            raise ConfigError(f"grad_accum must be an integer >= 1, got {self.grad_accum!r}")
+        for name, least in (("grad_accum", 1), ("sync_fragments", 1), ("sync_delay", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ConfigError(f"{name} must be an integer >= {least}, got {value!r}")
         if not self.bucket_mb > 0:
             raise ConfigError(f"bucket_mb must be positive, got {self.bucket_mb!r}")
 
@@ -109,7 +124,8 @@ class StepOptions:
                    bucket_mb=p.bucket_mb, grad_accum=cfg.grad_accum,
                    activation_checkpointing=cfg.model.activation_checkpointing,
                    reshard_after_forward=cfg.model.reshard_after_forward, proximal=cfg.optim.proximal_mu > 0,
-                   device=device)
+                   sync_fragments=p.sync_fragments, sync_delay=p.sync_delay, sync_carry=p.sync_carry,
+                   error_feedback=p.sync_error_feedback, device=device)
 
 
 @dataclass(frozen=True)
@@ -173,6 +189,16 @@ class MemoryBreakdown:
     def terms(self) -> dict[str, float]:
         """Every term by name (GPU memory), then `host`."""
         return {**{name: getattr(self, name) for name in self.TERMS}, "host": self.host}
+
+
+def largest_fragment(shape: ModelShape, fragments: int) -> float:
+    """Parameters of the largest of `fragments` sync fragments, at most: its share of blocks, rounded up, and every
+    parameter outside the blocks (embeddings go with the first fragment, the final norm and head with the last)."""
+    if not 1 <= fragments <= shape.num_layers:
+        raise ConfigError(f"sync_fragments must be in [1, {shape.num_layers}] (one block at least each), "
+                          f"got {fragments}")
+    block = (shape.num_params - shape.root_params) / shape.num_layers
+    return min(float(shape.num_params), -(-shape.num_layers // fragments) * block + shape.root_params)
 
 
 @lru_cache(maxsize=None)
@@ -243,6 +269,10 @@ def trainer_memory(shape: ModelShape, *, S: int, tokens: int, R: int = 1, F: int
         temps = F * TRIMMED_MEAN_TEMP_BUCKETS_PER_GROUP if o.outer == "trimmed-mean" else \
             SYNC_RULE_TEMP_BUCKETS.get(o.outer, 0)
         sync_temp = temps * bucket
+        if o.sync_delay > 0:
+            sync += (2 if o.sync_carry else 1) * SNAPSHOT_BYTES * largest_fragment(shape, o.sync_fragments) / S
+        if o.error_feedback:
+            sync += FEEDBACK_BYTES * shard
     if o.rollback:
         host = MASTER_BYTES * shard + optimizer + outer_state
     anchor = MASTER_BYTES * shard if o.proximal else 0.0

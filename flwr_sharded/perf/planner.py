@@ -148,6 +148,8 @@ def evaluate(cluster: Cluster, model: ModelShape, method: str, *, F: int = 1, R:
     compute = compute_time(model.num_params, tokens_per_gpu_batch, cluster.flops_per_gpu,
                            flops_per_param_token=8.0 if activation_checkpointing else 6.0)
     step = step or StepOptions()
+    if method.startswith("fl-") and (sync_fragments, sync_delay) != (1, 0):
+        step = replace(step, sync_fragments=sync_fragments, sync_delay=sync_delay)
     if method.startswith("fl-"):
         comm = overlapped(comm, A=A, fragments=sync_fragments, delay=sync_delay,
                           local_step=compute + comm.shard + comm.replicate)

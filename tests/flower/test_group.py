@@ -246,6 +246,7 @@ def test_a_dead_group_makes_the_sync_fail_and_the_survivors_roll_back(procs, dat
         assert (o["syncs"], o["sync_failed"]) == (0, True)
         assert "did not arrive" in o["sync_error"] and "[2]" in o["sync_error"]
         assert o["sync_blame"] == [2]  # the ServerApp counts it against member 2 (max-strikes)
+    print(f"\nabsent member: the others gave up after {max(o['sync_s'] for o in out):.1f} s (rendezvous-timeout 5 s)")
     assert [c.call(P.STATUS, timeout=30)["checksums"] for c in clients[:2]] == after_rollback
 
     out = train_all(clients[:2], hellos[0], "t/round3", syncs=2, steps=2)
@@ -286,9 +287,13 @@ def test_a_sync_that_fails_for_one_member_after_the_others_finished_is_rolled_ba
             assert now[key] == before[key], key  # everything back at the first sync's commit
     assert committed[0]["checksums"] == committed[1]["checksums"]
 
+    failed_s = [o["sync_s"] for o in out]
+
     out = train_all(clients, offer, "vote/round3", syncs=1, steps=2, sync_timeout=20.0)
     assert [(o["syncs"], o["sync_failed"], o["step"]) for o in out] == [(1, False, 4)] * 2
     assert out[0]["checksums"] == out[1]["checksums"] != committed[0]["checksums"]
+    print(f"\ncommit vote: the failed sync took {failed_s[0]:.2f} s (A) and {failed_s[1]:.2f} s (B), rollback "
+          f"included (sync-timeout 20 s); the next round's sync {out[0]['sync_s']:.2f} s")
 
 
 def _join_unreachable(rank: int, world: int, port: int) -> float:

@@ -1,5 +1,7 @@
 """The memory model: every term against a hand computation for a small shape, the phases, and what options change."""
 
+from dataclasses import replace
+
 import pytest
 
 from flwr_sharded.config import TrainConfig
@@ -128,6 +130,17 @@ def test_other_options():
                       vocab_size=50)
     assert trainer_memory(four, S=2, tokens=T, options=StepOptions(reshard_after_forward=False)).gathered_params \
         == 2 * (100 + 4 * 500) > trainer_memory(four, S=2, tokens=T).gathered_params
+    # an overlapped sync's snapshot (a carrying one: and its copy) of the largest fragment, error-feedback residuals
+    fl = trainer_memory(SHAPE, S=2, F=2, tokens=T)
+    fragment = 500 + 100  # one of the two blocks and everything outside them, at most
+    overlapped = trainer_memory(SHAPE, S=2, F=2, tokens=T, options=StepOptions(sync_fragments=2, sync_delay=1))
+    assert overlapped.sync - fl.sync == 4 * fragment / 2
+    carrying = trainer_memory(SHAPE, S=2, F=2, tokens=T, options=StepOptions(sync_fragments=2, sync_delay=1,
+                                                                              sync_carry=True))
+    assert carrying.sync - fl.sync == 2 * 4 * fragment / 2
+    int8 = StepOptions(sync_dtype="int8")
+    feedback = trainer_memory(SHAPE, S=2, F=2, tokens=T, options=replace(int8, error_feedback=True))
+    assert feedback.sync - trainer_memory(SHAPE, S=2, F=2, tokens=T, options=int8).sync == 4 * 1100 / 2
     rollback = trainer_memory(SHAPE, S=2, F=2, tokens=T, options=StepOptions(rollback=True, outer="nesterov"))
     # on the host: the shards, their AdamW moments, the global shards and the outer momentum
     assert rollback.host == (4 + 8 + 4 + 4) * 1100 / 2
