@@ -130,8 +130,6 @@ class ShardSync:
         """The largest weight a member may bring to a sync (`flwr_sharded.parallel.admission`); None: unchecked."""
         self.left_out: list[int] = []
         """The members (indices in the federation group) the last sync's admission left out."""
-        self.member = 0
-        """This rank's index in the federation group, as of the last sync."""
 
     # ----- planning -------------------------------------------------------------------------------------------
     def _plan_buckets(self, bucket_bytes: int) -> list[tuple[torch.dtype, list[_Segment]]]:
@@ -327,7 +325,7 @@ class ShardSync:
         """The members' admitted weights (`flwr_sharded.parallel.admission.admit`; one all-gather); the members
         left out are kept in `left_out`."""
         admission = admit(weight, ok, self.max_weight, self.fed_group, local_shard(self.params[0]).device)
-        self.left_out, self.member = admission.left_out, admission.me
+        self.left_out = admission.left_out
         return admission
 
     def reduce_bucket(self, k: int, flat: torch.Tensor, scale: float) -> int:
