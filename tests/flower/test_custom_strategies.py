@@ -82,7 +82,7 @@ def test_a_scheduled_strategy_drives_real_groups_in_simulation(data_dir, tmp_pat
     """The schedule example through `flwr run` (the ServerApp imports it from the repository): each round's steps
     follow its A, and the members of every round end with identical shards."""
     monkeypatch.setenv("PYTHONPATH", str(REPO))
-    run = run_demo(tmp_path, data_dir, {**FAST_RUN_CONFIG, "num-server-rounds": 3, "aggregate-every": 2,
+    run = run_demo(tmp_path, data_dir, {**FAST_RUN_CONFIG, "num-server-rounds": 3, "aggregate-every": 2, "shards": 1,
                                         "strategy": "examples.strategies.schedule:ScheduledFedAvg"}, groups=3)
     assert run.returncode == 0, run.output[-4000:]
     K = FAST_RUN_CONFIG["syncs-per-round"]

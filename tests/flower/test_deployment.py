@@ -142,6 +142,8 @@ def test_a_group_killed_mid_round(deployment):
           f"{first['sync_s']:.1f} s in the sync (rendezvous-timeout 60 s); round 1 took {first['round_s']:.1f} s")
     for record in rounds[1:]:
         assert (record["groups"], record["synced"], record["members"]) == (1, 1, first["members"][:1])
+    if os.environ.get("FLWR_SHARDED_SLOW_TESTS") != "1":
+        return  # the SuperNode test below, the only one after this, is skipped
     # bring group 1 back at the same address, for the SuperNode test
     proc, address_file, _ = launch_group(deployment.procs, "group1-again", address=address1, key=key1)
     assert wait_group(proc, address_file) == address1

@@ -55,17 +55,17 @@ def test_server_path_equals_the_decentralised_sync(data_dir, tmp_path):
 
 
 @pytest.mark.timeout(900)
-def test_two_facilities_of_two_groups_equal_a_flat_federation_of_four(data_dir, tmp_path):
-    """Facilities a = {0, 1}, b = {2, 3}: all-reduce inside each, the server averages the two facility models
-    (weighted by their tokens). With K = 1 that is the flat token-weighted average of the four groups. Groups of
-    S = 1, so that 4 groups fit on a small machine (rows cut across ranks: the tests above)."""
+def test_two_facilities_equal_a_flat_federation_of_their_groups(data_dir, tmp_path):
+    """Facilities a = {0, 1}, b = {2}: all-reduce inside a, the server averages the two facility models (weighted
+    by their tokens). With K = 1 that is the flat token-weighted average of the three groups. Groups of S = 1, so
+    that the runs fit a small machine (rows cut across ranks: the tests above)."""
     config = {**BASE, "shards": 1}
-    reference = _ok(run_demo(tmp_path / "flat", data_dir, config, groups=4), 2)
-    run = run_demo(tmp_path / "facilities", data_dir, {**config, "aggregation": "server", "facilities": "a,a,b,b"},
-                   groups=4)
+    reference = _ok(run_demo(tmp_path / "flat", data_dir, config, groups=3), 2)
+    run = run_demo(tmp_path / "facilities", data_dir, {**config, "aggregation": "server", "facilities": "a,a,b"},
+                   groups=3)
     hierarchical = _ok(run, 2)
     for r in hierarchical:
-        assert (r["facilities"], r["facility_replies"], r["groups"]) == (2, 2, 4), r
+        assert (r["facilities"], r["facility_replies"], r["groups"]) == (2, 2, 3), r
     _compare(hierarchical, reference)
 
 
@@ -103,6 +103,8 @@ def test_each_group_gets_the_shards_of_its_facility():
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.skipif(os.environ.get("FLWR_SHARDED_SLOW_TESTS") != "1",  # the decentralised rejoin runs by default
+                    reason="a killed and relaunched group in a 3-group simulation (~50 s): FLWR_SHARDED_SLOW_TESTS=1")
 def test_a_killed_group_rejoins_its_facility_with_a_catch_up(data_dir, tmp_path):
     """Facilities a = {0, 1}, b = {2} on the server path: kill -9 group 1 after round 1; it is dropped, then
     relaunched, and rejoins facility a after a catch-up from group 0, after which all three groups hold the same

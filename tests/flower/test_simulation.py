@@ -127,8 +127,9 @@ def test_a_killed_group_is_dropped_relaunched_and_rejoins_with_a_catch_up(data_d
     """Kill -9 one group's processes after round 1: its round fails and it is dropped (the survivor rolls back if
     the sync was under way); at the next round the ServerApp offers it to rejoin, the ClientApp launches a new group,
     and the round starts with a catch-up, after which both groups hold identical shards again."""
-    config = {**FAST_RUN_CONFIG, "num-server-rounds": 4, "syncs-per-round": 1, "aggregate-every": 3,
+    config = {**FAST_RUN_CONFIG, "num-server-rounds": 4, "syncs-per-round": 1, "aggregate-every": 3, "shards": 1,
               "rendezvous-timeout": 10.0, "sync-timeout": 20.0}  # the survivor's wait for the dead member
+    # groups of one rank: a catch-up of S = 2 shard indices is test_group.py's restarted group
     returncode, output, rounds, victim = run_demo_killing_a_group(tmp_path, data_dir, config)
     assert returncode == 0, output[-4000:]
     assert len(rounds) == 4, output[-4000:]
