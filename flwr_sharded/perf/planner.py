@@ -118,10 +118,10 @@ def evaluate(cluster: Cluster, model: ModelShape, method: str, *, F: int = 1, R:
              tokens_per_gpu_batch: int = 4096, bytes_per_param: float = 2.0,
              state_bytes_per_param: float | None = None, sizes: str = "exact", latency: bool = False,
              activation_checkpointing: bool = False, memory_fraction: float = 0.9,
-             sync_bytes_per_param: float | None = None, step: StepOptions | None = None, sync_fragments: int = 1,
-             sync_delay: int = 0) -> Candidate:
-    """Predict one layout's step on `cluster` (see `plan` for the options; `sync_fragments` and `sync_delay`: an
-    overlapped sync, whose step time counts only what does not hide behind the local steps)."""
+             sync_bytes_per_param: float | None = None, step: StepOptions | None = None) -> Candidate:
+    """Predict one layout's step on `cluster` (see `plan` for the options; `step.sync_fragments` and
+    `step.sync_delay`: an overlapped sync, whose step time counts only what does not hide behind the local steps,
+    and whose snapshot the memory estimate counts)."""
     check_layout(method, S=S, R=R, F=F, A=A)
     if sync_bytes_per_param is not None and not sync_bytes_per_param > 0:
         raise ConfigError(f"sync_bytes_per_param must be positive, got {sync_bytes_per_param!r}")
@@ -148,10 +148,8 @@ def evaluate(cluster: Cluster, model: ModelShape, method: str, *, F: int = 1, R:
     compute = compute_time(model.num_params, tokens_per_gpu_batch, cluster.flops_per_gpu,
                            flops_per_param_token=8.0 if activation_checkpointing else 6.0)
     step = step or StepOptions()
-    if method.startswith("fl-") and (sync_fragments, sync_delay) != (1, 0):
-        step = replace(step, sync_fragments=sync_fragments, sync_delay=sync_delay)
     if method.startswith("fl-"):
-        comm = overlapped(comm, A=A, fragments=sync_fragments, delay=sync_delay,
+        comm = overlapped(comm, A=A, fragments=step.sync_fragments, delay=step.sync_delay,
                           local_step=compute + comm.shard + comm.replicate)
     if sync_bytes_per_param is not None and step.sync_dtype == "float32":
         dtypes: dict[float, str] = {}

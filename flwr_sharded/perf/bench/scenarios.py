@@ -143,6 +143,7 @@ def planner_view(cluster_path: Path, layouts: dict[str, Layout], opts: argparse.
     """The planner on the same cluster YAML: its first choice, and its prediction and ranking of the measured
     layouts (ranked as `plan` ranks: FL candidates count `fl_margin` slower)."""
     from flwr_sharded.perf.cluster import load_cluster
+    from flwr_sharded.perf.memory_model import StepOptions
     from flwr_sharded.perf.planner import evaluate, plan
 
     cluster = load_cluster(cluster_path)
@@ -161,9 +162,10 @@ def planner_view(cluster_path: Path, layouts: dict[str, Layout], opts: argparse.
     for key in VARIANT_RUNS:
         if key in opts.method_list and "fl-fsdp" in layouts:
             v, lay = sync_variant(key, opts), layouts["fl-fsdp"]
+            step = StepOptions(sync_fragments=v.fragments, sync_delay=v.delay, sync_carry=v.carry,
+                               error_feedback=v.error_feedback)
             c = evaluate(cluster, shape, "fl-fsdp", F=lay.F, R=lay.R, S=lay.S, A=A,
-                         **{**kw, "sync_bytes_per_param": SYNC_DTYPE_BYTES[v.dtype]}, sync_fragments=v.fragments,
-                         sync_delay=v.delay)
+                         **{**kw, "sync_bytes_per_param": SYNC_DTYPE_BYTES[v.dtype]}, step=step)
             variants[key] = {"predicted_step_s": c.step_time, "comm_s": c.comm.total, "compute_s": c.compute,
                              "hidden_sync_s": c.comm.hidden}
     # the same A as the measured FL runs: a larger A always predicts faster (and drifts more)
