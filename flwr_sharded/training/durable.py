@@ -69,17 +69,19 @@ _METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), 
                      ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("pathlib", "PosixPath"),
                      ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")}
 """Beyond the classes of `_METADATA_MODULE` and torch's dtypes, what a DCP `.metadata` file names (torch 2.x)."""
+_METADATA_MODULES = {_METADATA_MODULE, "torch", *(module for module, _ in _METADATA_GLOBALS)}
+"""The only modules a `.metadata` file may make the unpickler import."""
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP's metadata classes and nothing else: a crafted `.metadata` file cannot run code."""
 
     def find_class(self, module: str, name: str) -> Any:
-        found = getattr(importlib.import_module(module), name, None) if module in {
-            _METADATA_MODULE, "torch", *(m for m, _ in _METADATA_GLOBALS)} else None
-        if (module, name) in _METADATA_GLOBALS or isinstance(found, torch.dtype) or (
-                module == _METADATA_MODULE and isinstance(found, type) and found.__module__ == module):
-            return found
+        if module in _METADATA_MODULES:
+            found = getattr(importlib.import_module(module), name, None)
+            if (module, name) in _METADATA_GLOBALS or isinstance(found, torch.dtype) or (
+                    module == _METADATA_MODULE and isinstance(found, type) and found.__module__ == module):
+                return found
         raise pickle.UnpicklingError(f"a checkpoint's .metadata names {module}.{name}, which is not one of DCP's "
                                      f"metadata classes: refused (a crafted or foreign file?)")
 
