@@ -272,7 +272,7 @@ def _apply(client: GroupClient, context: Any, content: Any, config: Mapping[str,
         raise ValueError(f"the shards are for round {info.get('round')}, this message is for round {server_round}")
     if not 0 <= chunk < chunks:
         raise ValueError(f"chunk {chunk} of {chunks}")
-    handoff_dir = str(client.call(M.STATUS, timeout=min(timeout, 30.0))["handoff_dir"])
+    handoff_dir = str(client.call(M.STATUS, {"checksums": False}, timeout=min(timeout, 30.0))["handoff_dir"])
     directory = os.path.join(handoff_dir, f"apply-round{server_round}.{attempt}")
     if chunk == 0:  # chunks of earlier passes, or of rounds whose apply did not finish
         _remove_applies(handoff_dir, keep=directory)

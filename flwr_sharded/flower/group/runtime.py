@@ -247,10 +247,13 @@ class GroupRuntime:
                 "rendezvous_ports": self.offer_ports, "pids": self.pids, "handoff_dir": self.handoff_dir}
 
     def do_status(self, args: dict[str, Any]) -> dict[str, Any]:
+        """The group's layout and state; `checksums=False` skips the shard and optimizer checksums, a read of every
+        rank's whole state (the server path's apply asks for the layout once per chunk)."""
         t = self.trainer
+        sums = t is not None and bool(args.get("checksums", True))
         return {**self._layout(), "run_key": self.key, "steps": t.step_count if t else 0,
-                "checksums": self.checksums() if t else [], "syncs": self.syncs,
-                "optimizer_checksums": self.checksums(optimizer=True) if t else [],
+                "checksums": self.checksums() if sums else [], "syncs": self.syncs,
+                "optimizer_checksums": self.checksums(optimizer=True) if sums else [],
                 "lr": t.scheduler.get_last_lr()[0] if t else 0.0,
                 "uptime_s": time.time() - self.started}
 
