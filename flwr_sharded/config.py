@@ -80,6 +80,12 @@ class ParallelConfig:
     """Clear the inner optimizer's state (e.g. Adam moments) after each sync; by default it stays local and kept."""
     sync: bool = option(True, not_flat="a Flower run always syncs; the no-sync limit is a static-engine benchmark")
     """Run the shard sync of FL methods; off gives the no-sync limit (independent groups), for benchmarks."""
+    sync_retries: int = option(3, ge=0, not_flat="a Flower round ends at a failed sync, every member rolled back; "
+                                                 "the strategy's strikes decide what follows (max-strikes)")
+    """Static engine: a sync that fails on any member (an error, a timeout, a rejected result) puts every rank back
+    at the last adopted sync (shards, outer state, inner optimizer, step and schedule) and training goes on from
+    there with fresh batches, at most this many times in a row; then the run stops with the error. 0: stop at the
+    first failed sync and keep no rollback copy (host memory: the shards and their inner optimizer state)."""
     outer: str = "fedavg"
     """How synced shards are combined: fedavg, fedavgm, nesterov (DiLoCo), fedadam, fedyogi, trimmed-mean, or a
     `package.module:Class` ShardRule."""

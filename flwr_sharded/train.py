@@ -30,6 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--measure-traffic", metavar="DIR", default=None,
                         help="count each rank's collectives and interface bytes during optimizer steps and syncs; "
                              "write DIR/rank<N>.json (see flwr_sharded.perf.traffic_report)")
+    # fault injection for tests, counted in sync attempts on rank 0: the N-th fails after its reduction succeeded
+    # everywhere (the commit vote); rank 0 brings NaN shards and moments to the N-th (admission and healing)
+    parser.add_argument("--debug-fail-sync", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--debug-nan-sync", type=int, default=0, help=argparse.SUPPRESS)
     schema.add_arguments(parser, TrainConfig)
     return parser
 
@@ -40,10 +44,11 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
     return schema.apply_arguments(cfg, args)
 
 
-def run(cfg: TrainConfig, measure_traffic: str | None = None) -> dict[str, Any]:
+def run(cfg: TrainConfig, measure_traffic: str | None = None, faults: Any = None) -> dict[str, Any]:
     """Train in the current torchrun world, write the run directory, and return rank 0's final metrics.
 
     `measure_traffic`: a directory where every rank writes the bytes it sent during steps and syncs.
+    `faults`: test-only `FaultInjection` of rank 0.
     """
     import torch.distributed as dist
 
@@ -59,6 +64,8 @@ def run(cfg: TrainConfig, measure_traffic: str | None = None) -> dict[str, Any]:
         dist.broadcast_object_list(box, src=0)  # every rank writes its part of the model there
         cfg.output.run_dir = box[0]
         trainer = Trainer(cfg, topo)
+        if leader and faults is not None and trainer.outer is not None:
+            trainer.outer.faults = faults
         if leader:
             recorder = RunDir(cfg.output.run_dir, config=config_to_dict(cfg), tensorboard=cfg.output.tensorboard,
                               wandb_project=cfg.output.wandb_project)
@@ -113,12 +120,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"flwr-sharded: error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    from flwr_sharded.training.outer_loop import FaultInjection, SyncFailed
+
     try:
-        final = run(cfg, measure_traffic=args.measure_traffic)
+        final = run(cfg, measure_traffic=args.measure_traffic,
+                    faults=FaultInjection(fail_sync=args.debug_fail_sync, nan_sync=args.debug_nan_sync))
     except ConfigError as exc:  # found once the data is opened (e.g. a hub dataset that needs a loading script)
         if leader:
             print(f"flwr-sharded: error: {exc}", file=sys.stderr)
         return 2
+    except SyncFailed as exc:  # every rank stops at the same sync, with the same error
+        if leader:
+            print(f"flwr-sharded: error: {exc}", file=sys.stderr)
+        return 1
     if leader and final:
         print(json.dumps({k: v for k, v in final.items() if k != "kind"}))
     return 0

@@ -168,20 +168,20 @@ class TrainArgs:
     """Server path: the facility's first member exports its shards after the round."""
     catch_up: bool = False
     """A member (re)joined: every member adopts member 0's shards, outer state and step first."""
-    overrides: dict[str, Any] = field(default_factory=dict)
-    """Round options (`flwr_sharded.flower.run.ROUND_KEYS`) the strategy set for this round."""
+    round: Any = field(default_factory=lambda: _round_options())
+    """The `flwr_sharded.flower.run.RoundOptions` the strategy set for this round."""
 
     def to_config(self) -> dict[str, Any]:
-        out = {_key(k): v for k, v in self.__dict__.items() if k != "overrides"}
-        return {**out, **self.overrides}
+        out = {_key(k): v for k, v in self.__dict__.items() if k != "round"}
+        return {**out, **self.round.to_config()}
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> TrainArgs:
         """Parse a train config; ArgumentError names a missing, mistyped or unknown key."""
         from flwr_sharded.errors import ConfigError
-        from flwr_sharded.flower.run import ROUND_KEYS, round_overrides
+        from flwr_sharded.flower.run import ROUND_KEYS, RoundOptions
 
-        known = {_key(name): name for name in cls.__dataclass_fields__ if name != "overrides"}
+        known = {_key(name): name for name in cls.__dataclass_fields__ if name != "round"}
         values: dict[str, Any] = {}
         extra: dict[str, Any] = {}
         for key, value in config.items():
@@ -197,11 +197,11 @@ class TrainArgs:
         if missing:
             raise ArgumentError(f"train config lacks {', '.join(missing)}")
         try:
-            overrides = round_overrides(extra)
+            round_options = RoundOptions.from_config(extra)
         except ConfigError as exc:
             raise ArgumentError(str(exc)) from None
         try:
-            args = cls(**values, overrides=overrides)
+            args = cls(**values, round=round_options)
             args.server_round, args.member_index = int(args.server_round), int(args.member_index)
             args.members = [str(m) for m in args.members]
             args.rendezvous_ports = [int(p) for p in args.rendezvous_ports]
@@ -219,6 +219,12 @@ class TrainArgs:
         if len(set(args.members)) != len(args.members):
             raise ArgumentError(f"members {args.members} name a node twice")
         return args
+
+
+def _round_options(**values: Any) -> Any:
+    from flwr_sharded.flower.run import RoundOptions  # the run's schema checks them
+
+    return RoundOptions(**values)
 
 
 ROUTING_KEYS = ("timeout", "partition-id", "num-partitions", "node-data-dir", "node-facility")

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from flwr_sharded.errors import first_line
 from flwr_sharded.flower.signed_store import SignedStore, StoreAborted
 
 logger = logging.getLogger(__name__)
@@ -247,8 +248,3 @@ def _nccl_errors_raise(backend: str) -> Iterator[None]:
             del os.environ[NCCL_ERROR_HANDLING]
         else:
             os.environ[NCCL_ERROR_HANDLING] = saved
-
-
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"

@@ -4,13 +4,14 @@
 for a CPU laptop) + how the groups federate (`FederationConfig`) + every wait (`Deadlines`). Its flat option names
 are the app's run-config keys: `[tool.flwr.app.config]` of `apps/llama_fl_hsdp/pyproject.toml` is generated from it
 (`python -m flwr_sharded.flower.run --write PYPROJECT`) and a test fails on any drift. Options a strategy may change
-from one round to the next are listed in `ROUND_KEYS`. Torch-free.
+from one round to the next are the typed fields of `RoundOptions`. Torch-free.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import re
 import sys
@@ -28,9 +29,49 @@ AGGREGATIONS: tuple[str, ...] = typing.get_args(Aggregation)
 ServerRule = Literal["mean", "median", "trimmed-mean"]
 RUN_CONFIG = Surface(lambda o: f"'{o.name}'", "run config ")
 """Errors name run-config keys as typed in `flwr run --run-config 'key=value'`."""
-ROUND_KEYS = ("aggregate-every", "syncs-per-round", "lr", "proximal-mu")
-"""Options a strategy may override for one round in its train config (`configure_train`); anything else there is
-refused. They travel in that round's train messages only; the run's own values travel once, in the hello."""
+@dataclass(frozen=True)
+class RoundOptions:
+    """What a strategy may set for one round in its train config (`configure_train`); anything else there is
+    refused. They travel in that round's train messages only; the run's own values travel once, in the hello. Each
+    field is the run option of the same name; unset: the run's value."""
+
+    aggregate_every: int | None = None
+    """A of this round."""
+    syncs_per_round: int | None = None
+    """K of this round."""
+    lr: float | None = None
+    """The inner optimizer's peak learning rate from this round on (the schedule's shape is kept)."""
+    proximal_mu: float | None = None
+    """FedProx's mu of this round."""
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], surface: Surface = RUN_CONFIG) -> RoundOptions:
+        """The round options in a train config (keys with '-'), each checked as the run option of that name;
+        ConfigError naming any other key."""
+        options = schema.by_name(FlowerRun)
+        values = {}
+        for key, value in config.items():
+            if key not in ROUND_KEYS:
+                raise surface.error(f"train config key '{key}' is not a round option; a strategy may set "
+                                    f"{', '.join(ROUND_KEYS)}")
+            values[key.replace("-", "_")] = options[key].check(value, surface)
+        return cls(**values)
+
+    def to_config(self) -> dict[str, Any]:
+        """The options set, as train-config keys."""
+        return {f.name.replace("_", "-"): getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) is not None}
+
+    def for_run(self, run: FlowerRun) -> RoundOptions:
+        """Every option of this round: those set, else the run's own."""
+        t, own = run.train, {"aggregate_every": run.train.parallel.aggregate_every,
+                             "syncs_per_round": run.federation.syncs_per_round}
+        own.update(lr=t.optim.lr, proximal_mu=t.optim.proximal_mu)
+        return RoundOptions(**{k: v if getattr(self, k) is None else getattr(self, k) for k, v in own.items()})
+
+
+ROUND_KEYS: tuple[str, ...] = tuple(f.name.replace("_", "-") for f in dataclasses.fields(RoundOptions))
+"""The train-config keys of `RoundOptions`."""
 
 
 @dataclass
@@ -286,18 +327,6 @@ class FlowerRun:
 
 def _fl_methods() -> list[str]:
     return [m for m in METHODS if m.startswith("fl-")]
-
-
-def round_overrides(config: Mapping[str, Any], surface: Surface = RUN_CONFIG) -> dict[str, Any]:
-    """The `ROUND_KEYS` a strategy set in a round's train config, checked; ConfigError naming any other key."""
-    options = schema.by_name(FlowerRun)
-    out = {}
-    for key, value in config.items():
-        if key not in ROUND_KEYS:
-            raise surface.error(f"train config key '{key}' is not a round option; a strategy may set "
-                                f"{', '.join(ROUND_KEYS)}")
-        out[key] = options[key].check(value, surface)
-    return out
 
 
 # -------------------------------------------------------------------------------------------- the app's config

@@ -1,41 +1,45 @@
 """The rollback point of a rank's federated state: what a failed sync (or catch-up) restores.
 
-One object owns the "last adopted sync" of every sync fragment: this rank's local shards and the inner optimizer's
+One object holds the "last adopted sync" of every sync fragment: this rank's local shards and the inner optimizer's
 state of their parameters (on the host, pinned on CUDA machines), the fragment's outer state (the global shards, the
-outer rule's state and error-feedback residuals, when the sync keeps them), and the trainer's step and learning-rate
-schedule. `commit(i)` after fragment i's sync is adopted (`commit()`: all of them), `restore()` when a sync fails on
-any member: every fragment goes back to its last commit, and the step and schedule to those of the newest commit (the
-local steps since are undone; the data stream goes on with fresh batches). `restore_optimizer(i)` puts back only the
+outer rule's state and error-feedback residuals, when the sync keeps them), and the trainer's clock (step and
+learning-rate schedule, through the callables it is given: nothing here knows the trainer). `commit(i)` after
+fragment i's sync is adopted (`commit()`: all of them), `restore()` when a sync fails on any member: every fragment
+goes back to its last commit, and the step and schedule to those of the newest commit (the local steps since are
+undone; the data stream goes on with fresh batches). `restore_optimizer(i)` puts back only the
 optimizer state: a member left out of a sync for non-finite values adopts the others' mean, and its moments, which
 may hold the same NaN, are those of the last commit.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable, Sequence
 
 import torch
 
 from flwr_sharded.parallel.sync import ShardSync, local_shard
 
-if TYPE_CHECKING:
-    from flwr_sharded.training.trainer import Trainer
-
 
 class RollbackPoint:
-    """A trainer's shards, optimizer state and outer state, fragment by fragment, and its step and schedule, as of
-    their last `commit`."""
+    """Shards, optimizer state and outer state, fragment by fragment, and a clock (step and schedule), as of their
+    last `commit`.
 
-    def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
-        shard_sync = trainer.shard_sync
-        parts: list[tuple[list[torch.Tensor], ShardSync | None]] = (
-            [(list(trainer.model.parameters()), None)] if shard_sync is None else
-            [(sync.params, sync) for sync in shard_sync.fragments])
+    Args:
+        parts: per sync fragment, its parameters and its `ShardSync` (None: parameters without outer state).
+        optimizer: the inner optimizer whose state of those parameters is kept.
+        clock: returns the trainer's step and learning-rate schedule (a state dict), taken at each commit.
+        set_clock: puts such a state back.
+    """
+
+    def __init__(self, parts: Sequence[tuple[Sequence[torch.Tensor], ShardSync | None]],
+                 optimizer: torch.optim.Optimizer, *, clock: Callable[[], dict[str, Any]],
+                 set_clock: Callable[[dict[str, Any]], None]) -> None:
+        self.optimizer, self._clock_of, self._set_clock = optimizer, clock, set_clock
         self._pin = torch.cuda.is_available()
-        self._parts = [(params, sync, [self._host_like(local_shard(p)) for p in params]) for params, sync in parts]
-        self._outer: list[dict[str, Any] | None] = [None] * len(parts)
-        self._moments: list[list[dict[str, Any] | None]] = [[None] * len(params) for params, _ in parts]
+        self._parts = [(list(params), sync, [self._host_like(local_shard(p)) for p in params])
+                       for params, sync in parts]
+        self._outer: list[dict[str, Any] | None] = [None] * len(self._parts)
+        self._moments: list[list[dict[str, Any] | None]] = [[None] * len(params) for params, _, _ in self._parts]
         """Per fragment and parameter: its optimizer state at the commit (tensors: this rank's local values on the
         host), or None where the optimizer had none yet."""
         self._clock: dict[str, Any] = {}
@@ -47,22 +51,20 @@ class RollbackPoint:
     def commit(self, fragment: int | None = None) -> None:
         """Make the current shards, optimizer and outer state (of one fragment, or all) and the current step and
         schedule the ones `restore()` returns to."""
-        t = self.trainer
         for i, (params, sync, saved) in enumerate(self._parts):
             if fragment is not None and i != fragment:
                 continue
             for j, (param, copy) in enumerate(zip(params, saved)):
                 copy.copy_(local_shard(param))
-                self._moments[i][j] = self._save_state(t.optimizer.state.get(param), self._moments[i][j])
+                self._moments[i][j] = self._save_state(self.optimizer.state.get(param), self._moments[i][j])
             if sync is not None and sync.keeps_global and sync.has_outer_state:
                 self._outer[i] = _to(sync.outer_state_dict(), "cpu")
-        self._clock = {"step": t.step_count, "scheduler": t.scheduler.state_dict()}
+        self._clock = self._clock_of()
 
     @torch.no_grad()
     def restore(self) -> None:
         """Put back every fragment's shards, optimizer and outer state of its last commit, and the step and
         learning-rate schedule of the newest commit."""
-        t = self.trainer
         for i, ((params, sync, saved), outer) in enumerate(zip(self._parts, self._outer)):
             for param, copy in zip(params, saved):
                 local_shard(param).copy_(copy)
@@ -70,15 +72,12 @@ class RollbackPoint:
             if outer is not None and sync is not None:
                 sync.load_outer_state_dict(_to(outer, local_shard(params[0]).device))
         if self._clock:
-            t.step_count = self._clock["step"]
-            t.scheduler.load_state_dict(self._clock["scheduler"])
-            for group, lr in zip(t.optimizer.param_groups, t.scheduler.get_last_lr()):
-                group["lr"] = lr
+            self._set_clock(self._clock)
 
     @torch.no_grad()
     def restore_optimizer(self, fragment: int) -> None:
         """Put back the inner optimizer's state of fragment `fragment`'s parameters as of its last commit."""
-        state = self.trainer.optimizer.state
+        state = self.optimizer.state
         params, _, _ = self._parts[fragment]
         for param, saved in zip(params, self._moments[fragment]):
             if saved is None:

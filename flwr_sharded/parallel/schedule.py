@@ -15,24 +15,24 @@ from dataclasses import dataclass
 class Schedule:
     """When each fragment starts and merges within a period of A steps (steps counted 1..A)."""
 
-    period: int
-    """A: local steps per period."""
+    aggregate_every: int
+    """A: local steps per period (`aggregate-every`)."""
     fragments: int = 1
     """N: fragments synced at staggered points of the period."""
     delay: int = 0
     """tau: steps between a fragment's start and its merge (0: a blocking sync at the boundary)."""
 
     def __post_init__(self) -> None:
-        if not 1 <= self.fragments <= self.period:
-            raise ValueError(f"{self.fragments} fragments in a period of {self.period} steps: between 1 and "
-                             f"{self.period} (one boundary per step at most)")
+        if not 1 <= self.fragments <= self.aggregate_every:
+            raise ValueError(f"{self.fragments} fragments in a period of {self.aggregate_every} steps: between 1 and "
+                             f"{self.aggregate_every} (one boundary per step at most)")
         if not 0 <= self.delay < self.shortest_share():
             raise ValueError(f"a delay of {self.delay} steps: it must be in [0, {self.shortest_share()}), the fewest "
                              f"steps between two fragments' syncs")
 
     def boundary(self, i: int) -> int:
         """The step after which fragment i's sync is merged: round((i + 1) A / N); the last one is A."""
-        return round((i + 1) * self.period / self.fragments)
+        return round((i + 1) * self.aggregate_every / self.fragments)
 
     def starts(self, step: int) -> list[int]:
         """Fragments whose overlapped sync starts after `step` of the period (none when the delay is 0)."""
@@ -47,6 +47,6 @@ class Schedule:
         return min(self.boundary(i) - (self.boundary(i - 1) if i else 0) for i in range(self.fragments))
 
     @staticmethod
-    def shortest_share_of(period: int, fragments: int) -> int:
+    def shortest_share_of(aggregate_every: int, fragments: int) -> int:
         """`shortest_share` of N fragments in a period of A steps (for checks before a Schedule can be built)."""
-        return Schedule(period, max(1, min(fragments, period))).shortest_share()
+        return Schedule(aggregate_every, max(1, min(fragments, aggregate_every))).shortest_share()

@@ -170,12 +170,13 @@ class TrafficProbe:
         return wrapped
 
     def attach(self, trainer: Any) -> None:
-        """Measure `trainer.step` (one optimizer step) and the shard syncs from now on: a window per completed
-        fragment sync (`complete_sync`), and the collectives of starting an overlapped one (`start_sync`) and of
-        its communication thread under "sync" too."""
+        """Measure `trainer.step` (one optimizer step) and the shard syncs from now on: a window per fragment sync
+        on every rank (`OuterLoop.merge`: the reduction, the commit, the replicas' broadcast), and the collectives of
+        starting an overlapped one (`OuterLoop.start`) and of its communication thread under "sync" too."""
         trainer.step = self.wrap("step", trainer.step)
-        trainer.complete_sync = self.wrap("sync", trainer.complete_sync)
-        trainer.start_sync = self.wrap("sync", trainer.start_sync, count=False)
+        if trainer.outer is not None:
+            trainer.outer.merge = self.wrap("sync", trainer.outer.merge)
+            trainer.outer.start = self.wrap("sync", trainer.outer.start, count=False)
 
     def to_dict(self) -> dict[str, Any]:
         self.finish()

@@ -1,7 +1,8 @@
 """What one rank does: build the sharded model, run local steps, sync shards every A steps, evaluate, log.
 
 The same `Trainer` runs inside the static torchrun world (`flwr_sharded.train`, loop in `run`) and inside a Flower
-group, whose round object (`flwr_sharded.flower.group.round`) drives `step`, the sync and `after_sync` itself.
+group, whose round object (`flwr_sharded.flower.group.round`) drives `step` itself. Both hand the shard sync to the
+trainer's `OuterLoop` (`flwr_sharded.training.outer_loop`) after every step, with their own `Federation`.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ from flwr_sharded.parallel.contribution import expected_weight_of
 from flwr_sharded.parallel.schedule import Schedule
 from flwr_sharded.parallel.sharding import mixed_precision_policy
 from flwr_sharded.parallel.streaming import FragmentedSync, fragment_parameters
-from flwr_sharded.parallel.sync import ShardSync, SyncStats, local_shard
+from flwr_sharded.parallel.sync import ShardSync, local_shard
 from flwr_sharded.parallel.topology import Topology
 from flwr_sharded.run_dir import perplexity
 from flwr_sharded.training import data as data_lib
@@ -30,6 +30,7 @@ from flwr_sharded.training.checkpoint import CheckpointWriteError, Checkpointer,
 from flwr_sharded.training.metrics import PhaseTimer, Throughput
 from flwr_sharded.training.model_init import build_sharded_model
 from flwr_sharded.training.models import transformer_blocks
+from flwr_sharded.training.outer_loop import OuterLoop, StaticFederation, SyncFailed, SyncOutcome
 from flwr_sharded.training.proximal import ProximalTerm
 from flwr_sharded.training.safetensors_writer import save_sharded_pretrained
 
@@ -62,16 +63,6 @@ def effective_batch(cfg: TrainConfig) -> int:
     p = cfg.parallel
     ranks = p.replicas * p.shards if p.federated else p.world_size
     return ranks * cfg.batch_size * cfg.grad_accum
-
-
-@dataclass
-class StepResult:
-    """Outcome of one optimizer step on this rank."""
-
-    loss: torch.Tensor
-    """Mean loss over the step's micro-batches (a device tensor: reading it synchronises)."""
-    synced: SyncStats | None
-    """Stats of the shard sync that followed the step, if one ran."""
 
 
 class Trainer:
@@ -114,22 +105,21 @@ class Trainer:
         n_eval = (min(cfg.data.eval_blocks, len(self.blocks.validation)) // topo.group_world) * topo.group_world
         self.eval_data = eval_batches(self.blocks, batch_size=cfg.batch_size, group_rank=topo.group_rank,
                                                group_world=topo.group_world, max_blocks=n_eval)
-        self.shard_sync: FragmentedSync | None = None
-        self.fragment_tokens = [0] * p.sync_fragments
-        """This rank's tokens since each fragment's last sync started (its weight in the next one)."""
+        self.outer: OuterLoop | None = None
+        """The outer loop over the shard sync (FL methods)."""
         if p.federated:
             replica0 = topo.replica_index == 0
-            fed_group = topo.fed_group if static_sync and replica0 else None
             parts = fragment_parameters(self.model, transformer_blocks(self.model), p.sync_fragments)
-            syncs = [ShardSync(part, fed_group=fed_group, rep_group=topo.rep_group if static_sync else None,
+            syncs = [ShardSync(part, fed_group=topo.fed_group if static_sync and replica0 else None,
                                bucket_bytes=int(p.bucket_mb * (1 << 20)), rule=outer_rule(p),
                                wire_dtype=getattr(torch, p.sync_dtype), error_feedback=p.sync_error_feedback)
                      for part in parts]
-            self.shard_sync = FragmentedSync(syncs, Schedule(p.aggregate_every, p.sync_fragments, p.sync_delay),
-                                             carry=p.sync_carry)
+            sync = FragmentedSync(syncs, Schedule(p.aggregate_every, p.sync_fragments, p.sync_delay),
+                                  carry=p.sync_carry)
             self._fragment_of = {id(param): i for i, part in enumerate(parts) for _, param in part}
-            if replica0:  # only replica 0 joins the cross-group step
-                self.shard_sync.capture_global()  # the start of the first sync period, for outer optimizers
+            self.outer = OuterLoop(self, sync, topo, alpha=p.sync_alpha, reset_optimizer_state=p.reset_optimizer_state,
+                                   max_weight=lambda steps: expected_weight_of(cfg, steps=steps,
+                                                                               worlds=[topo.group_world]))
         self.proximal_mu = cfg.optim.proximal_mu
         """FedProx's mu of the current round (0: off)."""
         self.proximal = ProximalTerm(self.model)
@@ -156,7 +146,8 @@ class Trainer:
             with self.timer.phase("backward"):
                 loss.backward()
             total += loss.detach()
-            self.fragment_tokens = [n + batch.numel() for n in self.fragment_tokens]
+            if self.outer is not None:
+                self.outer.count(batch.numel())
         with self.timer.phase("optimizer"):
             if self.proximal_mu > 0:
                 self.proximal.add_gradient(self.proximal_mu)
@@ -186,75 +177,28 @@ class Trainer:
         for group, factor in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas):
             group["lr"] = lr * factor(self.scheduler.last_epoch)
 
-    # ----- the shard sync: fragment i of N, blocking (tau = 0) or overlapped (started tau steps before) ---------
-    def take_weight(self, i: int) -> float:
-        """This group's weight in fragment i's sync (its tokens since that fragment's last sync started), and a new
-        count from now on."""
-        weight = float(self.fragment_tokens[i] * self.topo.group_world)  # every rank of a group sees equal batches
-        self.fragment_tokens[i] = 0
-        cfg, schedule = self.cfg, self.shard_sync.schedule
-        # no group can have trained on more than a period (and the delay of an overlapped sync) of full batches
-        self.shard_sync.set_max_weight(expected_weight_of(cfg, steps=schedule.period + schedule.delay,
-                                                          worlds=[self.topo.group_world]))
-        return weight
+    @property
+    def shard_sync(self) -> FragmentedSync | None:
+        """The outer loop's fragmented shard sync (FL methods)."""
+        return self.outer.sync if self.outer is not None else None
 
-    def start_sync(self, i: int) -> None:
-        """Fragment i's overlapped sync begins: its shards are copied out and, on replica 0, reduced in the
-        background while the next steps compute."""
-        with self.timer.phase("sync"):
-            self.shard_sync.start(i, self.take_weight(i))
+    # ----- the clock: step and learning-rate schedule -----------------------------------------------------------
+    def clock(self) -> dict[str, Any]:
+        """The step count and the learning-rate schedule's state (what a rollback or a resume puts back)."""
+        return {"step": self.step_count, "scheduler": self.scheduler.state_dict()}
 
-    def complete_sync(self, i: int, *, apply_rule: bool = True, timeout: float | None = None) -> SyncStats:
-        """Fragment i's synced values into its shards (on ranks that take part in the reduction; a static world's
-        FL+HSDP replicas too, by broadcast): a blocking sync, or the overlapped one's wait (bounded by `timeout`)
-        and merge, with `sync-alpha` mixing. Raises if the sync failed (nothing is then written); `after_sync`
-        follows once the sync is adopted. `apply_rule=False`: stop at the weighted mean (a facility-level sync of a
-        hierarchical federation)."""
-        alpha = self.cfg.parallel.sync_alpha
-        with self.timer.phase("sync"):
-            if self.shard_sync.schedule.delay == 0:
-                return self.shard_sync.sync_fragment(i, self.take_weight(i), apply_rule=apply_rule, alpha=alpha)
-            if self.shard_sync.flights[i].in_flight:
-                self.shard_sync.wait(i, timeout)
-            return self.shard_sync.merge(i, alpha=alpha, apply_rule=apply_rule)
+    def set_clock(self, state: dict[str, Any]) -> None:
+        """Put back a `clock()`: the step count, the schedule, and the optimizer's learning rate of that step."""
+        self.step_count = state["step"]
+        self.scheduler.load_state_dict(state["scheduler"])
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+            group["lr"] = lr
 
-    def abandon_syncs(self) -> None:
-        """Drop the syncs in flight (a round failed) and restart every fragment's token count."""
-        self.shard_sync.abandon()
-        self.fragment_tokens = [0] * len(self.fragment_tokens)
-
-    def sync_point(self, step_in_period: int) -> list[SyncStats]:
-        """What the static loop does after step `step_in_period` (1..A) of a period: start the overlapped syncs due,
-        complete those due (each followed by `after_sync`); returns the completed syncs' stats."""
-        schedule, done = self.shard_sync.schedule, []
-        for i in schedule.merges(step_in_period):
-            done.append(self.complete_sync(i, timeout=self.cfg.timeout_s))
-            self.after_sync(i)
-        for i in schedule.starts(step_in_period):
-            self.start_sync(i)
-        return done
-
-    def sync(self, *, apply_rule: bool = True) -> SyncStats:
-        """A blocking sync of the whole model, fragment by fragment, each followed by `after_sync`."""
-        if self.shard_sync is None:
-            raise RuntimeError("this trainer has no federation groups to sync with")
-        stats = []
-        for i in range(len(self.shard_sync.fragments)):
-            with self.timer.phase("sync"):
-                stats.append(self.shard_sync.sync_fragment(i, self.take_weight(i), apply_rule=apply_rule,
-                                                           alpha=self.cfg.parallel.sync_alpha))
-            self.after_sync(i)
-        return SyncStats(seconds=sum(x.seconds for x in stats), buckets=sum(x.buckets for x in stats),
-                         bytes=sum(x.bytes for x in stats), total_weight=stats[0].total_weight)
-
-    def after_sync(self, fragment: int | None = None) -> None:
-        """What follows every adopted sync of a fragment (or of all) on every rank: the optimizer's state of its
-        parameters cleared if configured, and the FedProx anchor set."""
-        if self.cfg.parallel.reset_optimizer_state:
-            params = self.model.parameters() if fragment is None else self.fragment_params(fragment)
-            for param in params:
-                self.optimizer.state.pop(param, None)
-        self.set_anchor(fragment)
+    def set_step(self, step: int) -> None:
+        """Continue from step `step` with the schedule's learning rate of that step (a catch-up to another member)."""
+        self.step_count = step
+        self.scheduler.last_epoch = step - 1
+        self.scheduler.step()  # the learning rate of step `step`
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -277,7 +221,7 @@ class Trainer:
         meta = {"config": config_to_dict(self.cfg), "vocab_size": self.blocks.vocab_size,
                 "scheduler": self.scheduler.state_dict(), **(extra_meta or {})}
         rank_state = {"stream": self.stream.state(), "rng": torch.get_rng_state(),
-                      "fragment_tokens": list(self.fragment_tokens)}
+                      "fragment_tokens": list(self.outer.tokens) if self.outer is not None else [0]}
         if self.shard_sync is not None and self.shard_sync.keeps_global:
             rank_state["outer"] = self.shard_sync.outer_state_dict()  # sharded like the parameters
         if self.device.type == "cuda":
@@ -306,10 +250,10 @@ class Trainer:
         if skipped and self.topo.group_rank == 0:
             logger.warning("resume: skipped %s in %s; resuming from %s", "; ".join(skipped),
                            self.checkpointer.directory, checkpoint.name)
-        self.step_count = meta["step"]
-        self.scheduler.load_state_dict(meta["scheduler"])
+        self.set_clock({"step": meta["step"], "scheduler": meta["scheduler"]})
         self.stream.load_state(rank_state["stream"])
-        self.fragment_tokens = list(rank_state["fragment_tokens"])
+        if self.outer is not None:
+            self.outer.tokens = list(rank_state["fragment_tokens"])
         if "outer" in rank_state:
             self.shard_sync.load_outer_state_dict(rank_state["outer"])
         torch.set_rng_state(rank_state["rng"])
@@ -360,12 +304,25 @@ class Trainer:
                 run_dir.log(record)
             return record
 
+        federation = StaticFederation(self.topo, wait_timeout=cfg.timeout_s) if p.federated and p.sync else None
+        if federation is not None and p.sync_retries:
+            self.outer.keep_rollback_point()
+        failures = 0
         try:
             while self.step_count < cfg.steps:
                 loss_sum += self.step()
                 window_steps += 1
-                if p.federated and p.sync:
-                    syncs += len(self.sync_point((self.step_count - 1) % p.aggregate_every + 1))
+                if federation is not None:
+                    step = self.step_count
+                    outcomes = self.outer_step((step - 1) % p.aggregate_every + 1, federation)
+                    syncs += sum(o.adopted for o in outcomes)
+                    if outcomes and not outcomes[-1].adopted:  # back at the last adopted sync: its steps undone
+                        failures += 1
+                        stamp(self._sync_failed(outcomes[-1], failures, failed_at=step))
+                        loss_sum.zero_()
+                        window_start, window_steps, bar.n = time.perf_counter(), 0, self.step_count
+                        continue
+                    failures = 0 if outcomes else failures
                 if self.step_count % out.log_every == 0 or self.step_count == cfg.steps:
                     last = stamp(self._train_record(loss_sum, window_steps, time.perf_counter() - window_start,
                                                     syncs))
@@ -388,10 +345,30 @@ class Trainer:
             if self.checkpointer is not None:
                 self.checkpoint_or_report(self.checkpointer.wait)
         finally:
-            if self.shard_sync is not None:
-                self.shard_sync.abandon(self.cfg.timeout_s)  # a sync in flight when `steps` ends mid-period is dropped
+            if self.outer is not None:
+                self.outer.abandon(self.cfg.timeout_s)  # a sync in flight when `steps` ends mid-period is dropped
             bar.close()
         return last
+
+    def outer_step(self, step_in_period: int, federation: Any, *, apply_rule: bool = True) -> list[SyncOutcome]:
+        """The outer loop's part after step `step_in_period` (1..A) of a period: the syncs due, timed as "sync"."""
+        if not self.outer.due(step_in_period):
+            return []
+        with self.timer.phase("sync"):
+            return self.outer.after_step(step_in_period, federation, apply_rule=apply_rule)
+
+    def _sync_failed(self, outcome: SyncOutcome, failures: int, failed_at: int) -> dict[str, Any]:
+        """A static world's sync failed at step `failed_at` and every rank is back at the last adopted one: the
+        record to log, or `SyncFailed` once `sync-retries` failures in a row are spent."""
+        retries = self.cfg.parallel.sync_retries
+        where = f"the sync of fragment {outcome.fragment} after step {failed_at} failed: {outcome.error}"
+        if failures > retries:
+            raise SyncFailed(f"{where}; {failures} failed sync(s) in a row, --sync-retries {retries}: stopping")
+        if self.is_logger:
+            logger.warning("%s; every rank is back at step %d (the last adopted sync), retry %d of %d "
+                           "(--sync-retries)", where, self.step_count, failures, retries)
+        return {"kind": "sync_failed", "step": failed_at, "restored_step": self.step_count,
+                "fragment": outcome.fragment, "error": outcome.error, "blame": outcome.blame, "retry": failures}
 
     def _train_record(self, loss_sum: torch.Tensor, steps: int, seconds: float, syncs: int) -> dict[str, Any]:
         """Training loss averaged over all ranks, throughput, memory and phase times of the last `steps` steps."""

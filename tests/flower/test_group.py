@@ -16,7 +16,7 @@ import pytest
 from flwr_sharded.flower import messages as P
 from flwr_sharded.flower.endpoint import GroupClient, GroupError, GroupUnavailable, read_authkey, write_authkey
 from flwr_sharded.flower.node_policy import NodePolicy
-from flwr_sharded.flower.run import FlowerRun
+from flwr_sharded.flower.run import FlowerRun, RoundOptions
 from tests.flower.procs import free_port, group_pids, pid_alive, start_group, start_groups, wait_until
 from tests.multiproc import run_ranks, torchrun
 
@@ -50,12 +50,12 @@ def round_args(offer: dict, prefix: str, i: int, members: int, *, syncs: int | N
                steps: int | None = None, rendezvous_timeout: float = 30.0, sync_timeout: float = 30.0,
                **flags: Any) -> dict:
     """The train config member `i` of a round gets (K and A as round overrides when given)."""
-    overrides = {k: v for k, v in (("syncs-per-round", syncs), ("aggregate-every", steps)) if v is not None}
+    options = RoundOptions(syncs_per_round=syncs, aggregate_every=steps)
     return P.TrainArgs(server_round=1, job=f"{prefix}/{i}", members=[str(m) for m in range(members)],
                        member_index=i, rendezvous_host=offer["rendezvous_host"],
                        rendezvous_ports=offer["rendezvous_ports"], prefix=prefix,
                        rendezvous_timeout=rendezvous_timeout, sync_timeout=sync_timeout,
-                       secret=ROUND_SECRET, overrides=overrides, **flags).to_config()
+                       secret=ROUND_SECRET, round=options, **flags).to_config()
 
 
 def train(c: GroupClient, config: dict, timeout: float = 180.0) -> dict:
@@ -418,3 +418,36 @@ def test_a_dead_group_during_an_overlapped_int8_sync_makes_the_survivors_roll_ba
     for o in out:
         assert (o["syncs"], o["sync_failed"]) == (2, False)
     assert out[0]["checksums"] == out[1]["checksums"]
+
+
+@pytest.mark.timeout(420)
+def test_an_injected_failed_sync_ends_the_same_in_a_flower_group_and_in_the_static_engine(procs, data_dir, tmp_path):
+    """Two groups of one rank; member 0 fails its second sync after the reduction (`--debug-fail-sync 2`). Through
+    the group runtime (4 rounds of one sync of A = 2 steps: round 2 fails and rolls back) and in the static engine
+    (the same failure, rolled back and retried), every step's loss and the held-out loss after every adopted sync
+    agree within 1e-5: the same outer loop, the same rollback (shards, optimizer, step and schedule)."""
+    s = spec(data_dir, shards=1, aggregate_every=2, syncs_per_round=1, rounds=4)
+    groups = start_groups(procs, [("a", dict(shards=1, extra=["--debug-fail-sync", "2"])), ("b", dict(shards=1))])
+    clients = [client(a, k) for _, a, k in groups]
+    offer = hello(clients[0], s, 0, 2)
+    hello(clients[1], s, 1, 2)
+    losses, evals = [], []
+    for r in range(4):
+        out = train_all(clients, offer, f"same/round{r}", syncs=None, steps=None)
+        assert [o["sync_failed"] for o in out] == [r == 1] * 2
+        round_losses = [(a + b) / 2 for a, b in zip(out[0]["losses"], out[1]["losses"])]
+        losses += round_losses[:-1] if r == 1 else round_losses  # the static log drops the failed sync's step
+        if r != 1:
+            evals.append(out[0]["eval_loss"])
+    result = torchrun(2, ["--method", "fl-fsdp", "--federations", "2", "--shards", "1", "--model", "tiny",
+                          "--data-dir", str(data_dir), "--seq-len", "32", "--batch-size", "2", "--eval-blocks", "8",
+                          "--steps", str(s.total_steps), "--aggregate-every", "2", "--lr", str(s.train.optim.lr),
+                          "--seed", str(s.train.seed), "--log-every", "1", "--eval-every", "2",
+                          "--debug-fail-sync", "2", "--run-dir", str(tmp_path / "static"), "--no-save-model",
+                          "--no-progress"], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "static" / "metrics.jsonl").read_text().splitlines()]
+    static = [r["loss"] for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in records if r["kind"] == "sync_failed"] == [4]
+    assert losses == pytest.approx(static[:len(losses)], abs=1e-5)
+    assert evals == pytest.approx([r["eval_loss"] for r in records if r["kind"] == "eval"][:3], abs=1e-5)

@@ -17,7 +17,7 @@ from flwr_sharded.config import TrainConfig
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower import endpoint as E
 from flwr_sharded.flower import messages as M
-from flwr_sharded.flower.run import ROUND_KEYS, FlowerRun, app_config_toml, round_overrides
+from flwr_sharded.flower.run import ROUND_KEYS, FlowerRun, RoundOptions, app_config_toml
 
 REPO = Path(__file__).resolve().parents[2]
 APP = REPO / "apps" / "llama_fl_hsdp"
@@ -161,11 +161,18 @@ def test_layout_mismatch_names_both_sides():
 
 
 def test_round_options_are_checked_and_nothing_else_passes():
-    assert round_overrides({"aggregate-every": 3, "lr": 0.01}) == {"aggregate-every": 3, "lr": 0.01}
+    options = RoundOptions.from_config({"aggregate-every": 3, "lr": 0.01})
+    assert options == RoundOptions(aggregate_every=3, lr=0.01)
+    assert options.to_config() == {"aggregate-every": 3, "lr": 0.01}
+    run = FlowerRun()
+    resolved = options.for_run(run)
+    assert (resolved.aggregate_every, resolved.lr) == (3, 0.01)
+    assert (resolved.syncs_per_round, resolved.proximal_mu) == (run.federation.syncs_per_round,
+                                                                run.train.optim.proximal_mu)
     with pytest.raises(ConfigError, match="'warmup' is not a round option"):
-        round_overrides({"warmup": 0.5})
+        RoundOptions.from_config({"warmup": 0.5})
     with pytest.raises(ConfigError, match="'aggregate-every' must be an integer >= 1"):
-        round_overrides({"aggregate-every": 0})
+        RoundOptions.from_config({"aggregate-every": 0})
     assert set(ROUND_KEYS) <= {o.name for o in schema.options(FlowerRun)}
 
 
@@ -175,9 +182,9 @@ TRAIN = dict(server_round=2, job="run1/round2/7", members=["7", "9"], member_ind
 
 
 def test_train_arguments_round_trip_and_unknown_keys_are_refused():
-    args = M.TrainArgs(**TRAIN, catch_up=True, overrides={"proximal-mu": 0.01})
+    args = M.TrainArgs(**TRAIN, catch_up=True, round=RoundOptions(proximal_mu=0.01))
     config = args.to_config()
-    assert config["member-index"] == 1 and config["proximal-mu"] == 0.01 and "overrides" not in config
+    assert config["member-index"] == 1 and config["proximal-mu"] == 0.01 and "round" not in config
     assert M.TrainArgs.from_config({**config, "timeout": 60.0}) == args  # the ClientApp's own keys are allowed
     with pytest.raises(M.ArgumentError, match="'my-key' is not known to this group"):
         M.TrainArgs.from_config({**config, "my-key": 1})

@@ -12,15 +12,16 @@ from tests.parallel.test_sync import WEIGHTS, _sharded_tiny_model, central_mean
 def test_schedule_staggers_fragments_and_bounds_the_delay():
     from flwr_sharded.parallel.schedule import Schedule
 
-    s = Schedule(period=8, fragments=3, delay=1)
+    s = Schedule(aggregate_every=8, fragments=3, delay=1)
     assert [s.boundary(i) for i in range(3)] == [3, 5, 8]
     assert s.shortest_share() == 2 and Schedule.shortest_share_of(8, 3) == 2  # shares of 3, 2 and 3 steps
     with pytest.raises(ValueError, match=r"\[0, 2\)"):
-        Schedule(period=8, fragments=3, delay=2)
+        Schedule(aggregate_every=8, fragments=3, delay=2)
     starts = {step: s.starts(step) for step in range(1, 9) if s.starts(step)}
     merges = {step: s.merges(step) for step in range(1, 9) if s.merges(step)}
     assert starts == {2: [0], 4: [1], 7: [2]} and merges == {3: [0], 5: [1], 8: [2]}
-    assert Schedule(period=8).merges(8) == [0] and not any(Schedule(period=8).starts(k) for k in range(1, 9))
+    blocking = Schedule(aggregate_every=8)
+    assert blocking.merges(8) == [0] and not any(blocking.starts(k) for k in range(1, 9))
 
 
 def _step(model, fed: int, step: int, scale: float = 0.05) -> None:
@@ -132,6 +133,7 @@ def _trainer_equals_todays_loop(rank: int, world: int, data_dir: str) -> bool:
     from flwr_sharded.parallel.outer import make_rule
     from flwr_sharded.parallel.sync import ShardSync, local_shard
     from flwr_sharded.parallel.topology import init_topology
+    from flwr_sharded.training.outer_loop import StaticFederation
     from flwr_sharded.training.trainer import Trainer
 
     cfg = TrainConfig()
@@ -144,7 +146,7 @@ def _trainer_equals_todays_loop(rank: int, world: int, data_dir: str) -> bool:
     todays.capture_global()
     for step in range(1, cfg.steps + 1):
         ours.step()
-        ours.sync_point((step - 1) % 2 + 1)
+        assert all(o.adopted for o in ours.outer_step((step - 1) % 2 + 1, StaticFederation(topo, 60.0)))
         ref.step()
         if step % 2 == 0:
             todays.sync(float(2 * 32 * 2 * topo.group_world))

@@ -89,3 +89,28 @@ def test_gradient_accumulation_equals_the_larger_batch(data_dir, tmp_path):
     _run(2, [*common, "--batch-size", "1", "--grad-accum", "2", "--run-dir", str(tmp_path / "accum")])
     big, accum = _state(tmp_path / "big" / "model"), _state(tmp_path / "accum" / "model")
     assert max(float((big[k] - accum[k]).abs().max()) for k in big) < 1e-5
+
+
+FAILED_SYNC = ["--method", "fl-fsdp", "--federations", "2", "--shards", "1", "--aggregate-every", "2",
+               "--steps", "6", "--log-every", "1", "--eval-every", "0", "--no-save-model"]
+
+
+@pytest.mark.timeout(300)
+def test_a_sync_that_fails_on_one_member_is_rolled_back_everywhere_and_training_goes_on(data_dir, tmp_path):
+    """Member 0 fails its second sync after the reduction succeeded everywhere (injected): both members roll back
+    to the first sync (step 2), train steps 3-4 again on fresh batches and adopt the next syncs; the run completes
+    with the failure in its metrics. With --sync-retries 0 the same failure stops every rank with the error."""
+    _run(2, [*FAILED_SYNC, "--debug-fail-sync", "2", *_common(data_dir, tmp_path, "retry")])
+    failed = _records(tmp_path / "retry", "sync_failed")
+    assert [(r["step"], r["restored_step"], r["retry"]) for r in failed] == [(4, 2, 1)]
+    assert "--debug-fail-sync 2" in failed[0]["error"]
+    train = _records(tmp_path / "retry", "train")
+    assert [r["step"] for r in train] == [1, 2, 3, 3, 4, 5, 6]  # step 4's window undone, steps 3-4 trained again
+    assert train[-1]["syncs"] == 3 and train[3]["loss"] != train[2]["loss"]  # fresh batches after the rollback
+
+    result = torchrun(2, [*FAILED_SYNC, "--debug-fail-sync", "2", "--sync-retries", "0",
+                          *_common(data_dir, tmp_path, "stop")], timeout=200)
+    assert result.returncode != 0
+    assert "the sync of fragment 0 after step 4 failed" in result.stderr and "--sync-retries 0: stopping" in \
+        result.stderr, result.stderr[-3000:]
+    assert json.loads((tmp_path / "stop" / "summary.json").read_text())["status"] == "failed"

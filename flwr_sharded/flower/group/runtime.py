@@ -44,7 +44,6 @@ from flwr_sharded.flower.group.round import GroupRound
 from flwr_sharded.flower.group.server_side import InstructionError
 from flwr_sharded.flower.node_policy import NodePolicy
 from flwr_sharded.flower.processes import pid_alive
-from flwr_sharded.parallel.schedule import Schedule
 
 logger = logging.getLogger("flwr_sharded.group")
 
@@ -83,7 +82,6 @@ class GroupRuntime:
         self.trainer = None
         self.run = None  # the FlowerRun of the current trainer (this group's S)
         self.policy = NodePolicy()  # what the last hello's node config allowed (nothing until a hello)
-        self.rollback = None  # the trainer's RollbackPoint
         self.resumed_round = 0
         # the hand-off directory is a fresh private one (mkdtemp) under --handoff-dir, never a path someone made
         self.handoff_dir = self.broadcast(handoff.fresh_private_dir("flwr_sharded-handoff-", args.handoff_dir or None)
@@ -93,8 +91,6 @@ class GroupRuntime:
         """The run's group-idle-timeout (from its hello): drop the run after that long without an instruction."""
         self.tokens = 0
         self.syncs = 0
-        self.sync_attempts = 0
-        """Fragment syncs attempted since the trainer was built (`--debug-fail-sync` counts them)."""
         self.started = time.time()
         self.stores: list[dist.TCPStore] = []
         self.offer_ports: list[int] = []
@@ -308,20 +304,22 @@ class GroupRuntime:
         return out
 
     def _build(self, cfg: Any, partition: tuple[int, int], key: str) -> None:
-        from flwr_sharded.parallel.rollback import RollbackPoint
+        from flwr_sharded.training.outer_loop import FaultInjection
         from flwr_sharded.training.trainer import Trainer
 
         self._drop_trainer()
         start = time.perf_counter()
         self.trainer = Trainer(cfg, self.topo, static_sync=False, partition=partition)
-        self.key, self.tokens, self.syncs, self.sync_attempts, self.resumed_round = key, 0, 0, 0, 0
+        self.key, self.tokens, self.syncs, self.resumed_round = key, 0, 0, 0
+        if self.rank == 0:  # test-only faults, counted in the outer loop's sync attempts
+            self.trainer.outer.faults = FaultInjection(fail_sync=self.args.debug_fail_sync,
+                                                       nan_sync=self.args.debug_nan_sync)
         if cfg.checkpoint.resume:
             meta = self.trainer.resume()
             self.resumed_round = int(meta.get("round", 0))
             logger.info("resumed from %s: round %d, step %d", cfg.checkpoint.dir, self.resumed_round,
                         self.trainer.step_count)
-        self.rollback = RollbackPoint(self.trainer)
-        self.rollback.commit()
+        self.trainer.outer.keep_rollback_point()
         logger.info("built the trainer for partition %d/%d in %.1f s", *partition, time.perf_counter() - start)
 
     def _need_trainer(self):
@@ -338,10 +336,9 @@ class GroupRuntime:
             raise InstructionError("export asks for the server path, but this run's aggregation is decentralized")
         if len(a.rendezvous_ports) != self.args.shards:
             raise InstructionError(f"{len(a.rendezvous_ports)} rendezvous ports for {self.args.shards} shard indices")
-        p = self.run.train.parallel
-        steps = int(a.overrides.get("aggregate-every", p.aggregate_every))
+        p, steps = self.run.train.parallel, a.round.for_run(self.run).aggregate_every
         try:
-            t.shard_sync.schedule = Schedule(steps, p.sync_fragments, p.sync_delay)
+            t.outer.set_aggregate_every(steps)
         except ValueError as exc:
             raise InstructionError(f"aggregate-every {steps} of this round does not fit sync-fragments "
                                    f"{p.sync_fragments} and sync-delay {p.sync_delay}: {exc}") from None
@@ -431,7 +428,7 @@ class GroupRuntime:
     def _drop_trainer(self) -> None:
         if self.trainer is None:
             return
-        self.trainer, self.run, self.rollback, self.key = None, None, None, ""
+        self.trainer, self.run, self.key = None, None, ""
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

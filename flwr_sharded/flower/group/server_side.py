@@ -94,6 +94,6 @@ def apply(rt: Any, paths: list[str]) -> float:
         t.shard_sync.step_rule()  # the outer optimizer, on this rank's own shards and state
     if rt.topo.rep_group is not None:
         t.shard_sync.broadcast(rt.topo.rep_group)
-    t.after_sync()
-    rt.rollback.commit()
+    t.outer.after_sync()
+    t.outer.commit()
     return time.perf_counter() - start

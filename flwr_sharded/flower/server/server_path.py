@@ -40,7 +40,7 @@ from flwr.supercore import log
 
 from flwr_sharded.flower import handoff
 from flwr_sharded.flower import messages as M
-from flwr_sharded.flower.run import round_overrides
+from flwr_sharded.flower.run import RoundOptions
 from flwr_sharded.flower.server import grid as G
 from flwr_sharded.flower.server.records import note_checkpoint_errors
 from flwr_sharded.flower.server.membership import GroupInfo
@@ -105,11 +105,11 @@ class ServerShardFedAvg(DecentralizedFedAvg):
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> list[Message]:
         """Per facility: its members sync among themselves; its first member exports its shards at the end."""
-        overrides = round_overrides(dict(config))
+        round_options = RoundOptions.from_config(dict(config))
         messages = []
         for facility, nodes in self.facilities().items():
             messages += self.train_messages(server_round, nodes, self.groups[nodes[0]].layout,
-                                            f"run{self.run_id}/round{server_round}/{facility}", overrides,
+                                            f"run{self.run_id}/round{server_round}/{facility}", round_options,
                                             catch_up=any(n in self._rejoined for n in nodes), evaluate=False,
                                             checkpoint=False, export_first=True)
         return messages
@@ -124,7 +124,8 @@ class ServerShardFedAvg(DecentralizedFedAvg):
         memory = PeakRSS(self._rss_base)
         messages = self.configure_train(server_round, ArrayRecord(), ConfigRecord(dict(train_config or {})), grid)
         replies = self.train_and_collect(grid, messages)
-        manifests, rejected, spec = self._manifests(server_round, replies, round_overrides(dict(train_config or {})))
+        round_options = RoundOptions.from_config(dict(train_config or {}))
+        manifests, rejected, spec = self._manifests(server_round, replies, round_options)
         self._round_wall = time.monotonic() - t0
         _, metrics = self.aggregate_train(server_round, replies)
         del replies
@@ -153,15 +154,14 @@ class ServerShardFedAvg(DecentralizedFedAvg):
         self.evaluate_round(grid, server_round, result)
         self.publish_round()
 
-    def expected_weight(self, node: int, overrides: dict[str, Any]) -> float:
+    def expected_weight(self, node: int, round_options: RoundOptions) -> float:
         """The tokens the facility led by `node` trained on in this round: K syncs of A steps, by each member of
         the facility with its R x S ranks (checked at hello), of `batch-size` x `grad-accum` blocks of `seq-len`."""
         from flwr_sharded.parallel.contribution import expected_weight_of
 
-        K = int(overrides.get("syncs-per-round", self.run.federation.syncs_per_round))
-        A = int(overrides.get("aggregate-every", self.run.train.parallel.aggregate_every))
+        resolved = round_options.for_run(self.run)
         members = self.facilities().get(self.groups[node].facility, [node])
-        return expected_weight_of(self.run.train, steps=K * A,
+        return expected_weight_of(self.run.train, steps=resolved.syncs_per_round * resolved.aggregate_every,
                                   worlds=[self.groups[n].layout.replicas * self.groups[n].layout.shards
                                           for n in members])
 
@@ -170,7 +170,7 @@ class ServerShardFedAvg(DecentralizedFedAvg):
         rejected[source] = reason
         log(WARNING, "round %d: server path: rejected the shards of %s: %s%s", server_round, source, reason, then)
 
-    def _manifests(self, server_round: int, replies: list[Message], overrides: dict[str, Any]
+    def _manifests(self, server_round: int, replies: list[Message], round_options: RoundOptions
                    ) -> tuple[dict[int, tuple[str, float, list[Any]]], dict[str, str], dict[str, Any] | None]:
         """The facility leaders' manifests that fit the model (node -> (source, weight, piece layouts)), the
         rejected ones (source -> reason), and the model's spec (global shapes and dtypes).
@@ -198,7 +198,8 @@ class ServerShardFedAvg(DecentralizedFedAvg):
                     raise RejectedReply(f"round {info.get('round')} is not the current round {server_round}")
                 if group is None or node not in self.round_members:
                     raise RejectedReply("the node is not a member of this round")
-                reason = check_weight(weight, self.expected_weight(node, overrides) if math.isfinite(weight) else None)
+                bound = self.expected_weight(node, round_options) if math.isfinite(weight) else None
+                reason = check_weight(weight, bound)
                 if reason:
                     raise RejectedReply(reason)
                 layouts = decode_layouts(shapes, meta)

@@ -7,7 +7,7 @@ No arrays cross the server: every message carries a ConfigRecord only. Per run:
    with its layout, model/sharding fingerprint and a rendezvous offer; groups that fail it are left out, with the
    reason in the ServerApp log;
 3. rounds: `configure_train` gives each member (ordered by partition id) the member list, member 0's rendezvous
-   offer, a fresh prefix, a fresh secret (members prove it at the rendezvous) and the round's overrides; each group
+   offer, a fresh prefix, a fresh secret (members prove it at the rendezvous) and the round's options; each group
    runs K periods of A local steps and a shard sync after each. The train message starts the round; collect
    messages pushed behind it return its result, which `aggregate_train` weighs by tokens. A group that fails, or
    does not answer before the round deadline, or whose node goes offline, is dropped, and the other members are told
@@ -37,7 +37,7 @@ from flwr.supercore import log
 
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower import messages as M
-from flwr_sharded.flower.run import FlowerRun, round_overrides
+from flwr_sharded.flower.run import FlowerRun, RoundOptions
 from flwr_sharded.flower.server import collect
 from flwr_sharded.flower.server import grid as G
 from flwr_sharded.flower.server import records
@@ -100,19 +100,19 @@ class DecentralizedFedAvg(GroupMembership, Strategy):
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         """One train message per member: the ordered members, member 0's rendezvous offer, a fresh prefix and the
-        round options in `config` (checked: anything but `ROUND_KEYS` is refused)."""
+        round options in `config` (`RoundOptions`: any other key is refused)."""
         members = self.round_members
-        overrides = round_overrides(dict(config))
+        round_options = RoundOptions.from_config(dict(config))
         offer = self.groups[members[0]].layout
         if self._repair:
             log(WARNING, "round %d starts with a catch-up from member 0: %s", server_round, self._repair)
         catch_up, self._repair = bool(self._rejoined or self._repair), ""
         return self.train_messages(server_round, members, offer, f"run{self.run_id}/round{server_round}",
-                                   overrides, catch_up=catch_up, evaluate=self.evaluate_in_train,
+                                   round_options, catch_up=catch_up, evaluate=self.evaluate_in_train,
                                    checkpoint=self.run.checkpoint_due(server_round))
 
     def train_messages(self, server_round: int, members: list[int], offer: M.GroupLayout, prefix: str,
-                       overrides: dict[str, Any], *, catch_up: bool, evaluate: bool, checkpoint: bool,
+                       round_options: RoundOptions, *, catch_up: bool, evaluate: bool, checkpoint: bool,
                        export_first: bool = False) -> list[Message]:
         """The train messages of one set of members that sync among themselves (a round, or a facility)."""
         d = self.deadlines
@@ -124,7 +124,7 @@ class DecentralizedFedAvg(GroupMembership, Strategy):
                                rendezvous_ports=list(offer.rendezvous_ports), prefix=prefix,
                                rendezvous_timeout=d.rendezvous_timeout, sync_timeout=d.sync_timeout, secret=secret,
                                evaluate=evaluate, checkpoint=checkpoint, export=export_first and i == 0,
-                               catch_up=catch_up, overrides=overrides)
+                               catch_up=catch_up, round=round_options)
             out.append(G.message(node, M.MSG_TRAIN, {**args.to_config(), "timeout": M.START_TIMEOUT_S},
                                  str(server_round), d.round_timeout))
         return out
@@ -218,7 +218,7 @@ class DecentralizedFedAvg(GroupMembership, Strategy):
                 raise ConfigError(f"num_rounds {rounds} exceeds the run's 'num-server-rounds' "
                                   f"{self.run.federation.rounds} (the learning-rate schedule spans rounds x K x A "
                                   f"steps)")
-            round_overrides(dict(train_config or {}))
+            RoundOptions.from_config(dict(train_config or {}))
         except ConfigError as exc:
             log(ERROR, "%s", exc)
             raise
