@@ -110,9 +110,12 @@ def throughput(gpus: int, data_dir: str, work: Path, steps: int) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="", help="JSON file (default: benchmarks/results/gpu_check-<date>.json)")
-    parser.add_argument("--data-dir", default=os.environ.get("FLWR_SHARDED_DATA", str(REPO / ".data")))
+    from flwr_sharded import schema, tool_options
+    from flwr_sharded.config import DataConfig
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=schema.HelpFormatter)
+    parser.add_argument("--out", default="", help="JSON file (empty: benchmarks/results/gpu_check-<date>.json)")
+    tool_options.add_option(parser, DataConfig, "data_dir", default=os.environ.get("FLWR_SHARDED_DATA", str(REPO / ".data")))
     parser.add_argument("--quick", action="store_true", help="fewer steps (a smoke test)")
     args = parser.parse_args()
     import torch

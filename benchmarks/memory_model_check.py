@@ -220,11 +220,14 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--worker"]:
         rest = argv[2:]
         return worker(argv[1], rest[1:] if rest[:1] == ["--"] else rest)
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data-dir", default=str(ROOT / ".data"), help="prepared corpus and tokenizer (prepare-data)")
+    from flwr_sharded import schema, tool_options
+    from flwr_sharded.config import DataConfig
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=schema.HelpFormatter)
+    tool_options.add_option(p, DataConfig, "data_dir", default=str(ROOT / ".data"))
     p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of: {', '.join(LAYOUTS)}")
-    p.add_argument("--out", default=None, help="result JSON (default benchmarks/results/memory_model_check_DATE.json)")
-    p.add_argument("--work-dir", default=None, help="where the runs write (default: a new temporary directory)")
+    p.add_argument("--out", default=None, help="result JSON (unset: benchmarks/results/memory_model_check_DATE.json)")
+    p.add_argument("--work-dir", default=None, help="where the runs write (unset: a new temporary directory)")
     p.add_argument("--mmap-threshold", type=int, default=0, help="MALLOC_MMAP_THRESHOLD_ for the ranks (0: glibc's)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per torchrun")
     p.add_argument("--table", metavar="JSON", help="print the Markdown table of a result file and exit")

@@ -58,11 +58,14 @@ def run(variant: SyncVariant, data_dir: str, work: Path, steps: int) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data-dir", required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--only", default="", help="variant names separated by '|' (default all)")
+    from flwr_sharded import schema, tool_options
+    from flwr_sharded.config import DataConfig, TrainConfig
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=schema.HelpFormatter)
+    tool_options.add_option(parser, DataConfig, "data_dir", required=True)
+    parser.add_argument("--out", type=Path, required=True, help="result JSON")
+    tool_options.add_option(parser, TrainConfig, "steps", default=32)
+    parser.add_argument("--only", default="", help="variant names separated by '|' (empty: all)")
     args = parser.parse_args()
     names = [n for n in VARIANTS if not args.only or n in args.only.split("|")]
     rows = {}

@@ -32,10 +32,13 @@ import torch.distributed as dist
 
 
 def parse() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from flwr_sharded import schema
+    from flwr_sharded.parallel.wire import QUANT_BLOCK
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=schema.HelpFormatter)
     p.add_argument("--mb", type=float, default=32.0, help="size of the fp32 tensor in MB")
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--block", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=7, help="timed samples of each operation")
+    p.add_argument("--block", type=int, default=QUANT_BLOCK, help="values per fp32 scale (the wire's)")
     p.add_argument("--out", default=None, help="also write the JSON line here (rank 0)")
     return p.parse_args()
 

@@ -21,13 +21,30 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from flwr_sharded import schema, tool_options
+from flwr_sharded.config import DataConfig, ModelConfig, ParallelConfig
+from flwr_sharded.flower.run import FederationConfig
 from flwr_sharded.perf.local_flower import (Procs, base_env, free_port, round_records, run_config_args,
                                             start_groups, write_flwr_home)
+from flwr_sharded.schema import same_as
 
 REPO = Path(__file__).resolve().parents[1]
 APP = REPO / "apps" / "llama_fl_hsdp"
+
+
+@dataclass
+class RunOptions:
+    """The run config's options of every run (the Flower app's own flags and docstrings)."""
+
+    model: str = same_as(ModelConfig, "name", default="medium")
+    shards: int = same_as(ParallelConfig, "shards")
+    seq_len: int = same_as(DataConfig, "seq_len", default=16)
+    rounds: int = same_as(FederationConfig, "rounds")
+    server_buffer_mb: float = same_as(FederationConfig, "server_buffer_mb")
+    data_dir: str = same_as(DataConfig, "data_dir", default=str(REPO / ".data"))
 
 
 def measure(F: int, args: argparse.Namespace, work: Path) -> list[dict]:
@@ -68,19 +85,14 @@ def measure(F: int, args: argparse.Namespace, work: Path) -> list[dict]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=schema.HelpFormatter)
+    schema.add_arguments(p, RunOptions)
     p.add_argument("--groups", type=int, nargs="+", default=[2, 4], help="values of F")
-    p.add_argument("--model", default="medium")
-    p.add_argument("--shards", type=int, default=1)
-    p.add_argument("--seq-len", type=int, default=16)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--server-buffer-mb", type=float, default=128.0, help="the run config's (default: its default)")
     p.add_argument("--task-poll-interval", type=float, default=0.0,
-                   help="FLWR_SUPEREXEC_TASK_POLL_INTERVAL of the SuperNodes, in s (default: Flower's, 1 s)")
-    p.add_argument("--data-dir", default=str(REPO / ".data"))
-    p.add_argument("--timeout", type=float, default=900)
-    p.add_argument("--out", default="")
-    args = p.parse_args()
+                   help="FLWR_SUPEREXEC_TASK_POLL_INTERVAL of the SuperNodes, in s (0: Flower's, 1 s)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds one run may take")
+    p.add_argument("--out", default="", help="result JSON (none when empty)")
+    args = tool_options.parse_args(p, RunOptions)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for F in args.groups:

@@ -1,6 +1,7 @@
 """Server path against decentralised sync through Flower: the same groups, model and schedule in one run each.
 
-    PATH=.venv/bin:$PATH python benchmarks/server_path_flower.py --model small --rounds 5 --out benchmarks/results/...
+    PATH=.venv/bin:$PATH python benchmarks/server_path_flower.py --model small --num-server-rounds 5 \
+        --out benchmarks/results/...
 
 Runs `apps/llama_fl_hsdp/run_simulation.sh` twice, alternating the order per repeat (decentralized, then server, or
 the reverse), with K = 1 sync per round so both paths sync after the same A steps. Per round it takes from the
@@ -28,10 +29,30 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+from flwr_sharded import schema, tool_options
+from flwr_sharded.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
+from flwr_sharded.flower.run import FederationConfig
+from flwr_sharded.schema import same_as
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "apps" / "llama_fl_hsdp" / "run_simulation.sh"
+
+
+@dataclass
+class RunOptions:
+    """The run config's options of both runs (the Flower app's own flags and docstrings)."""
+
+    model: str = same_as(ModelConfig, "name")
+    rounds: int = same_as(FederationConfig, "rounds", default=5)
+    aggregate_every: int = same_as(ParallelConfig, "aggregate_every", default=2)
+    seq_len: int = same_as(DataConfig, "seq_len", default=64)
+    batch_size: int = same_as(TrainConfig, "batch_size", default=2)
+    data_dir: str = same_as(DataConfig, "data_dir", default=str(REPO / ".data"))
+    shards: int = same_as(ParallelConfig, "shards", default=2)
+    server_buffer_mb: float = same_as(FederationConfig, "server_buffer_mb")
 
 
 def run(aggregation: str, args: argparse.Namespace, work: Path) -> list[dict]:
@@ -63,21 +84,14 @@ def sync_seconds(record: dict) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="small")
-    p.add_argument("--groups", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--aggregate-every", type=int, default=2)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=2)
-    p.add_argument("--data-dir", default=str(REPO / ".data"), help="prepared data (`flwr-sharded prepare-data`)")
-    p.add_argument("--shards", type=int, default=2, help="S of every group")
-    p.add_argument("--server-buffer-mb", type=float, default=128.0, help="the run config's (default: its default)")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=schema.HelpFormatter)
+    schema.add_arguments(p, RunOptions)
+    p.add_argument("--groups", type=int, default=2, help="groups of the simulation (FLWR_SHARDED_GROUPS)")
     p.add_argument("--paths", default="decentralized,server", help="which paths to run (comma-separated)")
     p.add_argument("--repeats", type=int, default=2, help="pairs of runs, order alternated")
-    p.add_argument("--timeout", type=float, default=900)
-    p.add_argument("--out", default="")
-    args = p.parse_args()
+    p.add_argument("--timeout", type=float, default=900, help="seconds one run may take")
+    p.add_argument("--out", default="", help="result JSON (none when empty)")
+    args = tool_options.parse_args(p, RunOptions)
     paths = [a for a in ("decentralized", "server") if a in args.paths.split(",")]
     if not paths:
         sys.exit("--paths names neither decentralized nor server")

@@ -195,13 +195,17 @@ def _same_tensors(a: Path, b: Path) -> bool:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from flwr_sharded import schema, tool_options
+    from flwr_sharded.config import DataConfig
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=schema.HelpFormatter)
     parser.add_argument("--out", help="results JSON")
     parser.add_argument("--label", default="", help="what is measured (e.g. before / after)")
     parser.add_argument("--work", default="/tmp/startup_memory", help="model, checkpoints, exports")
-    parser.add_argument("--data-dir", default=os.environ.get("FLWR_SHARDED_TEST_DATA", str(REPO / ".data")))
-    parser.add_argument("--timeout", type=float, default=1800)
-    parser.add_argument("--port", type=int, default=29517)
+    tool_options.add_option(parser, DataConfig, "data_dir",
+                      default=os.environ.get("FLWR_SHARDED_TEST_DATA", str(REPO / ".data")))
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds one measured process may take")
+    parser.add_argument("--port", type=int, default=29517, help="torchrun's master port")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints and saved models in --work")
     parser.add_argument("--malloc-mmap-threshold", type=int, default=None,
                         help="bytes: run the measured processes with MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ "

@@ -21,21 +21,34 @@ import statistics
 import sys
 import time
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
+from flwr_sharded import schema, tool_options
+from flwr_sharded.config import ParallelConfig
+from flwr_sharded.schema import same_as
+
+
+@dataclass
+class SyncLayout:
+    """The trainer's options the sync runs with."""
+
+    federations: int = same_as(ParallelConfig, "federations", default=2)
+    shards: int = same_as(ParallelConfig, "shards", default=2)
+    bucket_mb: float = same_as(ParallelConfig, "bucket_mb")
+
 
 def parse() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--federations", type=int, default=2)
-    p.add_argument("--shards", type=int, default=2)
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--bucket-mb", type=float, default=64.0)
-    p.add_argument("--repeats", type=int, default=20)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=schema.HelpFormatter)
+    schema.add_arguments(p, SyncLayout)
+    p.add_argument("--layers", type=int, default=16, help="transformer blocks of the model")
+    p.add_argument("--hidden", type=int, default=64, help="width of the model")
+    p.add_argument("--vocab", type=int, default=8192, help="vocabulary of the model")
+    p.add_argument("--repeats", type=int, default=20, help="timed samples of each variant")
     p.add_argument("--out", default=None, help="write the results as JSON here (rank 0)")
-    return p.parse_args()
+    return tool_options.parse_args(p, SyncLayout)
 
 
 def peak_extra_bytes(fn) -> int:

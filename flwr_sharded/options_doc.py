@@ -2,7 +2,9 @@
 
 Two tables: the static engine's flags and YAML keys (`flwr_sharded.config.TrainConfig`), and the Flower app's
 run-config keys (`flwr_sharded.flower.run.FlowerRun`) with the reason for every training option that is not one.
-A test fails when the committed file differs from what this module renders.
+The group runtime's table in `docs/flower.md` comes from `flwr_sharded.flower.group.options.GroupOptions`
+(`flwr-sharded options --group-table docs/flower.md` rewrites it between its markers). Tests fail when a committed
+file differs from what this module renders.
 """
 
 from __future__ import annotations
@@ -33,9 +35,9 @@ def _default(value: Any) -> str:
     return f"`{value}`"
 
 
-def _row(o: schema.Option, *cells: str) -> str:
+def _row(o: schema.Option, *cells: str, flag: bool = False) -> str:
     text = " ".join(o.doc.split()).replace("|", "\\|")
-    return "| " + " | ".join([f"`{o.name}`", *cells, text]) + " |"
+    return "| " + " | ".join([f"`{'--' if flag else ''}{o.name}`", *cells, text]) + " |"
 
 
 def render() -> str:
@@ -58,17 +60,48 @@ def render() -> str:
     return "\n".join(lines) + "\n"
 
 
+GROUP_BEGIN = ("<!-- generated from flwr_sharded/flower/group/options.py by "
+               "`flwr-sharded options --group-table docs/flower.md`: edit the docstrings there -->")
+GROUP_END = "<!-- end of the generated group runtime options -->"
+
+
+def render_group_table() -> str:
+    """The group runtime's options (`GroupOptions`, hidden test switches left out) as a Markdown table."""
+    from flwr_sharded.flower.group.options import GroupOptions
+
+    lines = ["| option | default | meaning |", "|---|---|---|"]
+    lines += [_row(o, "required" if o.required else _default(o.default), flag=True)
+              for o in schema.options(GroupOptions) if not o.hidden]
+    return "\n".join(lines) + "\n"
+
+
+def with_group_table(text: str) -> str:
+    """`text` (docs/flower.md) with the generated group runtime table between its markers."""
+    if GROUP_BEGIN not in text or GROUP_END not in text:
+        raise ValueError("the group runtime table's markers are missing")
+    head, rest = text.split(GROUP_BEGIN, 1)
+    _, tail = rest.split(GROUP_END, 1)
+    return f"{head}{GROUP_BEGIN}\n{render_group_table()}{GROUP_END}{tail}"
+
+
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser("options", help="print (or write) the option reference, from the schema")
+    parser = subparsers.add_parser("options", help="print (or write) the option reference, from the schema",
+                                   formatter_class=schema.HelpFormatter)
     parser.add_argument("--write", metavar="FILE", help="write it to FILE (docs/options.md)")
+    parser.add_argument("--group-table", metavar="FILE",
+                        help="rewrite the group runtime's option table in FILE (docs/flower.md) between its markers")
     parser.set_defaults(func=_command)
 
 
 def _command(args: argparse.Namespace) -> int:
+    if args.group_table:
+        path = Path(args.group_table)
+        path.write_text(with_group_table(path.read_text()))
+        print(f"wrote the group runtime options into {path}")
     text = render()
     if args.write:
         Path(args.write).write_text(text)
         print(f"wrote {args.write}")
-    else:
+    elif not args.group_table:
         print(text, end="")
     return 0

@@ -11,12 +11,16 @@ says otherwise) that is unique in its tree. From the fields come:
   leaves an optional option unset (TOML has no null);
 - the docs' option tables (`options`, `Option.summary`).
 
+A field may declare the same option as a field of another tree (`same_as`): a tool's `--sync-fragments` is the
+trainer's, with its docstring, bounds and (unless the tool sizes it otherwise) its default.
+
 Values are checked on the way in (`Option.check`): the type, finiteness of floats and the bounds declared with
 `option(ge=..., gt=..., le=..., lt=...)`; every message names the option as the source spells it (a `Surface`).
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import dataclasses
 import functools
@@ -36,14 +40,34 @@ META = "flwr_sharded"
 
 def option(default: Any = MISSING, *, factory: Callable[[], Any] | None = None, name: str | None = None,
            ge: float | None = None, gt: float | None = None, le: float | None = None, lt: float | None = None,
-           not_flat: str | None = None) -> Any:
+           not_flat: str | None = None, required: bool = False, hidden: bool = False) -> Any:
     """A dataclass field that is an option: its default, flat name and numeric bounds.
 
     `not_flat`: why this option is not among the flat keys (the Flower run config); the docs show the reason.
+    `required`: the command line must give it (its default, None, is only the unset value of the dataclass).
+    `hidden`: left out of `--help` and the docs (test-only switches).
     """
-    meta = {"name": name, "ge": ge, "gt": gt, "le": le, "lt": lt, "not_flat": not_flat}
+    meta = {"name": name, "ge": ge, "gt": gt, "le": le, "lt": lt, "not_flat": not_flat, "required": required,
+            "hidden": hidden}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata={META: meta})
+    return dataclasses.field(default=default, metadata={META: meta})
+
+
+def same_as(cls: type, field_name: str, *, default: Any = MISSING, name: str | None = None,
+            required: bool = False) -> Any:
+    """A field declaring the option `field_name` of dataclass `cls` again: its flag name, bounds and docstring (a
+    docstring under the new field replaces it), and its default unless `default` is given (a tool that sizes the
+    option for its own runs). The new field repeats the type (`X | None` when `default` is None); its own name may
+    differ (the code's), the flag stays the source's unless `name` is given. `required`: as in `option`."""
+    source = {f.name: f for f in dataclasses.fields(cls)}[field_name]
+    meta = {**source.metadata.get(META, {}), "same_as": (cls, field_name)}
+    meta["name"] = name or meta.get("name") or field_name.replace("_", "-")
+    meta["required"] = required or meta.get("required", False)
+    if default is MISSING:
+        if source.default_factory is not MISSING:
+            return dataclasses.field(default_factory=source.default_factory, metadata={META: meta})
+        default = source.default
     return dataclasses.field(default=default, metadata={META: meta})
 
 
@@ -91,6 +115,10 @@ class Option:
     """(operator, value) pairs among ge, gt, le, lt."""
     not_flat: str | None
     """Why this option is not a flat key (the Flower run config), or None if it is one."""
+    required: bool = False
+    """The command line must give it."""
+    hidden: bool = False
+    """Left out of `--help` and the docs."""
 
     @property
     def flat(self) -> bool:
@@ -253,9 +281,12 @@ def _options(cls: type) -> tuple[Option, ...]:
             kind, optional, choices = _leaf_type(annotation)
             meta = dict(f.metadata.get(META, {}))
             bounds = tuple((op, meta[op]) for op in ("ge", "gt", "le", "lt") if meta.get(op) is not None)
+            source = meta.get("same_as")
+            doc = docs.get(f.name) or (field_docs(source[0]).get(source[1], "") if source else "")
             out.append(Option(name=meta.get("name") or f.name.replace("_", "-"), path=(*path, f.name), kind=kind,
-                              optional=optional, choices=choices, default=getattr(obj, f.name),
-                              doc=docs.get(f.name, ""), bounds=bounds, not_flat=meta.get("not_flat")))
+                              optional=optional, choices=choices, default=getattr(obj, f.name), doc=doc,
+                              bounds=bounds, not_flat=meta.get("not_flat"), required=bool(meta.get("required")),
+                              hidden=bool(meta.get("hidden"))))
 
     walk(cls, instance, ())
     names = [o.name for o in out]
@@ -347,30 +378,49 @@ def to_flat(obj: Any, *, unset: Any = None) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------------------------- command line
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """`--help` of every entry point: the description as written, and every option's default (schema options
+    carry theirs in their help; a plain option with a default other than None or False gets `(default: X)`)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help
+        if (text is None or text == argparse.SUPPRESS or "%(default)" in text or "(default:" in text
+                or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def help_text(o: Option) -> str:
+    """An option's `--help` line: the docstring's first sentence and the default (or that it is required)."""
+    shown = "required" if o.required else f"default: {'unset' if o.default is None else o.default}"
+    return f"{o.summary} ({shown})"
+
+
 def add_arguments(parser: Any, root: Any, *, skip: Iterable[str] = ()) -> None:
     """One `--<name>` per option of `root` (a dataclass or an instance, whose values are shown as defaults), grouped
-    by section; every value arrives as given (None when absent) and is checked by `apply_arguments`."""
-    import argparse
-
+    by section (described by the section's docstring); every value arrives as given (None when absent) and is
+    checked by `apply_arguments`. Each argparse action keeps its option as `action.option`."""
     skipped = set(skip)
     groups: dict[tuple[str, ...], Any] = {}
+    klass = root if isinstance(root, type) else type(root)
     for o in options(root):
         if o.name in skipped:
             continue
         section = o.path[:-1]
         if section not in groups:
-            groups[section] = parser.add_argument_group(section[-1] if section else "run") if section else parser
-        default = "unset" if o.default is None else o.default
-        help_text = f"{o.summary} (default: {default})".replace("%", "%%")
+            groups[section] = parser.add_argument_group(
+                section[-1], field_docs(klass).get(section[0]) if len(section) == 1 else None) if section else parser
+        shown = argparse.SUPPRESS if o.hidden else help_text(o).replace("%", "%%")
         dest = "opt_" + o.name.replace("-", "_")
         if o.kind is bool:
-            groups[section].add_argument(f"--{o.name}", dest=dest, action=argparse.BooleanOptionalAction,
-                                         default=None, help=help_text)
+            action = groups[section].add_argument(f"--{o.name}", dest=dest, action=argparse.BooleanOptionalAction,
+                                                  default=None, help=shown, required=o.required)
         else:
             metavar = ("{" + ",".join(map(str, o.choices)) + "}" if o.choices
                        else {str: "TEXT"}.get(o.kind, o.kind.__name__.upper()))
-            groups[section].add_argument(f"--{o.name}", dest=dest, default=None, metavar=metavar, help=help_text,
-                                         type=_cli_type(o.kind))
+            action = groups[section].add_argument(f"--{o.name}", dest=dest, default=None, metavar=metavar,
+                                                  help=shown, type=_cli_type(o.kind), required=o.required)
+        action.option = o
 
 
 def _cli_type(kind: type) -> Callable[[str], Any]:
@@ -401,3 +451,4 @@ def apply_arguments(obj: Any, namespace: Any, surface: Surface = CLI) -> Any:
             raise surface.error(f"{surface.label(o)} must be of type {o.kind.__name__}, got {value.value!r}")
         put(obj, o.path, o.check(value, surface))
     return obj
+

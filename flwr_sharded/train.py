@@ -23,7 +23,7 @@ from flwr_sharded.training.preflight import preflight
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flwr-sharded train", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=schema.HelpFormatter)
     parser.add_argument("--config", help="YAML file with the same options (sections parallel, model, data, optim, "
                                          "checkpoint, output)")
     parser.add_argument("--print-config", action="store_true", help="validate, print the resolved config and exit")

@@ -14,12 +14,15 @@ Activation coefficients (bytes per token) were counted with saved-tensor hooks o
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import lru_cache
+from typing import Literal
 
-from flwr_sharded.config import TrainConfig
+from flwr_sharded import schema
+from flwr_sharded.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES
+from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES, SyncDtype
+from flwr_sharded.schema import Surface, same_as
 from flwr_sharded.perf.model_shape import ModelShape
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -70,62 +73,63 @@ BACKWARD_WORKING_I = 1
 """Activation gradients alive in a block's backward beyond those it frees, in MLP widths (i) per token."""
 
 
+FIELD_NAMES = Surface(lambda o: o.path[-1])
+"""StepOptions' checks name each option by its field name."""
+
+
 @dataclass(frozen=True)
 class StepOptions:
-    """The trainer options that decide what a rank holds (defaults as `flwr-sharded train` on a GPU)."""
+    """The trainer options that decide what a rank holds. A training option is the config's own (`same_as`), with
+    its default and checks; `from_config` reads a whole `TrainConfig`."""
 
-    precision: str = "bf16"
-    """Compute dtype: bf16 or fp32 (`precision`; auto is bf16 on GPU, fp32 on CPU)."""
-    optimizer: str = "adamw"
-    """adamw or sgd."""
-    outer: str = "fedavg"
-    """The FL sync's rule (`outer`)."""
-    sync_dtype: str = "float32"
-    """Wire dtype of the FL sync (`sync-dtype`)."""
-    bucket_mb: float = 64.0
-    """The FL sync's flat buffer (`bucket-mb`)."""
-    grad_accum: int = 1
-    """Micro-batches per optimizer step."""
-    activation_checkpointing: bool = False
-    reshard_after_forward: bool = True
+    precision: Literal["auto", "fp32", "bf16"] = same_as(ModelConfig, "precision")
+    """Compute dtype: fp32, bf16, or auto, which becomes the trainer's choice on `device` (bf16 on cuda, fp32 on cpu)
+    when the options are made."""
+    optimizer: Literal["adamw", "sgd"] = same_as(OptimConfig, "optimizer")
+    outer: str = same_as(ParallelConfig, "outer")
+    sync_dtype: SyncDtype = same_as(ParallelConfig, "sync_dtype")
+    bucket_mb: float = same_as(ParallelConfig, "bucket_mb")
+    grad_accum: int = same_as(TrainConfig, "grad_accum")
+    activation_checkpointing: bool = same_as(ModelConfig, "activation_checkpointing")
+    reshard_after_forward: bool = same_as(ModelConfig, "reshard_after_forward")
     proximal: bool = False
     """FedProx anchor (`proximal-mu` > 0)."""
-    sync_fragments: int = 1
-    """N: fragments the FL sync cuts the model into (`sync-fragments`)."""
-    sync_delay: int = 0
-    """tau: steps an overlapped sync runs behind the training (`sync-delay`); > 0 keeps a snapshot of a fragment."""
-    sync_carry: bool = False
-    """A carrying overlapped sync (`sync-carry`): a second copy of the fragment in flight."""
-    error_feedback: bool = False
-    """Error feedback of an 8-bit wire (`sync-error-feedback`)."""
+    sync_fragments: int = same_as(ParallelConfig, "sync_fragments")
+    sync_delay: int = same_as(ParallelConfig, "sync_delay")
+    sync_carry: bool = same_as(ParallelConfig, "sync_carry")
+    sync_error_feedback: bool = same_as(ParallelConfig, "sync_error_feedback")
     rollback: bool = False
     """A Flower group: its rollback copy of the shards, their optimizer state and the outer state (host memory)."""
     device: str = "cuda"
     """cuda (foreach optimizer kernels) or cpu (one parameter at a time)."""
 
     def __post_init__(self) -> None:
-        for name, allowed in (("precision", COMPUTE_BYTES), ("optimizer", OPTIMIZER_STATE_BYTES),
-                              ("sync_dtype", SYNC_DTYPE_BYTES), ("device", ("cuda", "cpu"))):
-            if getattr(self, name) not in allowed:
-                raise ConfigError(f"{name}: choose one of {', '.join(allowed)}, got {getattr(self, name)!r}")
-        for name, least in (("grad_accum", 1), ("sync_fragments", 1), ("sync_delay", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ConfigError(f"{name} must be an integer >= {least}, got {value!r}")
-        if not self.bucket_mb > 0:
-            raise ConfigError(f"bucket_mb must be positive, got {self.bucket_mb!r}")
+        if self.device not in ("cuda", "cpu"):
+            raise ConfigError(f"device: choose one of cuda, cpu, got {self.device!r}")
+        for name, o in _config_options().items():
+            o.check(getattr(self, name), FIELD_NAMES)
+        if self.precision == "auto":
+            object.__setattr__(self, "precision", "bf16" if self.device == "cuda" else "fp32")
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, device: str) -> StepOptions:
         """The options of a `flwr_sharded.config.TrainConfig` run on `device` (cuda or cpu)."""
-        precision = cfg.model.precision if cfg.model.precision != "auto" else ("bf16" if device == "cuda" else "fp32")
-        p = cfg.parallel
-        return cls(precision=precision, optimizer=cfg.optim.optimizer, outer=p.outer, sync_dtype=p.sync_dtype,
-                   bucket_mb=p.bucket_mb, grad_accum=cfg.grad_accum,
-                   activation_checkpointing=cfg.model.activation_checkpointing,
-                   reshard_after_forward=cfg.model.reshard_after_forward, proximal=cfg.optim.proximal_mu > 0,
-                   sync_fragments=p.sync_fragments, sync_delay=p.sync_delay, sync_carry=p.sync_carry,
-                   error_feedback=p.sync_error_feedback, device=device)
+        config = schema.by_name(TrainConfig)
+        values = {name: schema.get(cfg, config[o.name].path) for name, o in _config_options().items()}
+        return cls(**values, proximal=cfg.optim.proximal_mu > 0, device=device)
+
+
+@lru_cache(maxsize=None)
+def _config_options() -> dict[str, schema.Option]:
+    """StepOptions field -> the TrainConfig option it is (`same_as`), as the config declares it."""
+    config = schema.by_name(TrainConfig)
+    out = {}
+    for f in fields(StepOptions):
+        source = f.metadata.get(schema.META, {}).get("same_as")
+        if source:
+            name = f.metadata[schema.META].get("name") or source[1].replace("_", "-")
+            out[f.name] = replace(config[name], path=(f.name,))
+    return out
 
 
 @dataclass(frozen=True)
@@ -271,7 +275,7 @@ def trainer_memory(shape: ModelShape, *, S: int, tokens: int, R: int = 1, F: int
         sync_temp = temps * bucket
         if o.sync_delay > 0:
             sync += (2 if o.sync_carry else 1) * SNAPSHOT_BYTES * largest_fragment(shape, o.sync_fragments) / S
-        if o.error_feedback:
+        if o.sync_error_feedback:
             sync += FEEDBACK_BYTES * shard
     if o.rollback:
         host = MASTER_BYTES * shard + optimizer + outer_state

@@ -5,89 +5,52 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from typing import Any
 
+from flwr_sharded import schema, tool_options
 from flwr_sharded.config import METHODS
-from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.outer import RULES
+from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES
 from flwr_sharded.perf.cluster import Cluster, load_cluster
-from flwr_sharded.perf.memory_model import OPTIMIZER_STATE_BYTES, StepOptions
+from flwr_sharded.perf.memory_model import StepOptions
 from flwr_sharded.perf.model_shape import ModelShape
+from flwr_sharded.perf.plan_options import PlanOptions
 from flwr_sharded.perf.planner import Candidate, PaperRow, evaluate, explain, model_from_preset, paper_layouts, plan
-from flwr_sharded.training.models import PRESETS
 
 GiB = 1024**3
 
 
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in text.replace(",", " ").split())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
-    return values
-
-
-def _count_arg(text: str) -> int:
-    try:
-        value = int(float(text))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number such as 8000000000 or 8e9, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
-
-
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add the `plan` sub-command; its handler is set with `set_defaults(func=...)` and returns an exit code."""
+    """Add the `plan` sub-command (options: `PlanOptions`); its handler returns an exit code."""
     p = subparsers.add_parser(
         "plan", help="rank (method, F, R, S, A) layouts for a cluster with the communication cost model",
         description="Predict compute + communication per optimizer step for every layout using all GPUs of a "
-                    "cluster, rank them and recommend one (see docs/cost-model.md).")
-    p.add_argument("--cluster", required=True, metavar="FILE", help="cluster YAML (see examples/clusters/)")
-    p.add_argument("--model", choices=sorted(PRESETS), help="model preset")
-    p.add_argument("--params", type=_count_arg, metavar="N", help="parameter count of a model without preset")
-    p.add_argument("--layers", type=int, metavar="L", help="transformer blocks of that model (with --params)")
-    p.add_argument("--hidden-size", type=int, help="model width for the activation estimate (with --params)")
-    p.add_argument("--vocab-size", type=int, default=32000, help="vocabulary for presets without one (32000)")
-    p.add_argument("--bytes-per-param", type=float, default=2.0, help="bytes per parameter on the wire (2: bf16)")
-    p.add_argument("--sync-dtype", choices=tuple(SYNC_DTYPE_BYTES), default=None,
-                   help="wire dtype of the FL shard sync's all-reduce (flwr-sharded train --sync-dtype): its bits = "
-                        "parameters x the dtype's bits (default: --bytes-per-param, like the other collectives)")
-    p.add_argument("--state-bytes-per-param", type=float, default=None,
-                   help="override the bytes per parameter of parameters + gradients + optimizer state (default: the "
-                        "trainer's: fp32 weights, gradients and AdamW moments, 16)")
-    p.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATE_BYTES), default="adamw",
-                   help="the trainer's optimizer, for memory (adamw)")
-    p.add_argument("--outer", choices=tuple(RULES), default="fedavg",
-                   help="the FL sync's outer rule, for memory: outer optimizers keep the global shards and state")
-    p.add_argument("--bucket-mb", type=float, default=64.0, help="the FL sync's bucket in MiB, for memory (64)")
-    p.add_argument("--grad-accum", type=int, default=1,
-                   help="micro-batches per step: --tokens-per-gpu is split over them; > 1 keeps unsharded gradients")
-    p.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
-                   help="assume every block stays gathered from forward to backward (more memory)")
-    p.add_argument("--tokens-per-gpu", type=int, default=2 * 2048,
-                   help="tokens per GPU per step (default 4096: the paper's 2 x 2048)")
-    p.add_argument("--aggregate-every", type=_int_list, default=(1, 2, 4, 8, 16, 32), metavar="LIST",
-                   help="values of A to try for FL methods, e.g. 1,4,8 (default 1,2,4,8,16,32)")
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), help="methods to consider")
-    p.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
-    p.add_argument("--sizes", choices=("exact", "paper"), default="exact",
-                   help="message sizes: each collective's own (exact) or one M for all as Eqs. 1-5 (paper)")
-    p.add_argument("--latency", action="store_true", help="add the cluster's per-tier latency per ring step")
-    p.add_argument("--activation-checkpointing", action="store_true",
-                   help="assume activation checkpointing: less activation memory, 8 instead of 6 FLOPs/param/token")
-    p.add_argument("--memory-fraction", type=float, default=0.9, help="usable share of GPU memory (0.9)")
-    p.add_argument("--fl-margin", type=float, default=0.1,
-                   help="FL must be this fraction faster than a synchronous method to rank above it (0.1)")
-    p.add_argument("--layouts", choices=("paper",),
-                   help="instead of planning, predict the paper's four 512-GPU layouts next to its Table 4")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+                    "cluster, rank them and recommend one (see docs/cost-model.md).",
+        formatter_class=schema.HelpFormatter)
+    schema.add_arguments(p, PlanOptions)
     p.set_defaults(func=run)
     return p
+
+
+def resolve(parsed: argparse.Namespace) -> argparse.Namespace:
+    """The plan's options from a parsed command line, lists parsed; ConfigError naming the flag."""
+    opts = schema.apply_arguments(PlanOptions(), parsed)
+    if opts.outer not in RULES:
+        raise ConfigError(f"--outer: choose one of {', '.join(RULES)}, got {opts.outer!r}")
+    values = {o.path[-1]: schema.get(opts, o.path) for o in schema.options(opts)}
+    values.update(aggregate_every=tuple(tool_options.split_list(opts.aggregate_every, "--aggregate-every", int)),
+                  methods=tool_options.split_list(opts.methods, "--methods", allowed=METHODS),
+                  params=None if opts.params is None else int(opts.params), step=step_options(opts))
+    return argparse.Namespace(**values)
+
+
+def step_options(opts: PlanOptions) -> StepOptions:
+    """The memory model's step: every StepOptions field that is a plan option, the others their defaults."""
+    names = {f.name for f in fields(StepOptions)} & {f.name for f in fields(PlanOptions)}
+    values = {name: getattr(opts, name) for name in names}
+    return StepOptions(**{**values, "sync_dtype": opts.sync_dtype or "float32"})
 
 
 def _model_from_args(args: argparse.Namespace) -> ModelShape | None:
@@ -148,14 +111,17 @@ def _print_paper(cluster: Cluster, rows: list[PaperRow], args: argparse.Namespac
               f"try --activation-checkpointing or fewer --tokens-per-gpu")
 
 
-def run(args: argparse.Namespace) -> int:
-    """Handler of `flwr-sharded plan`."""
+def run(parsed: argparse.Namespace) -> int:
+    """Handler of `flwr-sharded plan`; a bad option value is a usage error (exit 2), as argparse's own."""
+    try:
+        args = resolve(parsed)
+    except ConfigError as exc:
+        print(f"flwr-sharded plan: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    step = args.step
     try:
         cluster = load_cluster(args.cluster)
         model = _model_from_args(args)
-        step = StepOptions(optimizer=args.optimizer, outer=args.outer, bucket_mb=args.bucket_mb,
-                           grad_accum=args.grad_accum, reshard_after_forward=args.reshard_after_forward,
-                           sync_dtype=args.sync_dtype or "float32")
         if args.layouts == "paper":
             rows = paper_layouts(cluster, model, tokens_per_gpu_batch=args.tokens_per_gpu,
                                  bytes_per_param=args.bytes_per_param, latency=args.latency,

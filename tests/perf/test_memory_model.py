@@ -139,7 +139,7 @@ def test_other_options():
                                                                               sync_carry=True))
     assert carrying.sync - fl.sync == 2 * 4 * fragment / 2
     int8 = StepOptions(sync_dtype="int8")
-    feedback = trainer_memory(SHAPE, S=2, F=2, tokens=T, options=replace(int8, error_feedback=True))
+    feedback = trainer_memory(SHAPE, S=2, F=2, tokens=T, options=replace(int8, sync_error_feedback=True))
     assert feedback.sync - trainer_memory(SHAPE, S=2, F=2, tokens=T, options=int8).sync == 4 * 1100 / 2
     rollback = trainer_memory(SHAPE, S=2, F=2, tokens=T, options=StepOptions(rollback=True, outer="nesterov"))
     # on the host: the shards, their AdamW moments, the global shards and the outer momentum

@@ -33,13 +33,14 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from flwr_sharded import schema
 from flwr_sharded.config import ParallelConfig, validate_parallel
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower import endpoint as E
 from flwr_sharded.flower import handoff
 from flwr_sharded.flower import messages as M
 from flwr_sharded.flower import rendezvous as rdv
-from flwr_sharded.flower.group import server_side
+from flwr_sharded.flower.group import options, server_side
 from flwr_sharded.flower.group.round import GroupRound
 from flwr_sharded.flower.group.server_side import InstructionError
 from flwr_sharded.flower.node_policy import NodePolicy
@@ -68,7 +69,7 @@ def _watch_parent() -> None:
 class GroupRuntime:
     """State and verbs of one group; every rank holds one and executes every instruction."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: options.GroupOptions) -> None:
         from flwr_sharded.parallel.topology import init_topology
 
         self.args = args
@@ -437,48 +438,21 @@ class GroupRuntime:
 # -------------------------------------------------------------------------------------------------------------- CLI
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m flwr_sharded.flower.group", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--authkey-file", required=True, help="file holding the endpoint's shared secret (mode 600)")
-    parser.add_argument("--address", default="127.0.0.1:0", help="host:port of the endpoint (port 0: any free one)")
-    parser.add_argument("--address-file", help="write the endpoint's actual host:port here once it listens")
-    parser.add_argument("--method", default="fl-fsdp", choices=["fl-fsdp", "fl-hsdp"])
-    parser.add_argument("--replicas", type=int, default=1, help="R (fl-hsdp: > 1)")
-    parser.add_argument("--shards", type=int, default=None, help="S (default: all ranks / R)")
-    parser.add_argument("--rendezvous-host", default="127.0.0.1",
-                        help="address the other groups reach this group's rendezvous stores at")
-    parser.add_argument("--rendezvous-ports", default="",
-                        help="comma-separated store port per shard index (default: free ports)")
-    parser.add_argument("--data-dir", default="", help="prepared data directory (overrides the run config's)")
-    parser.add_argument("--handoff-dir", default="",
-                        help="the server path's ranks and ClientApp exchange shard files in a fresh private directory "
-                             "made under this one (default: the system's temp dir); it must be shared by the group's "
-                             "nodes")
-    parser.add_argument("--idle-timeout", type=float, default=600.0,
-                        help="exit after this many seconds without an instruction (0: never)")
-    parser.add_argument("--watch-pid", type=int, default=0, help="exit when this process is gone")
-    parser.add_argument("--collective-timeout", type=float, default=1800.0,
-                        help="timeout of the group's own collectives (FSDP, evaluation) in seconds")
-    parser.add_argument("--debug-exit-after-syncs", type=int, default=0, help=argparse.SUPPRESS)
-    # fault injection for tests, counted in sync attempts: the N-th fails on rank 0 after the reduction succeeded
-    # everywhere (the commit vote); rank 0 brings NaN shards and moments to the N-th (admission and healing)
-    parser.add_argument("--debug-fail-sync", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--debug-nan-sync", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--sync-backend", default="auto", choices=["auto", "gloo", "nccl"],
-                        help="backend of the cross-group shard sync (auto: NCCL for CUDA, else gloo)")
-    return parser
+    """The flags, from `GroupOptions` (`flwr_sharded.flower.group.options`)."""
+    return options.build_parser(__doc__)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parsed = build_parser().parse_args(argv)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stderr,
                         format=f"%(asctime)s [group rank {rank}] %(levelname)s %(message)s")
     if "RANK" in os.environ:
         _watch_parent()
-    if args.shards is None:
-        args.shards = max(1, world // max(1, args.replicas))
     try:
+        args = schema.apply_arguments(options.GroupOptions(), parsed)
+        if args.shards is None:
+            args.shards = max(1, world // max(1, args.replicas))
         validate_parallel(ParallelConfig(method=args.method, federations=1, replicas=args.replicas,
                                          shards=args.shards), world)
         E.read_authkey(args.authkey_file)

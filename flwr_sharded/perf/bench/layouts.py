@@ -64,9 +64,10 @@ both."""
 
 
 def sync_variant(key: str, opts) -> SyncVariant:
-    """The sync of run `key` under the benchmark's options (`--sync-dtype`, `--overlap-*`)."""
-    overlap = dict(fragments=opts.overlap_fragments, delay=opts.overlap_delay, alpha=opts.overlap_alpha,
-                   carry=opts.overlap_carry) if "overlap" in key else {}
+    """The sync of run `key` under the benchmark's options (`--sync-dtype`; the overlapped runs' `--sync-fragments`,
+    `--sync-delay`, `--sync-alpha` and `--sync-carry`)."""
+    overlap = dict(fragments=opts.sync_fragments, delay=opts.sync_delay, alpha=opts.sync_alpha,
+                   carry=opts.sync_carry) if "overlap" in key else {}
     wire = dict(dtype="int8", error_feedback=True) if key.endswith("int8") else dict(dtype=opts.sync_dtype)
     return SyncVariant(**wire, **overlap)
 

@@ -163,7 +163,7 @@ def planner_view(cluster_path: Path, layouts: dict[str, Layout], opts: argparse.
         if key in opts.method_list and "fl-fsdp" in layouts:
             v, lay = sync_variant(key, opts), layouts["fl-fsdp"]
             step = StepOptions(sync_fragments=v.fragments, sync_delay=v.delay, sync_carry=v.carry,
-                               error_feedback=v.error_feedback)
+                               sync_error_feedback=v.error_feedback)
             c = evaluate(cluster, shape, "fl-fsdp", F=lay.F, R=lay.R, S=lay.S, A=A,
                          **{**kw, "sync_bytes_per_param": SYNC_DTYPE_BYTES[v.dtype]}, step=step)
             variants[key] = {"predicted_step_s": c.step_time, "comm_s": c.comm.total, "compute_s": c.compute,

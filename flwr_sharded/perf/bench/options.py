@@ -1,0 +1,158 @@
+"""The options of `flwr-sharded bench` and its `exec`, `check` and `sync` sub-commands, one field each.
+
+A training option of the benchmark's runs is the trainer's own (`same_as` a field of `flwr_sharded.config`): the
+same flag, docstring and bounds, with the default sized for the benchmark where it differs. `resolve` turns a parsed
+command line into the flat namespace the benchmark's modules read (lists parsed, `none` turned into unset).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import Any
+
+from flwr_sharded import schema, tool_options
+from flwr_sharded.config import DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from flwr_sharded.parallel.wire import SyncDtype
+from flwr_sharded.perf.bench.common import REPO
+from flwr_sharded.perf.bench.layouts import VARIANT_RUNS
+from flwr_sharded.perf.plan_options import PlanOptions
+from flwr_sharded.schema import option, same_as
+
+RUN_KEYS = ("fsdp", "hsdp", "fl-fsdp", "fl-hsdp", "no-sync", *VARIANT_RUNS)
+"""The runs the benchmark can do: the four methods, the no-sync limit and FL+FSDP with the other syncs."""
+
+
+@dataclass
+class OverlappedSync:
+    """The trainer's sync options as the overlapped runs (fl-fsdp-overlap, fl-fsdp-overlap-int8) set them."""
+
+    sync_fragments: int = same_as(ParallelConfig, "sync_fragments", default=2)
+    sync_delay: int = same_as(ParallelConfig, "sync_delay", default=3)
+    sync_alpha: float = same_as(ParallelConfig, "sync_alpha")
+    sync_carry: bool = same_as(ParallelConfig, "sync_carry", default=True)
+
+
+@dataclass
+class BenchOptions:
+    """`flwr-sharded bench`: the clusters, the runs and their training options, the sweep, outputs and timeouts."""
+
+    cluster: str = str(REPO / "examples" / "clusters" / "emulated.yaml")
+    """Cluster YAML to emulate."""
+    contrast: str = str(REPO / "benchmarks" / "clusters" / "emulated-flat.yaml")
+    """A contrasting cluster for the planner check; `none` skips it."""
+    layouts: str | None = None
+    """Layouts of the main cluster instead of the default ones, e.g. fsdp=1x1x8,fl-fsdp=4x1x2 (F x R x S)."""
+    methods: str = ",".join(RUN_KEYS)
+    """Runs to do, comma-separated, among fsdp, hsdp, fl-fsdp, fl-hsdp, no-sync, fl-fsdp-overlap, fl-fsdp-int8 and
+    fl-fsdp-overlap-int8."""
+    model: str = same_as(ModelConfig, "name")
+    """Model preset of every run (its traffic is predicted from the preset)."""
+    seq_len: int = same_as(DataConfig, "seq_len", default=64)
+    batch_size: int = same_as(TrainConfig, "batch_size", default=1)
+    steps: int = same_as(TrainConfig, "steps", default=32)
+    repeats: int = option(1, ge=1)
+    """Runs of each method on the main cluster, interleaved."""
+    contrast_steps: int = option(32, ge=1)
+    """Optimizer steps per run on the contrasting cluster."""
+    contrast_repeats: int = option(1, ge=1)
+    """Runs of each method on the contrasting cluster, interleaved."""
+    contrast_batch_size: int = option(4, ge=1)
+    """Sequences per rank per step on the contrasting cluster (compute-heavy, so communication is a small part of a
+    step)."""
+    aggregate_every: int = same_as(ParallelConfig, "aggregate_every")
+    sync_dtype: SyncDtype = same_as(ParallelConfig, "sync_dtype")
+    overlap: OverlappedSync = field(default_factory=OverlappedSync)
+    """The trainer's sync options as the overlapped runs set them (the other FL runs sync in one fragment, blocking)."""
+    sweep: str = "1,2,4,8,16,32"
+    """Values of A for the FL+FSDP sweep, comma-separated; `none` skips the sweep."""
+    sweep_windows: int = option(1, ge=1)
+    """Measured windows of max(A, 8) steps per sweep point, after a warm-up window."""
+    lr: float = same_as(OptimConfig, "lr", default=1e-3)
+    seed: int = same_as(TrainConfig, "seed")
+    eval_every: int = same_as(TrainConfig, "eval_every", default=16)
+    eval_blocks: int = same_as(DataConfig, "eval_blocks", default=32)
+    fl_margin: float = same_as(PlanOptions, "fl_margin")
+    measure_planner_choice: bool = option(True, name="planner-run")
+    """Also measure the planner's first choice when it is not among the measured layouts."""
+    data_dir: str | None = same_as(DataConfig, "data_dir")
+    out: str = "bench-results"
+    """Output directory (bench.json, bench.md, PNGs)."""
+    keep_runs: str | None = None
+    """Keep each run's metrics, traffic and logs in this directory."""
+    date: str | None = None
+    """Date printed in the report; unset: today."""
+    quick: bool = False
+    """Tiny model, 8 steps, A = 2, no sweep, no contrast, no planner run (for tests)."""
+    run_timeout: float = option(1200.0, gt=0)
+    """Seconds one training run may take."""
+    collective_timeout: float = same_as(TrainConfig, "timeout_s", name="collective-timeout", default=300.0)
+    timeout: float = option(3600.0, gt=0)
+    """Seconds the whole benchmark may take."""
+
+
+@dataclass
+class ExecOptions:
+    """`flwr-sharded bench exec`: a command once per rank on the emulated cluster."""
+
+    cluster: str | None = option(None, required=True)
+    """Cluster YAML to emulate."""
+    nproc: int | None = option(None, ge=1)
+    """Ranks to start; unset: all of the cluster's."""
+    log_dir: str | None = None
+    """Keep each rank's stdout and stderr in this directory."""
+
+
+@dataclass
+class CheckOptions:
+    """`flwr-sharded bench check`: the emulated links' throughput against their description."""
+
+    cluster: str | None = option(None, required=True)
+    """Cluster YAML to emulate."""
+    seconds: float = option(0.5, gt=0)
+    """Target duration of each transfer."""
+    json: bool = False
+    """Print JSON."""
+
+
+@dataclass
+class SyncOptions:
+    """`flwr-sharded bench sync`: benchmarks/sync_bench.py on loopback and across shaped inter-group links."""
+
+    federations: int = same_as(ParallelConfig, "federations", default=2)
+    shards: int = same_as(ParallelConfig, "shards")
+    bandwidths: str = "100Mbit,1Gbit"
+    """Inter-group bandwidths, comma-separated."""
+    layers: int = option(16, ge=1)
+    """Layers of sync_bench.py's model."""
+    hidden: int = option(64, ge=1)
+    """Width of sync_bench.py's model."""
+    repeats: int = option(20, ge=1)
+    """Syncs timed per bandwidth."""
+    sync_out: str = "benchmarks/results"
+    """Directory for the JSON files."""
+
+
+def _leaves(obj: Any) -> dict[str, Any]:
+    """Field name -> value of every option of `obj` (sections flattened)."""
+    return {o.path[-1]: schema.get(obj, o.path) for o in schema.options(obj)}
+
+
+def resolve(parsed: argparse.Namespace, sub: type | None = None) -> argparse.Namespace:
+    """The benchmark's options from a parsed command line (`sub`: a sub-command's options, which win over the
+    benchmark's of the same name); ConfigError naming the flag for a bad value."""
+    bench = schema.apply_arguments(BenchOptions(), parsed)
+    values = _leaves(bench)
+    skip_sweep = bench.sweep.lower() in ("none", "")
+    values.update(method_list=tool_options.split_list(bench.methods, "--methods", allowed=RUN_KEYS),
+                  sweep_values=[] if skip_sweep else tool_options.split_list(bench.sweep, "--sweep", int),
+                  contrast=None if bench.contrast.lower() in ("none", "") else bench.contrast)
+    if sub is not None:
+        values.update(_leaves(schema.apply_arguments(sub(), parsed)))
+    if sub is SyncOptions:
+        from flwr_sharded.perf.cluster import parse_bandwidth
+
+        values["bandwidth_values"] = [parse_bandwidth(x, "--bandwidths")
+                                      for x in tool_options.split_list(values["bandwidths"], "--bandwidths")]
+    return argparse.Namespace(**values)
+
