@@ -53,11 +53,12 @@ class ParallelConfig:
     bucket_mb: float = option(64.0, gt=0)
     """Size of one flat buffer used by the shard sync, in MiB; one collective per bucket."""
     sync_dtype: SyncDtype = "float32"
-    """Wire dtype of the cross-group all-reduce. bfloat16 halves the sync's bytes by sending each group's weighted
-    delta from the last global model (the outer gradient, as DiLoCo does), so only that delta is rounded; int8 and
-    float8_e4m3fn (CUDA compute capability >= 8.9) quantize the delta blockwise (one fp32 scale per 256 values;
-    about 0.254 of the fp32 bytes) and sum it in fp32. Any of them costs one fp32 copy of the rank's shards for
-    fedavg (outer optimizers keep one already); linear outer rules only (not trimmed-mean)."""
+    """Wire dtype of the cross-group all-reduce: float32 sends the shards. bfloat16 halves the sync's bytes by sending
+    each group's weighted delta from the last global model (the outer gradient, as DiLoCo does), so only that delta
+    is rounded; int8, float8_e4m3fn and float8_e5m2 (fp8: CUDA compute capability >= 8.9) quantize the delta
+    blockwise (one fp32 scale per 256 values; about 0.254 of the fp32 bytes) and sum it in fp32. Any of them costs
+    one fp32 copy of the rank's shards for fedavg (outer optimizers keep one already); linear outer rules only (not
+    trimmed-mean)."""
     sync_error_feedback: bool = False
     """With an 8-bit `sync-dtype`: carry each rank's rounding errors into its next sync (error feedback), so they do
     not accumulate over syncs; one more fp32 copy of the rank's shards."""
