@@ -80,7 +80,8 @@ def _sync_worker(rank: int, world: int, n: int):
         param.add_(0.1 * sample(n, 10 + rank))  # local steps
     before = param.detach().clone()
     sent = sync.sync(weight=WEIGHTS[rank]).bytes
-    return {"before": before, "after": param.detach().clone(), "sent": sent, "expected_sent": all_reduce_bytes(n, world, E5M2),
+    return {"before": before, "after": param.detach().clone(), "sent": sent,
+            "expected_sent": all_reduce_bytes(n, world, E5M2),
             "residual_finite": all(bool(torch.isfinite(r).all()) for r in sync.feedback.residuals.values())}
 
 
