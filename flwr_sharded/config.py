@@ -8,7 +8,6 @@ touched, and its messages name each option as the surface spells it.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import typing
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ import yaml
 
 from flwr_sharded import schema
 from flwr_sharded.errors import ConfigError
+from flwr_sharded.parallel.outer import LINEAR_RULES, RULES, make_rule, rule_options
 from flwr_sharded.parallel.wire import QUANTIZED, SyncDtype
 from flwr_sharded.schema import CLI, Surface, option
 
@@ -53,11 +53,12 @@ class ParallelConfig:
     bucket_mb: float = option(64.0, gt=0)
     """Size of one flat buffer used by the shard sync, in MiB; one collective per bucket."""
     sync_dtype: SyncDtype = "float32"
-    """Wire dtype of the cross-group all-reduce. bfloat16 halves the sync's bytes by sending each group's weighted
-    delta from the last global model (the outer gradient, as DiLoCo does), so only that delta is rounded; int8 and
-    float8_e4m3fn (CUDA compute capability >= 8.9) quantize the delta blockwise (one fp32 scale per 256 values;
-    about 0.254 of the fp32 bytes) and sum it in fp32. Any of them costs one fp32 copy of the rank's shards for
-    fedavg (outer optimizers keep one already); linear outer rules only (not trimmed-mean)."""
+    """Wire dtype of the cross-group all-reduce: float32 sends the shards. bfloat16 halves the sync's bytes by sending
+    each group's weighted delta from the last global model (the outer gradient, as DiLoCo does), so only that delta
+    is rounded; int8, float8_e4m3fn and float8_e5m2 (fp8: CUDA compute capability >= 8.9) quantize the delta
+    blockwise (one fp32 scale per 256 values; about 0.254 of the fp32 bytes) and sum it in fp32. Any of them costs
+    one fp32 copy of the rank's shards for fedavg (outer optimizers keep one already); linear outer rules only (not
+    trimmed-mean)."""
     sync_error_feedback: bool = False
     """With an 8-bit `sync-dtype`: carry each rank's rounding errors into its next sync (error feedback), so they do
     not accumulate over syncs; one more fp32 copy of the rank's shards."""
@@ -311,12 +312,10 @@ def outer_rule(p: ParallelConfig, surface: Surface = CLI):
     For the built-in rules, an option the rule does not take is an error naming the option (custom rules check
     their own keyword arguments).
     """
-    from flwr_sharded.parallel.outer import RULES, make_rule
-
     options = {k: v for k, v in (("lr", p.outer_lr), ("momentum", p.outer_momentum)) if v is not None}
     outer = label_of(surface, "outer")
     if p.outer in RULES:
-        takes = {name: {f.name for f in dataclasses.fields(cls)} for name, cls in RULES.items()}
+        takes = {name: set(rule_options(cls)) for name, cls in RULES.items()}
         for key in options:
             if key not in takes[p.outer]:
                 users = [name for name, fields in takes.items() if key in fields]
@@ -380,8 +379,8 @@ def validate_sync(p: ParallelConfig, rule: Any, surface: Surface = CLI) -> None:
                             f"{L('sync-delay')} 0 there are none: set {L('sync-delay')} >= 1 or leave it off")
     if p.sync_delay and not rule.linear:
         raise surface.error(f"{L('sync-delay')} {p.sync_delay} reduces a weighted mean in the background, but "
-                            f"{L('outer')} {p.outer} needs every member's shards; use a linear rule (fedavg, "
-                            f"fedavgm, nesterov, fedadam, fedyogi) or {L('sync-delay')} 0")
+                            f"{L('outer')} {p.outer} needs every member's shards; use a linear rule "
+                            f"({', '.join(LINEAR_RULES)}) or {L('sync-delay')} 0")
 
 
 def check_fragments(p: ParallelConfig, blocks: int, model: str, surface: Surface = CLI) -> None:

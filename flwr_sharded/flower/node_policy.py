@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from flwr_sharded.errors import ConfigError
+from flwr_sharded.parallel.outer import RULES
 
 ALLOW_RULES = "allow-custom-rules"
 CHECKPOINT_ROOT = "allowed-checkpoint-root"
@@ -95,8 +96,7 @@ class NodePolicy:
         if ":" in outer and not self.custom_rules:
             raise ConfigError(f"run config 'outer' {outer!r} would import and run that module on this group, which "
                               f"its node config does not allow (the SuperNode's --node-config needs "
-                              f"{ALLOW_RULES}=true); the built-in rules (fedavg, fedavgm, nesterov, fedadam, fedyogi, "
-                              f"trimmed-mean) need no permission")
+                              f"{ALLOW_RULES}=true); the built-in rules ({', '.join(RULES)}) need no permission")
         if run.train.checkpoint.dir:
             refused = self._refusal(run.train.checkpoint.dir, self.checkpoint_root, CHECKPOINT_ROOT,
                                     "run config 'checkpoint-dir'")

@@ -22,6 +22,7 @@ from typing import Any, Literal, Mapping
 
 from flwr_sharded import schema
 from flwr_sharded.config import METHODS, QUANTIZED, TrainConfig, outer_rule, validate
+from flwr_sharded.parallel.outer import LINEAR_RULES
 from flwr_sharded.schema import Surface, option
 
 Aggregation = Literal["decentralized", "server"]
@@ -321,8 +322,8 @@ class FlowerRun:
                           f"round (use aggregation \"decentralized\", or the defaults)")
         if f.aggregation == "server" and not outer_rule(p, S).linear:
             raise S.error(f"{L('outer')} {p.outer!r} needs every member's shards at once, but {L('aggregation')} "
-                          f"\"server\" streams a weighted mean; use a linear rule (fedavg, fedavgm, nesterov, "
-                          f"fedadam, fedyogi) or aggregation \"decentralized\"")
+                          f"\"server\" streams a weighted mean; use a linear rule "
+                          f"({', '.join(LINEAR_RULES)}) or aggregation \"decentralized\"")
 
 
 def _fl_methods() -> list[str]:

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from flwr_sharded.parallel.contribution import check_weight
+from flwr_sharded.parallel.contribution import weight_verdict
+from flwr_sharded.parallel.verdict import NOT_FINITE, Verdict
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
 
 def healthy(tensors: list[torch.Tensor], weight: float, max_weight: float | None) -> bool:
     """This member's verdict on itself: `weight` in bounds and `tensors` (what it would send) finite."""
-    return check_weight(weight, at_most=max_weight) is None and all_finite(tensors)
+    return weight_verdict(None, weight, at_most=max_weight) is None and all_finite(tensors)
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,8 @@ class Admission:
     weights: list[float]
     me: int
     """This rank's index in the federation group."""
+    verdicts: tuple[Verdict, ...] = ()
+    """Why each member left out is (`Verdict.member`: its index in the federation group)."""
 
     @property
     def total(self) -> float:
@@ -87,16 +90,18 @@ def admit(weight: float, ok: bool, max_weight: float | None, fed_group: dist.Pro
     mine = torch.tensor([weight, 1.0 if ok else 0.0], dtype=torch.float64, device=device)  # ADMISSION_BYTES
     gathered = torch.empty(size * 2, dtype=torch.float64, device=device)
     dist.all_gather_single(gathered, mine, group=fed_group)
-    weights, me, speak = [], dist.get_rank(fed_group), dist.get_rank() == 0
-    for j, (w, verdict) in enumerate(gathered.view(size, 2).tolist()):
-        problem = check_weight(w, at_most=max_weight) or (None if verdict == 1.0 else "its values are not finite")
-        if problem is not None:
+    weights, verdicts, me, speak = [], [], dist.get_rank(fed_group), dist.get_rank() == 0
+    for j, (w, ok) in enumerate(gathered.view(size, 2).tolist()):
+        verdict = weight_verdict(j, w, at_most=max_weight) or (
+            None if ok == 1.0 else Verdict(j, "its values are not finite", NOT_FINITE))
+        if verdict is not None:
             if speak or j == me:
                 log.warning("flwr_sharded: sync: member %d of the federation group is left out of this sync: %s",
-                            j, problem)
+                            j, verdict.reason)
+            verdicts.append(verdict)
             w = 0.0
         weights.append(w)
-    admission = Admission(weights=weights, me=me)
+    admission = Admission(weights=weights, me=me, verdicts=tuple(verdicts))
     if not admission.total > 0:
         raise SyncRejected("no member of the federation group may contribute to this sync (see the log lines)")
     return admission

@@ -17,7 +17,9 @@ Pure Python (no torch): the ServerApp and the groups' sync both use it.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any, Hashable, Iterable
+
+from flwr_sharded.parallel.verdict import WEIGHT, Verdict
 
 WEIGHT_RTOL = 1e-9
 """Relative difference between a reported and an expected weight still taken as equal: weights are integer token
@@ -44,24 +46,31 @@ def expected_weight_of(train: Any, *, steps: int, worlds: Iterable[int]) -> floa
                            seq_len=train.data.seq_len, worlds=worlds)
 
 
-def check_weight(weight: Any, expected: float | None = None, rtol: float = WEIGHT_RTOL, *,
-                 at_most: float | None = None) -> str | None:
+def weight_verdict(member: Hashable, weight: Any, expected: float | None = None, rtol: float = WEIGHT_RTOL, *,
+                   at_most: float | None = None) -> Verdict | None:
     """None if `weight` is a finite number > 0, (given `expected`) equals it within `rtol` and (given `at_most`) is
-    not above that bound; else why not, as a sentence for a log line (the caller names the contributor)."""
+    not above that bound; else a `Verdict` on `member` saying why not."""
     number = isinstance(weight, (int, float)) and not isinstance(weight, bool)
     if not (number and math.isfinite(weight) and weight > 0):
-        return f"weight must be a finite number > 0, got {weight!r}"
+        return Verdict(member, f"weight must be a finite number > 0, got {weight!r}", WEIGHT)
     if at_most is not None and weight > at_most:
-        return (f"weight {float(weight):.6g} is out of bounds: the round's steps, batch, sequence length and ranks "
-                f"give at most {at_most:.6g} tokens")
+        return Verdict(member, f"weight {float(weight):.6g} is out of bounds: the round's steps, batch, sequence "
+                               f"length and ranks give at most {at_most:.6g} tokens", WEIGHT)
     if expected is None:
         return None
     if not (math.isfinite(expected) and expected > 0):
         raise ValueError(f"an expected weight is a finite number > 0, got {expected!r}")
     if abs(float(weight) - expected) > rtol * expected:
-        return (f"weight {float(weight):.6g} is out of bounds: the round's steps, batch, sequence length and ranks "
-                f"give {expected:.6g} tokens")
+        return Verdict(member, f"weight {float(weight):.6g} is out of bounds: the round's steps, batch, sequence "
+                               f"length and ranks give {expected:.6g} tokens", WEIGHT)
     return None
 
 
-__all__ = ["WEIGHT_RTOL", "check_weight", "expected_weight", "expected_weight_of"]
+def check_weight(weight: Any, expected: float | None = None, rtol: float = WEIGHT_RTOL, *,
+                 at_most: float | None = None) -> str | None:
+    """`weight_verdict`'s reason alone (None: the weight is right), for a caller that names the contributor."""
+    verdict = weight_verdict(None, weight, expected, rtol, at_most=at_most)
+    return verdict.reason if verdict is not None else None
+
+
+__all__ = ["WEIGHT_RTOL", "check_weight", "expected_weight", "expected_weight_of", "weight_verdict"]

@@ -8,25 +8,34 @@ the previous sync); the outer optimizers step on the pseudo-gradient `global - m
 Rules whose result depends on the members only through their weighted mean set `linear = True`; the decentralised
 sync then needs only an all-reduce. Other rules (e.g. a coordinate-wise trimmed mean) receive every member's shard,
 which the decentralised sync gathers with an all-gather (F shards of one bucket in memory).
+
+Each built-in rule declares, as class attributes, what the rest of the project reads without running it: its
+`name` (`--outer`, `RULES`), `linear`, `stateful`, its options with their defaults (the dataclass fields, e.g. `lr`,
+`momentum`), and the memory it needs (`state_buffers`, `temp_buckets`, `temp_buckets_per_member`; the memory
+model). Importing this module does not import torch (the config, the Flower run and the planner list the rules);
+the rules' math imports it when it runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from abc import ABC
 from dataclasses import dataclass
-from typing import ClassVar, Sequence
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, ClassVar, Sequence
 
 from flwr_sharded.errors import ConfigError
 
-State = dict[str, Tensor]
+if TYPE_CHECKING:
+    from torch import Tensor
+
+State = dict[str, "Tensor"]
 
 
 def weighted_mean(members: Sequence[tuple[Tensor, float]]) -> Tensor:
     """sum(w * x) / sum(w) in fp32 (or wider)."""
+    import torch
+
     if not members:
         raise ValueError("no members to aggregate")
     total = sum(w for _, w in members)
@@ -42,10 +51,18 @@ def weighted_mean(members: Sequence[tuple[Tensor, float]]) -> Tensor:
 class ShardRule(ABC):
     """A shard-local aggregation rule. Subclass it and implement `aggregate` (or `apply_mean` for linear rules)."""
 
+    name: ClassVar[str | None] = None
+    """The built-in rule's `--outer` name (`RULES`); None for a rule given by import path."""
     linear: ClassVar[bool] = False
     """True if the result depends on the members only through their weighted mean."""
     stateful: ClassVar[bool] = False
     """True if the rule needs the global shard (start of the sync period) and keeps state between syncs."""
+    state_buffers: ClassVar[int] = 0
+    """fp32 tensors of the shard's size in its state (`init_state`; scalars not counted): the memory model's."""
+    temp_buckets: ClassVar[int] = 0
+    """Bucket-sized fp32 temporaries of one step of the rule (the memory model's)."""
+    temp_buckets_per_member: ClassVar[int] = 0
+    """Bucket-sized temporaries per member of a rule that is not linear (its gathered shard and working copies)."""
 
     def init_state(self, global_shard: Tensor) -> State:
         """State for one shard before the first sync (e.g. zero moments)."""
@@ -65,6 +82,7 @@ class ShardRule(ABC):
 class FedAvg(ShardRule):
     """The weighted mean (outer SGD with learning rate 1)."""
 
+    name: ClassVar[str] = "fedavg"
     linear: ClassVar[bool] = True
 
     def apply_mean(self, global_shard: Tensor, mean: Tensor, state: State) -> tuple[Tensor, State]:
@@ -78,11 +96,16 @@ class FedAvgM(ShardRule):
 
     lr: float = 1.0
     momentum: float = 0.9
+    name: ClassVar[str] = "fedavgm"
     nesterov: ClassVar[bool] = False
     linear: ClassVar[bool] = True
     stateful: ClassVar[bool] = True
+    state_buffers: ClassVar[int] = 1
+    temp_buckets: ClassVar[int] = 4  # delta, new momentum, step, result
 
     def init_state(self, global_shard: Tensor) -> State:
+        import torch
+
         return {"momentum": torch.zeros_like(global_shard, dtype=torch.float32)}
 
     def apply_mean(self, global_shard: Tensor, mean: Tensor, state: State) -> tuple[Tensor, State]:
@@ -98,6 +121,7 @@ class Nesterov(FedAvgM):
 
     lr: float = 0.7
     momentum: float = 0.9
+    name: ClassVar[str] = "nesterov"
     nesterov: ClassVar[bool] = True
 
 
@@ -112,10 +136,15 @@ class FedAdam(ShardRule):
     beta2: float = 0.99
     tau: float = 1e-3
     bias_correction: bool = True
+    name: ClassVar[str] = "fedadam"
     linear: ClassVar[bool] = True
     stateful: ClassVar[bool] = True
+    state_buffers: ClassVar[int] = 2
+    temp_buckets: ClassVar[int] = 6  # FedAvgM's four, the second moment and its square root
 
     def init_state(self, global_shard: Tensor) -> State:
+        import torch
+
         return {"m": torch.zeros_like(global_shard, dtype=torch.float32),
                 "v": torch.zeros_like(global_shard, dtype=torch.float32),
                 "t": torch.zeros((), dtype=torch.float64, device=global_shard.device)}
@@ -143,8 +172,11 @@ class FedYogi(FedAdam):
     lr: float = 0.01
     tau: float = 1e-3
     bias_correction: bool = False
+    name: ClassVar[str] = "fedyogi"
 
     def second_moment(self, v: Tensor, delta_sq: Tensor) -> Tensor:
+        import torch
+
         return v - (1 - self.beta2) * delta_sq * torch.sign(v - delta_sq)
 
 
@@ -157,6 +189,8 @@ def trimmed_mean(stacked: Tensor, trim: int, out: Tensor | None = None) -> Tenso
     of each coordinate, in fp32 (summed in float64: finite inputs never overflow). trim = (n - 1) // 2 is the median
     (the mean of the two middle values for even n). Sorts a block of coordinates at a time, so beyond `stacked` and
     the result it needs memory for `TRIM_BLOCK` values, not for n copies of them."""
+    import torch
+
     n = stacked.shape[0] if stacked.dim() else 0
     if trim < 0 or n <= 2 * trim:
         raise ValueError(f"trimming {trim} from each side needs more than {2 * trim} members, got {n}")
@@ -181,14 +215,26 @@ class TrimmedMean(ShardRule):
     """
 
     trim: int = 1
+    name: ClassVar[str] = "trimmed-mean"
+    temp_buckets_per_member: ClassVar[int] = 5  # its all-gathered bucket, the stack, the sorted values, int64 indices
 
     def aggregate(self, global_shard: Tensor, members: Sequence[tuple[Tensor, float]],
                   state: State) -> tuple[Tensor, State]:
+        import torch
+
         return trimmed_mean(torch.stack([shard for shard, _ in members]), self.trim), state
 
 
-RULES: dict[str, type[ShardRule]] = {"fedavg": FedAvg, "fedavgm": FedAvgM, "nesterov": Nesterov,
-                                     "fedadam": FedAdam, "fedyogi": FedYogi, "trimmed-mean": TrimmedMean}
+RULES: dict[str, type[ShardRule]] = {cls.name: cls for cls in (FedAvg, FedAvgM, Nesterov, FedAdam, FedYogi,
+                                                                 TrimmedMean)}
+"""The built-in rules by their `--outer` name."""
+LINEAR_RULES: tuple[str, ...] = tuple(name for name, cls in RULES.items() if cls.linear)
+"""The built-in rules the all-reduce, the bf16 and 8-bit wires, the overlap and the server path can run."""
+
+
+def rule_options(cls: type[ShardRule]) -> dict[str, object]:
+    """A rule's options (its dataclass fields) with their defaults."""
+    return {f.name: f.default for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
 
 
 def make_rule(name: str, **options: float) -> ShardRule:

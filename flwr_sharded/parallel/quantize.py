@@ -1,9 +1,10 @@
-"""An 8-bit all-reduce of a flat fp32 tensor: blockwise int8 or fp8 (e4m3) on the wire, the sum taken in fp32.
+"""An 8-bit all-reduce of a flat fp32 tensor: blockwise int8 or fp8 (e4m3, e5m2) on the wire, the sum taken in fp32.
 
 Quantization: the tensor is cut into blocks of `block` elements (the last one may be partial, padded with zeros);
-each block has one fp32 scale, absmax / 127 for int8 (symmetric, rounded to nearest) or absmax / 448 for
-float8_e4m3fn (rounded to nearest by the cast), so a block's largest element maps to the largest code and an
-outlier only coarsens its own block. `wire_bytes(n, dtype, block)` = n + 4 ceil(n / block).
+each block has one fp32 scale, absmax / qmax of the wire (`flwr_sharded.parallel.wire.BlockwiseWire`: 127 for int8,
+symmetric, rounded to nearest; 448 for float8_e4m3fn and 57344 for float8_e5m2, rounded to nearest by the cast), so
+a block's largest element maps to the largest code and an outlier only coarsens its own block.
+`wire_bytes(n, dtype, block)` = n + 4 ceil(n / block).
 
 `quantized_all_reduce` (a ring, as INTELLECT-1's int8 all-reduce; torchft's uses an all-to-all), on a group of W
 ranks:
@@ -21,7 +22,8 @@ about (1 + 4 / block) / 4 of a ring fp32 all-reduce's 2 (W - 1) / W * 4 N bytes 
 most W blocks: a tensor of a few blocks sends more than its fp32 ring would), over the same links as that ring, so a
 tiered network's slow links carry the same quarter. The result is the sum with W roundings: chunk c's element is off
 by at most sum_j s_j / 2 over the W - 1 partial sums that travel and the final one (int8, s_j their block scales;
-e4m3: 1/16 of each rounded value, or scale / 1024 below the normal range, instead of half a step).
+e4m3: 1/16 of each rounded value, or scale / 1024 below the normal range, instead of half a step; e5m2: 1/8, or
+scale / 2^17).
 
 Error feedback (`ErrorFeedback`) makes the running sum of repeated reductions exact up to one round's error.
 """
@@ -36,19 +38,21 @@ import torch
 import torch.distributed as dist
 
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.parallel.wire import QUANT_BLOCK
+from flwr_sharded.parallel.wire import QUANT_BLOCK, QUANTIZED, WIRES, BlockwiseWire
 
-WIRE_DTYPES = {"int8": torch.int8, "float8_e4m3fn": torch.float8_e4m3fn}
+_BLOCKWISE: dict[str, BlockwiseWire] = {name: WIRES[name] for name in QUANTIZED}  # type: ignore[misc]
+WIRE_DTYPES = {name: w.torch_dtype() for name, w in _BLOCKWISE.items()}
 """The 8-bit wire dtypes by their `--sync-dtype` name."""
-QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+QMAX = {w.torch_dtype(): w.qmax for w in _BLOCKWISE.values()}
 """Largest code of each wire dtype: a block's absmax maps onto it."""
 _TINY = torch.finfo(torch.float32).tiny  # smallest scale: an all-zero block quantizes to zeros, never divides by 0
-_E4M3_TABLE = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()  # code -> value
+_CODES = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+_FLOAT8_TABLES = {dtype: _CODES.view(dtype).float() for dtype in QMAX if dtype.is_floating_point}  # code -> value
 
 
 @dataclass(frozen=True)
 class Quantized:
-    """A flat tensor in 8 bits: `values` (int8 or float8_e4m3fn, `numel` of them) and one fp32 scale per block."""
+    """A flat tensor in 8 bits: `values` (an 8-bit wire dtype, `numel` of them) and one fp32 scale per block."""
 
     values: torch.Tensor
     scales: torch.Tensor
@@ -71,7 +75,7 @@ def all_reduce_bytes(numel: int, world: int, dtype: torch.dtype = torch.int8, bl
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype = torch.int8, block: int = QUANT_BLOCK) -> Quantized:
-    """Quantize a flat fp32 tensor blockwise (int8: absmax / 127 per block, round to nearest; fp8 e4m3: / 448)."""
+    """Quantize a flat fp32 tensor blockwise (absmax / `QMAX` per block; int8 rounds to nearest, fp8 by the cast)."""
     _check_dtype(dtype, block)
     n = x.numel()
     blocks = math.ceil(n / block)
@@ -110,11 +114,11 @@ def _quantize(src: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, scr
     absmax = torch.maximum(src.amax(-1), src.amin(-1).neg_())  # no |x| temporary (aminmax is slower on CPU)
     torch.div(absmax, QMAX[values.dtype], out=scales).clamp_(min=_TINY)
     torch.mul(src, scales.reciprocal().unsqueeze(-1), out=scratch)  # |.| <= QMAX (+ an ulp: rounds back to it)
-    if values.dtype == torch.int8:
+    if not values.dtype.is_floating_point:
         scratch.round_()  # half to even; the cast below then is exact
         values.copy_(scratch)
     else:
-        values.copy_(scratch)  # the cast to e4m3 rounds to nearest
+        values.copy_(scratch)  # the cast to fp8 rounds to nearest
         if error:
             _decode(values, scratch, ws or Workspace())
     if error:
@@ -122,13 +126,14 @@ def _quantize(src: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, scr
 
 
 def _decode(values: torch.Tensor, out: torch.Tensor, ws: Workspace) -> None:
-    """out = values as fp32. On CPU, e4m3 goes through a 256-entry table (8x faster than torch's cast there)."""
-    if values.dtype == torch.int8 or values.device.type != "cpu":
+    """out = values as fp32. On CPU, fp8 goes through a 256-entry table (8x faster than torch's cast there)."""
+    table = _FLOAT8_TABLES.get(values.dtype)
+    if table is None or values.device.type != "cpu":
         out.copy_(values)
         return
     index = ws.get("index", values.numel(), torch.int32, values.device).view(values.shape)
     index.copy_(values.view(torch.uint8))
-    torch.index_select(_E4M3_TABLE, 0, index.view(-1), out=out.view(-1))  # `out` is contiguous here
+    torch.index_select(table, 0, index.view(-1), out=out.view(-1))  # `out` is contiguous here
 
 
 def _dequantize(values: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, ws: Workspace) -> None:
@@ -265,27 +270,28 @@ def _floats(raw: torch.Tensor) -> torch.Tensor:
     return (raw if raw.storage_offset() % 4 == 0 else raw.clone()).view(torch.float32)
 
 
-def fp8_supported(device: torch.device | str) -> bool:
-    """Whether float8_e4m3fn is a wire dtype on `device`: CUDA with compute capability >= 8.9 (hardware e4m3
-    conversion; below it torch emulates the cast), or a CPU on which torch casts to and from e4m3 exactly."""
+def fp8_supported(device: torch.device | str, dtype: torch.dtype = torch.float8_e4m3fn) -> bool:
+    """Whether an fp8 `dtype` (a registered wire's) is a wire dtype on `device`: CUDA with compute capability >= 8.9
+    (hardware fp8 conversion; below it torch emulates the cast), or a CPU on which torch casts to and from it exactly
+    (the wire's `probe` values)."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 9)
     if device.type != "cpu":
         return False
-    probe = torch.tensor([448.0, -1.125, 2.0**-9, 0.0])  # largest normal, a 3-bit mantissa, smallest subnormal
+    probe = torch.tensor(_BLOCKWISE[str(dtype).removeprefix("torch.")].probe)
     try:
-        return bool(torch.equal(probe.to(torch.float8_e4m3fn).float(), probe))
+        return bool(torch.equal(probe.to(dtype).float(), probe))
     except (RuntimeError, TypeError):
         return False
 
 
 def check_wire_dtype(dtype_name: str, device: torch.device | str) -> torch.dtype:
     """The torch dtype of a quantized `--sync-dtype` on `device`; ConfigError if it is unknown or unsupported."""
-    allowed = ["int8"] + (["float8_e4m3fn"] if fp8_supported(device) else [])
+    allowed = [name for name, w in _BLOCKWISE.items() if w.unsupported(device) is None]
     if dtype_name not in allowed:
-        why = "is not a quantized wire dtype" if dtype_name not in WIRE_DTYPES else (
-            f"needs a CPU whose torch casts to e4m3 or CUDA compute capability >= 8.9, not {torch.device(device)}")
+        why = ("is not a quantized wire dtype" if dtype_name not in _BLOCKWISE
+               else _BLOCKWISE[dtype_name].unsupported(device))
         raise ConfigError(f"--sync-dtype {dtype_name} {why}; quantized wire dtypes on {torch.device(device)}: "
                           f"{', '.join(allowed)}")
     return WIRE_DTYPES[dtype_name]

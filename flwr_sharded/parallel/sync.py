@@ -26,7 +26,8 @@ from torch.distributed.tensor import DTensor
 
 from flwr_sharded.parallel.admission import Admission, admit, all_finite, healthy, vote
 from flwr_sharded.parallel.outer import FedAvg, ShardRule
-from flwr_sharded.parallel.quantize import QMAX, ErrorFeedback, Workspace, quantized_all_reduce
+from flwr_sharded.parallel.quantize import ErrorFeedback, Workspace
+from flwr_sharded.parallel.wire import QUANTIZED, WIRES, wire_of
 
 
 class ShardAlignmentError(RuntimeError):
@@ -81,10 +82,9 @@ class ShardSync:
             optimizers) keep the global shards and their state per bucket (fp32, on this rank's device); rules that
             are not linear all-gather each bucket from every group (F buckets in memory).
         wire_dtype: dtype of the cross-group all-reduce; None: the shards' own. A dtype other than the shards' (which
-            must then be fp32) sends the weighted delta from the global shards in it, through a second buffer of
-            that dtype (bfloat16), or blockwise quantized and summed in fp32 (int8, float8_e4m3fn:
-            `flwr_sharded.parallel.quantize`); the global shards are then kept for every rule (FedAvg too). Linear
-            rules only.
+            must then be fp32) sends the weighted delta from the global shards through that wire
+            (`flwr_sharded.parallel.wire.WIRES`: a second buffer of a narrower float, or blockwise quantized and
+            summed in fp32); the global shards are then kept for every rule (FedAvg too). Linear rules only.
         error_feedback: with a quantized wire, carry each rank's rounding errors into its next sync of the same
             bucket (`quantize.ErrorFeedback`), so they do not accumulate; part of the outer state.
     """
@@ -117,13 +117,14 @@ class ShardSync:
         if self.delta and any(dtype != torch.float32 for dtype, _ in self._buckets):
             raise ValueError(f"a wire dtype ({wire_dtype}) other than the shards' needs fp32 shards, got "
                              f"{sorted({str(dtype) for dtype, _ in self._buckets})}")
-        self.quantized = wire_dtype in QMAX
-        """An 8-bit wire (int8, float8_e4m3fn): the deltas travel through `quantized_all_reduce`, summed in fp32."""
+        self.wire = wire_of(wire_dtype) if self.delta else WIRES["float32"]
+        """How a bucket travels (`flwr_sharded.parallel.wire`): the shards as they are, or deltas in `wire_dtype`."""
+        self.quantized = self.wire.error_feedback
+        """An 8-bit wire: the deltas travel blockwise quantized (`quantize.quantized_all_reduce`), summed in fp32."""
         if error_feedback and not self.quantized:
-            raise ValueError(f"error feedback needs a quantized wire dtype (int8, float8_e4m3fn), not {wire_dtype}")
+            raise ValueError(f"error feedback needs a quantized wire dtype ({', '.join(QUANTIZED)}), not {wire_dtype}")
         self.feedback = ErrorFeedback() if error_feedback else None
-        self._workspace = Workspace() if self.quantized else None
-        self._wire: torch.Tensor | None = None
+        self._workspace = Workspace() if self.delta else None
         self._global: list[torch.Tensor] | None = None
         self._rule_state: list[dict[str, torch.Tensor]] | None = None
         self.max_weight: float | None = None
@@ -171,9 +172,9 @@ class ShardSync:
         if self._buffer is None:
             largest = max(sum(s.end - s.start for s in segs) * _itemsize(dt) for dt, segs in self._buckets)
             self._buffer = torch.empty(largest, dtype=torch.uint8, device=local_shard(self.params[0]).device)
-            if self.delta and not self.quantized:
-                self._wire = torch.empty(max(sum(s.end - s.start for s in segs) for _, segs in self._buckets),
-                                         dtype=self.wire_dtype, device=self._buffer.device)
+            if self.delta:
+                self.wire.reserve(self._workspace, max(sum(s.end - s.start for s in segs) for _, segs in self._buckets),
+                                  self._buffer.device)
         shards = [local_shard(p).view(-1) for p in self.params]
         self._views = []
         for dtype, segments in self._buckets:
@@ -330,30 +331,13 @@ class ShardSync:
 
     def reduce_bucket(self, k: int, flat: torch.Tensor, scale: float) -> int:
         """`flat` holds this rank's values of bucket k; on return it holds the groups' weighted mean (a linear rule's
-        input). One all-reduce (a quantized one with an 8-bit wire); returns the bytes sent. `scale` 0: this
-        member is left out of the sync and sends zeros."""
+        input). One all-reduce through the wire (`Wire.reduce`: a quantized one with an 8-bit wire); returns the
+        bytes sent. `scale` 0: this member is left out of the sync and sends zeros."""
         if scale == 0.0:
             flat.zero_()  # NaN * 0 is NaN; with a delta wire, flat then holds the zero delta
-        if not self.delta:
-            flat.mul_(scale)
-            dist.all_reduce(flat, group=self.fed_group)
-            return flat.numel() * flat.element_size()
-        if self.quantized:  # the weighted delta, blockwise 8-bit on the wire, summed in fp32, added back in fp32
-            if scale:
-                flat.sub_(self._global[k]).mul_(scale)
-            residual = self.feedback.residual(k, flat) if self.feedback is not None and scale else None
-            sent = quantized_all_reduce(flat, self.fed_group, dtype=self.wire_dtype, residual=residual,
-                                        workspace=self._workspace)
-            flat.add_(self._global[k])
-            return sent
-        wire = self._wire[:flat.numel()]
-        if scale:
-            torch.mul(flat.sub_(self._global[k]), scale, out=wire)  # the weighted delta in fp32, rounded once
-        else:
-            wire.zero_()
-        dist.all_reduce(wire, group=self.fed_group)
-        torch.add(self._global[k], wire, out=flat)  # global + the summed deltas, in fp32
-        return wire.numel() * wire.element_size()
+        residual = self.feedback.residual(k, flat) if self.feedback is not None and scale else None
+        return self.wire.reduce(flat, self._global[k] if self.delta else None, scale, self.fed_group,
+                                self._workspace, residual)
 
     def finish_bucket(self, k: int, flat: torch.Tensor, shard_segments: list[torch.Tensor],
                       buffer_segments: list[torch.Tensor], *, apply_rule: bool, alpha: float = 0.0,

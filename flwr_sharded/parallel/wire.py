@@ -1,24 +1,172 @@
-"""Wire dtypes of the shard sync (`--sync-dtype`) and what they cost: the one declaration the sync, the cost model,
-the planner and the benchmarks read (no torch import, so the planner stays light)."""
+"""Wire dtypes of the shard sync (`--sync-dtype`): one `Wire` subclass each, one module each in
+`flwr_sharded.parallel.wires`, registered here by name. Everything that lists wires (the option's choices, the 8-bit
+ones, the preflight's device check, the cost and memory models' bytes per value) derives from `WIRES`.
+
+Importing this module (and the wires) does not import torch, so the config, the planner and the Flower run stay
+light; a wire's `reduce` imports torch when the sync calls it.
+
+A wire other than the shards' own dtype sends each group's weighted delta from the global model (the outer
+gradient) and adds the reduced delta back in fp32: it needs fp32 shards and a linear outer rule, and makes the sync
+keep the global shards. Three kinds: the shards as they are (`PlainWire`, float32), the delta cast to a narrower
+float and all-reduced in it (`CastWire`, bfloat16), and the delta blockwise quantized to 8 bits and summed in fp32
+around a ring (`BlockwiseWire`: `flwr_sharded.parallel.quantize`).
+"""
 
 from __future__ import annotations
 
-import typing
-from typing import Literal
+import importlib
+import pkgutil
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-SyncDtype = Literal["float32", "bfloat16", "int8", "float8_e4m3fn"]
-"""What the cross-group all-reduce carries: the shards (float32), or each group's weighted delta from the last
-global model in bfloat16, or blockwise quantized to 8 bits (int8, float8_e4m3fn) and summed in fp32."""
+if TYPE_CHECKING:
+    import torch
 
 QUANT_BLOCK = 256
 """Elements per fp32 scale of an 8-bit wire (`flwr_sharded.parallel.quantize`)."""
 
-QUANTIZED: tuple[str, ...] = ("int8", "float8_e4m3fn")
-"""The 8-bit wire dtypes."""
 
-SYNC_DTYPE_BYTES: dict[str, float] = {"float32": 4.0, "bfloat16": 2.0,
-                                      **{name: 1.0 + 4.0 / QUANT_BLOCK for name in QUANTIZED}}
+class Wire:
+    """One wire dtype of the shard sync: what it costs, what it needs and how it reduces a bucket."""
+
+    name: ClassVar[str]
+    """The `--sync-dtype` value, also the name of its torch dtype."""
+    order: ClassVar[int]
+    """Position among the wires wherever they are listed (choices, docs); the planner takes the first of a size."""
+    bytes_per_value: ClassVar[float]
+    """Wire bytes per parameter in an all-reduce of a large bucket, scales included."""
+    delta: ClassVar[bool] = True
+    """Sends the weighted delta from the global model (fp32 shards, a linear rule; keeps the global shards)."""
+    error_feedback: ClassVar[bool] = False
+    """Rounds blockwise to 8 bits, so `--sync-error-feedback` can carry its rounding errors."""
+    requirement: ClassVar[str] = ""
+    """What the device must offer, in words ("" when any device runs it); `unsupported` checks it."""
+
+    def torch_dtype(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.name)
+
+    def unsupported(self, device: Any) -> str | None:
+        """None if `device` (a torch device or its name) runs this wire; else why not, as a phrase."""
+        return None
+
+    def reserve(self, workspace: Any, numel: int, device: Any) -> None:
+        """Allocate, before the first sync, what `reduce` needs for buckets of up to `numel` values."""
+
+    def reduce(self, flat: torch.Tensor, global_k: torch.Tensor | None, scale: float, group: Any, workspace: Any,
+               residual: torch.Tensor | None = None) -> int:
+        """`flat` holds this rank's values of a bucket (zeros if `scale` is 0: left out); on return the groups'
+        weighted mean, `scale` being this rank's share of the weight. `global_k`: the bucket's global values (delta
+        wires); `residual`: the error-feedback residual (8-bit wires). Returns the bytes this rank sent."""
+        raise NotImplementedError
+
+
+class PlainWire(Wire):
+    """The shards in their own dtype: each rank's weighted shards, all-reduced (SUM)."""
+
+    delta: ClassVar[bool] = False
+
+    def reduce(self, flat, global_k, scale, group, workspace, residual=None) -> int:
+        import torch.distributed as dist
+
+        flat.mul_(scale)
+        dist.all_reduce(flat, group=group)
+        return flat.numel() * flat.element_size()
+
+
+class CastWire(Wire):
+    """The weighted delta from the global model, rounded once to `name`, all-reduced in it, added back in fp32."""
+
+    def reserve(self, workspace, numel, device) -> None:
+        workspace.get("wire", numel, self.torch_dtype(), device)
+
+    def reduce(self, flat, global_k, scale, group, workspace, residual=None) -> int:
+        import torch
+        import torch.distributed as dist
+
+        wire = workspace.get("wire", flat.numel(), self.torch_dtype(), flat.device)
+        if scale:
+            torch.mul(flat.sub_(global_k), scale, out=wire)  # the weighted delta in fp32, rounded once
+        else:
+            wire.zero_()
+        dist.all_reduce(wire, group=group)
+        torch.add(global_k, wire, out=flat)  # global + the summed deltas, in fp32
+        return wire.numel() * wire.element_size()
+
+
+class BlockwiseWire(Wire):
+    """The weighted delta, blockwise 8-bit on the wire (one fp32 scale per `QUANT_BLOCK` values, absmax -> `qmax`),
+    summed in fp32 around a ring (`flwr_sharded.parallel.quantize.quantized_all_reduce`), added back in fp32."""
+
+    bytes_per_value: ClassVar[float] = 1.0 + 4.0 / QUANT_BLOCK
+    error_feedback: ClassVar[bool] = True
+    qmax: ClassVar[float]
+    """The largest code: a block's absmax maps onto it."""
+    probe: ClassVar[tuple[float, ...]] = ()
+    """Values the cast must carry exactly on a CPU for it to run there (none: integer codes, rounded by torch)."""
+    short: ClassVar[str] = ""
+    """The format's short name in messages (e.g. e4m3)."""
+
+    def unsupported(self, device: Any) -> str | None:
+        if not self.probe:
+            return None
+        import torch
+
+        from flwr_sharded.parallel import quantize
+
+        if quantize.fp8_supported(device, self.torch_dtype()):
+            return None
+        return (f"needs a CPU whose torch casts to {self.short} or CUDA compute capability >= 8.9, not "
+                f"{torch.device(device)}")
+
+    def reduce(self, flat, global_k, scale, group, workspace, residual=None) -> int:
+        from flwr_sharded.parallel.quantize import quantized_all_reduce
+
+        if scale:
+            flat.sub_(global_k).mul_(scale)
+        sent = quantized_all_reduce(flat, group, dtype=self.torch_dtype(), residual=residual, workspace=workspace)
+        flat.add_(global_k)
+        return sent
+
+
+WIRES: dict[str, Wire] = {}
+"""Every wire dtype by name, in `order`."""
+
+
+def register(cls: type[Wire]) -> type[Wire]:
+    """Class decorator: add a wire to `WIRES` (its module lives in `flwr_sharded.parallel.wires`)."""
+    if cls.name in WIRES:
+        raise ValueError(f"wire dtype {cls.name!r} is registered twice")
+    WIRES[cls.name] = cls()
+    return cls
+
+
+def wire_of(dtype: Any) -> Wire:
+    """The wire of a torch dtype or a name; ValueError naming the registered ones otherwise."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in WIRES:
+        raise ValueError(f"{dtype} is not a wire dtype of the shard sync; registered: {', '.join(WIRES)}")
+    return WIRES[name]
+
+
+def _load_wires() -> None:
+    from flwr_sharded.parallel import wires
+
+    for module in sorted(m.name for m in pkgutil.iter_modules(wires.__path__)):
+        importlib.import_module(f"{wires.__name__}.{module}")
+    ordered = sorted(WIRES.values(), key=lambda w: (w.order, w.name))
+    WIRES.clear()
+    WIRES.update((w.name, w) for w in ordered)
+
+
+_load_wires()
+
+SyncDtype = Literal[tuple(WIRES)]  # type: ignore[valid-type]
+"""What the cross-group all-reduce carries: one of `WIRES`."""
+
+QUANTIZED: tuple[str, ...] = tuple(name for name, w in WIRES.items() if w.error_feedback)
+"""The 8-bit wire dtypes (blockwise quantized; error feedback allowed)."""
+
+SYNC_DTYPE_BYTES: dict[str, float] = {name: w.bytes_per_value for name, w in WIRES.items()}
 """Wire bytes per parameter of each sync dtype, in an all-reduce of a large bucket (8-bit: one byte plus its share
 of the block's fp32 scale). The quantized all-reduce sends 2 (W - 1) / W of them per parameter, as a ring does."""
-
-assert tuple(SYNC_DTYPE_BYTES) == typing.get_args(SyncDtype)

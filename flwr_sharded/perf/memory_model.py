@@ -48,16 +48,14 @@ OPTIMIZER_LOOP_TEMP_PARAMS = {"adamw": 2, "sgd": 1}
 """On CPU (one tensor at a time): temporaries the size of the largest parameter shard (AdamW's sqrt and division)."""
 GLOBAL_BYTES = 4
 """The sync's copy of the global shards (fp32), kept by outer optimizers and by a reduced wire dtype."""
-SYNC_RULE_TEMP_BUCKETS = {"fedavgm": 4, "nesterov": 4, "fedadam": 6, "fedyogi": 6}
-"""Bucket-sized fp32 temporaries of an outer rule's step (`outer.py`: delta, new momentum, step, result; Adam also
-the second moment and its square root). FedAvg writes into the sync's buffers and has none."""
+RULE_STATE_BYTES = 4
+"""Each of an outer rule's state buffers (`ShardRule.state_buffers`: fp32, the shard's size); its temporaries
+(`temp_buckets`, `temp_buckets_per_member`) are fp32 buckets. FedAvg writes into the sync's buffers and has none."""
 SNAPSHOT_BYTES = 4
 """An overlapped sync's snapshot of the fragment in flight (fp32; `parallel/streaming.py`), and a carrying sync's
 copy of that fragment at its start: one buffer each, sized for the largest fragment."""
 FEEDBACK_BYTES = 4
 """Error feedback of an 8-bit wire: an fp32 residual per value of every bucket of the shard (`parallel/quantize.py`)."""
-TRIMMED_MEAN_TEMP_BUCKETS_PER_GROUP = 5
-"""Trimmed mean: per federation group, its all-gathered bucket, the stack, the sorted values and int64 indices."""
 
 # Activations, in elements of the compute dtype per token (h: hidden, kv: k/v width, i: MLP width).
 BLOCK_ACTIVATIONS = {"h": 8, "kv": 2, "i": 4}
@@ -206,24 +204,16 @@ def largest_fragment(shape: ModelShape, fragments: int) -> float:
 
 
 @lru_cache(maxsize=None)
+def _rule(outer: str):
+    """The outer rule's class (`flwr_sharded.parallel.outer`; its declared traits, without running it)."""
+    from flwr_sharded.parallel.outer import make_rule
+
+    return type(make_rule(outer))
+
+
 def rule_state_bytes(outer: str) -> float:
-    """Bytes per parameter of an outer rule's state, from the rule's own `init_state` (scalars ignored)."""
-    import torch
-
-    from flwr_sharded.parallel.outer import make_rule
-
-    rule = make_rule(outer)
-    one, two = rule.init_state(torch.zeros(1)), rule.init_state(torch.zeros(2))
-    return float(sum(two[k].numel() * two[k].element_size() - one[k].numel() * one[k].element_size() for k in two))
-
-
-@lru_cache(maxsize=None)
-def _rule_traits(outer: str) -> tuple[bool, bool]:
-    """(stateful, linear) of an outer rule."""
-    from flwr_sharded.parallel.outer import make_rule
-
-    rule = make_rule(outer)
-    return rule.stateful, rule.linear
+    """Bytes per parameter of an outer rule's state (`ShardRule.state_buffers`; scalars ignored)."""
+    return float(RULE_STATE_BYTES * _rule(outer).state_buffers)
 
 
 def trainer_memory(shape: ModelShape, *, S: int, tokens: int, R: int = 1, F: int = 1,
@@ -260,7 +250,8 @@ def trainer_memory(shape: ModelShape, *, S: int, tokens: int, R: int = 1, F: int
         optimizer_temp = OPTIMIZER_LOOP_TEMP_PARAMS[o.optimizer] * MASTER_BYTES * shape.largest_param() / S
 
     sync = sync_temp = host = 0.0
-    stateful, linear = _rule_traits(o.outer) if F > 1 or o.rollback else (False, True)
+    rule = _rule(o.outer) if F > 1 or o.rollback else None
+    stateful, linear = (rule.stateful, rule.linear) if rule is not None else (False, True)
     delta = o.sync_dtype != "float32"
     if delta and not linear:
         raise ConfigError(f"sync_dtype {o.sync_dtype} needs a linear outer rule, not {o.outer}")
@@ -270,9 +261,7 @@ def trainer_memory(shape: ModelShape, *, S: int, tokens: int, R: int = 1, F: int
         bucket = min(int(o.bucket_mb * (1 << 20)) // MASTER_BYTES, shard) * MASTER_BYTES
         wire = bucket / MASTER_BYTES * SYNC_DTYPE_BYTES[o.sync_dtype] if delta else 0.0
         sync = bucket + wire + outer_state
-        temps = F * TRIMMED_MEAN_TEMP_BUCKETS_PER_GROUP if o.outer == "trimmed-mean" else \
-            SYNC_RULE_TEMP_BUCKETS.get(o.outer, 0)
-        sync_temp = temps * bucket
+        sync_temp = (rule.temp_buckets + F * rule.temp_buckets_per_member) * bucket
         if o.sync_delay > 0:
             sync += (2 if o.sync_carry else 1) * SNAPSHOT_BYTES * largest_fragment(shape, o.sync_fragments) / S
         if o.sync_error_feedback:

@@ -6,6 +6,7 @@ import importlib.util
 
 from flwr_sharded.config import TrainConfig, validate
 from flwr_sharded.errors import ConfigError
+from flwr_sharded.parallel.wire import WIRES
 
 
 def preflight(cfg: TrainConfig, world_size: int) -> None:
@@ -54,7 +55,7 @@ def check_devices(cfg: TrainConfig) -> None:
 
 def check_sync(cfg: TrainConfig) -> None:
     """The shard sync against the model and the device: fragments are groups of whole transformer blocks, and an
-    fp8 wire needs a device that casts to e4m3."""
+    wire with a `requirement` (fp8) needs a device that runs it (`flwr_sharded.parallel.wire`)."""
     p = cfg.parallel
     if p.federated and p.sync_fragments > 1:
         from flwr_sharded.config import check_fragments
@@ -62,7 +63,7 @@ def check_sync(cfg: TrainConfig) -> None:
 
         config = model_config(cfg.model.name, vocab_size=1, max_seq_len=cfg.data.seq_len)
         check_fragments(p, int(config.num_hidden_layers), cfg.model.name)
-    if p.federated and p.sync_dtype == "float8_e4m3fn":
+    if p.federated and WIRES[p.sync_dtype].requirement:
         import torch
 
         from flwr_sharded.parallel.quantize import check_wire_dtype

@@ -50,10 +50,12 @@ from typing import Callable, Iterable, Mapping, Sequence
 import torch
 
 from flwr_sharded.flower import handoff
-from flwr_sharded.flower.server.robust import ROBUST_RULES, SUM_LIMIT, ChunkStack, min_contributors, out_of_bounds
-from flwr_sharded.parallel.contribution import check_weight
+from flwr_sharded.flower.server.robust import (ROBUST_RULES, SUM_LIMIT, ChunkStack, min_contributors,
+                                               out_of_bounds_verdicts)
+from flwr_sharded.parallel.contribution import weight_verdict
 from flwr_sharded.parallel.outer import FedAvg, ShardRule, State
 from flwr_sharded.parallel.shard_transport import PieceLayout, ShardPiece
+from flwr_sharded.parallel.verdict import NOT_FINITE, Verdict, reasons
 
 log = logging.getLogger(__name__)
 FP32_MAX = torch.finfo(torch.float32).max
@@ -96,11 +98,13 @@ class RejectedReply(ValueError):
 
 
 class ExcludedContributions(RuntimeError):
-    """Accepted replies `finalize` found out of bounds (source -> why); aggregate again without them."""
+    """Accepted replies `finalize` found out of bounds (`verdicts`; `reasons`: source -> why); aggregate again
+    without them."""
 
-    def __init__(self, reasons: dict[str, str]) -> None:
-        super().__init__("; ".join(f"{source}: {why}" for source, why in reasons.items()))
-        self.reasons = reasons
+    def __init__(self, verdicts: Sequence[Verdict]) -> None:
+        self.verdicts = list(verdicts)
+        self.reasons = reasons(self.verdicts)
+        super().__init__("; ".join(f"{source}: {why}" for source, why in self.reasons.items()))
 
 
 @dataclass
@@ -306,9 +310,9 @@ class StreamingShardAggregator:
         if reply.source in self.report.accepted or reply.source in self.report.rejected:
             raise RejectedReply("this source already replied in this round")
         expected = self.expected_weight(reply.source) if self.expected_weight is not None else None
-        reason = check_weight(reply.weight, expected)
-        if reason:
-            raise RejectedReply(reason)
+        verdict = weight_verdict(reply.source, reply.weight, expected)
+        if verdict is not None:
+            raise RejectedReply(verdict.reason)
         if reply.weight > FP32_MAX:
             raise RejectedReply(f"weight {reply.weight:.3g} is beyond the fp32 range of the sums")
         if self._stack is not None and len(self._stats) >= self._stack.slots:
@@ -372,7 +376,7 @@ class StreamingShardAggregator:
         if not self.report.accepted:
             raise RuntimeError(f"round {self.round}: no valid reply to aggregate "
                                f"(rejected: {self.report.rejected})")
-        self._exclude(out_of_bounds(self._stats, self.outlier_ratio, sums=self._stack is None))
+        self._exclude(out_of_bounds_verdicts(self._stats, self.outlier_ratio, sums=self._stack is None))
         if self._unfolded:  # cannot be: without exclusions every reply fitted the bound
             raise RuntimeError(f"round {self.round}: replies {self._unfolded} were not folded in")
         if self._stack is not None:
@@ -382,20 +386,22 @@ class StreamingShardAggregator:
             self._divide()
         bad = [n for n, t in self._acc.items() if not _finite(t)]
         if bad:  # a guard: finite inputs within the bound give a finite mean
-            self._exclude({max(self._stats, key=lambda s: self._stats[s][0] * self._stats[s][1]):
-                           f"the mean of {bad[:3]} is not finite; this contribution is the largest"})
+            self._exclude([Verdict(max(self._stats, key=lambda s: self._stats[s][0] * self._stats[s][1]),
+                                   f"the mean of {bad[:3]} is not finite; this contribution is the largest",
+                                   NOT_FINITE)])
         self._finalized = True
         return self.report
 
-    def _exclude(self, reasons: dict[str, str]) -> None:
+    def _exclude(self, verdicts: Sequence[Verdict]) -> None:
         """Raise `ExcludedContributions` (and log one line per source) if there are any."""
-        if not reasons:
+        if not verdicts:
             return
-        self.report.excluded.update(reasons)
+        excluded = ExcludedContributions(verdicts)
+        self.report.excluded.update(excluded.reasons)
         if self.log_rejections:
-            for source, why in reasons.items():
+            for source, why in excluded.reasons.items():
                 log.warning("server path: round %s: excluded the reply of %s: %s", self.round, source, why)
-        raise ExcludedContributions(reasons)
+        raise excluded
 
     @torch.no_grad()
     def _divide(self) -> None:

@@ -20,6 +20,7 @@ from flwr.supercore import log
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower import messages as M
 from flwr_sharded.flower.server.grid import message, reply_info, reply_payload
+from flwr_sharded.parallel.verdict import DROPPED, NAMED, Verdict, reasons
 
 
 @dataclass
@@ -203,16 +204,29 @@ class GroupMembership:
         other members' reports (`sync_blame`: absent at the rendezvous or failed their part of a sync;
         `sync_left_out`: left out of an adopted sync), member indices as in `members`. A lone report cannot strike
         an honest group. Counts consecutive strikes; `max-strikes` in a row leave a group out for `bench-rounds`
-        rounds (doubling each time), never below `min-groups` members. Returns the faults of the round."""
-        faults = dict(dropped)
+        rounds (doubling each time), never below `min-groups` members. Returns the faults of the round (node ->
+        why; `fault_verdicts` gives them as `Verdict`s)."""
+        return reasons(self.strike(server_round, members, self.fault_verdicts(members, reports, dropped)))
+
+    def fault_verdicts(self, members: list[int], reports: dict[int, dict[str, Any]],
+                       dropped: dict[int, str]) -> list[Verdict]:
+        """The round's members at fault (`Verdict.member`: the node): dropped, or named by most other members."""
+        faults = [Verdict(node, why, DROPPED) for node, why in dropped.items()]
         for index, node in enumerate(members):
-            if node in faults:
+            if node in dropped:
                 continue
             others = [m for n, m in reports.items() if n != node]
             named = [m for m in others if index in m.get("sync_blame", []) or index in m.get("sync_left_out", [])]
             if others and 2 * len(named) > len(others):
-                faults[node] = (f"named at fault by {len(named)} of {len(others)} other member(s) (absent at the "
-                                f"rendezvous, failed its part of a sync, or left out of one)")
+                faults.append(Verdict(node, f"named at fault by {len(named)} of {len(others)} other member(s) "
+                                            f"(absent at the rendezvous, failed its part of a sync, or left out of "
+                                            f"one)", NAMED))
+        return faults
+
+    def strike(self, server_round: int, members: list[int], verdicts: list[Verdict]) -> list[Verdict]:
+        """Count a strike for each member with a verdict, reset the others' count; bench those at `max-strikes`
+        (`hold_at_fault`). Returns `verdicts`."""
+        faults = reasons(verdicts)
         limit, bench = self.run.federation.max_strikes, self.run.federation.bench_rounds
         for node in members:
             g = self.groups[node]
@@ -234,7 +248,7 @@ class GroupMembership:
                                    f"{limit} rounds in a row ({faults[node][:160]})")
             log(WARNING, "round %d: group on node %d %s; it may rejoin in round %d", server_round, node,
                 self.left_out[node], g.benched_until)
-        return faults
+        return verdicts
 
     def catch_up_source(self, group: GroupInfo) -> int | None:
         """The member a rejoining group must match (fingerprint) and catches up from: member 0."""

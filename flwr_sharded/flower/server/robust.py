@@ -25,6 +25,8 @@ from typing import Mapping
 
 import torch
 
+from flwr_sharded.parallel.verdict import MAGNITUDE, OVERFLOW, Verdict, reasons
+
 SUM_LIMIT = torch.finfo(torch.float32).max / 2
 """Bound on sum(weight x largest |value|) over a chunk's contributions: the fp32 sums stay below it, with a margin
 for rounding, so they stay finite."""
@@ -42,27 +44,37 @@ def trim_of(rule: str, trim: int, n: int) -> int:
     return (n - 1) // 2 if rule == "median" else trim
 
 
-def out_of_bounds(stats: Mapping[str, tuple[float, float]], ratio: float, *, sums: bool = True) -> dict[str, str]:
-    """source -> why it is excluded, from each contribution's (weight, largest |value|) in a chunk (module doc);
-    `sums=False` (a robust rule, which sums no weighted values) skips the overflow test."""
-    out: dict[str, str] = {}
+def out_of_bounds_verdicts(stats: Mapping[str, tuple[float, float]], ratio: float, *,
+                           sums: bool = True) -> list[Verdict]:
+    """The contributions excluded from a chunk and why (`Verdict.member`: the source), from each one's (weight,
+    largest |value|) in it (module doc); `sums=False` (a robust rule, which sums no weighted values) skips the
+    overflow test."""
+    out: list[Verdict] = []
     if ratio > 0 and len(stats) > 1:
         largest = sorted(m for _, m in stats.values())
         median = largest[(len(largest) - 1) // 2]
         bound = ratio * max(1.0, median)
         for source, (_, m) in stats.items():
             if m > bound:
-                out[source] = (f"its largest |value| {m:.3g} is more than {ratio:g} x max(1, {median:.3g}), the "
-                               f"median of the facilities' largest |values| in this chunk")
-    kept = {s: w * m for s, (w, m) in stats.items() if s not in out} if sums else {}
+                out.append(Verdict(source, f"its largest |value| {m:.3g} is more than {ratio:g} x max(1, "
+                                           f"{median:.3g}), the median of the facilities' largest |values| in this "
+                                           f"chunk", MAGNITUDE))
+    excluded = {v.member for v in out}
+    kept = {s: w * m for s, (w, m) in stats.items() if s not in excluded} if sums else {}
     total = math.fsum(kept.values())
     for source in sorted(kept, key=kept.__getitem__, reverse=True):
         if total <= SUM_LIMIT:
             break
-        out[source] = (f"the mean would overflow: its weight x largest |value| is {kept[source]:.3g}, all of them "
-                       f"together {total:.3g}, above the {SUM_LIMIT:.3g} fp32 sums can hold")
+        out.append(Verdict(source, f"the mean would overflow: its weight x largest |value| is {kept[source]:.3g}, "
+                                   f"all of them together {total:.3g}, above the {SUM_LIMIT:.3g} fp32 sums can hold",
+                           OVERFLOW))
         total -= kept[source]
     return out
+
+
+def out_of_bounds(stats: Mapping[str, tuple[float, float]], ratio: float, *, sums: bool = True) -> dict[str, str]:
+    """source -> why it is excluded (`out_of_bounds_verdicts`' reasons)."""
+    return reasons(out_of_bounds_verdicts(stats, ratio, sums=sums))
 
 
 class ChunkStack:
@@ -100,4 +112,5 @@ class ChunkStack:
         return {name: trimmed_mean(stack[:n], cut) for name, stack in self._stack.items()}
 
 
-__all__ = ["ROBUST_RULES", "SUM_LIMIT", "ChunkStack", "min_contributors", "out_of_bounds", "trim_of"]
+__all__ = ["ROBUST_RULES", "SUM_LIMIT", "ChunkStack", "min_contributors", "out_of_bounds", "out_of_bounds_verdicts",
+           "trim_of"]

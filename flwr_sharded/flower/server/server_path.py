@@ -179,7 +179,7 @@ class ServerShardFedAvg(DecentralizedFedAvg):
         manifests describe (the first of equals on a tie), so one bad manifest cannot make the others look wrong;
         each manifest must cover it exactly once."""
         from flwr_sharded.flower.server.aggregation import RejectedReply, check_layout
-        from flwr_sharded.parallel.contribution import check_weight
+        from flwr_sharded.parallel.contribution import weight_verdict
         from flwr_sharded.parallel.shard_transport import ShardPieceError, decode_layouts
 
         manifests: dict[int, tuple[str, float, list[Any]]] = {}
@@ -199,9 +199,9 @@ class ServerShardFedAvg(DecentralizedFedAvg):
                 if group is None or node not in self.round_members:
                     raise RejectedReply("the node is not a member of this round")
                 bound = self.expected_weight(node, round_options) if math.isfinite(weight) else None
-                reason = check_weight(weight, bound)
-                if reason:
-                    raise RejectedReply(reason)
+                verdict = weight_verdict(source, weight, bound)
+                if verdict is not None:
+                    raise RejectedReply(verdict.reason)
                 layouts = decode_layouts(shapes, meta)
                 specs[node] = check_layout(None, layouts, complete=False)
             except (RejectedReply, ShardPieceError, ValueError) as exc:

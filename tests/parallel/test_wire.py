@@ -1,0 +1,56 @@
+"""The wire registry: every list of wire dtypes derives from it, and it loads without torch."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import typing
+
+import pytest
+
+from tests.multiproc import REPO
+
+
+def test_the_option_the_8_bit_wires_and_the_bytes_derive_from_the_registry():
+    from flwr_sharded.config import ParallelConfig
+    from flwr_sharded.parallel.wire import QUANTIZED, SYNC_DTYPE_BYTES, WIRES, SyncDtype
+    from flwr_sharded.schema import options
+
+    names = tuple(WIRES)
+    assert names[:4] == ("float32", "bfloat16", "int8", "float8_e4m3fn") and "float8_e5m2" in names
+    assert typing.get_args(SyncDtype) == names == tuple(SYNC_DTYPE_BYTES)
+    sync_dtype = next(o for o in options(ParallelConfig) if o.path[-1] == "sync_dtype")
+    assert tuple(sync_dtype.choices) == names
+    assert QUANTIZED == tuple(n for n, w in WIRES.items() if w.error_feedback) == ("int8", "float8_e4m3fn",
+                                                                                    "float8_e5m2")
+    assert [n for n, w in WIRES.items() if not w.delta] == ["float32"]
+
+
+def test_the_sync_dtype_docstring_names_exactly_the_registered_wires():
+    from flwr_sharded.config import ParallelConfig
+    from flwr_sharded.parallel.wire import WIRES
+    from flwr_sharded.schema import options
+
+    doc = next(o for o in options(ParallelConfig) if o.path[-1] == "sync_dtype").doc
+    named = set(re.findall(r"\b(?:b?float\d+\w*|u?int\d+)\b", doc))
+    assert named == set(WIRES), named ^ set(WIRES)
+
+
+def test_a_wire_is_registered_once_and_unknown_dtypes_are_named():
+    from flwr_sharded.parallel.wire import WIRES, register, wire_of
+
+    with pytest.raises(ValueError, match="registered twice"):
+        register(type(WIRES["int8"]))
+    assert wire_of("torch.bfloat16") is WIRES["bfloat16"]
+    with pytest.raises(ValueError, match="float16 is not a wire dtype.*float32, bfloat16, int8"):
+        wire_of("float16")
+
+
+def test_the_registry_loads_without_torch():
+    code = ("import sys; import flwr_sharded.parallel.wire as w, flwr_sharded.config; "
+            "print(len(w.WIRES), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
+                         env={"PYTHONPATH": str(REPO), "PATH": ""})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[1] == "False", out.stdout
