@@ -159,7 +159,8 @@ def _launch(args: argparse.Namespace, name: str, model: list[str], startup_only:
     work = Path(args.work)
     shutil.rmtree(work / f"ckpt-{name}", ignore_errors=True)
     shutil.rmtree(work / f"saved-{name}", ignore_errors=True)
-    train_args = ["--method", "fsdp", "--shards", str(NPROC), *model, "--data-dir", args.data_dir, "--seq-len", "64",
+    train_args = ["--method", "fsdp", "--shards", str(NPROC), *model, "--data-dir", args.data_dir,
+                  "--tokenizer", str(Path(args.data_dir) / "tokenizer"), "--seq-len", "64",
                   "--batch-size", "1", "--steps", "1", "--no-progress", "--checkpoint-dir", str(work / f"ckpt-{name}")]
     _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(NPROC), "--master-port",
           str(args.port), __file__, "--worker", "--name", name, "--work", str(work),

@@ -124,7 +124,7 @@ class StepOptions:
                    bucket_mb=p.bucket_mb, grad_accum=cfg.grad_accum,
                    activation_checkpointing=cfg.model.activation_checkpointing,
                    reshard_after_forward=cfg.model.reshard_after_forward, proximal=cfg.optim.proximal_mu > 0,
-                   sync_fragments=p.sync_fragments, sync_delay=p.sync_delay, sync_carry=p.sync_carry,
+                   sync_fragments=p.sync_fragments, sync_delay=p.sync_delay, sync_carry=p.carries,
                    error_feedback=p.sync_error_feedback, device=device)
 
 

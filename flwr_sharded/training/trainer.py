@@ -126,7 +126,7 @@ class Trainer:
                                wire_dtype=getattr(torch, p.sync_dtype), error_feedback=p.sync_error_feedback)
                      for part in parts]
             self.shard_sync = FragmentedSync(syncs, Schedule(p.aggregate_every, p.sync_fragments, p.sync_delay),
-                                             carry=p.sync_carry)
+                                             carry=p.carries)
             self._fragment_of = {id(param): i for i, part in enumerate(parts) for _, param in part}
             if replica0:  # only replica 0 joins the cross-group step
                 self.shard_sync.capture_global()  # the start of the first sync period, for outer optimizers
