@@ -222,6 +222,31 @@ def _rule_traits(outer: str) -> tuple[bool, bool]:
     return rule.stateful, rule.linear
 
 
+def _sync_terms(shape: ModelShape, o: StepOptions, *, S: int, F: int) -> tuple[float, float, float]:
+    """(sync, sync_temp, outer_state) of one rank: the FL sync's buffers (F > 1), the rule's temporaries during a
+    sync, and the outer rule's state (global copy included), which a rollback copy holds too."""
+    shard = shape.num_params / S
+    sync = sync_temp = 0.0
+    stateful, linear = _rule_traits(o.outer) if F > 1 or o.rollback else (False, True)
+    delta = o.sync_dtype != "float32"
+    if delta and not linear:
+        raise ConfigError(f"sync_dtype {o.sync_dtype} needs a linear outer rule, not {o.outer}")
+    keeps_global = stateful or delta
+    outer_state = (GLOBAL_BYTES + rule_state_bytes(o.outer)) * shard if keeps_global else 0.0
+    if F > 1:
+        bucket = min(int(o.bucket_mb * (1 << 20)) // MASTER_BYTES, shard) * MASTER_BYTES
+        wire = bucket / MASTER_BYTES * SYNC_DTYPE_BYTES[o.sync_dtype] if delta else 0.0
+        sync = bucket + wire + outer_state
+        temps = F * TRIMMED_MEAN_TEMP_BUCKETS_PER_GROUP if o.outer == "trimmed-mean" else \
+            SYNC_RULE_TEMP_BUCKETS.get(o.outer, 0)
+        sync_temp = temps * bucket
+        if o.sync_delay > 0:
+            sync += (2 if o.sync_carry else 1) * SNAPSHOT_BYTES * largest_fragment(shape, o.sync_fragments) / S
+        if o.error_feedback:
+            sync += FEEDBACK_BYTES * shard
+    return sync, sync_temp, outer_state
+
+
 def trainer_memory(shape: ModelShape, *, S: int, tokens: int, R: int = 1, F: int = 1,
                    options: StepOptions = StepOptions(),
                    state_bytes_per_param: float | None = None) -> MemoryBreakdown:
@@ -255,26 +280,8 @@ def trainer_memory(shape: ModelShape, *, S: int, tokens: int, R: int = 1, F: int
     else:
         optimizer_temp = OPTIMIZER_LOOP_TEMP_PARAMS[o.optimizer] * MASTER_BYTES * shape.largest_param() / S
 
-    sync = sync_temp = host = 0.0
-    stateful, linear = _rule_traits(o.outer) if F > 1 or o.rollback else (False, True)
-    delta = o.sync_dtype != "float32"
-    if delta and not linear:
-        raise ConfigError(f"sync_dtype {o.sync_dtype} needs a linear outer rule, not {o.outer}")
-    keeps_global = stateful or delta
-    outer_state = (GLOBAL_BYTES + rule_state_bytes(o.outer)) * shard if keeps_global else 0.0
-    if F > 1:
-        bucket = min(int(o.bucket_mb * (1 << 20)) // MASTER_BYTES, shard) * MASTER_BYTES
-        wire = bucket / MASTER_BYTES * SYNC_DTYPE_BYTES[o.sync_dtype] if delta else 0.0
-        sync = bucket + wire + outer_state
-        temps = F * TRIMMED_MEAN_TEMP_BUCKETS_PER_GROUP if o.outer == "trimmed-mean" else \
-            SYNC_RULE_TEMP_BUCKETS.get(o.outer, 0)
-        sync_temp = temps * bucket
-        if o.sync_delay > 0:
-            sync += (2 if o.sync_carry else 1) * SNAPSHOT_BYTES * largest_fragment(shape, o.sync_fragments) / S
-        if o.error_feedback:
-            sync += FEEDBACK_BYTES * shard
-    if o.rollback:
-        host = MASTER_BYTES * shard + optimizer + outer_state
+    sync, sync_temp, outer_state = _sync_terms(shape, o, S=S, F=F)
+    host = MASTER_BYTES * shard + optimizer + outer_state if o.rollback else 0.0
     anchor = MASTER_BYTES * shard if o.proximal else 0.0
     accumulated = ACCUM_BYTES * P if o.grad_accum > 1 else 0.0
 

@@ -68,12 +68,20 @@ def _bandwidths(text: str) -> list[float]:
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add the `bench` sub-command (and its `exec` and `sync` sub-commands)."""
-    from flwr_sharded.config import default_data_dir
-
+    """Add the `bench` sub-command (and its `exec`, `check` and `sync` sub-commands)."""
     p = subparsers.add_parser(
         "bench", help="run the four methods side by side on an emulated tiered network (root; Linux netns + tc)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_bench_arguments(p)
+    p.set_defaults(func=run, bench_command=None)
+    _add_subcommands(p)
+    return p
+
+
+def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of a benchmark run: clusters, runs, training, output."""
+    from flwr_sharded.config import default_data_dir
+
     p.add_argument("--cluster", default=str(DEFAULT_CLUSTER), metavar="FILE",
                    help="cluster YAML to emulate (default examples/clusters/emulated.yaml)")
     p.add_argument("--contrast", default=str(DEFAULT_CONTRAST), metavar="FILE",
@@ -128,7 +136,10 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--run-timeout", type=float, default=1200.0, help="seconds one training run may take")
     p.add_argument("--collective-timeout", type=float, default=300.0, help="seconds one collective may take")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds the whole benchmark may take")
-    p.set_defaults(func=run, bench_command=None)
+
+
+def _add_subcommands(p: argparse.ArgumentParser) -> None:
+    """`bench exec`, `bench check` and `bench sync`."""
     sub = p.add_subparsers(dest="bench_command")
 
     e = sub.add_parser("exec", help="run a command once per rank on the emulated cluster (RANK, WORLD_SIZE, "
@@ -156,7 +167,6 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     s.add_argument("--sync-out", default="benchmarks/results", dest="sync_out", help="directory for the JSON files")
     s.add_argument("extra", nargs=argparse.REMAINDER, help="-- more sync_bench.py arguments")
     s.set_defaults(func=run_sync)
-    return p
 
 
 def _apply_quick(args: argparse.Namespace) -> None:
