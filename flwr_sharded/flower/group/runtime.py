@@ -33,6 +33,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from flwr_sharded import memory_release
 from flwr_sharded.config import ParallelConfig, validate_parallel
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower import endpoint as E
@@ -314,6 +315,7 @@ class GroupRuntime:
         self._drop_trainer()
         start = time.perf_counter()
         self.trainer = Trainer(cfg, self.topo, static_sync=False, partition=partition)
+        memory_release.trim()  # the load's transient buffers
         self.key, self.tokens, self.syncs, self.sync_attempts, self.resumed_round = key, 0, 0, 0, 0
         if cfg.checkpoint.resume:
             meta = self.trainer.resume()
@@ -473,6 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    memory_release.pin_thresholds()
     args = build_parser().parse_args(argv)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stderr,

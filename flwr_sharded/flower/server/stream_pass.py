@@ -15,13 +15,13 @@ from typing import Any
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
+from flwr_sharded import memory_release
 from flwr_sharded.flower import handoff
 from flwr_sharded.flower import messages as M
 from flwr_sharded.flower.server import grid as G
 from flwr_sharded.flower.server.aggregation import (ExcludedContributions, StreamingShardAggregator, add_content,
                                                     requests_for)
 from flwr_sharded.parallel.shard_transport import ShardPiece, encode_pieces
-from flwr_sharded.perf.memory import release_free_memory
 
 Chunk = list[tuple[str, int, int]]
 """Global rows of the model: (parameter, first row, end row) per piece."""
@@ -136,7 +136,7 @@ class StreamPass:
         for name in (handoff.SHARDS, handoff.SHARD_META):
             if name in reply.content:
                 del reply.content[name]
-        release_free_memory()  # the chunk's buffers
+        memory_release.trim()  # the chunk's buffers
         self.stats["fold_s"] += time.perf_counter() - start
         return reply
 
@@ -179,5 +179,5 @@ class StreamPass:
                 if last:
                     self.last_ids.add(mid)
         del messages, pushed
-        release_free_memory()
+        memory_release.trim()
         self._take_applies(s.await_replies(self.grid, self.applies, time.monotonic()))  # those already there
