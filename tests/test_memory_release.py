@@ -73,3 +73,19 @@ def test_other_c_libraries_are_left_alone(monkeypatch, caplog):
         assert "not glibc" in caplog.text
     finally:
         memory_release._glibc.cache_clear()
+
+
+def test_the_entry_points_pin_the_thresholds(monkeypatch, tmp_path):
+    from flwr_sharded import memory_release, train
+
+    calls = []
+    monkeypatch.setattr(memory_release, "pin_thresholds", lambda: calls.append("train") or {})
+    assert train.main(["--method", "fsdp", "--federations", "2", "--print-config"]) == 2  # refused, after pinning
+    assert calls == ["train"]
+    code = ("import runpy, sys; from flwr_sharded import memory_release as m; "
+            "m.pin_thresholds = lambda: print('pinned', 'torch' in sys.modules, flush=True) or {}; "
+            f"sys.argv = ['group', '--authkey-file', {str(tmp_path / 'missing')!r}]; "
+            "runpy.run_module('flwr_sharded.flower.group', run_name='__main__')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 2 and done.stdout.strip() == "pinned False", (done.stdout, done.stderr[-2000:])
