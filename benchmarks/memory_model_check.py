@@ -13,8 +13,10 @@ less fixed; a layout's measured is its largest rank, compared with `trainer_memo
 
 On CPU "GPU memory" is the process's RSS: tensors come from glibc malloc (no caching allocator), the optimizer runs
 one parameter at a time (no foreach temporaries), and memory freed to malloc but kept by it still counts.
-`--mmap-threshold N` pins glibc's mmap threshold (MALLOC_MMAP_THRESHOLD_) so every tensor of N bytes or more is its
-own mapping, returned when freed: RSS then follows live tensors. Internal: `--worker DIR -- TRAIN ARGS` runs one rank.
+`flwr_sharded.train` pins glibc's mmap and trim thresholds at 128 KiB (`flwr_sharded.memory_release`), so every
+tensor of 128 KiB or more is its own mapping, returned when freed: RSS then follows live tensors. `--mmap-threshold
+N` sets MALLOC_MMAP_THRESHOLD_ for the ranks instead (the environment wins). Internal: `--worker DIR -- TRAIN
+ARGS` runs one rank.
 """
 
 from __future__ import annotations
@@ -68,15 +70,15 @@ LAYOUTS: dict[str, list[str]] = {
 
 def worker(out_dir: str, argv: list[str]) -> int:
     """Run `flwr_sharded.train` with `Trainer.run` wrapped to record this rank's peak RSS during training."""
-    from flwr_sharded import train
-    from flwr_sharded.perf.memory import PeakRSS, current_rss, peak_rss, release_free_memory
+    from flwr_sharded import memory_release, train
+    from flwr_sharded.perf.memory import PeakRSS, current_rss, peak_rss
     from flwr_sharded.training import trainer as trainer_module
 
     original = trainer_module.Trainer.run
 
     def run(self: Any, run_dir: Any = None) -> dict[str, Any]:
         build_hwm = peak_rss() or 0
-        release_free_memory()
+        memory_release.trim()
         start = current_rss() or 0
         peak = PeakRSS(start)
         try:
@@ -228,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of: {', '.join(LAYOUTS)}")
     p.add_argument("--out", default=None, help="result JSON (unset: benchmarks/results/memory_model_check_DATE.json)")
     p.add_argument("--work-dir", default=None, help="where the runs write (unset: a new temporary directory)")
-    p.add_argument("--mmap-threshold", type=int, default=0, help="MALLOC_MMAP_THRESHOLD_ for the ranks (0: glibc's)")
+    p.add_argument("--mmap-threshold", type=int, default=0,
+                   help="MALLOC_MMAP_THRESHOLD_ for the ranks (0: the trainer's, 128 KiB)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per torchrun")
     p.add_argument("--table", metavar="JSON", help="print the Markdown table of a result file and exit")
     args = p.parse_args(argv)

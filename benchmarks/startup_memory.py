@@ -13,6 +13,9 @@
    same weights from a bf16 safetensors file (converted to the fp32 parameters).
 4. `flwr-sharded export` of both checkpoints in a fresh process each (its peak RSS; the tiny one is the fixed part).
 
+The ranks pin glibc's thresholds and trim the heap after loading, as `flwr_sharded.train` does
+(`flwr_sharded.memory_release`), unless `--default-allocator`.
+
 The target: peak <= 1.3 x (16 bytes per parameter / S: fp32 parameters, gradients and AdamW's two moments) + the
 fixed footprint, for every rank and for export. Results (and the load average at the start and end) go to `--out`.
 """
@@ -86,7 +89,15 @@ def generate_bf16(source: Path, directory: Path) -> None:
 
 
 def worker(args: argparse.Namespace, train_args: list[str]) -> None:
-    """One torchrun rank: start-up, one step, save_pretrained, checkpoint; write this rank's peaks as JSON."""
+    """One torchrun rank: start-up, one step, save_pretrained, checkpoint; write this rank's peaks as JSON.
+
+    Like `flwr_sharded.train`, it pins glibc's thresholds first and trims the heap once the model is loaded
+    (`flwr_sharded.memory_release`), unless `--default-allocator`."""
+    from flwr_sharded import memory_release
+
+    release = not args.default_allocator
+    if release:
+        memory_release.pin_thresholds()
     peaks: dict[str, int] = {}
     starts: dict[str, int] = {}
     import torch
@@ -103,6 +114,8 @@ def worker(args: argparse.Namespace, train_args: list[str]) -> None:
     times: dict[str, float] = {}
     start = time.perf_counter()
     trainer = Trainer(cfg, topo)
+    if release:
+        memory_release.trim()
     times["startup_s"] = time.perf_counter() - start
     peaks["startup"] = _hwm_bytes()  # from process start: imports, topology, data, model
     starts["step"] = _reset_hwm()
@@ -159,11 +172,13 @@ def _launch(args: argparse.Namespace, name: str, model: list[str], startup_only:
     work = Path(args.work)
     shutil.rmtree(work / f"ckpt-{name}", ignore_errors=True)
     shutil.rmtree(work / f"saved-{name}", ignore_errors=True)
-    train_args = ["--method", "fsdp", "--shards", str(NPROC), *model, "--data-dir", args.data_dir, "--seq-len", "64",
+    train_args = ["--method", "fsdp", "--shards", str(NPROC), *model, "--data-dir", args.data_dir,
+                  "--tokenizer", str(Path(args.data_dir) / "tokenizer"), "--seq-len", "64",
                   "--batch-size", "1", "--steps", "1", "--no-progress", "--checkpoint-dir", str(work / f"ckpt-{name}")]
     _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(NPROC), "--master-port",
           str(args.port), __file__, "--worker", "--name", name, "--work", str(work),
-          *(["--startup-only"] if startup_only else []), "--", *train_args], timeout=args.timeout)
+          *(["--startup-only"] if startup_only else []), *(["--default-allocator"] if args.default_allocator else []),
+          "--", *train_args], timeout=args.timeout)
     ranks = [json.loads((work / f"rank-{name}-{r}.json").read_text()) for r in range(NPROC)]
     if startup_only:
         return ranks
@@ -210,6 +225,8 @@ def main() -> int:
     parser.add_argument("--malloc-mmap-threshold", type=int, default=None,
                         help="bytes: run the measured processes with MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ "
                              "at this value (glibc then returns freed buffers above it to the OS at once)")
+    parser.add_argument("--default-allocator", action="store_true",
+                        help="the ranks leave glibc's thresholds and heap alone (no flwr_sharded.memory_release)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--export-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--name", default="", help=argparse.SUPPRESS)
@@ -274,7 +291,7 @@ def main() -> int:
         "model": {**SHAPE, "parameters": n_params, "fp32_gib": 4 * n_params / gib},
         "ranks": NPROC, "method": "fsdp", "shards": NPROC, "seq_len": 64, "batch_size": 1,
         "state_share_gib": state / gib, "target": "peak <= 1.3 x state_share + fixed",
-        "malloc": MALLOC, "per_rank": per_rank, "max_startup_x": max(r["startup_x"] for r in per_rank),
+        "malloc": MALLOC, "memory_release": not args.default_allocator, "per_rank": per_rank, "max_startup_x": max(r["startup_x"] for r in per_rank),
         "max_startup_step_x": max(r["startup_step_x"] for r in per_rank), "export": export,
         "random_init": startup_summary(init), "pretrained_bf16_file": startup_summary(bf16)}
     text = json.dumps(result, indent=1)

@@ -73,10 +73,11 @@ class ParallelConfig:
     sync_alpha: float = option(0.0, ge=0, le=1)
     """alpha: when a sync is merged, every shard becomes alpha * local + (1 - alpha) * global (Streaming DiLoCo's
     mixing; 0 adopts the global values, discarding the local steps taken while the sync travelled)."""
-    sync_carry: bool = False
-    """With sync-delay: keep the local steps taken while the sync travelled: the global values a merge mixes in
-    become global + (local - snapshot), so a shard becomes local + (1 - alpha) * (global - snapshot). Costs one more
-    copy of the largest fragment's shards."""
+    sync_carry: bool | None = None
+    """Keep the local steps taken while an overlapped sync travelled (unset: on when `sync-delay` > 0; off:
+    `--no-sync-carry`, `false` in YAML or the run config): the global values a merge mixes in become global + (local
+    - snapshot), so a shard becomes local + (1 - alpha) * (global - snapshot). Costs one more copy of the largest
+    fragment's shards; on with `sync-delay` 0 is an error (there is nothing to keep)."""
     reset_optimizer_state: bool = False
     """Clear the inner optimizer's state (e.g. Adam moments) after each sync; by default it stays local and kept."""
     sync: bool = option(True, not_flat="a Flower run always syncs; the no-sync limit is a static-engine benchmark")
@@ -98,6 +99,12 @@ class ParallelConfig:
                                                                     "(--sync-backend of the group runtime)")
     """Backend of the static world's process groups: auto (NCCL on GPUs, gloo on CPU), or gloo on GPUs too (several
     ranks sharing one GPU, where NCCL refuses, e.g. two groups of S = 1 on a one-GPU machine)."""
+
+    @property
+    def carries(self) -> bool:
+        """Whether an overlapped sync keeps the local steps taken while it travelled (`sync-carry`, unset: on when
+        `sync-delay` > 0); what every user of the option reads."""
+        return self.sync_delay > 0 and self.sync_carry is not False
 
     @property
     def world_size(self) -> int:
@@ -356,9 +363,9 @@ def validate_sync(p: ParallelConfig, rule: Any, surface: Surface = CLI) -> None:
     from flwr_sharded.parallel.schedule import Schedule
 
     L = labeler(surface)
-    defaults = ParallelConfig()
+    defaults = ParallelConfig()  # an option off (even spelled out) shapes nothing
     streaming = [name for name in ("sync-fragments", "sync-delay", "sync-alpha", "sync-carry", "sync-error-feedback")
-                 if getattr(p, name.replace("-", "_")) != getattr(defaults, name.replace("-", "_"))]
+                 if getattr(p, name.replace("-", "_")) not in (getattr(defaults, name.replace("-", "_")), False)]
     if streaming and not p.federated:
         raise surface.error(f"{', '.join(L(n) for n in streaming)} shape the shard sync of FL methods; "
                             f"{L('method')} {p.method} has none (use fl-fsdp or fl-hsdp)")
@@ -376,7 +383,7 @@ def validate_sync(p: ParallelConfig, rule: Any, surface: Surface = CLI) -> None:
                             f"{p.sync_fragments}: {share} step(s) between two syncs); allowed: 0..{share - 1}")
     if p.sync_carry and not p.sync_delay:
         raise surface.error(f"{L('sync-carry')} keeps the local steps taken while an overlapped sync travels; with "
-                            f"{L('sync-delay')} 0 there are none: set {L('sync-delay')} >= 1 or leave it off")
+                            f"{L('sync-delay')} 0 there are none: set {L('sync-delay')} >= 1 or leave it unset")
     if p.sync_delay and not rule.linear:
         raise surface.error(f"{L('sync-delay')} {p.sync_delay} reduces a weighted mean in the background, but "
                             f"{L('outer')} {p.outer} needs every member's shards; use a linear rule "

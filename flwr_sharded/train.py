@@ -15,7 +15,7 @@ import os
 import sys
 from typing import Any, Sequence
 
-from flwr_sharded import schema
+from flwr_sharded import memory_release, schema
 from flwr_sharded.config import TrainConfig, config_to_dict, load_config, validate
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.training.preflight import preflight
@@ -64,6 +64,7 @@ def run(cfg: TrainConfig, measure_traffic: str | None = None, faults: Any = None
         dist.broadcast_object_list(box, src=0)  # every rank writes its part of the model there
         cfg.output.run_dir = box[0]
         trainer = Trainer(cfg, topo)
+        memory_release.trim()  # the load's transient buffers
         if leader and faults is not None and trainer.outer is not None:
             trainer.outer.faults = faults
         if leader:
@@ -105,6 +106,7 @@ def run(cfg: TrainConfig, measure_traffic: str | None = None, faults: Any = None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    memory_release.pin_thresholds()
     args = build_parser().parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     leader = int(os.environ.get("RANK", "0")) == 0

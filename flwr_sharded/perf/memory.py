@@ -25,26 +25,6 @@ def _status_kib(field: str) -> int | None:
     return None
 
 
-def release_free_memory() -> bool:
-    """Hand the allocator's free pages back to the OS (glibc `malloc_trim(0)`); False where there is no glibc.
-
-    Large transient buffers freed between allocations that stay (e.g. chunks folded into an accumulator) otherwise
-    leave the heap fragmented and resident.
-    """
-    global _malloc_trim
-    if _malloc_trim is None:
-        try:
-            import ctypes
-
-            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _malloc_trim = False
-    return bool(_malloc_trim and _malloc_trim(0) is not None)
-
-
-_malloc_trim = None
-
-
 def current_rss() -> int | None:
     """This process's resident memory in bytes (None where /proc does not tell)."""
     kib = _status_kib("VmRSS")
@@ -76,4 +56,4 @@ class PeakRSS:
         return None if peak is None else max(0, peak * 1024 - self.base_bytes)
 
 
-__all__ = ["PeakRSS", "current_rss", "peak_rss", "release_free_memory"]
+__all__ = ["PeakRSS", "current_rss", "peak_rss"]

@@ -94,10 +94,11 @@ class StepOptions:
     """FedProx anchor (`proximal-mu` > 0)."""
     sync_fragments: int = same_as(ParallelConfig, "sync_fragments")
     sync_delay: int = same_as(ParallelConfig, "sync_delay")
-    sync_carry: bool = same_as(ParallelConfig, "sync_carry")
+    sync_carry: bool | None = same_as(ParallelConfig, "sync_carry")
     sync_error_feedback: bool = same_as(ParallelConfig, "sync_error_feedback")
     rollback: bool = False
-    """A Flower group: its rollback copy of the shards, their optimizer state and the outer state (host memory)."""
+    """The rollback copy of the shards, their optimizer state and the outer state (host memory) that a Flower group,
+    and the static engine with `sync-retries` > 0, keep."""
     device: str = "cuda"
     """cuda (foreach optimizer kernels) or cpu (one parameter at a time)."""
 
@@ -108,13 +109,17 @@ class StepOptions:
             o.check(getattr(self, name), FIELD_NAMES)
         if self.precision == "auto":
             object.__setattr__(self, "precision", "bf16" if self.device == "cuda" else "fp32")
+        # unset: the config's default, on with an overlapped sync (`ParallelConfig.carries`)
+        object.__setattr__(self, "sync_carry", self.sync_delay > 0 and self.sync_carry is not False)
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, device: str) -> StepOptions:
         """The options of a `flwr_sharded.config.TrainConfig` run on `device` (cuda or cpu)."""
         config = schema.by_name(TrainConfig)
         values = {name: schema.get(cfg, config[o.name].path) for name, o in _config_options().items()}
-        return cls(**values, proximal=cfg.optim.proximal_mu > 0, device=device)
+        p = cfg.parallel
+        return cls(**values, proximal=cfg.optim.proximal_mu > 0, device=device,
+                   rollback=p.federated and p.sync and p.sync_retries > 0)
 
 
 @lru_cache(maxsize=None)
@@ -216,6 +221,30 @@ def rule_state_bytes(outer: str) -> float:
     return float(RULE_STATE_BYTES * _rule(outer).state_buffers)
 
 
+def _sync_terms(shape: ModelShape, o: StepOptions, *, S: int, F: int) -> tuple[float, float, float]:
+    """(sync, sync_temp, outer_state) of one rank: the FL sync's buffers (F > 1), the rule's temporaries during a
+    sync, and the outer rule's state (global copy included), which a rollback copy holds too."""
+    shard = shape.num_params / S
+    sync = sync_temp = 0.0
+    rule = _rule(o.outer) if F > 1 or o.rollback else None
+    stateful, linear = (rule.stateful, rule.linear) if rule is not None else (False, True)
+    delta = o.sync_dtype != "float32"
+    if delta and not linear:
+        raise ConfigError(f"sync_dtype {o.sync_dtype} needs a linear outer rule, not {o.outer}")
+    keeps_global = stateful or delta
+    outer_state = (GLOBAL_BYTES + rule_state_bytes(o.outer)) * shard if keeps_global else 0.0
+    if F > 1:
+        bucket = min(int(o.bucket_mb * (1 << 20)) // MASTER_BYTES, shard) * MASTER_BYTES
+        wire = bucket / MASTER_BYTES * SYNC_DTYPE_BYTES[o.sync_dtype] if delta else 0.0
+        sync = bucket + wire + outer_state
+        sync_temp = (rule.temp_buckets + F * rule.temp_buckets_per_member) * bucket
+        if o.sync_delay > 0:
+            sync += (2 if o.sync_carry else 1) * SNAPSHOT_BYTES * largest_fragment(shape, o.sync_fragments) / S
+        if o.sync_error_feedback:
+            sync += FEEDBACK_BYTES * shard
+    return sync, sync_temp, outer_state
+
+
 def trainer_memory(shape: ModelShape, *, S: int, tokens: int, R: int = 1, F: int = 1,
                    options: StepOptions = StepOptions(),
                    state_bytes_per_param: float | None = None) -> MemoryBreakdown:
@@ -249,25 +278,8 @@ def trainer_memory(shape: ModelShape, *, S: int, tokens: int, R: int = 1, F: int
     else:
         optimizer_temp = OPTIMIZER_LOOP_TEMP_PARAMS[o.optimizer] * MASTER_BYTES * shape.largest_param() / S
 
-    sync = sync_temp = host = 0.0
-    rule = _rule(o.outer) if F > 1 or o.rollback else None
-    stateful, linear = (rule.stateful, rule.linear) if rule is not None else (False, True)
-    delta = o.sync_dtype != "float32"
-    if delta and not linear:
-        raise ConfigError(f"sync_dtype {o.sync_dtype} needs a linear outer rule, not {o.outer}")
-    keeps_global = stateful or delta
-    outer_state = (GLOBAL_BYTES + rule_state_bytes(o.outer)) * shard if keeps_global else 0.0
-    if F > 1:
-        bucket = min(int(o.bucket_mb * (1 << 20)) // MASTER_BYTES, shard) * MASTER_BYTES
-        wire = bucket / MASTER_BYTES * SYNC_DTYPE_BYTES[o.sync_dtype] if delta else 0.0
-        sync = bucket + wire + outer_state
-        sync_temp = (rule.temp_buckets + F * rule.temp_buckets_per_member) * bucket
-        if o.sync_delay > 0:
-            sync += (2 if o.sync_carry else 1) * SNAPSHOT_BYTES * largest_fragment(shape, o.sync_fragments) / S
-        if o.sync_error_feedback:
-            sync += FEEDBACK_BYTES * shard
-    if o.rollback:
-        host = MASTER_BYTES * shard + optimizer + outer_state
+    sync, sync_temp, outer_state = _sync_terms(shape, o, S=S, F=F)
+    host = MASTER_BYTES * shard + optimizer + outer_state if o.rollback else 0.0
     anchor = MASTER_BYTES * shard if o.proximal else 0.0
     accumulated = ACCUM_BYTES * P if o.grad_accum > 1 else 0.0
 

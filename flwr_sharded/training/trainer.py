@@ -115,7 +115,7 @@ class Trainer:
                                wire_dtype=getattr(torch, p.sync_dtype), error_feedback=p.sync_error_feedback)
                      for part in parts]
             sync = FragmentedSync(syncs, Schedule(p.aggregate_every, p.sync_fragments, p.sync_delay),
-                                  carry=p.sync_carry)
+                                  carry=p.carries)
             self._fragment_of = {id(param): i for i, part in enumerate(parts) for _, param in part}
             self.outer = OuterLoop(self, sync, topo, alpha=p.sync_alpha, reset_optimizer_state=p.reset_optimizer_state,
                                    max_weight=lambda steps: expected_weight_of(cfg, steps=steps,

@@ -204,3 +204,34 @@ def test_flower_run_refuses_overlap_on_the_server_path():
     run.train.parallel.sync_delay = 1
     with pytest.raises(ConfigError, match=r"'sync-delay' applies to the decentralized all-reduce; 'aggregation' \"server\""):
         run.validate()
+
+
+def test_an_overlapped_sync_carries_unless_told_not_to(tmp_path):
+    """`sync-carry` unset: on with `sync-delay` > 0, off without it; false turns it off on every surface; true with
+    `sync-delay` 0 is refused, naming the option as the surface spells it."""
+    from flwr_sharded.config import ParallelConfig, TrainConfig, load_config, validate
+    from flwr_sharded.errors import ConfigError
+    from flwr_sharded.flower.run import FlowerRun
+    from flwr_sharded.train import build_parser, resolve_config
+
+    assert ParallelConfig(sync_delay=1).carries and not ParallelConfig().carries
+    assert not ParallelConfig(sync_delay=1, sync_carry=False).carries
+    overlap = ["--sync-fragments", "2", "--sync-delay", "2"]
+    cli = {flags: resolve_config(build_parser().parse_args([*overlap, *flags])).parallel
+           for flags in ((), ("--no-sync-carry",), ("--sync-carry",))}
+    assert [p.carries for p in cli.values()] == [True, False, True]
+    assert cli[()].sync_carry is None
+    (tmp_path / "off.yaml").write_text("parallel: {sync_delay: 2, sync_fragments: 2, sync_carry: false}\n")
+    assert not load_config(tmp_path / "off.yaml").parallel.carries
+    flower = {"sync-fragments": 2, "sync-delay": 2}
+    for value, carries in (("", True), (False, False), ("false", False), (True, True)):
+        run = FlowerRun.from_run_config({**flower, "sync-carry": value})
+        assert FlowerRun.from_json(run.to_json()).train.parallel.carries is carries, value
+    cfg = TrainConfig()
+    cfg.parallel.sync_carry = True
+    with pytest.raises(ConfigError, match=r"^--sync-carry keeps .* --sync-delay 0 there are none"):
+        validate(cfg)
+    with pytest.raises(ConfigError, match=r"sync-carry.* keeps .*sync-delay.* 0 there are none"):
+        FlowerRun.from_run_config({"sync-carry": True}).validate()
+    cfg.parallel.sync_carry, cfg.parallel.method, cfg.parallel.federations = False, "fsdp", 1
+    validate(cfg)  # off shapes nothing: accepted without an FL method

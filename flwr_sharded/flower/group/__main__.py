@@ -3,7 +3,11 @@
 import os
 import sys
 
-from flwr_sharded.flower.group.runtime import main
+from flwr_sharded import memory_release
+
+memory_release.pin_thresholds()  # before torch's imports allocate: the allocator follows the tensors from the start
+
+from flwr_sharded.flower.group.runtime import main  # noqa: E402
 
 code = main()
 sys.stdout.flush()

@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from flwr_sharded import schema
+from flwr_sharded import memory_release, schema
 from flwr_sharded.config import ParallelConfig, validate_parallel
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower import endpoint as E
@@ -311,6 +311,7 @@ class GroupRuntime:
         self._drop_trainer()
         start = time.perf_counter()
         self.trainer = Trainer(cfg, self.topo, static_sync=False, partition=partition)
+        memory_release.trim()  # the load's transient buffers
         self.key, self.tokens, self.syncs, self.resumed_round = key, 0, 0, 0
         if self.rank == 0:  # test-only faults, counted in the outer loop's sync attempts
             self.trainer.outer.faults = FaultInjection(fail_sync=self.args.debug_fail_sync,

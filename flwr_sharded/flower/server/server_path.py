@@ -33,7 +33,7 @@ from collections import Counter
 from logging import ERROR, INFO, WARNING
 from typing import Any
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 from flwr.supercore import log
@@ -266,139 +266,12 @@ class ServerShardFedAvg(DecentralizedFedAvg):
                      participants: list[int], manifests: dict[int, tuple[str, float, list[Any]]],
                      spec: dict[str, Any], stats: dict[str, Any]
                      ) -> tuple[dict[int, str], dict[int, Message | None]]:
-        """One pass over the chunks with these facilities. Returns the facilities that failed (which ends the pass
-        at that chunk) and, for a pass that ended, each member's last apply reply (or its first failed one).
+        """One pass over the chunks with these facilities (`flwr_sharded.flower.server.stream_pass`). Returns the
+        facilities that failed (which ends the pass at that chunk) and, for a pass that ended, each member's last
+        apply reply (or its first failed one)."""
+        from flwr_sharded.flower.server.stream_pass import StreamPass
 
-        Pipelined: each facility has the pulls of the next `PULL_AHEAD` chunks queued while the server averages
-        one, and the apply replies are collected as they come, so SuperNodes do not idle between chunks. A
-        facility leader's apply of chunk c travels in the pull message of chunk c + PULL_AHEAD + 1 (an apply
-        failure then fails that pull), so each chunk costs one message per group. In this process at once: one
-        chunk's fp32 sums, one pulled chunk and the chunk of the mean being sent.
-        """
-        from flwr_sharded.flower.server.aggregation import (ExcludedContributions, StreamingShardAggregator,
-                                                            add_content, requests_for)
-        from flwr_sharded.parallel.shard_transport import ShardPiece, encode_pieces
-        from flwr_sharded.perf.memory import release_free_memory
-
-        d = self.deadlines
-        requests = {node: [requests_for(manifests[node][2], chunk) for chunk in chunks] for node in participants}
-        scalar = {node: {p.key for p in manifests[node][2] if not p.shape} for node in participants}
-        failed: dict[int, str] = {}
-        pulls: dict[int, dict[str, int]] = {}
-        applies: dict[str, int] = {}
-        last_ids: set[str] = set()
-        errors: dict[int, Message] = {}
-        final: dict[int, Message] = {}
-
-        def pull_config(node: int, c: int) -> dict[str, Any]:
-            return {"server-round": server_round, "pieces": [f"{k}|{a}|{b}" for k, a, b in requests[node][c]],
-                    "timeout": max(1.0, d.round_timeout - 5.0)}
-
-        def push_pulls(c: int) -> None:
-            messages = [G.message(node, M.MSG_PULL, pull_config(node, c), f"pull{server_round}.{attempt}/{c}",
-                                      d.round_timeout) for node in participants]
-            pulls[c] = self.push(grid, messages)
-
-        def take_applies(replies: list[Message]) -> None:
-            for reply in replies:
-                node = reply.metadata.src_node_id
-                if G.reply_payload(reply)[1]:
-                    errors.setdefault(node, reply)
-                elif reply.metadata.reply_to_message_id in last_ids:
-                    final[node] = reply
-
-        for c in range(min(self.PULL_AHEAD + 1, len(chunks))):
-            push_pulls(c)
-        f = self.run.federation
-        for c, chunk in enumerate(chunks):
-            label = f"chunk {c + 1}/{len(chunks)}"
-            aggregator = StreamingShardAggregator(round=server_round, spec=spec, complete=False,
-                                                  window={name: (a, b) for name, a, b in chunk},
-                                                  combine=f.server_rule, trim=f.server_trim, slots=len(participants),
-                                                  outlier_ratio=f.server_outlier_ratio, log_rejections=False)
-            nodes_of: dict[str, int] = {}
-            asked = {node: {handoff.row_key(k, a): () if k in scalar[node] else (b - a,)
-                            for k, a, b in requests[node][c]} for node in participants}
-
-            def fold(reply: Message) -> Message:
-                start = time.perf_counter()
-                node = reply.metadata.src_node_id
-                source, weight, _ = manifests[node]
-                error = ""
-                if reply.has_error() or handoff.SHARDS not in reply.content:
-                    error = G.reply_payload(reply)[1] or "the reply carries no shards"
-                elif {k: tuple(v.shape[:1]) for k, v in reply.content[handoff.SHARDS].items()} != asked[node]:
-                    error = "it holds other pieces or rows than those asked for"
-                elif float(reply.content[handoff.SHARD_INFO].get("weight", -1.0)) != weight:
-                    error = f"its weight differs from the manifest's {weight}"
-                else:
-                    key = f"{source} {label}"
-                    nodes_of[key] = node
-                    try:
-                        if not add_content(aggregator, key, reply.content):
-                            error = aggregator.report.rejected[key]
-                    except Exception as exc:  # noqa: BLE001 - never crash the round; the pass restarts without it
-                        error = f"the aggregation failed on it: {type(exc).__name__}: {exc}"
-                if error:
-                    failed[node] = f"{label}: {error}"
-                else:
-                    stats["pull_chunks"] += 1
-                for name in (handoff.SHARDS, handoff.SHARD_META):
-                    if name in reply.content:
-                        del reply.content[name]
-                release_free_memory()  # the chunk's buffers
-                stats["fold_s"] += time.perf_counter() - start
-                return reply
-
-            pending = pulls.pop(c)
-            for node in set(participants) - set(pending.values()):
-                failed.setdefault(node, f"{label}: the SuperLink did not take the pull")
-            self.await_replies(grid, pending, time.monotonic() + d.round_timeout, on_reply=fold)
-            for node in pending.values():
-                failed.setdefault(node, f"{label}: no reply")
-            if failed:
-                return failed, {}
-            try:
-                aggregator.finalize()  # every participant sent every row of the chunk
-            except ExcludedContributions as exc:  # out of bounds: the pass restarts without them
-                return {nodes_of[key]: f"{label}: {why}" for key, why in exc.reasons.items()}, {}
-            pieces = [ShardPiece(name, a, spec[name].shape, aggregator.result(name, a, b - a).to(spec[name].dtype))
-                      for name, a, b in chunk]
-            content = handoff.to_records(*encode_pieces(pieces), server_round, aggregator.report.total_weight)
-            pieces = aggregator = None  # the chunk's sums
-            last = c == len(chunks) - 1
-            config = {"server-round": server_round, "chunk": c, "chunks": len(chunks), "attempt": attempt,
-                      "evaluate": self.evaluate_in_train and last,
-                      "checkpoint": self.run.checkpoint_due(server_round) and last,
-                      "timeout": max(1.0, d.round_timeout - 5.0)}
-            ahead = c + self.PULL_AHEAD + 1  # the chunk whose pulls go out now, with this chunk's applies
-            pulling = set(participants) if ahead < len(chunks) else set()
-            messages = []
-            for node in self.round_members:  # a facility leader's apply and pull travel in one message
-                applying = node not in errors
-                if node in pulling:
-                    records = {**content, M.CONFIG: ConfigRecord({**config, **pull_config(node, ahead)})} \
-                        if applying else {M.CONFIG: ConfigRecord(pull_config(node, ahead))}
-                    messages.append(Message(RecordDict(records), node, M.MSG_PULL, ttl=d.round_timeout,
-                                            group_id=f"pull{server_round}.{attempt}/{ahead}"))
-                elif applying:
-                    messages.append(Message(RecordDict({**content, M.CONFIG: ConfigRecord(config)}), node,
-                                            M.MSG_APPLY, ttl=d.round_timeout,
-                                            group_id=f"apply{server_round}.{attempt}/{c}"))
-            del content
-            pushed = self.push(grid, messages)
-            if pulling:
-                pulls[ahead] = {mid: node for mid, node in pushed.items() if node in pulling}
-            for mid, node in pushed.items():
-                if node not in pulling:
-                    applies[mid] = node
-                    if last:
-                        last_ids.add(mid)
-            del messages, pushed
-            release_free_memory()
-            take_applies(self.await_replies(grid, applies, time.monotonic()))  # those already there
-        take_applies(self.await_replies(grid, applies, time.monotonic() + d.round_timeout))
-        return {}, {node: errors.get(node, final.get(node)) for node in self.round_members}
+        return StreamPass(self, grid, server_round, attempt, chunks, participants, manifests, spec, stats).run()
 
     def _adopted(self, server_round: int, replies: dict[int, Message | None], record: dict[str, Any]) -> None:
         """Record what the members reported after adopting the mean; drop those that could not."""

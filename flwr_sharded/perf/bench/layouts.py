@@ -44,11 +44,12 @@ class SyncVariant:
     delay: int = 0
     alpha: float = 0.0
     carry: bool = False
+    """Keep the local steps taken while an overlapped sync travels; passed explicitly whenever `delay` > 0."""
     error_feedback: bool = False
 
     def train_args(self) -> list[str]:
         return ["--sync-dtype", self.dtype, "--sync-fragments", str(self.fragments), "--sync-delay", str(self.delay),
-                "--sync-alpha", str(self.alpha), *(["--sync-carry"] if self.carry else []),
+                "--sync-alpha", str(self.alpha), *([f"--{'' if self.carry else 'no-'}sync-carry"] if self.delay or self.carry else []),
                 *(["--sync-error-feedback"] if self.error_feedback else [])]
 
     def text(self) -> str:

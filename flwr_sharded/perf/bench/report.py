@@ -197,183 +197,200 @@ def _label(key: str, r: dict[str, Any]) -> str:
 
 def render(results: dict[str, Any]) -> str:
     """Markdown tables of everything measured."""
-    lines: list[str] = []
-    w = lines.append
-    s = results["settings"]
-    m = results["machine"]
-    loads = [x for scen in results["scenarios"].values() for r in [*scen["runs"].values(), *scen.get("sweep", [])]
-             for x in r.get("load_avg", [])] or [float("nan")]
-    w(f"# flwr-sharded bench, {results['date']}")
-    w("")
-    w(f"Machine: {m['cpus']} CPU cores, {m['memory_gb']} GB available, kernel {m['kernel']}, torch {m['torch']}. "
-      f"Model `{s['model']}` (fp32 on CPU, gloo), lr {s['lr']}, seed {s['seed']}, A = {s['aggregate_every']}, "
-      f"FL sync in {s.get('sync_dtype', 'float32')}. "
-      f"Load average (1 min) during the runs: {min(loads):.1f} to {max(loads):.1f} on {m['cpus']} cores. "
-      f"Total {results['elapsed_s'] / 60:.1f} min.")
+    lines = _header(results)
     for name, scen in results["scenarios"].items():
-        runs = scen["runs"]
-        table = dict(runs)
-        if "planner_choice_run" in scen:
-            table["planner-choice"] = scen["planner_choice_run"]
-        w("")
-        w(f"## Scenario `{name}`: {scen['description']}")
-        w("")
-        w(f"Cluster file `{_rel(scen['cluster_file'])}`; {scen['batch_size']} x {scen['seq_len']} tokens per rank "
-          f"per step, {scen['steps']} steps per run, {scen['repeats']} repeat(s) (interleaved). "
-          + " ".join(f"Note: {n}." for n in scen.get("notes", [])))
-        w("")
-        w("### Step time and speedups")
-        w("Seconds per optimizer step over windows of A steps (each holds one sync of the FL methods), the first "
-          "window of each run left out; std over windows.")
-        w("")
-        w("| method | F x R x S | A | median | mean | std | vs FSDP | vs HSDP | planner predicts |")
-        w("|---|---|---|---|---|---|---|---|---|")
-        base = runs.get("fsdp", {}).get("step_s")
-        hsdp = runs.get("hsdp", {}).get("step_s")
-        pl = scen.get("planner", {})
-        for key, r in table.items():
-            pred = pl.get("measured_layouts", {}).get(r["method"], {}).get("predicted_step_s") \
-                if r["sync"] and key in pl.get("measured_layouts", {}) else None
-            if key == "planner-choice":
-                pred = pl["first_choice"]["predicted_step_s"]
-            if key in pl.get("variants", {}):
-                pred = pl["variants"][key]["predicted_step_s"]
-            w(f"| {_label(key, r)} | {r['layout']} | {r['A']} | {r['step_s']:.3f} | {r['step_s_mean']:.3f} | "
-              f"{r['step_s_std']:.3f} | {_ratio(base, r['step_s'])} | {_ratio(hsdp, r['step_s'])} | {_fmt(pred)} |")
-        w("")
-        w("### Phase breakdown (like the paper's Table 4)")
-        w("Seconds per step, medians over windows; sync amortised over A steps, and per sync.")
-        w("")
-        w("| method | forward | backward | optimizer | sync | sync per sync | overall |")
-        w("|---|---|---|---|---|---|---|")
-        for key, r in table.items():
-            ph = r["phases"]
-            per_sync = ph["sync"] * r["A"] if r["sync"] and r["method"].startswith("fl-") else 0.0
-            w(f"| {_label(key, r)} | {ph['forward']:.3f} | {ph['backward']:.3f} | {ph['optimizer']:.3f} | "
-              f"{ph['sync']:.3f} | {per_sync:.3f} | {r['step_s']:.3f} |")
-        if "no-sync" in runs and "fl-fsdp" in runs:
-            a, b = runs["fl-fsdp"], runs["no-sync"]
-            w("")
-            w(f"No-sync limit (the same FL+FSDP run with `--no-sync`): {b['step_s_mean']:.3f} s/step against "
-              f"{a['step_s_mean']:.3f} s/step with syncs every {a['A']} steps (means): "
-              f"{a['step_s_mean'] / b['step_s_mean'] - 1:+.1%}; medians {b['step_s']:.3f} / {a['step_s']:.3f}. "
-              f"Within the FL+FSDP run itself, the sync takes {a['sync_s_mean']:.3f} of its {a['step_s_mean']:.3f} "
-              f"s/step: {a['sync_s_mean'] / (a['step_s_mean'] - a['sync_s_mean']):+.1%} over its other phases "
-              f"(independent of load changes between runs).")
-        variants = [k for k in ("fl-fsdp", *VARIANT_RUNS) if k in runs and runs[k].get("sync_variant")]
-        if len(variants) > 1:
-            ref = runs.get("no-sync", {}).get("step_s_mean")
-            w("")
-            w("### Overlapped and 8-bit syncs (FL+FSDP, same layout, samples and seed)")
-            w("Sync per step: what the step waits for (an overlapped sync's communication runs during the next "
-              "steps). Cross-group: bytes the syncs sent over the inter-group tier per whole-model sync "
-              "(collectives, all ranks).")
-            w("")
-            w("| run | sync | s/step median | mean | vs no-sync (means) | vs FSDP | sync s per step | cross-group MB "
-              "per sync | eval ppl |")
-            w("|---|---|---|---|---|---|---|---|---|")
-            for key in variants:
-                r, v = runs[key], runs[key]["sync_variant"]
-                text = v["dtype"] + (" + EF" if v["error_feedback"] else "") + (
-                    f", N={v['fragments']} tau={v['delay']} alpha={v['alpha']:g}" + (" carry" if v.get("carry") else "")
-                    if v["delay"] or v["fragments"] > 1 else ", blocking")
-                cross = cross_group_bytes_per_sync(r)
-                w(f"| {_label(key, r)} | {text} | {r['step_s']:.3f} | {r['step_s_mean']:.3f} | "
-                  f"{_fmt(r['step_s_mean'] / ref - 1 if ref else None, '+.1%')} | {_ratio(base, r['step_s'])} | "
-                  f"{r['sync_s_mean']:.3f} | {_fmt(cross / 1e6 if cross is not None else None, '.2f')} | "
-                  f"{_fmt(r['final']['eval_ppl'], '.1f')} |")
-        w("")
-        w("### Bytes per tier: predicted vs measured (MB, summed over ranks)")
-        w("*Predicted*: `costmodel.traffic` for the run's steps and syncs (gloo: a reduce-scatter sends what an "
-          "all-reduce sends; FSDP2 reshards the root after forward, so it is all-gathered twice per step). "
-          "*Collectives*: the TrafficMeter's records of those steps and syncs with the same ring rules. "
-          "*Wire*: interface counters (node `lo`, node `eth0`, group uplinks) over the whole training loop, which "
-          "also holds evaluation and logging; *all* = every collective of that span. Wire bytes include TCP/IP "
-          "headers and ACKs (per 64 KiB GSO packet on veths).")
-        w("")
-        w("| run | tier | predicted | collectives | error | all collectives | wire | wire / all |")
-        w("|---|---|---|---|---|---|---|---|")
-        rows = list(table.items()) + [(f"sweep A={x['A']}", x) for x in scen.get("sweep", []) if not x.get("reused")]
-        for key, r in rows:
-            t = r.get("traffic")
-            if not t:
-                continue
-            for tier in TIERS:
-                pred = sum(t["predicted"][ph][tier] for ph in ("step", "sync"))
-                meas = sum(t["collectives"][ph][tier] for ph in ("step", "sync"))
-                allm = sum(t["collectives"][ph][tier] for ph in ("step", "sync", "other"))
-                wire = t["wire"][tier] if t.get("wire") else None
-                if pred == 0 and meas == 0 and allm == 0:
-                    continue
-                w(f"| {_label(key, r)} | {tier} | {pred / 1e6:.2f} | {meas / 1e6:.2f} | "
-                  f"{_fmt(t['error'][tier], '+.2%')} | {allm / 1e6:.2f} | "
-                  f"{_fmt(wire / 1e6 if wire is not None else None, '.2f')} | "
-                  f"{_fmt(t['wire_ratio'][tier] if allm >= 1e6 else None, '.3f')} |")
-        if scen.get("sweep"):
-            ref = runs.get("no-sync", {}).get("step_s_mean")
-            w("")
-            w("### Sweep of A (FL+FSDP): sync overhead against A")
-            w("Mean seconds per step after the first window (windows of max(A, 8) steps); overhead against the "
-              "no-sync limit.")
-            w("")
-            w("| A | steps | s/step | sync s per sync | sync s per step | overhead vs no-sync run | "
-              "overhead vs own non-sync time |")
-            w("|---|---|---|---|---|---|---|")
-            for r in scen["sweep"]:
-                over = r["step_s_mean"] / ref - 1 if ref else None
-                sync_step = r["sync_s_mean"]
-                own = sync_step / (r["step_s_mean"] - sync_step)
-                w(f"| {r['A']} | {r['steps']} | {r['step_s_mean']:.3f} | {sync_step * r['A']:.3f} | "
-                  f"{sync_step:.3f} | {_fmt(over, '+.1%')} | {own:+.1%} |")
-            if ref:
-                w(f"| no sync | {runs['no-sync']['steps']} | {ref:.3f} | - | - | 0 | - |")
-        w("")
-        w("### Learning quality with equal samples (like the paper's Table 3)")
-        w("Every method trains the same number of steps on the same blocks (same seed, batch, ranks: iid "
-          "partition by data-parallel rank). Train ppl: last logging window, mean over ranks; eval ppl: "
-          f"{s['eval_blocks']} held-out blocks at the end; time: training time (the sum of window times).")
-        w("")
-        w("| method | effective batch (sequences / tokens per optimizer step) | samples seen | train ppl | "
-          "eval ppl | time s |")
-        w("|---|---|---|---|---|---|")
-        for key, r in table.items():
-            samples = r["steps"] * scen["batch_size"] * (r["F"] * r["R"] * r["S"])
-            w(f"| {_label(key, r)} | {r['effective_batch']} / {r['effective_batch_tokens']} | {samples} | "
-              f"{_fmt(r['final']['train_ppl'], '.1f')} | {_fmt(r['final']['eval_ppl'], '.1f')} | "
-              f"{r['final']['train_time_s']:.1f} |")
-        if pl:
-            w("")
-            w(f"### Planner agreement (`plan` on `{_rel(scen['cluster_file'])}`, the same model, tokens and "
-              f"vocabulary, fl_margin {pl['fl_margin']:.0%})")
-            w("")
-            order = pl["predicted_order"]
-            measured_order = sorted((k for k in runs if runs[k]["sync"] and k not in VARIANT_RUNS),
-                                    key=lambda k: runs[k]["step_s"])
-            w(f"- predicted order of the methods' layouts (FL counted {pl['fl_margin']:.0%} slower): "
-              f"{' < '.join(LABELS[k] for k in order)}")
-            w(f"- measured order: {' < '.join(LABELS[k] for k in measured_order)}")
-            fc = pl["first_choice"]
-            if fc:
-                line = (f"- planner's first choice over all layouts: {fc['method']} F={fc['F']} R={fc['R']} "
-                        f"S={fc['S']} A={fc['A']}, {fc['predicted_step_s']:.3f} s/step predicted")
-                if "planner_choice_run" in scen:
-                    line += f", {scen['planner_choice_run']['step_s']:.3f} s/step measured"
-                w(line)
-            agree = scen.get("agreement")
-            if agree:
-                w(f"- {agree['text']}: {'agree' if agree['ok'] else 'disagree'}")
-                mo = agree["methods_only"]
-                if agree.get("global") and mo["planner"]:
-                    w(f"- among the methods' layouts only: planner {LABELS[mo['planner']]}, measured fastest "
-                      f"{LABELS[mo['measured_fastest']]}: {'agree' if mo['ok'] else 'disagree'}")
-    w("")
-    w("## Targets")
-    w("")
-    w("| check | measured | target | holds |")
-    w("|---|---|---|---|")
+        lines += _scenario(name, scen, results["settings"])
+    lines += ["", "## Targets", "", "| check | measured | target | holds |", "|---|---|---|---|"]
     for c in results["checks"]:
         value, kind = c["value"], c["kind"]
         v = "-" if value is None else f"{value:.2f}x" if kind == "ratio" else f"{value:+.1%}" if kind == "delta" \
             else f"{value:.2%}"
-        w(f"| {c['check']} | {v} | {c['target']} | {'yes' if c['ok'] else 'no'} |")
+        lines.append(f"| {c['check']} | {v} | {c['target']} | {'yes' if c['ok'] else 'no'} |")
     return "\n".join(lines)
+
+
+def _header(results: dict[str, Any]) -> list[str]:
+    s, m = results["settings"], results["machine"]
+    loads = [x for scen in results["scenarios"].values() for r in [*scen["runs"].values(), *scen.get("sweep", [])]
+             for x in r.get("load_avg", [])] or [float("nan")]
+    return [f"# flwr-sharded bench, {results['date']}", "",
+            f"Machine: {m['cpus']} CPU cores, {m['memory_gb']} GB available, kernel {m['kernel']}, torch "
+            f"{m['torch']}. Model `{s['model']}` (fp32 on CPU, gloo), lr {s['lr']}, seed {s['seed']}, A = "
+            f"{s['aggregate_every']}, FL sync in {s.get('sync_dtype', 'float32')}. "
+            f"Load average (1 min) during the runs: {min(loads):.1f} to {max(loads):.1f} on {m['cpus']} cores. "
+            f"Total {results['elapsed_s'] / 60:.1f} min."]
+
+
+def _scenario(name: str, scen: dict[str, Any], settings: dict[str, Any]) -> list[str]:
+    """One scenario's sections: step times, phases, sync variants, bytes, sweep, quality, planner."""
+    table = dict(scen["runs"])
+    if "planner_choice_run" in scen:
+        table["planner-choice"] = scen["planner_choice_run"]
+    lines = ["", f"## Scenario `{name}`: {scen['description']}", "",
+             f"Cluster file `{_rel(scen['cluster_file'])}`; {scen['batch_size']} x {scen['seq_len']} tokens per rank "
+             f"per step, {scen['steps']} steps per run, {scen['repeats']} repeat(s) (interleaved). "
+             + " ".join(f"Note: {n}." for n in scen.get("notes", []))]
+    lines += _step_times(scen, table) + _phases(scen["runs"], table) + _sync_variants(scen["runs"])
+    lines += _tier_bytes(scen, table) + _sweep(scen) + _quality(scen, table, settings["eval_blocks"])
+    if scen.get("planner"):
+        lines += _planner(scen)
+    return lines
+
+
+def _step_times(scen: dict[str, Any], table: dict[str, Any]) -> list[str]:
+    runs, pl = scen["runs"], scen.get("planner", {})
+    base, hsdp = runs.get("fsdp", {}).get("step_s"), runs.get("hsdp", {}).get("step_s")
+    lines = ["", "### Step time and speedups",
+             "Seconds per optimizer step over windows of A steps (each holds one sync of the FL methods), the first "
+             "window of each run left out; std over windows.", "",
+             "| method | F x R x S | A | median | mean | std | vs FSDP | vs HSDP | planner predicts |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for key, r in table.items():
+        pred = pl.get("measured_layouts", {}).get(r["method"], {}).get("predicted_step_s") \
+            if r["sync"] and key in pl.get("measured_layouts", {}) else None
+        if key == "planner-choice":
+            pred = pl["first_choice"]["predicted_step_s"]
+        if key in pl.get("variants", {}):
+            pred = pl["variants"][key]["predicted_step_s"]
+        lines.append(f"| {_label(key, r)} | {r['layout']} | {r['A']} | {r['step_s']:.3f} | {r['step_s_mean']:.3f} | "
+                     f"{r['step_s_std']:.3f} | {_ratio(base, r['step_s'])} | {_ratio(hsdp, r['step_s'])} | "
+                     f"{_fmt(pred)} |")
+    return lines
+
+
+def _phases(runs: dict[str, Any], table: dict[str, Any]) -> list[str]:
+    lines = ["", "### Phase breakdown (like the paper's Table 4)",
+             "Seconds per step, medians over windows; sync amortised over A steps, and per sync.", "",
+             "| method | forward | backward | optimizer | sync | sync per sync | overall |",
+             "|---|---|---|---|---|---|---|"]
+    for key, r in table.items():
+        ph = r["phases"]
+        per_sync = ph["sync"] * r["A"] if r["sync"] and r["method"].startswith("fl-") else 0.0
+        lines.append(f"| {_label(key, r)} | {ph['forward']:.3f} | {ph['backward']:.3f} | {ph['optimizer']:.3f} | "
+                     f"{ph['sync']:.3f} | {per_sync:.3f} | {r['step_s']:.3f} |")
+    if "no-sync" in runs and "fl-fsdp" in runs:
+        a, b = runs["fl-fsdp"], runs["no-sync"]
+        lines += ["", f"No-sync limit (the same FL+FSDP run with `--no-sync`): {b['step_s_mean']:.3f} s/step against "
+                  f"{a['step_s_mean']:.3f} s/step with syncs every {a['A']} steps (means): "
+                  f"{a['step_s_mean'] / b['step_s_mean'] - 1:+.1%}; medians {b['step_s']:.3f} / {a['step_s']:.3f}. "
+                  f"Within the FL+FSDP run itself, the sync takes {a['sync_s_mean']:.3f} of its "
+                  f"{a['step_s_mean']:.3f} s/step: {a['sync_s_mean'] / (a['step_s_mean'] - a['sync_s_mean']):+.1%} "
+                  f"over its other phases (independent of load changes between runs)."]
+    return lines
+
+
+def _sync_variants(runs: dict[str, Any]) -> list[str]:
+    variants = [k for k in ("fl-fsdp", *VARIANT_RUNS) if k in runs and runs[k].get("sync_variant")]
+    if len(variants) <= 1:
+        return []
+    ref = runs.get("no-sync", {}).get("step_s_mean")
+    base = runs.get("fsdp", {}).get("step_s")
+    lines = ["", "### Overlapped and 8-bit syncs (FL+FSDP, same layout, samples and seed)",
+             "Sync per step: what the step waits for (an overlapped sync's communication runs during the next "
+             "steps). Cross-group: bytes the syncs sent over the inter-group tier per whole-model sync "
+             "(collectives, all ranks).", "",
+             "| run | sync | s/step median | mean | vs no-sync (means) | vs FSDP | sync s per step | cross-group MB "
+             "per sync | eval ppl |", "|---|---|---|---|---|---|---|---|---|"]
+    for key in variants:
+        r, v = runs[key], runs[key]["sync_variant"]
+        text = v["dtype"] + (" + EF" if v["error_feedback"] else "") + (
+            f", N={v['fragments']} tau={v['delay']} alpha={v['alpha']:g}" + (" carry" if v.get("carry") else "")
+            if v["delay"] or v["fragments"] > 1 else ", blocking")
+        cross = cross_group_bytes_per_sync(r)
+        lines.append(f"| {_label(key, r)} | {text} | {r['step_s']:.3f} | {r['step_s_mean']:.3f} | "
+                     f"{_fmt(r['step_s_mean'] / ref - 1 if ref else None, '+.1%')} | {_ratio(base, r['step_s'])} | "
+                     f"{r['sync_s_mean']:.3f} | {_fmt(cross / 1e6 if cross is not None else None, '.2f')} | "
+                     f"{_fmt(r['final']['eval_ppl'], '.1f')} |")
+    return lines
+
+
+def _tier_bytes(scen: dict[str, Any], table: dict[str, Any]) -> list[str]:
+    lines = ["", "### Bytes per tier: predicted vs measured (MB, summed over ranks)",
+             "*Predicted*: `costmodel.traffic` for the run's steps and syncs (gloo: a reduce-scatter sends what an "
+             "all-reduce sends; FSDP2 reshards the root after forward, so it is all-gathered twice per step). "
+             "*Collectives*: the TrafficMeter's records of those steps and syncs with the same ring rules. "
+             "*Wire*: interface counters (node `lo`, node `eth0`, group uplinks) over the whole training loop, which "
+             "also holds evaluation and logging; *all* = every collective of that span. Wire bytes include TCP/IP "
+             "headers and ACKs (per 64 KiB GSO packet on veths).", "",
+             "| run | tier | predicted | collectives | error | all collectives | wire | wire / all |",
+             "|---|---|---|---|---|---|---|---|"]
+    rows = list(table.items()) + [(f"sweep A={x['A']}", x) for x in scen.get("sweep", []) if not x.get("reused")]
+    for key, r in rows:
+        t = r.get("traffic")
+        if not t:
+            continue
+        for tier in TIERS:
+            pred = sum(t["predicted"][ph][tier] for ph in ("step", "sync"))
+            meas = sum(t["collectives"][ph][tier] for ph in ("step", "sync"))
+            allm = sum(t["collectives"][ph][tier] for ph in ("step", "sync", "other"))
+            wire = t["wire"][tier] if t.get("wire") else None
+            if pred == 0 and meas == 0 and allm == 0:
+                continue
+            lines.append(f"| {_label(key, r)} | {tier} | {pred / 1e6:.2f} | {meas / 1e6:.2f} | "
+                         f"{_fmt(t['error'][tier], '+.2%')} | {allm / 1e6:.2f} | "
+                         f"{_fmt(wire / 1e6 if wire is not None else None, '.2f')} | "
+                         f"{_fmt(t['wire_ratio'][tier] if allm >= 1e6 else None, '.3f')} |")
+    return lines
+
+
+def _sweep(scen: dict[str, Any]) -> list[str]:
+    if not scen.get("sweep"):
+        return []
+    runs = scen["runs"]
+    ref = runs.get("no-sync", {}).get("step_s_mean")
+    lines = ["", "### Sweep of A (FL+FSDP): sync overhead against A",
+             "Mean seconds per step after the first window (windows of max(A, 8) steps); overhead against the "
+             "no-sync limit.", "",
+             "| A | steps | s/step | sync s per sync | sync s per step | overhead vs no-sync run | "
+             "overhead vs own non-sync time |", "|---|---|---|---|---|---|---|"]
+    for r in scen["sweep"]:
+        over = r["step_s_mean"] / ref - 1 if ref else None
+        sync_step = r["sync_s_mean"]
+        own = sync_step / (r["step_s_mean"] - sync_step)
+        lines.append(f"| {r['A']} | {r['steps']} | {r['step_s_mean']:.3f} | {sync_step * r['A']:.3f} | "
+                     f"{sync_step:.3f} | {_fmt(over, '+.1%')} | {own:+.1%} |")
+    if ref:
+        lines.append(f"| no sync | {runs['no-sync']['steps']} | {ref:.3f} | - | - | 0 | - |")
+    return lines
+
+
+def _quality(scen: dict[str, Any], table: dict[str, Any], eval_blocks: int) -> list[str]:
+    lines = ["", "### Learning quality with equal samples (like the paper's Table 3)",
+             "Every method trains the same number of steps on the same blocks (same seed, batch, ranks: iid "
+             "partition by data-parallel rank). Train ppl: last logging window, mean over ranks; eval ppl: "
+             f"{eval_blocks} held-out blocks at the end; time: training time (the sum of window times).", "",
+             "| method | effective batch (sequences / tokens per optimizer step) | samples seen | train ppl | "
+             "eval ppl | time s |", "|---|---|---|---|---|---|"]
+    for key, r in table.items():
+        samples = r["steps"] * scen["batch_size"] * (r["F"] * r["R"] * r["S"])
+        lines.append(f"| {_label(key, r)} | {r['effective_batch']} / {r['effective_batch_tokens']} | {samples} | "
+                     f"{_fmt(r['final']['train_ppl'], '.1f')} | {_fmt(r['final']['eval_ppl'], '.1f')} | "
+                     f"{r['final']['train_time_s']:.1f} |")
+    return lines
+
+
+def _planner(scen: dict[str, Any]) -> list[str]:
+    runs, pl = scen["runs"], scen["planner"]
+    order = pl["predicted_order"]
+    measured_order = sorted((k for k in runs if runs[k]["sync"] and k not in VARIANT_RUNS),
+                            key=lambda k: runs[k]["step_s"])
+    lines = ["", f"### Planner agreement (`plan` on `{_rel(scen['cluster_file'])}`, the same model, tokens and "
+             f"vocabulary, fl_margin {pl['fl_margin']:.0%})", "",
+             f"- predicted order of the methods' layouts (FL counted {pl['fl_margin']:.0%} slower): "
+             f"{' < '.join(LABELS[k] for k in order)}",
+             f"- measured order: {' < '.join(LABELS[k] for k in measured_order)}"]
+    fc = pl["first_choice"]
+    if fc:
+        line = (f"- planner's first choice over all layouts: {fc['method']} F={fc['F']} R={fc['R']} "
+                f"S={fc['S']} A={fc['A']}, {fc['predicted_step_s']:.3f} s/step predicted")
+        if "planner_choice_run" in scen:
+            line += f", {scen['planner_choice_run']['step_s']:.3f} s/step measured"
+        lines.append(line)
+    agree = scen.get("agreement")
+    if agree:
+        lines.append(f"- {agree['text']}: {'agree' if agree['ok'] else 'disagree'}")
+        mo = agree["methods_only"]
+        if agree.get("global") and mo["planner"]:
+            lines.append(f"- among the methods' layouts only: planner {LABELS[mo['planner']]}, measured fastest "
+                         f"{LABELS[mo['measured_fastest']]}: {'agree' if mo['ok'] else 'disagree'}")
+    return lines

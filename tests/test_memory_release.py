@@ -1,0 +1,91 @@
+"""`flwr_sharded.memory_release`: freed buffers go back to the OS (glibc), a no-op elsewhere."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+glibc_only = pytest.mark.skipif(not (hasattr(os, "confstr") and (os.confstr("CS_GNU_LIBC_VERSION") or "")
+                                     .startswith("glibc")), reason="glibc's allocator")
+
+# In a fresh process: free one 8 MiB buffer (glibc's dynamic threshold rises to it), then 64 written 1 MiB buffers
+# below a guard buffer that keeps them off the heap's top, and print the resident MiB they leave behind.
+PROBE = """
+import ctypes, sys
+from flwr_sharded import memory_release
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+rss = lambda: int(open("/proc/self/statm").read().split()[1]) * 4096 / 2 ** 20
+if sys.argv[1] == "pin":
+    assert memory_release.pin_thresholds() == {"M_TRIM_THRESHOLD": True, "M_MMAP_THRESHOLD": True}
+def written(n):
+    p = libc.malloc(n)
+    ctypes.memset(p, 1, n)
+    return p
+libc.free(written(8 << 20))
+base = rss()
+chunks = [written(1 << 20) for _ in range(64)]
+guard = written(512 << 10)
+for c in chunks:
+    libc.free(c)
+if sys.argv[1] == "trim":
+    memory_release.trim()
+print(rss() - base)
+"""
+
+
+def _left_resident_mib(mode: str, **env: str) -> float:
+    done = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(REPO), **env})
+    assert done.returncode == 0, done.stderr
+    return float(done.stdout)
+
+
+@glibc_only
+def test_pinned_thresholds_and_trim_return_freed_buffers():
+    assert _left_resident_mib("default") > 48  # what the entry points avoid: the freed 64 MiB stay resident
+    assert _left_resident_mib("pin") < 4
+    assert _left_resident_mib("trim") < 4
+
+
+@glibc_only
+def test_the_environment_wins_over_the_pinned_threshold():
+    code = ("from flwr_sharded import memory_release; "
+            "print(sorted(memory_release.pin_thresholds().items()))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "MALLOC_MMAP_THRESHOLD_": "65536"})
+    assert done.stdout.strip() == "[('M_MMAP_THRESHOLD', False), ('M_TRIM_THRESHOLD', True)]", done.stderr
+
+
+def test_other_c_libraries_are_left_alone(monkeypatch, caplog):
+    from flwr_sharded import memory_release
+
+    memory_release._glibc.cache_clear()
+    monkeypatch.setattr(os, "confstr", lambda name: "musl 1.2", raising=False)
+    try:
+        with caplog.at_level("DEBUG", logger="flwr_sharded.memory_release"):
+            assert memory_release.pin_thresholds() == {} and memory_release.trim() is False
+        assert "not glibc" in caplog.text
+    finally:
+        memory_release._glibc.cache_clear()
+
+
+def test_the_entry_points_pin_the_thresholds(monkeypatch, tmp_path):
+    from flwr_sharded import memory_release, train
+
+    calls = []
+    monkeypatch.setattr(memory_release, "pin_thresholds", lambda: calls.append("train") or {})
+    assert train.main(["--method", "fsdp", "--federations", "2", "--print-config"]) == 2  # refused, after pinning
+    assert calls == ["train"]
+    code = ("import runpy, sys; from flwr_sharded import memory_release as m; "
+            "m.pin_thresholds = lambda: print('pinned', 'torch' in sys.modules, flush=True) or {}; "
+            f"sys.argv = ['group', '--authkey-file', {str(tmp_path / 'missing')!r}]; "
+            "runpy.run_module('flwr_sharded.flower.group', run_name='__main__')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 2 and done.stdout.strip() == "pinned False", (done.stdout, done.stderr[-2000:])
