@@ -162,7 +162,9 @@ class GroupRound:
         self.rt.tokens += tokens
         phases = t.timer.collect()  # frees the round's CUDA timing events
         p = cfg.parallel
-        comparable = {"checksums": checksums} if p.sync_fragments == 1 and p.sync_alpha == 0 else {}
+        # groups end a period with equal shards unless a merge keeps local values (alpha, carry) or fragments differ
+        equal = p.sync_fragments == 1 and p.sync_alpha == 0 and not p.carries
+        comparable = {"checksums": checksums} if equal else {}
         return {"steps": len(losses), "losses": group_losses, "tokens": tokens, "total_tokens": self.rt.tokens,
                 "train_s": train_s, "sync_s": sync_s, "rendezvous_s": self.federation.rendezvous_s, "syncs": syncs,
                 "sync_failed": bool(failure), "sync_error": failure, **comparable, "step": t.step_count,
