@@ -69,7 +69,7 @@ LAYOUTS: dict[str, list[str]] = {
 def worker(out_dir: str, argv: list[str]) -> int:
     """Run `flwr_sharded.train` with `Trainer.run` wrapped to record this rank's peak RSS during training."""
     from flwr_sharded import train
-    from flwr_sharded.perf.memory import PeakRSS, current_rss, peak_rss, release_free_memory
+    from flwr_sharded.process_memory import PeakRSS, current_rss, peak_rss, release_free_memory
     from flwr_sharded.training import trainer as trainer_module
 
     original = trainer_module.Trainer.run
