@@ -385,8 +385,7 @@ def export_pretrained(checkpoint: str | Path, out: str | Path, *, dtype: torch.d
     from flwr_sharded.config import config_from_dict
     from flwr_sharded.training import safetensors_writer as writer
     from flwr_sharded.training.data import load_tokenizer
-    from flwr_sharded.training.model_init import build_meta_model
-    from flwr_sharded.training.models import model_config
+    from flwr_sharded.training.models import build_meta_model, model_config
 
     checkpoint = Path(checkpoint)
     if not (checkpoint / "meta.json").is_file():

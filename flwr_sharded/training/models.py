@@ -117,6 +117,14 @@ def build_model(name: str, *, vocab_size: int, max_seq_len: int, pretrained: boo
             raise ConfigError(f"--model: cannot load {name!r}: {exc}") from exc
 
 
+def build_meta_model(config: Any) -> nn.Module:
+    """The causal LM of a `transformers` config on the meta device, in fp32 (shapes only: no memory, no init)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks of a Hugging Face model, found from its `_no_split_modules` class names (before or after
     `fully_shard`, which subclasses each block's class)."""
