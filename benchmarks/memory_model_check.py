@@ -139,8 +139,8 @@ def predict(flags: list[str], model: str, shape: Any, tokens: int) -> Any:
 def check(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import LlamaConfig
 
-    from flwr_sharded.perf.planner import model_from_preset, shape_of
-    from flwr_sharded.training.models import Preset
+    from flwr_sharded.perf.model_shape import model_from_preset, shape_of
+    from flwr_sharded.presets import Preset
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="memory_model_check_"))
     model_dir = work / "model"

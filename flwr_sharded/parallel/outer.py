@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from flwr_sharded.errors import ConfigError
+from flwr_sharded.parallel.rule_traits import RULE_TRAITS
 
 State = dict[str, Tensor]
 
@@ -65,7 +66,7 @@ class ShardRule(ABC):
 class FedAvg(ShardRule):
     """The weighted mean (outer SGD with learning rate 1)."""
 
-    linear: ClassVar[bool] = True
+    linear: ClassVar[bool] = RULE_TRAITS["fedavg"].linear
 
     def apply_mean(self, global_shard: Tensor, mean: Tensor, state: State) -> tuple[Tensor, State]:
         return mean, state
@@ -79,8 +80,8 @@ class FedAvgM(ShardRule):
     lr: float = 1.0
     momentum: float = 0.9
     nesterov: ClassVar[bool] = False
-    linear: ClassVar[bool] = True
-    stateful: ClassVar[bool] = True
+    linear: ClassVar[bool] = RULE_TRAITS["fedavgm"].linear
+    stateful: ClassVar[bool] = RULE_TRAITS["fedavgm"].stateful
 
     def init_state(self, global_shard: Tensor) -> State:
         return {"momentum": torch.zeros_like(global_shard, dtype=torch.float32)}
@@ -112,8 +113,8 @@ class FedAdam(ShardRule):
     beta2: float = 0.99
     tau: float = 1e-3
     bias_correction: bool = True
-    linear: ClassVar[bool] = True
-    stateful: ClassVar[bool] = True
+    linear: ClassVar[bool] = RULE_TRAITS["fedadam"].linear
+    stateful: ClassVar[bool] = RULE_TRAITS["fedadam"].stateful
 
     def init_state(self, global_shard: Tensor) -> State:
         return {"m": torch.zeros_like(global_shard, dtype=torch.float32),
@@ -189,6 +190,8 @@ class TrimmedMean(ShardRule):
 
 RULES: dict[str, type[ShardRule]] = {"fedavg": FedAvg, "fedavgm": FedAvgM, "nesterov": Nesterov,
                                      "fedadam": FedAdam, "fedyogi": FedYogi, "trimmed-mean": TrimmedMean}
+assert tuple(RULES) == tuple(RULE_TRAITS) and all(
+    (cls.linear, cls.stateful) == (RULE_TRAITS[n].linear, RULE_TRAITS[n].stateful) for n, cls in RULES.items())
 
 
 def make_rule(name: str, **options: float) -> ShardRule:

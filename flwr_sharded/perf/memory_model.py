@@ -19,6 +19,7 @@ from functools import lru_cache
 
 from flwr_sharded.config import TrainConfig
 from flwr_sharded.errors import ConfigError
+from flwr_sharded.parallel.rule_traits import RULE_TRAITS
 from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES
 from flwr_sharded.perf.model_shape import ModelShape
 
@@ -203,7 +204,10 @@ def largest_fragment(shape: ModelShape, fragments: int) -> float:
 
 @lru_cache(maxsize=None)
 def rule_state_bytes(outer: str) -> float:
-    """Bytes per parameter of an outer rule's state, from the rule's own `init_state` (scalars ignored)."""
+    """Bytes per parameter of an outer rule's state: a built-in rule's declared traits, else from the rule's own
+    `init_state` (scalars ignored)."""
+    if outer in RULE_TRAITS:
+        return RULE_TRAITS[outer].state_bytes
     import torch
 
     from flwr_sharded.parallel.outer import make_rule
@@ -216,6 +220,8 @@ def rule_state_bytes(outer: str) -> float:
 @lru_cache(maxsize=None)
 def _rule_traits(outer: str) -> tuple[bool, bool]:
     """(stateful, linear) of an outer rule."""
+    if outer in RULE_TRAITS:
+        return RULE_TRAITS[outer].stateful, RULE_TRAITS[outer].linear
     from flwr_sharded.parallel.outer import make_rule
 
     rule = make_rule(outer)

@@ -11,12 +11,12 @@ from typing import Any
 from flwr_sharded.config import METHODS
 from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.parallel.outer import RULES
+from flwr_sharded.parallel.rule_traits import RULE_TRAITS
 from flwr_sharded.perf.cluster import Cluster, load_cluster
 from flwr_sharded.perf.memory_model import OPTIMIZER_STATE_BYTES, StepOptions
-from flwr_sharded.perf.model_shape import ModelShape
-from flwr_sharded.perf.planner import Candidate, PaperRow, evaluate, explain, model_from_preset, paper_layouts, plan
-from flwr_sharded.training.models import PRESETS
+from flwr_sharded.perf.model_shape import ModelShape, model_from_preset
+from flwr_sharded.perf.planner import Candidate, PaperRow, evaluate, explain, paper_layouts, plan
+from flwr_sharded.presets import PRESETS
 
 GiB = 1024**3
 
@@ -62,7 +62,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "trainer's: fp32 weights, gradients and AdamW moments, 16)")
     p.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATE_BYTES), default="adamw",
                    help="the trainer's optimizer, for memory (adamw)")
-    p.add_argument("--outer", choices=tuple(RULES), default="fedavg",
+    p.add_argument("--outer", choices=tuple(RULE_TRAITS), default="fedavg",
                    help="the FL sync's outer rule, for memory: outer optimizers keep the global shards and state")
     p.add_argument("--bucket-mb", type=float, default=64.0, help="the FL sync's bucket in MiB, for memory (64)")
     p.add_argument("--grad-accum", type=int, default=1,

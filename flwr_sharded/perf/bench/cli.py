@@ -176,8 +176,8 @@ def _apply_quick(args: argparse.Namespace) -> None:
 def _validate(args: argparse.Namespace) -> None:
     """Everything that can be checked before touching the network: cluster files, layouts, model, data, host."""
     from flwr_sharded.config import DataConfig
+    from flwr_sharded.presets import PRESETS
     from flwr_sharded.training.data import check_data
-    from flwr_sharded.training.models import PRESETS
 
     for option, value in (("--steps", args.steps), ("--seq-len", args.seq_len), ("--batch-size", args.batch_size),
                           ("--aggregate-every", args.aggregate_every), ("--sweep-windows", args.sweep_windows),
