@@ -71,7 +71,7 @@ LAYOUTS: dict[str, list[str]] = {
 def worker(out_dir: str, argv: list[str]) -> int:
     """Run `flwr_sharded.train` with `Trainer.run` wrapped to record this rank's peak RSS during training."""
     from flwr_sharded import memory_release, train
-    from flwr_sharded.perf.memory import PeakRSS, current_rss, peak_rss
+    from flwr_sharded.process_memory import PeakRSS, current_rss, peak_rss
     from flwr_sharded.training import trainer as trainer_module
 
     original = trainer_module.Trainer.run
@@ -141,8 +141,8 @@ def predict(flags: list[str], model: str, shape: Any, tokens: int) -> Any:
 def check(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import LlamaConfig
 
-    from flwr_sharded.perf.planner import model_from_preset, shape_of
-    from flwr_sharded.training.models import Preset
+    from flwr_sharded.perf.model_shape import model_from_preset, shape_of
+    from flwr_sharded.presets import Preset
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="memory_model_check_"))
     model_dir = work / "model"

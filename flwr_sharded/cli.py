@@ -10,7 +10,7 @@ from typing import Sequence
 def build_parser() -> argparse.ArgumentParser:
     from flwr_sharded import options_doc, plot
     from flwr_sharded.perf import bench, plan_cli
-    from flwr_sharded.training import checkpoint, corpus
+    from flwr_sharded.training import corpus, export_cli
 
     parser = argparse.ArgumentParser(prog="flwr-sharded", description="Sharded data parallelism with federated "
                                      "learning on Flower: training, data preparation, planning, plots.")
@@ -18,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("train", help="train in a torchrun world (run under torchrun); see `train --help`",
                    add_help=False)  # dispatched in main(): its options are flwr_sharded.train's
     corpus.register(sub)
-    checkpoint.register(sub)
+    export_cli.register(sub)
     plan_cli.register(sub)
     bench.register(sub)
     plot.register(sub)

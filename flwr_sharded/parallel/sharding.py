@@ -7,8 +7,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
 def mixed_precision_policy(precision: str, device: str) -> MixedPrecisionPolicy:
@@ -32,3 +31,10 @@ def apply_fsdp(model: nn.Module, blocks: Iterable[nn.Module], mesh: DeviceMesh, 
         fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     return model
+
+
+def reshard_all(model: nn.Module) -> None:
+    """Put every FSDP module's sharded parameters back in place (after a forward without backward)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

@@ -4,14 +4,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from flwr_sharded.config import ParallelConfig, validate_parallel
+from flwr_sharded.errors import ConfigError
 
 MESH_DIMS = ("fed", "rep", "shard")
+
+
+class MeshLayout(Protocol):
+    """What the mesh is built from: the method's name, F, R, S and the backend (`flwr_sharded.config.ParallelConfig`
+    is one; it is validated before a mesh is built)."""
+
+    method: str
+    federations: int
+    replicas: int
+    shards: int
+    backend: str
 
 
 def device_type() -> str:
@@ -34,7 +46,7 @@ class Topology:
 
     mesh: DeviceMesh
     """The 3-D mesh with dims ("fed", "rep", "shard")."""
-    config: ParallelConfig
+    config: MeshLayout
     """The layout the mesh was built from."""
     group_mesh: DeviceMesh
     """All ranks of this federation group as one flattened dimension (group-wide reductions, checkpoints)."""
@@ -90,24 +102,34 @@ class Topology:
 
     def describe(self) -> str:
         p = self.config
-        return f"{p.method}: F={p.federations} x R={p.replicas} x S={p.shards} = {p.world_size} ranks"
+        ranks = p.federations * self.group_world
+        return f"{p.method}: F={p.federations} x R={p.replicas} x S={p.shards} = {ranks} ranks"
 
 
-def init_topology(config: ParallelConfig, timeout_s: float = 600.0) -> Topology:
+def check_world_size(config: MeshLayout, world_size: int) -> None:
+    """ConfigError unless `world_size` processes make the F x R x S mesh."""
+    ranks = config.federations * config.replicas * config.shards
+    if world_size != ranks:
+        raise ConfigError(f"world size {world_size} != F*R*S = {config.federations}*{config.replicas}*"
+                          f"{config.shards} = {ranks}; launch {ranks} processes or change federations/replicas/shards")
+
+
+def init_topology(config: MeshLayout, timeout_s: float = 600.0) -> Topology:
     """Start the default process group (NCCL on GPUs, gloo on CPU) and build the (F, R, S) mesh.
 
-    Expects the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, ...). Validates the layout first.
+    Expects the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) and a validated layout
+    (`flwr_sharded.config.validate_parallel`); checks that the world makes the mesh.
     """
     device = device_type()
     if not dist.is_initialized():
         import os
 
-        validate_parallel(config, int(os.environ.get("WORLD_SIZE", "1")))
+        check_world_size(config, int(os.environ.get("WORLD_SIZE", "1")))
         if device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         backend = backend_for(device) if config.backend == "auto" else config.backend
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     else:
-        validate_parallel(config, dist.get_world_size())
+        check_world_size(config, dist.get_world_size())
     mesh = init_device_mesh(device, (config.federations, config.replicas, config.shards), mesh_dim_names=MESH_DIMS)
     return Topology(mesh=mesh, config=config, group_mesh=mesh["rep", "shard"]._flatten("group"))

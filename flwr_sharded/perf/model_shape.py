@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.perf.costmodel import Units, _positive_int
+from flwr_sharded.presets import PRESETS, Preset
 
 
 @dataclass(frozen=True)
@@ -70,3 +71,20 @@ def compute_time(num_params: float, tokens: float, flops_per_gpu: float, *,
     if not flops_per_gpu > 0:
         raise ConfigError(f"flops_per_gpu must be positive, got {flops_per_gpu!r}")
     return flops_per_param_token * num_params * tokens / flops_per_gpu
+
+
+def model_from_preset(name: str, vocab_size: int = 32000) -> ModelShape:
+    """Shape of a preset of `flwr_sharded.presets.PRESETS` (its own vocabulary, else `vocab_size`)."""
+    if name not in PRESETS:
+        raise ConfigError(f"--model: unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return shape_of(PRESETS[name], vocab_size, name=name)
+
+
+def shape_of(p: Preset, vocab_size: int = 32000, *, name: str = "custom") -> ModelShape:
+    """Shape of a Llama `Preset` (its own vocabulary, else `vocab_size`)."""
+    vocab = p.vocab_size or vocab_size
+    root = vocab * p.hidden_size * (1 if p.tie_word_embeddings else 2) + p.hidden_size
+    kv = p.num_key_value_heads * (p.hidden_size // p.num_attention_heads)
+    return ModelShape(num_params=p.num_parameters(vocab), num_layers=p.num_hidden_layers, root_params=root,
+                      hidden_size=p.hidden_size, intermediate_size=p.intermediate_size, vocab_size=vocab, name=name,
+                      kv_size=kv)

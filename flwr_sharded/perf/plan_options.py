@@ -12,7 +12,7 @@ from typing import Literal
 from flwr_sharded.config import METHODS, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from flwr_sharded.parallel.wire import SyncDtype
 from flwr_sharded.schema import option, same_as
-from flwr_sharded.training.models import PRESETS
+from flwr_sharded.presets import PRESETS
 
 Preset = Literal[tuple(sorted(PRESETS))]  # type: ignore[valid-type]
 

@@ -17,30 +17,8 @@ from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES
 from flwr_sharded.perf.cluster import Cluster
 from flwr_sharded.perf.costmodel import CommTerms, check_layout, comm_terms, overlapped
 from flwr_sharded.perf.memory_model import MemoryBreakdown, StepOptions, memory_per_gpu
-from flwr_sharded.perf.model_shape import ModelShape, compute_time
+from flwr_sharded.perf.model_shape import ModelShape, compute_time, model_from_preset
 from flwr_sharded.perf.placement import DIMENSIONS
-from flwr_sharded.training.models import PRESETS, Preset
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Model description.
-
-
-def model_from_preset(name: str, vocab_size: int = 32000) -> ModelShape:
-    """Shape of a preset of `flwr_sharded.training.models.PRESETS` (its own vocabulary, else `vocab_size`)."""
-    if name not in PRESETS:
-        raise ConfigError(f"--model: unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
-    return shape_of(PRESETS[name], vocab_size, name=name)
-
-
-def shape_of(p: Preset, vocab_size: int = 32000, *, name: str = "custom") -> ModelShape:
-    """Shape of a Llama `Preset` (its own vocabulary, else `vocab_size`)."""
-    vocab = p.vocab_size or vocab_size
-    root = vocab * p.hidden_size * (1 if p.tie_word_embeddings else 2) + p.hidden_size
-    kv = p.num_key_value_heads * (p.hidden_size // p.num_attention_heads)
-    return ModelShape(num_params=p.num_parameters(vocab), num_layers=p.num_hidden_layers, root_params=root,
-                      hidden_size=p.hidden_size, intermediate_size=p.intermediate_size, vocab_size=vocab, name=name,
-                      kv_size=kv)
-
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Candidates.

@@ -355,7 +355,7 @@ def compare(probes: list[dict[str, Any]], method: str, placement: Placement, uni
 
 def model_units(model_name: str, vocab_size: int, bytes_per_param: float = 4.0) -> Units:
     """FSDP2 units (blocks and root) of a preset, in bytes on the wire (fp32 on CPU: 4 bytes per parameter)."""
-    from flwr_sharded.perf.planner import model_from_preset
+    from flwr_sharded.perf.model_shape import model_from_preset
 
     return model_from_preset(model_name, vocab_size).units(bytes_per_param)
 

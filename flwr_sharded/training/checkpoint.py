@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import sys
 import time
 import warnings
 from concurrent.futures import Future
@@ -385,8 +384,7 @@ def export_pretrained(checkpoint: str | Path, out: str | Path, *, dtype: torch.d
     from flwr_sharded.config import config_from_dict
     from flwr_sharded.training import safetensors_writer as writer
     from flwr_sharded.training.data import load_tokenizer
-    from flwr_sharded.training.model_init import build_meta_model
-    from flwr_sharded.training.models import model_config
+    from flwr_sharded.training.models import build_meta_model, model_config
 
     checkpoint = Path(checkpoint)
     if not (checkpoint / "meta.json").is_file():
@@ -418,26 +416,3 @@ def export_pretrained(checkpoint: str | Path, out: str | Path, *, dtype: torch.d
     writer.commit(out, layout)
     writer.write_config(out, model, dtype, load_tokenizer(cfg.data, cfg.model.name))
     return Path(out)
-
-
-def register(subparsers: Any) -> None:
-    """Add the `export` sub-command."""
-    parser = subparsers.add_parser("export", help="merge a checkpoint's shards into a Hugging Face model",
-                                   description="Write the model of a sharded checkpoint as a Hugging Face model, one "
-                                   "tensor at a time.")
-    parser.add_argument("--checkpoint", required=True,
-                        help="a checkpoint directory (step-N) or a group's series (uses its newest)")
-    parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                        help="dtype of the written tensors (default: as in the checkpoint)")
-    parser.set_defaults(func=_export_command)
-
-
-def _export_command(args: Any) -> int:
-    try:
-        path = export_pretrained(args.checkpoint, args.out, dtype=getattr(torch, args.dtype) if args.dtype else None)
-    except ConfigError as exc:
-        print(f"flwr-sharded export: error: {exc}", file=sys.stderr)
-        return 2
-    print(f"wrote {path}")
-    return 0

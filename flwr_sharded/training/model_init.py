@@ -17,31 +17,22 @@ Non-persistent buffers (rotary `inv_freq`) hold garbage after `to_empty`; they a
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from flwr_sharded.parallel.shard_transport import row_offset
 from flwr_sharded.parallel.sharding import apply_activation_checkpointing, apply_fsdp
 from flwr_sharded.parallel.sync import local_shard
-from flwr_sharded.training.models import is_preset, model_config, transformer_blocks
+from flwr_sharded.training import pretrained as pretrained_lib
+from flwr_sharded.training.model_params import owned_parameters
+from flwr_sharded.training.models import build_meta_model, is_preset, model_config, transformer_blocks
 
 INIT_BLOCK_ROWS = 64
 """Rows of a parameter's full shape drawn from one generator: a fixed grid, whatever the sharding."""
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
-
-
-def build_meta_model(config: Any) -> nn.Module:
-    """The causal LM of a `transformers` config on the meta device, in fp32 (shapes only: no memory, no init)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
 def build_sharded_model(name: str, *, vocab_size: int, max_seq_len: int, mesh: DeviceMesh, seed: int,
@@ -55,8 +46,6 @@ def build_sharded_model(name: str, *, vocab_size: int, max_seq_len: int, mesh: D
         mesh: the FSDP mesh ("shard",) or ("rep", "shard").
         seed: random init: the full parameters depend on it alone.
     """
-    from flwr_sharded.training import pretrained as pretrained_lib
-
     directory: Path | None = None
     if pretrained and not is_preset(name):
         directory = pretrained_lib.resolve_pretrained(name)
@@ -112,24 +101,6 @@ def reset_buffers(model: nn.Module) -> None:
                                       f"meta-device initialisation (its _init_weights does not set them)")
 
 
-def owned_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter, nn.Module]]:
-    """(name, parameter, owning module) once per parameter, named by its first occurrence (tied weights once)."""
-    seen: set[int] = set()
-    for module_name, module in model.named_modules():
-        for local_name, param in module._parameters.items():
-            if param is None or id(param) in seen:
-                continue
-            seen.add(id(param))
-            yield canonical_name(f"{module_name}.{local_name}" if module_name else local_name), param, module
-
-
-def canonical_name(name: str) -> str:
-    """A parameter name without wrapper modules' segments (activation checkpointing, torch.compile)."""
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
-
-
 def init_rule(module: nn.Module, param_name: str) -> str:
     """'normal', 'zeros' or 'ones': Hugging Face's base `_init_weights` rule for this parameter of `module`."""
     kind = type(module).__name__
@@ -179,10 +150,3 @@ def block_generator(seed: int, name: str, block: int) -> torch.Generator:
     """The CPU generator of one block of rows of parameter `name`."""
     digest = hashlib.sha256(repr(("init", int(seed), name, int(block))).encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-
-
-def reshard_all(model: nn.Module) -> None:
-    """Put every FSDP module's sharded parameters back in place (after a forward without backward)."""
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()

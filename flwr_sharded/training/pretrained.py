@@ -20,6 +20,10 @@ import torch
 from torch import nn
 
 from flwr_sharded.errors import ConfigError
+from flwr_sharded.parallel.shard_transport import row_offset
+from flwr_sharded.parallel.sync import local_shard
+from flwr_sharded.training.model_params import canonical_name, owned_parameters
+from flwr_sharded.training.models import build_meta_model
 from flwr_sharded.training.safetensors_writer import INDEX_FILE, SINGLE_FILE
 
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
@@ -89,8 +93,6 @@ def expected_tensors(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], dict
     May: a tied weight under its second name (`lm_head.weight`: ignored, as `from_pretrained` does), non-persistent
     buffers, and the names the model's `_keys_to_ignore_on_load_unexpected` patterns match (checked by `ignored`).
     """
-    from flwr_sharded.training.model_init import canonical_name, owned_parameters
-
     need = {name: tuple(param.shape) for name, param, _ in owned_parameters(model)}
     others = {canonical_name(n): tuple(b.shape) for n, b in model.state_dict(keep_vars=True).items()
               if canonical_name(n) not in need}
@@ -117,8 +119,6 @@ def check_pretrained(name: str, config: Any = None) -> Path:
     `config`: the model to check against (default: the checkpoint's own config.json). Reads only config.json and the
     safetensors headers; needs no process group. Returns the checkpoint directory. Raises ConfigError naming --model.
     """
-    from flwr_sharded.training.model_init import build_meta_model
-
     directory = resolve_pretrained(name)
     if config is None:
         from transformers import AutoConfig
@@ -162,10 +162,6 @@ def check_pretrained(name: str, config: Any = None) -> Path:
 def load_local_shards(model: nn.Module, directory: str | Path) -> None:
     """Fill this rank's local rows of every parameter (and every persistent buffer) from the checkpoint."""
     from safetensors import safe_open
-
-    from flwr_sharded.parallel.shard_transport import row_offset
-    from flwr_sharded.parallel.sync import local_shard
-    from flwr_sharded.training.model_init import canonical_name, owned_parameters
 
     stored = stored_tensors(Path(directory))
     need, _ = expected_tensors(model)

@@ -28,6 +28,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from flwr_sharded.parallel.shard_transport import row_offset
+from flwr_sharded.parallel.sharding import reshard_all
+from flwr_sharded.parallel.sync import local_shard
+from flwr_sharded.training.model_params import canonical_name, owned_parameters
+
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 MAX_FILE_BYTES = 50_000_000_000
@@ -173,8 +178,6 @@ def write_config(directory: str | Path, model: nn.Module, dtype: torch.dtype, to
 def saved_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """What a Hugging Face checkpoint of `model` holds: each parameter once (tied weights under their first name),
     then the persistent buffers."""
-    from flwr_sharded.training.model_init import canonical_name, owned_parameters
-
     out = [(name, param) for name, param, _ in owned_parameters(model)]
     names = {n for n, _ in out} | {canonical_name(n) for n, _ in model.named_parameters(remove_duplicate=False)}
     buffers = [(canonical_name(n), t) for n, t in model.state_dict(keep_vars=True).items()]
@@ -199,10 +202,6 @@ def save_sharded_pretrained(model: nn.Module, directory: str | Path, *, group: d
     `group`: every rank holding a shard of the model (one federation group); its rank 0 writes the headers, the
     config and the tokenizer. `dtype`: of the saved tensors (default: the parameters'). No rank gathers the model.
     """
-    from flwr_sharded.parallel.shard_transport import row_offset
-    from flwr_sharded.parallel.sync import local_shard
-    from flwr_sharded.training.model_init import reshard_all
-
     reshard_all(model)
     tensors = saved_tensors(model)
     dtype = dtype or tensors[0][1].dtype

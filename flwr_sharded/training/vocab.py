@@ -73,7 +73,7 @@ def tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> str:
 def model_vocab_size(model: str) -> int | None:
     """Rows of the model's embedding: a preset's fixed `vocab_size`, or `vocab_size` in a hub/local model's config
     (config.json only: the model is not built); None for presets that take the tokenizer's size."""
-    from flwr_sharded.training.models import PRESETS
+    from flwr_sharded.presets import PRESETS
 
     if model in PRESETS:
         return PRESETS[model].vocab_size

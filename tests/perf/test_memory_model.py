@@ -109,6 +109,10 @@ def test_rule_state_comes_from_the_rules():
     assert rule_state_bytes("fedavg") == 0 and rule_state_bytes("trimmed-mean") == 0
     assert rule_state_bytes("nesterov") == rule_state_bytes("fedavgm") == 4
     assert rule_state_bytes("fedadam") == rule_state_bytes("fedyogi") == 8  # m and v; the step count is a scalar
+    from flwr_sharded.parallel.outer import RULES
+
+    for name, cls in RULES.items():  # declared (torch-free) == measured from the rule's init_state (its import path)
+        assert rule_state_bytes(name) == rule_state_bytes(f"{cls.__module__}:{cls.__name__}"), name
 
 
 def test_other_options():

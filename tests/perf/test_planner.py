@@ -19,7 +19,7 @@ from flwr_sharded.perf.cluster import (
 )
 from flwr_sharded.perf.memory_model import StepOptions
 from flwr_sharded.perf.planner import PAPER_TABLE4, layouts, model_from_preset, paper_layouts, plan
-from flwr_sharded.training.models import PRESETS
+from flwr_sharded.presets import PRESETS
 
 CLUSTERS = Path(__file__).resolve().parents[2] / "examples" / "clusters"
 GOOD = {"gpus_per_node": 4, "nodes": 4, "nodes_per_group": 2, "gpu_memory": "64GB", "flops_per_gpu": "100TFLOPS",

@@ -116,7 +116,7 @@ class ServerShardFedAvg(DecentralizedFedAvg):
 
     def run_round(self, grid: Grid, server_round: int, result: Result, train_config: ConfigRecord | None) -> None:
         from flwr_sharded.flower.server.aggregation import fp32_bytes  # loads torch too, before the baseline
-        from flwr_sharded.perf.memory import PeakRSS, current_rss
+        from flwr_sharded.process_memory import PeakRSS, current_rss
 
         t0 = time.monotonic()
         if self._rss_base is None:  # once, with the code loaded: what the server path needs, rounds after rounds

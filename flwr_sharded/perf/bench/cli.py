@@ -92,8 +92,8 @@ def _validate(args: argparse.Namespace) -> None:
     """Everything that can be checked before touching the network: cluster files, layouts, model, data, host."""
     from flwr_sharded.config import DataConfig, ParallelConfig, validate_sync
     from flwr_sharded.parallel.outer import FedAvg
+    from flwr_sharded.presets import PRESETS
     from flwr_sharded.training.data import check_data
-    from flwr_sharded.training.models import PRESETS
 
     if any("overlap" in key for key in args.method_list):
         cfg = ParallelConfig(aggregate_every=args.aggregate_every, sync_fragments=args.sync_fragments,

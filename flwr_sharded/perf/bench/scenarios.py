@@ -178,7 +178,7 @@ def planner_view(cluster_path: Path, layouts: dict[str, Layout], opts: argparse.
 
 
 def _shape(model: str, vocab: int):
-    from flwr_sharded.perf.planner import model_from_preset
+    from flwr_sharded.perf.model_shape import model_from_preset
 
     return model_from_preset(model, vocab)
 
