@@ -45,8 +45,8 @@ def parse() -> argparse.Namespace:
 
 def main() -> None:
     args = parse()
-    from flwr_sharded.parallel.quantize import (ErrorFeedback, Workspace, all_reduce_bytes, check_wire_dtype,
-                                                quantized_all_reduce)
+    from flwr_sharded.parallel.quantize import ErrorFeedback, Workspace, all_reduce_bytes, quantized_all_reduce
+    from flwr_sharded.parallel.wire import check_wire_dtype
 
     load_before = os.getloadavg()[0]
     dist.init_process_group("gloo")

@@ -1,8 +1,8 @@
 """An 8-bit all-reduce of a flat fp32 tensor: blockwise int8 or fp8 (e4m3, e5m2) on the wire, the sum taken in fp32.
 
 Quantization: the tensor is cut into blocks of `block` elements (the last one may be partial, padded with zeros);
-each block has one fp32 scale, absmax / qmax of the wire (`flwr_sharded.parallel.wire.BlockwiseWire`: 127 for int8,
-symmetric, rounded to nearest; 448 for float8_e4m3fn and 57344 for float8_e5m2, rounded to nearest by the cast), so
+each block has one fp32 scale, absmax / the format's largest code (`qmax`, torch's own: 127 for int8, symmetric,
+rounded to nearest; 448 for float8_e4m3fn and 57344 for float8_e5m2, rounded to nearest by the cast), so
 a block's largest element maps to the largest code and an outlier only coarsens its own block.
 `wire_bytes(n, dtype, block)` = n + 4 ceil(n / block).
 
@@ -30,6 +30,7 @@ Error feedback (`ErrorFeedback`) makes the running sum of repeated reductions ex
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -37,17 +38,28 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flwr_sharded.errors import ConfigError
-from flwr_sharded.parallel.wire import QUANT_BLOCK, QUANTIZED, WIRES, BlockwiseWire
+from flwr_sharded.parallel.quant_format import QUANT_BLOCK
 
-_BLOCKWISE: dict[str, BlockwiseWire] = {name: WIRES[name] for name in QUANTIZED}  # type: ignore[misc]
-WIRE_DTYPES = {name: w.torch_dtype() for name, w in _BLOCKWISE.items()}
-"""The 8-bit wire dtypes by their `--sync-dtype` name."""
-QMAX = {w.torch_dtype(): w.qmax for w in _BLOCKWISE.values()}
-"""Largest code of each wire dtype: a block's absmax maps onto it."""
 _TINY = torch.finfo(torch.float32).tiny  # smallest scale: an all-zero block quantizes to zeros, never divides by 0
 _CODES = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-_FLOAT8_TABLES = {dtype: _CODES.view(dtype).float() for dtype in QMAX if dtype.is_floating_point}  # code -> value
+
+
+def is_8bit(dtype: torch.dtype) -> bool:
+    """Whether `dtype` is a code format of the 8-bit wires: int8 or a float8."""
+    return dtype == torch.int8 or (dtype.is_floating_point and dtype.itemsize == 1)
+
+
+@functools.cache
+def qmax(dtype: torch.dtype) -> float:
+    """The largest code of an 8-bit format (torch's own: 127 for int8, 448 for e4m3, 57344 for e5m2): a block's
+    absmax maps onto it."""
+    return float(torch.finfo(dtype).max if dtype.is_floating_point else torch.iinfo(dtype).max)
+
+
+@functools.cache
+def _float8_table(dtype: torch.dtype) -> torch.Tensor:
+    """code -> value of a float8 format, as fp32."""
+    return _CODES.view(dtype).float()
 
 
 @dataclass(frozen=True)
@@ -75,7 +87,7 @@ def all_reduce_bytes(numel: int, world: int, dtype: torch.dtype = torch.int8, bl
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype = torch.int8, block: int = QUANT_BLOCK) -> Quantized:
-    """Quantize a flat fp32 tensor blockwise (absmax / `QMAX` per block; int8 rounds to nearest, fp8 by the cast)."""
+    """Quantize a flat fp32 tensor blockwise (absmax / `qmax` per block; int8 rounds to nearest, fp8 by the cast)."""
     _check_dtype(dtype, block)
     n = x.numel()
     blocks = math.ceil(n / block)
@@ -98,8 +110,8 @@ def dequantize(q: Quantized) -> torch.Tensor:
 
 
 def _check_dtype(dtype: torch.dtype, block: int) -> None:
-    if dtype not in QMAX:
-        raise ValueError(f"quantized wire dtype must be one of {', '.join(map(str, QMAX))}, got {dtype}")
+    if not is_8bit(dtype):
+        raise ValueError(f"quantized wire dtype must be int8 or a float8, got {dtype}")
     if block < 1:
         raise ValueError(f"quantization block must be >= 1 element, got {block}")
 
@@ -112,8 +124,8 @@ def _quantize(src: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, scr
     (src - values * scales, in fp32).
     """
     absmax = torch.maximum(src.amax(-1), src.amin(-1).neg_())  # no |x| temporary (aminmax is slower on CPU)
-    torch.div(absmax, QMAX[values.dtype], out=scales).clamp_(min=_TINY)
-    torch.mul(src, scales.reciprocal().unsqueeze(-1), out=scratch)  # |.| <= QMAX (+ an ulp: rounds back to it)
+    torch.div(absmax, qmax(values.dtype), out=scales).clamp_(min=_TINY)
+    torch.mul(src, scales.reciprocal().unsqueeze(-1), out=scratch)  # |.| <= qmax (+ an ulp: rounds back to it)
     if not values.dtype.is_floating_point:
         scratch.round_()  # half to even; the cast below then is exact
         values.copy_(scratch)
@@ -127,13 +139,12 @@ def _quantize(src: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, scr
 
 def _decode(values: torch.Tensor, out: torch.Tensor, ws: Workspace) -> None:
     """out = values as fp32. On CPU, fp8 goes through a 256-entry table (8x faster than torch's cast there)."""
-    table = _FLOAT8_TABLES.get(values.dtype)
-    if table is None or values.device.type != "cpu":
+    if not values.dtype.is_floating_point or values.device.type != "cpu":
         out.copy_(values)
         return
     index = ws.get("index", values.numel(), torch.int32, values.device).view(values.shape)
     index.copy_(values.view(torch.uint8))
-    torch.index_select(table, 0, index.view(-1), out=out.view(-1))  # `out` is contiguous here
+    torch.index_select(_float8_table(values.dtype), 0, index.view(-1), out=out.view(-1))  # `out` is contiguous here
 
 
 def _dequantize(values: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, ws: Workspace) -> None:
@@ -270,28 +281,17 @@ def _floats(raw: torch.Tensor) -> torch.Tensor:
     return (raw if raw.storage_offset() % 4 == 0 else raw.clone()).view(torch.float32)
 
 
-def fp8_supported(device: torch.device | str, dtype: torch.dtype = torch.float8_e4m3fn) -> bool:
-    """Whether an fp8 `dtype` (a registered wire's) is a wire dtype on `device`: CUDA with compute capability >= 8.9
-    (hardware fp8 conversion; below it torch emulates the cast), or a CPU on which torch casts to and from it exactly
-    (the wire's `probe` values)."""
+def fp8_supported(device: torch.device | str, dtype: torch.dtype, probe: tuple[float, ...]) -> bool:
+    """Whether an fp8 `dtype` is a wire dtype on `device`: CUDA with compute capability >= 8.9 (hardware fp8
+    conversion; below it torch emulates the cast), or a CPU on which torch casts the `probe` values (the wire's) to
+    and from it exactly."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 9)
     if device.type != "cpu":
         return False
-    probe = torch.tensor(_BLOCKWISE[str(dtype).removeprefix("torch.")].probe)
+    values = torch.tensor(probe)
     try:
-        return bool(torch.equal(probe.to(dtype).float(), probe))
+        return bool(torch.equal(values.to(dtype).float(), values))
     except (RuntimeError, TypeError):
         return False
-
-
-def check_wire_dtype(dtype_name: str, device: torch.device | str) -> torch.dtype:
-    """The torch dtype of a quantized `--sync-dtype` on `device`; ConfigError if it is unknown or unsupported."""
-    allowed = [name for name, w in _BLOCKWISE.items() if w.unsupported(device) is None]
-    if dtype_name not in allowed:
-        why = ("is not a quantized wire dtype" if dtype_name not in _BLOCKWISE
-               else _BLOCKWISE[dtype_name].unsupported(device))
-        raise ConfigError(f"--sync-dtype {dtype_name} {why}; quantized wire dtypes on {torch.device(device)}: "
-                          f"{', '.join(allowed)}")
-    return WIRE_DTYPES[dtype_name]

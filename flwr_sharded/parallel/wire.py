@@ -9,136 +9,19 @@ A wire other than the shards' own dtype sends each group's weighted delta from t
 gradient) and adds the reduced delta back in fp32: it needs fp32 shards and a linear outer rule, and makes the sync
 keep the global shards. Three kinds: the shards as they are (`PlainWire`, float32), the delta cast to a narrower
 float and all-reduced in it (`CastWire`, bfloat16), and the delta blockwise quantized to 8 bits and summed in fp32
-around a ring (`BlockwiseWire`: `flwr_sharded.parallel.quantize`).
+around a ring (`BlockwiseWire`, through `flwr_sharded.parallel.quantize`); the kinds and `register` are in
+`flwr_sharded.parallel.wire_kinds`.
 """
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import Any, Literal
 
-if TYPE_CHECKING:
-    import torch
-
-QUANT_BLOCK = 256
-"""Elements per fp32 scale of an 8-bit wire (`flwr_sharded.parallel.quantize`)."""
-
-
-class Wire:
-    """One wire dtype of the shard sync: what it costs, what it needs and how it reduces a bucket."""
-
-    name: ClassVar[str]
-    """The `--sync-dtype` value, also the name of its torch dtype."""
-    order: ClassVar[int]
-    """Position among the wires wherever they are listed (choices, docs); the planner takes the first of a size."""
-    bytes_per_value: ClassVar[float]
-    """Wire bytes per parameter in an all-reduce of a large bucket, scales included."""
-    delta: ClassVar[bool] = True
-    """Sends the weighted delta from the global model (fp32 shards, a linear rule; keeps the global shards)."""
-    error_feedback: ClassVar[bool] = False
-    """Rounds blockwise to 8 bits, so `--sync-error-feedback` can carry its rounding errors."""
-    requirement: ClassVar[str] = ""
-    """What the device must offer, in words ("" when any device runs it); `unsupported` checks it."""
-
-    def torch_dtype(self) -> torch.dtype:
-        import torch
-
-        return getattr(torch, self.name)
-
-    def unsupported(self, device: Any) -> str | None:
-        """None if `device` (a torch device or its name) runs this wire; else why not, as a phrase."""
-        return None
-
-    def reserve(self, workspace: Any, numel: int, device: Any) -> None:
-        """Allocate, before the first sync, what `reduce` needs for buckets of up to `numel` values."""
-
-    def reduce(self, flat: torch.Tensor, global_k: torch.Tensor | None, scale: float, group: Any, workspace: Any,
-               residual: torch.Tensor | None = None) -> int:
-        """`flat` holds this rank's values of a bucket (zeros if `scale` is 0: left out); on return the groups'
-        weighted mean, `scale` being this rank's share of the weight. `global_k`: the bucket's global values (delta
-        wires); `residual`: the error-feedback residual (8-bit wires). Returns the bytes this rank sent."""
-        raise NotImplementedError
-
-
-class PlainWire(Wire):
-    """The shards in their own dtype: each rank's weighted shards, all-reduced (SUM)."""
-
-    delta: ClassVar[bool] = False
-
-    def reduce(self, flat, global_k, scale, group, workspace, residual=None) -> int:
-        import torch.distributed as dist
-
-        flat.mul_(scale)
-        dist.all_reduce(flat, group=group)
-        return flat.numel() * flat.element_size()
-
-
-class CastWire(Wire):
-    """The weighted delta from the global model, rounded once to `name`, all-reduced in it, added back in fp32."""
-
-    def reserve(self, workspace, numel, device) -> None:
-        workspace.get("wire", numel, self.torch_dtype(), device)
-
-    def reduce(self, flat, global_k, scale, group, workspace, residual=None) -> int:
-        import torch
-        import torch.distributed as dist
-
-        wire = workspace.get("wire", flat.numel(), self.torch_dtype(), flat.device)
-        if scale:
-            torch.mul(flat.sub_(global_k), scale, out=wire)  # the weighted delta in fp32, rounded once
-        else:
-            wire.zero_()
-        dist.all_reduce(wire, group=group)
-        torch.add(global_k, wire, out=flat)  # global + the summed deltas, in fp32
-        return wire.numel() * wire.element_size()
-
-
-class BlockwiseWire(Wire):
-    """The weighted delta, blockwise 8-bit on the wire (one fp32 scale per `QUANT_BLOCK` values, absmax -> `qmax`),
-    summed in fp32 around a ring (`flwr_sharded.parallel.quantize.quantized_all_reduce`), added back in fp32."""
-
-    bytes_per_value: ClassVar[float] = 1.0 + 4.0 / QUANT_BLOCK
-    error_feedback: ClassVar[bool] = True
-    qmax: ClassVar[float]
-    """The largest code: a block's absmax maps onto it."""
-    probe: ClassVar[tuple[float, ...]] = ()
-    """Values the cast must carry exactly on a CPU for it to run there (none: integer codes, rounded by torch)."""
-    short: ClassVar[str] = ""
-    """The format's short name in messages (e.g. e4m3)."""
-
-    def unsupported(self, device: Any) -> str | None:
-        if not self.probe:
-            return None
-        import torch
-
-        from flwr_sharded.parallel import quantize
-
-        if quantize.fp8_supported(device, self.torch_dtype()):
-            return None
-        return (f"needs a CPU whose torch casts to {self.short} or CUDA compute capability >= 8.9, not "
-                f"{torch.device(device)}")
-
-    def reduce(self, flat, global_k, scale, group, workspace, residual=None) -> int:
-        from flwr_sharded.parallel.quantize import quantized_all_reduce
-
-        if scale:
-            flat.sub_(global_k).mul_(scale)
-        sent = quantized_all_reduce(flat, group, dtype=self.torch_dtype(), residual=residual, workspace=workspace)
-        flat.add_(global_k)
-        return sent
-
-
-WIRES: dict[str, Wire] = {}
-"""Every wire dtype by name, in `order`."""
-
-
-def register(cls: type[Wire]) -> type[Wire]:
-    """Class decorator: add a wire to `WIRES` (its module lives in `flwr_sharded.parallel.wires`)."""
-    if cls.name in WIRES:
-        raise ValueError(f"wire dtype {cls.name!r} is registered twice")
-    WIRES[cls.name] = cls()
-    return cls
+from flwr_sharded.errors import ConfigError
+from flwr_sharded.parallel.quant_format import QUANT_BLOCK
+from flwr_sharded.parallel.wire_kinds import WIRES, BlockwiseWire, CastWire, PlainWire, Wire, register
 
 
 def wire_of(dtype: Any) -> Wire:
@@ -170,3 +53,21 @@ QUANTIZED: tuple[str, ...] = tuple(name for name, w in WIRES.items() if w.error_
 SYNC_DTYPE_BYTES: dict[str, float] = {name: w.bytes_per_value for name, w in WIRES.items()}
 """Wire bytes per parameter of each sync dtype, in an all-reduce of a large bucket (8-bit: one byte plus its share
 of the block's fp32 scale). The quantized all-reduce sends 2 (W - 1) / W of them per parameter, as a ring does."""
+
+
+def check_wire_dtype(dtype_name: str, device: Any) -> Any:
+    """The torch dtype of a quantized `--sync-dtype` on `device` (a torch device or its name); ConfigError if it is
+    unknown or this device does not run it."""
+    import torch
+
+    allowed = [name for name in QUANTIZED if WIRES[name].unsupported(device) is None]
+    if dtype_name not in allowed:
+        why = ("is not a quantized wire dtype" if dtype_name not in QUANTIZED
+               else WIRES[dtype_name].unsupported(device))
+        raise ConfigError(f"--sync-dtype {dtype_name} {why}; quantized wire dtypes on {torch.device(device)}: "
+                          f"{', '.join(allowed)}")
+    return WIRES[dtype_name].torch_dtype()
+
+
+__all__ = ["QUANTIZED", "QUANT_BLOCK", "SYNC_DTYPE_BYTES", "WIRES", "BlockwiseWire", "CastWire", "PlainWire",
+           "SyncDtype", "Wire", "check_wire_dtype", "register", "wire_of"]

@@ -66,7 +66,7 @@ def check_sync(cfg: TrainConfig) -> None:
     if p.federated and WIRES[p.sync_dtype].requirement:
         import torch
 
-        from flwr_sharded.parallel.quantize import check_wire_dtype
+        from flwr_sharded.parallel.wire import check_wire_dtype
 
         # the shards (and so the quantization) live on the GPU whenever there is one, whatever the backend
         check_wire_dtype(p.sync_dtype, "cuda" if torch.cuda.is_available() else "cpu")

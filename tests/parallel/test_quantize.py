@@ -28,12 +28,12 @@ def rounding_bound(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
 
 def block_scales(x: torch.Tensor, dtype: torch.dtype, block: int) -> torch.Tensor:
     """Each element's block scale, absmax / 127 (int8) or / 448 (e4m3), in fp64, broadcast to x's length."""
-    from flwr_sharded.parallel.quantize import QMAX
+    from flwr_sharded.parallel.quantize import qmax
 
     n = x.numel()
     padded = torch.zeros(math.ceil(n / block) * block, dtype=torch.float64)
     padded[:n] = x.double().abs()
-    scale = padded.view(-1, block).amax(1) / QMAX[dtype] * (1 + 2 * U)  # the fp32 division rounds it once
+    scale = padded.view(-1, block).amax(1) / qmax(dtype) * (1 + 2 * U)  # the fp32 division rounds it once
     return scale.repeat_interleave(block)[:n]
 
 
@@ -51,7 +51,7 @@ def sample(n: int, seed: int, *, outlier: bool = False, zero_block: bool = False
 @pytest.mark.parametrize("dtype", [INT8, FP8], ids=["int8", "fp8"])
 @pytest.mark.parametrize("case", ["random", "zeros", "outlier", "partial", "tiny-values"])
 def test_dequantize_is_within_half_a_step_of_the_input(dtype, case):
-    from flwr_sharded.parallel.quantize import QMAX, dequantize, quantize, wire_bytes
+    from flwr_sharded.parallel.quantize import dequantize, qmax, quantize, wire_bytes
 
     block = 256
     n = {"partial": 1000, "zeros": 512}.get(case, 4 * block)
@@ -65,11 +65,11 @@ def test_dequantize_is_within_half_a_step_of_the_input(dtype, case):
     err = (y.double() - x.double()).abs()
     assert bool((err <= rounding_bound(x.double(), scale, dtype)).all()), float((err - scale / 2).max())
     codes = q.values.float()
-    assert float(codes.abs().max()) <= QMAX[dtype]
+    assert float(codes.abs().max()) <= qmax(dtype)
     if case == "zeros":
         assert torch.equal(y, x)
     else:  # every block's largest element takes the largest code
-        assert all(float(c.abs().max()) == QMAX[dtype] for c in codes.split(block))
+        assert all(float(c.abs().max()) == qmax(dtype) for c in codes.split(block))
     if case == "outlier" and dtype == INT8:  # the outlier's block is coarse, the others keep their own fine step
         assert float(err[:block].max()) < 0.1 < float(err[block:2 * block].max())
 
@@ -278,21 +278,21 @@ def test_quantized_all_reduce_refuses_what_it_cannot_carry():
 # ----- the wire dtype option -----------------------------------------------------------------------------------
 def test_check_wire_dtype_allows_int8_everywhere_and_fp8_where_the_device_casts_it(monkeypatch):
     from flwr_sharded.errors import ConfigError
-    from flwr_sharded.parallel import quantize
+    from flwr_sharded.parallel import wire
 
-    assert quantize.check_wire_dtype("int8", "cpu") == INT8
-    assert quantize.check_wire_dtype("float8_e4m3fn", "cpu") == FP8  # torch >= 2.1 casts to e4m3 on CPU
+    assert wire.check_wire_dtype("int8", "cpu") == INT8
+    assert wire.check_wire_dtype("float8_e4m3fn", "cpu") == FP8  # torch >= 2.1 casts to e4m3 on CPU
     with pytest.raises(ConfigError, match=r"--sync-dtype int4 is not a quantized wire dtype.*int8, float8_e4m3fn"):
-        quantize.check_wire_dtype("int4", "cpu")
+        wire.check_wire_dtype("int4", "cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for capability, ok in (((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
-        assert quantize.check_wire_dtype("int8", "cuda:0") == INT8
+        assert wire.check_wire_dtype("int8", "cuda:0") == INT8
         if ok:
-            assert quantize.check_wire_dtype("float8_e4m3fn", "cuda:0") == FP8
+            assert wire.check_wire_dtype("float8_e4m3fn", "cuda:0") == FP8
         else:
             with pytest.raises(ConfigError, match=r"--sync-dtype float8_e4m3fn needs .*capability >= 8.9.*: int8$"):
-                quantize.check_wire_dtype("float8_e4m3fn", "cuda:0")
+                wire.check_wire_dtype("float8_e4m3fn", "cuda:0")
     monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: (_ for _ in ()).throw(RuntimeError("no e4m3")))
     with pytest.raises(ConfigError, match="on cpu: int8$"):  # a CPU build that cannot cast to e4m3
-        quantize.check_wire_dtype("float8_e4m3fn", "cpu")
+        wire.check_wire_dtype("float8_e4m3fn", "cpu")

@@ -40,11 +40,11 @@ def sample(n: int, seed: int) -> torch.Tensor:
 
 
 def test_the_wire_is_registered_with_the_blockwise_scheme():
-    from flwr_sharded.parallel.quantize import QMAX as Q, check_wire_dtype
-    from flwr_sharded.parallel.wire import QUANTIZED, SYNC_DTYPE_BYTES, WIRES
+    from flwr_sharded.parallel.quantize import qmax
+    from flwr_sharded.parallel.wire import QUANTIZED, SYNC_DTYPE_BYTES, WIRES, check_wire_dtype
 
     wire = WIRES["float8_e5m2"]
-    assert wire.torch_dtype() == E5M2 and Q[E5M2] == QMAX and "float8_e5m2" in QUANTIZED
+    assert wire.torch_dtype() == E5M2 and qmax(E5M2) == QMAX and "float8_e5m2" in QUANTIZED
     assert SYNC_DTYPE_BYTES["float8_e5m2"] == SYNC_DTYPE_BYTES["int8"] == 1 + 4 / BLOCK
     assert check_wire_dtype("float8_e5m2", "cpu") == E5M2  # torch casts to e5m2 exactly on CPU
 

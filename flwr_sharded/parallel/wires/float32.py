@@ -1,6 +1,6 @@
 """float32: the shards themselves, weighted and all-reduced (the default wire)."""
 
-from flwr_sharded.parallel.wire import PlainWire, register
+from flwr_sharded.parallel.wire_kinds import PlainWire, register
 
 
 @register
