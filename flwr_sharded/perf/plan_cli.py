@@ -137,7 +137,7 @@ def run(parsed: argparse.Namespace) -> int:
                        activation_checkpointing=args.activation_checkpointing,
                        memory_fraction=args.memory_fraction,
                        sync_bytes_per_param=SYNC_DTYPE_BYTES.get(args.sync_dtype), step=step)
-        candidates = plan(cluster, model, aggregate_every_options=tuple(args.aggregate_every),
+        candidates = plan(cluster, model, aggregate_every=tuple(args.aggregate_every),
                           methods=tuple(args.methods), fl_margin=args.fl_margin, **options)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

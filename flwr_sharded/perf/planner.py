@@ -72,7 +72,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def layouts(gpus: int, gpus_per_node: int, methods: tuple[str, ...] = METHODS,
-            aggregate_every_options: tuple[int, ...] = (1, 2, 4, 8, 16, 32)) -> list[tuple[str, int, int, int, int]]:
+            aggregate_every: tuple[int, ...] = (1, 2, 4, 8, 16, 32)) -> list[tuple[str, int, int, int, int]]:
     """All (method, F, R, S, A) with F*R*S = gpus and S dividing a node or made of whole nodes.
 
     hsdp needs R > 1, fl-fsdp F > 1, fl-hsdp F > 1 and R > 1 (otherwise they are another method).
@@ -87,7 +87,7 @@ def layouts(gpus: int, gpus_per_node: int, methods: tuple[str, ...] = METHODS,
             method = ("fl-" if F > 1 else "") + ("hsdp" if R > 1 else "fsdp")
             if method not in methods:
                 continue
-            for A in (aggregate_every_options if F > 1 else (1,)):
+            for A in (aggregate_every if F > 1 else (1,)):
                 out.append((method, F, R, S, A))
     return out
 
@@ -147,7 +147,7 @@ def evaluate(cluster: Cluster, model: ModelShape, method: str, *, F: int = 1, R:
 
 
 def plan(cluster: Cluster, model: ModelShape, *, tokens_per_gpu_batch: int = 4096,
-         aggregate_every_options: tuple[int, ...] = (1, 2, 4, 8, 16, 32), methods: tuple[str, ...] = METHODS,
+         aggregate_every: tuple[int, ...] = (1, 2, 4, 8, 16, 32), methods: tuple[str, ...] = METHODS,
          bytes_per_param: float = 2.0, state_bytes_per_param: float | None = None, sizes: str = "exact",
          latency: bool = False, activation_checkpointing: bool = False, memory_fraction: float = 0.9,
          fl_margin: float = 0.1, sync_bytes_per_param: float | None = None,
@@ -168,7 +168,7 @@ def plan(cluster: Cluster, model: ModelShape, *, tokens_per_gpu_batch: int = 409
     unknown = sorted(set(methods) - set(METHODS))
     if unknown or not methods:
         raise ConfigError(f"--methods: choose among {', '.join(METHODS)}, got {', '.join(methods) or 'nothing'}")
-    for A in aggregate_every_options:
+    for A in aggregate_every:
         if isinstance(A, bool) or not isinstance(A, int) or A < 1:
             raise ConfigError(f"--aggregate-every: values must be integers >= 1, got {A!r}")
     _positive_int_option("--tokens-per-gpu", tokens_per_gpu_batch)
@@ -182,7 +182,7 @@ def plan(cluster: Cluster, model: ModelShape, *, tokens_per_gpu_batch: int = 409
                  latency=latency, activation_checkpointing=activation_checkpointing, memory_fraction=memory_fraction,
                  sync_bytes_per_param=sync_bytes_per_param, step=step)
         for method, F, R, S, A in layouts(cluster.gpus, cluster.gpus_per_node, tuple(methods),
-                                          tuple(aggregate_every_options))
+                                          tuple(aggregate_every))
     ]
     fitting = [c for c in candidates if c.fits]
     return sorted(fitting, key=lambda c: (c.step_time * (1 + fl_margin if c.federated else 1), c.A, c.F, c.R))

@@ -108,7 +108,7 @@ def test_single_node_needs_only_intra_node():
 
 
 def test_layouts_use_all_gpus():
-    found = layouts(16, 4, aggregate_every_options=(1, 8))
+    found = layouts(16, 4, aggregate_every=(1, 8))
     assert all(F * R * S == 16 for _, F, R, S, _ in found)
     assert all(S in (1, 2, 4, 8, 16) for _, _, _, S, _ in found)
     assert ("fsdp", 1, 1, 16, 1) in found and ("hsdp", 1, 4, 4, 1) in found
@@ -163,11 +163,11 @@ def test_flat_fast_recommends_synchronous(llama8b):
 
 def test_memory_excludes_layouts(llama8b):
     leo = load_cluster(CLUSTERS / "leonardo.yaml")
-    ranked = plan(leo, llama8b, aggregate_every_options=(8,))
+    ranked = plan(leo, llama8b, aggregate_every=(8,))
     assert ranked and all(c.fits and c.memory.total <= 0.9 * 64e9 for c in ranked)
     # S = 1 (128 GB of states alone), S = 2 and, with the trainer's 16 bytes per parameter (was 8), S = 4 do not fit
     assert min(c.S for c in ranked) == 8
-    assert min(c.S for c in plan(leo, llama8b, aggregate_every_options=(8,), activation_checkpointing=True)) == 4
+    assert min(c.S for c in plan(leo, llama8b, aggregate_every=(8,), activation_checkpointing=True)) == 4
     assert {c.S for c in ranked} < {S for *_, S, _ in layouts(512, 4)}
     tiny = cluster_from_dict({**GOOD, "gpu_memory": "1GB"})
     assert plan(tiny, llama8b) == []
@@ -184,7 +184,7 @@ def test_options(llama8b):
     with pytest.raises(ConfigError, match="--methods"):
         plan(leo, llama8b, methods=("ddp",))
     with pytest.raises(ConfigError, match="--aggregate-every"):
-        plan(leo, llama8b, aggregate_every_options=(0,))
+        plan(leo, llama8b, aggregate_every=(0,))
 
 
 def test_shared_uplinks_divide_bandwidth():
@@ -210,14 +210,14 @@ def test_sync_dtype_sets_the_fl_sync_bits(llama8b):
     assert fp32.comm.sync == pytest.approx(2 * bf16.comm.sync) and fp32.comm.shard == bf16.comm.shard
     fsdp = planner.evaluate(leo, llama8b, "fsdp", S=512, sync_bytes_per_param=4.0)
     assert fsdp.comm == planner.evaluate(leo, llama8b, "fsdp", S=512).comm  # no sync, nothing changes
-    ranked = plan(leo, llama8b, methods=("fl-fsdp",), aggregate_every_options=(8,), sync_bytes_per_param=4.0)
-    assert ranked[0].comm.sync > plan(leo, llama8b, methods=("fl-fsdp",), aggregate_every_options=(8,))[0].comm.sync
+    ranked = plan(leo, llama8b, methods=("fl-fsdp",), aggregate_every=(8,), sync_bytes_per_param=4.0)
+    assert ranked[0].comm.sync > plan(leo, llama8b, methods=("fl-fsdp",), aggregate_every=(8,))[0].comm.sync
 
 
 def test_effective_batch(llama8b):
     leo = load_cluster(CLUSTERS / "leonardo.yaml")
     # activation checkpointing: the S = 4 layouts fit 64 GB with it (test_leonardo_recommends_fl)
-    by_layout = {(c.method, c.F, c.R, c.S): c for c in plan(leo, llama8b, aggregate_every_options=(8,),
+    by_layout = {(c.method, c.F, c.R, c.S): c for c in plan(leo, llama8b, aggregate_every=(8,),
                                                             activation_checkpointing=True)}
     assert by_layout[("fsdp", 1, 1, 512)].batch_tokens == 512 * 4096
     assert by_layout[("hsdp", 1, 128, 4)].batch_tokens == 512 * 4096

@@ -169,7 +169,7 @@ def planner_view(cluster_path: Path, layouts: dict[str, Layout], opts: argparse.
             variants[key] = {"predicted_step_s": c.step_time, "comm_s": c.comm.total, "compute_s": c.compute,
                              "hidden_sync_s": c.comm.hidden}
     # the same A as the measured FL runs: a larger A always predicts faster (and drifts more)
-    candidates = plan(cluster, shape, aggregate_every_options=(A,), fl_margin=margin, memory_fraction=1.0, **kw)
+    candidates = plan(cluster, shape, aggregate_every=(A,), fl_margin=margin, memory_fraction=1.0, **kw)
     first = candidates[0] if candidates else None
     return {"cluster": cluster.name, "first_choice": None if first is None else
             {"method": first.method, "F": first.F, "R": first.R, "S": first.S, "A": first.A,
