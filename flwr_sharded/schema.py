@@ -119,6 +119,9 @@ class Option:
     """The command line must give it."""
     hidden: bool = False
     """Left out of `--help` and the docs."""
+    many: bool = False
+    """A list of `kind` values (`list[int]`, `list[str]`), each checked; for messages between programs, not for the
+    command line."""
 
     @property
     def flat(self) -> bool:
@@ -139,10 +142,16 @@ class Option:
 
     def type_name(self) -> str:
         base = "|".join(map(repr, self.choices)) if self.choices else self.kind.__name__
+        base = f"list[{base}]" if self.many else base
         return f"{base} | None" if self.optional else base
 
     def check(self, value: Any, surface: Surface = CLI, *, empty_is_unset: bool = False) -> Any:
         """`value` converted to this option's type, or a ConfigError naming the option."""
+        if self.many and value is not None:
+            if not isinstance(value, (list, tuple)):
+                raise surface.error(f"{surface.label(self)} must be a list of {self.kind.__name__}, got {value!r}")
+            one = dataclasses.replace(self, many=False, optional=False)
+            return [one.check(v, surface) for v in value]
         label = surface.label(self)
         if value is None or (empty_is_unset and value == "" and self.kind is not str):
             if self.optional:
@@ -234,8 +243,9 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _leaf_type(annotation: Any) -> tuple[type, bool, tuple[Any, ...] | None]:
-    """(kind, optional, choices) of a leaf annotation: int, float, bool, str, Literal[...], X | None."""
+def _leaf_type(annotation: Any) -> tuple[type, bool, tuple[Any, ...] | None, bool]:
+    """(kind, optional, choices, many) of a leaf annotation: int, float, bool, str, Literal[...], list[X],
+    X | None."""
     optional = False
     origin = typing.get_origin(annotation)
     if origin in (Union, getattr(__import__("types"), "UnionType", Union)):
@@ -245,11 +255,14 @@ def _leaf_type(annotation: Any) -> tuple[type, bool, tuple[Any, ...] | None]:
             raise TypeError(f"unsupported option type {annotation!r}")
         annotation = args[0]
         origin = typing.get_origin(annotation)
+    if origin is list:
+        kind, _, choices, _ = _leaf_type(typing.get_args(annotation)[0])
+        return kind, optional, choices, True
     if origin is Literal:
         choices = typing.get_args(annotation)
-        return type(choices[0]), optional, choices
+        return type(choices[0]), optional, choices, False
     if annotation in (int, float, bool, str):
-        return annotation, optional, None
+        return annotation, optional, None, False
     raise TypeError(f"unsupported option type {annotation!r}")
 
 
@@ -265,28 +278,39 @@ def options(root: Any) -> list[Option]:
     return [dataclasses.replace(o, default=get(root, o.path)) for o in _options(type(root))]
 
 
+def _field_default(f: dataclasses.Field) -> Any:
+    """A field's default (made by its factory), or MISSING for a field the constructor needs."""
+    if f.default is not MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not MISSING else MISSING
+
+
 @functools.cache
 def _options(cls: type) -> tuple[Option, ...]:
     out: list[Option] = []
-    instance = cls()
+    try:
+        instance = cls()
+    except TypeError:  # fields without defaults (a message's): the defaults come from the fields
+        instance = None
 
     def walk(klass: type, obj: Any, path: tuple[str, ...]) -> None:
         hints = typing.get_type_hints(klass)
         docs = field_docs(klass)
         for f in dataclasses.fields(klass):
             annotation = hints[f.name]
+            default = getattr(obj, f.name) if obj is not None else _field_default(f)
             if is_section(annotation):
-                walk(annotation, getattr(obj, f.name), (*path, f.name))
+                walk(annotation, default, (*path, f.name))
                 continue
-            kind, optional, choices = _leaf_type(annotation)
+            kind, optional, choices, many = _leaf_type(annotation)
             meta = dict(f.metadata.get(META, {}))
             bounds = tuple((op, meta[op]) for op in ("ge", "gt", "le", "lt") if meta.get(op) is not None)
             source = meta.get("same_as")
             doc = docs.get(f.name) or (field_docs(source[0]).get(source[1], "") if source else "")
             out.append(Option(name=meta.get("name") or f.name.replace("_", "-"), path=(*path, f.name), kind=kind,
-                              optional=optional, choices=choices, default=getattr(obj, f.name), doc=doc,
+                              optional=optional, choices=choices, default=default, doc=doc,
                               bounds=bounds, not_flat=meta.get("not_flat"), required=bool(meta.get("required")),
-                              hidden=bool(meta.get("hidden"))))
+                              hidden=bool(meta.get("hidden")), many=many))
 
     walk(cls, instance, ())
     names = [o.name for o in out]

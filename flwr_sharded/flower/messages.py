@@ -14,10 +14,14 @@ groups never blocks one group's call on another group's rendezvous).
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 from typing import Any, Mapping
+
+from flwr_sharded import schema
+from flwr_sharded.errors import ConfigError
+from flwr_sharded.flower.run import RoundOptions
+from flwr_sharded.schema import option
 
 PROTOCOL_VERSION = 2
 
@@ -142,97 +146,75 @@ class ArgumentError(ValueError):
     """An instruction's arguments are missing, of the wrong type, or unknown."""
 
 
+TRAIN_CONFIG = schema.Surface(lambda o: f"'{o.name}'", "train config ")
+"""How a train config names its keys in messages."""
+
+
 @dataclass
 class TrainArgs:
-    """One round's train instruction, as the ServerApp's train config carries it (keys with '-')."""
+    """One round's train instruction, as the ServerApp's train config carries it (keys with '-'): each field an option
+    of the schema, so its type and bounds are checked as the run's options are."""
 
-    server_round: int
-    job: str
+    server_round: int = option(ge=0)
+    job: str = option()
     """Names the round: the collect message asks for this job's result."""
-    members: list[str]
+    members: list[str] = option()
     """The round's member nodes, in order; member 0 hosts the rendezvous."""
-    member_index: int
-    rendezvous_host: str
-    rendezvous_ports: list[int]
+    member_index: int = option(ge=0)
+    rendezvous_host: str = option()
+    rendezvous_ports: list[int] = option(ge=1, le=65535)
     """One store port per shard index, on member 0's rank 0."""
-    prefix: str
+    prefix: str = option()
     """Unique per round and facility: keys of the rendezvous stores."""
-    rendezvous_timeout: float
-    sync_timeout: float
+    rendezvous_timeout: float = option(gt=0)
+    sync_timeout: float = option(gt=0)
     secret: str = field(repr=False)
     """Fresh per round and facility (the ServerApp's, over Flower's TLS channel): members prove it in the rendezvous
-    store and sign what they exchange there; never logged."""
+    store and sign what they exchange there; never logged. At least 32 characters."""
     evaluate: bool = True
     checkpoint: bool = False
     export: bool = False
     """Server path: the facility's first member exports its shards after the round."""
     catch_up: bool = False
     """A member (re)joined: every member adopts member 0's shards, outer state and step first."""
-    round: Any = field(default_factory=lambda: _round_options())
-    """The `flwr_sharded.flower.run.RoundOptions` the strategy set for this round."""
+    round: RoundOptions = field(default_factory=RoundOptions)
+    """The round options the strategy set for this round (the train config's `RoundOptions` keys)."""
 
     def to_config(self) -> dict[str, Any]:
-        out = {_key(k): v for k, v in self.__dict__.items() if k != "round"}
+        out = {o.name: schema.get(self, o.path) for o in schema.options(type(self)) if o.path[0] != "round"}
         return {**out, **self.round.to_config()}
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> TrainArgs:
         """Parse a train config; ArgumentError names a missing, mistyped or unknown key."""
-        from flwr_sharded.errors import ConfigError
-        from flwr_sharded.flower.run import ROUND_KEYS, RoundOptions
-
-        known = {_key(name): name for name in cls.__dataclass_fields__ if name != "round"}
-        values: dict[str, Any] = {}
-        extra: dict[str, Any] = {}
+        options = schema.by_name(cls)
+        values: dict[tuple[str, ...], Any] = {}
         for key, value in config.items():
-            if key in known:
-                values[known[key]] = value
-            elif key in ROUND_KEYS:
-                extra[key] = value
-            elif key not in ROUTING_KEYS:
+            if key in ROUTING_KEYS:
+                continue
+            if key not in options:
                 raise ArgumentError(f"train config key '{key}' is not known to this group (known: "
-                                    f"{', '.join(sorted([*known, *ROUND_KEYS]))})")
-        missing = [_key(n) for n, f in cls.__dataclass_fields__.items() if n not in values
-                   and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+                                    f"{', '.join(sorted(options))})")
+            try:
+                values[options[key].path] = options[key].check(value, TRAIN_CONFIG)
+            except ConfigError as exc:
+                raise ArgumentError(str(exc)) from None
+        missing = [o.name for o in options.values() if o.default is MISSING and o.path not in values]
         if missing:
             raise ArgumentError(f"train config lacks {', '.join(missing)}")
-        try:
-            round_options = RoundOptions.from_config(extra)
-        except ConfigError as exc:
-            raise ArgumentError(str(exc)) from None
-        try:
-            args = cls(**values, round=round_options)
-            args.server_round, args.member_index = int(args.server_round), int(args.member_index)
-            args.members = [str(m) for m in args.members]
-            args.rendezvous_ports = [int(p) for p in args.rendezvous_ports]
-            args.job, args.prefix, args.rendezvous_host = str(args.job), str(args.prefix), str(args.rendezvous_host)
-            if not isinstance(args.secret, str) or len(args.secret) < 32:
-                raise ValueError("secret must be a string of at least 32 characters")
-            args.rendezvous_timeout, args.sync_timeout = float(args.rendezvous_timeout), float(args.sync_timeout)
-            for name in ("evaluate", "checkpoint", "export", "catch_up"):
-                if not isinstance(getattr(args, name), bool):
-                    raise TypeError(f"{_key(name)} must be a bool")
-        except (TypeError, ValueError) as exc:
-            raise ArgumentError(f"malformed train config: {exc}") from None
-        if not 0 <= args.member_index < len(args.members):
+        args = cls(**{p[0]: v for p, v in values.items() if len(p) == 1},
+                   round=RoundOptions(**{p[1]: v for p, v in values.items() if p[0] == "round"}))
+        if len(args.secret) < 32:
+            raise ArgumentError("train config 'secret' must be a string of at least 32 characters")
+        if not args.member_index < len(args.members):
             raise ArgumentError(f"member-index {args.member_index} of {len(args.members)} members")
         if len(set(args.members)) != len(args.members):
             raise ArgumentError(f"members {args.members} name a node twice")
         return args
 
 
-def _round_options(**values: Any) -> Any:
-    from flwr_sharded.flower.run import RoundOptions  # the run's schema checks them
-
-    return RoundOptions(**values)
-
-
 ROUTING_KEYS = ("timeout", "partition-id", "num-partitions", "node-data-dir", "node-facility")
 """Keys the ClientApp uses or adds itself, not the group's instruction."""
-
-
-def _key(name: str) -> str:
-    return name.replace("_", "-")
 
 
 @dataclass

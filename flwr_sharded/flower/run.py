@@ -21,60 +21,15 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 from flwr_sharded import schema
-from flwr_sharded.config import METHODS, QUANTIZED, TrainConfig, outer_rule, validate
+from flwr_sharded.config import METHODS, QUANTIZED, OptimConfig, ParallelConfig, TrainConfig, outer_rule, validate
 from flwr_sharded.parallel.outer import LINEAR_RULES
-from flwr_sharded.schema import Surface, option
+from flwr_sharded.schema import Surface, option, same_as
 
 Aggregation = Literal["decentralized", "server"]
 AGGREGATIONS: tuple[str, ...] = typing.get_args(Aggregation)
 ServerRule = Literal["mean", "median", "trimmed-mean"]
 RUN_CONFIG = Surface(lambda o: f"'{o.name}'", "run config ")
 """Errors name run-config keys as typed in `flwr run --run-config 'key=value'`."""
-@dataclass(frozen=True)
-class RoundOptions:
-    """What a strategy may set for one round in its train config (`configure_train`); anything else there is
-    refused. They travel in that round's train messages only; the run's own values travel once, in the hello. Each
-    field is the run option of the same name; unset: the run's value."""
-
-    aggregate_every: int | None = None
-    """A of this round."""
-    syncs_per_round: int | None = None
-    """K of this round."""
-    lr: float | None = None
-    """The inner optimizer's peak learning rate from this round on (the schedule's shape is kept)."""
-    proximal_mu: float | None = None
-    """FedProx's mu of this round."""
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any], surface: Surface = RUN_CONFIG) -> RoundOptions:
-        """The round options in a train config (keys with '-'), each checked as the run option of that name;
-        ConfigError naming any other key."""
-        options = schema.by_name(FlowerRun)
-        values = {}
-        for key, value in config.items():
-            if key not in ROUND_KEYS:
-                raise surface.error(f"train config key '{key}' is not a round option; a strategy may set "
-                                    f"{', '.join(ROUND_KEYS)}")
-            values[key.replace("-", "_")] = options[key].check(value, surface)
-        return cls(**values)
-
-    def to_config(self) -> dict[str, Any]:
-        """The options set, as train-config keys."""
-        return {f.name.replace("_", "-"): getattr(self, f.name) for f in dataclasses.fields(self)
-                if getattr(self, f.name) is not None}
-
-    def for_run(self, run: FlowerRun) -> RoundOptions:
-        """Every option of this round: those set, else the run's own."""
-        t, own = run.train, {"aggregate_every": run.train.parallel.aggregate_every,
-                             "syncs_per_round": run.federation.syncs_per_round}
-        own.update(lr=t.optim.lr, proximal_mu=t.optim.proximal_mu)
-        return RoundOptions(**{k: v if getattr(self, k) is None else getattr(self, k) for k, v in own.items()})
-
-
-ROUND_KEYS: tuple[str, ...] = tuple(f.name.replace("_", "-") for f in dataclasses.fields(RoundOptions))
-"""The train-config keys of `RoundOptions`."""
-
-
 @dataclass
 class FederationConfig:
     """How a Flower run federates its groups (each Flower client is one FSDP/HSDP group)."""
@@ -125,6 +80,51 @@ class FederationConfig:
     strategy: str | None = None
     """The ServerApp's strategy as `package.module:Class` (a subclass of DecentralizedFedAvg, importable where the
     ServerApp runs); unset: DecentralizedFedAvg, or ServerShardFedAvg with aggregation server."""
+
+
+@dataclass(frozen=True)
+class RoundOptions:
+    """What a strategy may set for one round in its train config (`configure_train`); anything else there is
+    refused. They travel in that round's train messages only; the run's own values travel once, in the hello. Each
+    field is the run option of the same name; unset: the run's value."""
+
+    aggregate_every: int | None = same_as(ParallelConfig, "aggregate_every", default=None)
+    """A of this round."""
+    syncs_per_round: int | None = same_as(FederationConfig, "syncs_per_round", default=None)
+    """K of this round."""
+    lr: float | None = same_as(OptimConfig, "lr", default=None)
+    """The inner optimizer's peak learning rate from this round on (the schedule's shape is kept)."""
+    proximal_mu: float | None = same_as(OptimConfig, "proximal_mu", default=None)
+    """FedProx's mu of this round."""
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], surface: Surface = RUN_CONFIG) -> RoundOptions:
+        """The round options in a train config (keys with '-'), each checked as the run option it is; ConfigError
+        naming any other key."""
+        options = schema.by_name(cls)
+        values = {}
+        for key, value in config.items():
+            if key not in ROUND_KEYS:
+                raise surface.error(f"train config key '{key}' is not a round option; a strategy may set "
+                                    f"{', '.join(ROUND_KEYS)}")
+            values[options[key].path[-1]] = options[key].check(value, surface)
+        return cls(**values)
+
+    def to_config(self) -> dict[str, Any]:
+        """The options set, as train-config keys."""
+        return {o.name: getattr(self, o.path[-1]) for o in schema.options(type(self))
+                if getattr(self, o.path[-1]) is not None}
+
+    def for_run(self, run: FlowerRun) -> RoundOptions:
+        """Every option of this round: those set, else the run's own."""
+        t, own = run.train, {"aggregate_every": run.train.parallel.aggregate_every,
+                             "syncs_per_round": run.federation.syncs_per_round}
+        own.update(lr=t.optim.lr, proximal_mu=t.optim.proximal_mu)
+        return RoundOptions(**{k: v if getattr(self, k) is None else getattr(self, k) for k, v in own.items()})
+
+
+ROUND_KEYS: tuple[str, ...] = tuple(o.name for o in schema.options(RoundOptions))
+"""The train-config keys of `RoundOptions`."""
 
 
 @dataclass

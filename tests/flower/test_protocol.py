@@ -194,6 +194,24 @@ def test_train_arguments_round_trip_and_unknown_keys_are_refused():
         M.TrainArgs.from_config({**config, "member-index": 5})
 
 
+@pytest.mark.parametrize("key,value,message", [
+    ("member-index", "1", "'member-index' must be of type int"),
+    ("member-index", -1, "'member-index' must be an integer >= 0"),
+    ("rendezvous-ports", [1, 70000], "'rendezvous-ports' must be an integer in \\[1, 65535\\], got 70000"),
+    ("members", "7,9", "'members' must be a list of str"),
+    ("sync-timeout", 0.0, "'sync-timeout' must be > 0"),
+    ("evaluate", "yes", "'evaluate' must be of type bool"),
+    ("aggregate-every", 0, "'aggregate-every' must be an integer >= 1"),
+    ("secret", "short", "'secret' must be a string of at least 32 characters"),
+])
+def test_train_arguments_are_checked_by_the_schema_naming_the_key(key, value, message):
+    """Every train-config key is a schema option (the round options are the run's own, `same_as`): a mistyped or
+    out-of-range value is refused naming the key, before the group does anything."""
+    config = M.TrainArgs(**TRAIN).to_config()
+    with pytest.raises(M.ArgumentError, match=message):
+        M.TrainArgs.from_config({**config, key: value})
+
+
 def test_instructions_and_replies_round_trip():
     obj = M.instruction(M.TRAIN, {"job": "j", "members": ["1", "2"]}, detach=True)
     assert obj["detach"] is True
