@@ -13,7 +13,7 @@
    same weights from a bf16 safetensors file (converted to the fp32 parameters).
 4. `flwr-sharded export` of both checkpoints in a fresh process each (its peak RSS; the tiny one is the fixed part).
 
-The ranks pin glibc's thresholds and trim the heap after loading, as `flwr_sharded.train` does
+The ranks pin glibc's thresholds and, after loading, trim the heap and relax the thresholds, as `flwr_sharded.train` does
 (`flwr_sharded.memory_release`), unless `--default-allocator`.
 
 The target: peak <= 1.3 x (16 bytes per parameter / S: fp32 parameters, gradients and AdamW's two moments) + the
@@ -91,7 +91,7 @@ def generate_bf16(source: Path, directory: Path) -> None:
 def worker(args: argparse.Namespace, train_args: list[str]) -> None:
     """One torchrun rank: start-up, one step, save_pretrained, checkpoint; write this rank's peaks as JSON.
 
-    Like `flwr_sharded.train`, it pins glibc's thresholds first and trims the heap once the model is loaded
+    Like `flwr_sharded.train`, it pins glibc's thresholds first and calls `after_load` once the model is loaded
     (`flwr_sharded.memory_release`), unless `--default-allocator`."""
     from flwr_sharded import memory_release
 
@@ -115,7 +115,7 @@ def worker(args: argparse.Namespace, train_args: list[str]) -> None:
     start = time.perf_counter()
     trainer = Trainer(cfg, topo)
     if release:
-        memory_release.trim()
+        memory_release.after_load()
     times["startup_s"] = time.perf_counter() - start
     peaks["startup"] = _hwm_bytes()  # from process start: imports, topology, data, model
     starts["step"] = _reset_hwm()

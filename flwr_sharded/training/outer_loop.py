@@ -48,6 +48,8 @@ class Federation(Protocol):
 
     member_index: int
     """This group's index among the members (the federation group's rank of its replica 0s)."""
+    members: int
+    """How many members the federation has."""
     wait_timeout: float | None
     """How long an overlapped sync's merge waits for its reduction (None: unbounded)."""
 
@@ -61,13 +63,16 @@ class Federation(Protocol):
     def gather(self, obj: Any) -> list[Any]:
         """Every rank of this group's `obj` (collective over the group)."""
 
+    def flags(self, values: list[int]) -> list[int]:
+        """The element-wise maximum of `values` over this group's ranks (one small all-reduce)."""
+
 
 class StaticFederation:
     """The static torchrun world's federation: the mesh's "fed" groups, bound when the trainer is built."""
 
     def __init__(self, topo: Topology, wait_timeout: float | None) -> None:
         self.topo, self.wait_timeout = topo, wait_timeout
-        self.member_index = topo.fed_index
+        self.member_index, self.members = topo.fed_index, topo.config.federations
 
     def join(self) -> None:
         pass
@@ -79,6 +84,12 @@ class StaticFederation:
         out: list[Any] = [None] * self.topo.group_world
         dist.all_gather_object(out, obj, group=self.topo.group_pg)
         return out
+
+    def flags(self, values: list[int]) -> list[int]:
+        nccl = dist.get_backend(self.topo.group_pg) == "nccl"
+        box = torch.tensor(values, dtype=torch.int32, device=torch.cuda.current_device() if nccl else "cpu")
+        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.topo.group_pg)
+        return box.tolist()
 
 
 @dataclass
@@ -299,8 +310,11 @@ class OuterLoop:
     def _agree(self, i: int, federation: Federation, error: str, blame: list[int], reached: bool,
                outcome: SyncOutcome) -> tuple[list[str], list[int]]:
         """The two phases of the commit: (every error any rank of any member saw, the members that voted no);
-        fills the outcome's blame and left-out members."""
-        phase_one = federation.gather((error, blame))
+        fills the outcome's blame and left-out members. When nothing went wrong each phase is one small all-reduce
+        over the group; the ranks' messages are gathered only when some rank has one."""
+        phase_one = [(error, blame)]
+        if federation.flags([int(bool(error or blame))])[0]:
+            phase_one = federation.gather((error, blame))
         errors = sorted({e for e, _ in phase_one if e})
         vote_error, noes = "", []
         group = federation.vote_group() if reached else None
@@ -310,7 +324,11 @@ class OuterLoop:
             except Exception as exc:  # noqa: BLE001 - a member gone between the phases
                 vote_error = f"shard {self.topo.shard_index}: commit vote: {first_line(exc)}"
         left_out = self.sync.fragments[i].left_out if reached else []
-        phase_two = federation.gather((vote_error, noes, left_out))
+        mask = [int(j in left_out) for j in range(federation.members)]
+        reduced = federation.flags([int(bool(vote_error or noes)), *mask])
+        phase_two = [(vote_error, noes, [j for j, out in enumerate(reduced[1:]) if out])]
+        if reduced[0]:
+            phase_two = federation.gather((vote_error, noes, left_out))
         noes = sorted({j for _, js, _ in phase_two for j in js})
         outcome.blame = sorted({j for _, js in phase_one for j in js} | set(noes))
         errors += sorted({e for e, _, _ in phase_two if e})

@@ -31,7 +31,7 @@ class RoundFederation:
 
     def __init__(self, runtime: Any, args: TrainArgs) -> None:
         self.rt, self.args = runtime, args
-        self.member_index = args.member_index
+        self.member_index, self.members = args.member_index, len(args.members)
         self.wait_timeout: float | None = args.sync_timeout + 5.0
         self.groups: list[rdv.FederationGroup] = []
         self.rendezvous_s = 0.0
@@ -55,6 +55,11 @@ class RoundFederation:
 
     def gather(self, obj: Any) -> list[Any]:
         return self.rt.gather(obj)
+
+    def flags(self, values: list[int]) -> list[int]:
+        box = torch.tensor(values, dtype=torch.int32)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.rt.ctrl)  # the group's gloo control group
+        return box.tolist()
 
     def release(self, failed: bool) -> None:
         for g in self.groups:
