@@ -9,6 +9,7 @@ from typing import Sequence
 
 def build_parser() -> argparse.ArgumentParser:
     from flwr_sharded import options_doc, plot
+    from flwr_sharded.flower import superlink
     from flwr_sharded.perf import bench, plan_cli
     from flwr_sharded.training import corpus, export_cli
 
@@ -23,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.register(sub)
     plot.register(sub)
     options_doc.register(sub)
+    superlink.register(sub)
     return parser
 
 
