@@ -16,7 +16,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flwr-sharded", description="Sharded data parallelism with federated "
                                      "learning on Flower: training, data preparation, planning, plots.")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("train", help="train in a torchrun world (run under torchrun); see `train --help`",
+    sub.add_parser("train", help="train one model: one process directly, N = F x R x S under torchrun "
+                   "(`torchrun --nproc-per-node N --no-python flwr-sharded train ...`); see `train --help`",
                    add_help=False)  # dispatched in main(): its options are flwr_sharded.train's
     corpus.register(sub)
     export_cli.register(sub)
