@@ -20,7 +20,10 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 groups="${FLWR_SHARDED_GROUPS:-2}"
 python="$(command -v python3 || command -v python)"
 for tool in flwr flwr-sharded; do
-  command -v "$tool" >/dev/null || { echo "run_simulation.sh: $tool is not on PATH (try PATH=.venv/bin:\$PATH)" >&2; exit 2; }
+  command -v "$tool" >/dev/null || {
+    echo "run_simulation.sh: $tool is not on PATH (try PATH=.venv/bin:\$PATH)" >&2
+    exit 2
+  }
 done
 
 free_port() { "$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }

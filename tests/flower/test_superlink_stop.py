@@ -65,3 +65,13 @@ def test_a_superlink_ignoring_sigterm_is_killed_after_the_timeout(tmp_path: Path
         if proc.poll() is None:
             os.killpg(proc.pid, 9)
         proc.wait()
+
+
+def test_the_command_runs_without_torch(tmp_path: Path):
+    """The demo script runs it at every exit: a fresh interpreter, no torch loaded."""
+    probe = ("import sys; from flwr_sharded.cli import main; "
+             "code = main(['stop-superlink', '--flwr-home', sys.argv[1]]); print(code, 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert proc.stdout.split() == ["0", "False"], proc.stderr
+    assert f"no local SuperLink of {tmp_path} is running" in proc.stderr
