@@ -1,6 +1,8 @@
 """Static-world training entry point: `torchrun --nproc-per-node N -m flwr_sharded.train [options]`.
 
-Runs any of the four methods (fsdp, hsdp, fl-fsdp, fl-hsdp) on F x R x S = N processes. Options come from
+Runs any of the four methods (fsdp, hsdp, fl-fsdp, fl-hsdp) on F x R x S = N processes, launched by torchrun
+(`torchrun --nproc-per-node N -m flwr_sharded.train`, or `torchrun --nproc-per-node N --no-python flwr-sharded
+train`); a run of one process (F x R x S = 1) also runs without torchrun. Options come from
 `--config FILE` (YAML, sections as in `flwr_sharded.config`) and the command line, which wins; every flag is a field
 of `flwr_sharded.config.TrainConfig`. Everything is validated before a process group is started. The run writes its
 directory (`--run-dir`, default outputs/<date>_<time>): config.json, metrics.jsonl, summary.json and model/.
@@ -12,6 +14,8 @@ import argparse
 import json
 import logging
 import os
+import shlex
+import socket
 import sys
 from typing import Any, Sequence
 
@@ -42,6 +46,29 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
     """YAML (if any) overridden by the options given on the command line."""
     cfg = load_config(args.config) if args.config else TrainConfig()
     return schema.apply_arguments(cfg, args)
+
+
+def join_world(cfg: TrainConfig, argv: Sequence[str]) -> None:
+    """Make this process a rank of a world of F x R x S processes. Under torchrun (WORLD_SIZE set) the world must be
+    that size; without it a one-process run gets a world of one here (rank 0, a free loopback port), and a larger run
+    is a ConfigError naming the torchrun command that launches it with the same options `argv`."""
+    p = cfg.parallel
+    command = " ".join(["torchrun", "--nproc-per-node", str(p.world_size), "-m", "flwr_sharded.train", *map(
+        shlex.quote, argv)])
+    if "WORLD_SIZE" in os.environ:
+        if int(os.environ["WORLD_SIZE"]) != p.world_size:
+            raise ConfigError(f"world size {os.environ['WORLD_SIZE']} != F*R*S = {p.federations}*{p.replicas}*"
+                              f"{p.shards} = {p.world_size}; launch it with: {command} (or change --federations/"
+                              f"--replicas/--shards)")
+        return
+    if p.world_size != 1:
+        raise ConfigError(f"this run needs F x R x S = {p.federations} x {p.replicas} x {p.shards} = {p.world_size} "
+                          f"processes; launch it with: {command}")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
 
 
 def run(cfg: TrainConfig, measure_traffic: str | None = None, faults: Any = None) -> dict[str, Any]:
@@ -107,16 +134,17 @@ def run(cfg: TrainConfig, measure_traffic: str | None = None, faults: Any = None
 
 def main(argv: Sequence[str] | None = None) -> int:
     memory_release.pin_thresholds()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     leader = int(os.environ.get("RANK", "0")) == 0
     try:
         cfg = resolve_config(args)
+        validate(cfg)
         if args.print_config:
-            validate(cfg)
             print(json.dumps(config_to_dict(cfg), indent=2))
             return 0
-        preflight(cfg, world_size)
+        join_world(cfg, argv)
+        preflight(cfg, int(os.environ["WORLD_SIZE"]))
     except ConfigError as exc:
         if leader:
             print(f"flwr-sharded: error: {exc}", file=sys.stderr)

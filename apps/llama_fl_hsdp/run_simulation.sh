@@ -13,13 +13,18 @@
 #   FLWR_SHARDED_DATA     prepared data directory (default: the group's default, ~/.cache/flwr_sharded)
 #   FLWR_HOME             Flower's home (default: a fresh temporary directory, removed at the end)
 #   FLWR_LOCAL_SUPERLINK_HTTP_API_PORT, FLWR_LOCAL_CONTROL_API_PORT   (default: free ports)
-# Needs `flwr` of the environment where flwr_sharded is installed on PATH (e.g. PATH=.venv/bin:$PATH).
+# Needs `flwr` and `flwr-sharded` of the environment of flwr_sharded on PATH (e.g. PATH=.venv/bin:$PATH).
 set -uo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 groups="${FLWR_SHARDED_GROUPS:-2}"
 python="$(command -v python3 || command -v python)"
-command -v flwr >/dev/null || { echo "run_simulation.sh: flwr is not on PATH (try PATH=.venv/bin:\$PATH)" >&2; exit 2; }
+for tool in flwr flwr-sharded; do
+  command -v "$tool" >/dev/null || {
+    echo "run_simulation.sh: $tool is not on PATH (try PATH=.venv/bin:\$PATH)" >&2
+    exit 2
+  }
+done
 
 free_port() { "$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
@@ -40,40 +45,8 @@ EOF
 export FLWR_LOCAL_SUPERLINK_HTTP_API_PORT="${FLWR_LOCAL_SUPERLINK_HTTP_API_PORT:-$(free_port)}"
 export FLWR_LOCAL_CONTROL_API_PORT="${FLWR_LOCAL_CONTROL_API_PORT:-$(free_port)}"
 
-# Pids of the SuperLink started for this FLWR_HOME (its --log-file lies under it) and of its SuperExec.
-superlink_pids() {
-  local pid cmd
-  for pid in $(pgrep -f "flower-superlink" 2>/dev/null); do
-    cmd="$(tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null)" || continue
-    [[ "$cmd" == *"$FLWR_HOME/local-superlink/"* ]] && echo "$pid"
-  done
-}
-superexec_pids() {  # children of a SuperLink, launched with --parent-pid <superlink>
-  local pid cmd
-  for pid in $(pgrep -f "flower-superexec" 2>/dev/null); do
-    cmd="$(tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null)" || continue
-    [[ "$cmd" == *"--parent-pid $1"* ]] && echo "$pid"
-  done
-}
-stop_superlink() {
-  local link exec pids=() i
-  for link in $(superlink_pids); do
-    pids+=("$link")
-    for exec in $(superexec_pids "$link"); do pids+=("$exec"); done
-  done
-  ((${#pids[@]})) || return 0
-  for i in "${pids[@]}"; do kill -TERM -- "-$i" 2>/dev/null || kill -TERM "$i" 2>/dev/null; done
-  for _ in $(seq 50); do
-    local alive=0
-    for i in "${pids[@]}"; do kill -0 "$i" 2>/dev/null && alive=1; done
-    ((alive)) || break
-    sleep 0.2
-  done
-  for i in "${pids[@]}"; do kill -KILL -- "-$i" 2>/dev/null || kill -KILL "$i" 2>/dev/null; done
-  echo "run_simulation.sh: stopped the local SuperLink (pids ${pids[*]})"
-}
-cleanup() {
-  stop_superlink
+cleanup() {  # the SuperLink started for this FLWR_HOME and its SuperExec, by pid (other homes' are left alone)
+  flwr-sharded stop-superlink --flwr-home "$FLWR_HOME"
   ((own_home)) && rm -rf "$FLWR_HOME"
 }
 trap cleanup EXIT

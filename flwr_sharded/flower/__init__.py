@@ -6,7 +6,8 @@
 - `rendezvous`: per-round federation process groups between groups (TCPStore + PrefixStore per shard index);
 - `strategy`: `DecentralizedFedAvg`, config-only messages on Flower's Message API;
 - `server_aggregation`: the server path's streaming, validated shard aggregator (see docs/server-path.md);
-- `processes`: process liveness checks (no torch).
+- `processes`: process liveness checks (no torch);
+- `superlink`: `flwr-sharded stop-superlink`, one Flower home's local SuperLink stopped by pid (no torch).
 
 Nothing is imported here, so that `import flwr_sharded.flower.client` stays free of torch.
 """

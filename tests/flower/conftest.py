@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from flwr_sharded.flower.superlink import stop_superlink
 from tests.flower.procs import DEMO, FAST_RUN_CONFIG, REPO, Procs, base_env, pids_matching, round_records, \
     run_config_args, strip_ansi, wait_until
 
@@ -91,14 +92,7 @@ def run_demo_killing_a_group(tmp: Path, data_dir: Path, run_config: dict, groups
 
 def _kill_leftovers(home: Path) -> None:
     """Safety net: a SuperLink still running for this FLWR_HOME (the script should have stopped it)."""
-    import os
-    import signal
-
-    for pid in pids_matching("flower-superlink", str(home)):
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    stop_superlink(home, timeout=0)
 
 
 @pytest.fixture

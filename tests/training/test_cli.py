@@ -15,7 +15,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 BAD = [
     # (world size, arguments, words the message must contain)
-    (4, ["--method", "fl-fsdp", "--federations", "2", "--shards", "3"], ["world size 4", "F*R*S", "6"]),
+    (4, ["--method", "fl-fsdp", "--federations", "2", "--shards", "3"],
+     ["world size 4", "F*R*S", "6", "launch it with: torchrun --nproc-per-node 6 -m flwr_sharded.train --method"]),
     (4, ["--method", "fl-fsdp", "--federations", "0", "--shards", "4"], ["--federations", ">= 1"]),
     (4, ["--method", "hsdp", "--replicas", "-1", "--shards", "4"], ["--replicas", ">= 1"]),
     (4, ["--method", "fsdp", "--shards", "0"], ["--shards", ">= 1"]),
