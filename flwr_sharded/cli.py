@@ -9,12 +9,13 @@ from typing import Sequence
 
 def build_parser() -> argparse.ArgumentParser:
     from flwr_sharded import options_doc, plot
-    from flwr_sharded.flower import superlink
+    from flwr_sharded.flower import check, superlink
     from flwr_sharded.perf import bench, plan_cli
     from flwr_sharded.training import corpus, export_cli
 
     parser = argparse.ArgumentParser(prog="flwr-sharded", description="Sharded data parallelism with federated "
-                                     "learning on Flower: training, data preparation, planning, plots.")
+                                     "learning on Flower: training, data preparation, planning, plots, run-config "
+                                     "checks.")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("train", help="train one model: one process directly, N = F x R x S under torchrun "
                    "(`torchrun --nproc-per-node N --no-python flwr-sharded train ...`); see `train --help`",
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan_cli.register(sub)
     bench.register(sub)
     plot.register(sub)
+    check.register(sub)
     options_doc.register(sub)
     superlink.register(sub)
     return parser

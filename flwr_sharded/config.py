@@ -110,6 +110,18 @@ class ParallelConfig:
     def world_size(self) -> int:
         return self.federations * self.replicas * self.shards
 
+    def describe_sync(self) -> str:
+        """The shard sync in one clause, for start-up banners: wire dtype, fragments, outer rule, overlap (e.g.
+        "float32, 1 fragment, outer fedavg; no overlap")."""
+        if not self.sync:
+            return "off (independent groups)"
+        feedback = " with error feedback" if self.sync_error_feedback else ""
+        fragments = f"{self.sync_fragments} fragment{'s' if self.sync_fragments > 1 else ''}"
+        lr = "" if self.outer_lr is None else f" lr {self.outer_lr:g}"
+        overlap = (f"overlap tau={self.sync_delay} alpha={self.sync_alpha:g} {'carry' if self.carries else 'no carry'}"
+                   if self.sync_delay else "no overlap")
+        return f"{self.sync_dtype}{feedback}, {fragments}, outer {self.outer}{lr}; {overlap}"
+
     @property
     def federated(self) -> bool:
         return self.method.startswith("fl-")

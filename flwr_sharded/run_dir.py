@@ -1,13 +1,15 @@
 """A run's directory: what every run, static or through Flower, leaves behind where its user can find it.
 
     <run-dir>/config.json       the resolved configuration
-    <run-dir>/metrics.jsonl     one JSON record per line: kind train/eval (static, per step) or round (Flower)
+    <run-dir>/metrics.jsonl     one JSON record per line: kind train/eval (static, per step) or round (Flower), then
+                                a last record of kind summary (summary.json's content)
     <run-dir>/summary.json      final figures, written at the end (status "completed" or "failed")
     <run-dir>/model/            the final model in Hugging Face format (unless save-model is off)
     <run-dir>/tensorboard/      TensorBoard scalars (tensorboard on)
 
-Every record carries `elapsed_s` and `tokens_seen` (all ranks, since the start), so `flwr-sharded plot` can draw
-runs of any method against wall-clock time and against tokens. Torch-free unless TensorBoard is on.
+Every train, eval and round record carries `elapsed_s` and `tokens_seen` (all ranks, since the start), so
+`flwr-sharded plot` can draw runs of any method against wall-clock time and against tokens. Torch-free unless
+TensorBoard is on.
 """
 
 from __future__ import annotations
@@ -90,9 +92,12 @@ class RunDir:
             self._wandb.log(numbers, step=int(step))
 
     def finish(self, summary: dict[str, Any]) -> Path:
-        """Write summary.json (with the wall time) and close every sink; returns the summary's path."""
+        """Write summary.json (with the wall time), append the same as metrics.jsonl's last record (kind summary)
+        and close every sink; returns the summary's path."""
         summary = {"elapsed_s": time.time() - self.started, **summary}
         _write_json(self.path / SUMMARY, summary)
+        if not self._metrics.closed:
+            self._metrics.write(json.dumps({"kind": "summary", **summary}, default=_jsonable) + "\n")
         self.close()
         return self.path / SUMMARY
 

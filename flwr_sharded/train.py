@@ -102,8 +102,10 @@ def run(cfg: TrainConfig, measure_traffic: str | None = None, faults: Any = None
                           "effective_batch": effective_batch(cfg),
                           "effective_batch_tokens": effective_batch(cfg) * cfg.data.seq_len,
                           "parameters": sum(p_.numel() for p_ in trainer.model.parameters())})
-            logging.info("%s; effective batch %d sequences per optimizer step", topo.describe(),
-                         effective_batch(cfg))
+            sync = f"; shard sync every {cfg.parallel.aggregate_every} steps: {cfg.parallel.describe_sync()}" \
+                if cfg.parallel.federated else ""
+            logging.info("%s; effective batch %d sequences per optimizer step%s", topo.describe(),
+                         effective_batch(cfg), sync)
         probe = None
         if measure_traffic:
             from flwr_sharded.perf.traffic_report import TrafficProbe

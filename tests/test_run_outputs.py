@@ -40,9 +40,10 @@ def test_a_run_directory_holds_config_metrics_and_summary(tmp_path):
     path = _static_run(tmp_path / "a", speed=1.0)
     assert json.loads((path / "config.json").read_text()) == {"parallel": {"method": "fl-fsdp"}}
     records = read_records(path)
-    assert [r["kind"] for r in records] == ["train"] * 5 + ["eval"]
+    assert [r["kind"] for r in records] == ["train"] * 5 + ["eval", "summary"]
     summary = json.loads((path / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["elapsed_s"] >= 0
+    assert records[-1] == {"kind": "summary", **summary}, "metrics.jsonl ends with summary.json's content"
     with pytest.raises(ConfigError, match="already holds a run"):
         check_run_dir(path, resume=False)
     assert check_run_dir(path, resume=True) == path

@@ -94,6 +94,7 @@ class DecentralizedFedAvg(GroupMembership, Strategy):
         log(INFO, "\t├── Per round: K=%d syncs x A=%d steps; %d rounds = %d steps; model %s, seq %d, batch %d",
             f.syncs_per_round, p.aggregate_every, f.rounds, r.total_steps, r.train.model.name, r.train.data.seq_len,
             r.train.batch_size)
+        log(INFO, "\t├── Shard sync: %s; aggregation %s", p.describe_sync(), f.aggregation)
         log(INFO, "\t└── Deadlines: sample %.0f s, hello %.0f s, round %.0f s, rendezvous %.0f s, sync %.0f s",
             d.sample_timeout, d.hello_timeout, d.round_timeout, d.rendezvous_timeout, d.sync_timeout)
 
