@@ -68,11 +68,16 @@ class Federation(Protocol):
 
 
 class StaticFederation:
-    """The static torchrun world's federation: the mesh's "fed" groups, bound when the trainer is built."""
+    """The static torchrun world's federation: the mesh's "fed" groups, bound when the trainer is built. The group's
+    ranks agree over a gloo group of their own: the group's process group also carries an async checkpoint's
+    collectives, from its thread."""
 
     def __init__(self, topo: Topology, wait_timeout: float | None) -> None:
         self.topo, self.wait_timeout = topo, wait_timeout
         self.member_index, self.members = topo.fed_index, topo.config.federations
+        W = topo.group_world
+        groups = [dist.new_group([f * W + k for k in range(W)], backend="gloo") for f in range(self.members)]
+        self.control = groups[topo.fed_index]  # every rank makes every group, in the same order
 
     def join(self) -> None:
         pass
@@ -82,13 +87,12 @@ class StaticFederation:
 
     def gather(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.topo.group_world
-        dist.all_gather_object(out, obj, group=self.topo.group_pg)
+        dist.all_gather_object(out, obj, group=self.control)
         return out
 
     def flags(self, values: list[int]) -> list[int]:
-        nccl = dist.get_backend(self.topo.group_pg) == "nccl"
-        box = torch.tensor(values, dtype=torch.int32, device=torch.cuda.current_device() if nccl else "cpu")
-        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.topo.group_pg)
+        box = torch.tensor(values, dtype=torch.int32)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.control)
         return box.tolist()
 
 

@@ -144,9 +144,10 @@ def _trainer_equals_todays_loop(rank: int, world: int, data_dir: str) -> bool:
     ours, ref = Trainer(cfg, topo), Trainer(cfg, topo)
     todays = ShardSync(ref.model.named_parameters(), fed_group=topo.fed_group, rule=make_rule("nesterov"))
     todays.capture_global()
+    federation = StaticFederation(topo, 60.0)
     for step in range(1, cfg.steps + 1):
         ours.step()
-        assert all(o.adopted for o in ours.outer_step((step - 1) % 2 + 1, StaticFederation(topo, 60.0)))
+        assert all(o.adopted for o in ours.outer_step((step - 1) % 2 + 1, federation))
         ref.step()
         if step % 2 == 0:
             todays.sync(float(2 * 32 * 2 * topo.group_world))
