@@ -13,7 +13,7 @@
    same weights from a bf16 safetensors file (converted to the fp32 parameters).
 4. `flwr-sharded export` of both checkpoints in a fresh process each (its peak RSS; the tiny one is the fixed part).
 
-The ranks pin glibc's thresholds and, after loading, trim the heap and relax the thresholds, as `flwr_sharded.train` does
+The ranks pin glibc's thresholds and trim the heap after loading, as `flwr_sharded.train` does
 (`flwr_sharded.memory_release`), unless `--default-allocator`.
 
 The target: peak <= 1.3 x (16 bytes per parameter / S: fp32 parameters, gradients and AdamW's two moments) + the

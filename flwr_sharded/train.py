@@ -91,7 +91,7 @@ def run(cfg: TrainConfig, measure_traffic: str | None = None, faults: Any = None
         dist.broadcast_object_list(box, src=0)  # every rank writes its part of the model there
         cfg.output.run_dir = box[0]
         trainer = Trainer(cfg, topo)
-        memory_release.after_load()  # the load's transient buffers back; the steps reuse freed ones
+        memory_release.after_load()  # the load's transient buffers
         if leader and faults is not None and trainer.outer is not None:
             trainer.outer.faults = faults
         if leader:

@@ -311,7 +311,7 @@ class GroupRuntime:
         self._drop_trainer()
         start = time.perf_counter()
         self.trainer = Trainer(cfg, self.topo, static_sync=False, partition=partition)
-        memory_release.after_load()  # the load's transient buffers back; the steps reuse freed ones
+        memory_release.after_load()  # the load's transient buffers
         self.key, self.tokens, self.syncs, self.resumed_round = key, 0, 0, 0
         if self.rank == 0:  # test-only faults, counted in the outer loop's sync attempts
             self.trainer.outer.faults = FaultInjection(fail_sync=self.args.debug_fail_sync,
