@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import traceback
+import uuid
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -79,18 +80,27 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 1
     return [pickle.loads(outcomes[r][1]) for r in range(world)]
 
 
+TREE_MARKER = "FLWR_SHARDED_TEST_TORCHRUN"
+"""Environment variable marking every process of one `torchrun` call (its ranks included)."""
+
+
 def torchrun(nproc: int, args: Sequence[str], *, timeout: float = 300.0, env: dict[str, str] | None = None,
              cwd: str | Path | None = None) -> subprocess.CompletedProcess:
-    """Run `torchrun --nproc-per-node nproc -m flwr_sharded.train ARGS` in its own session; kill it all on timeout."""
+    """Run `torchrun --nproc-per-node nproc -m flwr_sharded.train ARGS` in its own session; kill it all at the end,
+    the ranks too (torchrun starts each in a process group of its own: they are found by an environment marker)."""
+    from flwr_sharded.perf.local_flower import kill_tree_by_env
+
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
            str(free_port()), "-m", "flwr_sharded.train", *args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    marker = f"{os.getpid()}-{uuid.uuid4().hex}"
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {}), TREE_MARKER: marker}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
                             cwd=cwd or REPO, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree_by_env(TREE_MARKER, marker)  # the ranks hold the pipes open: communicate would wait for them
         out, err = proc.communicate()
         raise TimeoutError(f"torchrun {' '.join(args)} timed out after {timeout} s\n{err[-4000:]}")
     finally:
@@ -98,4 +108,5 @@ def torchrun(nproc: int, args: Sequence[str], *, timeout: float = 300.0, env: di
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        kill_tree_by_env(TREE_MARKER, marker)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
