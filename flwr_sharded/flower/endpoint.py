@@ -165,7 +165,7 @@ class GroupClient:
                 if time.monotonic() > deadline:
                     raise GroupUnavailable(f"no group listens at {self.address} (connection refused)") from exc
                 time.sleep(0.2)
-            except (EOFError, ConnectionResetError) as exc:  # closed during the handshake: the endpoint is full
+            except (EOFError, ConnectionResetError, BrokenPipeError) as exc:  # closed in the handshake: displaced
                 if time.monotonic() > deadline:
                     raise GroupUnavailable(f"the group at {self.address} closed every connection during the "
                                            f"handshake for {self.connect_timeout:.0f} s (too many connections?): "
@@ -204,8 +204,9 @@ class Request:
 
 
 class Handshakes:
-    """The connections in the handshake, each shut down at its deadline (`timeout` after it was accepted, not a
-    timeout per read that restarts on every byte), at most `per_peer` from one peer address and `total` in all.
+    """The connections in the handshake until the caller has answered the challenge (proved it holds the key), each
+    shut down at its deadline (`timeout` after it was accepted, not a timeout per read that restarts on every byte),
+    at most `per_peer` from one peer address and `total` in all.
 
     A newcomer past a cap displaces the oldest handshake it competes with (its address's, else anyone's) rather
     than being refused: a legitimate handshake takes milliseconds, so the oldest one is the stalled one, and slow
@@ -365,14 +366,15 @@ class EndpointServer:
     def _serve(self, conn: Connection, ticket: int) -> None:
         try:
             _set_io_timeouts(conn, self.auth_timeout, SEND_TIMEOUT_S)
-            deliver_challenge(conn, self._authkey)
-            answer_challenge(conn, self._authkey)
+            try:
+                deliver_challenge(conn, self._authkey)  # the caller proves it holds the key ...
+            finally:
+                self.handshakes.done(ticket)  # ... and is no longer shut down at the deadline or displaced
+            answer_challenge(conn, self._authkey)  # this end proves it (each read bounded by auth_timeout)
         except Exception as exc:  # AuthenticationError, EOFError, OSError (shut down at its deadline or displaced)
             logger.warning("rejected a connection to the group endpoint: %s", type(exc).__name__)
             conn.close()
             return
-        finally:
-            self.handshakes.done(ticket)
         if not self._connections.acquire(blocking=False):
             Request(conn, "", {}, False).reply(M.reply_error("too many connections to this group's endpoint"))
             self.refused += 1
