@@ -3,8 +3,9 @@
 Flower refuses a key the app's `[tool.flwr.app.config]` lacks before the ServerApp runs, and `flwr run` then says
 only `Invalid run configuration.` (the key is in the SuperLink's log). This command reads the overrides with
 Flower's own parser (`flwr.common.config.parse_config_args`: `'key=value key2="text"'` strings, or one `.toml`
-file), fuses them with the app's defaults and runs the ServerApp's checks (`FlowerRun.from_run_config`, the allowed
-run-config imports of `flwr_sharded.flower.server.imports` and `validate`), so an unknown key or a bad value is named, with the closest keys for a typo.
+file), fuses them with the app's defaults and runs the ServerApp's checks (`FlowerRun.from_run_config`, the
+allowed run-config imports of `flwr_sharded.flower.server.imports` and `validate`), so an unknown key or a bad value
+is named, with the closest keys for a typo.
 """
 
 from __future__ import annotations

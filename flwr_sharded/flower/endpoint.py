@@ -29,9 +29,9 @@ logger = logging.getLogger(__name__)
 REQUEST_TIMEOUT_S = 10.0
 """A connection that does not send its instruction within this time after the handshake is dropped."""
 AUTH_TIMEOUT_S = 5.0
-"""The handshake's deadline: a connection that has not completed it this long after it was accepted is shut down,
-however it trickles its bytes (a legitimate one takes milliseconds). It also bounds every later read that makes no
-progress (a caller that stalls in the middle of its request)."""
+"""The handshake's deadline: a connection that has not answered the challenge this long after it was accepted is
+shut down, however it trickles its bytes (a legitimate one takes milliseconds). It also bounds every later read
+that makes no progress (a caller that stalls in the middle of its request)."""
 SEND_TIMEOUT_S = 60.0
 """A reply that the caller does not read within this time is dropped."""
 MAX_UNAUTHENTICATED = 8
@@ -287,9 +287,9 @@ class Handshakes:
 class EndpointServer:
     """Rank 0's endpoint: authenticated instructions arrive on `incoming`; `collect` is answered here.
 
-    Hostile or broken callers cost a bounded amount: the handshake must finish within `auth_timeout` of the
-    connection (every later read that makes no progress too), at most `max_unauthenticated` connections may be in
-    it, `max_per_peer` of them from one address (`Handshakes`: a newcomer displaces the oldest), and
+    Hostile or broken callers cost a bounded amount: a caller must answer the challenge within `auth_timeout` of
+    its connection (every later read that makes no progress too), at most `max_unauthenticated` connections may be
+    in the handshake, `max_per_peer` of them from one address (`Handshakes`: a newcomer displaces the oldest), and
     `max_connections` past it (more are answered with an error at once), and a request that is not a well-formed
     instruction (not JSON, nested too deep, NaN, unknown verb) is answered with an error without reaching the main
     loop.
