@@ -3,8 +3,9 @@
 Flower refuses a key the app's `[tool.flwr.app.config]` lacks before the ServerApp runs, and `flwr run` then says
 only `Invalid run configuration.` (the key is in the SuperLink's log). This command reads the overrides with
 Flower's own parser (`flwr.common.config.parse_config_args`: `'key=value key2="text"'` strings, or one `.toml`
-file), fuses them with the app's defaults and runs the ServerApp's checks (`FlowerRun.from_run_config` and
-`validate`), so an unknown key or a bad value is named, with the closest keys for a typo.
+file), fuses them with the app's defaults and runs the ServerApp's checks (`FlowerRun.from_run_config`, the
+allowed run-config imports of `flwr_sharded.flower.server.imports` and `validate`), so an unknown key or a bad value
+is named, with the closest keys for a typo.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 from flwr_sharded import schema
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower.run import RUN_CONFIG, FlowerRun
+from flwr_sharded.flower.server.imports import check_run_imports
 
 _PAIR = re.compile(r"(\S+?)=(\'[^\']*\'|\"[^\"]*\"|\S+)")
 """A `key=value` pair as `parse_config_args` finds it; text outside such pairs is what Flower ignores."""
@@ -75,18 +77,29 @@ def overrides(run_config: list[str]) -> dict[str, Any]:
         raise ConfigError(f"--run-config: {exc}") from None
 
 
-def app_defaults(app: str | Path) -> dict[str, Any]:
-    """The flat `[tool.flwr.app.config]` of the app at `app`, read as Flower reads it."""
-    from flwr.common.config import flatten_dict, get_project_config
+def app_table(app: str | Path) -> dict[str, Any]:
+    """The `[tool.flwr.app]` table of the app at `app`, read as Flower reads it."""
+    from flwr.common.config import get_project_config
 
     path = Path(app).expanduser()
     if not (path / "pyproject.toml").is_file():
         raise ConfigError(f"--app {app}: no pyproject.toml there; give the directory you pass to `flwr run`")
     try:
-        config = get_project_config(path)
+        return get_project_config(path)["tool"]["flwr"]["app"]
     except ValueError as exc:
         raise ConfigError(f"--app {app}: {exc}") from None
-    return flatten_dict(config["tool"]["flwr"]["app"].get("config", {}))
+
+
+def app_defaults(app: str | Path) -> dict[str, Any]:
+    """The flat `[tool.flwr.app.config]` of the app at `app`."""
+    from flwr.common.config import flatten_dict
+
+    return flatten_dict(app_table(app).get("config", {}))
+
+
+def app_package(app: str | Path) -> str:
+    """The top-level package of the app's ServerApp (`[tool.flwr.app.components] serverapp`)."""
+    return str(app_table(app).get("components", {}).get("serverapp", "")).split(".")[0].split(":")[0]
 
 
 def check(app: str | Path, run_config: list[str]) -> FlowerRun:
@@ -98,6 +111,7 @@ def check(app: str | Path, run_config: list[str]) -> FlowerRun:
     if missing:
         raise RUN_CONFIG.error(f"'{missing[0]}' is not a key of the app's [tool.flwr.app.config] ({app}); Flower "
                                f"refuses it")
+    check_run_imports(run, app_package(app))  # with this machine's FLWR_SHARDED_ALLOWED_IMPORTS
     run.validate()
     return run
 

@@ -29,12 +29,16 @@ logger = logging.getLogger(__name__)
 REQUEST_TIMEOUT_S = 10.0
 """A connection that does not send its instruction within this time after the handshake is dropped."""
 AUTH_TIMEOUT_S = 5.0
-"""A connection that does not complete the handshake within this time is dropped; it also bounds every read that
-makes no progress (a caller that stalls in the middle of a message)."""
+"""The handshake's deadline: a connection that has not answered the challenge this long after it was accepted is
+shut down, however it trickles its bytes (a legitimate one takes milliseconds). It also bounds every later read
+that makes no progress (a caller that stalls in the middle of its request)."""
 SEND_TIMEOUT_S = 60.0
 """A reply that the caller does not read within this time is dropped."""
 MAX_UNAUTHENTICATED = 8
-"""Connections in the handshake at once; more are closed at once (a flood costs its sender, not the group)."""
+"""Connections in the handshake at once; a newcomer past the cap displaces the oldest one."""
+MAX_HANDSHAKES_PER_PEER = 4
+"""Connections from one peer address in the handshake at once; a newcomer from that address past the cap displaces
+that address's oldest one (so one slow client holds at most this many of the `MAX_UNAUTHENTICATED`)."""
 MAX_CONNECTIONS = 64
 """Authenticated connections served at once (requests being read, collects waiting for their job)."""
 KEPT_JOBS = 4
@@ -161,7 +165,7 @@ class GroupClient:
                 if time.monotonic() > deadline:
                     raise GroupUnavailable(f"no group listens at {self.address} (connection refused)") from exc
                 time.sleep(0.2)
-            except (EOFError, ConnectionResetError) as exc:  # closed during the handshake: the endpoint is full
+            except (EOFError, ConnectionResetError, BrokenPipeError) as exc:  # closed in the handshake: displaced
                 if time.monotonic() > deadline:
                     raise GroupUnavailable(f"the group at {self.address} closed every connection during the "
                                            f"handshake for {self.connect_timeout:.0f} s (too many connections?): "
@@ -199,24 +203,107 @@ class Request:
             self.conn.close()
 
 
+class Handshakes:
+    """The connections in the handshake until the caller has answered the challenge (proved it holds the key), each
+    shut down at its deadline (`timeout` after it was accepted, not a timeout per read that restarts on every byte),
+    at most `per_peer` from one peer address and `total` in all.
+
+    A newcomer past a cap displaces the oldest handshake it competes with (its address's, else anyone's) rather
+    than being refused: a legitimate handshake takes milliseconds, so the oldest one is the stalled one, and slow
+    connections cannot keep a client out for longer than their own handshakes last.
+    """
+
+    def __init__(self, timeout: float, total: int, per_peer: int) -> None:
+        self.timeout, self.total, self.per_peer = timeout, total, per_peer
+        self.expired = 0
+        """Handshakes shut down at their deadline."""
+        self.displaced = 0
+        """Handshakes shut down for a newcomer past a cap."""
+        self._open: dict[int, tuple[str, float, socket.socket]] = {}
+        """ticket -> (peer address, deadline, socket), oldest first."""
+        self._tickets = 0
+        self._changed = threading.Condition()
+        self._closed = False
+        threading.Thread(target=self._watch, name="endpoint-handshakes", daemon=True).start()
+
+    def admit(self, conn: Connection) -> int:
+        """Register the just-accepted `conn` (displacing the oldest handshake past a cap); its ticket for `done`."""
+        sock = socket.socket(fileno=os.dup(conn.fileno()))  # its own descriptor: shut down safely at any time
+        try:
+            peer = str(sock.getpeername()[0])
+        except OSError:
+            peer = ""
+        with self._changed:
+            same = [t for t, (p, _, _) in self._open.items() if p == peer]
+            if len(same) >= self.per_peer:
+                self._shut(same[0])
+                self.displaced += 1
+            elif len(self._open) >= self.total:
+                self._shut(next(iter(self._open)))
+                self.displaced += 1
+            self._tickets += 1
+            self._open[self._tickets] = (peer, time.monotonic() + self.timeout, sock)
+            self._changed.notify()
+            return self._tickets
+
+    def done(self, ticket: int) -> None:
+        """The handshake of `ticket` is over (either way): it is no longer shut down at its deadline."""
+        with self._changed:
+            entry = self._open.pop(ticket, None)
+        if entry is not None:
+            entry[2].close()
+
+    def in_progress(self) -> int:
+        with self._changed:
+            return len(self._open)
+
+    def close(self) -> None:
+        with self._changed:
+            self._closed = True
+            for ticket in list(self._open):
+                self._shut(ticket)
+            self._changed.notify()
+
+    def _shut(self, ticket: int) -> None:
+        """Shut the handshake's socket down (its thread's read ends at once) and forget it; holding the lock."""
+        sock = self._open.pop(ticket)[2]
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # the caller closed it already
+        sock.close()
+
+    def _watch(self) -> None:
+        with self._changed:
+            while not self._closed:
+                now = time.monotonic()
+                while self._open and next(iter(self._open.values()))[1] <= now:  # deadlines in accepted order
+                    self._shut(next(iter(self._open)))
+                    self.expired += 1
+                wait = next(iter(self._open.values()))[1] - now if self._open else 60.0
+                self._changed.wait(max(wait, 0.01))
+
+
 class EndpointServer:
     """Rank 0's endpoint: authenticated instructions arrive on `incoming`; `collect` is answered here.
 
-    Hostile or broken callers cost a bounded amount: the handshake must finish within `auth_timeout` (so must every
-    read that makes no progress), at most `max_unauthenticated` connections may be in it and `max_connections` past
-    it (more are closed at once), and a request that is not a well-formed instruction (not JSON, nested too deep,
-    NaN, unknown verb) is answered with an error without reaching the main loop.
+    Hostile or broken callers cost a bounded amount: a caller must answer the challenge within `auth_timeout` of
+    its connection (every later read that makes no progress too), at most `max_unauthenticated` connections may be
+    in the handshake, `max_per_peer` of them from one address (`Handshakes`: a newcomer displaces the oldest), and
+    `max_connections` past it (more are answered with an error at once), and a request that is not a well-formed
+    instruction (not JSON, nested too deep, NaN, unknown verb) is answered with an error without reaching the main
+    loop.
     """
 
     def __init__(self, address: tuple[str, int], authkey: bytes, *, auth_timeout: float = AUTH_TIMEOUT_S,
-                 max_unauthenticated: int = MAX_UNAUTHENTICATED, max_connections: int = MAX_CONNECTIONS) -> None:
+                 max_unauthenticated: int = MAX_UNAUTHENTICATED, max_per_peer: int = MAX_HANDSHAKES_PER_PEER,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
         self._authkey = authkey
         self.auth_timeout = auth_timeout
-        self.max_unauthenticated = max_unauthenticated
-        self._unauthenticated = threading.BoundedSemaphore(max_unauthenticated)
+        self.handshakes = Handshakes(auth_timeout, max_unauthenticated, max_per_peer)
         self._connections = threading.BoundedSemaphore(max_connections)
         self.refused = 0
-        """Connections closed because a cap was reached (for logs and tests)."""
+        """Authenticated connections answered with an error because `max_connections` were being served."""
         self.listener = Listener(address, family="AF_INET", backlog=64)  # the challenge runs per connection
         self.address = self.listener.address
         self.incoming: queue.Queue[Request] = queue.Queue()
@@ -269,31 +356,31 @@ class EndpointServer:
                 if self._closed:
                     return
                 continue
-            if not self._unauthenticated.acquire(blocking=False):
-                self._refuse(conn, f"{self.max_unauthenticated} connections already in the handshake")
+            try:
+                ticket = self.handshakes.admit(conn)
+            except OSError:  # out of descriptors
+                conn.close()
                 continue
-            threading.Thread(target=self._serve, args=(conn,), name="endpoint-conn", daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn, ticket), name="endpoint-conn", daemon=True).start()
 
-    def _refuse(self, conn: Connection, why: str) -> None:
-        self.refused += 1
-        if self.refused in (1, 10, 100) or self.refused % 1000 == 0:
-            logger.warning("closed a connection to the group endpoint at once (%s; %d so far)", why, self.refused)
-        conn.close()
-
-    def _serve(self, conn: Connection) -> None:
+    def _serve(self, conn: Connection, ticket: int) -> None:
         try:
             _set_io_timeouts(conn, self.auth_timeout, SEND_TIMEOUT_S)
-            deliver_challenge(conn, self._authkey)
-            answer_challenge(conn, self._authkey)
-        except Exception as exc:  # AuthenticationError, EOFError, OSError (the handshake's time ran out)
+            try:
+                deliver_challenge(conn, self._authkey)  # the caller proves it holds the key ...
+            finally:
+                self.handshakes.done(ticket)  # ... and is no longer shut down at the deadline or displaced
+            answer_challenge(conn, self._authkey)  # this end proves it (each read bounded by auth_timeout)
+        except Exception as exc:  # AuthenticationError, EOFError, OSError (shut down at its deadline or displaced)
             logger.warning("rejected a connection to the group endpoint: %s", type(exc).__name__)
             conn.close()
             return
-        finally:
-            self._unauthenticated.release()
         if not self._connections.acquire(blocking=False):
             Request(conn, "", {}, False).reply(M.reply_error("too many connections to this group's endpoint"))
             self.refused += 1
+            if self.refused in (1, 10, 100) or self.refused % 1000 == 0:
+                logger.warning("answered a connection to the group endpoint with 'too many connections' (%d so far)",
+                               self.refused)
             return
         try:
             self._handle(conn)
@@ -337,3 +424,4 @@ class EndpointServer:
             self.listener.close()
         except OSError:
             pass
+        self.handshakes.close()

@@ -78,8 +78,9 @@ class FederationConfig:
     stop_groups: bool = False
     """Deployment: also shut the (externally started) groups down at the end of the run."""
     strategy: str | None = None
-    """The ServerApp's strategy as `package.module:Class` (a subclass of DecentralizedFedAvg, importable where the
-    ServerApp runs); unset: DecentralizedFedAvg, or ServerShardFedAvg with aggregation server."""
+    """The ServerApp's strategy as `package.module:Class`, a subclass of DecentralizedFedAvg in the app's package
+    (e.g. llama_fl_hsdp.strategies.fedprox:FedProxShards); a module elsewhere needs FLWR_SHARDED_ALLOWED_IMPORTS
+    where the SuperLink runs; unset: DecentralizedFedAvg, or ServerShardFedAvg with aggregation server."""
 
 
 @dataclass(frozen=True)

@@ -1,21 +1,26 @@
-"""Strategies of one's own, the Flower way: the shipped examples (FedProx over shards, a per-round schedule) on the
-fake grid and in a Flower simulation; undeclared train keys and unsupported `start` arguments are refused."""
+"""Strategies of one's own, the Flower way: the app's own strategies (FedProx over shards, a per-round schedule, in
+`llama_fl_hsdp.strategies`) on the fake grid and in a Flower simulation that imports them from the shipped app;
+undeclared train keys and unsupported `start` arguments are refused."""
 
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 from flwr.app import ArrayRecord
 
-from examples.strategies.fedprox import FedProxShards
-from examples.strategies.schedule import ScheduledFedAvg
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower import messages as P
 from flwr_sharded.flower.server.strategy import DecentralizedFedAvg
 from tests.flower.conftest import run_demo
-from tests.flower.procs import FAST_RUN_CONFIG, REPO
+from tests.flower.procs import APP, FAST_RUN_CONFIG
 from tests.flower.test_strategy import FakeGrid, config, fast, group, make, spec, task_identity
+
+if str(APP) not in sys.path:
+    sys.path.insert(0, str(APP))  # the app's directory, as Flower puts the shipped app on the ServerApp's path
+from llama_fl_hsdp.strategies.fedprox import FedProxShards  # noqa: E402
+from llama_fl_hsdp.strategies.schedule import ScheduledFedAvg  # noqa: E402
 
 __all__ = ["task_identity"]  # the autouse fixture, imported to be active here
 
@@ -78,12 +83,12 @@ def test_unsupported_start_arguments_are_refused_not_ignored(kwargs, name):
 
 
 @pytest.mark.timeout(600)
-def test_a_scheduled_strategy_drives_real_groups_in_simulation(data_dir, tmp_path, monkeypatch):
-    """The schedule example through `flwr run` (the ServerApp imports it from the repository): each round's steps
-    follow its A, and the members of every round end with identical shards."""
-    monkeypatch.setenv("PYTHONPATH", str(REPO))
+def test_a_scheduled_strategy_drives_real_groups_in_simulation(data_dir, tmp_path):
+    """The app's schedule strategy through `flwr run` (the ServerApp imports it from the shipped app, with nothing
+    on PYTHONPATH for it): each round's steps follow its A, and the members of every round end with identical
+    shards."""
     run = run_demo(tmp_path, data_dir, {**FAST_RUN_CONFIG, "num-server-rounds": 3, "aggregate-every": 2, "shards": 1,
-                                        "strategy": "examples.strategies.schedule:ScheduledFedAvg"}, groups=3)
+                                        "strategy": "llama_fl_hsdp.strategies.schedule:ScheduledFedAvg"}, groups=3)
     assert run.returncode == 0, run.output[-4000:]
     K = FAST_RUN_CONFIG["syncs-per-round"]
     assert [r["steps"] for r in run.rounds] == [K * 2, K * 4, K * 8]

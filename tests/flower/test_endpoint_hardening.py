@@ -1,14 +1,17 @@
-"""A hostile or broken client on the group endpoint costs a bounded amount and never the endpoint: handshake
-timeout, connection caps, malformed, deeply nested and NaN-bearing JSON answered with an error; key files and
-hand-off directories private to their owner. In-process `EndpointServer` with a stand-in main loop (no torch)."""
+"""A hostile or broken client on the group endpoint costs a bounded amount and never the endpoint: a handshake
+deadline that trickled bytes do not extend, handshake caps (per peer address and in all) where a newcomer displaces
+the oldest, malformed, deeply nested and NaN-bearing JSON answered with an error; key files and hand-off directories
+private to their owner. In-process `EndpointServer` with a stand-in main loop (no torch)."""
 
 from __future__ import annotations
 
 import os
+import select
 import socket
 import struct
 import threading
 import time
+from contextlib import contextmanager
 from multiprocessing.connection import Client
 
 import pytest
@@ -21,10 +24,10 @@ from flwr_sharded.flower import messages as M
 KEY = b"k" * 32
 
 
-@pytest.fixture
-def server():
-    """An endpoint whose main loop answers every instruction with {"verb": ...} (auth timeout 1 s, 3 handshakes)."""
-    srv = E.EndpointServer(("127.0.0.1", 0), KEY, auth_timeout=1.0, max_unauthenticated=3, max_connections=8)
+@contextmanager
+def _endpoint(**caps):
+    """An endpoint whose main loop answers every instruction with {"verb": ...}; stopped and closed at the end."""
+    srv = E.EndpointServer(("127.0.0.1", 0), KEY, **caps)
 
     def main_loop() -> None:
         while True:
@@ -36,10 +39,19 @@ def server():
 
     thread = threading.Thread(target=main_loop, daemon=True)
     thread.start()
-    yield srv
-    srv.incoming.put(E.Request(_NullConn(), M.SHUTDOWN, {}, False))
-    thread.join(5)
-    srv.close()
+    try:
+        yield srv
+    finally:
+        srv.incoming.put(E.Request(_NullConn(), M.SHUTDOWN, {}, False))
+        thread.join(5)
+        srv.close()
+
+
+@pytest.fixture
+def server():
+    """An endpoint with a 1 s handshake deadline and 3 handshakes at once."""
+    with _endpoint(auth_timeout=1.0, max_unauthenticated=3, max_connections=8) as srv:
+        yield srv
 
 
 class _NullConn:
@@ -85,21 +97,120 @@ def test_an_idle_unauthenticated_connection_is_dropped_after_the_handshake_timeo
     print(f"\nendpoint: an idle unauthenticated connection was dropped after {took:.2f} s (handshake timeout 1 s)")
 
 
-def test_connections_beyond_the_cap_are_closed_at_once_and_the_endpoint_serves_again(server):
-    held = [socket.create_connection(server.address, timeout=5) for _ in range(3)]
-    for sock in held:
-        sock.recv(4096)  # each got its challenge, and sits in the handshake
-    extra = socket.create_connection(server.address, timeout=5)
-    closed = _closed_within(extra, 5)
-    assert closed < 0.5 and server.refused >= 1
+ANSWER = struct.pack("!i", 200) + b"x" * 200
+"""A well-formed start of an answer to the challenge (its length, then bytes), to be sent one byte at a time."""
+
+
+def _in_handshake(source: str, address: tuple[str, int]) -> socket.socket:
+    """A connection from `source` (any 127.x address on Linux) that got its challenge and answers nothing."""
+    sock = socket.create_connection(address, timeout=5, source_address=(source, 0))
+    sock.recv(4096)
+    return sock
+
+
+def _is_open(sock: socket.socket) -> bool:
+    return not select.select([sock], [], [], 0.2)[0]  # the endpoint's close makes it readable (EOF or reset)
+
+
+def test_a_newcomer_past_the_cap_displaces_the_oldest_handshake(server):
+    held = [_in_handshake("127.0.0.1", server.address) for _ in range(3)]
     start = time.monotonic()
-    assert _client(server).call(M.STATUS, timeout=10) == {"verb": "status"}  # once the idle ones are dropped
+    assert _client(server).call(M.STATUS, timeout=10) == {"verb": "status"}  # displacing held[0], at once
     served = time.monotonic() - start
-    assert served < 8
-    print(f"\nendpoint: with the 3 handshake slots held, another connection was closed after {closed:.3f} s; a "
-          f"good client was served {served:.2f} s later (handshake timeout 1 s)")
+    assert served < 0.5 and server.handshakes.displaced == 1
+    assert not _is_open(held[0]) and all(_is_open(sock) for sock in held[1:])
+    print(f"\nendpoint: with the 3 handshake slots held, a good client was served after {served:.3f} s")
     for sock in held:
         sock.close()
+
+
+def test_one_peer_address_holds_at_most_its_share_of_the_handshakes():
+    with _endpoint(max_unauthenticated=8, max_per_peer=2) as srv:
+        slow = [_in_handshake("127.0.0.2", srv.address) for _ in range(4)]
+        local = _in_handshake("127.0.0.1", srv.address)
+        assert [_is_open(sock) for sock in slow] == [False, False, True, True] and _is_open(local)
+        assert srv.handshakes.in_progress() == 3 and srv.handshakes.displaced == 2
+        assert _client(srv).call(M.STATUS, timeout=10) == {"verb": "status"}
+        assert all(_is_open(sock) for sock in (*slow[2:], local))  # the other address's are not displaced
+        for sock in (*slow, local):
+            sock.close()
+
+
+class _Trickle:
+    """`n` connections that, after their challenge, send one byte of an answer every `every` seconds, and connect
+    again at once when the endpoint drops them (past the caps, a flood); all stopped and closed by `stop`."""
+
+    def __init__(self, address: tuple[str, int], n: int, every: float) -> None:
+        self.address, self.every, self.connects = address, every, 0
+        self._stop, self._lock = threading.Event(), threading.Lock()
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(n)]
+        for thread in self._threads:
+            thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                with socket.create_connection(self.address, timeout=5) as sock:
+                    sock.recv(4096)  # the challenge
+                    with self._lock:
+                        self.connects += 1
+                    for byte in ANSWER:
+                        sock.sendall(bytes([byte]))
+                        if self._dropped_or_stopped(sock):
+                            break
+            except OSError:
+                self._stop.wait(0.1)
+
+    def _dropped_or_stopped(self, sock: socket.socket) -> bool:
+        """Wait `every` seconds for the endpoint to drop `sock` (it becomes readable) or `stop`."""
+        end = time.monotonic() + self.every
+        while not self._stop.is_set() and time.monotonic() < end:
+            if select.select([sock], [], [], 0.05)[0]:
+                return True
+        return self._stop.is_set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(10)
+        assert not any(thread.is_alive() for thread in self._threads)
+
+
+def test_slow_trickling_handshakes_do_not_keep_a_client_out():
+    """8 connections sending one byte every 3 s (each byte would restart a timeout per read), connecting again when
+    dropped: a good client is served within 6 s (the defaults: a 5 s deadline, 4 handshakes per address, 8 in
+    all)."""
+    with _endpoint() as srv:
+        attack = _Trickle(srv.address, 8, every=3.0)
+        try:
+            deadline = time.monotonic() + 10
+            while attack.connects < 8 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert attack.connects >= 8
+            start = time.monotonic()
+            assert _client(srv).call(M.STATUS, timeout=10) == {"verb": "status"}
+            served = time.monotonic() - start
+        finally:
+            attack.stop()
+    assert served < 6.0
+    print(f"\nendpoint: under 8 trickling handshakes (1 byte / 3 s each, {attack.connects} connections) a good "
+          f"client was served after {served:.3f} s")
+
+
+def test_a_trickling_handshake_is_shut_down_at_its_deadline(server):
+    sock = socket.create_connection(server.address, timeout=5)
+    sock.recv(4096)  # the challenge
+    start = time.monotonic()
+    try:
+        for byte in ANSWER:
+            sock.sendall(bytes([byte]))  # one byte every 0.2 s: a timeout per read would never expire
+            if select.select([sock], [], [], 0.2)[0]:
+                break
+    except OSError:
+        pass
+    took = time.monotonic() - start
+    sock.close()
+    assert 0.7 < took < 2.0 and server.handshakes.expired == 1
 
 
 def test_a_wrong_key_is_rejected(server):

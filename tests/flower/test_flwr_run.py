@@ -1,6 +1,7 @@
 """`flwr run apps/llama_fl_hsdp --stream` exactly as a Flower user types it: Flower's default federation (2 simulated
 SuperNodes, 2 CPUs per ClientApp, so one ClientApp at a time on this 2-core machine), runtime dependency
-installation on, a fresh Flower home, run from a directory of the user's."""
+installation on, a fresh Flower home, run from a directory of the user's, with one of the app's own strategies
+(`--run-config 'strategy="llama_fl_hsdp.strategies.fedprox:FedProxShards"'`, nothing on PYTHONPATH for it)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from tests.flower.procs import APP, base_env, free_port, kill_tree_by_env, pids_
 
 SMALL = {"seq-len": 32, "batch-size": 2, "eval-blocks": 8, "aggregate-every": 4, "syncs-per-round": 2,
          "num-server-rounds": 2, "seed": 7}
+STRATEGY = "llama_fl_hsdp.strategies.fedprox:FedProxShards"
+"""As docs/flower.md and the strategy's docstring give it: shipped with the app, imported from it by the ServerApp."""
 
 
 def _flwr_run(cwd: Path, env: dict[str, str], run_config: dict, timeout: float) -> tuple[int, str]:
@@ -33,8 +36,9 @@ def test_flwr_run_as_typed_completes_and_leaves_a_run_directory(data_dir, tmp_pa
                    FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(free_port()), FLWR_LOCAL_CONTROL_API_PORT=str(free_port()))
     del env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"]  # Flower's default: it `uv sync`s the app's dependencies
     try:
-        code, out = _flwr_run(work, env, SMALL, timeout=600)
+        code, out = _flwr_run(work, env, {**SMALL, "strategy": STRATEGY}, timeout=600)
         assert code == 0, out[-5000:]
+        assert "Starting FedProxShards:" in out, out[-5000:]
         assert "Runtime installation of app dependencies failed" not in out and "App dependencies installed" in out
         assert "2 simulated SuperNodes" in out and "[ROUND 2/2] 2 group(s)" in out, out[-5000:]
         assert "flwr_sharded: the run COMPLETED: 2 round(s)" in out, out[-5000:]
@@ -42,6 +46,7 @@ def test_flwr_run_as_typed_completes_and_leaves_a_run_directory(data_dir, tmp_pa
         assert str(run_dir) in out
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["status"] == "completed" and summary["rounds"] == 2
+        assert json.loads((run_dir / "config.json").read_text())["federation"]["strategy"] == STRATEGY
         rounds = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
                   if r["kind"] == "round"]
         assert [r["round"] for r in rounds] == [1, 2] and all(r["synced"] and r["checksums_equal"] for r in rounds)
@@ -56,5 +61,10 @@ def test_flwr_run_as_typed_completes_and_leaves_a_run_directory(data_dir, tmp_pa
         code, out = _flwr_run(work, env, {**SMALL, "lr": -1.0}, timeout=300)
         assert "run config 'lr' must be > 0, got -1.0" in out, out[-3000:]
         assert "flwr_sharded: the run FAILED before it started" in out and "hello to" not in out
+
+        # a module outside the ServerApp's allow-list: refused by name before it is imported
+        code, out = _flwr_run(work, env, {**SMALL, "strategy": "this:X"}, timeout=300)
+        assert "run config 'strategy' 'this:X'" in out and "FLWR_SHARDED_ALLOWED_IMPORTS=this" in out, out[-3000:]
+        assert "the run FAILED before it started" in out and "Beautiful is better than ugly" not in out
     finally:
         kill_tree_by_env("FLWR_HOME", str(home))  # the local SuperLink `flwr run` started, and anything it left

@@ -18,13 +18,18 @@ from flwr.supercore import log
 from flwr_sharded import schema
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower.run import RUN_CONFIG, FlowerRun
+from flwr_sharded.flower.server.imports import check_import, check_run_imports
 from flwr_sharded.run_dir import RunDir, check_run_dir, default_run_dir
 
 
-def load_run(run_config: Mapping[str, Any]) -> FlowerRun:
-    """The run described by Flower's run config, validated; the ConfigError names the key (and is logged)."""
+def load_run(run_config: Mapping[str, Any], app_package: str = "") -> FlowerRun:
+    """The run described by Flower's run config, validated; the ConfigError names the key (and is logged).
+
+    `app_package`: the Flower app's own package, whose modules `strategy` and `outer` may name (`imports`); any
+    other module must be allowed by the ServerApp's operator, and is checked before anything is imported."""
     try:
         run = FlowerRun.from_run_config(run_config)
+        check_run_imports(run, app_package)
         run.validate()
         return run
     except ConfigError as exc:
@@ -33,8 +38,9 @@ def load_run(run_config: Mapping[str, Any]) -> FlowerRun:
         raise
 
 
-def strategy_class(run: FlowerRun) -> type:
-    """The `strategy` key's class (a DecentralizedFedAvg subclass), else the aggregation path's strategy."""
+def strategy_class(run: FlowerRun, app_package: str = "") -> type:
+    """The `strategy` key's class (a DecentralizedFedAvg subclass, from a module `imports` allows), else the
+    aggregation path's strategy."""
     from flwr_sharded.flower.server.strategy import DecentralizedFedAvg
 
     name = run.federation.strategy
@@ -45,6 +51,7 @@ def strategy_class(run: FlowerRun) -> type:
             return ServerShardFedAvg
         return DecentralizedFedAvg
     label = RUN_CONFIG.label(schema.by_name(FlowerRun)["strategy"])
+    check_import(name, "strategy", app_package)  # before the import runs the module's code
     module, _, attr = name.partition(":")
     try:
         cls = getattr(importlib.import_module(module), attr)

@@ -6,7 +6,9 @@
 Longer periods as training settles cost fewer syncs per step; a rotating rest shows partial participation (the
 resting group keeps its shards and rejoins the sync the next round). Run it with
 
-    flwr run apps/llama_fl_hsdp --stream --run-config 'strategy="examples.strategies.schedule:ScheduledFedAvg"'
+    flwr run apps/llama_fl_hsdp --stream --run-config 'strategy="llama_fl_hsdp.strategies.schedule:ScheduledFedAvg"'
+
+(it ships with the app, so the ServerApp imports it wherever the app runs).
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ applies to its own shards against the shards of the group's last sync (`flwr_sha
 As Flower's `FedProx` (`flwr.serverapp.strategy.FedProx`) it only adds `proximal-mu` to the train config; the
 groups do the rest. Run it with
 
-    flwr run apps/llama_fl_hsdp --stream --run-config 'strategy="examples.strategies.fedprox:FedProxShards"'
+    flwr run apps/llama_fl_hsdp --stream --run-config 'strategy="llama_fl_hsdp.strategies.fedprox:FedProxShards"'
 
-(with the repository on PYTHONPATH, so the ServerApp can import it).
+(it ships with the app, so the ServerApp imports it wherever the app runs).
 """
 
 from __future__ import annotations
