@@ -4,7 +4,8 @@
 in round 2 its manifest reports the weight 1e300 (the exact value `HOSTILE_WEIGHT` names), in round 3 the first
 chunk it sends holds a NaN. Everything else (the groups, their training, the SuperLink's messages) is real; the
 strategy only edits what the server receives, where an attacker's bytes would arrive. Load it with the run
-config `strategy="tests.flower.hostile_facility:HostileFacility"` (the repository on the ServerApp's PYTHONPATH).
+config `strategy="tests.flower.hostile_facility:HostileFacility"` (the repository on the ServerApp's PYTHONPATH, and
+`FLWR_SHARDED_ALLOWED_IMPORTS=tests.flower.hostile_facility` in its environment).
 """
 
 from __future__ import annotations

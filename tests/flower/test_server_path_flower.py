@@ -135,6 +135,7 @@ def test_a_hostile_facility_is_excluded_and_the_others_go_on(data_dir, tmp_path,
     from tests.flower.procs import REPO
 
     monkeypatch.setenv("PYTHONPATH", str(REPO))
+    monkeypatch.setenv("FLWR_SHARDED_ALLOWED_IMPORTS", "tests.flower.hostile_facility")  # the operator allows it
     config = {**BASE, "outer": "fedavg", "shards": 1, "num-server-rounds": 4, "aggregation": "server",
               "strategy": "tests.flower.hostile_facility:HostileFacility"}
     run = run_demo(tmp_path / "hostile", data_dir, config, groups=3)
