@@ -56,5 +56,10 @@ def test_flwr_run_as_typed_completes_and_leaves_a_run_directory(data_dir, tmp_pa
         code, out = _flwr_run(work, env, {**SMALL, "lr": -1.0}, timeout=300)
         assert "run config 'lr' must be > 0, got -1.0" in out, out[-3000:]
         assert "flwr_sharded: the run FAILED before it started" in out and "hello to" not in out
+        # a model the groups would refuse: named once, as the run config spells it, before any group is launched
+        code, out = _flwr_run(work, env, {**SMALL, "model": "smal"}, timeout=300)
+        assert "flwr_sharded: the run FAILED before it started: run config 'model': unknown model 'smal'" in out, \
+            out[-3000:]
+        assert "--model" not in out and "hello to" not in out and out.count("unknown model 'smal'") <= 2  # + Flower's
     finally:
         kill_tree_by_env("FLWR_HOME", str(home))  # the local SuperLink `flwr run` started, and anything it left

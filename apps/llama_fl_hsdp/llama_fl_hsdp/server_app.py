@@ -12,7 +12,7 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    run = load_run(context.run_config)
+    run = load_run(context.run_config, grid)
     strategy_cls = strategy_class(run)
     with run_directory(run, context.run_id) as run_dir:
         strategy = strategy_cls(run, run_dir=run_dir)

@@ -21,16 +21,25 @@ from flwr_sharded.flower.run import RUN_CONFIG, FlowerRun
 from flwr_sharded.run_dir import RunDir, check_run_dir, default_run_dir
 
 
-def load_run(run_config: Mapping[str, Any]) -> FlowerRun:
-    """The run described by Flower's run config, validated; the ConfigError names the key (and is logged)."""
+def load_run(run_config: Mapping[str, Any], grid: Any = None) -> FlowerRun:
+    """The run described by Flower's run config, validated, with the groups' model and data checks that can run
+    here (`FlowerRun.check_sources`: all of them in a simulation, whose `grid` is Flower's in-memory one); the
+    ConfigError names the key (and is logged once), before any group is launched."""
     try:
         run = FlowerRun.from_run_config(run_config)
         run.validate()
+        run.check_sources(local=is_simulation(grid))
         return run
     except ConfigError as exc:
-        log(ERROR, "%s", exc)
         log(ERROR, "flwr_sharded: the run FAILED before it started: %s", exc)
         raise
+
+
+def is_simulation(grid: Any) -> bool:
+    """Whether `grid` is a simulation's (Flower's in-memory Grid: the ServerApp and the ClientApps share a machine)."""
+    from flwr.superlink.grid.inmemory_grid import InMemoryGrid
+
+    return isinstance(grid, InMemoryGrid)
 
 
 def strategy_class(run: FlowerRun) -> type:
