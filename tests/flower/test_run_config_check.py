@@ -89,10 +89,10 @@ def test_the_model_and_the_data_are_checked_as_the_groups_would_before_any_start
     code, text = _check(capsys, "sync-fragments=3")  # the tiny model has 2 blocks
     assert code == 2 and "'sync-fragments' 3: model tiny has 2 transformer blocks" in text
 
-    import huggingface_hub
+    from huggingface_hub import constants
 
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     code, text = _check(capsys, 'model="acme/not-cached"')
     assert code == 2 and "'model': 'acme/not-cached' is not in the Hugging Face cache" in text
     # the groups of a deployment hold the data and the model: only what holds everywhere is checked here
