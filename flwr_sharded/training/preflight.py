@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 from flwr_sharded.config import TrainConfig, validate
 from flwr_sharded.errors import ConfigError
@@ -25,8 +26,12 @@ def preflight(cfg: TrainConfig, world_size: int) -> None:
     check_model_and_data(cfg)
     if cfg.checkpoint.resume:
         from flwr_sharded.training.checkpoint import check_resumable
+        from flwr_sharded.training.durable import read_meta
 
-        check_resumable(cfg, cfg.checkpoint.dir)
+        checkpoint = check_resumable(cfg, cfg.checkpoint.dir)
+        previous = read_meta(checkpoint)["config"].get("output", {}).get("run_dir")
+        if not out.run_dir and previous and Path(previous).is_dir():
+            out.run_dir = previous  # the resumed run goes on in its directory
 
 
 def check_model_and_data(cfg: TrainConfig) -> None:

@@ -18,7 +18,7 @@ from flwr.supercore import log
 from flwr_sharded import schema
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower.run import RUN_CONFIG, FlowerRun
-from flwr_sharded.run_dir import RunDir, check_run_dir, default_run_dir
+from flwr_sharded.run_dir import METRICS, RunDir, check_run_dir, default_run_dir
 
 
 def load_run(run_config: Mapping[str, Any], grid: Any = None) -> FlowerRun:
@@ -74,6 +74,8 @@ def run_directory(run: FlowerRun, run_id: int) -> Iterator[RunDir]:
     run_dir = RunDir(path, config=schema.to_nested(run), tensorboard=out.tensorboard,
                      wandb_project=out.wandb_project, name=f"run{run_id}")
     run_dir.summary = {}
+    if run.train.checkpoint.resume and (run_dir.path / METRICS).stat().st_size:  # rounds go on, one summary at the end
+        run_dir.continue_from(run_dir.path, None, run.train.checkpoint.dir or "")
     log(INFO, "flwr_sharded: run directory %s", run_dir.path)
     try:
         yield run_dir
