@@ -120,7 +120,23 @@ def test_plot_draws_static_and_flower_runs_against_time_and_tokens(tmp_path, cap
                           _flower_run(tmp_path / "flower"))
     assert curves(fast)["train"][0] == [0.5, 1.0, 1.5, 2.0, 2.5] and curves(slow)["train"][1] == curves(fast)[
         "train"][1]
-    assert curves(flower)["eval"][2] == [600.0, 300.0, 200.0] and label(flower) == "flower (fl-hsdp, Flower)"
+    assert curves(flower)["eval"][2] == [600.0, 300.0, 200.0]
+    assert label(flower) == "flower: fl-hsdp (Flower, decentralized), float32 wire"
+    wired = RunDir(tmp_path / "int8", config={"parallel": {"method": "fl-fsdp", "aggregate_every": 25,
+                                                           "sync_dtype": "int8", "sync_fragments": 4}})
+    wired.finish({"status": "completed"})
+    assert label(tmp_path / "int8") == "int8: fl-fsdp, A=25, int8 wire, 4 fragments"
+    fsdp = RunDir(tmp_path / "fsdp", config={"parallel": {"method": "fsdp", "sync_dtype": "int8"}})
+    fsdp.finish({"status": "completed"})
+    assert label(tmp_path / "fsdp") == "fsdp: fsdp"  # no shard sync to describe
+    from flwr_sharded.plot import figure
+
+    fig = figure([fast, slow, flower, tmp_path / "int8"])  # the legend: one entry per run, over no axes
+    fig.canvas.draw()
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == [label(fast), label(slow), label(flower)]
+    box = legend.get_window_extent()
+    assert not any(box.overlaps(ax.get_window_extent()) for ax in fig.axes)
     out = tmp_path / "cmp.png"
     assert main(["plot", str(fast), str(slow), str(flower), "-o", str(out)]) == 0
     assert out.stat().st_size > 10_000 and out.read_bytes()[:4] == b"\x89PNG"
