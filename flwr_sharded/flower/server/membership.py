@@ -70,10 +70,16 @@ class GroupMembership:
         """The connected nodes, once `num-groups` are there or at `sample-timeout` (then at least min-groups)."""
         d = self.deadlines
         deadline = time.monotonic() + d.sample_timeout
+        told = time.monotonic() - 30.0 + min(5.0, d.sample_timeout / 4)  # first said after 5 s, then every 30 s
         while True:
             nodes = sorted(grid.get_node_ids())
             if d.num_groups and len(nodes) >= d.num_groups:
                 return nodes[:d.num_groups]
+            if d.num_groups and told + 30.0 <= time.monotonic() < deadline:  # say what it waits for
+                told = time.monotonic()
+                log(INFO, "waiting for nodes: %d of num-groups %d connected; in %.0f s (sample-timeout) the run goes on "
+                    "with those connected, if at least min-groups %d (a simulation has as many nodes as SuperNodes: "
+                    "--federation-config num-supernodes=N)", len(nodes), d.num_groups, deadline - told, d.min_groups)
             if time.monotonic() >= deadline:
                 if len(nodes) >= max(1, d.min_groups):
                     if d.num_groups:
