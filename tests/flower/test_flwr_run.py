@@ -49,6 +49,12 @@ def test_flwr_run_as_typed_completes_and_leaves_a_run_directory(data_dir, tmp_pa
 
         model = AutoModelForCausalLM.from_pretrained(run_dir / "model")
         assert model.config.num_hidden_layers == 2 and summary["model"] == str(run_dir / "model")
+        logs = sorted(p.name for p in (run_dir / "groups").iterdir())  # the groups log to the run directory
+        assert logs == ["group-0.log", "group-1.log"] and all(f"{run_dir}/groups/{n}" in out for n in logs), logs
+        assert "hello" in (run_dir / "groups" / "group-0.log").read_text()
+        from flwr_sharded.flower.launch import default_run_root
+
+        assert not (default_run_root() / f"run-{run_dir.name.rsplit('-run', 1)[1]}").exists()  # keys removed
         time.sleep(1)
         assert pids_matching("flwr_sharded.flower.group", f"run-{run_dir.name.rsplit('-run', 1)[1]}/") == []
 

@@ -67,13 +67,15 @@ def strategy_class(run: FlowerRun) -> type:
 @contextmanager
 def run_directory(run: FlowerRun, run_id: int) -> Iterator[RunDir]:
     """The run's directory (the `run-dir` key, else outputs/<date>_<time>-run<id> where the ServerApp runs), with
-    the outcome written and announced when the block ends. The caller records the summary in `summary`."""
+    the outcome written and announced when the block ends; `run`'s `run-dir` is set to it (the groups a simulation
+    launches log to its `groups/`). The caller records the summary in `summary`."""
     out = run.train.output
     path = check_run_dir(out.run_dir, resume=run.train.checkpoint.resume, option="run config 'run-dir'") \
         if out.run_dir else default_run_dir(suffix=f"-run{run_id}")
     run_dir = RunDir(path, config=schema.to_nested(run), tensorboard=out.tensorboard,
                      wandb_project=out.wandb_project, name=f"run{run_id}")
     run_dir.summary = {}
+    out.run_dir = str(run_dir.path)  # sent in the hellos: a simulation's groups log to <run-dir>/groups/
     if run.train.checkpoint.resume and (run_dir.path / METRICS).stat().st_size:  # rounds go on, one summary at the end
         run_dir.continue_from(run_dir.path, None, run.train.checkpoint.dir or "")
     log(INFO, "flwr_sharded: run directory %s", run_dir.path)
