@@ -231,10 +231,11 @@ def test_hello_leaves_out_groups_that_do_not_fit(caplog):
 def test_no_group_fits_is_an_error_before_any_training(caplog):
     grid = FakeGrid({n: group(n, n - 1, hello=lambda m, n=n: (0.0, hello_ok(n, shards=4, partition=n - 1)))
                      for n in (1, 2)})
-    with caplog.at_level(logging.ERROR, logger="flwr"), pytest.raises(ConfigError, match="passed the hello"):
+    with caplog.at_level(logging.ERROR, logger="flwr"), pytest.raises(ConfigError, match="passed the hello") as exc:
         make(spec(), fast()).start(grid)
     assert grid.sent(P.MSG_TRAIN) == []
     assert "relaunch the group or change the run config" in caplog.text
+    assert str(exc.value).count("relaunch the group") == 1 and ": nodes 1, 2: " in str(exc.value)  # said once
 
 
 def test_config_only_messages_and_round_layout():

@@ -116,7 +116,11 @@ class GroupMembership:
         self.groups = candidates
         self.members = sorted(candidates, key=lambda n: (candidates[n].partition_id, n))
         if len(self.members) < max(1, self.deadlines.min_groups):
-            reasons = "; ".join(f"node {n}: {r}" for n, r in self.left_out.items()) or "no replies"
+            by_reason: dict[str, list[str]] = {}  # the same error of several groups said once
+            for n, r in self.left_out.items():
+                by_reason.setdefault(r, []).append(str(n))
+            reasons = "; ".join(f"node{'s' * (len(ns) > 1)} {', '.join(ns)}: {r}" for r, ns in by_reason.items()) \
+                or "no replies"
             text = (f"{len(self.members)} group(s) passed the hello, fewer than min-groups "
                     f"{self.deadlines.min_groups}: {reasons}")
             log(ERROR, "%s", text)
