@@ -9,6 +9,7 @@ touched, and its messages name each option as the surface spells it.
 from __future__ import annotations
 
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -298,6 +299,22 @@ def option_table() -> dict[str, schema.Option]:
 def label_of(surface: Surface, name: str) -> str:
     """How `surface` names the TrainConfig option `name`."""
     return surface.label(option_table()[name])
+
+
+_FLAG = re.compile(r"(?<![\w-])--([a-z][a-z0-9-]*)")
+
+
+def respelled(exc: ConfigError, surface: Surface) -> ConfigError:
+    """`exc`, a check's message naming command-line flags (`--model: ...`), with each TrainConfig option as `surface`
+    spells it (`run config 'model': ...`); text in backticks, a command to type, keeps its flags."""
+    table = option_table()
+
+    def label(match: re.Match[str]) -> str:
+        o = table.get(match.group(1))
+        return surface.label(o) if o is not None else match.group(0)
+
+    parts = str(exc).split("`")
+    return surface.error("`".join(_FLAG.sub(label, p) if i % 2 == 0 else p for i, p in enumerate(parts)))
 
 
 # ----------------------------------------------------------------------------------------------------- loading

@@ -1,10 +1,12 @@
 """`flwr-sharded plot RUN_DIR [RUN_DIR ...] -o FILE.png`: train and eval perplexity of runs against wall-clock time
-and against tokens, so methods can be compared (static runs per logged step, Flower runs per round)."""
+and against tokens, so methods can be compared (static runs per logged step, Flower runs per round); the legend,
+under the axes, names each run by its directory, method, and for FL methods A, the wire dtype and the fragments."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -38,19 +40,39 @@ def curves(run_dir: str | Path) -> dict[str, Curve]:
 
 
 def label(run_dir: str | Path) -> str:
-    """The run's directory name and method (Flower runs say so)."""
+    """The run's directory name and what tells runs apart: the method, Flower's aggregation path, and for FL methods
+    A, the sync's wire dtype and fragments (from config.json; defaults where it predates a key)."""
     path = Path(run_dir)
     try:
         config: dict[str, Any] = json.loads((path / CONFIG).read_text())
     except (OSError, json.JSONDecodeError):
         return path.name
-    if "train" in config:
-        return f"{path.name} ({config['train']['parallel']['method']}, Flower)"
-    return f"{path.name} ({config.get('parallel', {}).get('method', '?')})"
+    flower = "train" in config
+    p = (config["train"] if flower else config).get("parallel", {})
+    method = p.get("method", "?")
+    parts = [f"{method} (Flower, {config.get('federation', {}).get('aggregation', 'decentralized')})" if flower
+             else method]
+    if method.startswith("fl-"):
+        fragments = int(p.get("sync_fragments", 1))
+        parts += [f"A={p['aggregate_every']}"] if "aggregate_every" in p else []
+        parts.append(f"{p.get('sync_dtype', 'float32')} wire" + (f", {fragments} fragments" if fragments > 1 else ""))
+    return f"{path.name}: {', '.join(parts)}"
 
 
 def plot(run_dirs: list[str | Path], out: str | Path) -> Path:
     """Write a 2 x 2 figure (train/eval perplexity against time/tokens) of the runs to `out`."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(run_dirs)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def figure(run_dirs: list[str | Path]) -> Any:
+    """The 2 x 2 matplotlib figure of `plot`, with one legend entry per run under the axes."""
     try:
         import matplotlib
 
@@ -61,7 +83,8 @@ def plot(run_dirs: list[str | Path], out: str | Path) -> Path:
     data = [(label(d), curves(d)) for d in run_dirs]
     if not any(c for _, c in data):
         raise ConfigError(f"none of {', '.join(map(str, run_dirs))} has perplexity records to plot")
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharey="row")
+    rows = max(1, math.ceil(len(data) / 2))  # the legend goes under the axes, two runs a row: it covers no curve
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8 + 0.3 * rows), sharey="row")
     for row, kind in enumerate(("train", "eval")):
         for col, (axis, name) in enumerate(((0, "wall-clock time (s)"), (1, "tokens seen"))):
             ax = axes[row][col]
@@ -72,13 +95,13 @@ def plot(run_dirs: list[str | Path], out: str | Path) -> Path:
             ax.set_ylabel(f"{kind} perplexity")
             ax.set_yscale("log")
             ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].legend(fontsize="small")
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    legend = {}  # one entry per run, from whichever axes drew it
+    for ax in axes.flat:
+        legend.update({text: handle for handle, text in zip(*ax.get_legend_handles_labels()) if text not in legend})
+    fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=min(2, len(legend)), fontsize="small",
+               frameon=False)
+    fig.tight_layout(rect=(0, 0.04 * rows + 0.01, 1, 1))
+    return fig
 
 
 def register(subparsers: Any) -> None:

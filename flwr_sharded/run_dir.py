@@ -8,8 +8,10 @@
     <run-dir>/tensorboard/      TensorBoard scalars (tensorboard on)
 
 Every train, eval and round record carries `elapsed_s` and `tokens_seen` (all ranks, since the start), so
-`flwr-sharded plot` can draw runs of any method against wall-clock time and against tokens. Torch-free unless
-TensorBoard is on.
+`flwr-sharded plot` can draw runs of any method against wall-clock time and against tokens. A resumed run continues
+the metrics of the run its checkpoint came from (`RunDir.continue_from`): their records up to the checkpoint's step,
+a record of kind resume, then its own, with `elapsed_s` going on from the earlier run's; the file still ends with
+one summary record. Torch-free unless TensorBoard is on.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ class RunDir:
         self.started = time.time()
         _write_json(self.path / CONFIG, config)
         self._metrics = open(self.path / METRICS, "a", buffering=1)
+        self.elapsed_offset = 0.0
+        """Added to every record's `elapsed_s`: the earlier run's time, in a continued directory."""
         self._tb = None
         self._wandb = None
         if tensorboard:
@@ -78,8 +82,26 @@ class RunDir:
     def model_dir(self) -> Path:
         return self.path / MODEL
 
+    def continue_from(self, previous: str | Path, step: int | None, checkpoint: str | Path) -> None:
+        """Start metrics.jsonl with the records of the run directory `previous` up to `step` (later steps, redone
+        from the checkpoint, and its summary left out; None: every step) and a record of kind resume; `previous`
+        may be this directory."""
+        path = Path(previous) / METRICS
+        kept = [r for r in read_records(previous) if r.get("kind") != "summary"
+                and (step is None or int(r.get("step", 0)) <= step)] if path.is_file() else []
+        self._metrics.close()
+        tmp = self.path / f".{METRICS}.tmp"
+        tmp.write_text("".join(json.dumps(r, default=_jsonable) + "\n" for r in kept))
+        tmp.replace(self.path / METRICS)
+        self._metrics = open(self.path / METRICS, "a", buffering=1)
+        self.elapsed_offset = max((float(r["elapsed_s"]) for r in kept if "elapsed_s" in r), default=0.0)
+        self.log({"kind": "resume", "step": step, "checkpoint": str(checkpoint), "previous": str(Path(previous)),
+                  "continued_records": len(kept)})
+
     def log(self, record: dict[str, Any]) -> None:
         """Append one record (a dict with `kind`) to metrics.jsonl, and its numbers to TensorBoard and W&B."""
+        if self.elapsed_offset and "elapsed_s" in record:
+            record = {**record, "elapsed_s": record["elapsed_s"] + self.elapsed_offset}
         self._metrics.write(json.dumps(record, default=_jsonable) + "\n")
         step = record.get("step", record.get("round"))
         numbers = {f"{record.get('kind', 'train')}/{k}": v for k, v in record.items()

@@ -5,7 +5,9 @@ Runs any of the four methods (fsdp, hsdp, fl-fsdp, fl-hsdp) on F x R x S = N pro
 train`); a run of one process (F x R x S = 1) also runs without torchrun. Options come from
 `--config FILE` (YAML, sections as in `flwr_sharded.config`) and the command line, which wins; every flag is a field
 of `flwr_sharded.config.TrainConfig`. Everything is validated before a process group is started. The run writes its
-directory (`--run-dir`, default outputs/<date>_<time>): config.json, metrics.jsonl, summary.json and model/.
+directory (`--run-dir`, default outputs/<date>_<time>): config.json, metrics.jsonl, summary.json and model/. With
+`--resume` it continues the run directory of the run its checkpoint came from (unless `--run-dir` names another,
+which then starts with that run's metrics up to the checkpoint).
 """
 
 from __future__ import annotations
@@ -92,11 +94,15 @@ def run(cfg: TrainConfig, measure_traffic: str | None = None, faults: Any = None
         cfg.output.run_dir = box[0]
         trainer = Trainer(cfg, topo)
         memory_release.after_load()  # the load's transient buffers
+        resumed = trainer.resume() if cfg.checkpoint.resume else None  # before the run directory continues
         if leader and faults is not None and trainer.outer is not None:
             trainer.outer.faults = faults
         if leader:
             recorder = RunDir(cfg.output.run_dir, config=config_to_dict(cfg), tensorboard=cfg.output.tensorboard,
                               wandb_project=cfg.output.wandb_project)
+            if resumed is not None and trainer.resumed_from is not None:
+                previous = resumed["config"].get("output", {}).get("run_dir") or recorder.path
+                recorder.continue_from(previous, *trainer.resumed_from)
             logging.info("run directory: %s", recorder.path)
             recorder.log({"kind": "start", "layout": topo.describe(), "world_size": cfg.parallel.world_size,
                           "effective_batch": effective_batch(cfg),

@@ -53,6 +53,40 @@ def test_a_run_directory_holds_config_metrics_and_summary(tmp_path):
     assert second != first and second.name.startswith(first.name)
 
 
+def test_a_resumed_run_continues_the_metrics_with_one_summary_at_the_end(tmp_path):
+    from flwr_sharded.plot import curves
+
+    path = _static_run(tmp_path / "a", speed=1.0)  # steps 1-5 and a summary; resumed from a checkpoint at step 3
+    run = RunDir(path, config={"parallel": {"method": "fl-fsdp"}})
+    run.continue_from(path, 3, tmp_path / "ckpt" / "group-0" / "step-00000003")
+    for step in (4, 5, 6):
+        run.log({"kind": "train", "step": step, "loss": 1.0, "ppl": 2.7, "elapsed_s": step - 3.0,
+                 "tokens_seen": step * 1000})
+    run.finish({"status": "completed", "steps": 6})
+    records = read_records(path)
+    assert [(r["kind"], r.get("step")) for r in records] == [
+        ("train", 1), ("train", 2), ("train", 3), ("resume", 3), ("train", 4), ("train", 5), ("train", 6),
+        ("summary", None)]
+    assert records[-1]["steps"] == 6 and records[3]["continued_records"] == 3
+    assert curves(path)["train"][0] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]  # the time axis goes on from the earlier run
+    flower = _flower_run(tmp_path / "flower")  # a Flower run resumed in its run-dir: every round, one summary
+    run = RunDir(flower, config={})
+    run.continue_from(flower, None, "/ckpt")
+    run.finish({"status": "completed"})
+    assert [r["kind"] for r in read_records(flower)] == ["round"] * 3 + ["resume", "summary"]
+
+
+def test_a_flower_run_resumed_in_its_run_dir_ends_with_one_summary(tmp_path):
+    from flwr_sharded.flower.run import FlowerRun
+    from flwr_sharded.flower.server.app import run_directory
+
+    path = _flower_run(tmp_path / "run")
+    run = FlowerRun.from_run_config({"run-dir": str(path), "checkpoint-dir": str(tmp_path / "ckpt"), "resume": True})
+    with run_directory(run, 7) as run_dir:
+        run_dir.log({"kind": "round", "round": 3, "elapsed_s": 1.0, "tokens_seen": 1})
+    assert [r["kind"] for r in read_records(path)] == ["round"] * 3 + ["resume", "round", "summary"]
+
+
 def test_tensorboard_and_wandb_receive_the_same_records(tmp_path, monkeypatch):
     calls: dict[str, list] = {"init": [], "log": [], "finish": []}
 
@@ -86,7 +120,23 @@ def test_plot_draws_static_and_flower_runs_against_time_and_tokens(tmp_path, cap
                           _flower_run(tmp_path / "flower"))
     assert curves(fast)["train"][0] == [0.5, 1.0, 1.5, 2.0, 2.5] and curves(slow)["train"][1] == curves(fast)[
         "train"][1]
-    assert curves(flower)["eval"][2] == [600.0, 300.0, 200.0] and label(flower) == "flower (fl-hsdp, Flower)"
+    assert curves(flower)["eval"][2] == [600.0, 300.0, 200.0]
+    assert label(flower) == "flower: fl-hsdp (Flower, decentralized), float32 wire"
+    wired = RunDir(tmp_path / "int8", config={"parallel": {"method": "fl-fsdp", "aggregate_every": 25,
+                                                           "sync_dtype": "int8", "sync_fragments": 4}})
+    wired.finish({"status": "completed"})
+    assert label(tmp_path / "int8") == "int8: fl-fsdp, A=25, int8 wire, 4 fragments"
+    fsdp = RunDir(tmp_path / "fsdp", config={"parallel": {"method": "fsdp", "sync_dtype": "int8"}})
+    fsdp.finish({"status": "completed"})
+    assert label(tmp_path / "fsdp") == "fsdp: fsdp"  # no shard sync to describe
+    from flwr_sharded.plot import figure
+
+    fig = figure([fast, slow, flower, tmp_path / "int8"])  # the legend: one entry per run, over no axes
+    fig.canvas.draw()
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == [label(fast), label(slow), label(flower)]
+    box = legend.get_window_extent()
+    assert not any(box.overlaps(ax.get_window_extent()) for ax in fig.axes)
     out = tmp_path / "cmp.png"
     assert main(["plot", str(fast), str(slow), str(flower), "-o", str(out)]) == 0
     assert out.stat().st_size > 10_000 and out.read_bytes()[:4] == b"\x89PNG"

@@ -4,8 +4,9 @@ Flower refuses a key the app's `[tool.flwr.app.config]` lacks before the ServerA
 only `Invalid run configuration.` (the key is in the SuperLink's log). This command reads the overrides with
 Flower's own parser (`flwr.common.config.parse_config_args`: `'key=value key2="text"'` strings, or one `.toml`
 file), fuses them with the app's defaults and runs the ServerApp's checks (`FlowerRun.from_run_config`, the
-allowed run-config imports of `flwr_sharded.flower.server.imports` and `validate`), so an unknown key or a bad value
-is named, with the closest keys for a typo.
+allowed run-config imports of `flwr_sharded.flower.server.imports`, `validate` and `check_sources`: the model and
+the data, as on this machine unless `--deployment`), so an unknown key or a bad value is named, with the closest
+keys for a typo.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ class CheckOptions:
     run_config: str | None = None
     """Overrides as `flwr run --run-config` takes them: 'key=value key2="text"' (TOML values), or a .toml file;
     repeat it as for `flwr run`."""
+    deployment: bool = False
+    """The groups run on other machines: skip the checks of the data directory, the tokenizer and the model's files
+    and cache, which only their nodes can make (a local simulation's groups use this machine's)."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -102,9 +106,10 @@ def app_package(app: str | Path) -> str:
     return str(app_table(app).get("components", {}).get("serverapp", "")).split(".")[0].split(":")[0]
 
 
-def check(app: str | Path, run_config: list[str]) -> FlowerRun:
-    """The run that `flwr run <app> --run-config ...` would start, checked as the ServerApp checks it; ConfigError
-    naming the first bad key (an unknown one with the closest known ones)."""
+def check(app: str | Path, run_config: list[str], *, local: bool = True) -> FlowerRun:
+    """The run that `flwr run <app> --run-config ...` would start, checked as the ServerApp checks it (`local`: as
+    in a simulation on this machine, with its model and data checks); ConfigError naming the first bad key (an
+    unknown one with the closest known ones)."""
     given, defaults = overrides(run_config), app_defaults(app)
     run = FlowerRun.from_run_config({**defaults, **given})  # an unknown key: "did you mean ...?"
     missing = sorted(set(given) - set(defaults))
@@ -113,6 +118,7 @@ def check(app: str | Path, run_config: list[str]) -> FlowerRun:
                                f"refuses it")
     check_run_imports(run, app_package(app))  # with this machine's FLWR_SHARDED_ALLOWED_IMPORTS
     run.validate()
+    run.check_sources(local=local)
     return run
 
 
@@ -128,7 +134,7 @@ def describe(run: FlowerRun) -> str:
 def _command(args: argparse.Namespace) -> int:
     try:
         opts = schema.apply_arguments(CheckOptions(), args)
-        run = check(opts.app, args.run_config)
+        run = check(opts.app, args.run_config, local=not opts.deployment)
     except ConfigError as exc:
         print(f"flwr-sharded check: error: {exc}", file=sys.stderr)
         return 2

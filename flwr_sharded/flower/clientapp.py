@@ -98,9 +98,18 @@ def find_group(context: Any, config: Mapping[str, Any], *, launch: bool) -> tupl
     run_dir = default_run_root() / f"run-{context.run_id}" / f"node-{context.node_id}"
     group = launch_group(run_dir, method=p.method, replicas=p.replicas, shards=p.shards,
                          idle_timeout=float(config.get("group-idle-timeout", 600.0)), watch_pid=os.getpid(),
-                         ready_timeout=float(config.get("timeout", 180.0)), gpus=gpus)
+                         ready_timeout=float(config.get("timeout", 180.0)), gpus=gpus,
+                         log_file=group_log_file(run.train.output.run_dir, partition_id))
     _remember(context, group)
     return group.client(), group
+
+
+def group_log_file(run_dir: str | None, partition_id: int) -> Path | None:
+    """`<run-dir>/groups/group-<partition id>.log` when the ServerApp's run directory is on this machine (a
+    simulation); None otherwise (the log stays in the group's private directory)."""
+    if run_dir and Path(run_dir).is_dir():
+        return Path(run_dir) / "groups" / f"group-{partition_id}.log"
+    return None
 
 
 def to_records(ok: bool, error: str, result: Mapping[str, Any]):
@@ -328,8 +337,14 @@ def _finish(context: Any, config: Mapping[str, Any], timeout: float) -> dict[str
                 logger.warning("save before shutdown failed: %s", exc)
         stopped = stop_group(group, timeout=min(timeout, 30.0))
         _remember(context, None)
-        for name in ("authkey", "address"):  # keep group.log for post-mortems
+        for name in ("authkey", "address"):  # keep a group.log there for post-mortems
             Path(group.run_dir, name).unlink(missing_ok=True)
+        if Path(group.log_file).parent != Path(group.run_dir):  # its log is in the run directory
+            shutil.rmtree(group.run_dir, ignore_errors=True)
+            try:
+                Path(group.run_dir).parent.rmdir()  # run-<id>/, once its last node is done
+            except OSError:
+                pass
         return {"stopped": int(stopped), "saved": saved}
     if NODE_ADDRESS not in nc:
         return {"stopped": 1, "saved": ""}  # nothing was launched here

@@ -107,12 +107,16 @@ def assign_gpus(partition_id: int, ranks: int, gpus: list[str], requested: str =
 def launch_group(run_dir: str | Path, *, method: str, replicas: int, shards: int, idle_timeout: float = 600.0,
                  watch_pid: int | None = None, data_dir: str = "", ready_timeout: float = 180.0,
                  gpus: list[str] | None = None, python: str = sys.executable,
-                 env: Mapping[str, str] | None = None) -> LaunchedGroup:
-    """Start a group of R*S local ranks and wait until its endpoint listens; returns how to reach and stop it."""
+                 env: Mapping[str, str] | None = None, log_file: str | Path | None = None) -> LaunchedGroup:
+    """Start a group of R*S local ranks and wait until its endpoint listens; returns how to reach and stop it.
+    `run_dir`: the group's private directory (its key and address); `log_file`: its log (default
+    `run_dir/group.log`)."""
     run_dir = Path(run_dir)
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     private_dir(run_dir)  # its key and log: refused if someone else made or can enter it
-    authkey_file, address_file, log_file = run_dir / "authkey", run_dir / "address", run_dir / "group.log"
+    authkey_file, address_file = run_dir / "authkey", run_dir / "address"
+    log_file = Path(log_file) if log_file else run_dir / "group.log"
+    log_file.parent.mkdir(parents=True, exist_ok=True)
     write_authkey(authkey_file)
     address_file.unlink(missing_ok=True)
     cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(replicas * shards),

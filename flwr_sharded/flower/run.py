@@ -22,6 +22,7 @@ from typing import Any, Literal, Mapping
 
 from flwr_sharded import schema
 from flwr_sharded.config import METHODS, QUANTIZED, OptimConfig, ParallelConfig, TrainConfig, outer_rule, validate
+from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.outer import LINEAR_RULES
 from flwr_sharded.schema import Surface, option, same_as
 
@@ -325,6 +326,25 @@ class FlowerRun:
             raise S.error(f"{L('outer')} {p.outer!r} needs every member's shards at once, but {L('aggregation')} "
                           f"\"server\" streams a weighted mean; use a linear rule "
                           f"({', '.join(LINEAR_RULES)}) or aggregation \"decentralized\"")
+
+    def check_sources(self, *, local: bool) -> None:
+        """The model and data checks each group makes at hello, as far as they can run here, before any group is
+        launched. `local` (a simulation: the groups run on this machine, with its files and caches): all of them
+        (`flwr_sharded.training.preflight.check_model_and_data`); else (deployment: the nodes hold the data and
+        the model's files) only that a model name without '/' is a preset. ConfigError naming the run-config key."""
+        from flwr_sharded.config import respelled
+        from flwr_sharded.training.models import check_model_name
+
+        cfg = self.group_config()
+        try:
+            if local:
+                from flwr_sharded.training.preflight import check_model_and_data
+
+                check_model_and_data(cfg)
+            elif "/" not in cfg.model.name:
+                check_model_name(cfg.model.name)
+        except ConfigError as exc:
+            raise respelled(exc, RUN_CONFIG) from None
 
 
 def _fl_methods() -> list[str]:

@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.perf.costmodel import Units, _positive_int
@@ -78,6 +81,54 @@ def model_from_preset(name: str, vocab_size: int = 32000) -> ModelShape:
     if name not in PRESETS:
         raise ConfigError(f"--model: unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
     return shape_of(PRESETS[name], vocab_size, name=name)
+
+
+def model_from_name(name: str, vocab_size: int = 32000) -> ModelShape:
+    """Shape of any model `train --model` takes: a preset, or a Hugging Face model directory or hub id, whose
+    architecture is read from its config.json (nothing else is loaded; no torch)."""
+    if name in PRESETS:
+        return model_from_preset(name, vocab_size)
+    return shape_of(preset_from_config(read_model_config(name), name), vocab_size, name=name)
+
+
+def read_model_config(name: str) -> dict[str, Any]:
+    """The config.json of a local model directory, or of a hub id (fetched alone, or read from the cache)."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        file = path / "config.json"
+        if not file.is_file():
+            raise ConfigError(f"--model: {path} has no config.json")
+    elif len(name.split("/")) == 2 and all(name.split("/")):
+        from huggingface_hub import hf_hub_download
+
+        try:
+            file = Path(hf_hub_download(name, "config.json"))
+        except Exception as exc:  # network, authentication, a missing repository or an empty offline cache
+            raise ConfigError(f"--model: cannot read the config.json of {name!r}: {' '.join(str(exc).split())}"
+                              ) from exc
+    else:
+        raise ConfigError(f"--model: unknown model {name!r}; use a preset ({', '.join(PRESETS)}), a Hugging Face id "
+                          f"(org/name) or a local model directory")
+    try:
+        return json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--model: cannot read {file}: {exc}") from exc
+
+
+def preset_from_config(config: dict[str, Any], name: str) -> Preset:
+    """The Llama-like shape a `transformers` config.json describes (a multimodal one: its `text_config`)."""
+    c = config if "hidden_size" in config else config.get("text_config") or config
+    try:
+        heads = int(c["num_attention_heads"])
+        return Preset(hidden_size=int(c["hidden_size"]), num_hidden_layers=int(c["num_hidden_layers"]),
+                      num_attention_heads=heads, num_key_value_heads=int(c.get("num_key_value_heads") or heads),
+                      intermediate_size=int(c["intermediate_size"]),
+                      tie_word_embeddings=bool(c.get("tie_word_embeddings", config.get("tie_word_embeddings", False))),
+                      vocab_size=int(c["vocab_size"]) if c.get("vocab_size") else None)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"--model {name}: its config.json does not describe a Llama-like decoder ({exc!r}); the "
+                          f"planner needs hidden_size, num_hidden_layers, num_attention_heads and intermediate_size "
+                          f"(or give --params and --layers)") from None
 
 
 def shape_of(p: Preset, vocab_size: int = 32000, *, name: str = "custom") -> ModelShape:

@@ -15,9 +15,9 @@ from flwr_sharded.parallel.outer import RULES
 from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES
 from flwr_sharded.perf.cluster import Cluster, load_cluster
 from flwr_sharded.perf.memory_model import StepOptions
-from flwr_sharded.perf.model_shape import ModelShape
+from flwr_sharded.perf.model_shape import ModelShape, model_from_name
 from flwr_sharded.perf.plan_options import PlanOptions
-from flwr_sharded.perf.planner import Candidate, PaperRow, evaluate, explain, model_from_preset, paper_layouts, plan
+from flwr_sharded.perf.planner import Candidate, PaperRow, evaluate, explain, paper_layouts, plan
 
 GiB = 1024**3
 
@@ -55,9 +55,9 @@ def step_options(opts: PlanOptions) -> StepOptions:
 
 def _model_from_args(args: argparse.Namespace) -> ModelShape | None:
     if args.model and args.params:
-        raise ConfigError("--model and --params are exclusive: give a preset or a parameter count with --layers")
+        raise ConfigError("--model and --params are exclusive: give a model or a parameter count with --layers")
     if args.model:
-        return model_from_preset(args.model, args.vocab_size)
+        return model_from_name(args.model, args.vocab_size)
     if args.params:
         if not args.layers:
             raise ConfigError("--params needs --layers (number of transformer blocks)")
@@ -131,7 +131,7 @@ def run(parsed: argparse.Namespace) -> int:
             _print_paper(cluster, rows, args)
             return 0
         if model is None:
-            raise ConfigError("give a model: --model PRESET, or --params N --layers L")
+            raise ConfigError("give a model: --model PRESET|MODEL_DIR|ORG/NAME, or --params N --layers L")
         options = dict(tokens_per_gpu_batch=args.tokens_per_gpu, bytes_per_param=args.bytes_per_param,
                        state_bytes_per_param=args.state_bytes_per_param, sizes=args.sizes, latency=args.latency,
                        activation_checkpointing=args.activation_checkpointing,

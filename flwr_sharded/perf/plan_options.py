@@ -12,9 +12,6 @@ from typing import Literal
 from flwr_sharded.config import METHODS, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from flwr_sharded.parallel.wire import SyncDtype
 from flwr_sharded.schema import option, same_as
-from flwr_sharded.presets import PRESETS
-
-Preset = Literal[tuple(sorted(PRESETS))]  # type: ignore[valid-type]
 
 
 @dataclass
@@ -23,8 +20,10 @@ class PlanOptions:
 
     cluster: str | None = option(None, required=True)
     """Cluster YAML (see examples/clusters/)."""
-    model: Preset | None = None
-    """Model preset; or a model without preset: `params` and `layers`."""
+    model: str | None = None
+    """A model as `train --model` takes it: a preset (tiny, small, medium, llama-1b, llama-3b, llama3.1-8b), a Hugging
+    Face model directory or hub id (its architecture read from config.json); or a model without either: `params`
+    and `layers`."""
     params: float | None = option(None, gt=0)
     """Parameter count of a model without preset, e.g. 8e9 (with `layers`)."""
     layers: int | None = option(None, ge=1)

@@ -19,7 +19,10 @@ A write that fails on any rank (a full disk) removes the partial `step-N.tmp/`, 
 was and raises `CheckpointWriteError` on every rank of the group, which can keep training.
 
 Resuming refuses (ConfigError naming the option) a run whose optimizer, learning rate, optimizer settings, schedule
-or precision differ from the checkpoint's: the checkpoint's would otherwise silently win.
+or precision differ from the checkpoint's: the checkpoint's would otherwise silently win. `--steps` may change, to
+extend a run (or end it earlier, but not before the checkpoint's step): the learning-rate schedule stays the one the
+series started with (warm-up and cosine over its first run's steps), so the steps it had planned are taken as they
+would have been, and the steps beyond it run at the schedule's final rate (`min-lr-ratio` x `lr`).
 
 Fault injection (tests only): `$FLWR_SHARDED_FAULT_COMMIT_DELAY_S` seconds of sleep on every rank between writing a
 checkpoint and committing it, so a test can kill the job while `step-N.tmp/` is complete but not yet renamed.
@@ -61,7 +64,7 @@ MUST_MATCH = ("parallel.method", "parallel.federations", "parallel.replicas", "p
               "optim.optimizer")
 """What a resumed run must share with its checkpoint: layout, model, data, batches, seed and optimizer."""
 CHANGEABLE = ("optim.lr", "optim.beta1", "optim.beta2", "optim.weight_decay", "optim.warmup", "optim.min_lr_ratio",
-              "steps", "model.precision")
+              "model.precision")
 """What a resumed run must share with its checkpoint too, listed together when refused: learning rate, optimizer
 settings, schedule, precision."""
 
@@ -156,6 +159,10 @@ def check_compatible(cfg: TrainConfig, checkpoint: Path) -> None:
         if saved_value != getattr(cfg.parallel, key):
             raise ConfigError(f"--resume: the checkpoint {checkpoint} was written with parallel.{key}={saved_value!r},"
                               f" this run has {getattr(cfg.parallel, key)!r}")
+    step = int(read_meta(checkpoint)["step"])
+    if cfg.steps < step:
+        raise ConfigError(f"--resume: --steps {cfg.steps} is below the checkpoint's step {step} ({checkpoint}); "
+                          f"give at least {step} steps (more extend the run)")
     changes = changed_settings(saved, cfg)
     if changes:
         raise ConfigError(
@@ -163,6 +170,24 @@ def check_compatible(cfg: TrainConfig, checkpoint: Path) -> None:
             f"{', '.join(f'{k}={old!r}' for k, old, _ in changes)}; this run has "
             f"{', '.join(f'{k}={new!r}' for k, _, new in changes)}. Resuming would keep the checkpoint's optimizer "
             f"state and schedule: resume with the checkpoint's values")
+
+
+def schedule_span(meta: dict[str, Any]) -> int:
+    """The steps a checkpoint's learning-rate schedule spans: its series' first run's `steps`."""
+    return int(meta.get("schedule_steps", meta["config"]["steps"]))
+
+
+def resumed_line(checkpoint: Path, meta: dict[str, Any], cfg: TrainConfig) -> str:
+    """What a resume says: the step, the checkpoint, and what happens to the schedule when `--steps` changed."""
+    step, span = int(meta["step"]), schedule_span(meta)
+    line = f"resumed from step {step} (checkpoint {checkpoint})"
+    if cfg.steps > span:
+        final = cfg.optim.lr * cfg.optim.min_lr_ratio
+        line += (f"; --steps {cfg.steps} extends the run: the learning-rate schedule keeps its {span} steps, steps "
+                 f"{max(span, step) + 1}-{cfg.steps} run at its final rate {final:.3g}")
+    elif cfg.steps < span:
+        line += f"; the run ends at step {cfg.steps}, within its schedule of {span} steps"
+    return line
 
 
 def check_resumable(cfg: TrainConfig, root: str | Path, fed_index: int = 0) -> Path:

@@ -53,7 +53,7 @@ def _check_dataset(cfg: DataConfig) -> None:
     data_dir = data_dir_of(cfg)
     prepare = f"run `flwr-sharded prepare-data --data-dir {data_dir}`"
     if not data_dir.is_dir():
-        raise ConfigError(f"data directory {data_dir} does not exist; {prepare}")
+        raise ConfigError(f"data directory {data_dir} (--data-dir) does not exist; {prepare}")
     if cfg.dataset == EMBEDDED:
         if not embedded_prepared(data_dir):
             raise ConfigError(f"--dataset {EMBEDDED}: the embedded corpus is not prepared in {data_dir}; {prepare}")

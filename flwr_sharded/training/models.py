@@ -12,8 +12,8 @@ from torch import nn
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.presets import PRESETS, Preset
 
-__all__ = ["PRESETS", "Preset", "build_meta_model", "build_model", "check_model_name", "is_preset", "model_config",
-           "transformer_blocks"]
+__all__ = ["PRESETS", "Preset", "build_meta_model", "build_model", "check_hub_cache", "check_model_name", "is_preset",
+           "model_config", "transformer_blocks"]
 
 
 def is_preset(name: str) -> bool:
@@ -29,6 +29,18 @@ def check_model_name(name: str) -> None:
         return  # a hub id; resolved when the model is built
     raise ConfigError(f"--model: unknown model {name!r}; use a preset ({', '.join(PRESETS)}), "
                       f"a Hugging Face id (org/name) or a local model directory")
+
+
+def check_hub_cache(name: str) -> None:
+    """Offline (`HF_HUB_OFFLINE`), a hub id must be in the Hugging Face cache already (its config.json at least)."""
+    if name in PRESETS or Path(name).is_dir():
+        return
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(name, "config.json"), str):
+        raise ConfigError(f"--model: {name!r} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+                          f"HF_HUB_OFFLINE is set; download it where the hub is reachable (`hf download {name}`) "
+                          f"or give a local model directory")
 
 
 def model_config(name: str, *, vocab_size: int, max_seq_len: int) -> Any:

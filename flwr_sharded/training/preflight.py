@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 from flwr_sharded.config import TrainConfig, validate
 from flwr_sharded.errors import ConfigError
@@ -12,9 +13,6 @@ from flwr_sharded.parallel.wire import WIRES
 def preflight(cfg: TrainConfig, world_size: int) -> None:
     """Every check that can run before a process group, a model or a file is touched."""
     from flwr_sharded.run_dir import check_run_dir
-    from flwr_sharded.training.data import check_data
-    from flwr_sharded.training.models import check_model_name, is_preset
-    from flwr_sharded.training.vocab import check_vocab
 
     validate(cfg, world_size)
     out = cfg.output
@@ -25,7 +23,28 @@ def preflight(cfg: TrainConfig, world_size: int) -> None:
         if wanted and importlib.util.find_spec(package) is None:
             raise ConfigError(f"{flag} needs the {package} package: pip install 'flwr_sharded[{package}]'")
     check_devices(cfg)
+    check_model_and_data(cfg)
+    if cfg.checkpoint.resume:
+        from flwr_sharded.training.checkpoint import check_resumable
+        from flwr_sharded.training.durable import read_meta
+
+        checkpoint = check_resumable(cfg, cfg.checkpoint.dir)
+        previous = read_meta(checkpoint)["config"].get("output", {}).get("run_dir")
+        if not out.run_dir and previous and Path(previous).is_dir():
+            out.run_dir = previous  # the resumed run goes on in its directory
+
+
+def check_model_and_data(cfg: TrainConfig) -> None:
+    """The model and the data a run names, checked against this machine's files and caches, no model built: the
+    model (a preset, a local directory, or a hub id, which must be in the Hugging Face cache when offline), a
+    pretrained checkpoint's config.json and safetensors headers, the shard sync against the model's layers, the
+    data directory, dataset and tokenizer, and the tokenizer against the model's vocabulary."""
+    from flwr_sharded.training.data import check_data
+    from flwr_sharded.training.models import check_hub_cache, check_model_name, is_preset
+    from flwr_sharded.training.vocab import check_vocab
+
     check_model_name(cfg.model.name)
+    check_hub_cache(cfg.model.name)
     check_sync(cfg)
     if cfg.model.pretrained and not is_preset(cfg.model.name):
         from flwr_sharded.training.pretrained import check_pretrained
@@ -33,10 +52,6 @@ def preflight(cfg: TrainConfig, world_size: int) -> None:
         check_pretrained(cfg.model.name)  # config.json and safetensors headers only
     check_data(cfg.data, cfg.model.name)
     check_vocab(cfg)
-    if cfg.checkpoint.resume:
-        from flwr_sharded.training.checkpoint import check_resumable
-
-        check_resumable(cfg, cfg.checkpoint.dir)
 
 
 def check_devices(cfg: TrainConfig) -> None:
@@ -61,7 +76,7 @@ def check_sync(cfg: TrainConfig) -> None:
         from flwr_sharded.config import check_fragments
         from flwr_sharded.training.models import model_config
 
-        config = model_config(cfg.model.name, vocab_size=1, max_seq_len=cfg.data.seq_len)
+        config = model_config(cfg.model.name, vocab_size=256, max_seq_len=cfg.data.seq_len)  # layers only
         check_fragments(p, int(config.num_hidden_layers), cfg.model.name)
     if p.federated and WIRES[p.sync_dtype].requirement:
         import torch

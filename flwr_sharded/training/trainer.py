@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,7 +27,8 @@ from flwr_sharded.parallel.topology import Topology
 from flwr_sharded.run_dir import perplexity
 from flwr_sharded.training import data as data_lib
 from flwr_sharded.training.partition import BatchStream, eval_batches
-from flwr_sharded.training.checkpoint import CheckpointWriteError, Checkpointer, check_compatible
+from flwr_sharded.training.checkpoint import CheckpointWriteError, Checkpointer, check_compatible, resumed_line, \
+    schedule_span
 from flwr_sharded.training.metrics import PhaseTimer, Throughput
 from flwr_sharded.training.model_init import build_sharded_model
 from flwr_sharded.training.models import transformer_blocks
@@ -44,15 +46,16 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
     return torch.optim.SGD(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
 
 
-def lr_lambda(cfg: TrainConfig):
-    """Linear warm-up to the peak, then cosine decay to `min_lr_ratio` of it at `steps`."""
-    o = cfg.optim
-    warmup = int(o.warmup * cfg.steps) if o.warmup < 1 else int(o.warmup)
+def lr_lambda(cfg: TrainConfig, steps: int | None = None):
+    """Linear warm-up to the peak, then cosine decay to `min_lr_ratio` of it at `steps` (default: the run's), flat
+    after it."""
+    o, steps = cfg.optim, steps or cfg.steps
+    warmup = int(o.warmup * steps) if o.warmup < 1 else int(o.warmup)
 
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, cfg.steps - warmup))
+        progress = min(1.0, (step - warmup) / max(1, steps - warmup))
         return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return factor
@@ -95,6 +98,10 @@ class Trainer:
             activation_checkpointing=cfg.model.activation_checkpointing)
         self.optimizer = build_optimizer(self.model, cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
+        self.schedule_steps = cfg.steps
+        """The steps the schedule spans: the run's, or a resumed checkpoint's (`checkpoint.schedule_span`)."""
+        self.resumed_from: tuple[int, Path] | None = None
+        """(step, checkpoint) once `resume` ran."""
 
         p = cfg.parallel
         fed_index, num_feds = partition or (topo.fed_index, p.federations)
@@ -219,7 +226,8 @@ class Trainer:
         if self.checkpointer is None:
             raise RuntimeError("no --checkpoint-dir configured")
         meta = {"config": config_to_dict(self.cfg), "vocab_size": self.blocks.vocab_size,
-                "scheduler": self.scheduler.state_dict(), **(extra_meta or {})}
+                "scheduler": self.scheduler.state_dict(), "schedule_steps": self.schedule_steps,
+                **(extra_meta or {})}
         rank_state = {"stream": self.stream.state(), "rng": torch.get_rng_state(),
                       "fragment_tokens": list(self.outer.tokens) if self.outer is not None else [0]}
         if self.shard_sync is not None and self.shard_sync.keeps_global:
@@ -250,6 +258,8 @@ class Trainer:
         if skipped and self.topo.group_rank == 0:
             logger.warning("resume: skipped %s in %s; resuming from %s", "; ".join(skipped),
                            self.checkpointer.directory, checkpoint.name)
+        self.schedule_steps = schedule_span(meta)  # the series' schedule, whatever --steps is now
+        self.scheduler.lr_lambdas = [lr_lambda(self.cfg, self.schedule_steps) for _ in self.scheduler.lr_lambdas]
         self.set_clock({"step": meta["step"], "scheduler": meta["scheduler"]})
         self.stream.load_state(rank_state["stream"])
         if self.outer is not None:
@@ -260,6 +270,9 @@ class Trainer:
         if "cuda_rng" in rank_state:
             torch.cuda.set_rng_state(rank_state["cuda_rng"], self.device)
         self.set_anchor()
+        self.resumed_from = (int(meta["step"]), checkpoint)
+        if self.is_logger:
+            logger.info("%s", resumed_line(checkpoint, meta, self.cfg))
         return meta
 
     def save_pretrained(self, directory: str) -> None:
@@ -288,7 +301,7 @@ class Trainer:
         from flwr_sharded.training.metrics import progress_bar, train_line
 
         cfg, p = self.cfg, self.cfg.parallel
-        if cfg.checkpoint.resume:
+        if cfg.checkpoint.resume and self.resumed_from is None:
             self.resume()
         out = cfg.output
         bar = progress_bar(cfg.steps, enabled=self.is_logger and out.progress, initial=self.step_count)

@@ -54,6 +54,12 @@ def test_flwr_run_as_typed_completes_and_leaves_a_run_directory(data_dir, tmp_pa
 
         model = AutoModelForCausalLM.from_pretrained(run_dir / "model")
         assert model.config.num_hidden_layers == 2 and summary["model"] == str(run_dir / "model")
+        logs = sorted(p.name for p in (run_dir / "groups").iterdir())  # the groups log to the run directory
+        assert logs == ["group-0.log", "group-1.log"] and all(f"{run_dir}/groups/{n}" in out for n in logs), logs
+        assert "hello" in (run_dir / "groups" / "group-0.log").read_text()
+        from flwr_sharded.flower.launch import default_run_root
+
+        assert not (default_run_root() / f"run-{run_dir.name.rsplit('-run', 1)[1]}").exists()  # keys removed
         time.sleep(1)
         assert pids_matching("flwr_sharded.flower.group", f"run-{run_dir.name.rsplit('-run', 1)[1]}/") == []
 
@@ -66,5 +72,11 @@ def test_flwr_run_as_typed_completes_and_leaves_a_run_directory(data_dir, tmp_pa
         code, out = _flwr_run(work, env, {**SMALL, "strategy": "this:X"}, timeout=300)
         assert "run config 'strategy' 'this:X'" in out and "FLWR_SHARDED_ALLOWED_IMPORTS=this" in out, out[-3000:]
         assert "the run FAILED before it started" in out and "Beautiful is better than ugly" not in out
+
+        # a model the groups would refuse: named once, as the run config spells it, before any group is launched
+        code, out = _flwr_run(work, env, {**SMALL, "model": "smal"}, timeout=300)
+        assert "flwr_sharded: the run FAILED before it started: run config 'model': unknown model 'smal'" in out, \
+            out[-3000:]
+        assert "--model" not in out and "hello to" not in out and out.count("unknown model 'smal'") <= 2  # + Flower's
     finally:
         kill_tree_by_env("FLWR_HOME", str(home))  # the local SuperLink `flwr run` started, and anything it left

@@ -118,6 +118,7 @@ def test_endpoint_authenticates_and_serves_verbs(procs, data_dir, tmp_path):
     missing = c.call(P.HELLO, {"run": spec(tmp_path / "nodata", shards=1).to_json(), "partition_id": 0,
                                "num_partitions": 1}, timeout=60)
     assert not missing["compatible"] and "prepare-data" in missing["error"]
+    assert missing["error"].startswith(f"run config data directory {tmp_path / 'nodata'} ('data-dir') does not exist")
     # a run: hello builds the trainer (a second hello of the same run reuses it), evaluate, finish with a save
     ok = hello(c, spec(data_dir, shards=1), 0, 1)
     assert ok["fingerprint"] and ok["steps"] == 0 and ok["partition_id"] == 0

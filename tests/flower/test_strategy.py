@@ -178,13 +178,17 @@ def config(m: Message) -> dict:
     return dict(m.content.config_records[P.CONFIG])
 
 
-def test_sampling_gives_up_at_its_deadline():
+def test_sampling_gives_up_at_its_deadline(caplog):
     grid = FakeGrid({1: group(1, 0)})
-    strategy = make(spec(), fast(num_groups=2, min_groups=2, sample_timeout=0.5))
+    strategy = make(spec(), fast(num_groups=2, min_groups=2, sample_timeout=2.0))
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match="only 1 node"):
+    with caplog.at_level(logging.INFO, logger="flwr"), pytest.raises(RuntimeError, match="only 1 node"):
         strategy.start(grid)
-    assert time.monotonic() - start < 3
+    assert time.monotonic() - start < 4
+    waiting = [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting for nodes")]
+    assert waiting == ["waiting for nodes: 1 of num-groups 2 connected; in 1 s (sample-timeout) the run goes on with "
+                       "those connected, if at least min-groups 2 (a simulation has as many nodes as SuperNodes: "
+                       "--federation-config num-supernodes=N)"]
     # with min-groups 1 it goes on with the one node
     result = make(spec(), fast(num_groups=2, min_groups=1, sample_timeout=0.3)).start(FakeGrid(
         {1: group(1, 0)}))
@@ -227,10 +231,11 @@ def test_hello_leaves_out_groups_that_do_not_fit(caplog):
 def test_no_group_fits_is_an_error_before_any_training(caplog):
     grid = FakeGrid({n: group(n, n - 1, hello=lambda m, n=n: (0.0, hello_ok(n, shards=4, partition=n - 1)))
                      for n in (1, 2)})
-    with caplog.at_level(logging.ERROR, logger="flwr"), pytest.raises(ConfigError, match="passed the hello"):
+    with caplog.at_level(logging.ERROR, logger="flwr"), pytest.raises(ConfigError, match="passed the hello") as exc:
         make(spec(), fast()).start(grid)
     assert grid.sent(P.MSG_TRAIN) == []
     assert "relaunch the group or change the run config" in caplog.text
+    assert str(exc.value).count("relaunch the group") == 1 and ": nodes 1, 2: " in str(exc.value)  # said once
 
 
 def test_config_only_messages_and_round_layout():

@@ -2,6 +2,7 @@
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -318,3 +319,34 @@ def test_cli_errors(tmp_path, capsys):
     small.write_text(yaml.safe_dump({**GOOD, "gpu_memory": "1GB"}))
     assert _cli("--cluster", str(small), "--model", "llama3.1-8b") == 1
     assert "no layout fits" in capsys.readouterr().err
+
+
+def test_cli_takes_a_model_directory_or_a_hub_id_as_train_does(tmp_path, capsys, monkeypatch):
+    """`plan --model` reads the architecture from a model's config.json (a directory, or a hub id in the cache)."""
+    from flwr_sharded.perf.model_shape import model_from_name, model_from_preset
+
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64,
+              "tie_word_embeddings": True, "vocab_size": 8192}  # the tiny preset's shape, with its vocabulary
+    model_dir = tmp_path / "my-model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(config))
+    tiny = model_from_preset("tiny", 8192)
+    assert model_from_name(str(model_dir)) == replace(tiny, name=str(model_dir))
+    from huggingface_hub import constants
+
+    snapshot = tmp_path / "hub" / "models--acme--tiny-llama" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps(config))
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert model_from_name("acme/tiny-llama").num_params == tiny.num_params
+    assert _cli("--cluster", str(CLUSTERS / "flat-fast.yaml"), "--model", str(model_dir), "--json") == 0
+    assert json.loads(capsys.readouterr().out)["model"] == str(model_dir)
+    (model_dir / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 32}))
+    assert _cli("--cluster", str(CLUSTERS / "flat-fast.yaml"), "--model", str(model_dir)) == 2
+    assert "does not describe a Llama-like decoder" in capsys.readouterr().err
+    assert _cli("--cluster", str(CLUSTERS / "flat-fast.yaml"), "--model", "acme/missing") == 2
+    assert "cannot read the config.json of 'acme/missing'" in capsys.readouterr().err

@@ -24,9 +24,13 @@ ARGS = ["--method", "fl-hsdp", "--federations", "2", "--replicas", "1", "--shard
         "--eval-every", "0", "--eval-blocks", "4", "--lr", "3e-3", "--no-progress"]
 
 
-def _losses(run_dir: Path) -> dict[int, float]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r["loss"] for r in map(json.loads, lines) if r.get("kind") == "train"}
+def _losses(run_dir: Path, *, resumed: bool = False) -> dict[int, float]:
+    """Train losses by step (`resumed`: only those after the resume record, the steps this run took)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    if resumed:
+        kinds = [r["kind"] for r in records]
+        records = records[kinds.index("resume") + 1:] if "resume" in kinds else []
+    return {r["step"]: r["loss"] for r in records if r.get("kind") == "train"}
 
 
 def _run(args: list[str]) -> None:
@@ -50,8 +54,9 @@ def test_resume_continues_the_same_run(data_dir, tmp_path, mode):
         (series / LATEST).write_text("step-00000010")
         assert latest_checkpoint(series).name == "step-00000010"
     _run([*common, "--resume", "--run-dir", str(tmp_path / "resumed")])
-    straight, resumed = _losses(tmp_path / "straight"), _losses(tmp_path / "resumed")
+    straight, resumed = _losses(tmp_path / "straight"), _losses(tmp_path / "resumed", resumed=True)
     assert sorted(resumed) == [11, 12]  # only the steps after the checkpoint were run again
+    assert _losses(tmp_path / "resumed") == {**{k: v for k, v in straight.items() if k <= 10}, **resumed}
     for step in (11, 12):  # steps 10-12 cross a sync (at 12): data position, RNG, optimizer state all restored
         assert resumed[step] == pytest.approx(straight[step], abs=1e-6)
     from transformers import AutoModelForCausalLM
@@ -184,14 +189,14 @@ def test_a_job_killed_while_writing_a_checkpoint_resumes_from_the_last_committed
     restarted = time.monotonic()
     job = _start_torchrun(2, [*common, "--resume", "--run-dir", str(resumed_run)], tmp_path / "resumed.log")
     try:
-        _wait_for(lambda: resumed_metrics.is_file() and '"kind": "train"' in resumed_metrics.read_text(), 180,
+        _wait_for(lambda: resumed_metrics.is_file() and bool(_losses(resumed_run, resumed=True)), 180,
                   "the first resumed step", job, tmp_path / "resumed.log")
         first_step_s = time.monotonic() - restarted
         assert job.wait(timeout=180) == 0, (tmp_path / "resumed.log").read_text()[-4000:]
         resumed_s = time.monotonic() - restarted
     finally:
         _kill_job(job, [])
-    resumed = _losses(resumed_run)
+    resumed = _losses(resumed_run, resumed=True)
     assert sorted(resumed) == list(range(5, 13))  # from the committed step 4, not from the partial step 8
     for step in range(5, 9):
         assert resumed[step] == pytest.approx(killed[step], abs=1e-6)
@@ -199,3 +204,39 @@ def test_a_job_killed_while_writing_a_checkpoint_resumes_from_the_last_committed
     assert sorted(p.name for p in series.glob("step-*")) == ["step-00000008", "step-00000012"]  # .tmp replaced
     print(f"\ncheckpoint-write kill: resumed from step 4 (4 steps redone); first new step {first_step_s:.1f} s after "
           f"the relaunch, the 8 remaining steps and 2 checkpoints done {resumed_s:.1f} s after it")
+
+
+def test_resume_extends_a_run_in_its_run_directory(data_dir, tmp_path):
+    """`flwr-sharded train --steps 30 --resume` after a 20-step run, as the docs type it (one process): the steps the
+    schedule had planned are taken as before, the extra ones at its final rate, and the run directory's metrics go
+    on (one record per step, one summary, at the end)."""
+    from tests.training.test_train_launch import flwr_sharded_train
+
+    run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    common = ["--method", "fsdp", "--shards", "1", "--model", "tiny", "--seq-len", "32", "--batch-size", "2",
+              "--log-every", "1", "--eval-every", "0", "--eval-blocks", "2", "--lr", "3e-3", "--no-save-model",
+              "--no-progress", "--data-dir", str(data_dir), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "10"]
+    first = flwr_sharded_train(*common, "--steps", "20", "--run-dir", str(run_dir), timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = _losses(run_dir)
+    refused = flwr_sharded_train(*common, "--steps", "5", "--resume", timeout=120)
+    assert refused.returncode == 2 and "--steps 5 is below the checkpoint's step 20" in refused.stderr
+    (ckpt / "group-0" / LATEST).write_text("step-00000010")  # as if the run had died after step 10
+    resumed = flwr_sharded_train(*common, "--steps", "30", "--resume", timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (f"resumed from step 10 (checkpoint {ckpt / 'group-0' / 'step-00000010'}); --steps 30 extends the run: "
+            "the learning-rate schedule keeps its 20 steps, steps 21-30 run at its final rate 0.0003") \
+        in resumed.stderr, resumed.stderr[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    kinds = [r["kind"] for r in records]
+    assert kinds.count("summary") == 1 and kinds[-1] == "summary" and records[-1]["steps"] == 30
+    steps = [r["step"] for r in records if r["kind"] == "train"]
+    assert steps == list(range(1, 31)) and kinds.index("resume") == kinds.index("train") + 10  # 11-20 redone once
+    after = _losses(run_dir)
+    for step in range(11, 21):  # the schedule the checkpoint had planned: the same steps as before
+        assert after[step] == pytest.approx(before[step], abs=1e-6)
+    lrs = {r["step"]: r["lr"] for r in records if r["kind"] == "train"}
+    assert all(lrs[s] == pytest.approx(3e-4) for s in range(21, 31)) and lrs[10] > 3e-4
+    elapsed = [r["elapsed_s"] for r in records if r["kind"] == "train"]
+    assert elapsed == sorted(elapsed)  # the time axis goes on from the earlier run's
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 30

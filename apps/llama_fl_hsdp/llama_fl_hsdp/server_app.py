@@ -15,7 +15,7 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    run = load_run(context.run_config, app_package=__package__)
+    run = load_run(context.run_config, grid, app_package=__package__)
     strategy_cls = strategy_class(run, app_package=__package__)
     with run_directory(run, context.run_id) as run_dir:
         strategy = strategy_cls(run, run_dir=run_dir)

@@ -256,7 +256,6 @@ class GroupRuntime:
 
     def do_hello(self, args: dict[str, Any]) -> dict[str, Any]:
         from flwr_sharded.flower.run import FlowerRun
-        from flwr_sharded.training.preflight import preflight
 
         layout = M.GroupLayout(self.args.method, self.args.replicas, self.args.shards, self.world)
         out = {**self._layout(), "compatible": False, "error": "", "fingerprint": "", "tokens": 0, "steps": 0}
@@ -276,14 +275,7 @@ class GroupRuntime:
                 raise ConfigError(f"partition-id {partition[0]} outside 0..{partition[1] - 1}")
             cfg = run.group_config()
             cfg.timeout_s = self.args.collective_timeout
-            preflight(cfg, self.world)
-            if cfg.checkpoint.dir:  # series <dir>/group-<partition id>: it follows the data, whichever node trains
-                from flwr_sharded.training.checkpoint import check_resumable, group_dir, latest_checkpoint
-
-                if cfg.checkpoint.resume:
-                    check_resumable(cfg, cfg.checkpoint.dir, fed_index=partition[0])
-                elif args.get("rejoin") and latest_checkpoint(group_dir(cfg.checkpoint.dir, partition[0])):
-                    cfg.checkpoint.resume = True  # a restarted group rejoining: its own data position and state
+            self._check_group(cfg, partition[0], rejoin=bool(args.get("rejoin")))
         except (ConfigError, KeyError, ValueError, TypeError) as exc:
             out["error"] = str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
         errors = [e for e in self.gather(out["error"]) if e]  # every rank must agree before building anything
@@ -303,6 +295,25 @@ class GroupRuntime:
                    tokens=self.tokens, steps=self.trainer.step_count, resumed_round=self.resumed_round,
                    partition_id=partition[0], num_partitions=partition[1])
         return out
+
+    def _check_group(self, cfg: Any, partition_id: int, *, rejoin: bool) -> None:
+        """The checks of the engine (`preflight`) and of this group's checkpoint series, their messages in the run
+        config's spelling; a restarted group rejoining resumes from its own checkpoint."""
+        from flwr_sharded.config import respelled
+        from flwr_sharded.flower.run import RUN_CONFIG
+        from flwr_sharded.training.preflight import preflight
+
+        try:
+            preflight(cfg, self.world)
+            if cfg.checkpoint.dir:  # series <dir>/group-<partition id>: it follows the data, whichever node trains
+                from flwr_sharded.training.checkpoint import check_resumable, group_dir, latest_checkpoint
+
+                if cfg.checkpoint.resume:
+                    check_resumable(cfg, cfg.checkpoint.dir, fed_index=partition_id)
+                elif rejoin and latest_checkpoint(group_dir(cfg.checkpoint.dir, partition_id)):
+                    cfg.checkpoint.resume = True  # a restarted group rejoining: its own data position and state
+        except ConfigError as exc:
+            raise respelled(exc, RUN_CONFIG) from None
 
     def _build(self, cfg: Any, partition: tuple[int, int], key: str) -> None:
         from flwr_sharded.training.outer_loop import FaultInjection

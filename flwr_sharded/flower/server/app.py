@@ -19,11 +19,13 @@ from flwr_sharded import schema
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower.run import RUN_CONFIG, FlowerRun
 from flwr_sharded.flower.server.imports import check_import, check_run_imports
-from flwr_sharded.run_dir import RunDir, check_run_dir, default_run_dir
+from flwr_sharded.run_dir import METRICS, RunDir, check_run_dir, default_run_dir
 
 
-def load_run(run_config: Mapping[str, Any], app_package: str = "") -> FlowerRun:
-    """The run described by Flower's run config, validated; the ConfigError names the key (and is logged).
+def load_run(run_config: Mapping[str, Any], grid: Any = None, app_package: str = "") -> FlowerRun:
+    """The run described by Flower's run config, validated, with the groups' model and data checks that can run
+    here (`FlowerRun.check_sources`: all of them in a simulation, whose `grid` is Flower's in-memory one); the
+    ConfigError names the key (and is logged once), before any group is launched.
 
     `app_package`: the Flower app's own package, whose modules `strategy` and `outer` may name (`imports`); any
     other module must be allowed by the ServerApp's operator, and is checked before anything is imported."""
@@ -31,11 +33,18 @@ def load_run(run_config: Mapping[str, Any], app_package: str = "") -> FlowerRun:
         run = FlowerRun.from_run_config(run_config)
         check_run_imports(run, app_package)
         run.validate()
+        run.check_sources(local=is_simulation(grid))
         return run
     except ConfigError as exc:
-        log(ERROR, "%s", exc)
         log(ERROR, "flwr_sharded: the run FAILED before it started: %s", exc)
         raise
+
+
+def is_simulation(grid: Any) -> bool:
+    """Whether `grid` is a simulation's (Flower's in-memory Grid: the ServerApp and the ClientApps share a machine)."""
+    from flwr.superlink.grid.inmemory_grid import InMemoryGrid
+
+    return isinstance(grid, InMemoryGrid)
 
 
 def strategy_class(run: FlowerRun, app_package: str = "") -> type:
@@ -65,13 +74,17 @@ def strategy_class(run: FlowerRun, app_package: str = "") -> type:
 @contextmanager
 def run_directory(run: FlowerRun, run_id: int) -> Iterator[RunDir]:
     """The run's directory (the `run-dir` key, else outputs/<date>_<time>-run<id> where the ServerApp runs), with
-    the outcome written and announced when the block ends. The caller records the summary in `summary`."""
+    the outcome written and announced when the block ends; `run`'s `run-dir` is set to it (the groups a simulation
+    launches log to its `groups/`). The caller records the summary in `summary`."""
     out = run.train.output
     path = check_run_dir(out.run_dir, resume=run.train.checkpoint.resume, option="run config 'run-dir'") \
         if out.run_dir else default_run_dir(suffix=f"-run{run_id}")
     run_dir = RunDir(path, config=schema.to_nested(run), tensorboard=out.tensorboard,
                      wandb_project=out.wandb_project, name=f"run{run_id}")
     run_dir.summary = {}
+    out.run_dir = str(run_dir.path)  # sent in the hellos: a simulation's groups log to <run-dir>/groups/
+    if run.train.checkpoint.resume and (run_dir.path / METRICS).stat().st_size:  # rounds go on, one summary at the end
+        run_dir.continue_from(run_dir.path, None, run.train.checkpoint.dir or "")
     log(INFO, "flwr_sharded: run directory %s", run_dir.path)
     try:
         yield run_dir

@@ -70,10 +70,16 @@ class GroupMembership:
         """The connected nodes, once `num-groups` are there or at `sample-timeout` (then at least min-groups)."""
         d = self.deadlines
         deadline = time.monotonic() + d.sample_timeout
+        told = time.monotonic() - 30.0 + min(5.0, d.sample_timeout / 4)  # first said after 5 s, then every 30 s
         while True:
             nodes = sorted(grid.get_node_ids())
             if d.num_groups and len(nodes) >= d.num_groups:
                 return nodes[:d.num_groups]
+            if d.num_groups and told + 30.0 <= time.monotonic() < deadline:  # say what it waits for
+                told = time.monotonic()
+                log(INFO, "waiting for nodes: %d of num-groups %d connected; in %.0f s (sample-timeout) the run goes on "
+                    "with those connected, if at least min-groups %d (a simulation has as many nodes as SuperNodes: "
+                    "--federation-config num-supernodes=N)", len(nodes), d.num_groups, deadline - told, d.min_groups)
             if time.monotonic() >= deadline:
                 if len(nodes) >= max(1, d.min_groups):
                     if d.num_groups:
@@ -110,7 +116,11 @@ class GroupMembership:
         self.groups = candidates
         self.members = sorted(candidates, key=lambda n: (candidates[n].partition_id, n))
         if len(self.members) < max(1, self.deadlines.min_groups):
-            reasons = "; ".join(f"node {n}: {r}" for n, r in self.left_out.items()) or "no replies"
+            by_reason: dict[str, list[str]] = {}  # the same error of several groups said once
+            for n, r in self.left_out.items():
+                by_reason.setdefault(r, []).append(str(n))
+            reasons = "; ".join(f"node{'s' * (len(ns) > 1)} {', '.join(ns)}: {r}" for r, ns in by_reason.items()) \
+                or "no replies"
             text = (f"{len(self.members)} group(s) passed the hello, fewer than min-groups "
                     f"{self.deadlines.min_groups}: {reasons}")
             log(ERROR, "%s", text)
