@@ -210,7 +210,7 @@ def test_a_trickling_handshake_is_shut_down_at_its_deadline(server):
         pass
     took = time.monotonic() - start
     sock.close()
-    assert 0.7 < took < 2.0 and server.handshakes.expired == 1
+    assert 0.7 < took < 5.0 and server.handshakes.expired == 1  # the deadline (1 s), not the trickle (40 s); loaded CI
 
 
 def test_a_wrong_key_is_rejected(server):
