@@ -93,7 +93,7 @@ class FederationGroup:
     rank: int
     size: int
     name: str
-    store: RoundStore
+    store: RoundStore | None
 
     backend: str = "gloo"
 
@@ -107,7 +107,8 @@ class FederationGroup:
                 dist.destroy_process_group(self.pg)
         except Exception as exc:  # noqa: BLE001 - best effort on a possibly broken group
             logger.debug("destroying %s: %s", self.name, exc)
-        self.store.close()
+        if self.store is not None:
+            self.store.close()
 
 
 def backend_for_device(device: torch.device, choice: str = "auto") -> str:
@@ -132,7 +133,7 @@ def join(*, host: str, port: int, prefix: str, rank: int, size: int, rendezvous_
     deadline = time.monotonic() + rendezvous_timeout
     store = _connect(host, port, prefix, secret, deadline, rendezvous_timeout, abort)
     # Members prove themselves first: a missing one then fails here, within the rendezvous timeout, before any
-    # backend (NCCL's watchdog would tear the process down on a collective timeout), and a stranger is never counted.
+    # backend (NCCL's watchdog would tear the process down on a collective timeout).
     try:
         _arrive(store, prefix, rank, list(members), deadline, rendezvous_timeout)
     except BaseException:

@@ -10,8 +10,9 @@ ends) drops its keys at once; a member still connected is told so (`CLOSED`) unt
 is dropped. At most `MAX_SCOPES` scopes are open (opening more closes the oldest).
 
 Memory is bounded whatever a client sends: a stranger's bytes are at most a hello frame (`HELLO_MAX_BYTES`) on at
-most `MAX_PENDING` connections that have `HANDSHAKE_S` to prove themselves; a further connection is turned away at
-once and counted in every open round (`turned_away`: a member that could not connect then is not at fault). The
+most `MAX_PENDING` connections (`MAX_PENDING_PER_HOST` from one address) that have `HANDSHAKE_S` to prove
+themselves; a further connection is turned away at once and counted in every open round (`turned_away`: a member
+that could not connect then is not at fault). The
 members' keys and values together hold at most `STORE_MAX_BYTES`, one value at most `VALUE_MAX_BYTES`.
 """
 
@@ -36,7 +37,10 @@ MAX_SCOPES = 64
 """Open scopes (a round opens one per shard index)."""
 MAX_PENDING = 64
 """Connections that have not proven a round's secret yet (a further one is turned away)."""
-MAX_CONNECTIONS_PER_ROUND = 64
+MAX_PENDING_PER_HOST = 8
+"""The same, from one source address (one stranger's host cannot fill MAX_PENDING alone)."""
+MAX_CONNECTIONS_PER_SCOPE = 1024
+"""Proven connections to one scope (one per member and shard index)."""
 HANDSHAKE_S = 5.0
 CLOSE_GRACE_S = 30.0
 """How long a closed round's members stay connected (their requests answered CLOSED)."""
@@ -68,6 +72,7 @@ class StoreServer:
         self.ports = [s.getsockname()[1] for s in sockets]
         self.max_bytes, self.used, self.pending = max_bytes, 0, 0
         self._rounds: dict[bytes, _Round] = {}
+        self._pending_by_host: dict[str, int] = {}
         self._loop = asyncio.new_event_loop()
         started = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(sockets, started), name="rendezvous-store",
@@ -152,17 +157,23 @@ class StoreServer:
 
     # ----- a connection ---------------------------------------------------------------------------------------
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self.pending >= MAX_PENDING:
+        peer = writer.get_extra_info("peername")
+        host = peer[0] if peer else ""
+        if self.pending >= MAX_PENDING or self._pending_by_host.get(host, 0) >= MAX_PENDING_PER_HOST:
             for round_ in self._rounds.values():
                 round_.turned_away += 1
             writer.close()
             return
         self.pending += 1
+        self._pending_by_host[host] = self._pending_by_host.get(host, 0) + 1
         try:
             try:
                 admitted = await asyncio.wait_for(self._handshake(reader, writer), HANDSHAKE_S)
             finally:
                 self.pending -= 1
+                self._pending_by_host[host] -= 1
+                if not self._pending_by_host[host]:
+                    del self._pending_by_host[host]
             if admitted is not None:
                 await self._session(reader, writer, *admitted)
         except (ch.ChannelError, OSError, EOFError, asyncio.IncompleteReadError, asyncio.TimeoutError):
@@ -181,7 +192,7 @@ class StoreServer:
             return None
         scope, client_nonce, proof = fields
         round_ = self._rounds.get(scope)
-        if round_ is None or len(round_.writers) >= MAX_CONNECTIONS_PER_ROUND:
+        if round_ is None or len(round_.writers) >= MAX_CONNECTIONS_PER_SCOPE:
             return None
         if not hmac.compare_digest(proof, ch.client_proof(round_.secret, scope, server_nonce, client_nonce)):
             return None

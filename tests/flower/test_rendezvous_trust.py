@@ -267,3 +267,31 @@ def test_a_member_kept_out_by_a_stranger_holding_the_store_is_not_blamed(monkeyp
     assert "turned" in str(outcomes[0]) and "nobody is held at fault" in str(outcomes[0])
     assert "cannot reach the rendezvous store" in str(outcomes[1])
     assert outcomes[0].missing == [] and outcomes[1].missing == []
+
+
+def test_a_stranger_on_one_host_cannot_fill_the_store_alone():
+    """From one source address (127.0.0.2) a stranger holds at most MAX_PENDING_PER_HOST unproven connections; a
+    further one is closed at once, and a member from another address (127.0.0.1) still gets in at once."""
+    from flwr_sharded.flower import rendezvous
+    from flwr_sharded.flower import store_server as srv
+
+    server = rendezvous.serve_stores("127.0.0.1", 1)
+    port = server.ports[0]
+    server.open_round("run1/round1", ROUND_SECRET, 1)
+    held = []
+    try:
+        for _ in range(srv.MAX_PENDING_PER_HOST + 1):
+            sock = socket.socket()
+            sock.bind(("127.0.0.2", 0))
+            sock.settimeout(2)
+            sock.connect(("127.0.0.1", port))
+            held.append(sock)
+        time.sleep(0.2)
+        assert held[-1].recv(4096) == b""  # the one too many: closed without a greeting
+        start = time.monotonic()
+        member = _client(port, "run1/round1/s0")
+        assert time.monotonic() - start < 1 and member.turned_away() == 1
+    finally:
+        for sock in held:
+            sock.close()
+        server.close()

@@ -45,10 +45,10 @@ class _Peak(threading.Thread):
             self.peak = max(self.peak, _rss(self.pid))
 
 
-def _send(port: int, head: bytes, size: int) -> None:
-    """One connection: `head`, then `size` bytes, as far as the server takes them within 10 s."""
+def _send(port: int, head: bytes, size: int, source: str) -> None:
+    """One connection from `source`: `head`, then `size` bytes, as far as the server takes them within 10 s."""
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        with socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(source, 0)) as sock:
             sock.recv(4096)
             sock.sendall(head + b"\x07" * size)
             sock.recv(1)
@@ -57,13 +57,15 @@ def _send(port: int, head: bytes, size: int) -> None:
 
 
 def _stranger(port: int) -> None:
-    """64 connections at once, each announcing a frame just under 8 MiB and sending it; then 64 that send a
-    well-formed hello and 8 MiB after it."""
+    """64 connections at once (from 8 loopback addresses, as many as the store admits unproven), each announcing a
+    frame just under 8 MiB and sending it; then 64 that send a well-formed hello and 8 MiB after it."""
     from flwr_sharded.flower import store_channel as ch
+    from flwr_sharded.flower import store_server as srv
 
     hello = ch.plain_frame(ch.pack(b"h", b"run1/round1/s0", b"\0" * 32, b"\0" * 32))
+    sources = [f"127.0.0.{2 + i // srv.MAX_PENDING_PER_HOST}" for i in range(VALUES)]
     for head in (VALUE_BYTES.to_bytes(4, "big"), hello):
-        threads = [threading.Thread(target=_send, args=(port, head, VALUE_BYTES)) for _ in range(VALUES)]
+        threads = [threading.Thread(target=_send, args=(port, head, VALUE_BYTES, source)) for source in sources]
         for t in threads:
             t.start()
         for t in threads:
