@@ -3,7 +3,7 @@
 - `protocol`: instructions/replies and the run settings shared by both ends (no torch);
 - `client`: the thin ClientApp's helpers: find or launch the group, forward messages (no torch);
 - `group`: the long-lived group runtime, a torchrun entry point (`python -m flwr_sharded.flower.group`);
-- `rendezvous`: per-round federation process groups between groups (TCPStore + PrefixStore per shard index);
+- `rendezvous`: per-round federation process groups between groups (an authenticated store per shard index);
 - `strategy`: `DecentralizedFedAvg`, config-only messages on Flower's Message API;
 - `server_aggregation`: the server path's streaming, validated shard aggregator (see docs/server-path.md);
 - `processes`: process liveness checks (no torch);

@@ -1,23 +1,25 @@
 """Per-round federation process groups between Flower groups: one small group per shard index, members only,
 bounded timeouts.
 
-Each group's rank 0 hosts one persistent `TCPStore` server per shard index s (the "rendezvous offer" of its hello),
-listening on exactly `--rendezvous-host` (a socket bound there, handed to the store). For a round, the ServerApp
-names the members (ordered), takes member 0's offer and sends every member a fresh secret (over Flower's TLS
-channel); in every member, the rank holding shard s (replica 0) joins a process group of len(members) ranks through
-`SignedStore(PrefixStore(<round prefix>/s<s>, TCPStore client at host:ports[s]))`, with rank = its member index.
+Each group's rank 0 serves one rendezvous store port per shard index s (the "rendezvous offer" of its hello,
+`store_server.StoreServer`), listening on exactly `--rendezvous-host`. For a round, the ServerApp names the members
+(ordered), takes member 0's offer and sends every member a fresh secret (over Flower's TLS channel); member 0 opens
+the round's scopes on its store with that secret for as long as its round runs. In every member, the rank holding
+shard s (replica 0) connects to host:ports[s], proves the secret for the scope `<round prefix>/s<s>`
+(`store_client.RoundStore`) and joins a process group of len(members) ranks through that store, with rank = its
+member index. A process without the secret reads and writes nothing there.
 
-Members only: each member writes a proof (its node id, index and a nonce, signed with the round's secret) and waits
-until every member's proof is there and names the node the ServerApp listed at that index; values without a valid
-signature (a stranger writing to the store) are never counted, a proof naming another node is refused, and a member
-that finds its own slot taken by another process refuses too. gloo and NCCL then exchange their addresses through the
-same signed store. What is not covered: the connections gloo and NCCL open between members carry no authentication
-(`docs/security.md`).
+Members only: each member writes a proof (its node id, index and a nonce) and waits until every member's proof is
+there and names the node the ServerApp listed at that index; a proof naming another node is refused, and a member
+that finds its own slot taken by another process (one holding the secret) refuses too. gloo and NCCL then exchange
+their addresses through the same store. What is not covered: the connections gloo and NCCL open between members
+carry no authentication (`docs/security.md`).
 
 Every wait is bounded: connecting to the store and the arrivals by `rendezvous_timeout`, the backend's own rendezvous
 and every collective by `sync_timeout`. Every store wait also polls `abort()`: the ServerApp's news that a member is
-gone ends it at once. A group that failed is destroyed and never reused; the next round builds new ones under a new
-prefix.
+gone ends it at once. A member is named missing only if the store turned nobody away during the wait (a stranger
+flooding the port can keep a member out; that is nobody's fault). A group that failed is destroyed and never reused;
+the next round builds new ones under a new prefix.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from flwr_sharded.errors import first_line
-from flwr_sharded.flower.signed_store import SignedStore, StoreAborted
+from flwr_sharded.flower.store_client import RoundClosed, RoundStore, StoreAborted, StoreUnreachable
+from flwr_sharded.flower.store_server import StoreServer
 
 logger = logging.getLogger(__name__)
 
@@ -59,16 +62,9 @@ class RendezvousError(RuntimeError):
         self.missing = list(missing or [])
 
 
-def serve_stores(host: str, count: int, ports: list[int] | None = None) -> list[dist.TCPStore]:
-    """Start `count` TCPStore servers listening on `host` only (port 0: any free port); they live as long as the
-    objects. (A TCPStore server given only a port listens on every interface: each gets a socket bound to `host`.)"""
-    stores = []
-    for s in range(count):
-        sock = listening_socket(host, ports[s] if ports else 0)
-        port = sock.getsockname()[1]
-        stores.append(dist.TCPStore(host, port, world_size=None, is_master=True, wait_for_workers=False,
-                                    timeout=timedelta(seconds=60), master_listen_fd=sock.detach()))
-    return stores  # each store owns (and closes) its socket's descriptor
+def serve_stores(host: str, count: int, ports: list[int] | None = None) -> StoreServer:
+    """Serve `count` rendezvous store ports on `host` only (port 0: any free port), until `close()`."""
+    return StoreServer([listening_socket(host, ports[s] if ports else 0) for s in range(count)])
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -97,7 +93,7 @@ class FederationGroup:
     rank: int
     size: int
     name: str
-    store: dist.Store
+    store: RoundStore | None
 
     backend: str = "gloo"
 
@@ -111,6 +107,8 @@ class FederationGroup:
                 dist.destroy_process_group(self.pg)
         except Exception as exc:  # noqa: BLE001 - best effort on a possibly broken group
             logger.debug("destroying %s: %s", self.name, exc)
+        if self.store is not None:
+            self.store.close()
 
 
 def backend_for_device(device: torch.device, choice: str = "auto") -> str:
@@ -133,12 +131,14 @@ def join(*, host: str, port: int, prefix: str, rank: int, size: int, rendezvous_
     if not 0 <= rank < size or len(members) != size or len(set(members)) != size:
         raise ValueError(f"member index {rank} of {size} members {list(members)} (distinct node ids expected)")
     deadline = time.monotonic() + rendezvous_timeout
-    client = _connect(host, port, prefix, deadline, rendezvous_timeout, abort)
-    store = SignedStore(dist.PrefixStore(prefix, client), secret.encode(), prefix, timeout=rendezvous_timeout,
-                        abort=abort)
+    store = _connect(host, port, prefix, secret, deadline, rendezvous_timeout, abort)
     # Members prove themselves first: a missing one then fails here, within the rendezvous timeout, before any
-    # backend (NCCL's watchdog would tear the process down on a collective timeout), and a stranger is never counted.
-    _arrive(store, prefix, rank, list(members), deadline, rendezvous_timeout)
+    # backend (NCCL's watchdog would tear the process down on a collective timeout).
+    try:
+        _arrive(store, prefix, rank, list(members), deadline, rendezvous_timeout)
+    except BaseException:
+        store.close()
+        raise
     name = f"flwr-fed:{prefix}"
     # gloo connects every pair when the group is built and retries a silent peer GLOO_CONNECT_ATTEMPTS times with the
     # group's timeout: build it with a fraction of sync_timeout (so a peer frozen mid-handshake costs about
@@ -156,6 +156,7 @@ def join(*, host: str, port: int, prefix: str, rank: int, size: int, rendezvous_
         if connect_s != sync_timeout:
             pg.set_timeout(timedelta(seconds=sync_timeout))
     except Exception as exc:
+        store.close()
         raise RendezvousError(f"federation group {prefix}: backend {backend} rendezvous failed: "
                               f"{first_line(exc)}") from exc
     # Registered like a sub-group of this process's world, so that get_rank(group) and destroy work; the other
@@ -165,69 +166,76 @@ def join(*, host: str, port: int, prefix: str, rank: int, size: int, rendezvous_
     return FederationGroup(pg=pg, rank=rank, size=size, name=name, store=store, backend=backend)
 
 
-def _connect(host: str, port: int, prefix: str, deadline: float, timeout: float,
-             abort: Callable[[], str] | None) -> dist.TCPStore:
-    """A client of the store at host:port, trying until `deadline` (quietly: a plain TCP connect first)."""
-    while True:
-        try:
-            with socket.create_connection((host, port), timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
-                break
-        except OSError as exc:
-            reason = abort() if abort is not None else ""
-            if reason:
-                raise RendezvousError(f"federation group {prefix}: {reason}") from exc
-            if time.monotonic() >= deadline:
-                raise RendezvousError(f"cannot reach the rendezvous store at {host}:{port} within {timeout:.0f} s: "
-                                      f"{first_line(exc)}") from exc
-            time.sleep(0.2)
+def _connect(host: str, port: int, prefix: str, secret: str, deadline: float, timeout: float,
+             abort: Callable[[], str] | None) -> RoundStore:
+    """The round's store at host:port, admitted with the round's secret (trying until `deadline`)."""
     try:
-        return dist.TCPStore(host, port, world_size=None, is_master=False, wait_for_workers=False,
-                             timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
-    except Exception as exc:  # DistNetworkError, DistStoreError, RuntimeError
-        raise RendezvousError(f"cannot reach the rendezvous store at {host}:{port} within "
-                              f"{timeout:.0f} s: {first_line(exc)}") from exc
+        return RoundStore.connect(host, port, prefix, secret.encode(), deadline=deadline, timeout=timeout,
+                                  abort=abort)
+    except StoreAborted as exc:
+        raise RendezvousError(f"federation group {prefix}: {exc}") from None
+    except StoreUnreachable as exc:
+        raise RendezvousError(f"cannot reach the rendezvous store at {host}:{port} within {timeout:.0f} s: "
+                              f"{first_line(exc)}") from exc
 
 
-def _arrive(store: SignedStore, prefix: str, rank: int, members: list[str], deadline: float, timeout: float) -> None:
+def _arrive(store: RoundStore, prefix: str, rank: int, members: list[str], deadline: float, timeout: float) -> None:
     """Write this member's proof, then wait until every member's is there and names the listed node."""
-    nonce = secrets.token_hex(16)
-    store.set(f"member/{rank}", json.dumps({"node": members[rank], "rank": rank, "nonce": nonce}))
-    proven: set[int] = set()
-    while True:
-        try:
-            store.check_abort()
-            for r in range(len(members)):
-                if r in proven and r != rank:
-                    continue
-                value = store.verified(f"member/{r}")
-                if value is None:
-                    continue
-                proof = json.loads(value)
-                if not isinstance(proof, dict) or proof.get("node") != members[r] or proof.get("rank") != r:
-                    proof = proof if isinstance(proof, dict) else {}
-                    raise RendezvousError(f"federation group {prefix}: a proof for member index {r} names node "
-                                          f"{proof.get('node')!r} (index {proof.get('rank')!r}), but the ServerApp "
-                                          f"listed node {members[r]!r} there: refused")
-                if r == rank and proof.get("nonce") != nonce:
-                    raise RendezvousError(f"federation group {prefix}: another process holding the round's secret "
-                                          f"took this member's slot (index {rank}, node {members[rank]!r}): refused")
-                proven.add(r)
-        except StoreAborted as exc:
-            raise RendezvousError(f"federation group {prefix}: {exc}") from None
-        except (RuntimeError, ValueError) as exc:  # the store went away, or a proof is not JSON
-            if isinstance(exc, RendezvousError):
-                raise
-            raise RendezvousError(f"federation group {prefix}: rendezvous failed: {first_line(exc)}") from exc
+    try:
+        proven, ended = _gather_proofs(store, prefix, rank, members, deadline)
         if len(proven) == len(members):
             return
-        if time.monotonic() >= deadline:
-            missing = sorted(set(range(len(members))) - proven)
-            forged = sorted(int(k.rsplit("/", 1)[1]) for k in store.forged if k.startswith("member/"))
-            note = (f"; values not signed with the round's secret were written for member index(es) {forged} and "
-                    f"ignored (a stranger?)" if forged else "")
-            raise RendezvousError(f"federation group {prefix}: member(s) {missing} did not arrive within "
-                                  f"{timeout:.0f} s{note}", missing)
-        time.sleep(0.05)
+        turned_away = store.turned_away()
+    except StoreAborted as exc:
+        raise RendezvousError(f"federation group {prefix}: {exc}") from None
+    except (RuntimeError, OSError, ValueError) as exc:  # the store went away, or a proof is not JSON
+        if isinstance(exc, RendezvousError):
+            raise
+        raise RendezvousError(f"federation group {prefix}: rendezvous failed: {first_line(exc)}") from exc
+    # member 0 ended the round (its wait ran out first): whoever had not arrived by then is missing, not member 0
+    missing = sorted(set(range(len(members))) - proven - {rank} - ({0} if ended else set()))
+    if turned_away:  # a member may have been kept out by a stranger holding the store's connections: no fault
+        raise RendezvousError(f"federation group {prefix}: member(s) {missing} did not arrive within {timeout:.0f} s, "
+                              f"while the store turned {turned_away} connection(s) away (a stranger flooding it?): "
+                              f"nobody is held at fault")
+    raise RendezvousError(f"federation group {prefix}: member(s) {missing} did not arrive within {timeout:.0f} s"
+                          f"{' (member 0 ended the round)' if ended else ''}", missing)
+
+
+def _gather_proofs(store: RoundStore, prefix: str, rank: int, members: list[str],
+                   deadline: float) -> tuple[set[int], bool]:
+    """The member indices proven by `deadline` (all of them: at once), and whether member 0 ended the round first."""
+    nonce = secrets.token_hex(16)
+    keys = [f"member/{r}" for r in range(len(members))]
+    proven: set[int] = set()
+    try:
+        store.set(keys[rank], json.dumps({"node": members[rank], "rank": rank, "nonce": nonce}))
+        while time.monotonic() < deadline:
+            store.check_abort()
+            everyone = store.wait_slice(keys, deadline - time.monotonic())
+            for r in range(len(members)):
+                value = store.peek(keys[r]) if r not in proven or r == rank else None  # own slot: every time
+                if value is not None:
+                    _check_proof(json.loads(value), prefix, r, members, nonce if r == rank else None)
+                    proven.add(r)
+            if everyone and len(proven) == len(members):
+                break
+    except RoundClosed:
+        return proven, True
+    return proven, False
+
+
+def _check_proof(proof: object, prefix: str, r: int, members: list[str], nonce: str | None) -> None:
+    """Refuse a proof for member index r that names another node, or (`nonce`: this member's own slot) that this
+    member did not write."""
+    if not isinstance(proof, dict) or proof.get("node") != members[r] or proof.get("rank") != r:
+        proof = proof if isinstance(proof, dict) else {}
+        raise RendezvousError(f"federation group {prefix}: a proof for member index {r} names node "
+                              f"{proof.get('node')!r} (index {proof.get('rank')!r}), but the ServerApp "
+                              f"listed node {members[r]!r} there: refused")
+    if nonce is not None and proof.get("nonce") != nonce:
+        raise RendezvousError(f"federation group {prefix}: another process holding the round's secret "
+                              f"took this member's slot (index {r}, node {members[r]!r}): refused")
 
 
 @contextmanager

@@ -10,7 +10,6 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -18,7 +17,7 @@ import pytest
 from flwr_sharded.flower import messages as P
 from flwr_sharded.flower.endpoint import GroupClient, GroupError, GroupUnavailable
 from tests.flower.procs import Proc, pid_alive, start_groups, wait_until
-from tests.flower.test_group import all_gone, client, hello, round_args, spec, train, train_all
+from tests.flower.test_group import ROUND_SECRET, all_gone, client, hello, round_args, spec, train, train_all
 
 RDV_TIMEOUT = 8.0
 SYNC_TIMEOUT = 8.0
@@ -76,13 +75,19 @@ def wait_for_log(proc: Proc, text: str, timeout: float) -> None:
 
 def arrived(host: str, ports: list[int], prefix: str, member: int) -> bool:
     """True once `member`'s ranks of every shard index have reached the round's rendezvous (its stores' keys)."""
-    import torch.distributed as dist
+    from flwr_sharded.flower.store_client import RoundStore, StoreUnreachable
 
     for s, port in enumerate(ports):
-        store = dist.TCPStore(host, port, world_size=None, is_master=False, wait_for_workers=False,
-                              timeout=timedelta(seconds=5))
-        if not store.check([f"{prefix}/s{s}/member/{member}"]):
+        try:
+            store = RoundStore.connect(host, port, f"{prefix}/s{s}", ROUND_SECRET.encode(),
+                                       deadline=time.monotonic() + 1.0, timeout=5.0)
+        except StoreUnreachable:  # the round is not open at its host yet
             return False
+        try:
+            if not store.check([f"member/{member}"]):
+                return False
+        finally:
+            store.close()
     return True
 
 

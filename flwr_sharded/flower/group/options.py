@@ -33,7 +33,7 @@ class GroupOptions:
     shards: int | None = same_as(ParallelConfig, "shards", default=None)
     """S: ranks one model replica is sharded over; unset: all ranks / R."""
     rendezvous_host: str = "127.0.0.1"
-    """Address the other groups reach this group's rendezvous stores at (one TCPStore per shard index, on rank 0)."""
+    """Address the other groups reach this group's rendezvous store at (one port per shard index, on rank 0)."""
     rendezvous_ports: str | None = None
     """Comma-separated store port per shard index; unset: free ports."""
     data_dir: str | None = None

@@ -27,6 +27,8 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
@@ -93,14 +95,15 @@ class GroupRuntime:
         self.tokens = 0
         self.syncs = 0
         self.started = time.time()
-        self.stores: list[dist.TCPStore] = []
+        self.store: rdv.StoreServer | None = None
+        """Rank 0: the rendezvous store of the rounds this group hosts (member 0)."""
         self.offer_ports: list[int] = []
         if self.rank == 0:
             ports = [int(p) for p in args.rendezvous_ports.split(",")] if args.rendezvous_ports else None
             if ports is not None and len(ports) != args.shards:
                 raise ConfigError(f"--rendezvous-ports needs {args.shards} ports (one per shard index), got {ports}")
-            self.stores = rdv.serve_stores(args.rendezvous_host, args.shards, ports)
-            self.offer_ports = [s.port for s in self.stores]
+            self.store = rdv.serve_stores(args.rendezvous_host, args.shards, ports)
+            self.offer_ports = self.store.ports
 
     # ----- collectives on the control group (gloo, CPU) -------------------------------------------------------
     def gather(self, obj: Any) -> list[Any]:
@@ -174,6 +177,8 @@ class GroupRuntime:
                     return code
         finally:
             endpoint.close()
+            if self.store is not None:
+                self.store.close()
             shutil.rmtree(self.handoff_dir, ignore_errors=True)  # made for this group alone
 
     def _drop_idle_run(self, idle: float) -> None:
@@ -355,7 +360,8 @@ class GroupRuntime:
         except ValueError as exc:
             raise InstructionError(f"aggregate-every {steps} of this round does not fit sync-fragments "
                                    f"{p.sync_fragments} and sync-delay {p.sync_delay}: {exc}") from None
-        result = GroupRound(self, a).run(apply_rule=not server_path)
+        with self._hosting(a):
+            result = GroupRound(self, a).run(apply_rule=not server_path)
         failed = result["sync_failed"]
         if a.checkpoint and not failed:
             result.update(self._checkpoint(a.server_round))
@@ -369,6 +375,19 @@ class GroupRuntime:
             eval_s = time.perf_counter() - start
         result["eval_s"] = eval_s
         return result
+
+    @contextmanager
+    def _hosting(self, a: M.TrainArgs) -> Iterator[None]:
+        """Rank 0 of the round's member 0: the round's scopes open on this group's store while the round runs (the
+        members prove `a.secret` there); its keys are dropped when it ends."""
+        hosting = self.store is not None and a.member_index == 0
+        if hosting:
+            self.store.open_round(a.prefix, a.secret, self.args.shards)
+        try:
+            yield
+        finally:
+            if hosting:
+                self.store.close_round(a.prefix, self.args.shards)
 
     def do_apply(self, args: dict[str, Any]) -> dict[str, Any]:
         """Server path: adopt the server's mean from the chunk files, then checkpoint and evaluate if asked."""
