@@ -33,7 +33,8 @@ usage() { sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0
 die() { echo "run_deployment.sh: $*" >&2; exit 2; }
 while (($#)); do
   case "$1" in
-    --groups | --shards | --model | --rounds | --work-dir | --data-dir | --superlink-port | --supernode-ports | --timeout)
+    --groups | --shards | --model | --rounds | --work-dir | --data-dir | --superlink-port | --supernode-ports \
+      | --timeout)
       (($# >= 2)) || die "$1 needs a value" ;;
   esac
   case "$1" in
@@ -161,7 +162,8 @@ done
 # the run: its run-dir under allowed-save-root (by default it would lie under WORK/outputs, which the groups
 # refuse), and the groups stopped at its end
 start flwr-run flwr run "$APP" local-deployment --stream --run-config \
-    "num-groups=$NUM_GROUPS model=\"$MODEL\" num-server-rounds=$ROUNDS run-dir=\"$RUN_DIR\" stop-groups=true" "$@"
+    "num-groups=$NUM_GROUPS shards=$SHARDS model=\"$MODEL\" num-server-rounds=$ROUNDS run-dir=\"$RUN_DIR\"" \
+    --run-config stop-groups=true "$@"
 follow flwr-run "$TIMEOUT"
 # <<< recipe
 
