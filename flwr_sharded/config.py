@@ -240,8 +240,9 @@ class OutputConfig:
     """What a run leaves behind: one run directory with its configuration, metrics, summary and model."""
 
     run_dir: str | None = None
-    """The run directory; unset: `outputs/<date>_<time>` under the working directory (a Flower run adds its run
-    id). It holds config.json, metrics.jsonl, summary.json, model/ and tensorboard/."""
+    """The run directory; unset: `outputs/<date>_<time>` under the working directory (a Flower run: the ServerApp's,
+    which is the SuperLink's, and `-run<run id>` added). It holds config.json, metrics.jsonl, summary.json, model/
+    and tensorboard/."""
     save_model: bool = True
     """Write the final model in Hugging Face format to `<run-dir>/model` (`from_pretrained` loads it); each rank
     writes its own rows, no rank gathers the model."""

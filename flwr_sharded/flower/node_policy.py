@@ -109,7 +109,8 @@ class NodePolicy:
     def save_dir_refusal(self, path: str) -> str:
         """'' if the final model may be written to `path`, else why not."""
         return self._refusal(path, self.save_root, SAVE_ROOT, "the final model's directory (the ServerApp's "
-                             "run-dir/model; save-model=false saves none)")
+                             "run-dir/model, unset run-dir: under the SuperLink's working directory; "
+                             "save-model=false saves none)")
 
     @staticmethod
     def _refusal(path: str, root: str, key: str, what: str) -> str:

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from tests.flower.procs import REPO
+from tests.flower.procs import REPO, base_env
 
 DEPLOY = REPO / "deploy"
 SCRIPTS = sorted(p for p in DEPLOY.rglob("*") if p.suffix in (".sh", ".sbatch", ".env"))
@@ -36,10 +36,42 @@ def test_shellcheck():
 
 
 @pytest.mark.parametrize("script", ["tls/make-certs.sh", "auth/make-supernode-keys.sh",
-                                    "slurm/cross-facility/submit-groups.sh", "firewall/make-rules.sh"])
+                                    "slurm/cross-facility/submit-groups.sh", "firewall/make-rules.sh",
+                                    "local/run_deployment.sh"])
 def test_usage(script):
     out = subprocess.run(["bash", str(DEPLOY / script), "--help"], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0 and "deploy/" in out.stdout
+
+
+def _between(lines: list[str], start: str, end: str) -> list[str]:
+    """The lines after the first one starting with `start`, up to the next one starting with `end`."""
+    first = next(i for i, line in enumerate(lines) if line.startswith(start))
+    last = next(i for i in range(first + 1, len(lines)) if lines[i].startswith(end))
+    return lines[first + 1:last]
+
+
+def test_the_docs_show_the_local_deployment_recipe_as_the_script_runs_it():
+    """docs/flower.md's deployment recipe is the one `deploy/local/run_deployment.sh` runs (and the tests run it)."""
+    script = _between((DEPLOY / "local" / "run_deployment.sh").read_text().splitlines(), "# >>> recipe",
+                      "# <<< recipe")
+    docs = _between((REPO / "docs" / "flower.md").read_text().splitlines(),
+                    "<!-- copied from deploy/local/run_deployment.sh", "<!-- end of the copied recipe")
+    assert docs[0] == "```bash" and docs[-1] == "```", docs[:1] + docs[-1:]
+    assert docs[1:-1] == script, "docs/flower.md's recipe drifted from deploy/local/run_deployment.sh: copy it"
+    recipe = "\n".join(script)
+    assert "--host 127.0.0.1" in recipe and "0.0.0.0" not in recipe
+    assert "stop-groups=true" in recipe and "run-dir=" in recipe and "allowed-save-root=" in recipe
+
+
+def test_the_local_deployment_refuses_bad_options_before_starting_anything():
+    script = str(DEPLOY / "local" / "run_deployment.sh")
+    for args, message in ((["--groups", "0"], "--groups must be a positive integer"),
+                          (["--supernode-ports", "1,2,3"], "--supernode-ports needs 2 ports, got 3"),
+                          (["--superlink-port", "x"], "a port must be a number, got 'x'"),
+                          (["--no-such-option"], "unknown option --no-such-option")):
+        out = subprocess.run(["bash", script, *args], capture_output=True, text=True, timeout=60, env=base_env())
+        assert out.returncode == 2 and message in out.stderr, (args, out.stderr)
+        assert "started" not in out.stdout
 
 
 @pytest.mark.parametrize("script", sorted(p.name for p in (DEPLOY / "slurm").glob("*.sbatch")))

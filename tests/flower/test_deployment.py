@@ -1,6 +1,7 @@
 """Deployment on one machine: a real SuperLink, 2 SuperNodes and 2 group torchrun jobs on loopback, driven by
-`flwr run apps/llama_fl_hsdp <connection> --stream`; then the faults: a mismatched run config, a group killed
-mid-round, a SuperNode killed mid-round. Everything is started in its own session and killed at the end."""
+`flwr run apps/llama_fl_hsdp <connection> --stream`. First the recipe `deploy/local/run_deployment.sh` end to end
+(what docs/flower.md shows), then, on a deployment of the tests' own, the faults: a mismatched run config, a group
+killed mid-round, a SuperNode killed mid-round. Everything is started in its own session and killed at the end."""
 
 from __future__ import annotations
 
@@ -9,15 +10,19 @@ import re
 import signal
 import subprocess
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.flower.procs import APP, FAST_RUN_CONFIG, Proc, Procs, base_env, free_port, group_pids, \
-    launch_group, round_records, run_config_args, start_groups, strip_ansi, wait_group, wait_until, write_flwr_home
+from tests.flower.procs import APP, FAST_RUN_CONFIG, REPO, Proc, Procs, base_env, free_port, group_pids, \
+    kill_tree_by_env, launch_group, pids_with_env, round_records, run_config_args, start_groups, strip_ansi, \
+    wait_group, wait_until, write_flwr_home
 
 CONNECTION = "loopback"
+RECIPE = REPO / "deploy" / "local" / "run_deployment.sh"
+TAG = "FLWR_SHARDED_TEST_TAG"  # in the environment of everything the recipe starts
 
 
 @dataclass
@@ -75,12 +80,52 @@ def _wait_for_log(proc: Proc, text: str, count: int, timeout: float) -> None:
     wait_until(lambda: proc.text().count(text) >= count, timeout, interval=0.1, what=f"{count} x {text!r}")
 
 
+def _start_recipe(work: Path, data_dir: Path, run_config: dict, tag: str, port: int) -> subprocess.Popen:
+    """`deploy/local/run_deployment.sh` with the tests' fast settings and the SuperLink on `port`, in a session of
+    its own; output in work/out.txt."""
+    rest = {k: v for k, v in run_config.items() if k not in ("model", "num-server-rounds")}
+    cmd = ["bash", str(RECIPE), "--work-dir", str(work), "--data-dir", str(data_dir), "--model", run_config["model"],
+           "--rounds", str(run_config["num-server-rounds"]), "--superlink-port", str(port),
+           "--supernode-ports", f"{free_port()},{free_port()}", "--timeout", "360", "--", *run_config_args(rest)]
+    work.mkdir(parents=True)
+    with open(work / "out.txt", "w") as out:
+        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                env=base_env(**{TAG: tag}), cwd=work, start_new_session=True)
+
+
+def _finish_recipe(proc: subprocess.Popen, work: Path, tag: str, timeout: float) -> tuple[int, str, list[int]]:
+    """Waits for the script (SIGKILLing its session on a timeout); returns (exit code, output, the pids of its tree
+    still alive when it exited), having killed those."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        raise TimeoutError(f"the recipe did not finish within {timeout} s:\n{(work / 'out.txt').read_text()[-5000:]}")
+    finally:
+        left = pids_with_env(TAG, tag)
+        kill_tree_by_env(TAG, tag)
+    return proc.returncode, strip_ansi((work / "out.txt").read_text()), left
+
+
 @pytest.mark.timeout(600)
-def test_deployment_gives_the_same_results_as_simulation(deployment, simulation_run):
-    """Same seeds and partitions (node config partition-id 0/1 = the simulation's): every step's loss and each
-    round's held-out loss agree with the simulation within 1e-5 (in practice bit-identical)."""
-    code, log, rounds = deployment.run("same", FAST_RUN_CONFIG)
-    assert code == 0, log[-5000:]
+def test_the_recipe_gives_the_same_results_as_simulation_and_stops_all_it_started(tmp_path, data_dir,
+                                                                                   simulation_run):
+    """The recipe docs/flower.md shows, end to end: same seeds and partitions (node config partition-id 0/1 = the
+    simulation's), so every step's loss and each round's held-out loss agree with the simulation within 1e-5 (in
+    practice bit-identical); the run directory and the final model land under the SuperNodes' allowed-save-root;
+    the groups stop at the end of the run (stop-groups=true) and the script leaves no process behind."""
+    tag, work, port = uuid.uuid4().hex, tmp_path / "recipe", free_port()
+    proc = _start_recipe(work, data_dir, FAST_RUN_CONFIG, tag, port)
+    code, out, left = _finish_recipe(proc, work, tag, timeout=480)
+    assert code == 0, out[-5000:]
+    assert left == [], f"the recipe left processes behind: {left}"
+    assert f"Using SuperLink: local-deployment (127.0.0.1:{port})" in out
+    assert "finish: 2 of 2 node(s) answered (2 group(s) shut down)" in out
+    run_dirs = list((work / "runs").iterdir())
+    assert len(run_dirs) == 1 and (run_dirs[0] / "model" / "config.json").is_file(), out[-3000:]
+    assert f"run directory {run_dirs[0]}" in out and not (work / "outputs").exists()
+    rounds = round_records(run_dirs[0] / "metrics.jsonl")
     assert len(rounds) == FAST_RUN_CONFIG["num-server-rounds"] >= 2
     for record in rounds:
         assert (record["groups"], record["synced"], record["checksums_equal"]) == (2, 1, 1)
@@ -90,8 +135,27 @@ def test_deployment_gives_the_same_results_as_simulation(deployment, simulation_
     assert deployed == pytest.approx(simulated, abs=1e-5)
     assert [r["eval_loss"] for r in rounds] == pytest.approx([r["eval_loss"] for r in simulation_run.rounds],
                                                             abs=1e-5)
-    assert "finish: 2 of 2 node(s) answered (0 group(s) shut down)" in log  # deployment groups stay up
     print("\ndeployment overhead per round:", [f"{r['overhead_s']:.2f} s ({r['overhead_pct']:.0f}%)" for r in rounds])
+
+
+@pytest.mark.timeout(300)
+def test_the_recipe_stops_all_it_started_when_it_is_stopped(tmp_path, data_dir):
+    """SIGTERM to the script once its SuperNodes are up: its trap stops the SuperLink (and the SuperExec it
+    detached), the SuperNodes and the groups, by pid, and it exits 143."""
+    tag, work = uuid.uuid4().hex, tmp_path / "recipe"
+    proc = _start_recipe(work, data_dir, FAST_RUN_CONFIG, tag, free_port())
+    try:
+        wait_until(lambda: "started supernode1" in (work / "out.txt").read_text() or proc.poll() is not None, 240,
+                   what="the recipe's SuperNodes started")
+        assert proc.poll() is None, (work / "out.txt").read_text()[-3000:]
+        started = pids_with_env(TAG, tag)
+        assert len(started) >= 5, started  # SuperLink, 2 groups (torchrun + ranks), 2 SuperNodes
+        proc.send_signal(signal.SIGTERM)
+    finally:
+        code, out, left = _finish_recipe(proc, work, tag, timeout=60)
+    assert code == 143, out[-3000:]
+    assert left == [], f"the recipe left processes behind: {left}"
+    assert "stopped pids" in out
 
 
 @pytest.mark.timeout(300)
@@ -133,6 +197,7 @@ def test_a_group_killed_mid_round(deployment):
     errors = " ".join(first["errors"].values())  # the dead group's collect: connection lost, or nobody listens
     assert "lost the connection to the group" in errors or "no group listens" in errors, errors
     assert "restored their last synced shards" in log
+    assert "(0 group(s) shut down)" in log  # without stop-groups, deployment groups stay up after the run
     survivor = first["members"][0]
     assert "the ServerApp said so" in first["errors"][survivor], first["errors"]  # told, not timed out
     assert first["sync_s"] < 0.8 * config["rendezvous-timeout"], first  # stopped waiting well before the timeout
