@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from flwr_sharded.parallel.admission import healthy
+from flwr_sharded.parallel.admission import all_finite, healthy
 from flwr_sharded.parallel.outer import FedAvg
 from flwr_sharded.parallel.schedule import Schedule
 from flwr_sharded.parallel.sync import ShardSync, SyncStats
@@ -74,13 +74,11 @@ class OverlappedSync:
                  carry: bool = False) -> None:
         self.sync = sync
         self.snapshot = snapshot or Snapshot()
-        self.origin = origin
-        """Where the shards are kept as they were at the sync's start: this rank's contribution, which the result's
-        plausibility is measured against (and its offender searched in), and from which a carrying merge adds the
-        steps since."""
+        self.origin = origin if origin is not None or not (carry or sync.bound.enabled) else Snapshot()
+        """Where the shards are kept as they were at the sync's start (when the result's move is checked, or the
+        merge carries): this rank's contribution, which the result's plausibility is measured against (and its
+        offender searched in), and from which a carrying merge adds the steps since."""
         self.carry = carry
-        if carry and origin is None:
-            raise ValueError("a carrying sync needs an origin snapshot")
         self._origins: list[torch.Tensor] | None = None
         self._sends: list[torch.Tensor] = []
         self._thread: threading.Thread | None = None
@@ -131,6 +129,7 @@ class OverlappedSync:
             stream = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
             with torch.no_grad(), stream:
                 admission = self.sync.admit(weight, ok)
+                self.sync.bound.begin(weight)
                 self._total = admission.total
                 for k, send in enumerate(self._sends):
                     self._bytes += self.sync.reduce_bucket(k, send, admission.mine / self._total)
@@ -146,7 +145,7 @@ class OverlappedSync:
         s, origins = self.sync, self._origins
         bad = None
         for k, send in enumerate(self._sends):
-            if not s.accepts(k, [send], [origins[k] if origins is not None else send]):
+            if not (s.accepts(k, [send], [origins[k]]) if origins is not None else all_finite([send])):
                 bad = k
                 break
         s.conclude(bad, weights, self._sends[0].device, lambda k: (origins[k], True))  # origins: when checked

@@ -17,21 +17,28 @@ from flwr_sharded.parallel.plausibility import MOVE_HISTORY, MoveBound
 from tests.multiproc import run_ranks
 
 
-def test_the_bound_starts_at_the_bucket_norm_then_follows_the_median_of_adopted_moves():
+def test_the_bound_starts_at_the_bucket_norm_then_follows_the_median_of_adopted_moves_per_token():
     bound = MoveBound(10.0)
     mine = [torch.full((4,), 1.0)]  # norm 2
+    bound.begin(2.0)
     assert bound.bound(0, mine) == pytest.approx(20.0)
     assert bound.plausible(0, [torch.full((4,), 1.5)], mine)  # move 1
     assert not bound.plausible(0, [torch.full((4,), 12.0)], mine)  # move 22 > 20
     bound.discard()
     assert bound.bound(0, mine) == pytest.approx(20.0)  # a rejected sync leaves no move behind
+    bound.begin(2.0)
     bound.plausible(0, [torch.full((4,), 1.5)], mine)
-    bound.record()
-    assert bound.bound(0, mine) == pytest.approx(10.0)  # 10 x the median move (1)
+    bound.record()  # 1 / 2 tokens
+    bound.begin(4.0)  # a period twice as long may move twice as far
+    assert bound.bound(0, mine) == pytest.approx(20.0)
     for move in [3.0] * MOVE_HISTORY:
         bound._pending[0] = move
         bound.record()
-    assert bound.bound(0, mine) == pytest.approx(30.0)  # only the last MOVE_HISTORY moves count
+    assert bound.bound(0, mine) == pytest.approx(120.0)  # only the last MOVE_HISTORY moves count
+    bound.begin(1.0)
+    assert bound.plausible(0, [torch.full((4,), 1.0 + 1e-7)], mine)
+    bound.record()
+    assert list(bound._history[0])[-1] == 3.0  # rounding-sized moves are not kept
     assert not bound.plausible(0, [torch.tensor([1.0, 1.0, float("nan"), 1.0])], mine)
     assert bound.plausible(0, [torch.ones(4)], [torch.tensor([1.0, float("nan"), 1.0, 1.0])])  # cannot judge
     assert MoveBound(0.0).enabled is False
