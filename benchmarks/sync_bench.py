@@ -8,6 +8,8 @@ Builds a Llama shape sharded with FSDP2 on an (F, 1, S) mesh, then times, interl
   per-param one all-reduce per local shard (what a naive implementation issues)
   sync-bf16, sync-int8, sync-int8-ef   the same model's sync through a bf16 or int8 wire (weighted deltas from
             the global shards; int8 with and without error feedback), shards moved a little between samples
+  sync-unchecked, sync-int8-unchecked   sync and sync-int8 without the plausibility check of their result
+            (`--sync-max-move 0`): what checking each bucket's move costs
 and measures the peak extra memory the sync allocates (torch profiler memory events) against one bucket.
 Rank 0 prints medians and ratios and writes them as JSON (--out).
 """
@@ -105,19 +107,31 @@ def main() -> None:
         dist.all_reduce(weight, group=group)
         dist.all_reduce(flat, group=group)
 
-    runs = {"sync": run_sync, "flat": run_flat, "per-param": run_per_param, "flat+scalar": run_flat_and_scalar}
+    unchecked = ShardSync(model.named_parameters(), fed_group=topo.fed_group,
+                          bucket_bytes=int(args.bucket_mb * 2**20), max_move=0.0)
+    unchecked.check_alignment()
+    runs = {"sync": run_sync, "sync-unchecked": lambda: unchecked.sync(weight=1.0 + topo.fed_index),
+            "flat": run_flat, "per-param": run_per_param, "flat+scalar": run_flat_and_scalar}
     # the same model's sync through the reduced wires: each group's weighted delta from the global shards
-    for name, dtype, feedback in (("sync-bf16", torch.bfloat16, False), ("sync-int8", torch.int8, False),
-                                  ("sync-int8-ef", torch.int8, True)):
+    for name, dtype, feedback, max_move in (("sync-bf16", torch.bfloat16, False, None),
+                                            ("sync-int8", torch.int8, False, None),
+                                            ("sync-int8-unchecked", torch.int8, False, 0.0),
+                                            ("sync-int8-ef", torch.int8, True, None)):
+        checks = {} if max_move is None else {"max_move": max_move}
         wired = ShardSync(model.named_parameters(), fed_group=topo.fed_group,
-                          bucket_bytes=int(args.bucket_mb * 2**20), wire_dtype=dtype, error_feedback=feedback)
+                          bucket_bytes=int(args.bucket_mb * 2**20), wire_dtype=dtype, error_feedback=feedback,
+                          **checks)
         wired.check_alignment()
         wired.capture_global()
         runs[name] = (lambda w: lambda: w.sync(weight=1.0 + topo.fed_index))(wired)
     noise = torch.Generator().manual_seed(topo.fed_index)
     times: dict[str, list[float]] = {k: [] for k in runs}
-    for fn in runs.values():  # warm-up
+    for name, fn in runs.items():  # warm-up
         fn()
+        if name == "per-param":
+            with torch.no_grad():
+                for s in shards:
+                    s.div_(args.federations)
     for _ in range(args.repeats):
         for name, fn in runs.items():
             with torch.no_grad():  # untimed: the groups drift apart a little, so every delta is non-zero
@@ -127,6 +141,10 @@ def main() -> None:
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
+            if name == "per-param":  # untimed: its all-reduce sums; the mean keeps the model's scale (and moves)
+                with torch.no_grad():
+                    for s in shards:
+                        s.div_(args.federations)
     # the slowest rank decides a collective's time: take the max over ranks of each sample
     stacked = torch.tensor([times[k] for k in runs], dtype=torch.float64)
     dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
@@ -144,6 +162,8 @@ def main() -> None:
             "buckets": sync.num_buckets, "repeats": args.repeats,
             "median_s": med,
             "sync_over_flat": med["sync"] / med["flat"],
+            "checked_over_unchecked": med["sync"] / med["sync-unchecked"],
+            "int8_checked_over_unchecked": med["sync-int8"] / med["sync-int8-unchecked"],
             "per_param_over_sync": med["per-param"] / med["sync"],
             "int8_over_bf16_sync": med["sync-int8"] / med["sync-bf16"],
             "int8_ef_over_bf16_sync": med["sync-int8-ef"] / med["sync-bf16"],

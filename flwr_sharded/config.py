@@ -20,6 +20,7 @@ import yaml
 from flwr_sharded import schema
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.outer import LINEAR_RULES, RULES, make_rule, rule_options
+from flwr_sharded.parallel.plausibility import DEFAULT_MAX_MOVE
 from flwr_sharded.parallel.wire import QUANTIZED, SyncDtype
 from flwr_sharded.schema import CLI, Surface, option
 
@@ -89,6 +90,13 @@ class ParallelConfig:
     at the last adopted sync (shards, outer state, inner optimizer, step and schedule) and training goes on from
     there with fresh batches, at most this many times in a row; then the run stops with the error. 0: stop at the
     first failed sync and keep no rollback copy (host memory: the shards and their inner optimizer state)."""
+    sync_max_move: float = option(DEFAULT_MAX_MOVE, ge=0)
+    """A sync is adopted only if, on every rank, the groups' result moves each bucket of the rank's shards by at most
+    this many times the median of that bucket's recent adopted moves (before it has any: this many times the
+    bucket's own norm), so a member that sends absurd values in spite of its own verdict cannot poison the model; a
+    rejected sync is rolled back everywhere, and the member whose values alone explain it is named (struck, in a
+    Flower run). An overlapped sync keeps one more copy of the largest fragment's shards to measure the move (as
+    `sync-carry` does). 0: only finiteness is checked, and nobody is named."""
     outer: str = "fedavg"
     """How synced shards are combined: fedavg, fedavgm, nesterov (DiLoCo), fedadam, fedyogi, trimmed-mean, or a
     `package.module:Class` ShardRule."""

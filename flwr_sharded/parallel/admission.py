@@ -8,10 +8,13 @@ a group whose weight is out of bounds is left out on every shard index, one whos
 shards is left out where they are; every group still ends with the same values. A member that is left out sends
 zeros and receives the others' mean, which heals it.
 
-After the reduction, the members vote (MIN over the federation group): the result is adopted only if it is finite on
-every member, so one member that sends NaN or a huge value in spite of its vote (a broken or hostile peer: inside an
-all-reduce nobody sees another's values) makes every member roll back instead of adopting it. The server path, which
-sees each facility's values, excludes that facility instead (`flwr_sharded.flower.server.aggregation`).
+After the reduction, the members vote (MIN over the federation group): the result is adopted only if it is finite and
+plausible on every member (`flwr_sharded.parallel.plausibility`: it moves no bucket of a rank's shards by more than
+`sync-max-move` x its recent moves), so one member that sends NaN, a huge value or anything far from the others in
+spite of its verdict (a broken or hostile peer: inside an all-reduce nobody sees another's values) makes every
+member roll back instead of adopting it; the vote also agrees on the first bucket any member rejected, where the
+offender is then looked for (`flwr_sharded.parallel.offender`). The server path, which sees each facility's
+values, excludes that facility instead (`flwr_sharded.flower.server.aggregation`).
 
 A Flower round adds a commit vote after each sync (`commit_vote`, the second phase of a two-phase commit): every
 member has finished its part, replicas included, and says whether it succeeded; the sync is adopted only if all did,
@@ -34,14 +37,23 @@ log = logging.getLogger(__name__)
 
 ADMISSION_BYTES = 16
 """What each member contributes to `admit`'s all-gather: its weight and verdict, two float64."""
-VOTE_BYTES = 4
-"""What a member sends in `vote`'s all-reduce: one float32."""
+VOTE_BYTES = 8
+"""What a member sends in `vote`'s all-reduce: two float32 (its verdict, the first bucket it rejected)."""
+NO_BUCKET = float(1 << 24)
+"""`vote`'s bucket when a member rejected none (float32 holds every integer below it)."""
 COMMIT_BYTES = 4
 """What a member contributes to `commit_vote`'s all-gather: one float32."""
 
 
 class SyncRejected(RuntimeError):
-    """A sync that must not be adopted: no member may contribute, or its result is not finite on every member."""
+    """A sync that must not be adopted: no member may contribute, or its result is not finite and plausible on every
+    member. `bucket`: the first bucket a member rejected (None: none named one); `offenders`: the members found at
+    fault in it (indices in the federation group; `flwr_sharded.parallel.offender`)."""
+
+    def __init__(self, message: str, bucket: int | None = None, offenders: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.bucket = bucket
+        self.offenders = list(offenders or [])
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:
@@ -107,15 +119,21 @@ def admit(weight: float, ok: bool, max_weight: float | None, fed_group: dist.Pro
     return admission
 
 
-def vote(result_finite: bool, fed_group: dist.ProcessGroup | None, device: torch.device) -> None:
-    """Adopt the result only if it is finite on every member (one all-reduce MIN over `fed_group`); raises
-    `SyncRejected` everywhere otherwise."""
-    flag = torch.tensor([1.0 if result_finite else 0.0], dtype=torch.float32, device=device)  # VOTE_BYTES
+def vote(result_ok: bool, fed_group: dist.ProcessGroup | None, device: torch.device,
+         first_bad: int | None = None) -> None:
+    """Adopt the result only if it is finite and plausible on every member (one all-reduce MIN over `fed_group` of
+    this member's verdict and `first_bad`, the first bucket it rejected); raises `SyncRejected` everywhere otherwise,
+    with the first bucket any member rejected."""
+    bucket = NO_BUCKET if first_bad is None else float(first_bad)
+    flag = torch.tensor([1.0 if result_ok else 0.0, bucket], dtype=torch.float32, device=device)  # VOTE_BYTES
     if fed_group is not None:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=fed_group)
-    if flag.item() != 1.0:
-        raise SyncRejected("the sync's result is not finite on some member (a member sent NaN, infinity or values "
-                           "that overflow): it is not adopted")
+    ok, bucket = flag.tolist()
+    if ok != 1.0:
+        raise SyncRejected("the sync's result is not finite or not plausible on some member (a member sent NaN, "
+                           "infinity, values that overflow or values that move the model by more than "
+                           "sync-max-move allows): it is not adopted", bucket=None if bucket >= NO_BUCKET else
+                           int(bucket))
 
 
 def commit_vote(succeeded: bool, fed_group: dist.ProcessGroup, device: torch.device) -> list[int]:
@@ -129,5 +147,5 @@ def commit_vote(succeeded: bool, fed_group: dist.ProcessGroup, device: torch.dev
     return [j for j, flag in enumerate(gathered.tolist()) if flag != 1.0]
 
 
-__all__ = ["ADMISSION_BYTES", "COMMIT_BYTES", "VOTE_BYTES", "Admission", "SyncRejected", "admit", "all_finite",
+__all__ = ["ADMISSION_BYTES", "COMMIT_BYTES", "NO_BUCKET", "VOTE_BYTES", "Admission", "SyncRejected", "admit", "all_finite",
            "commit_vote", "healthy", "vote"]

@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from flwr_sharded.parallel.admission import all_finite, healthy, vote
+from flwr_sharded.parallel.admission import all_finite, healthy
 from flwr_sharded.parallel.outer import FedAvg
 from flwr_sharded.parallel.schedule import Schedule
 from flwr_sharded.parallel.sync import ShardSync, SyncStats
@@ -70,11 +70,15 @@ class Snapshot:
 class OverlappedSync:
     """One fragment's sync in flight: a snapshot of its buckets, reduced by a background thread, merged later."""
 
-    def __init__(self, sync: ShardSync, snapshot: Snapshot | None = None, origin: Snapshot | None = None) -> None:
+    def __init__(self, sync: ShardSync, snapshot: Snapshot | None = None, origin: Snapshot | None = None,
+                 carry: bool = False) -> None:
         self.sync = sync
         self.snapshot = snapshot or Snapshot()
-        self.origin = origin
-        """Where a carrying sync keeps the shards as they were at its start (`merge` adds the steps since)."""
+        self.origin = origin if origin is not None or not (carry or sync.bound.enabled) else Snapshot()
+        """Where the shards are kept as they were at the sync's start (when the result's move is checked, or the
+        merge carries): this rank's contribution, which the result's plausibility is measured against (and its
+        offender searched in), and from which a carrying merge adds the steps since."""
+        self.carry = carry
         self._origins: list[torch.Tensor] | None = None
         self._sends: list[torch.Tensor] = []
         self._thread: threading.Thread | None = None
@@ -125,14 +129,26 @@ class OverlappedSync:
             stream = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
             with torch.no_grad(), stream:
                 admission = self.sync.admit(weight, ok)
+                self.sync.bound.begin(weight)
                 self._total = admission.total
                 for k, send in enumerate(self._sends):
                     self._bytes += self.sync.reduce_bucket(k, send, admission.mine / self._total)
-                vote(all_finite(self._sends), self.sync.fed_group, self._sends[0].device)  # before any merge
+                self._conclude(admission.weights)  # before any merge
                 if self._stream is not None:
                     self._stream.synchronize()
         except BaseException as exc:  # noqa: BLE001 - raised by wait() on the main thread
             self._error = exc
+
+    def _conclude(self, weights: list[float]) -> None:
+        """The members' vote on the reduced snapshot, each bucket checked against this rank's contribution (the
+        origin; without one, finiteness only); raises `SyncRejected`, naming the offenders found, if rejected."""
+        s, origins = self.sync, self._origins
+        bad = None
+        for k, send in enumerate(self._sends):
+            if not (s.accepts(k, [send], [origins[k]]) if origins is not None else all_finite([send])):
+                bad = k
+                break
+        s.conclude(bad, weights, self._sends[0].device, lambda k: (origins[k], True))  # origins: when checked
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for the reduction; raises what it raised (then nothing may be merged: roll back)."""
@@ -156,7 +172,7 @@ class OverlappedSync:
             raise RuntimeError("merge() before wait(): the reduction may still be running")
         self._waited = False
         for k, (send, (_, shard_segments, _)) in enumerate(zip(self._sends, s.bucket_views())):
-            origin = s.segments_of(k, self._origins[k]) if self._origins is not None else None
+            origin = s.segments_of(k, self._origins[k]) if self.carry else None
             s.finish_bucket(k, send, shard_segments, s.segments_of(k, send), apply_rule=apply_rule, alpha=alpha,
                             origin_segments=origin)
         if s.fed_group is not None and s.delta and isinstance(s.rule, FedAvg):
@@ -183,8 +199,9 @@ class FragmentedSync:
         self.fragments = syncs
         self.schedule = schedule
         snapshot = Snapshot()  # the schedule never has two fragments in flight at once
-        origin = Snapshot() if carry else None
-        self.flights = [OverlappedSync(s, snapshot, origin) for s in syncs]
+        checked = any(s.bound.enabled for s in syncs)  # the result's move is measured against the origin
+        origin = Snapshot() if carry or checked else None
+        self.flights = [OverlappedSync(s, snapshot, origin, carry=carry) for s in syncs]
 
     # ----- one fragment ---------------------------------------------------------------------------------------
     def sync_fragment(self, i: int, weight: float, *, apply_rule: bool = True, alpha: float = 0.0) -> SyncStats:

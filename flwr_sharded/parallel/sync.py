@@ -18,14 +18,16 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from flwr_sharded.parallel.admission import Admission, admit, all_finite, healthy, vote
+from flwr_sharded.parallel.admission import Admission, SyncRejected, admit, all_finite, healthy, vote
+from flwr_sharded.parallel.offender import identify
 from flwr_sharded.parallel.outer import FedAvg, ShardRule
+from flwr_sharded.parallel.plausibility import DEFAULT_MAX_MOVE, MoveBound
 from flwr_sharded.parallel.quantize import ErrorFeedback, Workspace
 from flwr_sharded.parallel.wire import QUANTIZED, WIRES, wire_of
 
@@ -87,12 +89,15 @@ class ShardSync:
             summed in fp32); the global shards are then kept for every rule (FedAvg too). Linear rules only.
         error_feedback: with a quantized wire, carry each rank's rounding errors into its next sync of the same
             bucket (`quantize.ErrorFeedback`), so they do not accumulate; part of the outer state.
+        max_move: a result is adopted only if it moves no bucket of any rank's shards by more than this many times
+            the bucket's recent moves (`flwr_sharded.parallel.plausibility`); a rejected one names its offender
+            where one member alone explains it (`flwr_sharded.parallel.offender`). 0: finiteness only.
     """
 
     def __init__(self, named_params: Iterable[tuple[str, torch.Tensor]], *, fed_group: dist.ProcessGroup | None,
                  rep_group: dist.ProcessGroup | None = None, bucket_bytes: int = 64 << 20,
                  rule: ShardRule | None = None, wire_dtype: torch.dtype | None = None,
-                 error_feedback: bool = False) -> None:
+                 error_feedback: bool = False, max_move: float = DEFAULT_MAX_MOVE) -> None:
         named = list(named_params)
         if not named:
             raise ValueError("ShardSync needs at least one parameter")
@@ -131,6 +136,8 @@ class ShardSync:
         """The largest weight a member may bring to a sync (`flwr_sharded.parallel.admission`); None: unchecked."""
         self.left_out: list[int] = []
         """The members (indices in the federation group) the last sync's admission left out."""
+        self.bound = MoveBound(max_move)
+        """How far a result may move this rank's buckets, and the moves adopted so far."""
 
     # ----- planning -------------------------------------------------------------------------------------------
     def _plan_buckets(self, bucket_bytes: int) -> list[tuple[torch.dtype, list[_Segment]]]:
@@ -282,7 +289,8 @@ class ShardSync:
         `apply_rule=False` (a linear rule only) stops at the weighted mean: the lower level of a hierarchical
         federation, whose top level (`step_rule`) runs the outer optimizer. Members that are not finite or whose
         weight exceeds `max_weight` are left out (`flwr_sharded.parallel.admission`); raises `SyncRejected` on every
-        member if none is left or the result is not finite on some member (the shards are then to be rolled back).
+        member if none is left or the result is not finite or not plausible on some member (`max_move`; the shards are
+        then to be rolled back), naming the offender where its search finds one (`SyncRejected.offenders`).
         """
         if not apply_rule and not self.rule.linear:
             raise ValueError(f"{type(self.rule).__name__} is not linear: it has no plain-mean level to stop at")
@@ -295,10 +303,11 @@ class ShardSync:
         start = time.perf_counter()
         nbytes = 0
         views = self.bucket_views()
-        total, weights, finite = 0.0, [], True
+        total, weights, bad = 0.0, [], None  # bad: the first bucket rejected here; it and later ones keep our values
         if self.fed_group is not None:
             ok = healthy([seg for _, shard_segments, _ in views for seg in shard_segments], weight, self.max_weight)
             admission = self.admit(weight, ok)
+            self.bound.begin(weight)
             total, weights = admission.total, admission.weights
         for k, (flat, shard_segments, buffer_segments) in enumerate(views):
             torch._foreach_copy_(buffer_segments, shard_segments)
@@ -310,16 +319,47 @@ class ShardSync:
                 admitted = [(m, w) for m, w in zip(members, weights) if w > 0]
                 self._apply(k, flat, lambda g, st: self.rule.aggregate(g, admitted, st))
                 nbytes += flat.numel() * flat.element_size()
-            if self.fed_group is not None:
-                finite = finite and all_finite([flat])
-            self.finish_bucket(k, flat, shard_segments, buffer_segments, apply_rule=apply_rule and self.rule.linear,
-                               alpha=alpha)
+            if self.fed_group is not None and bad is None and not self.accepts(k, buffer_segments, shard_segments):
+                bad = k
+            if bad is None:
+                self.finish_bucket(k, flat, shard_segments, buffer_segments,
+                                   apply_rule=apply_rule and self.rule.linear, alpha=alpha)
         if self.fed_group is not None:
-            vote(finite, self.fed_group, flat.device)  # raises on every member unless finite on every member
+
+            def contribution(k: int) -> tuple[torch.Tensor, bool]:
+                flat, shard_segments, buffer_segments = views[k]
+                torch._foreach_copy_(buffer_segments, shard_segments)
+                return flat, bad == k  # not written: the shards still hold this rank's contribution
+
+            self.conclude(bad, weights, flat.device, contribution)  # raises on every member unless adopted
         if self.fed_group is not None and self.delta and isinstance(self.rule, FedAvg):
             self.store_global()  # after every bucket succeeded: a failed sync leaves the global shards as they were
         buckets = len(views) if self.fed_group is not None else 0
         return SyncStats(seconds=time.perf_counter() - start, buckets=buckets, bytes=nbytes, total_weight=total)
+
+    def accepts(self, k: int, means: list[torch.Tensor], contribution: list[torch.Tensor]) -> bool:
+        """Whether bucket k's reduced values (`means`, laid out as `contribution`, this rank's values of it) are
+        finite, and plausible when the move is bounded (`flwr_sharded.parallel.plausibility`), on this rank."""
+        return self.bound.plausible(k, means, contribution) if self.bound.enabled else all_finite(means)
+
+    def conclude(self, bad: int | None, weights: list[float], device: torch.device,
+                 contribution: Callable[[int], tuple[torch.Tensor, bool]]) -> None:
+        """The members' vote on this sync's result (`bad`: the first bucket this rank rejected); adopted: its moves
+        join the history. Rejected: the members search the first bucket any of them rejected for its offender
+        (`contribution(k)`: a flat tensor of bucket k and whether it holds this rank's values), then `SyncRejected`
+        is raised on every member, naming the offenders it found."""
+        try:
+            vote(bad is None, self.fed_group, device, first_bad=bad)
+        except SyncRejected as exc:
+            self.bound.discard()
+            if exc.bucket is not None and self.bound.enabled and self.rule.linear:
+                flat, intact = contribution(exc.bucket)
+                exc.offenders = identify(flat, intact, weights, self.bound, exc.bucket, self.fed_group)
+                if exc.offenders:
+                    exc.args = (f"{exc.args[0]}; member(s) {exc.offenders} of the federation group sent it (their "
+                                f"contributions alone explain it)",)
+            raise
+        self.bound.record()
 
     # ----- the steps of a sync, bucket by bucket (shared with the overlapped sync, `parallel/streaming.py`) -----
     def admit(self, weight: float, ok: bool) -> Admission:

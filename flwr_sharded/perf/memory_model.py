@@ -52,8 +52,9 @@ RULE_STATE_BYTES = 4
 """Each of an outer rule's state buffers (`ShardRule.state_buffers`: fp32, the shard's size); its temporaries
 (`temp_buckets`, `temp_buckets_per_member`) are fp32 buckets. FedAvg writes into the sync's buffers and has none."""
 SNAPSHOT_BYTES = 4
-"""An overlapped sync's snapshot of the fragment in flight (fp32; `parallel/streaming.py`), and a carrying sync's
-copy of that fragment at its start: one buffer each, sized for the largest fragment."""
+"""An overlapped sync's snapshot of the fragment in flight (fp32; `parallel/streaming.py`), and its copy of that
+fragment at its start (kept to carry the local steps, or to check the result's move): one buffer each, sized for the
+largest fragment."""
 FEEDBACK_BYTES = 4
 """Error feedback of an 8-bit wire: an fp32 residual per value of every bucket of the shard (`parallel/quantize.py`)."""
 
@@ -96,6 +97,7 @@ class StepOptions:
     sync_delay: int = same_as(ParallelConfig, "sync_delay")
     sync_carry: bool | None = same_as(ParallelConfig, "sync_carry")
     sync_error_feedback: bool = same_as(ParallelConfig, "sync_error_feedback")
+    sync_max_move: float = same_as(ParallelConfig, "sync_max_move")
     rollback: bool = False
     """The rollback copy of the shards, their optimizer state and the outer state (host memory) that a Flower group,
     and the static engine with `sync-retries` > 0, keep."""
@@ -239,7 +241,8 @@ def _sync_terms(shape: ModelShape, o: StepOptions, *, S: int, F: int) -> tuple[f
         sync = bucket + wire + outer_state
         sync_temp = (rule.temp_buckets + F * rule.temp_buckets_per_member) * bucket
         if o.sync_delay > 0:
-            sync += (2 if o.sync_carry else 1) * SNAPSHOT_BYTES * largest_fragment(shape, o.sync_fragments) / S
+            origin = o.sync_carry or o.sync_max_move > 0  # the merge adds to it, the plausibility check reads it
+            sync += (2 if origin else 1) * SNAPSHOT_BYTES * largest_fragment(shape, o.sync_fragments) / S
         if o.sync_error_feedback:
             sync += FEEDBACK_BYTES * shard
     return sync, sync_temp, outer_state

@@ -116,7 +116,8 @@ class SyncOutcome:
     weight: float = 0.0
     """The members' total weight, as replica 0 knows it (0 elsewhere)."""
     blame: list[int] = field(default_factory=list)
-    """Members held at fault for a failed sync: absent at the rendezvous, or failed their part."""
+    """Members held at fault for a failed sync: absent at the rendezvous, failed their part, or sent a rejected result
+    (named by the offender search)."""
     left_out: list[int] = field(default_factory=list)
     """Members an adopted sync left out (weight out of bounds, or values not finite)."""
     stats: SyncStats | None = None
@@ -125,6 +126,12 @@ class SyncOutcome:
     @property
     def adopted(self) -> bool:
         return not self.error
+
+
+def at_fault(exc: BaseException) -> list[int]:
+    """The members an error holds at fault: absent at the rendezvous (`missing`), or found to have sent a rejected
+    result (`offenders`, `flwr_sharded.parallel.offender`)."""
+    return sorted({*getattr(exc, "missing", []), *getattr(exc, "offenders", [])})
 
 
 class InnerState(Protocol):
@@ -259,7 +266,7 @@ class OuterLoop:
             self.start_flight(i)
         except Exception as exc:  # noqa: BLE001 - rendezvous, peer gone, misaligned shards
             self._start_errors[i] = (f"shard {self.topo.shard_index}: {first_line(exc)}",
-                                     list(getattr(exc, "missing", [])))
+                                     at_fault(exc))
 
     def start_flight(self, i: int) -> None:
         """Fragment i's shards copied out and reduced in the background while the next steps compute."""
@@ -295,7 +302,7 @@ class OuterLoop:
                     error = f"--debug-fail-sync {self.faults.fail_sync}: failed after the reduction"
             except Exception as exc:  # noqa: BLE001 - rendezvous, timeout, peer gone, rejected, misaligned shards
                 error = f"shard {self.topo.shard_index}: {first_line(exc)}"
-                blame = list(getattr(exc, "missing", []))
+                blame = at_fault(exc)
         elif self.topo.replica_index != 0 and self.schedule.delay == 0:
             self.take_weight(i)  # a replica > 0 receives the result by broadcast below
         errors, noes = self._agree(i, federation, error, blame, reached, outcome)

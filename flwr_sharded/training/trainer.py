@@ -119,7 +119,8 @@ class Trainer:
             parts = fragment_parameters(self.model, transformer_blocks(self.model), p.sync_fragments)
             syncs = [ShardSync(part, fed_group=topo.fed_group if static_sync and replica0 else None,
                                bucket_bytes=int(p.bucket_mb * (1 << 20)), rule=outer_rule(p),
-                               wire_dtype=getattr(torch, p.sync_dtype), error_feedback=p.sync_error_feedback)
+                               wire_dtype=getattr(torch, p.sync_dtype), error_feedback=p.sync_error_feedback,
+                               max_move=p.sync_max_move)
                      for part in parts]
             sync = FragmentedSync(syncs, Schedule(p.aggregate_every, p.sync_fragments, p.sync_delay),
                                   carry=p.carries)

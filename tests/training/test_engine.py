@@ -114,3 +114,21 @@ def test_a_sync_that_fails_on_one_member_is_rolled_back_everywhere_and_training_
     assert "the sync of fragment 0 after step 4 failed" in result.stderr and "--sync-retries 0: stopping" in \
         result.stderr, result.stderr[-3000:]
     assert json.loads((tmp_path / "stop" / "summary.json").read_text())["status"] == "failed"
+
+
+@pytest.mark.timeout(300)
+def test_a_member_lying_about_its_values_is_rolled_back_everywhere_named_and_training_goes_on(data_dir, tmp_path):
+    """Member 2 of three sends 1e30 to its second sync and reports itself healthy (the test-only hook of
+    `tests/lying_member`): every rank rejects the result, names member 2, returns to the first sync (step 2) and
+    trains on; the run completes with a finite loss."""
+    from tests.multiproc import REPO
+
+    lie = {"FLWR_SHARDED_TEST_LIE": "1e30@2@2", "PYTHONPATH": f"{REPO / 'tests' / 'lying_member'}:{REPO}"}
+    args = [*FAILED_SYNC, "--federations", "3", *_common(data_dir, tmp_path, "lie")]
+    result = torchrun(3, args, timeout=250, env=lie)
+    assert result.returncode == 0, result.stderr[-4000:]
+    failed = _records(tmp_path / "lie", "sync_failed")
+    assert [(r["step"], r["restored_step"], r["blame"]) for r in failed] == [(4, 2, [2])], failed
+    assert "member(s) [2] of the federation group sent it" in failed[0]["error"]
+    train = _records(tmp_path / "lie", "train")
+    assert train[-1]["step"] == 6 and train[-1]["syncs"] == 3 and train[-1]["loss"] < 20, train[-1]

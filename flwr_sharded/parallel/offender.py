@@ -1,0 +1,73 @@
+"""The offender a rejected sync exposes: one bucket reduced again, in the open, from every member's contribution.
+
+When a decentralised sync's result is rejected (not finite, or implausible on some rank:
+`flwr_sharded.parallel.plausibility`), the members of the federation group look again at the first bucket any of
+them rejected: each all-gathers its contribution of that bucket (F x one bucket of memory, only after a rejection),
+and each judges every member from what it received, taking nobody's word about itself:
+
+- a contribution that is not finite is at fault;
+- otherwise, if the weighted mean of the contributions is implausible on this rank but leaving out exactly one
+  member makes it plausible (`MoveBound.within`), that member is at fault.
+
+The judgements are exchanged (one F x F mask) and a member is named when more than half of the group's members name
+it: one liar can neither name an honest member nor clear itself. With two members that takes both (nobody is named
+when they accuse each other), and several offenders in one sync are not told apart unless their values are not
+finite; the sync is rejected all the same, and a robust outer rule (median, trimmed-mean) bounds what they can do.
+A member that already wrote the bucket (it found it plausible) sends what it wrote - it is judged on it like anyone,
+since its word that it wrote the bucket is a word about itself - and judges only finiteness, as does a member whose
+own values are not finite. Members left out by admission (weight 0) are not judged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from flwr_sharded.parallel.admission import all_finite
+from flwr_sharded.parallel.plausibility import MoveBound
+
+
+def judge(gathered: list[torch.Tensor], weights: list[float], me: int, intact: bool, bound: MoveBound,
+          k: int) -> set[int]:
+    """The members this rank finds at fault in bucket k, from every member's values of it (`gathered`, flat) and the
+    admitted weights (0: left out, not judged). `intact`: whether this rank's own entry is still its contribution
+    (not the result it wrote), without which it judges only finiteness."""
+    contributors = [j for j, w in enumerate(weights) if w > 0]
+    named = {j for j in contributors if not all_finite([gathered[j]])}
+    if named or not intact or not all_finite([gathered[me]]) or len(contributors) < 2:
+        return named
+    mine = [gathered[me]]
+
+    def mean_without(excluded: int | None) -> torch.Tensor:
+        kept = [j for j in contributors if j != excluded]
+        total = sum(weights[j] for j in kept)
+        out = torch.zeros_like(gathered[me], dtype=torch.float32)
+        for j in kept:
+            out.add_(gathered[j], alpha=weights[j] / total)
+        return out
+
+    if bound.within(k, [mean_without(None)], mine):
+        return set()  # what they send now is plausible: it names nobody
+    explains = [j for j in contributors if bound.within(k, [mean_without(j)], mine)]
+    return set(explains) if len(explains) == 1 else set()
+
+
+def identify(flat: torch.Tensor, intact: bool, weights: list[float], bound: MoveBound, k: int,
+             group: dist.ProcessGroup) -> list[int]:
+    """Name the members at fault in a rejected sync's bucket k (indices in `group`, the same list on every honest
+    member). `flat`: this rank's values of bucket k, its contribution when `intact` (else the result it wrote,
+    which the others judge as they judge anything it sends). Two collectives over `group`: the values, the
+    judgements."""
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    gathered = [torch.empty_like(flat) for _ in range(size)]
+    dist.all_gather(gathered, flat, group=group)
+    named = judge(gathered, weights, me, intact, bound, k)
+    del gathered
+    mine = torch.tensor([1.0 if j in named else 0.0 for j in range(size)], device=flat.device)
+    masks = torch.empty(size * size, dtype=torch.float32, device=flat.device)
+    dist.all_gather_single(masks, mine, group=group)
+    counts = masks.view(size, size).sum(dim=0).tolist()
+    return [j for j, count in enumerate(counts) if 2 * count > size]
+
+
+__all__ = ["identify", "judge"]

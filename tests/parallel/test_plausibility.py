@@ -1,0 +1,149 @@
+"""A member that lies about its own verdict cannot make the others adopt its values, and is named (CPU, gloo).
+
+The move bound and the offender's judgement are checked on their own; then three ranks, each a federation group of
+S = 1, sync twice honestly (the history) and a third time with rank 2 lying: it sends 1e30, NaN or 100x its values
+while reporting itself healthy. Blocking and overlapped syncs, fp32 and int8 wires.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flwr_sharded.parallel.offender import judge
+from flwr_sharded.parallel.plausibility import MOVE_HISTORY, MoveBound
+from tests.multiproc import run_ranks
+
+
+def test_the_bound_starts_at_the_bucket_norm_then_follows_the_median_of_adopted_moves_per_token():
+    bound = MoveBound(10.0)
+    mine = [torch.full((4,), 1.0)]  # norm 2
+    bound.begin(2.0)
+    assert bound.bound(0, mine) == pytest.approx(20.0)
+    assert bound.plausible(0, [torch.full((4,), 1.5)], mine)  # move 1
+    assert not bound.plausible(0, [torch.full((4,), 12.0)], mine)  # move 22 > 20
+    bound.discard()
+    assert bound.bound(0, mine) == pytest.approx(20.0)  # a rejected sync leaves no move behind
+    bound.begin(2.0)
+    bound.plausible(0, [torch.full((4,), 1.5)], mine)
+    bound.record()  # 1 / 2 tokens
+    bound.begin(4.0)  # a period twice as long may move twice as far
+    assert bound.bound(0, mine) == pytest.approx(20.0)
+    for move in [3.0] * MOVE_HISTORY:
+        bound._pending[0] = move
+        bound.record()
+    assert bound.bound(0, mine) == pytest.approx(120.0)  # only the last MOVE_HISTORY moves count
+    bound.begin(1.0)
+    assert bound.plausible(0, [torch.full((4,), 1.0 + 1e-7)], mine)
+    bound.record()
+    assert list(bound._history[0])[-1] == 3.0  # rounding-sized moves are not kept
+    assert not bound.plausible(0, [torch.tensor([1.0, 1.0, float("nan"), 1.0])], mine)
+    assert bound.plausible(0, [torch.ones(4)], [torch.tensor([1.0, float("nan"), 1.0, 1.0])])  # cannot judge
+    assert MoveBound(0.0).enabled is False
+    assert MoveBound(10.0).bound(1, [torch.zeros(4)]) == math.inf  # nothing to scale a bound by
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("honest", set()), ("huge", {2}), ("nan", {2}), ("two-liars", set()), ("wrote-it", {2}), ("huge-from-writer",
+                                                                                             set()),
+])
+def test_the_judgement_names_only_the_member_whose_values_alone_explain_the_rejection(case, expected):
+    torch.manual_seed(0)
+    base = torch.randn(64)
+    gathered = [base + 0.01 * torch.randn(64) for _ in range(4)]
+    intact = True
+    if case in ("huge", "two-liars", "huge-from-writer"):
+        gathered[2] = torch.full((64,), 1e30)
+    if case == "two-liars":
+        gathered[3] = torch.full((64,), -1e30)
+    if case in ("nan", "wrote-it"):
+        gathered[2][5] = float("nan")
+    if case in ("wrote-it", "huge-from-writer"):
+        intact = False  # member 0 wrote the bucket: it can still tell NaN, not a move
+    assert judge(gathered, [1.0, 2.0, 3.0, 4.0], 0, intact, MoveBound(10.0), 0) == expected
+    assert 2 not in judge(gathered, [1.0, 2.0, 0.0, 4.0], 0, intact, MoveBound(10.0), 0)  # left out: not judged
+
+
+def _lying_worker(rank: int, world: int) -> dict:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from flwr_sharded.parallel import streaming, sync
+    from flwr_sharded.parallel.admission import SyncRejected
+    from flwr_sharded.parallel.streaming import OverlappedSync, Snapshot
+    from flwr_sharded.parallel.sync import ShardSync
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    group = dist.group.WORLD
+    honest_verdict, lying = sync.healthy, [False]
+    sync.healthy = streaming.healthy = lambda t, w, m: True if lying[0] else honest_verdict(t, w, m)
+    base = torch.randn(3000, generator=torch.Generator().manual_seed(0))
+    weights = [1.0, 2.0, 3.0]
+
+    def values(step: int, member: int) -> torch.Tensor:
+        return base + 0.01 * torch.randn(3000, generator=torch.Generator().manual_seed(100 * step + member))
+
+    def scenario(lie: str | None, *, wire: torch.dtype | None = None, overlapped: bool = False,
+                 max_move: float = 10.0) -> list:
+        params = [torch.nn.Parameter(base[:2000].clone()), torch.nn.Parameter(base[2000:].clone())]
+        s = ShardSync([("a", params[0]), ("b", params[1])], fed_group=group, bucket_bytes=4000, wire_dtype=wire,
+                      max_move=max_move)
+        s.capture_global()
+        flight = OverlappedSync(s, origin=Snapshot()) if overlapped else None
+        out = []
+        for step in range(3):
+            mine = values(step, rank)
+            with torch.no_grad():
+                if lie is not None and step == 2 and rank == 2:
+                    mine = torch.full_like(mine, float(lie)) if lie != "x100" else mine * 100
+                    lying[0] = True
+                params[0].copy_(mine[:2000])
+                params[1].copy_(mine[2000:])
+            try:
+                if flight is None:
+                    s.sync(weight=weights[rank])
+                else:
+                    flight.start(weights[rank])
+                    lying[0] = False
+                    flight.wait(60)
+                    flight.merge()
+                out.append(("adopted", torch.cat([p.detach() for p in params])))
+            except SyncRejected as exc:
+                now = torch.cat([p.detach() for p in params])
+                out.append(("rejected", exc.offenders, str(exc), torch.allclose(now, mine, rtol=0, atol=0,
+                                                                                equal_nan=True)))
+            finally:
+                lying[0] = False
+        return out
+
+    central = [sum(w * values(step, j) for j, w in enumerate(weights)) / sum(weights) for step in range(3)]
+    out = {"central": central}
+    for name, kwargs in {"healthy-unchecked": dict(lie=None, max_move=0.0), "healthy": dict(lie=None),
+                         "1e30": dict(lie="1e30"), "nan": dict(lie="nan"), "x100": dict(lie="x100"),
+                         "int8-1e30": dict(lie="1e30", wire=torch.int8),
+                         "overlapped-1e30": dict(lie="1e30", overlapped=True),
+                         "overlapped-int8-x100": dict(lie="x100", overlapped=True, wire=torch.int8)}.items():
+        out[name] = scenario(**kwargs)
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_a_lying_member_is_rejected_on_every_rank_and_named():
+    results = run_ranks(_lying_worker, 3, timeout=200)
+    central = results[0]["central"]
+    for rank, res in enumerate(results):
+        healthy, unchecked = res["healthy"], res["healthy-unchecked"]
+        for step in range(3):
+            assert healthy[step][0] == "adopted"
+            assert torch.equal(healthy[step][1], unchecked[step][1])  # the check changes no healthy result
+            assert torch.allclose(healthy[step][1], central[step], atol=1e-6)
+        for name in ("1e30", "nan", "x100", "int8-1e30", "overlapped-1e30", "overlapped-int8-x100"):
+            first, second, third = res[name]
+            assert first[0] == second[0] == "adopted", name
+            assert third[0] == "rejected", (name, third)
+            assert third[1] == [2], (name, rank, third[2])  # every rank names the liar
+            assert "member(s) [2] of the federation group sent it" in third[2]
+            assert third[3], (name, rank)  # a rejected blocking sync wrote nothing; an overlapped one merged nothing
