@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 
 def pid_alive(pid: int) -> bool:
@@ -24,3 +26,17 @@ def pid_alive(pid: int) -> bool:
             return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return True
+
+
+def exit_with_parent() -> None:
+    """Exit this process as soon as its parent (a rank's torchrun agent) is gone: no orphaned ranks after a
+    `kill -9`."""
+    parent = os.getppid()
+
+    def loop() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(3)
+
+    threading.Thread(target=loop, name="parent-watch", daemon=True).start()

@@ -24,7 +24,6 @@ import os
 import queue
 import shutil
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Iterator
@@ -46,26 +45,13 @@ from flwr_sharded.flower.group import options, server_side
 from flwr_sharded.flower.group.round import GroupRound
 from flwr_sharded.flower.group.server_side import InstructionError
 from flwr_sharded.flower.node_policy import NodePolicy
-from flwr_sharded.flower.processes import pid_alive
+from flwr_sharded.flower.processes import exit_with_parent, pid_alive
 
 logger = logging.getLogger("flwr_sharded.group")
 
 FOREVER_S = 365 * 24 * 3600.0
 ABORT_KEY = "flwr_sharded/abort/"
 """Key prefix, in the group's own store, of the rounds whose members are gone (`GroupRuntime.abort_round`)."""
-
-
-def _watch_parent() -> None:
-    """Exit this rank as soon as its parent (the torchrun agent) is gone: no orphaned ranks after a `kill -9`."""
-    parent = os.getppid()
-
-    def loop() -> None:
-        while True:
-            time.sleep(1.0)
-            if os.getppid() != parent:
-                os._exit(3)
-
-    threading.Thread(target=loop, name="parent-watch", daemon=True).start()
 
 
 class GroupRuntime:
@@ -479,7 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stderr,
                         format=f"%(asctime)s [group rank {rank}] %(levelname)s %(message)s")
     if "RANK" in os.environ:
-        _watch_parent()
+        exit_with_parent()
     try:
         args = schema.apply_arguments(options.GroupOptions(), parsed)
         if args.shards is None:
