@@ -13,7 +13,7 @@ plausible on a rank if every bucket's move is finite and at most `max_move` x th
 `MOVE_HISTORY` adopted moves per token x this sync's weight (before a bucket has one: `max_move` x
 || contribution_k ||, the bucket's own norm; a bucket of zeros with no history is not bounded). Moves below
 `NEGLIGIBLE_MOVE` x the bucket's norm (groups that had not diverged: rounding) are not kept. One norm of a difference
-per bucket, no copy kept; the result is adopted only if it is plausible on every rank of every member (the sync's
+per bucket (in chunks through one 4 MiB scratch buffer), no copy kept; the result is adopted only if it is plausible on every rank of every member (the sync's
 vote), and a rejected one names its offender where one member alone explains it (`flwr_sharded.parallel.offender`).
 """
 
@@ -34,18 +34,31 @@ NEGLIGIBLE_MOVE = 1e-5
 """A move below this fraction of the bucket's norm is rounding, not training: it is not kept as a reference."""
 
 
-def move_of(means: list[torch.Tensor], contribution: list[torch.Tensor]) -> float:
-    """|| means - contribution ||_2 over the segments of one bucket (inf or NaN when the means are not finite)."""
+CHUNK = 1 << 20
+"""Elements a move is measured over at a time: its one scratch buffer (4 MiB in fp32), no temporary a bucket's size."""
+
+
+def move_and_norm(means: list[torch.Tensor], contribution: list[torch.Tensor],
+                  scratch: torch.Tensor | None = None) -> tuple[float, float]:
+    """(|| means - contribution ||_2, || contribution ||_2) over the segments of one bucket, chunk by chunk through
+    `scratch` (at least `CHUNK` elements of the means' dtype and device; made if None); the move is inf or NaN when
+    the means are not finite. One read of each, one host transfer."""
     import torch
 
-    diffs = torch._foreach_sub(means, contribution)
-    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(diffs))))
-
-
-def norm_of(tensors: list[torch.Tensor]) -> float:
-    import torch
-
-    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors))))
+    if scratch is None:
+        scratch = torch.empty(CHUNK, dtype=means[0].dtype, device=means[0].device)
+    moves, norms = [], []
+    for m, c in zip(means, contribution):
+        m, c = m.reshape(-1), c.reshape(-1)
+        for start in range(0, m.numel(), CHUNK):
+            part = c[start:start + CHUNK]
+            diff = torch.sub(m[start:start + CHUNK], part, out=scratch[:part.numel()])
+            moves.append(torch.linalg.vector_norm(diff, dtype=torch.float32))
+            norms.append(torch.linalg.vector_norm(part, dtype=torch.float32))
+    if not moves:
+        return 0.0, 0.0
+    move, norm = torch.linalg.vector_norm(torch.stack([torch.stack(moves), torch.stack(norms)]), dim=1).tolist()
+    return move, norm
 
 
 class MoveBound:
@@ -64,6 +77,7 @@ class MoveBound:
         """This member's weight in the sync being checked (`begin`)."""
         self._history: dict[int, deque[float]] = {}
         self._pending: dict[int, float] = {}
+        self._scratch: torch.Tensor | None = None
 
     @property
     def enabled(self) -> bool:
@@ -74,30 +88,37 @@ class MoveBound:
         self.weight = weight
         self._pending.clear()
 
-    def bound(self, k: int, contribution: list[torch.Tensor]) -> float:
-        """The largest move bucket k may make to `contribution` (this rank's values of it); unbounded while the
+    def bound(self, k: int, norm: float) -> float:
+        """The largest move bucket k may make to this rank's values of it (of norm `norm`); unbounded while the
         bucket has neither a move nor a norm above zero to scale it."""
         history = self._history.get(k)
-        reference = statistics.median(history) * self.weight if history else norm_of(contribution)
+        reference = statistics.median(history) * self.weight if history else norm
         return self.max_move * reference if reference > 0 else float("inf")
 
     def plausible(self, k: int, means: list[torch.Tensor], contribution: list[torch.Tensor]) -> bool:
         """Whether the groups' mean of bucket k (`means`, laid out as `contribution`) is plausible here; its move is
         kept for `record`. A rank whose own values are not finite cannot judge: it says yes (the others judge)."""
-        import torch
-
-        move = move_of(means, contribution)
-        if move == move and move != float("inf"):  # finite
-            ok = move <= self.bound(k, contribution)
-            if ok and move > NEGLIGIBLE_MOVE * norm_of(contribution):
-                self._pending[k] = move / self.weight
-            return ok
-        return not all(torch.isfinite(torch.stack([c.sum(dtype=torch.float32) for c in contribution])))
+        move, norm = move_and_norm(means, contribution, self._scratch_for(means[0]))
+        if norm != norm or norm == float("inf"):
+            return True  # this rank's own values are not finite
+        if move != move or move == float("inf"):
+            return False
+        ok = move <= self.bound(k, norm)
+        if ok and move > NEGLIGIBLE_MOVE * norm:
+            self._pending[k] = move / self.weight
+        return ok
 
     def within(self, k: int, candidate: list[torch.Tensor], contribution: list[torch.Tensor]) -> bool:
         """Whether a candidate mean of bucket k would be plausible here (the offender's search); records nothing."""
-        move = move_of(candidate, contribution)
-        return move == move and move <= self.bound(k, contribution)
+        move, norm = move_and_norm(candidate, contribution)
+        return move == move and move <= self.bound(k, norm)
+
+    def _scratch_for(self, like: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        if self._scratch is None or self._scratch.dtype != like.dtype or self._scratch.device != like.device:
+            self._scratch = torch.empty(CHUNK, dtype=like.dtype, device=like.device)
+        return self._scratch
 
     def record(self) -> None:
         """The moves of the sync just adopted (every bucket's, as `plausible` measured them) join the history."""
@@ -110,4 +131,4 @@ class MoveBound:
         self._pending.clear()
 
 
-__all__ = ["DEFAULT_MAX_MOVE", "MOVE_HISTORY", "NEGLIGIBLE_MOVE", "MoveBound", "move_of", "norm_of"]
+__all__ = ["CHUNK", "DEFAULT_MAX_MOVE", "MOVE_HISTORY", "NEGLIGIBLE_MOVE", "MoveBound", "move_and_norm"]

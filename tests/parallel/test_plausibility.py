@@ -21,20 +21,20 @@ def test_the_bound_starts_at_the_bucket_norm_then_follows_the_median_of_adopted_
     bound = MoveBound(10.0)
     mine = [torch.full((4,), 1.0)]  # norm 2
     bound.begin(2.0)
-    assert bound.bound(0, mine) == pytest.approx(20.0)
+    assert bound.bound(0, 2.0) == pytest.approx(20.0)
     assert bound.plausible(0, [torch.full((4,), 1.5)], mine)  # move 1
     assert not bound.plausible(0, [torch.full((4,), 12.0)], mine)  # move 22 > 20
     bound.discard()
-    assert bound.bound(0, mine) == pytest.approx(20.0)  # a rejected sync leaves no move behind
+    assert bound.bound(0, 2.0) == pytest.approx(20.0)  # a rejected sync leaves no move behind
     bound.begin(2.0)
     bound.plausible(0, [torch.full((4,), 1.5)], mine)
     bound.record()  # 1 / 2 tokens
     bound.begin(4.0)  # a period twice as long may move twice as far
-    assert bound.bound(0, mine) == pytest.approx(20.0)
+    assert bound.bound(0, 2.0) == pytest.approx(20.0)
     for move in [3.0] * MOVE_HISTORY:
         bound._pending[0] = move
         bound.record()
-    assert bound.bound(0, mine) == pytest.approx(120.0)  # only the last MOVE_HISTORY moves count
+    assert bound.bound(0, 2.0) == pytest.approx(120.0)  # only the last MOVE_HISTORY moves count
     bound.begin(1.0)
     assert bound.plausible(0, [torch.full((4,), 1.0 + 1e-7)], mine)
     bound.record()
@@ -42,7 +42,7 @@ def test_the_bound_starts_at_the_bucket_norm_then_follows_the_median_of_adopted_
     assert not bound.plausible(0, [torch.tensor([1.0, 1.0, float("nan"), 1.0])], mine)
     assert bound.plausible(0, [torch.ones(4)], [torch.tensor([1.0, float("nan"), 1.0, 1.0])])  # cannot judge
     assert MoveBound(0.0).enabled is False
-    assert MoveBound(10.0).bound(1, [torch.zeros(4)]) == math.inf  # nothing to scale a bound by
+    assert MoveBound(10.0).bound(1, 0.0) == math.inf  # nothing to scale a bound by
 
 
 @pytest.mark.parametrize("case, expected", [
