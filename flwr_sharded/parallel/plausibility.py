@@ -98,10 +98,12 @@ class MoveBound:
     def plausible(self, k: int, means: list[torch.Tensor], contribution: list[torch.Tensor]) -> bool:
         """Whether the groups' mean of bucket k (`means`, laid out as `contribution`) is plausible here; its move is
         kept for `record`. A rank whose own values are not finite cannot judge: it says yes (the others judge)."""
+        from flwr_sharded.parallel.admission import all_finite
+
         move, norm = move_and_norm(means, contribution, self._scratch_for(means[0]))
-        if norm != norm or norm == float("inf"):
-            return True  # this rank's own values are not finite
-        if move != move or move == float("inf"):
+        if not (norm < float("inf")) and not all_finite(contribution):
+            return True  # this rank's own values are not finite (an inf norm may only be finite values' overflow)
+        if not (move < float("inf")):
             return False
         ok = move <= self.bound(k, norm)
         if ok and move > NEGLIGIBLE_MOVE * norm:
