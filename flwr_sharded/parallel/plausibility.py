@@ -7,18 +7,29 @@ the result against its own contribution: bucket k of the groups' mean moves this
     move_k = || mean_k - contribution_k ||_2
 
 For honest members that move grows with the local steps behind it and changes slowly from one sync to the next; a
-member that sends 1e30 (or any values far from the others') makes it explode. So each adopted move is kept per
-token of this member's weight (its tokens since the last sync: a longer period moves more), and a result is
-plausible on a rank if every bucket's move is finite and at most `max_move` x the median of that bucket's last
-`MOVE_HISTORY` adopted moves per token x this sync's weight (before a bucket has one: `max_move` x
-|| contribution_k ||, the bucket's own norm; a bucket of zeros with no history is not bounded). Moves below
-`NEGLIGIBLE_MOVE` x the bucket's norm (groups that had not diverged: rounding) are not kept. One norm of a difference
-per bucket, no copy kept; the result is adopted only if it is plausible on every rank of every member (the sync's
-vote), and a rejected one names its offender where one member alone explains it (`flwr_sharded.parallel.offender`).
+member that sends 1e30, or anything far from the others', makes it explode. Each adopted move is kept per token of
+this member's weight (its tokens since the last sync: a longer period moves more). A result is plausible on a rank
+if, for every bucket, with `allowed` = `max_move` x the median of the bucket's last `MOVE_HISTORY` adopted moves
+per token x this sync's weight (before the bucket has one: `max_move` x || contribution_k ||, its own norm):
+
+- || mean_k || is finite (an exact pass over the bucket, in place of a plain finiteness test), and changes from the
+  last adopted mean's norm (before any: from || contribution_k ||) by at most `allowed`: since
+  | ||a|| - ||b|| | <= ||a - b||, any huge value, however sparse, is caught exactly;
+- the move, measured exactly on one block in `SAMPLE` of the bucket (`BLOCK` elements each, from an offset drawn
+  after the reduction, so a sender cannot aim between them) and scaled up, is at most `allowed`: a move spread over
+  the bucket is caught within the sample's error, one confined to a few blocks only when its size shows in the norm.
+
+The sampling keeps the check's cost at a few percent of a sync where the sync is bound by memory bandwidth (CPU,
+loopback); the offender search measures exact moves. Moves below `NEGLIGIBLE_MOVE` x the mean's norm (groups that
+had not diverged: rounding) are not kept; a bucket of zeros with no history is not bounded. The result is adopted
+only if it is plausible on every rank of every member (the sync's vote), and a rejected one names its offender where
+one member alone explains it (`flwr_sharded.parallel.offender`).
 """
 
 from __future__ import annotations
 
+import os
+import random
 import statistics
 from collections import deque
 from typing import TYPE_CHECKING
@@ -31,26 +42,48 @@ DEFAULT_MAX_MOVE = 10.0
 MOVE_HISTORY = 8
 """Adopted moves per bucket whose median is a bucket's reference."""
 NEGLIGIBLE_MOVE = 1e-5
-"""A move below this fraction of the bucket's norm is rounding, not training: it is not kept as a reference."""
-
-
-def move_of(means: list[torch.Tensor], contribution: list[torch.Tensor]) -> float:
-    """|| means - contribution ||_2 over the segments of one bucket (inf or NaN when the means are not finite)."""
-    import torch
-
-    diffs = torch._foreach_sub(means, contribution)
-    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(diffs))))
+"""A move below this fraction of the mean's norm is rounding, not training: it is not kept as a reference."""
+BLOCK = 1 << 14
+"""Elements of one sampled block of a move (64 KiB in fp32)."""
+SAMPLE = 16
+"""One block in this many is measured for the plausibility check's move."""
 
 
 def norm_of(tensors: list[torch.Tensor]) -> float:
+    """|| tensors ||_2 (NaN or inf when they are not finite, or too large for their dtype)."""
     import torch
 
     return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors))))
 
 
+def exact_move(means: list[torch.Tensor], contribution: list[torch.Tensor]) -> tuple[float, float]:
+    """(|| means - contribution ||_2, || contribution ||_2) over the segments of one bucket, block by block."""
+    return _move(means, contribution, every=1, offset=0), norm_of(contribution)
+
+
+def _move(means: list[torch.Tensor], contribution: list[torch.Tensor], *, every: int, offset: int) -> float:
+    """|| means - contribution ||_2 over the bucket's blocks j (of `BLOCK` elements, counted across its segments in
+    order) with j % every == offset, scaled by sqrt(every): exact for every = 1, else an unbiased estimate of its
+    square from 1/every of the elements."""
+    import torch
+
+    parts, position = [], 0
+    for m, c in zip(means, contribution):
+        m, c, n = m.reshape(-1), c.reshape(-1), m.numel()
+        block = position // BLOCK
+        block += (offset - block) % every  # the first sampled block that reaches this segment
+        while block * BLOCK < position + n:
+            start, end = max(block * BLOCK, position) - position, min((block + 1) * BLOCK, position + n) - position
+            parts.append(torch.linalg.vector_norm(m[start:end] - c[start:end], dtype=torch.float32))
+            block += every
+        position += n
+    if not parts:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack(parts))) * every ** 0.5
+
+
 class MoveBound:
-    """One sync's bound on the move of each of its buckets, and the moves it adopted (this rank's history, per token
-    of its weight).
+    """One sync's bound on the move of each of its buckets, and what it adopted (this rank's history).
 
     Args:
         max_move: `sync-max-move`; 0 turns the check off (then only finiteness is checked, as the vote always does).
@@ -62,52 +95,67 @@ class MoveBound:
         self.max_move = max_move
         self.weight = 1.0
         """This member's weight in the sync being checked (`begin`)."""
-        self._history: dict[int, deque[float]] = {}
-        self._pending: dict[int, float] = {}
+        self.judges = True
+        """Whether this member can judge the sync being checked (its own values were sound)."""
+        self._moves: dict[int, deque[float]] = {}
+        self._norms: dict[int, float] = {}
+        self._pending: dict[int, tuple[float | None, float]] = {}
+        self._offsets = random.Random(os.urandom(16))
 
     @property
     def enabled(self) -> bool:
         return self.max_move > 0
 
-    def begin(self, weight: float) -> None:
-        """A sync of this member's `weight` (its tokens since the last one) is checked next."""
-        self.weight = weight
+    def begin(self, weight: float, judges: bool = True) -> None:
+        """A sync of this member's `weight` (its tokens since the last one) is checked next; `judges`: this member's
+        own verdict on its values (one whose values are not sound cannot judge the others' mean: it says yes)."""
+        self.weight, self.judges = weight, judges
         self._pending.clear()
 
-    def bound(self, k: int, contribution: list[torch.Tensor]) -> float:
-        """The largest move bucket k may make to `contribution` (this rank's values of it); unbounded while the
-        bucket has neither a move nor a norm above zero to scale it."""
-        history = self._history.get(k)
-        reference = statistics.median(history) * self.weight if history else norm_of(contribution)
+    def allowed(self, k: int, own_norm: float) -> float:
+        """The largest move (and change of norm) of bucket k this sync: from the bucket's adopted moves, or before it
+        has any from its own norm; unbounded while there is nothing above zero to scale it."""
+        history = self._moves.get(k)
+        reference = statistics.median(history) * self.weight if history else own_norm
         return self.max_move * reference if reference > 0 else float("inf")
 
     def plausible(self, k: int, means: list[torch.Tensor], contribution: list[torch.Tensor]) -> bool:
-        """Whether the groups' mean of bucket k (`means`, laid out as `contribution`) is plausible here; its move is
-        kept for `record`. A rank whose own values are not finite cannot judge: it says yes (the others judge)."""
-        import torch
-
-        move = move_of(means, contribution)
-        if move == move and move != float("inf"):  # finite
-            ok = move <= self.bound(k, contribution)
-            if ok and move > NEGLIGIBLE_MOVE * norm_of(contribution):
-                self._pending[k] = move / self.weight
-            return ok
-        return not all(torch.isfinite(torch.stack([c.sum(dtype=torch.float32) for c in contribution])))
+        """Whether the groups' mean of bucket k (`means`, laid out as `contribution`) is plausible here; what it moved
+        is kept for `record`."""
+        norm = norm_of(means)
+        if not self.judges:
+            return True
+        if not norm < float("inf"):
+            return False
+        cold = k not in self._moves
+        own = norm_of(contribution) if cold else 0.0
+        allowed = self.allowed(k, own)
+        previous = own if cold else self._norms[k]
+        move = _move(means, contribution, every=SAMPLE, offset=self._offsets.randrange(SAMPLE))
+        ok = abs(norm - previous) <= allowed and move <= allowed
+        if ok:
+            self._pending[k] = (move / self.weight if move > NEGLIGIBLE_MOVE * norm else None, norm)
+        return ok
 
     def within(self, k: int, candidate: list[torch.Tensor], contribution: list[torch.Tensor]) -> bool:
-        """Whether a candidate mean of bucket k would be plausible here (the offender's search); records nothing."""
-        move = move_of(candidate, contribution)
-        return move == move and move <= self.bound(k, contribution)
+        """Whether a candidate mean of bucket k would move this rank's values within bounds (the offender's search:
+        an exact move); records nothing."""
+        move, own = exact_move(candidate, contribution)
+        return move == move and move <= self.allowed(k, own)
 
     def record(self) -> None:
-        """The moves of the sync just adopted (every bucket's, as `plausible` measured them) join the history."""
-        for k, move in self._pending.items():
-            self._history.setdefault(k, deque(maxlen=MOVE_HISTORY)).append(move)
+        """What the sync just adopted moved (every bucket's, as `plausible` measured it) joins the history."""
+        for k, (move, norm) in self._pending.items():
+            if move is not None:
+                self._moves.setdefault(k, deque(maxlen=MOVE_HISTORY)).append(move)
+            if k in self._moves:
+                self._norms[k] = norm
         self._pending.clear()
 
     def discard(self) -> None:
-        """Forget the moves of a sync that was not adopted."""
+        """Forget what a sync that was not adopted moved."""
         self._pending.clear()
 
 
-__all__ = ["DEFAULT_MAX_MOVE", "MOVE_HISTORY", "NEGLIGIBLE_MOVE", "MoveBound", "move_of", "norm_of"]
+__all__ = ["BLOCK", "DEFAULT_MAX_MOVE", "MOVE_HISTORY", "NEGLIGIBLE_MOVE", "SAMPLE", "MoveBound", "exact_move",
+           "norm_of"]

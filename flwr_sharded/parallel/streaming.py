@@ -129,7 +129,7 @@ class OverlappedSync:
             stream = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
             with torch.no_grad(), stream:
                 admission = self.sync.admit(weight, ok)
-                self.sync.bound.begin(weight)
+                self.sync.bound.begin(weight, ok)
                 self._total = admission.total
                 for k, send in enumerate(self._sends):
                     self._bytes += self.sync.reduce_bucket(k, send, admission.mine / self._total)

@@ -307,7 +307,7 @@ class ShardSync:
         if self.fed_group is not None:
             ok = healthy([seg for _, shard_segments, _ in views for seg in shard_segments], weight, self.max_weight)
             admission = self.admit(weight, ok)
-            self.bound.begin(weight)
+            self.bound.begin(weight, ok)
             total, weights = admission.total, admission.weights
         for k, (flat, shard_segments, buffer_segments) in enumerate(views):
             torch._foreach_copy_(buffer_segments, shard_segments)

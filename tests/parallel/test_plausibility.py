@@ -12,37 +12,66 @@ import math
 import pytest
 import torch
 
+from flwr_sharded.parallel import plausibility
 from flwr_sharded.parallel.offender import judge
-from flwr_sharded.parallel.plausibility import MOVE_HISTORY, MoveBound
+from flwr_sharded.parallel.plausibility import MOVE_HISTORY, SAMPLE, MoveBound, exact_move
 from tests.multiproc import run_ranks
 
 
-def test_the_bound_starts_at_the_bucket_norm_then_follows_the_median_of_adopted_moves_per_token():
+@pytest.fixture
+def every_block(monkeypatch):
+    """Measure every block of a move (the tests' buckets are smaller than one sampled block)."""
+    monkeypatch.setattr(plausibility, "SAMPLE", 1)
+
+
+def test_the_bound_starts_at_the_bucket_norm_then_follows_the_median_of_adopted_moves_per_token(every_block):
     bound = MoveBound(10.0)
     mine = [torch.full((4,), 1.0)]  # norm 2
     bound.begin(2.0)
-    assert bound.bound(0, mine) == pytest.approx(20.0)
+    assert bound.allowed(0, 2.0) == pytest.approx(20.0)
     assert bound.plausible(0, [torch.full((4,), 1.5)], mine)  # move 1
     assert not bound.plausible(0, [torch.full((4,), 12.0)], mine)  # move 22 > 20
     bound.discard()
-    assert bound.bound(0, mine) == pytest.approx(20.0)  # a rejected sync leaves no move behind
+    assert bound.allowed(0, 2.0) == pytest.approx(20.0)  # a rejected sync leaves no move behind
     bound.begin(2.0)
     bound.plausible(0, [torch.full((4,), 1.5)], mine)
     bound.record()  # 1 / 2 tokens
     bound.begin(4.0)  # a period twice as long may move twice as far
-    assert bound.bound(0, mine) == pytest.approx(20.0)
+    assert bound.allowed(0, 2.0) == pytest.approx(20.0)
     for move in [3.0] * MOVE_HISTORY:
-        bound._pending[0] = move
+        bound._pending[0] = (move, 3.0)
         bound.record()
-    assert bound.bound(0, mine) == pytest.approx(120.0)  # only the last MOVE_HISTORY moves count
+    assert bound.allowed(0, 2.0) == pytest.approx(120.0)  # only the last MOVE_HISTORY moves count
     bound.begin(1.0)
-    assert bound.plausible(0, [torch.full((4,), 1.0 + 1e-7)], mine)
+    assert bound.plausible(0, [torch.full((4,), 3.0 / 2 + 1e-7)], [torch.full((4,), 3.0 / 2)])
     bound.record()
-    assert list(bound._history[0])[-1] == 3.0  # rounding-sized moves are not kept
+    assert list(bound._moves[0])[-1] == 3.0  # rounding-sized moves are not kept
     assert not bound.plausible(0, [torch.tensor([1.0, 1.0, float("nan"), 1.0])], mine)
-    assert bound.plausible(0, [torch.ones(4)], [torch.tensor([1.0, float("nan"), 1.0, 1.0])])  # cannot judge
+    bound.begin(1.0, judges=False)  # its own values are not sound: it cannot judge
+    assert bound.plausible(0, [torch.tensor([1.0, 1.0, float("nan"), 1.0])], mine)
     assert MoveBound(0.0).enabled is False
-    assert MoveBound(10.0).bound(1, [torch.zeros(4)]) == math.inf  # nothing to scale a bound by
+    assert MoveBound(10.0).allowed(1, 0.0) == math.inf  # nothing to scale a bound by
+
+
+def test_a_sparse_huge_value_is_caught_by_the_norm_whatever_the_sample():
+    bound = MoveBound(10.0)
+    mine = [torch.randn(1 << 18, generator=torch.Generator().manual_seed(0))]
+    spiked = mine[0].clone()
+    spiked[12345] = 1e30 / 3
+    for _ in range(8):  # whichever blocks the sample draws
+        bound.begin(1.0)
+        assert not bound.plausible(0, [spiked], mine)
+
+
+def test_the_sampled_move_estimates_the_exact_one():
+    g = torch.Generator().manual_seed(1)
+    segments = [torch.randn(n, generator=g) for n in (100, 70000, 3, 250000, 20000)]
+    moved = [s + 0.01 * torch.randn(s.shape, generator=g) for s in segments]
+    exact, _ = exact_move(moved, segments)
+    assert exact == pytest.approx(float(torch.cat([m - s for m, s in zip(moved, segments)]).norm()), rel=1e-5)
+    estimates = [plausibility._move(moved, segments, every=SAMPLE, offset=o) for o in range(SAMPLE)]
+    assert sum(e * e for e in estimates) / SAMPLE == pytest.approx(exact * exact, rel=1e-4)  # every element once
+    assert all(0.7 * exact < e < 1.3 * exact for e in estimates), (exact, estimates)
 
 
 @pytest.mark.parametrize("case, expected", [
@@ -78,6 +107,7 @@ def _lying_worker(rank: int, world: int) -> dict:
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     group = dist.group.WORLD
+    plausibility.SAMPLE = 1  # buckets smaller than one sampled block: measure every move
     honest_verdict, lying = sync.healthy, [False]
     sync.healthy = streaming.healthy = lambda t, w, m: True if lying[0] else honest_verdict(t, w, m)
     base = torch.randn(3000, generator=torch.Generator().manual_seed(0))
