@@ -323,7 +323,9 @@ class FlowerRun:
         if f.aggregation == "server" and not outer_rule(p, S).linear:
             raise S.error(f"{L('outer')} {p.outer!r} needs every member's shards at once, but {L('aggregation')} "
                           f"\"server\" streams a weighted mean; use a linear rule "
-                          f"({', '.join(LINEAR_RULES)}) or aggregation \"decentralized\"")
+                          f"({', '.join(LINEAR_RULES)}) or aggregation \"decentralized\"; the server's own "
+                          f"robust rules are {L('server-rule')} "
+                          f"{' or '.join(repr(r) for r in typing.get_args(ServerRule) if r != 'mean')}")
 
 
 def _fl_methods() -> list[str]:
