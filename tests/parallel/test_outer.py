@@ -111,7 +111,7 @@ def test_median_is_torch_median_and_averages_the_two_middle_values_for_an_even_c
         assert bool((result >= honest.min(dim=0).values).all() and (result <= honest.max(dim=0).values).all())
 
 
-@pytest.mark.parametrize("n,trim", [(3, 1), (4, 1), (5, 1), (5, 2), (6, 2), (7, 3)])
+@pytest.mark.parametrize("n,trim", [(3, 1), (4, 1), (5, 1), (5, 2), (6, 2), (7, 3), (24, 5), (25, 5)])  # 25: sort
 @pytest.mark.parametrize("hostile", [False, True])
 def test_trimmed_mean_is_the_sorted_trim(n, trim, hostile):
     members = _members_with_a_hostile_one(n, hostile)
