@@ -243,7 +243,9 @@ class TrimmedMean(ShardRule):
 
     trim: int = 1
     name: ClassVar[str] = "trimmed-mean"
-    temp_buckets_per_member: ClassVar[int] = 5  # its all-gathered bucket, the stack, the sorted values, int64 indices
+    # its all-gathered bucket, the backend's copy of it, the stack and the ordering's block: an upper bound (3.4 per
+    # member measured at F = 3, benchmarks/README.md)
+    temp_buckets_per_member: ClassVar[int] = 5
 
     def aggregate(self, global_shard: Tensor, members: Sequence[tuple[Tensor, float]],
                   state: State) -> tuple[Tensor, State]:
