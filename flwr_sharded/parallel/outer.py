@@ -257,11 +257,12 @@ class TrimmedMean(ShardRule):
 @dataclass
 class Median(ShardRule):
     """Coordinate-wise median of the members (weights ignored), the mean of the two middle values for an even F
-    (`median_trim`): robust to fewer than half the members sending anything; with F = 2 it is their plain mean.
+    (`median_trim`): fewer than half the members cannot move a coordinate past the others' values, whatever finite
+    values they send; with F = 2 it is their plain mean.
     Flower's `FedMedian` computes the same (numpy's median)."""
 
     name: ClassVar[str] = "median"
-    temp_buckets_per_member: ClassVar[int] = TrimmedMean.temp_buckets_per_member  # the same gather, stack and sort
+    temp_buckets_per_member: ClassVar[int] = TrimmedMean.temp_buckets_per_member  # the same gather, stack, order
 
     def aggregate(self, global_shard: Tensor, members: Sequence[tuple[Tensor, float]],
                   state: State) -> tuple[Tensor, State]:
