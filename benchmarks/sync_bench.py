@@ -10,7 +10,11 @@ Builds a Llama shape sharded with FSDP2 on an (F, 1, S) mesh, then times, interl
             the global shards; int8 with and without error feedback), shards moved a little between samples
   sync-unchecked, sync-int8-unchecked   sync and sync-int8 without the plausibility check of their result
             (`--sync-max-move 0`): what checking each bucket's move costs
-and measures the peak extra memory the sync allocates (torch profiler memory events) against one bucket.
+  sync-median, sync-trimmed-mean   the robust rules (`--outer median`, `--outer trimmed-mean` with trim 1, which
+            needs F >= 3): each bucket all-gathered from every group instead of all-reduced
+and measures the peak extra memory the sync allocates (torch profiler memory events) against one bucket, for the
+fedavg sync and each robust rule, and the bytes one sync of each of them sends on a ring (the traffic meter's
+records, `flwr_sharded.perf.traffic_report.sent_bytes`).
 Rank 0 prints medians and ratios and writes them as JSON (--out).
 """
 
@@ -64,6 +68,18 @@ def peak_extra_bytes(fn) -> int:
         level += e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage  # net bytes, no double count
         peak = max(peak, level)
     return peak
+
+
+def sent_by_one_call(fn, group) -> float:
+    """Bytes this rank sends on a ring for the collectives of one call of `fn` (every collective of a sync runs
+    over the federation group `group`), from the traffic meter's records."""
+    from flwr_sharded.parallel.traffic import TrafficMeter
+    from flwr_sharded.perf.traffic_report import sent_bytes
+
+    n = dist.get_world_size(group)
+    with TrafficMeter() as meter:
+        fn()
+    return sum(sent_bytes(r.op, r.nbytes, n) for r in meter.records)
 
 
 def main() -> None:
@@ -124,6 +140,16 @@ def main() -> None:
         wired.check_alignment()
         wired.capture_global()
         runs[name] = (lambda w: lambda: w.sync(weight=1.0 + topo.fed_index))(wired)
+    from flwr_sharded.parallel.outer import make_rule
+
+    robust = {"sync-median": lambda: make_rule("median")}
+    if args.federations >= 3:
+        robust["sync-trimmed-mean"] = lambda: make_rule("trimmed-mean", trim=1)
+    for name, rule in robust.items():
+        ruled = ShardSync(model.named_parameters(), fed_group=topo.fed_group,
+                          bucket_bytes=int(args.bucket_mb * 2**20), rule=rule())
+        ruled.check_alignment()
+        runs[name] = (lambda r: lambda: r.sync(weight=1.0 + topo.fed_index))(ruled)
     noise = torch.Generator().manual_seed(topo.fed_index)
     times: dict[str, list[float]] = {k: [] for k in runs}
     for name, fn in runs.items():  # warm-up
@@ -148,13 +174,18 @@ def main() -> None:
     # the slowest rank decides a collective's time: take the max over ranks of each sample
     stacked = torch.tensor([times[k] for k in runs], dtype=torch.float64)
     dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
+    sent = {name: sent_by_one_call(runs[name], group) for name in ("sync", *robust)}
     # a fresh ShardSync, so that its first sync allocates its bucket inside the measured window
-    fresh = ShardSync(model.named_parameters(), fed_group=topo.fed_group, bucket_bytes=int(args.bucket_mb * 2**20))
-    fresh.check_alignment()
-    peak = peak_extra_bytes(lambda: fresh.sync(weight=1.0))
+    peak_of = {}
+    for name, rule in {"sync": lambda: None, **robust}.items():
+        fresh = ShardSync(model.named_parameters(), fed_group=topo.fed_group,
+                          bucket_bytes=int(args.bucket_mb * 2**20), rule=rule())
+        fresh.check_alignment()
+        peak_of[name] = peak_extra_bytes(lambda: fresh.sync(weight=1.0))
     bucket = min(int(args.bucket_mb * 2**20), shard_bytes)
-    peaks = torch.tensor([peak], dtype=torch.int64)
+    peaks = torch.tensor(list(peak_of.values()), dtype=torch.int64)
     dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+    peak_of = dict(zip(peak_of, peaks.tolist()))
     if dist.get_rank() == 0:
         med = {k: statistics.median(stacked[i].tolist()) for i, k in enumerate(runs)}
         result = {
@@ -167,8 +198,13 @@ def main() -> None:
             "per_param_over_sync": med["per-param"] / med["sync"],
             "int8_over_bf16_sync": med["sync-int8"] / med["sync-bf16"],
             "int8_ef_over_bf16_sync": med["sync-int8-ef"] / med["sync-bf16"],
-            "peak_extra_bytes": int(peaks.item()), "one_bucket_bytes": bucket,
-            "peak_over_bucket": int(peaks.item()) / bucket,
+            "peak_extra_bytes": peak_of["sync"], "one_bucket_bytes": bucket,
+            "peak_over_bucket": peak_of["sync"] / bucket,
+            "robust": {name: {"median_s": med[name], "over_sync_s": med[name] / med["sync"],
+                              "sent_bytes": sent[name], "sent_over_sync": sent[name] / sent["sync"],
+                              "peak_extra_bytes": peak_of[name], "peak_over_bucket": peak_of[name] / bucket}
+                       for name in robust},
+            "sync_sent_bytes": sent["sync"],
         }
         print(json.dumps(result, indent=2))
         if args.out:

@@ -60,7 +60,7 @@ class ParallelConfig:
     is rounded; int8, float8_e4m3fn and float8_e5m2 (fp8: CUDA compute capability >= 8.9) quantize the delta
     blockwise (one fp32 scale per 256 values; about 0.254 of the fp32 bytes) and sum it in fp32. Any of them costs
     one fp32 copy of the rank's shards for fedavg (outer optimizers keep one already); linear outer rules only (not
-    trimmed-mean)."""
+    trimmed-mean or median)."""
     sync_error_feedback: bool = False
     """With an 8-bit `sync-dtype`: carry each rank's rounding errors into its next sync (error feedback), so they do
     not accumulate over syncs; one more fp32 copy of the rank's shards."""
@@ -98,8 +98,10 @@ class ParallelConfig:
     Flower run). An overlapped sync keeps one more copy of the largest fragment's shards to measure the move (as
     `sync-carry` does). 0: only finiteness is checked, and nobody is named."""
     outer: str = "fedavg"
-    """How synced shards are combined: fedavg, fedavgm, nesterov (DiLoCo), fedadam, fedyogi, trimmed-mean, or a
-    `package.module:Class` ShardRule."""
+    """How synced shards are combined: fedavg, fedavgm, nesterov (DiLoCo), fedadam, fedyogi, trimmed-mean, median, or
+    a `package.module:Class` ShardRule. trimmed-mean and median ignore the weights and all-gather every group's
+    shards (F/2 x the bytes of the others' all-reduce; docs/custom-rules.md); a Flower run's server path has
+    its own: `server-rule`."""
     outer_lr: float | None = option(None, gt=0)
     """Outer learning rate; unset: the rule's default (fedavgm 1.0, nesterov 0.7, fedadam 0.1, fedyogi 0.01)."""
     outer_momentum: float | None = option(None, ge=0, lt=1)

@@ -325,7 +325,9 @@ class FlowerRun:
         if f.aggregation == "server" and not outer_rule(p, S).linear:
             raise S.error(f"{L('outer')} {p.outer!r} needs every member's shards at once, but {L('aggregation')} "
                           f"\"server\" streams a weighted mean; use a linear rule "
-                          f"({', '.join(LINEAR_RULES)}) or aggregation \"decentralized\"")
+                          f"({', '.join(LINEAR_RULES)}) or aggregation \"decentralized\"; the server's own "
+                          f"robust rules are {L('server-rule')} "
+                          f"{' or '.join(repr(r) for r in typing.get_args(ServerRule) if r != 'mean')}")
 
     def check_sources(self, *, local: bool) -> None:
         """The model and data checks each group makes at hello, as far as they can run here, before any group is

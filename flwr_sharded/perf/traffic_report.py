@@ -214,6 +214,8 @@ def sent_bytes(op: str, payload: float, n: int, backend: str = "gloo") -> float:
         return 0.0
     if op in _GATHER_LIKE:
         return payload * (n - 1) / n
+    if op == "all_gather":  # the list form (the sync's robust rules): the meter's payload is this rank's input
+        return payload * (n - 1)
     if op in _REDUCE_SCATTER:
         return payload * (n - 1) / n * (2.0 if backend == "gloo" else 1.0)
     if op == "all_reduce":
@@ -230,8 +232,8 @@ def collective_tiers(probes: list[dict[str, Any]], placement: Placement,
     """Bytes sent per phase ("step", "sync", "other") and tier, summed over ranks, from the probes' records.
 
     Each collective's bytes go to the tier of the link from the rank to the next one in its group (rank order).
-    A broadcast counts for every rank but the last of its chain. Ops without a ring rule (the all_gather of object
-    lists in the sync's one-time alignment check) are reported under the pseudo-tier "unmapped" (payload bytes).
+    A broadcast counts for every rank but the last of its chain. Ops without a ring rule are reported under the
+    pseudo-tier "unmapped" (payload bytes).
     """
     out = {p: dict.fromkeys((*TIERS, "unmapped"), 0.0) for p in ALL_PHASES}
     for probe in probes:

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from flwr_sharded.parallel.outer import (FedAdam, FedAvg, FedAvgM, FedYogi, Nesterov, TrimmedMean, make_rule,
-                                         weighted_mean)
+from flwr_sharded.parallel.outer import (FedAdam, FedAvg, FedAvgM, FedYogi, Median, Nesterov, TrimmedMean,
+                                         make_rule, weighted_mean)
 from tests.multiproc import run_ranks
 
-RULES = [FedAvg(), FedAvgM(), Nesterov(), FedAdam(), FedYogi(), TrimmedMean(trim=1)]
+RULES = [FedAvg(), FedAvgM(), Nesterov(), FedAdam(), FedYogi(), TrimmedMean(trim=1), Median()]
 
 
 def _rounds(seed: int = 0, n: int = 1000, members: int = 4, rounds: int = 3):
@@ -82,6 +82,60 @@ def test_fedavg_is_the_weighted_mean_and_trimmed_mean_drops_outliers():
     assert torch.allclose(TrimmedMean(trim=1).aggregate(a, [(a, 1.0), (b, 1.0), (c, 1.0)], {})[0], b)
     with pytest.raises(ValueError, match="more than 2"):
         TrimmedMean(trim=1).aggregate(a, [(a, 1.0), (b, 1.0)], {})
+
+
+def _members_with_a_hostile_one(n: int, hostile: bool, seed: int = 7) -> list[torch.Tensor]:
+    """n members' shards of 257 values near 0; with `hostile`, the last one sends 1e30 everywhere."""
+    gen = torch.Generator().manual_seed(seed)
+    members = [torch.randn(257, generator=gen) for _ in range(n)]
+    if hostile:
+        members[-1] = torch.full((257,), 1e30)
+    return members
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])
+@pytest.mark.parametrize("hostile", [False, True])
+def test_median_is_torch_median_and_averages_the_two_middle_values_for_an_even_count(n, hostile):
+    members = _members_with_a_hostile_one(n, hostile)
+    stacked = torch.stack(members)
+    result, _ = Median().aggregate(None, [(m, float(i + 1)) for i, m in enumerate(members)], {})  # weights ignored
+    if n % 2:
+        torch.testing.assert_close(result, stacked.median(dim=0).values, rtol=0, atol=0)
+    else:  # torch.median gives the lower middle value; the rule (numpy, Flower's FedMedian) their mean
+        ordered = stacked.sort(dim=0).values
+        reference = (ordered[n // 2 - 1].double() + ordered[n // 2].double()) / 2
+        torch.testing.assert_close(result, reference.float(), rtol=0, atol=0)
+        torch.testing.assert_close(result, torch.from_numpy(np.median(stacked.numpy(), axis=0)))
+    if hostile and n >= 3:  # the 1e30 member cannot move the result past the honest ones
+        honest = stacked[:-1]
+        assert bool((result >= honest.min(dim=0).values).all() and (result <= honest.max(dim=0).values).all())
+
+
+@pytest.mark.parametrize("n,trim", [(3, 1), (4, 1), (5, 1), (5, 2), (6, 2), (7, 3), (24, 5), (25, 5)])  # 25: sort
+@pytest.mark.parametrize("hostile", [False, True])
+def test_trimmed_mean_is_the_sorted_trim(n, trim, hostile):
+    members = _members_with_a_hostile_one(n, hostile)
+    stacked = torch.stack(members)
+    result, _ = TrimmedMean(trim=trim).aggregate(None, [(m, 1.0) for m in members], {})
+    reference = stacked.sort(dim=0).values[trim:n - trim].double().mean(dim=0).float()
+    torch.testing.assert_close(result, reference, rtol=0, atol=1e-7)
+    if hostile:
+        honest = stacked[:-1]
+        assert bool((result >= honest.min(dim=0).values).all() and (result <= honest.max(dim=0).values).all())
+
+
+def test_the_server_median_is_the_decentralised_median():
+    """`server-rule` median (a chunk's stack at the server) and the `median` rule agree, an even count included."""
+    from flwr_sharded.flower.server.robust import ChunkStack
+
+    for n in (2, 3, 4):
+        members = _members_with_a_hostile_one(n, hostile=n > 2)
+        stack = ChunkStack({"w": (0, 257)}, {"w": (257,)}, {"w": torch.float32}, slots=n)
+        for slot, m in enumerate(members):
+            stack.put(slot, "w", 0, m)
+        server = stack.combine("median", trim=1, n=n)["w"]
+        torch.testing.assert_close(server, Median().aggregate(None, [(m, 1.0) for m in members], {})[0],
+                                   rtol=0, atol=0)
 
 
 def test_make_rule_errors():
@@ -184,6 +238,7 @@ def _flower_rounds(strategy, start: dict, rounds: list[list[tuple[dict, int]]]) 
     ("fedadam", lambda fl: fl.FedAdam(), lambda: FedAdam()),
     ("fedyogi", lambda fl: fl.FedYogi(), lambda: FedYogi()),
     ("trimmed-mean", lambda fl: fl.FedTrimmedAvg(beta=0.25), lambda: TrimmedMean(trim=1)),  # int(0.25 * 4) = 1
+    ("median", lambda fl: fl.FedMedian(), lambda: Median()),  # four members: the mean of the two middle values
 ])
 def test_rules_named_after_flower_strategies_compute_what_they_compute(name, flower, ours):
     """Four members, three rounds of replies with unequal weights: each rule (on one flat shard) gives the model

@@ -48,4 +48,4 @@ def test_the_rules_load_without_torch():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
                          env={"PYTHONPATH": str(REPO), "PATH": ""})
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["6", "False"], out.stdout
+    assert out.stdout.split() == ["7", "False"], out.stdout

@@ -124,6 +124,41 @@ def test_fl_hsdp_replica0_syncs_then_broadcasts():
             assert all(torch.equal(x, y) for x, y in zip(shards[0], other))
 
 
+def _hostile_median_worker(rank: int, world: int, F: int):
+    """FL+FSDP F x 1 x 1 with the `median` rule; the last group sends 1e30 in every value."""
+    from flwr_sharded.parallel.outer import make_rule
+    from flwr_sharded.parallel.sync import ShardSync, local_shard
+    from flwr_sharded.parallel.traffic import TrafficMeter
+
+    topo, model = _sharded_tiny_model("fl-fsdp", F, 1, 1)
+    _perturb(model, seed=100 + rank)
+    if topo.fed_index == F - 1:
+        with torch.no_grad():
+            for p in model.parameters():
+                local_shard(p).fill_(1e30)
+    before = [local_shard(p).clone() for p in model.parameters()]
+    _, sources = central_mean(topo, before, dict.fromkeys(range(F), 1.0))
+    expected = [torch.stack([b[i] for _, b in sources]).median(dim=0).values for i in range(len(before))]
+    sync = ShardSync(model.named_parameters(), fed_group=topo.fed_group, rule=make_rule("median"), bucket_bytes=4096)
+    sync.check_alignment()
+    with TrafficMeter() as meter:
+        sync.sync(weight=float(topo.fed_index + 1))
+    after = [local_shard(p) for p in model.parameters()]
+    return {"equal": all(torch.equal(a, e) for a, e in zip(after, expected)),
+            "largest": max(float(a.abs().max()) for a in after), "buckets": sync.num_buckets,
+            "all_gathers": meter.count("all_gather"), "all_reduces": meter.count("all_reduce")}
+
+
+@pytest.mark.timeout(180)
+def test_the_median_rule_keeps_a_hostile_member_out():
+    """Three groups, one sending 1e30: every member ends at the central median of the three groups' shards (the
+    honest ones' values), through one all-gather per bucket and no all-reduce of the shards."""
+    for res in run_ranks(_hostile_median_worker, 3, 3):
+        assert res["equal"] and res["largest"] < 100, res
+        assert res["all_gathers"] == res["buckets"] > 1
+        assert res["all_reduces"] == 1  # the vote on a finite result, never a bucket
+
+
 def _misaligned_worker(rank: int, world: int, method: str, F: int, R: int, S: int):
     from flwr_sharded.parallel.sync import ShardAlignmentError, local_shard
 

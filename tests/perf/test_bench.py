@@ -80,6 +80,7 @@ def test_measured_collectives_match_the_cost_model(data_dir, tmp_path, method, l
 
 def test_sent_bytes_rules():
     assert sent_bytes("all_gather_single", 800, 4) == 600
+    assert sent_bytes("all_gather", 200, 4) == 600  # the list form's payload: one rank's part
     assert sent_bytes("reduce_scatter_single", 800, 4, "gloo") == 1200  # gloo runs an all-reduce
     assert sent_bytes("reduce_scatter_single", 800, 4, "nccl") == 600
     assert sent_bytes("all_reduce", 800, 4) == 1200

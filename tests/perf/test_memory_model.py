@@ -100,13 +100,15 @@ def test_fl_sync_state():
     assert fedadam.sync == fedavg.sync + (4 + 8) * 1100 / 2
     trimmed = trainer_memory(SHAPE, S=2, F=3, tokens=T, options=StepOptions(outer="trimmed-mean"))
     assert trimmed.sync == fedavg.sync and trimmed.sync_temp == 3 * 5 * fedavg.sync
+    median = trainer_memory(SHAPE, S=2, F=3, tokens=T, options=StepOptions(outer="median"))
+    assert median.sync == trimmed.sync and median.sync_temp == trimmed.sync_temp  # the same gather and sort
     with pytest.raises(ConfigError, match="linear"):
         trainer_memory(SHAPE, S=2, F=2, tokens=T, options=StepOptions(outer="trimmed-mean", sync_dtype="bfloat16"))
     assert trainer_memory(SHAPE, S=2, F=1, tokens=T, options=StepOptions(outer="nesterov")).sync == 0  # no sync
 
 
 def test_rule_state_comes_from_the_rules():
-    assert rule_state_bytes("fedavg") == 0 and rule_state_bytes("trimmed-mean") == 0
+    assert rule_state_bytes("fedavg") == rule_state_bytes("trimmed-mean") == rule_state_bytes("median") == 0
     assert rule_state_bytes("nesterov") == rule_state_bytes("fedavgm") == 4
     assert rule_state_bytes("fedadam") == rule_state_bytes("fedyogi") == 8  # m and v; the step count is a scalar
     from flwr_sharded.parallel.outer import RULES

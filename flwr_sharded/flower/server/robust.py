@@ -13,8 +13,9 @@ matter:
   weight x |value| is excluded, then the next, until the rest fit. This is always on.
 
 Robust rules (`combine`): the coordinate-wise median or trimmed mean of the contributions (unweighted, as Flower's
-FedMedian and FedTrimmedAvg; `flwr_sharded.parallel.outer.trimmed_mean`, the math of the decentralised path's
-TrimmedMean rule). They need every contribution's rows of a chunk at once: `ChunkStack` holds them, F x the chunk,
+FedMedian and FedTrimmedAvg; `flwr_sharded.parallel.outer.trimmed_mean` and `median_trim`, the math of the
+decentralised path's `trimmed-mean` and `median` rules, so an even number of facilities averages the two middle
+values on both paths). They need every contribution's rows of a chunk at once: `ChunkStack` holds them, F x the chunk,
 in the wire dtype.
 """
 
@@ -25,6 +26,7 @@ from typing import Mapping
 
 import torch
 
+from flwr_sharded.parallel.outer import median_trim, trimmed_mean
 from flwr_sharded.parallel.verdict import MAGNITUDE, OVERFLOW, Verdict, reasons
 
 SUM_LIMIT = torch.finfo(torch.float32).max / 2
@@ -40,8 +42,9 @@ def min_contributors(rule: str, trim: int) -> int:
 
 
 def trim_of(rule: str, trim: int, n: int) -> int:
-    """Values dropped from each side of each coordinate when `rule` combines `n` contributions."""
-    return (n - 1) // 2 if rule == "median" else trim
+    """Values dropped from each side of each coordinate when `rule` combines `n` contributions (the median's:
+    `flwr_sharded.parallel.outer.median_trim`, as the decentralised path's `median` rule)."""
+    return median_trim(n) if rule == "median" else trim
 
 
 def out_of_bounds_verdicts(stats: Mapping[str, tuple[float, float]], ratio: float, *,
@@ -104,8 +107,6 @@ class ChunkStack:
 
     def combine(self, rule: str, trim: int, n: int) -> dict[str, torch.Tensor]:
         """name -> the rule over the first `n` slots, fp32, for the window's rows."""
-        from flwr_sharded.parallel.outer import trimmed_mean
-
         if not 1 <= n <= self.slots:
             raise ValueError(f"{n} contributions for {self.slots} slots")
         cut = trim_of(rule, trim, n)
