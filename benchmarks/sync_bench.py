@@ -126,6 +126,15 @@ def main() -> None:
     unchecked = ShardSync(model.named_parameters(), fed_group=topo.fed_group,
                           bucket_bytes=int(args.bucket_mb * 2**20), max_move=0.0)
     unchecked.check_alignment()
+    check_s: dict[str, list[float]] = {"sync": [], "sync-unchecked": []}  # time in the result's check, per call
+    for name, instance in (("sync", sync), ("sync-unchecked", unchecked)):
+        def timed(*a, _accepts=instance.accepts, _into=check_s[name]):
+            t0 = time.perf_counter()
+            ok = _accepts(*a)
+            _into.append(time.perf_counter() - t0)
+            return ok
+
+        instance.accepts = timed
     runs = {"sync": run_sync, "sync-unchecked": lambda: unchecked.sync(weight=1.0 + topo.fed_index),
             "flat": run_flat, "per-param": run_per_param, "flat+scalar": run_flat_and_scalar}
     # the same model's sync through the reduced wires: each group's weighted delta from the global shards
@@ -158,6 +167,8 @@ def main() -> None:
             with torch.no_grad():
                 for s in shards:
                     s.div_(args.federations)
+    for spent in check_s.values():
+        spent.clear()  # the timed syncs' checks only
     for _ in range(args.repeats):
         for name, fn in runs.items():
             with torch.no_grad():  # untimed: the groups drift apart a little, so every delta is non-zero
@@ -171,6 +182,7 @@ def main() -> None:
                 with torch.no_grad():
                     for s in shards:
                         s.div_(args.federations)
+    check_per_sync = {k: sum(v) / args.repeats for k, v in check_s.items()}
     # the slowest rank decides a collective's time: take the max over ranks of each sample
     stacked = torch.tensor([times[k] for k in runs], dtype=torch.float64)
     dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
@@ -194,6 +206,8 @@ def main() -> None:
             "median_s": med,
             "sync_over_flat": med["sync"] / med["flat"],
             "checked_over_unchecked": med["sync"] / med["sync-unchecked"],
+            "check_s_per_sync": check_per_sync,  # rank 0's mean time in the result's check
+            "check_overhead_of_sync": (check_per_sync["sync"] - check_per_sync["sync-unchecked"]) / med["sync"],
             "int8_checked_over_unchecked": med["sync-int8"] / med["sync-int8-unchecked"],
             "per_param_over_sync": med["per-param"] / med["sync"],
             "int8_over_bf16_sync": med["sync-int8"] / med["sync-bf16"],

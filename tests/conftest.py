@@ -8,6 +8,18 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+SLOW_TESTS = os.environ.get("FLWR_SHARDED_SLOW_TESTS") == "1"
+"""Run the tests marked `slow` too (`make test-slow`, which CI runs after `make test`)."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip the tests marked `slow` (kept out of `make test` for time) unless `FLWR_SHARDED_SLOW_TESTS=1`."""
+    if SLOW_TESTS:
+        return
+    skip = pytest.mark.skip(reason="kept out of `make test` for time: `make test-slow` runs it (so does CI)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

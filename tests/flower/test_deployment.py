@@ -216,8 +216,7 @@ def test_a_group_killed_mid_round(deployment):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.skipif(os.environ.get("FLWR_SHARDED_SLOW_TESTS") != "1",  # the same logic: test_strategy.py's lost node
-                    reason="a run that waits out a round deadline (~75 s): set FLWR_SHARDED_SLOW_TESTS=1")
+@pytest.mark.slow  # a run that waits out a round deadline (~75 s); the same logic: test_strategy.py's lost node
 def test_a_supernode_killed_mid_round_does_not_hang_the_run(deployment):
     """SuperNode 1 is killed while round 1 trains: its reply never comes; the strategy stops waiting at the round
     deadline (or when the node drops off the online list) and goes on with group 0."""

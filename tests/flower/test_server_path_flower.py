@@ -4,7 +4,6 @@ themselves, and the result equals the decentralised sync for the same inputs (fp
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 
@@ -103,8 +102,7 @@ def test_each_group_gets_the_shards_of_its_facility():
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.skipif(os.environ.get("FLWR_SHARDED_SLOW_TESTS") != "1",  # the decentralised rejoin runs by default
-                    reason="a killed and relaunched group in a 3-group simulation (~50 s): FLWR_SHARDED_SLOW_TESTS=1")
+@pytest.mark.slow  # a killed and relaunched group in a 3-group simulation (~50 s); the decentralised rejoin runs by default
 def test_a_killed_group_rejoins_its_facility_with_a_catch_up(data_dir, tmp_path):
     """Facilities a = {0, 1}, b = {2} on the server path: kill -9 group 1 after round 1; it is dropped, then
     relaunched, and rejoins facility a after a catch-up from group 0, after which all three groups hold the same
@@ -124,8 +122,7 @@ def test_a_killed_group_rejoins_its_facility_with_a_catch_up(data_dir, tmp_path)
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.skipif(os.environ.get("FLWR_SHARDED_SLOW_TESTS") != "1",  # the same checks: test_server_strategy.py
-                    reason="a third 3-group simulation (~1 min): set FLWR_SHARDED_SLOW_TESTS=1")
+@pytest.mark.slow  # a third 3-group simulation (~1 min); the same checks: test_server_strategy.py
 def test_a_hostile_facility_is_excluded_and_the_others_go_on(data_dir, tmp_path, monkeypatch):
     """Three groups (each its own facility, S = 1) on the server path, with a ServerApp that makes the last one
     hostile (`tests.flower.hostile_facility`): round 2 its manifest claims the weight 1e300, round 3 its first chunk

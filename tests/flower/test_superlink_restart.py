@@ -6,7 +6,6 @@ is started in its own session and killed at the end."""
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import time
@@ -23,8 +22,7 @@ RUN = {**FAST_RUN_CONFIG, "num-groups": 1, "shards": 1, "round-timeout": 40.0, "
 
 
 # A whole second `flwr run` (about a minute on 2 cores): outside the default suite, which has to fit CI's time.
-pytestmark = pytest.mark.skipif(os.environ.get("FLWR_SHARDED_SLOW_TESTS") != "1",
-                                reason="a second flwr run (~1 min): set FLWR_SHARDED_SLOW_TESTS=1")
+pytestmark = pytest.mark.slow
 
 
 def _listens(port: int) -> bool:
