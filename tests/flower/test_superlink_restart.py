@@ -44,7 +44,8 @@ def test_after_a_superlink_restart_the_supernode_reconnects_and_a_new_run_comple
     group, address, key = start_group(procs, "group", shards=1, idle_timeout=300)
     supernode = procs.start("supernode", [
         "flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}", "--port", str(free_port()),
-        "--node-config", f'group-address="{address}" group-authkey-file="{key}" partition-id=0 num-partitions=1'],
+        "--node-config", f'group-address="{address}" group-authkey-file="{key}" partition-id=0 num-partitions=1 '
+                         f'allowed-save-root="{procs.workdir}"'],  # the runs' directories (and models) are under it
         env=env)
 
     def flwr_run(name: str, config: dict) -> tuple[subprocess.Popen, object]:
