@@ -92,8 +92,9 @@ class ParallelConfig:
     first failed sync and keep no rollback copy (host memory: the shards and their inner optimizer state)."""
     sync_max_move: float = option(DEFAULT_MAX_MOVE, ge=0)
     """A sync is adopted only if, on every rank, the groups' result moves each bucket of the rank's shards by at most
-    this many times the median of that bucket's recent adopted moves (before it has any: this many times the
-    bucket's own norm), so a member that sends absurd values in spite of its own verdict cannot poison the model; a
+    this many times the median of that bucket's recent adopted moves, per token of the rank's weight (before it has
+    any: this many times the bucket's own norm), so a member that sends absurd values in spite of its own verdict
+    cannot poison the model (docs/security.md: what is measured, and what is not caught); a
     rejected sync is rolled back everywhere, and the member whose values alone explain it is named (struck, in a
     Flower run). An overlapped sync keeps one more copy of the largest fragment's shards to measure the move (as
     `sync-carry` does). 0: only finiteness is checked, and nobody is named."""
