@@ -140,8 +140,11 @@ def test_other_options():
     fl = trainer_memory(SHAPE, S=2, F=2, tokens=T)
     fragment = 500 + 100  # one of the two blocks and everything outside them, at most
     overlapped = trainer_memory(SHAPE, S=2, F=2, tokens=T, options=StepOptions(sync_fragments=2, sync_delay=1,
-                                                                                sync_carry=False))
+                                                                                sync_carry=False, sync_max_move=0))
     assert overlapped.sync - fl.sync == 4 * fragment / 2
+    checked = trainer_memory(SHAPE, S=2, F=2, tokens=T, options=StepOptions(sync_fragments=2, sync_delay=1,
+                                                                             sync_carry=False))
+    assert checked.sync - fl.sync == 2 * 4 * fragment / 2  # the plausibility check reads the copy at the start
     carrying = trainer_memory(SHAPE, S=2, F=2, tokens=T, options=StepOptions(sync_fragments=2, sync_delay=1))
     assert carrying.sync - fl.sync == 2 * 4 * fragment / 2  # carry is the default with an overlapped sync
     int8 = StepOptions(sync_dtype="int8")
