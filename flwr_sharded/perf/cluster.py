@@ -12,6 +12,7 @@ import yaml
 
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.perf.costmodel import BACKENDS
+from flwr_sharded.perf.fabric import Calibration, calibration_from_dict
 from flwr_sharded.perf.placement import TIERS, Placement
 
 
@@ -30,7 +31,8 @@ class Cluster:
     bandwidth: dict[str, float]
     """Bandwidth per tier (intra_node, inter_node, inter_group) one flow of a ring collective gets, bits/s."""
     latency: dict[str, float]
-    """Start-up latency per tier, seconds; used only by the planner's optional alpha term (0 if not given)."""
+    """Start-up latency of one sequential step of a collective per tier, seconds (0 if not given): the alpha term,
+    always with a `calibration`, else only with `plan --latency`."""
     gpu_memory: float
     """Bytes of memory per GPU."""
     flops_per_gpu: float
@@ -40,6 +42,9 @@ class Cluster:
     shared: tuple[str, ...] = ()
     """Tiers whose bandwidth is one uplink per node (inter_node) or per node group (inter_group), divided among the
     flows leaving it at once (e.g. tbf-shaped links); other tiers give every flow their full bandwidth."""
+    calibration: Calibration | None = None
+    """The calibrated model's parameters (`fabric.Calibration`; with it the latency per step always counts); None:
+    the paper's bandwidth-only model."""
 
     @property
     def gpus(self) -> int:
@@ -121,7 +126,7 @@ def _count(data: dict, key: str, where: str, required: bool = True) -> int | Non
 
 
 _CLUSTER_KEYS = {"name", "description", "gpus_per_node", "nodes", "nodes_per_group", "bandwidth", "latency",
-                 "gpu_memory", "flops_per_gpu", "backend", "shared"}
+                 "gpu_memory", "flops_per_gpu", "backend", "shared", "calibration"}
 _SHAREABLE = ("inter_node", "inter_group")
 
 
@@ -167,6 +172,10 @@ def cluster_from_dict(data: Any, where: str = "cluster") -> Cluster:
     for tier in shared:
         if tier not in tables["bandwidth"]:
             raise ConfigError(f"{where}: field 'shared' lists {tier} but 'bandwidth.{tier}' is not given")
+    calibration = None
+    if data.get("calibration") is not None:
+        calibration = calibration_from_dict(data["calibration"], f"{where}: calibration", parse_bandwidth, TIERS,
+                                            _SHAREABLE)
     return Cluster(
         name=str(data.get("name", where)),
         gpus_per_node=gpus_per_node,
@@ -178,6 +187,7 @@ def cluster_from_dict(data: Any, where: str = "cluster") -> Cluster:
         flops_per_gpu=parse_flops(data["flops_per_gpu"], f"{where}: flops_per_gpu"),
         backend=backend,
         shared=tuple(shared),
+        calibration=calibration,
     )
 
 

@@ -186,6 +186,10 @@ class CommTerms:
     """Alpha term: start-up latency per ring step of every collective (0 unless latencies are given)."""
     hidden: float = 0.0
     """Sync seconds per step that an overlapped sync hides behind local steps (`overlapped`); not in `total`."""
+    forward: float = 0.0
+    """Seconds of `shard` and `latency` that the forward's all-gathers take (included in them)."""
+    sync_latency: float = 0.0
+    """Seconds of `latency` that the sync's collectives take, amortised over A (included in it)."""
 
     @property
     def total(self) -> float:
@@ -212,7 +216,8 @@ def overlapped(terms: CommTerms, *, A: int, fragments: int = 1, delay: int = 0, 
 def comm_terms(method: str, units: Units, *, S: int, R: int = 1, F: int = 1, A: int = 1, B_S: float | None,
                B_R: float | None = None, B_F: float | None = None, sizes: Sizes = "exact", backend: Backend = "nccl",
                reshard_after_forward: bool = True, reshard_root: bool = False, alpha_S: float = 0.0,
-               alpha_R: float = 0.0, alpha_F: float = 0.0, wire_ratio: float = 1.0) -> CommTerms:
+               alpha_R: float = 0.0, alpha_F: float = 0.0, wire_ratio: float = 1.0, steps_R: int | None = None,
+               steps_F: int | None = None) -> CommTerms:
     """Communication time per optimizer step, split by kind, from Table 1's collective costs.
 
     `sizes="paper"`: Eqs. 1-5 literally, with L = `units.count` and M = the model's bits / L for every collective
@@ -225,6 +230,9 @@ def comm_terms(method: str, units: Units, *, S: int, R: int = 1, F: int = 1, A: 
     reduce-scatter or chained broadcast, 2 (n-1) for an all-reduce; the sync issues one collective per unit.
     `wire_ratio` scales the sync's cross-group all-reduce (in both modes): its wire bytes per parameter over the
     units' (0.5 for a bfloat16 sync of 4-byte units); fl-hsdp's broadcast keeps the units' size.
+    `steps_R` / `steps_F`: sequential steps of one all-reduce over R / F for the alpha term (None: the ring's
+    2 (n-1); NCCL's tree takes fewer, `fabric.allreduce_steps`). `forward` and `sync_latency` split out the
+    forward's all-gathers and the sync's latency (for the phases of `fabric.Phases`).
     """
     check_layout(method, S=S, R=R, F=F, A=A)
     _check_bandwidths(method, S, R, F, B_S, B_R, B_F)
@@ -259,9 +267,15 @@ def comm_terms(method: str, units: Units, *, S: int, R: int = 1, F: int = 1, A: 
             sync += sum(broadcast_time(D, R, B_R) for D in shard_msgs)
         sync /= A
     n_units = len(shard_msgs)
+    steps_R = 2 * (R - 1) if steps_R is None else steps_R
+    steps_F = 2 * (F - 1) if steps_F is None else steps_F
     latency = (sum(k for k, _ in gathers) + len(reduces)) * (S - 1) * alpha_S
     if hsdp:
-        latency += n_units * 2 * (R - 1) * alpha_R
+        latency += n_units * steps_R * alpha_R
+    sync_latency = 0.0
     if syncs:
-        latency += n_units * (2 * (F - 1) * alpha_F + (R - 1 if method == "fl-hsdp" else 0) * alpha_R) / A
-    return CommTerms(shard=shard, replicate=replicate, sync=sync, latency=latency)
+        sync_latency = n_units * (steps_F * alpha_F + (R - 1 if method == "fl-hsdp" else 0) * alpha_R) / A
+    # the forward gathers every unit once: its share of the all-gathers' time and steps
+    forward = sum(all_gather_time(D, S, B_S) for _, D in gathers) + len(gathers) * (S - 1) * alpha_S
+    return CommTerms(shard=shard, replicate=replicate, sync=sync, latency=latency + sync_latency, forward=forward,
+                     sync_latency=sync_latency)

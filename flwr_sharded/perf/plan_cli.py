@@ -69,6 +69,7 @@ def _model_from_args(args: argparse.Namespace) -> ModelShape | None:
 def _candidate_dict(c: Candidate) -> dict[str, Any]:
     return {"method": c.method, "F": c.F, "R": c.R, "S": c.S, "A": c.A, "tiers": c.tiers, "bandwidth": c.bandwidth,
             "comm_s": c.comm.total, "comm_terms_s": asdict(c.comm), "compute_s": c.compute, "step_s": c.step_time,
+            "calibrated": c.calibrated, "phases_s": c.phases.as_dict() if c.phases else None,
             "batch_tokens": c.batch_tokens, "memory_gib": c.memory.total / GiB, "fits": c.fits,
             "memory_peak_phase": c.memory.peak_phase,
             "memory_terms_gib": {k: v / GiB for k, v in c.memory.terms().items()},
@@ -100,15 +101,37 @@ def _print_paper(cluster: Cluster, rows: list[PaperRow], args: argparse.Namespac
         print(f"{r.label:<8} {c.F:>4} {c.R:>4} {c.S:>4} {r.paper_eq_comm:>11.3f} {c.comm.total:>10.3f} "
               f"{c.compute:>8.3f} {c.step_time:>9.3f} {overall:>12} {m['forward'][0] + m['backward'][0]:>7.2f} "
               f"{m['aggregation'][0]:>5.2f} {c.memory.total / GiB:>11.1f} {'yes' if c.fits else 'NO':>4}")
-    base = rows[0]
-    print("Speedup over FSDP, predicted / measured: " + ", ".join(
-        f"{r.label} {base.predicted.step_time / r.predicted.step_time:.2f}x / "
-        f"{base.measured['overall'][0] / r.measured['overall'][0]:.2f}x" for r in rows[1:]))
+    _print_phases(rows)
     if not all(r.predicted.fits for r in rows):
         usable = args.memory_fraction * cluster.gpu_memory / GiB
         print(f"NO: more than {args.memory_fraction:.0%} of the GPU's memory ({usable:.1f} GiB) at the step's peak "
               f"({', '.join(sorted({r.predicted.memory.peak_phase for r in rows if not r.predicted.fits}))}); "
               f"try --activation-checkpointing or fewer --tokens-per-gpu")
+
+
+PHASES = ("forward", "backward", "optimizer", "aggregation", "overall")
+
+
+def _ratio(predicted: float, measured: float) -> str:
+    return f"{predicted / measured:.2f}" if measured > 0 else "-"
+
+
+def _print_phases(rows: list[PaperRow]) -> None:
+    """Per phase: predicted / measured (the ratio), then the speedups over FSDP with their ratio."""
+    model = "calibrated" if rows[0].predicted.calibrated else "paper's (no overlap, no optimizer step)"
+    print(f"Per phase, s/step predicted ({model} model) / Table 4 measured (predicted/measured):")
+    print(f"{'layout':<8} " + " ".join(f"{p:>20}" for p in PHASES))
+    for r in rows:
+        phases = r.predicted.phases.as_dict()
+        cells = [f"{phases[p]:.2f}/{r.measured[p][0]:.2f} ({_ratio(phases[p], r.measured[p][0])})" for p in PHASES]
+        print(f"{r.label:<8} " + " ".join(f"{c:>20}" for c in cells))
+    base = rows[0]
+    parts = []
+    for r in rows[1:]:
+        predicted = base.predicted.step_time / r.predicted.step_time
+        measured = base.measured["overall"][0] / r.measured["overall"][0]
+        parts.append(f"{r.label} {predicted:.2f}x / {measured:.2f}x ({predicted / measured:.2f})")
+    print("Speedup over FSDP, predicted / measured (ratio): " + ", ".join(parts))
 
 
 def run(parsed: argparse.Namespace) -> int:

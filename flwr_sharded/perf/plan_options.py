@@ -57,7 +57,7 @@ class PlanOptions:
     sizes: Literal["exact", "paper"] = "exact"
     """Message sizes: each collective's own (exact) or one M for all, as the paper's Eqs. 1-5 (paper)."""
     latency: bool = False
-    """Add the cluster's per-tier latency per ring step."""
+    """Add the cluster's per-tier latency per ring step (a cluster with a `calibration` always counts it)."""
     memory_fraction: float = option(0.9, gt=0, le=1)
     """Usable share of a GPU's memory."""
     fl_margin: float = option(0.1, ge=0)

@@ -16,6 +16,8 @@ from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES
 from flwr_sharded.perf.cluster import Cluster
 from flwr_sharded.perf.costmodel import CommTerms, check_layout, comm_terms, overlapped
+from flwr_sharded.perf.fabric import (ADAMW_BYTES_PER_PARAM, SGD_BYTES_PER_PARAM, Phases, allreduce_steps,
+                                      flow_bandwidth, optimizer_time, phase_time)
 from flwr_sharded.perf.memory_model import MemoryBreakdown, StepOptions, memory_per_gpu
 from flwr_sharded.perf.model_shape import ModelShape, compute_time, model_from_preset
 from flwr_sharded.perf.placement import DIMENSIONS
@@ -52,11 +54,17 @@ class Candidate:
     """Effective batch of one optimizer step of one model: all GPUs for fsdp/hsdp, one group (R x S GPUs) for FL."""
     fits: bool
     """Whether `memory` fits the usable GPU memory."""
+    phases: Phases | None = None
+    """Seconds by phase (forward, backward, optimizer, aggregation); None: not split."""
+    calibrated: bool = False
+    """Predicted with the cluster's calibrated model (`fabric`): then the step is the sum of `phases`."""
 
     @property
     def step_time(self) -> float:
         """Predicted seconds per optimizer step: compute + communication (of an overlapped sync, what is not
-        hidden)."""
+        hidden); with the calibrated model the sum of the phases (overlap and optimizer step included)."""
+        if self.calibrated and self.phases is not None:
+            return self.phases.total
         return self.compute + self.comm.total
 
     @property
@@ -106,29 +114,31 @@ def evaluate(cluster: Cluster, model: ModelShape, method: str, *, F: int = 1, R:
     if F * R * S != cluster.gpus:
         raise ConfigError(f"layout F={F} x R={R} x S={S} = {F * R * S} ranks, but the cluster has {cluster.gpus} GPUs")
     placement = cluster.placement(F, R, S)
-    tiers: dict[str, str | None] = {}
-    bw: dict[str, float | None] = {}
-    for dim in DIMENSIONS:
-        # fl-hsdp: only replica r = 0 joins the cross-group all-reduce
-        ranks = [placement.rank(0, 0, s) for s in range(S)] if dim == "federation" and method == "fl-hsdp" else None
-        tiers[dim] = placement.dim_tier(dim, ranks)
-        bw[dim] = cluster.bandwidth[tiers[dim]] if tiers[dim] else None
-        if bw[dim] and cluster.shared:
-            flows = placement.flows(dim, ranks)
-            for tier in cluster.shared:
-                if flows[tier]:
-                    bw[dim] = min(bw[dim], cluster.bandwidth[tier] / flows[tier])
-    alpha = {dim: (cluster.latency[t] if t and latency else 0.0) for dim, t in tiers.items()}
+    calibrated = cluster.calibration is not None and sizes == "exact"
+    tiers, bw, steps = _dimension_links(cluster, placement, method, calibrated)
+    alpha = {dim: (cluster.latency[t] if t and (latency or calibrated) else 0.0) for dim, t in tiers.items()}
     comm = comm_terms(method, model.units(bytes_per_param), S=S, R=R, F=F, A=A, B_S=bw["shard"],
                       B_R=bw["replica"], B_F=bw["federation"], sizes=sizes, backend=cluster.backend,
                       alpha_S=alpha["shard"], alpha_R=alpha["replica"], alpha_F=alpha["federation"],
-                      wire_ratio=(sync_bytes_per_param or bytes_per_param) / bytes_per_param)
+                      wire_ratio=(sync_bytes_per_param or bytes_per_param) / bytes_per_param,
+                      steps_R=steps["replica"], steps_F=steps["federation"])
+    flops_per_param_token = 8.0 if activation_checkpointing else 6.0
     compute = compute_time(model.num_params, tokens_per_gpu_batch, cluster.flops_per_gpu,
-                           flops_per_param_token=8.0 if activation_checkpointing else 6.0)
+                           flops_per_param_token=flops_per_param_token)
     step = step or StepOptions()
+    overlap = calibrated and cluster.calibration.overlap
+    forward_compute = compute * 2.0 / flops_per_param_token
+    forward = phase_time(forward_compute, comm.forward, overlap)
+    backward = phase_time(compute - forward_compute,
+                          comm.total - comm.sync - comm.sync_latency - comm.forward, overlap)
     if method.startswith("fl-"):
-        comm = overlapped(comm, A=A, fragments=step.sync_fragments, delay=step.sync_delay,
-                          local_step=compute + comm.shard + comm.replicate)
+        local_step = forward + backward if calibrated else compute + comm.shard + comm.replicate
+        comm = overlapped(comm, A=A, fragments=step.sync_fragments, delay=step.sync_delay, local_step=local_step)
+    opt_bytes = ADAMW_BYTES_PER_PARAM if step.optimizer == "adamw" else SGD_BYTES_PER_PARAM
+    optimizer = optimizer_time(model.num_params / S, opt_bytes,
+                               cluster.calibration.memory_bandwidth if calibrated else 0.0)
+    phases = Phases(forward=forward, backward=backward, optimizer=optimizer,
+                    aggregation=comm.sync + comm.sync_latency)
     if sync_bytes_per_param is not None and step.sync_dtype == "float32":
         dtypes: dict[float, str] = {}
         for dtype, size in SYNC_DTYPE_BYTES.items():
@@ -143,7 +153,39 @@ def evaluate(cluster: Cluster, model: ModelShape, method: str, *, F: int = 1, R:
     group_gpus = R * S if method.startswith("fl-") else cluster.gpus
     return Candidate(method=method, F=F, R=R, S=S, A=A, tiers=tiers, bandwidth=bw, comm=comm, compute=compute,
                      memory=memory, batch_tokens=group_gpus * tokens_per_gpu_batch,
-                     fits=memory.total <= memory_fraction * cluster.gpu_memory)
+                     fits=memory.total <= memory_fraction * cluster.gpu_memory, phases=phases, calibrated=calibrated)
+
+
+def _dimension_links(cluster: Cluster, placement, method: str, calibrated: bool) -> tuple[dict, dict, dict]:
+    """Per mesh dimension: the slowest tier its groups span, the bits/s one flow of its collectives gets (its tier's,
+    divided among the flows on a shared uplink; calibrated: `fabric.flow_bandwidth`), and (calibrated with a tree
+    all-reduce) the sequential steps of its all-reduce (None: the ring's)."""
+    cal = cluster.calibration if calibrated else None
+    shared = set(cluster.shared) | (set(cal.uplink) if cal else set())
+    tiers: dict[str, str | None] = {}
+    bw: dict[str, float | None] = {}
+    steps: dict[str, int | None] = {}
+    for dim in DIMENSIONS:
+        # fl-hsdp: only replica r = 0 joins the cross-group all-reduce
+        ranks = [placement.rank(0, 0, s) for s in range(placement.S)] if dim == "federation" and method == "fl-hsdp" \
+            else None
+        tier = tiers[dim] = placement.dim_tier(dim, ranks)
+        bw[dim] = cluster.bandwidth[tier] if tier else None
+        steps[dim] = None
+        if not tier:
+            continue
+        flows = placement.flows(dim, ranks) if shared else {}
+        if cal is None:
+            for t in cluster.shared:
+                if flows[t]:
+                    bw[dim] = min(bw[dim], cluster.bandwidth[t] / flows[t])
+            continue
+        uplinks = {t: (cal.uplink.get(t, cluster.bandwidth.get(t, 0.0)), flows[t]) for t in shared}
+        bw[dim] = flow_bandwidth(bw[dim], uplinks, cal.efficiency.get(tier, 1.0))
+        if cal.tree_allreduce and cluster.backend == "nccl" and dim != "shard":
+            group = placement.group(dim, ranks[0] if ranks else 0)
+            steps[dim] = allreduce_steps(len(group), len({placement.node(x) for x in group}), tree=True)
+    return tiers, bw, steps
 
 
 def plan(cluster: Cluster, model: ModelShape, *, tokens_per_gpu_batch: int = 4096,
@@ -208,8 +250,14 @@ def explain(best: Candidate, reference: Candidate | None, fastest: Candidate, fl
     where = f" ({tier})" if tier else ""
     bound = "compute" if best.compute >= best.comm.total else "communication"
     mostly = f", mostly {_TERM_NAMES[dominant]}{where}" if best.comm.total > 0 else ""
-    text = (f"{best.label()}: {best.step_time:.3g} s/step = {best.compute:.3g} s compute + {best.comm.total:.3g} s "
-            f"communication{mostly}; {bound}-bound")
+    if best.calibrated and best.phases is not None:
+        p = best.phases
+        text = (f"{best.label()}: {best.step_time:.3g} s/step = forward {p.forward:.3g} + backward {p.backward:.3g} + "
+                f"optimizer {p.optimizer:.3g} + aggregation {p.aggregation:.3g} s ({best.compute:.3g} s compute, "
+                f"{best.comm.total:.3g} s communication{mostly}; calibrated model); {bound}-bound")
+    else:
+        text = (f"{best.label()}: {best.step_time:.3g} s/step = {best.compute:.3g} s compute + "
+                f"{best.comm.total:.3g} s communication{mostly}; {bound}-bound")
     if reference is not None and best.method != "fsdp":
         text += (f"; {reference.step_time / best.step_time:.2f}x faster than fsdp S={reference.S} "
                  f"({reference.step_time:.3g} s/step)")

@@ -142,7 +142,12 @@ def test_leonardo_recommends_fl(llama8b):
     plain = plan(leo, llama8b)
     assert min(c.S for c in plain) == 8  # sharding groups now span 2 nodes
     fastest = min(plain, key=lambda c: c.step_time)
-    assert fastest.federated and fastest.S == 8 and not plain[0].federated  # FL saves less than the 10% margin
+    assert fastest.federated and fastest.S == 8 and plain[0] is fastest
+    # the calibrated model (latency per ring step, shared NICs): FL saves more than the 10% margin over the best
+    # synchronous layout, hsdp over 8 replicas of 64-GPU sharding groups
+    synchronous = next(c for c in plain if not c.federated)
+    assert (synchronous.method, synchronous.R, synchronous.S) == ("hsdp", 8, 64)
+    assert fastest.step_time * 1.1 < synchronous.step_time
 
 
 def test_emulated_recommends_fl():
@@ -256,7 +261,9 @@ def test_cli_table(capsys):
     lines = out.splitlines()
     assert "method" in lines[1] and "mem/GPU GiB" in lines[1]
     assert len([x for x in lines if x.lstrip()[:1].isdigit()]) == 3
-    assert lines[-1].startswith("Recommended: fl-fsdp") and "faster than fsdp" in lines[-1]
+    # with checkpointing fl-hsdp 4x32x4 and fl-fsdp 128x1x4 are within 0.1% (the replicas' all-reduce hides behind
+    # the longer backward): a federation of 4-GPU sharding groups either way
+    assert lines[-1].startswith("Recommended: fl-") and "S=4" in lines[-1] and "faster than fsdp" in lines[-1]
 
 
 def test_cli_json_and_params(capsys):
