@@ -12,18 +12,20 @@ this member's weight (its tokens since the last sync: a longer period moves more
 if, for every bucket, with `allowed` = `max_move` x the median of the bucket's last `MOVE_HISTORY` adopted moves
 per token x this sync's weight (before the bucket has one: `max_move` x || contribution_k ||, its own norm):
 
-- || mean_k || is finite (an exact pass over the bucket, in place of a plain finiteness test), and changes from the
-  last adopted mean's norm (before any: from || contribution_k ||) by at most `allowed`: since
-  | ||a|| - ||b|| | <= ||a - b||, any huge value, however sparse, is caught exactly;
-- the move, measured exactly on one block in `SAMPLE` of the bucket (`BLOCK` elements each, from an offset drawn
-  after the reduction, so a sender cannot aim between them) and scaled up, is at most `allowed`: a move spread over
-  the bucket is caught within the sample's error, one confined to a few blocks only when its size shows in the norm.
+- || mean_k || is finite and differs from || contribution_k || by at most `allowed`: both norms are exact passes
+  over the bucket, and | ||a|| - ||b|| | <= ||a - b|| bounds the move from below, so any huge value, however
+  sparse, is caught;
+- the move itself is at most `allowed`: measured exactly in a bucket of fewer than `EXACT_BELOW` elements, and in a
+  larger one on one block in `SAMPLE` (`BLOCK` elements each, from an offset drawn after the reduction, so a sender
+  cannot aim between them), scaled up: a move spread over the bucket is caught within the sample's error, one
+  confined to a few blocks when the norms show it. The sample overstates a move only when one block holds most of
+  it (more than 86% of a bucket's squared move, for a false rejection at `max_move` 10).
 
 The sampling keeps the check's cost at a few percent of a sync where the sync is bound by memory bandwidth (CPU,
-loopback); the offender search measures exact moves. Moves below `NEGLIGIBLE_MOVE` x the mean's norm (groups that
-had not diverged: rounding) are not kept; a bucket of zeros with no history is not bounded. The result is adopted
-only if it is plausible on every rank of every member (the sync's vote), and a rejected one names its offender where
-one member alone explains it (`flwr_sharded.parallel.offender`).
+loopback); the offender search measures exact moves. Moves below `NEGLIGIBLE_MOVE` x the contribution's norm (groups
+that had not diverged: rounding) are not kept; a bucket of zeros with no history is not bounded. The result is
+adopted only if it is plausible on every rank of every member (the sync's vote), and a rejected one names its
+offender where one member alone explains it (`flwr_sharded.parallel.offender`).
 """
 
 from __future__ import annotations
@@ -42,11 +44,14 @@ DEFAULT_MAX_MOVE = 10.0
 MOVE_HISTORY = 8
 """Adopted moves per bucket whose median is a bucket's reference."""
 NEGLIGIBLE_MOVE = 1e-5
-"""A move below this fraction of the mean's norm is rounding, not training: it is not kept as a reference."""
-BLOCK = 1 << 14
-"""Elements of one sampled block of a move (64 KiB in fp32)."""
+"""A move below this fraction of the contribution's norm is rounding, not training: it is not kept as a reference."""
+BLOCK = 1 << 12
+"""Elements of one sampled block of a move (16 KiB in fp32)."""
 SAMPLE = 16
-"""One block in this many is measured for the plausibility check's move."""
+"""One block in this many is measured for the plausibility check's move, in a bucket of `EXACT_BELOW` elements or
+more."""
+EXACT_BELOW = 64 * SAMPLE * BLOCK
+"""Buckets with fewer elements (a sample of fewer than 64 blocks) have their move measured exactly."""
 
 
 def norm_of(tensors: list[torch.Tensor]) -> float:
@@ -98,8 +103,7 @@ class MoveBound:
         self.judges = True
         """Whether this member can judge the sync being checked (its own values were sound)."""
         self._moves: dict[int, deque[float]] = {}
-        self._norms: dict[int, float] = {}
-        self._pending: dict[int, tuple[float | None, float]] = {}
+        self._pending: dict[int, float] = {}
         self._offsets = random.Random(os.urandom(16))
 
     @property
@@ -122,19 +126,25 @@ class MoveBound:
     def plausible(self, k: int, means: list[torch.Tensor], contribution: list[torch.Tensor]) -> bool:
         """Whether the groups' mean of bucket k (`means`, laid out as `contribution`) is plausible here; what it moved
         is kept for `record`."""
-        norm = norm_of(means)
+        import torch
+
+        from flwr_sharded.parallel.admission import all_finite
+
+        norms = torch._foreach_norm([*means, *contribution])  # one pass over each
+        both = torch.stack([torch.stack(norms[:len(means)]), torch.stack(norms[len(means):])])
+        norm, own = torch.linalg.vector_norm(both, dim=1).tolist()
         if not self.judges:
             return True
         if not norm < float("inf"):
             return False
-        cold = k not in self._moves
-        own = norm_of(contribution) if cold else 0.0
+        if not own < float("inf") and not all_finite(contribution):
+            return True  # its own values are not finite: it cannot judge (an inf norm may be finite values' overflow)
         allowed = self.allowed(k, own)
-        previous = own if cold else self._norms[k]
-        move = _move(means, contribution, every=SAMPLE, offset=self._offsets.randrange(SAMPLE))
-        ok = abs(norm - previous) <= allowed and move <= allowed
-        if ok:
-            self._pending[k] = (move / self.weight if move > NEGLIGIBLE_MOVE * norm else None, norm)
+        every = 1 if sum(m.numel() for m in means) < EXACT_BELOW else SAMPLE
+        move = _move(means, contribution, every=every, offset=self._offsets.randrange(every))
+        ok = abs(norm - own) <= allowed and move <= allowed  # |‖a‖ - ‖b‖| <= ‖a - b‖: exact, over every element
+        if ok and move > NEGLIGIBLE_MOVE * own:
+            self._pending[k] = move / self.weight
         return ok
 
     def within(self, k: int, candidate: list[torch.Tensor], contribution: list[torch.Tensor]) -> bool:
@@ -145,11 +155,8 @@ class MoveBound:
 
     def record(self) -> None:
         """What the sync just adopted moved (every bucket's, as `plausible` measured it) joins the history."""
-        for k, (move, norm) in self._pending.items():
-            if move is not None:
-                self._moves.setdefault(k, deque(maxlen=MOVE_HISTORY)).append(move)
-            if k in self._moves:
-                self._norms[k] = norm
+        for k, move in self._pending.items():
+            self._moves.setdefault(k, deque(maxlen=MOVE_HISTORY)).append(move)
         self._pending.clear()
 
     def discard(self) -> None:
@@ -157,5 +164,5 @@ class MoveBound:
         self._pending.clear()
 
 
-__all__ = ["BLOCK", "DEFAULT_MAX_MOVE", "MOVE_HISTORY", "NEGLIGIBLE_MOVE", "SAMPLE", "MoveBound", "exact_move",
+__all__ = ["BLOCK", "DEFAULT_MAX_MOVE", "EXACT_BELOW", "MOVE_HISTORY", "NEGLIGIBLE_MOVE", "SAMPLE", "MoveBound", "exact_move",
            "norm_of"]

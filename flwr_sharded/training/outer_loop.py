@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from flwr_sharded.errors import first_line
-from flwr_sharded.parallel.admission import commit_vote
+from flwr_sharded.parallel.admission import SyncRejected, commit_vote
 from flwr_sharded.parallel.rollback import RollbackPoint
 from flwr_sharded.parallel.schedule import Schedule
 from flwr_sharded.parallel.streaming import FragmentedSync
@@ -289,6 +289,7 @@ class OuterLoop:
         fails too, within the sync timeout, or at once when its group is released)."""
         outcome = SyncOutcome(fragment=i)
         error, blame = self._start_errors.pop(i, ("", []))
+        agreed = False  # a rejection every member of this shard index reached too (nobody's failure to vote no for)
         self.attempts += 1
         if self.attempts == self.faults.nan_sync:
             self._poison()
@@ -302,10 +303,10 @@ class OuterLoop:
                     error = f"--debug-fail-sync {self.faults.fail_sync}: failed after the reduction"
             except Exception as exc:  # noqa: BLE001 - rendezvous, timeout, peer gone, rejected, misaligned shards
                 error = f"shard {self.topo.shard_index}: {first_line(exc)}"
-                blame = at_fault(exc)
+                blame, agreed = at_fault(exc), isinstance(exc, SyncRejected)
         elif self.topo.replica_index != 0 and self.schedule.delay == 0:
             self.take_weight(i)  # a replica > 0 receives the result by broadcast below
-        errors, noes = self._agree(i, federation, error, blame, reached, outcome)
+        errors, noes = self._agree(i, federation, (error, blame, agreed), reached, outcome)
         if errors:
             self.restore()
             outcome.error = "; ".join(errors)
@@ -318,20 +319,23 @@ class OuterLoop:
         self.commit(i)
         return outcome
 
-    def _agree(self, i: int, federation: Federation, error: str, blame: list[int], reached: bool,
+    def _agree(self, i: int, federation: Federation, mine: tuple[str, list[int], bool], reached: bool,
                outcome: SyncOutcome) -> tuple[list[str], list[int]]:
         """The two phases of the commit: (every error any rank of any member saw, the members that voted no);
-        fills the outcome's blame and left-out members. When nothing went wrong each phase is one small all-reduce
+        fills the outcome's blame and left-out members. `mine`: this rank's (error, members at fault, whether the
+        error is a rejection every member reached, which no member is blamed for by voting no). When nothing went wrong each phase is one small all-reduce
         over the group; the ranks' messages are gathered only when some rank has one."""
-        phase_one = [(error, blame)]
+        error, blame, _ = mine
+        phase_one = [mine]
         if federation.flags([int(bool(error or blame))])[0]:
-            phase_one = federation.gather((error, blame))
-        errors = sorted({e for e, _ in phase_one if e})
+            phase_one = federation.gather(mine)
+        errors = sorted({e for e, _, _ in phase_one if e})
+        own = [e for e, _, agreed in phase_one if e and not agreed]  # a rejection all members reached is nobody's
         vote_error, noes = "", []
         group = federation.vote_group() if reached else None
         if group is not None:
             try:
-                noes = commit_vote(not errors, group, local_shard(self.sync.fragments[i].params[0]).device)
+                noes = commit_vote(not own, group, local_shard(self.sync.fragments[i].params[0]).device)
             except Exception as exc:  # noqa: BLE001 - a member gone between the phases
                 vote_error = f"shard {self.topo.shard_index}: commit vote: {first_line(exc)}"
         left_out = self.sync.fragments[i].left_out if reached else []
@@ -341,7 +345,7 @@ class OuterLoop:
         if reduced[0]:
             phase_two = federation.gather((vote_error, noes, left_out))
         noes = sorted({j for _, js, _ in phase_two for j in js})
-        outcome.blame = sorted({j for _, js in phase_one for j in js} | set(noes))
+        outcome.blame = sorted({j for _, js, _ in phase_one for j in js} | set(noes))
         errors += sorted({e for e, _, _ in phase_two if e})
         if noes and not errors:
             errors.append(f"member(s) {noes} did not complete the sync: no member adopts it")

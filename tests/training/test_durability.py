@@ -162,7 +162,6 @@ def _fake_checkpoint(tmp: Path, cfg: TrainConfig) -> Path:
     ({"lr": 1e-3}, ["optim.lr=0.003", "optim.lr=0.001"]),
     ({"warmup": 0.0, "min_lr_ratio": 1.0}, ["optim.warmup=0.1", "optim.min_lr_ratio=0.1", "optim.warmup=0.0"]),
     ({"weight_decay": 0.0}, ["optim.weight_decay=0.1"]),
-    ({"steps": 24}, ["steps=12", "steps=24"]),
     ({"precision": "bf16"}, ["model.precision='auto'", "model.precision='bf16'"]),
 ])
 def test_resume_refuses_a_changed_lr_schedule_or_precision(tmp_path, change, named):
@@ -170,12 +169,20 @@ def test_resume_refuses_a_changed_lr_schedule_or_precision(tmp_path, change, nam
     _fake_checkpoint(tmp_path, cfg)
     mine = _config("/data", str(tmp_path / "ckpt"))
     for key, value in change.items():
-        target = mine if key == "steps" else mine.model if key == "precision" else mine.optim
+        target = mine.model if key == "precision" else mine.optim
         setattr(target, key, value)
     with pytest.raises(ConfigError) as refused:
         check_resumable(mine, tmp_path / "ckpt")
     assert all(n in str(refused.value) for n in named), str(refused.value)
     assert "resume with the checkpoint's values" in str(refused.value)
+
+
+def test_resume_may_extend_the_steps(tmp_path):
+    cfg = _config("/data", str(tmp_path / "ckpt"))
+    _fake_checkpoint(tmp_path, cfg)
+    longer = _config("/data", str(tmp_path / "ckpt"))
+    longer.steps = 24  # the schedule keeps the checkpoint's span (12); the extra steps run at the final rate
+    check_resumable(longer, tmp_path / "ckpt")
 
 
 def test_resume_always_refuses_another_optimizer(tmp_path):
