@@ -161,12 +161,16 @@ def main() -> None:
         runs[name] = (lambda r: lambda: r.sync(weight=1.0 + topo.fed_index))(ruled)
     noise = torch.Generator().manual_seed(topo.fed_index)
     times: dict[str, list[float]] = {k: [] for k in runs}
-    for name, fn in runs.items():  # warm-up
-        fn()
+    def keep_scale(name: str) -> None:
+        """Untimed, after per-param: its all-reduce sums; the mean keeps the model's scale (and its moves)."""
         if name == "per-param":
             with torch.no_grad():
                 for s in shards:
                     s.div_(args.federations)
+
+    for name, fn in runs.items():  # warm-up
+        fn()
+        keep_scale(name)
     for spent in check_s.values():
         spent.clear()  # the timed syncs' checks only
     for _ in range(args.repeats):
@@ -178,10 +182,7 @@ def main() -> None:
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-            if name == "per-param":  # untimed: its all-reduce sums; the mean keeps the model's scale (and moves)
-                with torch.no_grad():
-                    for s in shards:
-                        s.div_(args.federations)
+            keep_scale(name)
     check_per_sync = {k: sum(v) / args.repeats for k, v in check_s.items()}
     # the slowest rank decides a collective's time: take the max over ranks of each sample
     stacked = torch.tensor([times[k] for k in runs], dtype=torch.float64)

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from flwr_sharded.parallel.admission import all_finite
-from flwr_sharded.parallel.plausibility import MoveBound
+from flwr_sharded.parallel.plausibility import MoveBound, norm_of
 
 
 def judge(gathered: list[torch.Tensor], weights: list[float], me: int, intact: bool, bound: MoveBound,
@@ -36,7 +36,7 @@ def judge(gathered: list[torch.Tensor], weights: list[float], me: int, intact: b
     named = {j for j in contributors if not all_finite([gathered[j]])}
     if named or not intact or not all_finite([gathered[me]]) or len(contributors) < 2:
         return named
-    mine = [gathered[me]]
+    mine, own_norm = [gathered[me]], norm_of([gathered[me]])  # one norm for every candidate
 
     def mean_without(excluded: int | None) -> torch.Tensor:
         kept = [j for j in contributors if j != excluded]
@@ -46,9 +46,9 @@ def judge(gathered: list[torch.Tensor], weights: list[float], me: int, intact: b
             out.add_(gathered[j], alpha=weights[j] / total)
         return out
 
-    if bound.within(k, [mean_without(None)], mine):
+    if bound.within(k, [mean_without(None)], mine, own_norm):
         return set()  # what they send now is plausible: it names nobody
-    explains = [j for j in contributors if bound.within(k, [mean_without(j)], mine)]
+    explains = [j for j in contributors if bound.within(k, [mean_without(j)], mine, own_norm)]
     return set(explains) if len(explains) == 1 else set()
 
 

@@ -61,11 +61,6 @@ def norm_of(tensors: list[torch.Tensor]) -> float:
     return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors))))
 
 
-def exact_move(means: list[torch.Tensor], contribution: list[torch.Tensor]) -> tuple[float, float]:
-    """(|| means - contribution ||_2, || contribution ||_2) over the segments of one bucket, block by block."""
-    return _move(means, contribution, every=1, offset=0), norm_of(contribution)
-
-
 def _move(means: list[torch.Tensor], contribution: list[torch.Tensor], *, every: int, offset: int) -> float:
     """|| means - contribution ||_2 over the bucket's blocks j (of `BLOCK` elements, counted across its segments in
     order) with j % every == offset, scaled by sqrt(every): exact for every = 1, else an unbiased estimate of its
@@ -142,16 +137,17 @@ class MoveBound:
         allowed = self.allowed(k, own)
         every = 1 if sum(m.numel() for m in means) < EXACT_BELOW else SAMPLE
         move = _move(means, contribution, every=every, offset=self._offsets.randrange(every))
-        ok = abs(norm - own) <= allowed and move <= allowed  # |‖a‖ - ‖b‖| <= ‖a - b‖: exact, over every element
+        ok = abs(norm - own) <= allowed and move <= allowed  # |‖a‖ - ‖b‖| <= ‖a - b‖: exact, every element
         if ok and move > NEGLIGIBLE_MOVE * own:
             self._pending[k] = move / self.weight
         return ok
 
-    def within(self, k: int, candidate: list[torch.Tensor], contribution: list[torch.Tensor]) -> bool:
-        """Whether a candidate mean of bucket k would move this rank's values within bounds (the offender's search:
-        an exact move); records nothing."""
-        move, own = exact_move(candidate, contribution)
-        return move == move and move <= self.allowed(k, own)
+    def within(self, k: int, candidate: list[torch.Tensor], contribution: list[torch.Tensor],
+               own_norm: float) -> bool:
+        """Whether a candidate mean of bucket k would move this rank's values (of norm `own_norm`) within bounds (the
+        offender's search: an exact move); records nothing."""
+        move = _move(candidate, contribution, every=1, offset=0)
+        return move == move and move <= self.allowed(k, own_norm)
 
     def record(self) -> None:
         """What the sync just adopted moved (every bucket's, as `plausible` measured it) joins the history."""
@@ -164,5 +160,5 @@ class MoveBound:
         self._pending.clear()
 
 
-__all__ = ["BLOCK", "DEFAULT_MAX_MOVE", "EXACT_BELOW", "MOVE_HISTORY", "NEGLIGIBLE_MOVE", "SAMPLE", "MoveBound", "exact_move",
+__all__ = ["BLOCK", "DEFAULT_MAX_MOVE", "EXACT_BELOW", "MOVE_HISTORY", "NEGLIGIBLE_MOVE", "SAMPLE", "MoveBound",
            "norm_of"]

@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from flwr_sharded.parallel.admission import all_finite, healthy
+from flwr_sharded.parallel.admission import healthy
 from flwr_sharded.parallel.outer import FedAvg
 from flwr_sharded.parallel.schedule import Schedule
 from flwr_sharded.parallel.sync import ShardSync, SyncStats
@@ -145,7 +145,8 @@ class OverlappedSync:
         s, origins = self.sync, self._origins
         bad = None
         for k, send in enumerate(self._sends):
-            if not (s.accepts(k, [send], [origins[k]]) if origins is not None else all_finite([send])):
+            # no origin: the move is not bounded, and `accepts` checks finiteness only (the contribution unread)
+            if not s.accepts(k, [send], [origins[k] if origins is not None else send]):
                 bad = k
                 break
         s.conclude(bad, weights, self._sends[0].device, lambda k: (origins[k], True))  # origins: when checked
