@@ -126,15 +126,22 @@ def main() -> None:
     unchecked = ShardSync(model.named_parameters(), fed_group=topo.fed_group,
                           bucket_bytes=int(args.bucket_mb * 2**20), max_move=0.0)
     unchecked.check_alignment()
-    check_s: dict[str, list[float]] = {"sync": [], "sync-unchecked": []}  # time in the result's check, per call
-    for name, instance in (("sync", sync), ("sync-unchecked", unchecked)):
-        def timed(*a, _accepts=instance.accepts, _into=check_s[name]):
-            t0 = time.perf_counter()
-            ok = _accepts(*a)
-            _into.append(time.perf_counter() - t0)
-            return ok
+    # time in the member's own verdict (before the reduction) and in the result's check, per call
+    check_s: dict[str, list[float]] = {}
 
-        instance.accepts = timed
+    def timed_checks(name: str, instance: ShardSync) -> None:
+        into = check_s.setdefault(name, [])
+        for method in ("own_verdict", "accepts"):
+            def timed(*a, _call=getattr(instance, method)):
+                t0 = time.perf_counter()
+                out = _call(*a)
+                into.append(time.perf_counter() - t0)
+                return out
+
+            setattr(instance, method, timed)
+
+    timed_checks("sync", sync)
+    timed_checks("sync-unchecked", unchecked)
     runs = {"sync": run_sync, "sync-unchecked": lambda: unchecked.sync(weight=1.0 + topo.fed_index),
             "flat": run_flat, "per-param": run_per_param, "flat+scalar": run_flat_and_scalar}
     # the same model's sync through the reduced wires: each group's weighted delta from the global shards
@@ -148,6 +155,8 @@ def main() -> None:
                           **checks)
         wired.check_alignment()
         wired.capture_global()
+        if name in ("sync-int8", "sync-int8-unchecked"):
+            timed_checks(name, wired)
         runs[name] = (lambda w: lambda: w.sync(weight=1.0 + topo.fed_index))(wired)
     from flwr_sharded.parallel.outer import make_rule
 
@@ -207,9 +216,11 @@ def main() -> None:
             "median_s": med,
             "sync_over_flat": med["sync"] / med["flat"],
             "checked_over_unchecked": med["sync"] / med["sync-unchecked"],
-            "check_s_per_sync": check_per_sync,  # rank 0's mean time in the result's check
+            "check_s_per_sync": check_per_sync,  # rank 0's mean time in its own verdict and the result's check
             "check_overhead_of_sync": (check_per_sync["sync"] - check_per_sync["sync-unchecked"]) / med["sync"],
             "int8_checked_over_unchecked": med["sync-int8"] / med["sync-int8-unchecked"],
+            "int8_check_overhead_of_sync": (check_per_sync["sync-int8"] - check_per_sync["sync-int8-unchecked"])
+            / med["sync-int8"],
             "per_param_over_sync": med["per-param"] / med["sync"],
             "int8_over_bf16_sync": med["sync-int8"] / med["sync-bf16"],
             "int8_ef_over_bf16_sync": med["sync-int8-ef"] / med["sync-bf16"],

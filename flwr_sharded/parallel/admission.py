@@ -63,9 +63,14 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
     return not sums or bool(torch.isfinite(torch.stack(sums).sum()))
 
 
-def healthy(tensors: list[torch.Tensor], weight: float, max_weight: float | None) -> bool:
-    """This member's verdict on itself: `weight` in bounds and `tensors` (what it would send) finite."""
-    return weight_verdict(None, weight, at_most=max_weight) is None and all_finite(tensors)
+def healthy(tensors: list[torch.Tensor], weight: float, max_weight: float | None,
+            norms: list[float] | None = None) -> bool:
+    """This member's verdict on itself: `weight` in bounds and `tensors` (what it would send) finite. `norms`: the
+    norms of what it sends, when already measured: finite norms are finite values (an infinite one may be finite
+    values' overflow: then the values are summed)."""
+    if weight_verdict(None, weight, at_most=max_weight) is not None:
+        return False
+    return (norms is not None and all(n < float("inf") for n in norms)) or all_finite(tensors)
 
 
 @dataclass(frozen=True)

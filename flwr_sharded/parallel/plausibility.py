@@ -13,7 +13,8 @@ if, for every bucket, with `allowed` = `max_move` x the median of the bucket's l
 per token x this sync's weight (before the bucket has one: `max_move` x || contribution_k ||, its own norm):
 
 - || mean_k || is finite and differs from || contribution_k || by at most `allowed`: both norms are exact passes
-  over the bucket, and | ||a|| - ||b|| | <= ||a - b|| bounds the move from below, so any huge value, however
+  over the bucket (the contribution's is measured before the reduction, where it also serves as the member's
+  finiteness test, `bucket_norms`, so the check adds one pass over the result and the sampled move), and | ||a|| - ||b|| | <= ||a - b|| bounds the move from below, so any huge value, however
   sparse, is caught;
 - the move itself is at most `allowed`: measured exactly in a bucket of fewer than `EXACT_BELOW` elements, and in a
   larger one on one block in `SAMPLE` (`BLOCK` elements each, from an offset drawn after the reduction, so a sender
@@ -52,6 +53,8 @@ SAMPLE = 16
 more."""
 EXACT_BELOW = 64 * SAMPLE * BLOCK
 """Buckets with fewer elements (a sample of fewer than 64 blocks) have their move measured exactly."""
+ROWS = 64
+"""Blocks of a move measured in one operation (a 1 MiB temporary in fp32)."""
 
 
 def norm_of(tensors: list[torch.Tensor]) -> float:
@@ -61,25 +64,68 @@ def norm_of(tensors: list[torch.Tensor]) -> float:
     return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors))))
 
 
+def bucket_norms(buckets: list[list[torch.Tensor]]) -> list[float]:
+    """|| bucket ||_2 of each bucket (a list of segments): one pass over every segment and one host sync in all."""
+    import torch
+
+    segments = [t for bucket in buckets for t in bucket]
+    if not segments:
+        return [0.0] * len(buckets)
+    norms, out, i = torch._foreach_norm(segments), [], 0
+    zero = norms[0].new_zeros(())
+    for bucket in buckets:
+        out.append(torch.linalg.vector_norm(torch.stack(norms[i:i + len(bucket)])) if bucket else zero)
+        i += len(bucket)
+    return torch.stack(out).tolist()
+
+
 def _move(means: list[torch.Tensor], contribution: list[torch.Tensor], *, every: int, offset: int) -> float:
     """|| means - contribution ||_2 over the bucket's blocks j (of `BLOCK` elements, counted across its segments in
     order) with j % every == offset, scaled by sqrt(every): exact for every = 1, else an unbiased estimate of its
-    square from 1/every of the elements."""
+    square from 1/every of the elements. Whole blocks are read `ROWS` at a time (strided views, a small temporary),
+    and every view's difference and norm is one foreach call."""
     import torch
 
-    parts, position = [], 0
+    ours, theirs, position, stride = [], [], 0, every * BLOCK
+
+    def norm(m: torch.Tensor, c: torch.Tensor) -> None:
+        ours.append(m)
+        theirs.append(c)
+
     for m, c in zip(means, contribution):
         m, c, n = m.reshape(-1), c.reshape(-1), m.numel()
         block = position // BLOCK
         block += (offset - block) % every  # the first sampled block that reaches this segment
         while block * BLOCK < position + n:
-            start, end = max(block * BLOCK, position) - position, min((block + 1) * BLOCK, position + n) - position
-            parts.append(torch.linalg.vector_norm(m[start:end] - c[start:end], dtype=torch.float32))
-            block += every
+            start = block * BLOCK - position
+            if start < 0 or start + BLOCK > n:  # a block cut by the segment's edge
+                norm(m[max(start, 0):start + BLOCK], c[max(start, 0):start + BLOCK])
+                block += every
+                continue
+            whole = (n - start - BLOCK) // stride + 1  # sampled blocks inside the segment from here
+            for first in range(0, whole, ROWS):
+                rows = min(ROWS, whole - first)
+                lo, span = start + first * stride, (rows - 1) * stride + BLOCK
+                norm(m[lo:lo + span].unfold(0, BLOCK, stride), c[lo:lo + span].unfold(0, BLOCK, stride))
+            block += whole * every
         position += n
-    if not parts:
+    if not ours:
         return 0.0
-    return float(torch.linalg.vector_norm(torch.stack(parts))) * every ** 0.5
+    differences = torch._foreach_sub([m.float() for m in ours], [c.float() for c in theirs])
+    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(differences)))) * every ** 0.5
+
+
+def _sampled(flat: torch.Tensor, every: int, offset: int) -> list[torch.Tensor]:
+    """The blocks j % every == offset of a flat tensor, as `_move` samples them: at most two views (the whole blocks,
+    strided; a block cut by the end)."""
+    n, stride, start, views = flat.numel(), every * BLOCK, offset * BLOCK, []
+    if start + BLOCK <= n:
+        whole = (n - start - BLOCK) // stride + 1
+        views.append(flat[start:start + (whole - 1) * stride + BLOCK].unfold(0, BLOCK, stride))
+        start += whole * stride
+    if start < n:
+        views.append(flat[start:])
+    return views
 
 
 class MoveBound:
@@ -99,17 +145,30 @@ class MoveBound:
         """Whether this member can judge the sync being checked (its own values were sound)."""
         self._moves: dict[int, deque[float]] = {}
         self._pending: dict[int, float] = {}
+        self._own: list[float] | None = None
+        self._kept: tuple[int, int, list[torch.Tensor]] | None = None
         self._offsets = random.Random(os.urandom(16))
 
     @property
     def enabled(self) -> bool:
         return self.max_move > 0
 
-    def begin(self, weight: float, judges: bool = True) -> None:
+    def begin(self, weight: float, judges: bool = True, own_norms: list[float] | None = None) -> None:
         """A sync of this member's `weight` (its tokens since the last one) is checked next; `judges`: this member's
-        own verdict on its values (one whose values are not sound cannot judge the others' mean: it says yes)."""
-        self.weight, self.judges = weight, judges
+        own verdict on its values (one whose values are not sound cannot judge the others' mean: it says yes);
+        `own_norms`: each bucket's norm of this member's values (`bucket_norms`), when measured before the
+        reduction (else `plausible` measures it)."""
+        self.weight, self.judges, self._own, self._kept = weight, judges, own_norms, None
         self._pending.clear()
+
+    def keep(self, k: int, flat: torch.Tensor) -> None:
+        """Before the reduction: this rank's values of bucket k, flat. A bucket whose move is sampled keeps a copy of
+        its sample (1/`SAMPLE` of it), so that `plausible`, given the result flat, reads two strided views instead of
+        one per segment."""
+        self._kept = None
+        if self.enabled and flat.numel() >= EXACT_BELOW:
+            offset = self._offsets.randrange(SAMPLE)
+            self._kept = (k, offset, [view.clone() for view in _sampled(flat, SAMPLE, offset)])
 
     def allowed(self, k: int, own_norm: float) -> float:
         """The largest move (and change of norm) of bucket k this sync: from the bucket's adopted moves, or before it
@@ -119,15 +178,16 @@ class MoveBound:
         return self.max_move * reference if reference > 0 else float("inf")
 
     def plausible(self, k: int, means: list[torch.Tensor], contribution: list[torch.Tensor]) -> bool:
-        """Whether the groups' mean of bucket k (`means`, laid out as `contribution`) is plausible here; what it moved
-        is kept for `record`."""
+        """Whether the groups' mean of bucket k (`means`, laid out as `contribution`, or flat after `keep`) is
+        plausible here; what it moved is kept for `record`."""
         import torch
 
         from flwr_sharded.parallel.admission import all_finite
 
-        norms = torch._foreach_norm([*means, *contribution])  # one pass over each
-        both = torch.stack([torch.stack(norms[:len(means)]), torch.stack(norms[len(means):])])
-        norm, own = torch.linalg.vector_norm(both, dim=1).tolist()
+        measured = self._own is None
+        norms = torch._foreach_norm([*means, *contribution] if measured else means)  # one pass over each
+        norm = float(torch.linalg.vector_norm(torch.stack(norms[:len(means)])))
+        own = float(torch.linalg.vector_norm(torch.stack(norms[len(means):]))) if measured else self._own[k]
         if not self.judges:
             return True
         if not norm < float("inf"):
@@ -135,8 +195,16 @@ class MoveBound:
         if not own < float("inf") and not all_finite(contribution):
             return True  # its own values are not finite: it cannot judge (an inf norm may be finite values' overflow)
         allowed = self.allowed(k, own)
-        every = 1 if sum(m.numel() for m in means) < EXACT_BELOW else SAMPLE
-        move = _move(means, contribution, every=every, offset=self._offsets.randrange(every))
+        kept, self._kept = self._kept, None
+        if kept is not None and kept[0] == k and len(means) == 1:  # the sample `keep` copied, against the result's
+            parts = [torch.linalg.vector_norm(mine.sub_(mean), dtype=torch.float32)
+                     for mine, mean in zip(kept[2], _sampled(means[0], SAMPLE, kept[1]))]
+            move = float(torch.linalg.vector_norm(torch.stack(parts))) * SAMPLE ** 0.5
+        else:
+            if len(means) < len(contribution):  # flat: laid out as the contribution's segments
+                means = list(means[0].view(-1).split([c.numel() for c in contribution]))
+            every = 1 if sum(m.numel() for m in means) < EXACT_BELOW else SAMPLE
+            move = _move(means, contribution, every=every, offset=self._offsets.randrange(every))
         ok = abs(norm - own) <= allowed and move <= allowed  # |‖a‖ - ‖b‖| <= ‖a - b‖: exact, every element
         if ok and move > NEGLIGIBLE_MOVE * own:
             self._pending[k] = move / self.weight
@@ -161,4 +229,4 @@ class MoveBound:
 
 
 __all__ = ["BLOCK", "DEFAULT_MAX_MOVE", "EXACT_BELOW", "MOVE_HISTORY", "NEGLIGIBLE_MOVE", "SAMPLE", "MoveBound",
-           "norm_of"]
+           "bucket_norms", "norm_of"]

@@ -22,7 +22,6 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from flwr_sharded.parallel.admission import healthy
 from flwr_sharded.parallel.outer import FedAvg
 from flwr_sharded.parallel.schedule import Schedule
 from flwr_sharded.parallel.sync import ShardSync, SyncStats
@@ -116,20 +115,20 @@ class OverlappedSync:
         self._error, self._bytes, self._total, self._started = None, 0, 0.0, time.perf_counter()
         if s.fed_group is None:  # nothing to reduce here; merge() receives the result from replica 0
             return
-        ok = healthy(self._sends, weight, s.max_weight)
+        ok, norms = s.own_verdict([[send] for send in self._sends], weight)
         if self._sends[0].is_cuda:  # the copies above run on the current stream
             self._stream = self._stream or torch.cuda.Stream(device=self._sends[0].device)
             self._stream.wait_stream(torch.cuda.current_stream(self._sends[0].device))
-        self._thread = threading.Thread(target=self._reduce, args=(weight, ok), name="flwr-sharded-sync",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._reduce, args=(weight, ok, norms),
+                                        name="flwr-sharded-sync", daemon=True)
         self._thread.start()
 
-    def _reduce(self, weight: float, ok: bool) -> None:
+    def _reduce(self, weight: float, ok: bool, norms: list[float] | None) -> None:
         try:
             stream = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
             with torch.no_grad(), stream:
                 admission = self.sync.admit(weight, ok)
-                self.sync.bound.begin(weight, ok)
+                self.sync.bound.begin(weight, ok, norms)
                 self._total = admission.total
                 for k, send in enumerate(self._sends):
                     self._bytes += self.sync.reduce_bucket(k, send, admission.mine / self._total)

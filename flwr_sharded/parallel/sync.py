@@ -15,25 +15,20 @@ groups it formed for that round's members.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from flwr_sharded.parallel.admission import Admission, SyncRejected, admit, all_finite, healthy, vote
+from flwr_sharded.parallel.alignment import check_alignment, fingerprint, local_shard
 from flwr_sharded.parallel.offender import identify
 from flwr_sharded.parallel.outer import FedAvg, ShardRule
-from flwr_sharded.parallel.plausibility import DEFAULT_MAX_MOVE, MoveBound
+from flwr_sharded.parallel.plausibility import DEFAULT_MAX_MOVE, MoveBound, bucket_norms
 from flwr_sharded.parallel.quantize import ErrorFeedback, Workspace
 from flwr_sharded.parallel.wire import QUANTIZED, WIRES, wire_of
-
-
-class ShardAlignmentError(RuntimeError):
-    """Federation groups shard the model differently, so their shards cannot be averaged."""
 
 
 @dataclass(frozen=True)
@@ -58,17 +53,6 @@ class SyncStats:
     """Payload bytes this rank all-reduced over the federation group."""
     total_weight: float
     """Sum of the weights of the groups that took part (0 when unknown on this rank)."""
-
-
-def local_shard(param: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank stores for a parameter (the local shard of a DTensor)."""
-    return param._local_tensor if isinstance(param, DTensor) else param.data
-
-
-def _descriptor(name: str, param: torch.Tensor) -> str:
-    local = local_shard(param)
-    placements = tuple(str(p) for p in param.placements) if isinstance(param, DTensor) else ()
-    return f"{name}|{tuple(param.shape)}|{param.dtype}|{tuple(local.shape)}|{placements}"
 
 
 class ShardSync:
@@ -195,35 +179,12 @@ class ShardSync:
     # ----- alignment ------------------------------------------------------------------------------------------
     def fingerprint(self) -> str:
         """Digest of parameter names, global shapes, dtypes, local shard shapes and placements."""
-        digest = hashlib.sha256()
-        for name, p in zip(self.names, self.params):
-            digest.update(_descriptor(name, p).encode())
-        return digest.hexdigest()
+        return fingerprint(self.names, self.params)
 
     def check_alignment(self) -> None:
-        """Compare fingerprints across the federation group; raise naming the first mismatch. Changes nothing.
-
-        With a replication group, replica 0 checks and tells the other replicas the verdict, so all of them raise.
-        """
-        message = ""
-        device = local_shard(self.params[0]).device
-        if self.fed_group is not None:
-            mine = int(self.fingerprint()[:15], 16)
-            gathered = [torch.zeros(1, dtype=torch.int64, device=device)
-                        for _ in range(dist.get_world_size(self.fed_group))]
-            dist.all_gather(gathered, torch.tensor([mine], dtype=torch.int64, device=device), group=self.fed_group)
-            if any(int(g.item()) != mine for g in gathered):
-                descriptors = [_descriptor(n, p) for n, p in zip(self.names, self.params)]
-                everyone: list[list[str] | None] = [None] * len(gathered)
-                dist.all_gather_object(everyone, descriptors, group=self.fed_group)
-                message = _first_mismatch(everyone)
-        if self.rep_group is not None:
-            verdict = torch.tensor([1 if message else 0], dtype=torch.int64, device=device)
-            dist.broadcast(verdict, group=self.rep_group, group_src=0)
-            if verdict.item() and not message:
-                message = "replica 0 of this group found shards misaligned with other groups (see its error)"
-        if message:
-            raise ShardAlignmentError(message)
+        """Compare fingerprints across the federation group; raise `ShardAlignmentError` naming the first mismatch
+        (on the other replicas too, told by replica 0). Changes nothing."""
+        check_alignment(self.names, self.params, self.fed_group, self.rep_group)
         self._aligned = True
 
     @property
@@ -242,10 +203,8 @@ class ShardSync:
     # ----- outer state ----------------------------------------------------------------------------------------
     @property
     def keeps_global(self) -> bool:
-        """Whether this sync keeps the global shards (and rule state): a stateful rule, or a reduced wire dtype.
-
-        Then `outer_state_dict` belongs in checkpoints and must be restored with the shards.
-        """
+        """Whether this sync keeps the global shards (and rule state): a stateful rule, or a reduced wire dtype;
+        then `outer_state_dict` belongs in checkpoints and must be restored with the shards."""
         return self.rule.stateful or self.delta
 
     @property
@@ -305,12 +264,14 @@ class ShardSync:
         views = self.bucket_views()
         total, weights, bad = 0.0, [], None  # bad: the first bucket rejected here; it and later ones keep our values
         if self.fed_group is not None:
-            ok = healthy([seg for _, shard_segments, _ in views for seg in shard_segments], weight, self.max_weight)
+            ok, norms = self.own_verdict([shard_segments for _, shard_segments, _ in views], weight)
             admission = self.admit(weight, ok)
-            self.bound.begin(weight, ok)
+            self.bound.begin(weight, ok, norms)
             total, weights = admission.total, admission.weights
         for k, (flat, shard_segments, buffer_segments) in enumerate(views):
             torch._foreach_copy_(buffer_segments, shard_segments)
+            if self.fed_group is not None and bad is None:
+                self.bound.keep(k, flat)  # its move's sample, read from `flat` after the reduction
             if self.fed_group is not None and self.rule.linear:
                 nbytes += self.reduce_bucket(k, flat, admission.mine / total)
             elif self.fed_group is not None:
@@ -319,7 +280,7 @@ class ShardSync:
                 admitted = [(m, w) for m, w in zip(members, weights) if w > 0]
                 self._apply(k, flat, lambda g, st: self.rule.aggregate(g, admitted, st))
                 nbytes += flat.numel() * flat.element_size()
-            if self.fed_group is not None and bad is None and not self.accepts(k, buffer_segments, shard_segments):
+            if self.fed_group is not None and bad is None and not self.accepts(k, [flat], shard_segments):
                 bad = k
             if bad is None:
                 self.finish_bucket(k, flat, shard_segments, buffer_segments,
@@ -336,6 +297,12 @@ class ShardSync:
             self.store_global()  # after every bucket succeeded: a failed sync leaves the global shards as they were
         buckets = len(views) if self.fed_group is not None else 0
         return SyncStats(seconds=time.perf_counter() - start, buckets=buckets, bytes=nbytes, total_weight=total)
+
+    def own_verdict(self, buckets: list[list[torch.Tensor]], weight: float) -> tuple[bool, list[float] | None]:
+        """This member's verdict on what it sends (`buckets`: their segments) and, when the move is bounded, each
+        bucket's norm from the same pass (for `MoveBound.begin`)."""
+        norms = bucket_norms(buckets) if self.bound.enabled else None
+        return healthy([seg for bucket in buckets for seg in bucket], weight, self.max_weight, norms), norms
 
     def accepts(self, k: int, means: list[torch.Tensor], contribution: list[torch.Tensor]) -> bool:
         """Whether bucket k's reduced values (`means`, laid out as `contribution`, this rank's values of it) are
@@ -472,24 +439,3 @@ class ShardSync:
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
-
-
-def _first_mismatch(everyone: list[list[str] | None]) -> str:
-    reference = everyone[0] or []
-    for member, descriptors in enumerate(everyone[1:], start=1):
-        descriptors = descriptors or []
-        for i in range(max(len(reference), len(descriptors))):
-            a = reference[i] if i < len(reference) else "<missing>"
-            b = descriptors[i] if i < len(descriptors) else "<missing>"
-            if a != b:
-                return (f"federation groups shard the model differently at parameter #{i}: "
-                        f"member 0 has {_explain(a)}, member {member} has {_explain(b)}; every group must use the "
-                        f"same model, dtype and number of shards S")
-    return "federation groups' shard fingerprints differ"
-
-
-def _explain(descriptor: str) -> str:
-    if descriptor == "<missing>":
-        return "no such parameter"
-    name, shape, dtype, local, placements = descriptor.split("|")
-    return f"'{name}' shape {shape} {dtype} local shard {local} placements {placements}"

@@ -16,7 +16,7 @@ import os
 def _install(specs: str) -> None:
     import torch
 
-    from flwr_sharded.parallel import streaming, sync
+    from flwr_sharded.parallel import sync
     from flwr_sharded.parallel.sync import local_shard
     from flwr_sharded.training import outer_loop
 
@@ -30,10 +30,10 @@ def _install(specs: str) -> None:
         return
     honest, lying = sync.healthy, [False]
 
-    def healthy(tensors, weight, max_weight):  # noqa: ANN001 - the patched function's own signature
-        return True if lying[0] else honest(tensors, weight, max_weight)
+    def healthy(*args):  # noqa: ANN002 - the patched function's own arguments
+        return True if lying[0] else honest(*args)
 
-    sync.healthy = streaming.healthy = healthy
+    sync.healthy = healthy
 
     @torch.no_grad()
     def poison(loop: outer_loop.OuterLoop, i: int, value: str) -> None:

@@ -23,7 +23,6 @@ def _admission_worker(rank: int, world: int):
 
     import torch.distributed as dist
 
-    import flwr_sharded.parallel.streaming as streaming_module
     import flwr_sharded.parallel.sync as sync_module
     from flwr_sharded.parallel.admission import SyncRejected, commit_vote
     from flwr_sharded.parallel.streaming import OverlappedSync
@@ -54,7 +53,7 @@ def _admission_worker(rank: int, world: int):
             weight = 1e12 if case == "inflated" else 1e300
         honest = sync_module.healthy
         if rank == 2 and case == "liar":  # claims to be healthy and sends its NaN
-            sync_module.healthy = streaming_module.healthy = lambda *args: True
+            sync_module.healthy = lambda *args: True
         before = [p.detach().clone() for p in params]
         try:
             if overlapped:
@@ -67,7 +66,7 @@ def _admission_worker(rank: int, world: int):
         except SyncRejected as exc:
             return {"rejected": str(exc), "before": before}
         finally:
-            sync_module.healthy = streaming_module.healthy = honest
+            sync_module.healthy = honest
         return {"after": [p.detach().clone() for p in params], "total": stats.total_weight, "before": before,
                 "left_out": sync.left_out}
 

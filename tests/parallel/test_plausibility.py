@@ -43,6 +43,31 @@ def test_the_bound_starts_at_the_bucket_norm_then_follows_the_median_of_adopted_
     assert not bound.plausible(0, [torch.tensor([1.0, 1.0, float("nan"), 1.0])], mine)
     bound.begin(1.0, judges=False)  # its own values are not sound: it cannot judge
     assert bound.plausible(0, [torch.tensor([1.0, 1.0, float("nan"), 1.0])], mine)
+
+
+def test_the_norms_measured_before_the_reduction_judge_as_the_ones_measured_after():
+    g = torch.Generator().manual_seed(2)
+    buckets = [[torch.randn(n, generator=g) for n in sizes] for sizes in ((100, 3000), (5,), (), (7, 9, 11))]
+    norms = plausibility.bucket_norms(buckets)
+    assert norms == pytest.approx([float(torch.cat(b).norm()) if b else 0.0 for b in buckets], rel=1e-6)
+    for scale, expected in ((1.0 + 1e-3, True), (30.0, False)):
+        fresh, given = MoveBound(10.0), MoveBound(10.0)
+        fresh.begin(1.0)
+        given.begin(1.0, own_norms=norms)
+        for k in (0, 1, 3):
+            means = [t * scale for t in buckets[k]]
+            assert fresh.plausible(k, means, buckets[k]) is given.plausible(k, means, buckets[k]) is expected
+        assert fresh._pending == pytest.approx(given._pending)
+
+
+def test_measured_norms_serve_as_the_finiteness_verdict_and_an_overflowed_one_is_looked_at_again():
+    from flwr_sharded.parallel.admission import healthy
+
+    huge = [torch.full((4,), 2e19)]  # finite values whose norm overflows fp32 (their sum does not)
+    assert plausibility.bucket_norms([huge]) == [math.inf] and healthy(huge, 1.0, None, [math.inf]) is True
+    nan = [torch.tensor([1.0, float("nan")])]
+    assert healthy(nan, 1.0, None, plausibility.bucket_norms([nan])) is False
+    assert healthy([torch.ones(3)], 1e9, 10.0, [1.7]) is False  # the weight is out of bounds
     assert MoveBound(0.0).enabled is False
     assert MoveBound(10.0).allowed(1, 0.0) == math.inf  # nothing to scale a bound by
 
@@ -94,7 +119,7 @@ def _lying_worker(rank: int, world: int) -> dict:
 
     import torch.distributed as dist
 
-    from flwr_sharded.parallel import streaming, sync
+    from flwr_sharded.parallel import sync
     from flwr_sharded.parallel.admission import SyncRejected
     from flwr_sharded.parallel.streaming import OverlappedSync, Snapshot
     from flwr_sharded.parallel.sync import ShardSync
@@ -102,7 +127,7 @@ def _lying_worker(rank: int, world: int) -> dict:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     group = dist.group.WORLD
     honest_verdict, lying = sync.healthy, [False]
-    sync.healthy = streaming.healthy = lambda t, w, m: True if lying[0] else honest_verdict(t, w, m)
+    sync.healthy = lambda *args: True if lying[0] else honest_verdict(*args)
     base = torch.randn(3000, generator=torch.Generator().manual_seed(0))
     weights = [1.0, 2.0, 3.0]
 

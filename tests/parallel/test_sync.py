@@ -160,7 +160,7 @@ def test_the_median_rule_keeps_a_hostile_member_out():
 
 
 def _misaligned_worker(rank: int, world: int, method: str, F: int, R: int, S: int):
-    from flwr_sharded.parallel.sync import ShardAlignmentError, local_shard
+    from flwr_sharded.parallel.alignment import ShardAlignmentError, local_shard
 
     group = rank // (R * S)
     topo, model = _sharded_tiny_model(method, F, R, S, intermediate_size=64 if group == 0 else 96)

@@ -46,14 +46,18 @@ class SyncVariant:
     carry: bool = False
     """Keep the local steps taken while an overlapped sync travels; passed explicitly whenever `delay` > 0."""
     error_feedback: bool = False
+    topk: float | None = None
+    """The fraction of each chunk's delta entries sent (`--sync-topk`); None: dense."""
 
     def train_args(self) -> list[str]:
         return ["--sync-dtype", self.dtype, "--sync-fragments", str(self.fragments), "--sync-delay", str(self.delay),
                 "--sync-alpha", str(self.alpha), *([f"--{'' if self.carry else 'no-'}sync-carry"] if self.delay or self.carry else []),
-                *(["--sync-error-feedback"] if self.error_feedback else [])]
+                *(["--sync-error-feedback"] if self.error_feedback else []),
+                *(["--sync-topk", f"{self.topk:g}"] if self.topk else [])]
 
     def text(self) -> str:
-        parts = [self.dtype + (" + error feedback" if self.error_feedback else "")]
+        parts = [(f"top-{self.topk * 100:g}% " if self.topk else "") + self.dtype
+                 + (" + error feedback" if self.error_feedback else "")]
         if self.fragments > 1 or self.delay:
             parts.append(f"N={self.fragments} tau={self.delay} alpha={self.alpha:g}" + (" carry" if self.carry else ""))
         return ", ".join(parts)
