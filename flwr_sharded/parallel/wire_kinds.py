@@ -3,7 +3,7 @@
 A wire is one `Wire` subclass in a module of `flwr_sharded.parallel.wires`; `flwr_sharded.parallel.wire` loads
 them all and derives every list of wires from `WIRES`. Three kinds: the shards as they are (`PlainWire`, float32),
 the weighted delta from the global model cast to a narrower float and all-reduced in it (`CastWire`, bfloat16), and
-the delta blockwise quantized to 8 bits and summed in fp32 around a ring (`BlockwiseWire`, through
+the delta blockwise quantized (8 or 4 bits a value) and summed in fp32 around a ring (`BlockwiseWire`, through
 `flwr_sharded.parallel.quantize`, imported when a reduction runs).
 """
 
@@ -29,7 +29,7 @@ class Wire:
     delta: ClassVar[bool] = True
     """Sends the weighted delta from the global model (fp32 shards, a linear rule; keeps the global shards)."""
     error_feedback: ClassVar[bool] = False
-    """Rounds blockwise to 8 bits, so `--sync-error-feedback` can carry its rounding errors."""
+    """Rounds blockwise quantized (to 8 or 4 bits), so `--sync-error-feedback` can carry its rounding errors."""
     requirement: ClassVar[str] = ""
     """What the device must offer, in words ("" when any device runs it); `unsupported` checks it."""
 
@@ -49,7 +49,7 @@ class Wire:
                residual: torch.Tensor | None = None) -> int:
         """`flat` holds this rank's values of a bucket (zeros if `scale` is 0: left out); on return the groups'
         weighted mean, `scale` being this rank's share of the weight. `global_k`: the bucket's global values (delta
-        wires); `residual`: the error-feedback residual (8-bit wires). Returns the bytes this rank sent."""
+        wires); `residual`: the error-feedback residual (quantized wires). Returns the bytes this rank sent."""
         raise NotImplementedError
 
 
@@ -87,8 +87,10 @@ class CastWire(Wire):
 
 
 class BlockwiseWire(Wire):
-    """The weighted delta, blockwise 8-bit on the wire (one fp32 scale per `QUANT_BLOCK` values, absmax -> the format's largest code),
-    summed in fp32 around a ring (`flwr_sharded.parallel.quantize.quantized_all_reduce`), added back in fp32."""
+    """The weighted delta, blockwise quantized on the wire (one fp32 scale per `QUANT_BLOCK` values, absmax -> the
+    format's largest code; the formats are `flwr_sharded.parallel.quant_codes`'), summed in fp32 around a ring
+    (`flwr_sharded.parallel.quantize.quantized_all_reduce`), added back in fp32. One byte a value unless a wire says
+    otherwise (int4: half a byte)."""
 
     bytes_per_value: ClassVar[float] = 1.0 + SCALE_BYTES / QUANT_BLOCK
     error_feedback: ClassVar[bool] = True

@@ -282,8 +282,9 @@ def test_check_wire_dtype_allows_int8_everywhere_and_fp8_where_the_device_casts_
 
     assert wire.check_wire_dtype("int8", "cpu") == INT8
     assert wire.check_wire_dtype("float8_e4m3fn", "cpu") == FP8  # torch >= 2.1 casts to e4m3 on CPU
-    with pytest.raises(ConfigError, match=r"--sync-dtype int4 is not a quantized wire dtype.*int8, float8_e4m3fn"):
-        wire.check_wire_dtype("int4", "cpu")
+    assert wire.check_wire_dtype("int4", "cpu") == torch.int4  # torch's placeholder dtype names the format
+    with pytest.raises(ConfigError, match=r"--sync-dtype float16 is not a quantized wire dtype.*int8, float8_e4m3fn"):
+        wire.check_wire_dtype("float16", "cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for capability, ok in (((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
@@ -291,8 +292,8 @@ def test_check_wire_dtype_allows_int8_everywhere_and_fp8_where_the_device_casts_
         if ok:
             assert wire.check_wire_dtype("float8_e4m3fn", "cuda:0") == FP8
         else:
-            with pytest.raises(ConfigError, match=r"--sync-dtype float8_e4m3fn needs .*capability >= 8.9.*: int8$"):
+            with pytest.raises(ConfigError, match=r"--sync-dtype float8_e4m3fn needs .*capability >= 8.9.*: int8, int4$"):
                 wire.check_wire_dtype("float8_e4m3fn", "cuda:0")
     monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: (_ for _ in ()).throw(RuntimeError("no e4m3")))
-    with pytest.raises(ConfigError, match="on cpu: int8$"):  # a CPU build that cannot cast to e4m3
+    with pytest.raises(ConfigError, match="on cpu: int8, int4$"):  # a CPU build that cannot cast to e4m3
         wire.check_wire_dtype("float8_e4m3fn", "cpu")
