@@ -58,13 +58,14 @@ class ParallelConfig:
     """Wire dtype of the cross-group all-reduce: float32 sends the shards. bfloat16 halves the sync's bytes by sending
     each group's weighted delta from the last global model (the outer gradient, as DiLoCo does), so only that delta
     is rounded; int8, float8_e4m3fn and float8_e5m2 (fp8: CUDA compute capability >= 8.9) quantize the delta
-    blockwise (one fp32 scale per 256 values; about 0.254 of the fp32 bytes) and sum it in fp32, int4 the same in
-    4-bit codes, two to a byte (about 0.129 of the fp32 bytes, 18x int8's rounding step). Any of them costs
+    blockwise (one fp32 scale per 256 values; about 0.254 of the fp32 bytes) and sum it in fp32, int4 and
+    float4_e2m1 the same in 4-bit codes, two to a byte (about 0.129 of the fp32 bytes; int4: 18x int8's rounding
+    step). Any of them costs
     one fp32 copy of the rank's shards for fedavg (outer optimizers keep one already); linear outer rules only (not
     trimmed-mean or median)."""
     sync_error_feedback: bool = False
-    """With a quantized `sync-dtype` (int8, a float8, or int4 at about 0.129 of the fp32 bytes, whose rounding
-    errors are the largest): carry each rank's rounding errors into its next sync (error feedback), so they do not
+    """With a quantized `sync-dtype` (int8, a float8, or a 4-bit one, int4 or float4_e2m1, at about 0.129 of the fp32
+    bytes, whose rounding errors are the largest): carry each rank's rounding errors into its next sync (error feedback), so they do not
     accumulate over syncs; one more fp32 copy of the rank's shards."""
     sync_fragments: int = option(1, ge=1)
     """N: sync the model in N fragments of contiguous transformer blocks (Streaming DiLoCo), fragment i after step

@@ -1,12 +1,13 @@
-"""A blockwise quantized all-reduce of a flat fp32 tensor: int8, fp8 (e4m3, e5m2) or int4 on the wire, the sum
-taken in fp32.
+"""A blockwise quantized all-reduce of a flat fp32 tensor: int8, fp8 (e4m3, e5m2), int4 or fp4 (e2m1) on the wire,
+the sum taken in fp32.
 
 Quantization: the tensor is cut into blocks of `block` elements (the last one may be partial, padded with zeros);
 each block has one fp32 scale, absmax / the format's largest code (`qmax`: 127 for int8 and 7 for int4, symmetric,
-rounded to nearest; 448 for float8_e4m3fn and 57344 for float8_e5m2, rounded to nearest by the cast), so a block's
-largest element maps to the largest code and an outlier only coarsens its own block. The formats (their codes, how
-many go in a byte, how bytes decode) are `flwr_sharded.parallel.quant_codes`; int4 packs two codes per byte, so its
-block must be even. `wire_bytes(n, dtype, block)` = n (int4: ceil(n / 2)) + 4 ceil(n / block).
+rounded to nearest; 448 for float8_e4m3fn and 57344 for float8_e5m2, rounded to nearest by the cast; 6 for
+float4_e2m1, rounded to nearest), so a block's largest element maps to the largest code and an outlier only coarsens
+its own block. The formats (their codes, how many go in a byte, how bytes decode) are
+`flwr_sharded.parallel.quant_codes`; the 4-bit ones pack two codes per byte, so their block must be even.
+`wire_bytes(n, dtype, block)` = n (4-bit: ceil(n / 2)) + 4 ceil(n / block).
 
 `quantized_all_reduce` (a ring, as INTELLECT-1's int8 all-reduce; torchft's uses an all-to-all), on a group of W
 ranks:
@@ -15,17 +16,18 @@ ranks:
   2. reduce-scatter around the ring in W - 1 steps: at step k rank r quantizes chunk r - k (its own values at
      k = 0, else the partial sum it holds) and sends it to rank r + 1, and adds its own fp32 values to chunk
      r - k - 1, dequantized as it arrives from rank r - 1 (codes and scales travel as one uint8 row of B(C) + 4 bpr
-     bytes, B(C) = C, or C / 2 for int4; gloo refuses float8 tensors, so every payload travels as raw bytes). The
+     bytes, B(C) = C, or C / 2 for the 4-bit formats; gloo refuses float8 tensors, so every payload travels as raw bytes). The
      sums are taken in fp32; each partial sum is rounded once, to travel;
   3. rank r now holds the whole sum of chunk r + 1: it quantizes it once more and the W rows are all-gathered;
      every rank dequantizes the same bytes, so all end bit-identical.
 Each rank sends (W - 1) rows in each phase, to its ring neighbour: 2 (W - 1) (B(C) + 4 bpr) bytes
 (`all_reduce_bytes`), about (1 + 4 / block) / 4 of a ring fp32 all-reduce's 2 (W - 1) / W * 4 N bytes once
-N >> W block ((1/2 + 4 / block) / 4 for int4; the padding is at most W blocks: a tensor of a few blocks sends more
+N >> W block ((1/2 + 4 / block) / 4 for 4 bits; the padding is at most W blocks: a tensor of a few blocks sends more
 than its fp32 ring would), over the same links as that ring, so a tiered network's slow links carry the same
 fraction. The result is the sum with W roundings: chunk c's element is off by at most sum_j s_j / 2 over the W - 1
 partial sums that travel and the final one (int8 and int4, s_j their block scales; e4m3: 1/16 of each rounded value,
-or scale / 1024 below the normal range, instead of half a step; e5m2: 1/8, or scale / 2^17).
+or scale / 1024 below the normal range, instead of half a step; e5m2: 1/8, or scale / 2^17; e2m1: 1/4, or
+scale / 4 below 1).
 
 Error feedback (`ErrorFeedback`) makes the running sum of repeated reductions exact up to one round's error.
 """
@@ -45,20 +47,20 @@ from flwr_sharded.parallel.quant_format import QUANT_BLOCK
 _TINY = torch.finfo(torch.float32).tiny  # smallest scale: an all-zero block quantizes to zeros, never divides by 0
 
 WireFormat = torch.dtype | str | CodeFormat
-"""A quantized wire's format as the functions here take it: a torch dtype (torch.int8, a float8, torch.int4), a wire
-name ("int4") or a `flwr_sharded.parallel.quant_codes.CodeFormat`."""
+"""A quantized wire's format as the functions here take it: a torch dtype (torch.int8, a float8, torch.int4,
+torch.float4_e2m1fn_x2), a wire name ("int4", "float4_e2m1") or a `flwr_sharded.parallel.quant_codes.CodeFormat`."""
 
 
 def qmax(dtype: WireFormat) -> float:
-    """The largest code of a format (127 for int8, 448 for e4m3, 57344 for e5m2, 7 for int4): a block's absmax
-    maps onto it."""
+    """The largest code of a format (127 for int8, 448 for e4m3, 57344 for e5m2, 7 for int4, 6 for e2m1): a block's
+    absmax maps onto it."""
     return code_format(dtype).qmax
 
 
 @dataclass(frozen=True)
 class Quantized:
     """A flat tensor blockwise quantized: `values`, the codes as they travel (for a one-byte format `numel` of them in
-    its dtype; for int4 ceil(numel / 2) uint8 bytes, two codes each), and one fp32 scale per block."""
+    its dtype; for a 4-bit one ceil(numel / 2) uint8 bytes, two codes each), and one fp32 scale per block."""
 
     values: torch.Tensor
     scales: torch.Tensor

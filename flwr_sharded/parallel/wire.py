@@ -27,9 +27,10 @@ from flwr_sharded.parallel.wire_kinds import WIRES, BlockwiseWire, CastWire, Pla
 def wire_of(dtype: Any) -> Wire:
     """The wire of a torch dtype or a name; ValueError naming the registered ones otherwise."""
     name = str(dtype).removeprefix("torch.")
-    if name not in WIRES:
+    wire = WIRES.get(name) or next((w for w in WIRES.values() if w.torch_name == name), None)
+    if wire is None:
         raise ValueError(f"{dtype} is not a wire dtype of the shard sync; registered: {', '.join(WIRES)}")
-    return WIRES[name]
+    return wire
 
 
 def _load_wires() -> None:
@@ -52,7 +53,7 @@ QUANTIZED: tuple[str, ...] = tuple(name for name, w in WIRES.items() if w.error_
 
 SYNC_DTYPE_BYTES: dict[str, float] = {name: w.bytes_per_value for name, w in WIRES.items()}
 """Wire bytes per parameter of each sync dtype, in an all-reduce of a large bucket (quantized: one byte, or half of
-one for int4, plus its share of the block's fp32 scale). The quantized all-reduce sends 2 (W - 1) / W of them per parameter, as a ring does."""
+one for the 4-bit ones, plus its share of the block's fp32 scale). The quantized all-reduce sends 2 (W - 1) / W of them per parameter, as a ring does."""
 
 
 def check_wire_dtype(dtype_name: str, device: Any) -> Any:

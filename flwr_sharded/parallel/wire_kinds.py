@@ -21,7 +21,9 @@ class Wire:
     """One wire dtype of the shard sync: what it costs, what it needs and how it reduces a bucket."""
 
     name: ClassVar[str]
-    """The `--sync-dtype` value, also the name of its torch dtype."""
+    """The `--sync-dtype` value, also the name of its torch dtype unless `torch_name` says."""
+    torch_name: ClassVar[str | None] = None
+    """The name of its torch dtype where it is not `name` (float4_e2m1: torch's float4_e2m1fn_x2 holds two)."""
     order: ClassVar[int]
     """Position among the wires wherever they are listed (choices, docs); the planner takes the first of a size."""
     bytes_per_value: ClassVar[float]
@@ -29,14 +31,14 @@ class Wire:
     delta: ClassVar[bool] = True
     """Sends the weighted delta from the global model (fp32 shards, a linear rule; keeps the global shards)."""
     error_feedback: ClassVar[bool] = False
-    """Rounds blockwise quantized (to 8 or 4 bits), so `--sync-error-feedback` can carry its rounding errors."""
+    """Rounds blockwise (to 8 or 4 bits), so `--sync-error-feedback` can carry its rounding errors."""
     requirement: ClassVar[str] = ""
     """What the device must offer, in words ("" when any device runs it); `unsupported` checks it."""
 
     def torch_dtype(self) -> torch.dtype:
         import torch
 
-        return getattr(torch, self.name)
+        return getattr(torch, self.torch_name or self.name)
 
     def unsupported(self, device: Any) -> str | None:
         """None if `device` (a torch device or its name) runs this wire; else why not, as a phrase."""
@@ -90,7 +92,7 @@ class BlockwiseWire(Wire):
     """The weighted delta, blockwise quantized on the wire (one fp32 scale per `QUANT_BLOCK` values, absmax -> the
     format's largest code; the formats are `flwr_sharded.parallel.quant_codes`'), summed in fp32 around a ring
     (`flwr_sharded.parallel.quantize.quantized_all_reduce`), added back in fp32. One byte a value unless a wire says
-    otherwise (int4: half a byte)."""
+    otherwise (the 4-bit ones: half a byte)."""
 
     bytes_per_value: ClassVar[float] = 1.0 + SCALE_BYTES / QUANT_BLOCK
     error_feedback: ClassVar[bool] = True

@@ -12,6 +12,7 @@ from tests.multiproc import run_ranks
 
 U = 2.0**-24  # fp32 unit roundoff
 INT8, FP8, INT4 = torch.int8, torch.float8_e4m3fn, torch.int4  # torch.int4: a placeholder dtype naming the format
+FP4 = torch.float4_e2m1fn_x2  # two e2m1 values in torch; names the float4_e2m1 format
 
 
 def rounding_bound(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -21,9 +22,12 @@ def rounding_bound(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
     scale).
     e4m3: 3 mantissa bits round to within 1/16 of the scaled value (normal range) or half the smallest subnormal
     step 2^-9 (below 2^-6), i.e. max(|x| / 16, scale / 1024), plus the same fp32 roundings (< 1400 u scale).
+    e2m1: 1 mantissa bit, within 1/4 of the scaled value at and above 1, half the step 0.5 below it.
     """
     if dtype in (INT8, INT4):
         return scale * (0.5 + 2.0**-15)
+    if dtype == FP4:
+        return torch.maximum(x.abs() / 4, scale / 4) + scale * 2.0**-13
     return torch.maximum(x.abs() / 16, scale / 1024) + scale * 2.0**-13
 
 
@@ -49,7 +53,7 @@ def sample(n: int, seed: int, *, outlier: bool = False, zero_block: bool = False
 
 
 # ----- quantize / dequantize -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", [INT8, FP8, INT4], ids=["int8", "fp8", "int4"])
+@pytest.mark.parametrize("dtype", [INT8, FP8, INT4, FP4], ids=["int8", "fp8", "int4", "fp4"])
 @pytest.mark.parametrize("case", ["random", "zeros", "outlier", "partial", "odd", "tiny-values"])
 def test_dequantize_is_within_half_a_step_of_the_input(dtype, case):
     from flwr_sharded.parallel.quantize import dequantize, qmax, quantize, wire_bytes
@@ -58,9 +62,10 @@ def test_dequantize_is_within_half_a_step_of_the_input(dtype, case):
     n = {"partial": 1000, "odd": 1001, "zeros": 512}.get(case, 4 * block)
     x = {"zeros": torch.zeros(n), "tiny-values": sample(n, 1) * 1e-30}.get(case, sample(n, 3, outlier=True))
     q = quantize(x, dtype, block)
-    if dtype == INT4:  # two codes per byte, the low nibble first
+    if dtype in (INT4, FP4):  # two codes per byte, the low nibble first
         assert q.values.dtype == torch.uint8 and q.values.numel() == math.ceil(n / 2)
-        assert torch.equal(quantize(x, "int4", block).values, q.values)  # a wire name names the same format
+        name = "int4" if dtype == INT4 else "float4_e2m1"
+        assert torch.equal(quantize(x, name, block).values, q.values)  # a wire name names the same format
     else:
         assert q.values.dtype == dtype and q.values.numel() == n
     assert q.scales.numel() == math.ceil(n / block) and q.nbytes == wire_bytes(n, dtype, block)
@@ -71,7 +76,7 @@ def test_dequantize_is_within_half_a_step_of_the_input(dtype, case):
     assert bool((err <= rounding_bound(x.double(), scale, dtype)).all()), float((err - scale / 2).max())
     codes = q.codes()
     assert codes.shape == x.shape and float(codes.abs().max()) <= qmax(dtype)
-    if dtype != FP8:  # integer codes: the decoded values are the codes times their block's scale
+    if dtype in (INT8, INT4):  # integer codes: the decoded values are the codes times their block's scale
         assert torch.equal(codes, codes.round()) and torch.equal(y, codes * q.scales.repeat_interleave(block)[:n])
     if case == "zeros":
         assert torch.equal(y, x)
@@ -104,6 +109,7 @@ CASES = {  # name: (numel, dtype, block, sample kwargs)
     "partial-fp8": (5 * 256 + 77, FP8, 256, {"outlier": True, "zero_block": True}),
     "partial-int4": (5 * 256 + 77, INT4, 256, {"outlier": True, "zero_block": True}),
     "odd-block-int4": (1001, INT4, 100, {}),
+    "partial-fp4": (5 * 256 + 77, FP4, 256, {"outlier": True, "zero_block": True}),
     "no-padding": (None, INT8, 256, {}),  # W * 2 blocks: every chunk lies wholly in the tensor
     "tiny": (10, INT8, 256, {}),  # one partial block: the other ranks' chunks are all padding
     "odd-block": (1000, INT8, 100, {}),
@@ -128,7 +134,7 @@ def _reduce_worker(rank: int, world: int):
         with TrafficMeter() as meter:
             sent = quantized_all_reduce(flat, dtype=dtype, block=block, workspace=ws)
         out[name] = {"flat": flat, "sent": sent, "ops": [(r.op, r.nbytes) for r in meter.records]}
-    for name in ("partial", "partial-fp8", "partial-int4", "no-padding"):  # with (zero) residuals: the same codes, errors kept
+    for name in ("partial", "partial-fp8", "partial-int4", "partial-fp4", "no-padding"):  # with (zero) residuals: the same codes, errors kept
         n, dtype, block, kwargs = CASES[name]
         n = n or world * 2 * 256
         flat, residual = sample(n, 10 * rank + 1, block=block, **kwargs), torch.zeros(n)
@@ -186,7 +192,7 @@ def test_quantized_all_reduce_is_the_sum_within_its_roundings_bit_identical_and_
             assert [op for op, _ in ops] == ["send"] * (world - 1) + ["all_gather_single"], ops
             row = sent // (2 * (world - 1))
             assert all(nbytes == row for op, nbytes in ops[:-1]) and ops[-1][1] == world * row
-    for name in ("partial", "partial-fp8", "partial-int4", "no-padding"):
+    for name in ("partial", "partial-fp8", "partial-int4", "partial-fp4", "no-padding"):
         n, dtype, block, kwargs = CASES[name]
         n = n or world * 2 * 256
         xs = [sample(n, 10 * r + 1, block=block, **kwargs) for r in range(world)]
@@ -300,7 +306,8 @@ def test_check_wire_dtype_allows_int8_everywhere_and_fp8_where_the_device_casts_
 
     assert wire.check_wire_dtype("int8", "cpu") == INT8
     assert wire.check_wire_dtype("float8_e4m3fn", "cpu") == FP8  # torch >= 2.1 casts to e4m3 on CPU
-    assert wire.check_wire_dtype("int4", "cpu") == torch.int4  # torch's placeholder dtype names the format
+    assert wire.check_wire_dtype("int4", "cpu") == INT4  # torch's placeholder dtype names the format
+    assert wire.check_wire_dtype("float4_e2m1", "cpu") == FP4  # decoded through a table: anywhere
     with pytest.raises(ConfigError, match=r"--sync-dtype float16 is not a quantized wire dtype.*int8, float8_e4m3fn"):
         wire.check_wire_dtype("float16", "cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -310,8 +317,8 @@ def test_check_wire_dtype_allows_int8_everywhere_and_fp8_where_the_device_casts_
         if ok:
             assert wire.check_wire_dtype("float8_e4m3fn", "cuda:0") == FP8
         else:
-            with pytest.raises(ConfigError, match=r"--sync-dtype float8_e4m3fn needs .*capability >= 8.9.*: int8, int4$"):
+            with pytest.raises(ConfigError, match=r"--sync-dtype float8_e4m3fn needs .*capability >= 8.9.*: int8, int4, float4_e2m1$"):
                 wire.check_wire_dtype("float8_e4m3fn", "cuda:0")
     monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: (_ for _ in ()).throw(RuntimeError("no e4m3")))
-    with pytest.raises(ConfigError, match="on cpu: int8, int4$"):  # a CPU build that cannot cast to e4m3
+    with pytest.raises(ConfigError, match="on cpu: int8, int4, float4_e2m1$"):  # a CPU build that cannot cast to e4m3
         wire.check_wire_dtype("float8_e4m3fn", "cpu")

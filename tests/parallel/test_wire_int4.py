@@ -25,6 +25,18 @@ def test_the_wire_is_registered_with_half_of_int8s_bytes():
     assert check_wire_dtype("int4", "cpu") == INT4
 
 
+def test_float4_e2m1_shares_int4s_bytes_and_is_found_by_torchs_dtype():
+    from flwr_sharded.parallel.quantize import qmax, quantize
+    from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES, WIRES, check_wire_dtype, wire_of
+
+    fp4 = torch.float4_e2m1fn_x2  # torch's dtype holds two e2m1 values
+    assert WIRES["float4_e2m1"].torch_dtype() == fp4 and wire_of(fp4) is WIRES["float4_e2m1"]
+    assert SYNC_DTYPE_BYTES["float4_e2m1"] == SYNC_DTYPE_BYTES["int4"] and qmax(fp4) == 6
+    assert check_wire_dtype("float4_e2m1", "cpu") == fp4
+    x = torch.tensor([6.0, -0.2, 0.3, 0.75, -1.3, 2.6, 5.1, -5.0])  # scale 1: rounds to the e2m1 grid
+    assert quantize(x, fp4, 8).codes().tolist() == [6.0, -0.0, 0.5, 0.5, -1.5, 3.0, 6.0, -4.0]  # ties: down
+
+
 def _sync_worker(rank: int, world: int):
     from flwr_sharded.parallel.quantize import all_reduce_bytes
     from flwr_sharded.parallel.sync import ShardSync, local_shard
