@@ -58,12 +58,15 @@ class ParallelConfig:
     """Wire dtype of the cross-group all-reduce: float32 sends the shards. bfloat16 halves the sync's bytes by sending
     each group's weighted delta from the last global model (the outer gradient, as DiLoCo does), so only that delta
     is rounded; int8, float8_e4m3fn and float8_e5m2 (fp8: CUDA compute capability >= 8.9) quantize the delta
-    blockwise (one fp32 scale per 256 values; about 0.254 of the fp32 bytes) and sum it in fp32. Any of them costs
+    blockwise (one fp32 scale per 256 values; about 0.254 of the fp32 bytes) and sum it in fp32, int4 and
+    float4_e2m1 the same in 4-bit codes, two to a byte (about 0.129 of the fp32 bytes; int4: 18x int8's rounding
+    step). Any of them costs
     one fp32 copy of the rank's shards for fedavg (outer optimizers keep one already); linear outer rules only (not
     trimmed-mean or median)."""
     sync_error_feedback: bool = False
-    """With an 8-bit `sync-dtype`: carry each rank's rounding errors into its next sync (error feedback), so they do
-    not accumulate over syncs; one more fp32 copy of the rank's shards."""
+    """With a quantized `sync-dtype` (int8, a float8, or a 4-bit one, int4 or float4_e2m1, at about 0.129 of the fp32
+    bytes, whose rounding errors are the largest): carry each rank's rounding errors into its next sync (error feedback), so they do not
+    accumulate over syncs; one more fp32 copy of the rank's shards."""
     sync_fragments: int = option(1, ge=1)
     """N: sync the model in N fragments of contiguous transformer blocks (Streaming DiLoCo), fragment i after step
     round((i + 1) A / N) of each period of A steps, so the link carries about 1/N of the model at a time; each
@@ -411,7 +414,7 @@ def validate_sync(p: ParallelConfig, rule: Any, surface: Surface = CLI) -> None:
         raise surface.error(f"{', '.join(L(n) for n in streaming)} shape the shard sync of FL methods; "
                             f"{L('method')} {p.method} has none (use fl-fsdp or fl-hsdp)")
     if p.sync_error_feedback and p.sync_dtype not in QUANTIZED:
-        raise surface.error(f"{L('sync-error-feedback')} carries the rounding errors of an 8-bit wire: it needs "
+        raise surface.error(f"{L('sync-error-feedback')} carries the rounding errors of a quantized wire: it needs "
                             f"{L('sync-dtype')} {' or '.join(QUANTIZED)}, got {p.sync_dtype}")
     if p.sync_fragments > p.aggregate_every:
         raise surface.error(f"{L('sync-fragments')} {p.sync_fragments} is more than the {p.aggregate_every} steps of "

@@ -1,10 +1,13 @@
-"""An 8-bit all-reduce of a flat fp32 tensor: blockwise int8 or fp8 (e4m3, e5m2) on the wire, the sum taken in fp32.
+"""A blockwise quantized all-reduce of a flat fp32 tensor: int8, fp8 (e4m3, e5m2), int4 or fp4 (e2m1) on the wire,
+the sum taken in fp32.
 
 Quantization: the tensor is cut into blocks of `block` elements (the last one may be partial, padded with zeros);
-each block has one fp32 scale, absmax / the format's largest code (`qmax`, torch's own: 127 for int8, symmetric,
-rounded to nearest; 448 for float8_e4m3fn and 57344 for float8_e5m2, rounded to nearest by the cast), so
-a block's largest element maps to the largest code and an outlier only coarsens its own block.
-`wire_bytes(n, dtype, block)` = n + 4 ceil(n / block).
+each block has one fp32 scale, absmax / the format's largest code (`qmax`: 127 for int8 and 7 for int4, symmetric,
+rounded to nearest; 448 for float8_e4m3fn and 57344 for float8_e5m2, rounded to nearest by the cast; 6 for
+float4_e2m1, rounded to nearest), so a block's largest element maps to the largest code and an outlier only coarsens
+its own block. The formats (their codes, how many go in a byte, how bytes decode) are
+`flwr_sharded.parallel.quant_codes`; the 4-bit ones pack two codes per byte, so their block must be even.
+`wire_bytes(n, dtype, block)` = n (4-bit: ceil(n / 2)) + 4 ceil(n / block).
 
 `quantized_all_reduce` (a ring, as INTELLECT-1's int8 all-reduce; torchft's uses an all-to-all), on a group of W
 ranks:
@@ -12,25 +15,25 @@ ranks:
      elements each; the end is zero-padded);
   2. reduce-scatter around the ring in W - 1 steps: at step k rank r quantizes chunk r - k (its own values at
      k = 0, else the partial sum it holds) and sends it to rank r + 1, and adds its own fp32 values to chunk
-     r - k - 1, dequantized as it arrives from rank r - 1 (values and scales travel as one uint8 row of C + 4 bpr
-     bytes; gloo refuses float8 tensors, so every 8-bit payload travels as raw bytes). The sums are taken in fp32;
-     each partial sum is rounded once, to travel;
+     r - k - 1, dequantized as it arrives from rank r - 1 (codes and scales travel as one uint8 row of B(C) + 4 bpr
+     bytes, B(C) = C, or C / 2 for the 4-bit formats; gloo refuses float8 tensors, so every payload travels as raw bytes). The
+     sums are taken in fp32; each partial sum is rounded once, to travel;
   3. rank r now holds the whole sum of chunk r + 1: it quantizes it once more and the W rows are all-gathered;
      every rank dequantizes the same bytes, so all end bit-identical.
-Each rank sends (W - 1) rows in each phase, to its ring neighbour: 2 (W - 1) (C + 4 bpr) bytes (`all_reduce_bytes`),
-about (1 + 4 / block) / 4 of a ring fp32 all-reduce's 2 (W - 1) / W * 4 N bytes once N >> W block (the padding is at
-most W blocks: a tensor of a few blocks sends more than its fp32 ring would), over the same links as that ring, so a
-tiered network's slow links carry the same quarter. The result is the sum with W roundings: chunk c's element is off
-by at most sum_j s_j / 2 over the W - 1 partial sums that travel and the final one (int8, s_j their block scales;
-e4m3: 1/16 of each rounded value, or scale / 1024 below the normal range, instead of half a step; e5m2: 1/8, or
-scale / 2^17).
+Each rank sends (W - 1) rows in each phase, to its ring neighbour: 2 (W - 1) (B(C) + 4 bpr) bytes
+(`all_reduce_bytes`), about (1 + 4 / block) / 4 of a ring fp32 all-reduce's 2 (W - 1) / W * 4 N bytes once
+N >> W block ((1/2 + 4 / block) / 4 for 4 bits; the padding is at most W blocks: a tensor of a few blocks sends more
+than its fp32 ring would), over the same links as that ring, so a tiered network's slow links carry the same
+fraction. The result is the sum with W roundings: chunk c's element is off by at most sum_j s_j / 2 over the W - 1
+partial sums that travel and the final one (int8 and int4, s_j their block scales; e4m3: 1/16 of each rounded value,
+or scale / 1024 below the normal range, instead of half a step; e5m2: 1/8, or scale / 2^17; e2m1: 1/4, or
+scale / 4 below 1).
 
 Error feedback (`ErrorFeedback`) makes the running sum of repeated reductions exact up to one round's error.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -38,47 +41,58 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from flwr_sharded.parallel.quant_codes import CodeFormat, code_format
 from flwr_sharded.parallel.quant_format import QUANT_BLOCK
 
 _TINY = torch.finfo(torch.float32).tiny  # smallest scale: an all-zero block quantizes to zeros, never divides by 0
-_CODES = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+
+WireFormat = torch.dtype | str | CodeFormat
+"""A quantized wire's format as the functions here take it: a torch dtype (torch.int8, a float8, torch.int4,
+torch.float4_e2m1fn_x2), a wire name ("int4", "float4_e2m1") or a `flwr_sharded.parallel.quant_codes.CodeFormat`."""
 
 
-def is_8bit(dtype: torch.dtype) -> bool:
-    """Whether `dtype` is a code format of the 8-bit wires: int8 or a float8."""
-    return dtype == torch.int8 or (dtype.is_floating_point and dtype.itemsize == 1)
-
-
-@functools.cache
-def qmax(dtype: torch.dtype) -> float:
-    """The largest code of an 8-bit format (torch's own: 127 for int8, 448 for e4m3, 57344 for e5m2): a block's
+def qmax(dtype: WireFormat) -> float:
+    """The largest code of a format (127 for int8, 448 for e4m3, 57344 for e5m2, 7 for int4, 6 for e2m1): a block's
     absmax maps onto it."""
-    return float(torch.finfo(dtype).max if dtype.is_floating_point else torch.iinfo(dtype).max)
-
-
-@functools.cache
-def _float8_table(dtype: torch.dtype) -> torch.Tensor:
-    """code -> value of a float8 format, as fp32."""
-    return _CODES.view(dtype).float()
+    return code_format(dtype).qmax
 
 
 @dataclass(frozen=True)
 class Quantized:
-    """A flat tensor in 8 bits: `values` (an 8-bit wire dtype, `numel` of them) and one fp32 scale per block."""
+    """A flat tensor blockwise quantized: `values`, the codes as they travel (for a one-byte format `numel` of them in
+    its dtype; for a 4-bit one ceil(numel / 2) uint8 bytes, two codes each), and one fp32 scale per block."""
 
     values: torch.Tensor
     scales: torch.Tensor
     numel: int
     block: int
+    format: CodeFormat | None = None
+    """The code format; None: the one of `values`' dtype (a one-byte format)."""
+
+    def __post_init__(self) -> None:
+        if self.format is None:
+            object.__setattr__(self, "format", code_format(self.values.dtype))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on the wire: the codes and the scales (`wire_bytes`)."""
+        return self.values.numel() * self.values.element_size() + 4 * self.scales.numel()
+
+    def codes(self) -> torch.Tensor:
+        """The `numel` code values (integers in [-qmax, qmax] for int8 and int4), as fp32, unscaled."""
+        out = torch.empty(self.values.numel() * self.format.codes_per_byte, dtype=torch.float32,
+                          device=self.values.device)
+        self.format.decode(self.values.view(torch.uint8), out, Workspace())
+        return out[:self.numel]
 
 
-def wire_bytes(numel: int, dtype: torch.dtype = torch.int8, block: int = QUANT_BLOCK) -> int:
+def wire_bytes(numel: int, dtype: WireFormat = torch.int8, block: int = QUANT_BLOCK) -> int:
     """Bytes of `numel` elements quantized to `dtype` with one fp32 scale per block of `block` elements."""
-    _check_dtype(dtype, block)
-    return numel * torch.empty((), dtype=dtype).element_size() + 4 * math.ceil(numel / block)
+    fmt = _format(dtype, block)
+    return fmt.payload_bytes(numel) + 4 * math.ceil(numel / block)
 
 
-def all_reduce_bytes(numel: int, world: int, dtype: torch.dtype = torch.int8, block: int = QUANT_BLOCK) -> int:
+def all_reduce_bytes(numel: int, world: int, dtype: WireFormat = torch.int8, block: int = QUANT_BLOCK) -> int:
     """Bytes one rank sends in `quantized_all_reduce` of `numel` elements over `world` ranks (0 for one rank)."""
     if world <= 1 or numel == 0:
         return 0
@@ -86,70 +100,56 @@ def all_reduce_bytes(numel: int, world: int, dtype: torch.dtype = torch.int8, bl
     return 2 * (world - 1) * wire_bytes(bpr * block, dtype, block)
 
 
-def quantize(x: torch.Tensor, dtype: torch.dtype = torch.int8, block: int = QUANT_BLOCK) -> Quantized:
-    """Quantize a flat fp32 tensor blockwise (absmax / `qmax` per block; int8 rounds to nearest, fp8 by the cast)."""
-    _check_dtype(dtype, block)
+def quantize(x: torch.Tensor, dtype: WireFormat = torch.int8, block: int = QUANT_BLOCK) -> Quantized:
+    """Quantize a flat fp32 tensor blockwise (absmax / `qmax` per block; rounded to nearest)."""
+    fmt = _format(dtype, block)
     n = x.numel()
     blocks = math.ceil(n / block)
     work = torch.zeros(blocks * block, dtype=torch.float32, device=x.device)
     work[:n].copy_(x.reshape(-1))
-    values = torch.empty(blocks * block, dtype=dtype, device=x.device)
+    raw = torch.empty(fmt.payload_bytes(blocks * block), dtype=torch.uint8, device=x.device)
     scales = torch.empty(blocks, dtype=torch.float32, device=x.device)
-    _quantize(work.view(blocks, block), values.view(blocks, block), scales, work.view(blocks, block))
-    return Quantized(values[:n], scales, n, block)
+    _quantize(fmt, work.view(blocks, block), raw.view(blocks, -1), scales, work.view(blocks, block), False,
+              Workspace())
+    return Quantized(fmt.values(raw, n), scales, n, block, fmt)
 
 
 def dequantize(q: Quantized) -> torch.Tensor:
     """The fp32 tensor a `Quantized` stands for (values times their block's scale)."""
-    blocks = q.scales.numel()
+    blocks, fmt = q.scales.numel(), q.format
     out = torch.empty(blocks * q.block, dtype=torch.float32, device=q.values.device)
-    padded = torch.zeros(blocks * q.block, dtype=q.values.dtype, device=q.values.device)
-    padded[:q.numel].copy_(q.values)
-    _dequantize(padded.view(blocks, q.block), q.scales, out.view(blocks, q.block), Workspace())
+    padded = torch.zeros(fmt.payload_bytes(blocks * q.block), dtype=torch.uint8, device=q.values.device)
+    raw = q.values.view(torch.uint8)
+    padded[:raw.numel()].copy_(raw)
+    _dequantize(fmt, padded.view(blocks, -1), q.scales, out.view(blocks, q.block), Workspace())
     return out[:q.numel]
 
 
-def _check_dtype(dtype: torch.dtype, block: int) -> None:
-    if not is_8bit(dtype):
-        raise ValueError(f"quantized wire dtype must be int8 or a float8, got {dtype}")
-    if block < 1:
-        raise ValueError(f"quantization block must be >= 1 element, got {block}")
+def _format(dtype: WireFormat, block: int) -> CodeFormat:
+    fmt = code_format(dtype)
+    fmt.check_block(block)
+    return fmt
 
 
-def _quantize(src: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, scratch: torch.Tensor,
-              error: bool = False, ws: Workspace | None = None) -> None:
-    """Quantize `src` (..., block) into `values` (same shape, 8-bit) and `scales` (...), through `scratch`.
+def _quantize(fmt: CodeFormat, src: torch.Tensor, raw: torch.Tensor, scales: torch.Tensor, scratch: torch.Tensor,
+              error: bool, ws: Workspace) -> None:
+    """Quantize `src` (..., block) into the bytes `raw` (..., payload per block) and `scales` (...), through
+    `scratch`.
 
     `scratch` may be `src` itself unless `error`; with `error`, `src` ends holding its rounding error
-    (src - values * scales, in fp32).
+    (src - codes * scales, in fp32).
     """
     absmax = torch.maximum(src.amax(-1), src.amin(-1).neg_())  # no |x| temporary (aminmax is slower on CPU)
-    torch.div(absmax, qmax(values.dtype), out=scales).clamp_(min=_TINY)
+    torch.div(absmax, fmt.qmax, out=scales).clamp_(min=_TINY)
     torch.mul(src, scales.reciprocal().unsqueeze(-1), out=scratch)  # |.| <= qmax (+ an ulp: rounds back to it)
-    if not values.dtype.is_floating_point:
-        scratch.round_()  # half to even; the cast below then is exact
-        values.copy_(scratch)
-    else:
-        values.copy_(scratch)  # the cast to fp8 rounds to nearest
-        if error:
-            _decode(values, scratch, ws or Workspace())
+    fmt.encode(scratch, raw, ws, keep=error)
     if error:
         src.addcmul_(scratch, scales.unsqueeze(-1), value=-1)
 
 
-def _decode(values: torch.Tensor, out: torch.Tensor, ws: Workspace) -> None:
-    """out = values as fp32. On CPU, fp8 goes through a 256-entry table (8x faster than torch's cast there)."""
-    if not values.dtype.is_floating_point or values.device.type != "cpu":
-        out.copy_(values)
-        return
-    index = ws.get("index", values.numel(), torch.int32, values.device).view(values.shape)
-    index.copy_(values.view(torch.uint8))
-    torch.index_select(_float8_table(values.dtype), 0, index.view(-1), out=out.view(-1))  # `out` is contiguous here
-
-
-def _dequantize(values: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, ws: Workspace) -> None:
-    """out (..., block) = values * scales, in fp32 (a cast and a multiply: a mixed-dtype multiply is ~3x slower)."""
-    _decode(values, out, ws)
+def _dequantize(fmt: CodeFormat, raw: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, ws: Workspace) -> None:
+    """out (..., block) = codes * scales, in fp32 (a decode and a multiply: a mixed-dtype multiply is ~3x slower)."""
+    fmt.decode(raw, out, ws)
     out.mul_(scales.unsqueeze(-1))
 
 
@@ -201,9 +201,9 @@ class ErrorFeedback:
 
 @torch.no_grad()
 def quantized_all_reduce(flat: torch.Tensor, group: dist.ProcessGroup | None = None, *,
-                         dtype: torch.dtype = torch.int8, block: int = QUANT_BLOCK,
+                         dtype: WireFormat = torch.int8, block: int = QUANT_BLOCK,
                          residual: torch.Tensor | None = None, workspace: Workspace | None = None) -> int:
-    """SUM a flat fp32 tensor over `group` in place, through an 8-bit wire (module docstring); return bytes sent.
+    """SUM a flat fp32 tensor over `group` in place, through a quantized wire (module docstring); return bytes sent.
 
     `residual` (from `ErrorFeedback.residual`) is added to `flat` first and replaced by the rounding errors this
     rank made. Every rank ends with bit-identical `flat`. One rank: nothing is sent and `flat` stays exact. A ring
@@ -211,7 +211,7 @@ def quantized_all_reduce(flat: torch.Tensor, group: dist.ProcessGroup | None = N
     must be finite (a NaN or inf spoils its block). If a collective fails, `flat` and `residual` are left
     undefined (`flat` is the scratch).
     """
-    _check_dtype(dtype, block)
+    fmt = _format(dtype, block)
     if flat.dtype != torch.float32 or flat.dim() != 1 or not flat.is_contiguous():
         raise ValueError(f"quantized_all_reduce needs a flat contiguous fp32 tensor, got {flat.dtype} "
                          f"{tuple(flat.shape)}")
@@ -220,7 +220,9 @@ def quantized_all_reduce(flat: torch.Tensor, group: dist.ProcessGroup | None = N
         return 0
     ws, dev, ef = workspace or Workspace(), flat.device, residual is not None
     bpr = math.ceil(math.ceil(n / block) / world)
-    chunk, row = bpr * block, bpr * block + 4 * bpr
+    chunk = bpr * block
+    payload = fmt.payload_bytes(chunk)
+    row = payload + 4 * bpr
     # `flat` is the scratch: it holds this rank's values, then the partial sums, then the errors, then the result;
     # the chunks past its end (the last one partial, the rest padding) live zero-padded in `tail`
     full, rest = n // chunk, n % chunk
@@ -240,8 +242,8 @@ def quantized_all_reduce(flat: torch.Tensor, group: dist.ProcessGroup | None = N
     scales = ws.get("scales", bpr, torch.float32, dev)
 
     def encode(c: int, out: torch.Tensor) -> None:  # chunk c -> out (codes, then scales); errors stay in chunk c
-        _quantize(acc(c), out[:chunk].view(dtype).view(bpr, block), scales, part if ef else acc(c), ef, ws)
-        out[chunk:].copy_(scales.view(torch.uint8))
+        _quantize(fmt, acc(c), out[:payload].view(bpr, -1), scales, part if ef else acc(c), ef, ws)
+        out[payload:].copy_(scales.view(torch.uint8))
 
     # 1. reduce-scatter around the ring: at step k rank r passes chunk r - k on (its own values at k = 0, else the
     #    partial sum it received and added to), and adds its own fp32 values to chunk r - k - 1 coming from r - 1
@@ -251,8 +253,8 @@ def quantized_all_reduce(flat: torch.Tensor, group: dist.ProcessGroup | None = N
         for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, send, group=group, group_peer=nxt),
                                             dist.P2POp(dist.irecv, recv, group=group, group_peer=prev)]):
             work.wait()
-        _decode(recv[:chunk].view(dtype).view(bpr, block), part, ws)
-        acc((me - k - 1) % world).addcmul_(part, _floats(recv[chunk:]).unsqueeze(-1))  # the sum, in fp32
+        fmt.decode(recv[:payload].view(bpr, -1), part, ws)
+        acc((me - k - 1) % world).addcmul_(part, _floats(recv[payload:]).unsqueeze(-1))  # the sum, in fp32
     # 2. rank r holds the whole sum of chunk r + 1: round it once more and gather every rank's, in rank order
     mine = ws.get("mine", row, torch.uint8, dev)
     encode((me + 1) % world, mine)
@@ -267,11 +269,11 @@ def quantized_all_reduce(flat: torch.Tensor, group: dist.ProcessGroup | None = N
         c = (j + 1) % world
         if c > full or (c == full and not rest):
             continue  # padding
-        codes, row_scales = rows[j, :chunk].view(dtype).view(bpr, block), _floats(rows[j, chunk:])
+        codes, row_scales = rows[j, :payload].view(bpr, -1), _floats(rows[j, payload:])
         if c < full:
-            _dequantize(codes, row_scales, flat[c * chunk:(c + 1) * chunk].view(bpr, block), ws)
+            _dequantize(fmt, codes, row_scales, flat[c * chunk:(c + 1) * chunk].view(bpr, block), ws)
         else:
-            _dequantize(codes, row_scales, part, ws)
+            _dequantize(fmt, codes, row_scales, part, ws)
             flat[c * chunk:].copy_(part.view(-1)[:rest])
     return 2 * (world - 1) * row
 

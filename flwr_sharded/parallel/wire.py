@@ -1,5 +1,5 @@
 """Wire dtypes of the shard sync (`--sync-dtype`): one `Wire` subclass each, one module each in
-`flwr_sharded.parallel.wires`, registered here by name. Everything that lists wires (the option's choices, the 8-bit
+`flwr_sharded.parallel.wires`, registered here by name. Everything that lists wires (the option's choices, the quantized
 ones, the preflight's device check, the cost and memory models' bytes per value) derives from `WIRES`.
 
 Importing this module (and the wires) does not import torch, so the config, the planner and the Flower run stay
@@ -8,8 +8,8 @@ light; a wire's `reduce` imports torch when the sync calls it.
 A wire other than the shards' own dtype sends each group's weighted delta from the global model (the outer
 gradient) and adds the reduced delta back in fp32: it needs fp32 shards and a linear outer rule, and makes the sync
 keep the global shards. Three kinds: the shards as they are (`PlainWire`, float32), the delta cast to a narrower
-float and all-reduced in it (`CastWire`, bfloat16), and the delta blockwise quantized to 8 bits and summed in fp32
-around a ring (`BlockwiseWire`, through `flwr_sharded.parallel.quantize`); the kinds and `register` are in
+float and all-reduced in it (`CastWire`, bfloat16), and the delta blockwise quantized (8 or 4 bits a value) and summed
+in fp32 around a ring (`BlockwiseWire`, through `flwr_sharded.parallel.quantize`); the kinds and `register` are in
 `flwr_sharded.parallel.wire_kinds`.
 """
 
@@ -27,9 +27,10 @@ from flwr_sharded.parallel.wire_kinds import WIRES, BlockwiseWire, CastWire, Pla
 def wire_of(dtype: Any) -> Wire:
     """The wire of a torch dtype or a name; ValueError naming the registered ones otherwise."""
     name = str(dtype).removeprefix("torch.")
-    if name not in WIRES:
+    wire = WIRES.get(name) or next((w for w in WIRES.values() if w.torch_name == name), None)
+    if wire is None:
         raise ValueError(f"{dtype} is not a wire dtype of the shard sync; registered: {', '.join(WIRES)}")
-    return WIRES[name]
+    return wire
 
 
 def _load_wires() -> None:
@@ -48,11 +49,11 @@ SyncDtype = Literal[tuple(WIRES)]  # type: ignore[valid-type]
 """What the cross-group all-reduce carries: one of `WIRES`."""
 
 QUANTIZED: tuple[str, ...] = tuple(name for name, w in WIRES.items() if w.error_feedback)
-"""The 8-bit wire dtypes (blockwise quantized; error feedback allowed)."""
+"""The blockwise quantized wire dtypes (8 or 4 bits a value; error feedback allowed)."""
 
 SYNC_DTYPE_BYTES: dict[str, float] = {name: w.bytes_per_value for name, w in WIRES.items()}
-"""Wire bytes per parameter of each sync dtype, in an all-reduce of a large bucket (8-bit: one byte plus its share
-of the block's fp32 scale). The quantized all-reduce sends 2 (W - 1) / W of them per parameter, as a ring does."""
+"""Wire bytes per parameter of each sync dtype, in an all-reduce of a large bucket (quantized: one byte, or half of
+one for the 4-bit ones, plus its share of the block's fp32 scale). The quantized all-reduce sends 2 (W - 1) / W of them per parameter, as a ring does."""
 
 
 def check_wire_dtype(dtype_name: str, device: Any) -> Any:

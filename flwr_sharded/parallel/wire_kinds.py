@@ -3,7 +3,7 @@
 A wire is one `Wire` subclass in a module of `flwr_sharded.parallel.wires`; `flwr_sharded.parallel.wire` loads
 them all and derives every list of wires from `WIRES`. Three kinds: the shards as they are (`PlainWire`, float32),
 the weighted delta from the global model cast to a narrower float and all-reduced in it (`CastWire`, bfloat16), and
-the delta blockwise quantized to 8 bits and summed in fp32 around a ring (`BlockwiseWire`, through
+the delta blockwise quantized (8 or 4 bits a value) and summed in fp32 around a ring (`BlockwiseWire`, through
 `flwr_sharded.parallel.quantize`, imported when a reduction runs).
 """
 
@@ -21,7 +21,9 @@ class Wire:
     """One wire dtype of the shard sync: what it costs, what it needs and how it reduces a bucket."""
 
     name: ClassVar[str]
-    """The `--sync-dtype` value, also the name of its torch dtype."""
+    """The `--sync-dtype` value, also the name of its torch dtype unless `torch_name` says."""
+    torch_name: ClassVar[str | None] = None
+    """The name of its torch dtype where it is not `name` (float4_e2m1: torch's float4_e2m1fn_x2 holds two)."""
     order: ClassVar[int]
     """Position among the wires wherever they are listed (choices, docs); the planner takes the first of a size."""
     bytes_per_value: ClassVar[float]
@@ -29,14 +31,14 @@ class Wire:
     delta: ClassVar[bool] = True
     """Sends the weighted delta from the global model (fp32 shards, a linear rule; keeps the global shards)."""
     error_feedback: ClassVar[bool] = False
-    """Rounds blockwise to 8 bits, so `--sync-error-feedback` can carry its rounding errors."""
+    """Rounds blockwise (to 8 or 4 bits), so `--sync-error-feedback` can carry its rounding errors."""
     requirement: ClassVar[str] = ""
     """What the device must offer, in words ("" when any device runs it); `unsupported` checks it."""
 
     def torch_dtype(self) -> torch.dtype:
         import torch
 
-        return getattr(torch, self.name)
+        return getattr(torch, self.torch_name or self.name)
 
     def unsupported(self, device: Any) -> str | None:
         """None if `device` (a torch device or its name) runs this wire; else why not, as a phrase."""
@@ -49,7 +51,7 @@ class Wire:
                residual: torch.Tensor | None = None) -> int:
         """`flat` holds this rank's values of a bucket (zeros if `scale` is 0: left out); on return the groups'
         weighted mean, `scale` being this rank's share of the weight. `global_k`: the bucket's global values (delta
-        wires); `residual`: the error-feedback residual (8-bit wires). Returns the bytes this rank sent."""
+        wires); `residual`: the error-feedback residual (quantized wires). Returns the bytes this rank sent."""
         raise NotImplementedError
 
 
@@ -87,8 +89,10 @@ class CastWire(Wire):
 
 
 class BlockwiseWire(Wire):
-    """The weighted delta, blockwise 8-bit on the wire (one fp32 scale per `QUANT_BLOCK` values, absmax -> the format's largest code),
-    summed in fp32 around a ring (`flwr_sharded.parallel.quantize.quantized_all_reduce`), added back in fp32."""
+    """The weighted delta, blockwise quantized on the wire (one fp32 scale per `QUANT_BLOCK` values, absmax -> the
+    format's largest code; the formats are `flwr_sharded.parallel.quant_codes`'), summed in fp32 around a ring
+    (`flwr_sharded.parallel.quantize.quantized_all_reduce`), added back in fp32. One byte a value unless a wire says
+    otherwise (the 4-bit ones: half a byte)."""
 
     bytes_per_value: ClassVar[float] = 1.0 + SCALE_BYTES / QUANT_BLOCK
     error_feedback: ClassVar[bool] = True

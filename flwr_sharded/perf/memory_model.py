@@ -56,7 +56,7 @@ SNAPSHOT_BYTES = 4
 fragment at its start (kept to carry the local steps, or to check the result's move): one buffer each, sized for the
 largest fragment."""
 FEEDBACK_BYTES = 4
-"""Error feedback of an 8-bit wire: an fp32 residual per value of every bucket of the shard (`parallel/quantize.py`)."""
+"""Error feedback of a quantized wire: an fp32 residual per value of every bucket of the shard (`parallel/quantize.py`)."""
 
 # Activations, in elements of the compute dtype per token (h: hidden, kv: k/v width, i: MLP width).
 BLOCK_ACTIVATIONS = {"h": 8, "kv": 2, "i": 4}

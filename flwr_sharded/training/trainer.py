@@ -24,6 +24,7 @@ from flwr_sharded.parallel.sharding import mixed_precision_policy
 from flwr_sharded.parallel.streaming import FragmentedSync, fragment_parameters
 from flwr_sharded.parallel.sync import ShardSync, local_shard
 from flwr_sharded.parallel.topology import Topology
+from flwr_sharded.parallel.wire import WIRES
 from flwr_sharded.run_dir import perplexity
 from flwr_sharded.training import data as data_lib
 from flwr_sharded.training.partition import BatchStream, eval_batches
@@ -119,7 +120,7 @@ class Trainer:
             parts = fragment_parameters(self.model, transformer_blocks(self.model), p.sync_fragments)
             syncs = [ShardSync(part, fed_group=topo.fed_group if static_sync and replica0 else None,
                                bucket_bytes=int(p.bucket_mb * (1 << 20)), rule=outer_rule(p),
-                               wire_dtype=getattr(torch, p.sync_dtype), error_feedback=p.sync_error_feedback,
+                               wire_dtype=WIRES[p.sync_dtype].torch_dtype(), error_feedback=p.sync_error_feedback,
                                max_move=p.sync_max_move)
                      for part in parts]
             sync = FragmentedSync(syncs, Schedule(p.aggregate_every, p.sync_fragments, p.sync_delay),

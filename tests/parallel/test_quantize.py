@@ -1,4 +1,4 @@
-"""The 8-bit quantized all-reduce: blockwise rounding bounds, the reduced sum on 2 and 3 gloo ranks, bytes, feedback."""
+"""The quantized all-reduce (int8, fp8, int4): blockwise rounding bounds, the reduced sum on 2 and 3 gloo ranks, bytes, feedback."""
 
 from __future__ import annotations
 
@@ -11,23 +11,28 @@ import torch
 from tests.multiproc import run_ranks
 
 U = 2.0**-24  # fp32 unit roundoff
-INT8, FP8 = torch.int8, torch.float8_e4m3fn
+INT8, FP8, INT4 = torch.int8, torch.float8_e4m3fn, torch.int4  # torch.int4: a placeholder dtype naming the format
+FP4 = torch.float4_e2m1fn_x2  # two e2m1 values in torch; names the float4_e2m1 format
 
 
 def rounding_bound(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Largest |dequantize(quantize(x)) - x| per element (fp64), given each element's block scale.
 
-    int8: half a step, scale / 2, plus the fp32 roundings of x * (1 / scale) and of code * scale (< 382 u scale).
+    int8, int4: half a step, scale / 2, plus the fp32 roundings of x * (1 / scale) and of code * scale (< 382 u
+    scale).
     e4m3: 3 mantissa bits round to within 1/16 of the scaled value (normal range) or half the smallest subnormal
     step 2^-9 (below 2^-6), i.e. max(|x| / 16, scale / 1024), plus the same fp32 roundings (< 1400 u scale).
+    e2m1: 1 mantissa bit, within 1/4 of the scaled value at and above 1, half the step 0.5 below it.
     """
-    if dtype == INT8:
+    if dtype in (INT8, INT4):
         return scale * (0.5 + 2.0**-15)
+    if dtype == FP4:
+        return torch.maximum(x.abs() / 4, scale / 4) + scale * 2.0**-13
     return torch.maximum(x.abs() / 16, scale / 1024) + scale * 2.0**-13
 
 
 def block_scales(x: torch.Tensor, dtype: torch.dtype, block: int) -> torch.Tensor:
-    """Each element's block scale, absmax / 127 (int8) or / 448 (e4m3), in fp64, broadcast to x's length."""
+    """Each element's block scale, absmax / 127 (int8), / 448 (e4m3) or / 7 (int4), in fp64, broadcast to x's length."""
     from flwr_sharded.parallel.quantize import qmax
 
     n = x.numel()
@@ -48,24 +53,31 @@ def sample(n: int, seed: int, *, outlier: bool = False, zero_block: bool = False
 
 
 # ----- quantize / dequantize -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", [INT8, FP8], ids=["int8", "fp8"])
-@pytest.mark.parametrize("case", ["random", "zeros", "outlier", "partial", "tiny-values"])
+@pytest.mark.parametrize("dtype", [INT8, FP8, INT4, FP4], ids=["int8", "fp8", "int4", "fp4"])
+@pytest.mark.parametrize("case", ["random", "zeros", "outlier", "partial", "odd", "tiny-values"])
 def test_dequantize_is_within_half_a_step_of_the_input(dtype, case):
     from flwr_sharded.parallel.quantize import dequantize, qmax, quantize, wire_bytes
 
     block = 256
-    n = {"partial": 1000, "zeros": 512}.get(case, 4 * block)
+    n = {"partial": 1000, "odd": 1001, "zeros": 512}.get(case, 4 * block)
     x = {"zeros": torch.zeros(n), "tiny-values": sample(n, 1) * 1e-30}.get(case, sample(n, 3, outlier=True))
     q = quantize(x, dtype, block)
-    assert q.values.dtype == dtype and q.values.numel() == n and q.scales.numel() == math.ceil(n / block)
-    assert q.values.numel() * q.values.element_size() + q.scales.numel() * 4 == wire_bytes(n, dtype, block)
+    if dtype in (INT4, FP4):  # two codes per byte, the low nibble first
+        assert q.values.dtype == torch.uint8 and q.values.numel() == math.ceil(n / 2)
+        name = "int4" if dtype == INT4 else "float4_e2m1"
+        assert torch.equal(quantize(x, name, block).values, q.values)  # a wire name names the same format
+    else:
+        assert q.values.dtype == dtype and q.values.numel() == n
+    assert q.scales.numel() == math.ceil(n / block) and q.nbytes == wire_bytes(n, dtype, block)
     y = dequantize(q)
     assert y.dtype == torch.float32 and y.shape == x.shape
     scale = block_scales(x, dtype, block)
     err = (y.double() - x.double()).abs()
     assert bool((err <= rounding_bound(x.double(), scale, dtype)).all()), float((err - scale / 2).max())
-    codes = q.values.float()
-    assert float(codes.abs().max()) <= qmax(dtype)
+    codes = q.codes()
+    assert codes.shape == x.shape and float(codes.abs().max()) <= qmax(dtype)
+    if dtype in (INT8, INT4):  # integer codes: the decoded values are the codes times their block's scale
+        assert torch.equal(codes, codes.round()) and torch.equal(y, codes * q.scales.repeat_interleave(block)[:n])
     if case == "zeros":
         assert torch.equal(y, x)
     else:  # every block's largest element takes the largest code
@@ -80,21 +92,29 @@ def test_wire_bytes_and_the_all_reduce_byte_count():
     assert wire_bytes(1000, INT8, 256) == 1000 + 4 * 4
     assert wire_bytes(1024, FP8, 256) == 1024 + 4 * 4
     assert wire_bytes(0, INT8, 256) == 0
+    assert wire_bytes(1000, INT4, 256) == 500 + 4 * 4 and wire_bytes(1001, "int4", 256) == 501 + 4 * 4
     # 200 003 elements, 3 ranks: 782 blocks, 261 per rank; each rank sends 2 of its 3 rows twice
     assert all_reduce_bytes(200_003, 3, INT8, 256) == 2 * 2 * (261 * 256 + 4 * 261)
     assert all_reduce_bytes(200_003, 1, INT8, 256) == 0
+    assert all_reduce_bytes(200_003, 3, INT4, 256) == 2 * 2 * (261 * 128 + 4 * 261)  # half a byte a value
     with pytest.raises(ValueError, match="quantized wire dtype"):
         wire_bytes(10, torch.bfloat16)
+    with pytest.raises(ValueError, match="block of int4 must be a positive multiple of 2"):
+        wire_bytes(10, INT4, 255)
 
 
 # ----- the all-reduce on 2 and 3 ranks -------------------------------------------------------------------------
 CASES = {  # name: (numel, dtype, block, sample kwargs)
     "partial": (5 * 256 + 77, INT8, 256, {"outlier": True, "zero_block": True}),
     "partial-fp8": (5 * 256 + 77, FP8, 256, {"outlier": True, "zero_block": True}),
+    "partial-int4": (5 * 256 + 77, INT4, 256, {"outlier": True, "zero_block": True}),
+    "odd-block-int4": (1001, INT4, 100, {}),
+    "partial-fp4": (5 * 256 + 77, FP4, 256, {"outlier": True, "zero_block": True}),
     "no-padding": (None, INT8, 256, {}),  # W * 2 blocks: every chunk lies wholly in the tensor
     "tiny": (10, INT8, 256, {}),  # one partial block: the other ranks' chunks are all padding
     "odd-block": (1000, INT8, 100, {}),
     "large": (200_003, INT8, 256, {}),  # for the byte ratio against a ring fp32 all-reduce
+    "large-int4": (200_003, INT4, 256, {}),
 }
 
 
@@ -114,7 +134,7 @@ def _reduce_worker(rank: int, world: int):
         with TrafficMeter() as meter:
             sent = quantized_all_reduce(flat, dtype=dtype, block=block, workspace=ws)
         out[name] = {"flat": flat, "sent": sent, "ops": [(r.op, r.nbytes) for r in meter.records]}
-    for name in ("partial", "partial-fp8", "no-padding"):  # with (zero) residuals: the same codes, errors kept
+    for name in ("partial", "partial-fp8", "partial-int4", "partial-fp4", "no-padding"):  # with (zero) residuals: the same codes, errors kept
         n, dtype, block, kwargs = CASES[name]
         n = n or world * 2 * 256
         flat, residual = sample(n, 10 * rank + 1, block=block, **kwargs), torch.zeros(n)
@@ -166,13 +186,13 @@ def test_quantized_all_reduce_is_the_sum_within_its_roundings_bit_identical_and_
         for res in out:
             sent = res[name]["sent"]
             assert sent == all_reduce_bytes(n, world, dtype, block)
-            # only 8-bit rows travel (no fp32 fall-back): W - 1 sends to the ring's next rank, then one gather of
+            # only quantized rows travel (no fp32 fall-back): W - 1 sends to the ring's next rank, then one gather of
             # W rows (the meter counts the gather's full payload)
             ops = res[name]["ops"]
             assert [op for op, _ in ops] == ["send"] * (world - 1) + ["all_gather_single"], ops
             row = sent // (2 * (world - 1))
             assert all(nbytes == row for op, nbytes in ops[:-1]) and ops[-1][1] == world * row
-    for name in ("partial", "partial-fp8", "no-padding"):
+    for name in ("partial", "partial-fp8", "partial-int4", "partial-fp4", "no-padding"):
         n, dtype, block, kwargs = CASES[name]
         n = n or world * 2 * 256
         xs = [sample(n, 10 * r + 1, block=block, **kwargs) for r in range(world)]
@@ -184,6 +204,7 @@ def test_quantized_all_reduce_is_the_sum_within_its_roundings_bit_identical_and_
         assert float(missed.abs().max()) <= 4 * world * U * float(sum(x.abs().double() for x in xs).max()), name
     ring_fp32 = 2 * (world - 1) / world * 4 * CASES["large"][0]
     assert out[0]["large"]["sent"] <= 0.27 * ring_fp32, out[0]["large"]["sent"] / ring_fp32
+    assert out[0]["large-int4"]["sent"] <= 0.14 * ring_fp32, out[0]["large-int4"]["sent"] / ring_fp32
     assert all(res["alone"] == (0, True) for res in out)  # a group of one: nothing sent, exact
 
 
@@ -191,7 +212,7 @@ def test_quantized_all_reduce_is_the_sum_within_its_roundings_bit_identical_and_
 ROUNDS = 50
 
 
-def _feedback_worker(rank: int, world: int, n: int):
+def _feedback_worker(rank: int, world: int, n: int, dtype: torch.dtype):
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -216,12 +237,12 @@ def _feedback_worker(rank: int, world: int, n: int):
                 saved = io.BytesIO()
                 torch.save(feedback.state_dict(), saved)
                 first = signal(rank, t)
-                quantized_all_reduce(first, dtype=INT8, residual=residual, workspace=ws)
+                quantized_all_reduce(first, dtype=dtype, residual=residual, workspace=ws)
                 saved.seek(0)
                 feedback.load_state_dict(torch.load(saved))
                 residual = feedback.residual("bucket0", running)
             flat = signal(rank, t)
-            quantized_all_reduce(flat, dtype=INT8, residual=residual, workspace=ws)
+            quantized_all_reduce(flat, dtype=dtype, residual=residual, workspace=ws)
             if feedback and t == ROUNDS // 2:
                 rollback_equal = torch.equal(first, flat)
             running += flat.double()
@@ -232,14 +253,17 @@ def _feedback_worker(rank: int, world: int, n: int):
 
 
 @pytest.mark.timeout(180)
-def test_error_feedback_keeps_the_running_sum_within_one_rounds_error_and_without_it_the_error_grows():
+@pytest.mark.parametrize("dtype", [INT8, INT4], ids=["int8", "int4"])
+def test_error_feedback_keeps_the_running_sum_within_one_rounds_error_and_without_it_the_error_grows(dtype):
+    from flwr_sharded.parallel.quantize import qmax
+
     world, n = 3, 3 * 256 + 50
-    out = run_ranks(_feedback_worker, world, n, timeout=150)
+    out = run_ranks(_feedback_worker, world, n, dtype, timeout=150)
     errors, absmax = out[0]["errors"], max(res["absmax"] for res in out)
     # With feedback the running sum misses exactly the sum of the residuals: on each element, the rounding errors of
     # the W - 1 partial sums that travel and of the whole sum, the j-th partial's block scale <= j absmax (1 +
-    # 1/100) / 127: <= (1 + 2 + ... + W) absmax / 254 (1 + 1/100), whatever the number of rounds.
-    bound = world * (world + 1) / 2 * absmax / 254 * 1.01
+    # 1/100) / qmax: <= (1 + 2 + ... + W) absmax / (2 qmax) (1 + 1/100), whatever the number of rounds.
+    bound = world * (world + 1) / 2 * absmax / (2 * qmax(dtype)) * 1.01
     assert max(errors["feedback"]) <= bound, (max(errors["feedback"]), bound)
     assert max(errors["feedback"][ROUNDS // 2:]) <= 2 * max(errors["feedback"][:ROUNDS // 2])  # no drift
     # without feedback the nearly constant rounding error adds up round after round
@@ -282,8 +306,10 @@ def test_check_wire_dtype_allows_int8_everywhere_and_fp8_where_the_device_casts_
 
     assert wire.check_wire_dtype("int8", "cpu") == INT8
     assert wire.check_wire_dtype("float8_e4m3fn", "cpu") == FP8  # torch >= 2.1 casts to e4m3 on CPU
-    with pytest.raises(ConfigError, match=r"--sync-dtype int4 is not a quantized wire dtype.*int8, float8_e4m3fn"):
-        wire.check_wire_dtype("int4", "cpu")
+    assert wire.check_wire_dtype("int4", "cpu") == INT4  # torch's placeholder dtype names the format
+    assert wire.check_wire_dtype("float4_e2m1", "cpu") == FP4  # decoded through a table: anywhere
+    with pytest.raises(ConfigError, match=r"--sync-dtype float16 is not a quantized wire dtype.*int8, float8_e4m3fn"):
+        wire.check_wire_dtype("float16", "cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for capability, ok in (((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
@@ -291,8 +317,8 @@ def test_check_wire_dtype_allows_int8_everywhere_and_fp8_where_the_device_casts_
         if ok:
             assert wire.check_wire_dtype("float8_e4m3fn", "cuda:0") == FP8
         else:
-            with pytest.raises(ConfigError, match=r"--sync-dtype float8_e4m3fn needs .*capability >= 8.9.*: int8$"):
+            with pytest.raises(ConfigError, match=r"--sync-dtype float8_e4m3fn needs .*capability >= 8.9.*: int8, int4, float4_e2m1$"):
                 wire.check_wire_dtype("float8_e4m3fn", "cuda:0")
     monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: (_ for _ in ()).throw(RuntimeError("no e4m3")))
-    with pytest.raises(ConfigError, match="on cpu: int8$"):  # a CPU build that cannot cast to e4m3
+    with pytest.raises(ConfigError, match="on cpu: int8, int4, float4_e2m1$"):  # a CPU build that cannot cast to e4m3
         wire.check_wire_dtype("float8_e4m3fn", "cpu")

@@ -120,7 +120,8 @@ def _replicas_after_every_merge(rank: int, world: int, wire: str | None, delay: 
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("wire,delay", [("int8", 1), (None, 0)], ids=["int8-overlapped", "fp32-blocking"])
+@pytest.mark.parametrize("wire,delay", [("int8", 1), ("int4", 1), (None, 0)],
+                         ids=["int8-overlapped", "int4-overlapped", "fp32-blocking"])
 def test_fl_hsdp_replicas_bit_identical_after_every_merge(wire, delay):
     results = run_ranks(_replicas_after_every_merge, 4, wire, delay, timeout=240)
     assert all(len(r) == 4 for r in results) and all(all(r) for r in results), results
