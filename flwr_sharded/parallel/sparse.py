@@ -14,8 +14,10 @@ the shards).
 
 The wire: each rank's (index, value) row has the same length on every rank (the bucket's size and FRACTION decide
 it, `RowLayout`), so the groups' contributions travel as one `all_gather_single` of uint8 rows, the same on gloo
-and NCCL, without densifying on the wire. Every rank then adds all W rows, in rank order, into a zeroed fp32 buffer
-(so all end bit-identical) and adds that summed delta to the global shards, as the other delta wires do.
+and NCCL, without densifying on the wire. Every rank then adds all W rows, in rank order, in fp32, onto a copy of
+the global shards (so all end bit-identical): the global shards plus every group's kept entries, as with the other
+delta wires. The rows are added to the global values one by one rather than summed into a zeroed buffer first: the
+same bits on every rank, two passes over the bucket fewer (zeroing it, adding it).
 
 Bytes one rank sends (`sent_bytes`): (W - 1) x row bytes in a ring all-gather, against 2 (W - 1) / W x 4 N for the
 fp32 ring all-reduce of N values. A row holds K ~= FRACTION N entries: (2 + value bytes + scale bytes / QUANT_BLOCK)
@@ -139,7 +141,7 @@ def select(x: torch.Tensor, layout: RowLayout, scratch: torch.Tensor) -> tuple[t
     import torch
 
     indices, values = [], []
-    magnitude = torch.abs(x, out=scratch)
+    magnitude = torch.abs(x, out=scratch).view(torch.int32)  # the same order as the floats, and ~15% faster topk
     for (part, k), (mag, _) in zip(_parts(x, layout), _parts(magnitude, layout)):
         index = torch.topk(mag, k, dim=1, sorted=False).indices
         indices.append(index.view(-1))
@@ -235,8 +237,7 @@ class SparseWire(Wire):
         contribute(flat, residual, layout, mine, workspace.get("magnitude", flat.numel(), torch.float32, dev), scale)
         rows = workspace.get("rows", world * layout.bytes, torch.uint8, dev).view(world, layout.bytes)
         dist.all_gather_single(rows.view(-1), mine, group=group)
-        accumulate(flat, rows, layout)
-        flat.add_(global_k)
+        accumulate(flat, rows, layout, base=global_k)
         return (world - 1) * layout.bytes
 
 
@@ -252,8 +253,11 @@ def contribute(delta: torch.Tensor, residual: torch.Tensor | None, layout: RowLa
         scatter(residual, layout, indices, values.sub_(sent), add=False)  # the kept entries: their rounding errors
 
 
-def accumulate(flat: torch.Tensor, rows: torch.Tensor, layout: RowLayout) -> None:
-    """flat = the sum of every rank's row (`rows`: (W, row bytes)), added in rank order into zeros, in fp32."""
-    flat.zero_()
+def accumulate(flat: torch.Tensor, rows: torch.Tensor, layout: RowLayout, base: torch.Tensor | None = None) -> None:
+    """flat = `base` (None: zeros) + every rank's row (`rows`: (W, row bytes)), added in rank order, in fp32."""
+    if base is None:
+        flat.zero_()
+    else:
+        flat.copy_(base)
     for row in rows:
         scatter(flat, layout, *decode(row, layout), add=True)
