@@ -6,7 +6,9 @@ chunks of `CHUNK` values (the last one may be shorter); in every chunk the k = c
 of largest magnitude are kept (`torch.topk` of |x| over a (chunks, CHUNK) view, the partial chunk on its own). The
 kept values travel in the `--sync-dtype` wire's format (float32: 4 bytes, bfloat16: 2, the blockwise quantized ones
 through `flwr_sharded.parallel.quantize`: int8 1 byte per value plus one fp32 scale per `QUANT_BLOCK` kept values),
-with their index within the chunk as an int16 (2 bytes). The residual keeps everything not sent: the dropped entries
+with their index within the chunk as an int16 (2 bytes). A quantized format is `quantize.quantize`'s (its codes
+taken as bytes, `bytes_per_value` less a scale's share per value; one fp32 scale per `QUANT_BLOCK` kept values), so
+another blockwise wire drops in as a value format once `quantize` knows it. The residual keeps everything not sent: the dropped entries
 and the kept ones' rounding errors, so the running sum of the results stays within one round's residuals of the
 exact running sum. Top-k without that residual would lose what it drops, so `--sync-topk` needs
 `--sync-error-feedback` (refused without it, rather than turned on silently: the residual costs one fp32 copy of
