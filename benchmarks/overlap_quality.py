@@ -1,4 +1,4 @@
-"""How the overlapped and 8-bit syncs move learning quality: eval perplexity after the same samples.
+"""How the overlapped, quantized and sparse syncs move learning quality: eval perplexity after the same samples.
 
 The emulated benchmark's FL+FSDP run (`flwr-sharded bench`: 4 x 1 x 2 on 8 ranks, the `small` model, 1 x 64 tokens
 per rank per step, AdamW lr 1e-3, seed 42, A = 8, 32 steps, 32 eval blocks) with one sync variant at a time; only
@@ -37,6 +37,20 @@ VARIANTS = {
     "N=4 tau=1 alpha=0 carry": SyncVariant(fragments=4, delay=1, carry=True),
     "N=2 tau=3 alpha=0 carry, int8 + EF": SyncVariant(dtype="int8", error_feedback=True, fragments=2, delay=3,
                                                       carry=True),
+    # the 4-bit and sparse wires, and how the fraction and the bits move quality
+    "int4 + EF": SyncVariant(dtype="int4", error_feedback=True),
+    "float4_e2m1 + EF": SyncVariant(dtype="float4_e2m1", error_feedback=True),
+    "int4": SyncVariant(dtype="int4"),
+    "top-1% int8 + EF": SyncVariant(dtype="int8", error_feedback=True, topk=0.01),
+    "top-2% int8 + EF": SyncVariant(dtype="int8", error_feedback=True, topk=0.02),
+    "top-5% int8 + EF": SyncVariant(dtype="int8", error_feedback=True, topk=0.05),
+    "top-10% int8 + EF": SyncVariant(dtype="int8", error_feedback=True, topk=0.1),
+    "top-2% int4 + EF": SyncVariant(dtype="int4", error_feedback=True, topk=0.02),
+    "top-2% float32 + EF": SyncVariant(dtype="float32", error_feedback=True, topk=0.02),
+    "N=2 tau=3 alpha=0 carry, int4 + EF": SyncVariant(dtype="int4", error_feedback=True, fragments=2, delay=3,
+                                                      carry=True),
+    "N=2 tau=3 alpha=0 carry, top-2% int8 + EF": SyncVariant(dtype="int8", error_feedback=True, topk=0.02,
+                                                             fragments=2, delay=3, carry=True),
 }
 
 

@@ -317,7 +317,8 @@ class FlowerRun:
                               f"syncs must fit in it")
         validate(self.group_config(), surface=S)
         decentralized_only = [k for k, on in (("sync-delay", p.sync_delay), ("sync-fragments", p.sync_fragments > 1),
-                                              ("sync-dtype", p.sync_dtype in QUANTIZED)) if on]
+                                              ("sync-dtype", p.sync_dtype in QUANTIZED),
+                                              ("sync-topk", p.sync_topk is not None)) if on]
         if f.aggregation == "server" and decentralized_only:
             raise S.error(f"{', '.join(L(k) for k in decentralized_only)} applies to the decentralized all-reduce; "
                           f"{L('aggregation')} \"server\" sends whole shards through the Flower server once per "

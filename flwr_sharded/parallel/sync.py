@@ -28,6 +28,7 @@ from flwr_sharded.parallel.offender import identify
 from flwr_sharded.parallel.outer import FedAvg, ShardRule
 from flwr_sharded.parallel.plausibility import DEFAULT_MAX_MOVE, MoveBound, bucket_norms
 from flwr_sharded.parallel.quantize import ErrorFeedback, Workspace
+from flwr_sharded.parallel.sparse import SparseWire
 from flwr_sharded.parallel.wire import QUANTIZED, WIRES, wire_of
 
 
@@ -71,8 +72,10 @@ class ShardSync:
             must then be fp32) sends the weighted delta from the global shards through that wire
             (`flwr_sharded.parallel.wire.WIRES`: a second buffer of a narrower float, or blockwise quantized and
             summed in fp32); the global shards are then kept for every rule (FedAvg too). Linear rules only.
-        error_feedback: with a quantized wire, carry each rank's rounding errors into its next sync of the same
-            bucket (`quantize.ErrorFeedback`), so they do not accumulate; part of the outer state.
+        error_feedback: with a quantized or top-k wire, carry each rank's rounding errors (and what top-k left out)
+            into its next sync of the same bucket (`quantize.ErrorFeedback`); part of the outer state.
+        topk: send only this fraction of each chunk's delta entries, largest first, all-gathered as (index, value)
+            rows in `wire_dtype` (`flwr_sharded.parallel.sparse`; fp32 shards, needs `error_feedback`); None: dense.
         max_move: a result is adopted only if it moves no bucket of any rank's shards by more than this many times
             the bucket's recent moves (`flwr_sharded.parallel.plausibility`); a rejected one names its offender
             where one member alone explains it (`flwr_sharded.parallel.offender`). 0: finiteness only.
@@ -81,7 +84,7 @@ class ShardSync:
     def __init__(self, named_params: Iterable[tuple[str, torch.Tensor]], *, fed_group: dist.ProcessGroup | None,
                  rep_group: dist.ProcessGroup | None = None, bucket_bytes: int = 64 << 20,
                  rule: ShardRule | None = None, wire_dtype: torch.dtype | None = None,
-                 error_feedback: bool = False, max_move: float = DEFAULT_MAX_MOVE) -> None:
+                 error_feedback: bool = False, max_move: float = DEFAULT_MAX_MOVE, topk: float | None = None) -> None:
         named = list(named_params)
         if not named:
             raise ValueError("ShardSync needs at least one parameter")
@@ -97,8 +100,8 @@ class ShardSync:
         self._pointers: list[int] = []
         self.rule = rule
         self.wire_dtype = wire_dtype
-        # a reduced wire: the all-reduce sends weighted deltas from the global shards, in `wire_dtype`
-        self.delta = wire_dtype is not None and any(dtype != wire_dtype for dtype, _ in self._buckets)
+        # a reduced (or top-k) wire: the reduction sends weighted deltas from the global shards, in `wire_dtype`
+        self.delta = topk is not None or wire_dtype is not None and any(dt != wire_dtype for dt, _ in self._buckets)
         if self.delta and not rule.linear:
             raise ValueError(f"{type(rule).__name__} is not linear: it all-gathers every member's shards, which a "
                              f"reduced wire dtype ({wire_dtype}) cannot carry as one delta; use a linear rule or "
@@ -106,12 +109,13 @@ class ShardSync:
         if self.delta and any(dtype != torch.float32 for dtype, _ in self._buckets):
             raise ValueError(f"a wire dtype ({wire_dtype}) other than the shards' needs fp32 shards, got "
                              f"{sorted({str(dtype) for dtype, _ in self._buckets})}")
-        self.wire = wire_of(wire_dtype) if self.delta else WIRES["float32"]
-        """How a bucket travels (`flwr_sharded.parallel.wire`): the shards as they are, or deltas in `wire_dtype`."""
-        self.quantized = self.wire.error_feedback
-        """An 8-bit wire: the deltas travel blockwise quantized (`quantize.quantized_all_reduce`), summed in fp32."""
-        if error_feedback and not self.quantized:
-            raise ValueError(f"error feedback needs a quantized wire dtype ({', '.join(QUANTIZED)}), not {wire_dtype}")
+        values = wire_of(wire_dtype or torch.float32) if self.delta else WIRES["float32"]
+        self.wire = SparseWire(values, topk) if topk is not None else values
+        """How a bucket travels (`flwr_sharded.parallel.wire`): the shards as they are, or deltas in `wire_dtype`
+        (all of them, or their top-k rows: `flwr_sharded.parallel.sparse`)."""
+        if error_feedback != self.wire.error_feedback and (error_feedback or topk is not None):
+            raise ValueError(f"error feedback needs a quantized wire dtype ({', '.join(QUANTIZED)}) or top-k, not "
+                             f"{wire_dtype}" if error_feedback else "a top-k sync needs error feedback")
         self.feedback = ErrorFeedback() if error_feedback else None
         self._workspace = Workspace() if self.delta else None
         self._global: list[torch.Tensor] | None = None

@@ -21,7 +21,8 @@ from typing import Literal
 from flwr_sharded import schema
 from flwr_sharded.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES, SyncDtype
+from flwr_sharded.parallel.sparse import RowLayout
+from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES, WIRES, SyncDtype
 from flwr_sharded.schema import Surface, same_as
 from flwr_sharded.perf.model_shape import ModelShape
 
@@ -56,7 +57,10 @@ SNAPSHOT_BYTES = 4
 fragment at its start (kept to carry the local steps, or to check the result's move): one buffer each, sized for the
 largest fragment."""
 FEEDBACK_BYTES = 4
-"""Error feedback of a quantized wire: an fp32 residual per value of every bucket of the shard (`parallel/quantize.py`)."""
+"""Error feedback of a quantized wire: an fp32 residual per value of every bucket of the shard
+(`parallel/quantize.py`), or of a top-k wire (`parallel/sparse.py`: what it did not send)."""
+SPARSE_MAGNITUDE_BYTES = 4
+"""A top-k wire's |delta| of the bucket (fp32), from which each chunk's largest entries are chosen."""
 
 # Activations, in elements of the compute dtype per token (h: hidden, kv: k/v width, i: MLP width).
 BLOCK_ACTIVATIONS = {"h": 8, "kv": 2, "i": 4}
@@ -97,6 +101,7 @@ class StepOptions:
     sync_delay: int = same_as(ParallelConfig, "sync_delay")
     sync_carry: bool | None = same_as(ParallelConfig, "sync_carry")
     sync_error_feedback: bool = same_as(ParallelConfig, "sync_error_feedback")
+    sync_topk: float | None = same_as(ParallelConfig, "sync_topk")
     sync_max_move: float = same_as(ParallelConfig, "sync_max_move")
     rollback: bool = False
     """The rollback copy of the shards, their optimizer state and the outer state (host memory) that a Flower group,
@@ -230,14 +235,17 @@ def _sync_terms(shape: ModelShape, o: StepOptions, *, S: int, F: int) -> tuple[f
     sync = sync_temp = 0.0
     rule = _rule(o.outer) if F > 1 or o.rollback else None
     stateful, linear = (rule.stateful, rule.linear) if rule is not None else (False, True)
-    delta = o.sync_dtype != "float32"
+    delta = o.sync_dtype != "float32" or o.sync_topk is not None
     if delta and not linear:
-        raise ConfigError(f"sync_dtype {o.sync_dtype} needs a linear outer rule, not {o.outer}")
+        raise ConfigError(f"sync_dtype {o.sync_dtype} (or sync_topk) needs a linear outer rule, not {o.outer}")
     keeps_global = stateful or delta
     outer_state = (GLOBAL_BYTES + rule_state_bytes(o.outer)) * shard if keeps_global else 0.0
     if F > 1:
         bucket = min(int(o.bucket_mb * (1 << 20)) // MASTER_BYTES, shard) * MASTER_BYTES
         wire = bucket / MASTER_BYTES * SYNC_DTYPE_BYTES[o.sync_dtype] if delta else 0.0
+        if o.sync_topk is not None:  # |delta| for the selection, this rank's row and the F gathered rows
+            row = RowLayout(int(bucket // MASTER_BYTES), o.sync_topk, WIRES[o.sync_dtype]).bytes
+            wire = SPARSE_MAGNITUDE_BYTES * bucket / MASTER_BYTES + (F + 1) * row
         sync = bucket + wire + outer_state
         sync_temp = (rule.temp_buckets + F * rule.temp_buckets_per_member) * bucket
         if o.sync_delay > 0:

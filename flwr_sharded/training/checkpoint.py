@@ -151,9 +151,10 @@ def check_compatible(cfg: TrainConfig, checkpoint: Path) -> None:
             why = " (its state does not carry over to another optimizer)" if key == "optim.optimizer" else ""
             raise ConfigError(f"--resume: the checkpoint {checkpoint} was written with {key}={old!r}, this run has "
                               f"{new!r}{why}")
-    # the outer state's layout: a reduced wire keeps the global shards (fp32 fedavg never did), fragments have their
-    # own, error feedback its residuals; checkpoints from before an option hold its default
-    for key, default in (("sync_dtype", "float32"), ("sync_fragments", 1), ("sync_error_feedback", False)):
+    # the outer state's layout: a reduced (or top-k) wire keeps the global shards (fp32 fedavg never did), fragments
+    # have their own, error feedback its residuals; checkpoints from before an option hold its default
+    for key, default in (("sync_dtype", "float32"), ("sync_fragments", 1), ("sync_error_feedback", False),
+                         ("sync_topk", None)):
         saved_value = _setting(saved, f"parallel.{key}")
         saved_value = default if saved_value is KeyError else saved_value
         if saved_value != getattr(cfg.parallel, key):

@@ -121,7 +121,7 @@ class Trainer:
             syncs = [ShardSync(part, fed_group=topo.fed_group if static_sync and replica0 else None,
                                bucket_bytes=int(p.bucket_mb * (1 << 20)), rule=outer_rule(p),
                                wire_dtype=WIRES[p.sync_dtype].torch_dtype(), error_feedback=p.sync_error_feedback,
-                               max_move=p.sync_max_move)
+                               max_move=p.sync_max_move, topk=p.sync_topk)
                      for part in parts]
             sync = FragmentedSync(syncs, Schedule(p.aggregate_every, p.sync_fragments, p.sync_delay),
                                   carry=p.carries)

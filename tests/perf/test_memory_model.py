@@ -105,6 +105,13 @@ def test_fl_sync_state():
     with pytest.raises(ConfigError, match="linear"):
         trainer_memory(SHAPE, S=2, F=2, tokens=T, options=StepOptions(outer="trimmed-mean", sync_dtype="bfloat16"))
     assert trainer_memory(SHAPE, S=2, F=1, tokens=T, options=StepOptions(outer="nesterov")).sync == 0  # no sync
+    # top-k: the global shards, the residual, |delta| of the bucket, this rank's row and the F gathered rows
+    from flwr_sharded.parallel.sparse import RowLayout
+    from flwr_sharded.parallel.wire import WIRES
+
+    topk = StepOptions(precision="fp32", sync_dtype="int8", sync_topk=0.1, sync_error_feedback=True)
+    row = RowLayout(550, 0.1, WIRES["int8"]).bytes
+    assert trainer_memory(SHAPE, S=2, F=3, tokens=T, options=topk).sync == fedavg.sync + (4 + 4 + 4) * 550 + 4 * row
 
 
 def test_rule_state_comes_from_the_rules():

@@ -95,6 +95,12 @@ def test_resume_refuses_a_missing_or_incompatible_checkpoint(data_dir, tmp_path,
     assert main([*ARGS, "--data-dir", str(data_dir), "--checkpoint-dir", str(tmp_path / "ckpt"), "--resume",
                  "--sync-dtype", "bfloat16"]) == 2
     assert "parallel.sync_dtype='float32'" in capsys.readouterr().err
+    # a top-k sync's residuals hold what it has not sent yet: a dense sync cannot take them over
+    saved["parallel"].update(sync_dtype="int8", sync_error_feedback=True, sync_topk=0.02)
+    (series / "meta.json").write_text(json.dumps({"step": 4, "config": saved}))
+    assert main([*ARGS, "--data-dir", str(data_dir), "--checkpoint-dir", str(tmp_path / "ckpt"), "--resume",
+                 "--sync-dtype", "int8", "--sync-error-feedback"]) == 2
+    assert "parallel.sync_topk=0.02" in capsys.readouterr().err
 
 
 def _start_torchrun(nproc: int, args: list[str], log: Path, **env: str) -> subprocess.Popen:

@@ -132,3 +132,20 @@ def test_a_member_lying_about_its_values_is_rolled_back_everywhere_named_and_tra
     assert "member(s) [2] of the federation group sent it" in failed[0]["error"]
     train = _records(tmp_path / "lie", "train")
     assert train[-1]["step"] == 6 and train[-1]["syncs"] == 3 and train[-1]["loss"] < 20, train[-1]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("wire", [["--sync-dtype", "int8"], ["--sync-delay", "1", "--log-every", "2"]],
+                         ids=["int8-values", "fp32-overlapped"])
+def test_a_top_k_sync_trains_and_stays_finite(data_dir, tmp_path, wire):
+    """Two groups syncing 2% of each delta (`--sync-topk`, error feedback): blocking with int8 values, and
+    overlapped (tau = 1) with fp32 values, logged between syncs (with S = 1 the federation group is the world's
+    group, whose log all-reduce must not meet the sync thread's collectives). Every sync is adopted and the loss
+    stays finite."""
+    args = [*FAILED_SYNC, "--sync-topk", "0.02", "--sync-error-feedback", *wire, *_common(data_dir, tmp_path, "topk")]
+    result = torchrun(2, args, timeout=250)
+    assert result.returncode == 0, result.stderr[-4000:]
+    train = _records(tmp_path / "topk", "train")
+    assert train[-1]["step"] == 6 and train[-1]["syncs"] == 3 and not _records(tmp_path / "topk", "sync_failed")
+    assert "top-k 0.02 with error feedback" in result.stderr
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in train) and train[-1]["loss"] < 20, train[-1]

@@ -1,0 +1,265 @@
+"""A sparse shard sync (`--sync-topk FRACTION`): each rank sends only the largest entries of its weighted delta, with
+error feedback, as SparseLoCo (arXiv 2508.15706) and DeMo do.
+
+On each rank, per bucket: x = the weighted delta from the global shards + the error-feedback residual. x is cut into
+chunks of `CHUNK` values (the last one may be shorter); in every chunk the k = ceil(FRACTION x chunk length) entries
+of largest magnitude are kept (`torch.topk` of |x| over a (chunks, CHUNK) view, the partial chunk on its own). The
+kept values travel in the `--sync-dtype` wire's format (float32: 4 bytes, bfloat16: 2, the blockwise quantized ones
+through `flwr_sharded.parallel.quantize`: int8 1 byte per value plus one fp32 scale per `QUANT_BLOCK` kept values),
+with their index within the chunk as an int16 (2 bytes). A quantized format is `quantize.quantize`'s (its codes
+taken as bytes, `bytes_per_value` less a scale's share per value; one fp32 scale per `QUANT_BLOCK` kept values), so
+another blockwise wire drops in as a value format once `quantize` knows it. The residual keeps everything not sent: the dropped entries
+and the kept ones' rounding errors, so the running sum of the results stays within one round's residuals of the
+exact running sum. Top-k without that residual would lose what it drops, so `--sync-topk` needs
+`--sync-error-feedback` (refused without it, rather than turned on silently: the residual costs one fp32 copy of
+the shards).
+
+The wire: each rank's (index, value) row has the same length on every rank (the bucket's size and FRACTION decide
+it, `RowLayout`), so the groups' contributions travel as one `all_gather_single` of uint8 rows, the same on gloo
+and NCCL, without densifying on the wire. Every rank then adds all W rows, in rank order, in fp32, onto a copy of
+the global shards (so all end bit-identical): the global shards plus every group's kept entries, as with the other
+delta wires. The rows are added to the global values one by one rather than summed into a zeroed buffer first: the
+same bits on every rank, two passes over the bucket fewer (zeroing it, adding it).
+
+Bytes one rank sends (`sent_bytes`): (W - 1) x row bytes in a ring all-gather, against 2 (W - 1) / W x 4 N for the
+fp32 ring all-reduce of N values. A row holds K ~= FRACTION N entries: (2 + value bytes + scale bytes / QUANT_BLOCK)
+K, each field padded to 4 bytes. E.g. W = 2, 2%, int8: (2 + 1 + 4/256) x 0.02 N ~= 0.06 N bytes, 0.015x of fp32's
+4 N (bfloat16 values: 0.02x; float32: 0.03x). An all-gather grows with W, an all-reduce does not: the ratio is
+about W x FRACTION x (row bytes per kept value) / 8, so at 2% with int8 values the sparse rows cost as much as the
+int8 ring all-reduce (0.254x) from W ~= 34 groups on, and as much as fp32 from W ~= 130. The summing buffer is dense
+on every rank (the bucket, fp32) and W rows are held at once.
+
+Why every rank's own indices rather than chunk-aligned selection (the same kept positions on every rank, which an
+all-reduce of the kept values could sum at K value bytes instead of W rows): the published definition is per-rank
+top-k of each rank's own accumulated delta; a shared selection would need the ranks to agree on the kept indices
+first (one more round trip, and a choice that fits nobody's residual), and it changes what error feedback keeps.
+
+Importing this module does not import torch (the config and the memory model read `RowLayout` and `sent_bytes`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from flwr_sharded.parallel.quant_format import QUANT_BLOCK, SCALE_BYTES
+from flwr_sharded.parallel.wire_kinds import Wire
+
+if TYPE_CHECKING:
+    import torch
+
+CHUNK = 4096
+"""Values per top-k chunk: an index within a chunk fits an int16 (2 bytes on the wire)."""
+INDEX_BYTES = 2
+"""Bytes of one kept entry's index within its chunk."""
+
+
+def kept_of(length: int, fraction: float) -> int:
+    """Entries kept of a chunk of `length` values: ceil(fraction x length), at least 1, at most `length`."""
+    return min(length, max(1, math.ceil(round(fraction * length, 9)))) if length else 0
+
+
+def _align(nbytes: int) -> int:
+    return -(-nbytes // 4) * 4
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """One rank's row of a bucket of `numel` values: [fp32 scales][int16 indices][value codes], each field padded
+    to 4 bytes."""
+
+    numel: int
+    fraction: float
+    values: Wire
+    """The wire whose format the kept values travel in (`--sync-dtype`)."""
+
+    @property
+    def full(self) -> int:
+        """Whole chunks."""
+        return self.numel // CHUNK
+
+    @property
+    def rest(self) -> int:
+        """Values of the partial last chunk (0: none)."""
+        return self.numel % CHUNK
+
+    @property
+    def per_chunk(self) -> int:
+        return kept_of(CHUNK, self.fraction)
+
+    @property
+    def kept(self) -> int:
+        """K: entries in the row."""
+        return self.full * self.per_chunk + kept_of(self.rest, self.fraction)
+
+    @property
+    def quantized(self) -> bool:
+        return self.values.error_feedback
+
+    @property
+    def scale_bytes(self) -> int:
+        return _align(SCALE_BYTES * math.ceil(self.kept / QUANT_BLOCK)) if self.quantized else 0
+
+    @property
+    def code_bytes(self) -> int:
+        """Bytes of the kept values' codes (unpadded)."""
+        per_value = self.values.bytes_per_value - (SCALE_BYTES / QUANT_BLOCK if self.quantized else 0.0)
+        return math.ceil(round(self.kept * per_value, 6))
+
+    @property
+    def bytes(self) -> int:
+        """The row's length."""
+        return self.scale_bytes + _align(INDEX_BYTES * self.kept) + _align(self.code_bytes)
+
+
+def sent_bytes(numel: int, world: int, fraction: float, values: Wire) -> int:
+    """Bytes one rank sends in a sparse reduction of `numel` values over `world` ranks: (W - 1) rows (0 for one)."""
+    return (world - 1) * RowLayout(numel, fraction, values).bytes if world > 1 and numel else 0
+
+
+def _parts(flat: torch.Tensor, layout: RowLayout) -> list[tuple[torch.Tensor, int]]:
+    """The chunks of a flat bucket as 2-D views with their kept entries per chunk: the whole chunks, the partial."""
+    parts = []
+    if layout.full:
+        parts.append((flat[:layout.full * CHUNK].view(layout.full, CHUNK), layout.per_chunk))
+    if layout.rest:
+        parts.append((flat[layout.full * CHUNK:].view(1, layout.rest), kept_of(layout.rest, layout.fraction)))
+    return parts
+
+
+def _fields(row: torch.Tensor, layout: RowLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A row's (scales as fp32, indices as int16, codes as bytes)."""
+    import torch
+
+    s, i = layout.scale_bytes, _align(INDEX_BYTES * layout.kept)
+    return (row[:s].view(torch.float32), row[s:s + INDEX_BYTES * layout.kept].view(torch.int16),
+            row[s + i:s + i + layout.code_bytes])
+
+
+def select(x: torch.Tensor, layout: RowLayout, scratch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kept entries of flat fp32 `x`: (indices within their chunks, int64; values, fp32), K each, chunk by
+    chunk. `scratch`: a flat fp32 buffer of x's size (|x|)."""
+    import torch
+
+    indices, values = [], []
+    magnitude = torch.abs(x, out=scratch).view(torch.int32)  # the same order as the floats, and ~15% faster topk
+    for (part, k), (mag, _) in zip(_parts(x, layout), _parts(magnitude, layout)):
+        index = torch.topk(mag, k, dim=1, sorted=False).indices
+        indices.append(index.view(-1))
+        values.append(part.gather(1, index).view(-1))
+    return torch.cat(indices), torch.cat(values)
+
+
+def encode(indices: torch.Tensor, values: torch.Tensor, layout: RowLayout, row: torch.Tensor) -> torch.Tensor:
+    """Write the kept entries into `row` (uint8, `layout.bytes`); return the values as every rank will decode them."""
+    from flwr_sharded.parallel.quantize import dequantize, quantize
+
+    scales, index_field, codes = _fields(row, layout)
+    index_field.copy_(indices)
+    if layout.quantized:
+        q = quantize(values, layout.values.torch_dtype())
+        raw = q.values.contiguous().view(-1).view(codes.dtype)
+        if raw.numel() != codes.numel():
+            raise ValueError(f"{layout.values.name} codes of {layout.kept} values take {raw.numel()} bytes, the row "
+                             f"has {codes.numel()}")
+        codes.copy_(raw)
+        scales.copy_(q.scales)
+        return dequantize(q)
+    wire = codes.view(layout.values.torch_dtype())
+    wire.copy_(values)
+    return wire.float()
+
+
+def decode(row: torch.Tensor, layout: RowLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """A row's (indices within their chunks, int64; values, fp32)."""
+    from flwr_sharded.parallel.quantize import Quantized, dequantize
+
+    scales, index_field, codes = _fields(row, layout)
+    dtype = layout.values.torch_dtype()
+    if layout.quantized:
+        values = dequantize(Quantized(codes.view(dtype)[:layout.kept], scales, layout.kept, QUANT_BLOCK))
+    else:
+        values = codes.view(dtype).float()
+    return index_field.long(), values
+
+
+def scatter(flat: torch.Tensor, layout: RowLayout, indices: torch.Tensor, values: torch.Tensor, *,
+            add: bool) -> None:
+    """Write (`add`: add) kept entries into a flat bucket at their chunks' positions."""
+    start = 0
+    for part, k in _parts(flat, layout):
+        end = start + part.shape[0] * k
+        index, value = indices[start:end].view(-1, k), values[start:end].view(-1, k)
+        if add:
+            part.scatter_add_(1, index, value)
+        else:
+            part.scatter_(1, index, value)
+        start = end
+
+
+class SparseWire(Wire):
+    """The weighted delta's top `fraction` per chunk (module docstring), its values in the `values` wire's format,
+    all-gathered as (index, value) rows and summed in fp32 on every rank in rank order. Needs the residual."""
+
+    delta: ClassVar[bool] = True
+    error_feedback: ClassVar[bool] = True
+
+    def __init__(self, values: Wire, fraction: float) -> None:
+        if not 0 < fraction <= 1:
+            raise ValueError(f"top-k fraction must be in (0, 1], got {fraction}")
+        self.values, self.fraction = values, fraction
+        self.name = values.name
+        self.order = values.order
+        self.bytes_per_value = fraction * (INDEX_BYTES + values.bytes_per_value)
+        """One row's bytes per value of the bucket (scales included); a rank sends W - 1 rows."""
+
+    def layout(self, numel: int) -> RowLayout:
+        return RowLayout(numel, self.fraction, self.values)
+
+    def unsupported(self, device: Any) -> str | None:
+        return self.values.unsupported(device)
+
+    def reserve(self, workspace: Any, numel: int, device: Any) -> None:
+        import torch
+
+        workspace.get("magnitude", numel, torch.float32, device)
+        workspace.get("mine", self.layout(numel).bytes, torch.uint8, device)
+
+    def reduce(self, flat, global_k, scale, group, workspace, residual=None) -> int:
+        import torch
+        import torch.distributed as dist
+
+        if residual is None and scale:
+            raise ValueError("a top-k sync keeps what it does not send in the error-feedback residual; pass one")
+        layout, world, dev = self.layout(flat.numel()), dist.get_world_size(group), flat.device
+        if scale:
+            flat.sub_(global_k)
+        mine = workspace.get("mine", layout.bytes, torch.uint8, dev)
+        contribute(flat, residual, layout, mine, workspace.get("magnitude", flat.numel(), torch.float32, dev), scale)
+        rows = workspace.get("rows", world * layout.bytes, torch.uint8, dev).view(world, layout.bytes)
+        dist.all_gather_single(rows.view(-1), mine, group=group)
+        accumulate(flat, rows, layout, base=global_k)
+        return (world - 1) * layout.bytes
+
+
+def contribute(delta: torch.Tensor, residual: torch.Tensor | None, layout: RowLayout, row: torch.Tensor,
+               scratch: torch.Tensor, scale: float = 1.0) -> None:
+    """This rank's row: the kept entries of x = scale x `delta` + residual into `row` (`scratch`: fp32 of its size).
+    The residual becomes x less what was sent (it holds x throughout: no copy); None (a member left out, `delta`
+    zeros): x is `delta`, scaled in place."""
+    x = residual.add_(delta, alpha=scale) if residual is not None else delta.mul_(scale)
+    indices, values = select(x, layout, scratch)
+    sent = encode(indices, values, layout, row)
+    if residual is not None:
+        scatter(residual, layout, indices, values.sub_(sent), add=False)  # the kept entries: their rounding errors
+
+
+def accumulate(flat: torch.Tensor, rows: torch.Tensor, layout: RowLayout, base: torch.Tensor | None = None) -> None:
+    """flat = `base` (None: zeros) + every rank's row (`rows`: (W, row bytes)), added in rank order, in fp32."""
+    if base is None:
+        flat.zero_()
+    else:
+        flat.copy_(base)
+    for row in rows:
+        scatter(flat, layout, *decode(row, layout), add=True)
