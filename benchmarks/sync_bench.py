@@ -6,8 +6,10 @@ Builds a Llama shape sharded with FSDP2 on an (F, 1, S) mesh, then times, interl
   sync      ShardSync.sync (bucketed, token-weighted FedAvg over the federation group)
   flat      one all-reduce of one preallocated flat buffer holding as many bytes as the rank's shards
   per-param one all-reduce per local shard (what a naive implementation issues)
-  sync-bf16, sync-int8, sync-int8-ef   the same model's sync through a bf16 or int8 wire (weighted deltas from
-            the global shards; int8 with and without error feedback), shards moved a little between samples
+  sync-bf16, sync-int8, sync-int8-ef, sync-int4, sync-int4-ef   the same model's sync through a bf16, int8 or int4
+            wire (weighted deltas from the global shards; with and without error feedback), shards moved a little
+            between samples
+  sync-topk-int8-ef   the top-k sync (`--sync-topk`, --sync-topk of each chunk, int8 values, error feedback)
   sync-unchecked, sync-int8-unchecked   sync and sync-int8 without the plausibility check of their result
             (`--sync-max-move 0`): what checking each bucket's move costs
   sync-median, sync-trimmed-mean   the robust rules (`--outer median`, `--outer trimmed-mean` with trim 1, which
@@ -44,6 +46,8 @@ class SyncLayout:
     federations: int = same_as(ParallelConfig, "federations", default=2)
     shards: int = same_as(ParallelConfig, "shards", default=2)
     bucket_mb: float = same_as(ParallelConfig, "bucket_mb")
+    sync_topk: float = same_as(ParallelConfig, "sync_topk", default=0.02)
+    """The top-k variant's fraction of each chunk (int8 values, error feedback)."""
 
 
 def parse() -> argparse.Namespace:
@@ -90,6 +94,7 @@ def main() -> None:
     from flwr_sharded.parallel.sharding import apply_fsdp, mixed_precision_policy
     from flwr_sharded.training.models import transformer_blocks
     from flwr_sharded.parallel.sync import ShardSync, local_shard
+    from flwr_sharded.parallel.wire import WIRES
     from flwr_sharded.parallel.topology import init_topology
 
     topo = init_topology(ParallelConfig(method="fl-fsdp", federations=args.federations, shards=args.shards))
@@ -145,14 +150,17 @@ def main() -> None:
     runs = {"sync": run_sync, "sync-unchecked": lambda: unchecked.sync(weight=1.0 + topo.fed_index),
             "flat": run_flat, "per-param": run_per_param, "flat+scalar": run_flat_and_scalar}
     # the same model's sync through the reduced wires: each group's weighted delta from the global shards
-    for name, dtype, feedback, max_move in (("sync-bf16", torch.bfloat16, False, None),
-                                            ("sync-int8", torch.int8, False, None),
-                                            ("sync-int8-unchecked", torch.int8, False, 0.0),
-                                            ("sync-int8-ef", torch.int8, True, None)):
+    for name, dtype, feedback, max_move, topk in (("sync-bf16", "bfloat16", False, None, None),
+                                                  ("sync-int8", "int8", False, None, None),
+                                                  ("sync-int8-unchecked", "int8", False, 0.0, None),
+                                                  ("sync-int8-ef", "int8", True, None, None),
+                                                  ("sync-int4", "int4", False, None, None),
+                                                  ("sync-int4-ef", "int4", True, None, None),
+                                                  ("sync-topk-int8-ef", "int8", True, None, args.sync_topk)):
         checks = {} if max_move is None else {"max_move": max_move}
         wired = ShardSync(model.named_parameters(), fed_group=topo.fed_group,
-                          bucket_bytes=int(args.bucket_mb * 2**20), wire_dtype=dtype, error_feedback=feedback,
-                          **checks)
+                          bucket_bytes=int(args.bucket_mb * 2**20), wire_dtype=WIRES[dtype].torch_dtype(),
+                          error_feedback=feedback, topk=topk, **checks)
         wired.check_alignment()
         wired.capture_global()
         if name in ("sync-int8", "sync-int8-unchecked"):
@@ -196,7 +204,8 @@ def main() -> None:
     # the slowest rank decides a collective's time: take the max over ranks of each sample
     stacked = torch.tensor([times[k] for k in runs], dtype=torch.float64)
     dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
-    sent = {name: sent_by_one_call(runs[name], group) for name in ("sync", *robust)}
+    wires = ("sync-int8-ef", "sync-int4-ef", "sync-topk-int8-ef")
+    sent = {name: sent_by_one_call(runs[name], group) for name in ("sync", *robust, *wires)}
     # a fresh ShardSync, so that its first sync allocates its bucket inside the measured window
     peak_of = {}
     for name, rule in {"sync": lambda: None, **robust}.items():
@@ -224,6 +233,9 @@ def main() -> None:
             "per_param_over_sync": med["per-param"] / med["sync"],
             "int8_over_bf16_sync": med["sync-int8"] / med["sync-bf16"],
             "int8_ef_over_bf16_sync": med["sync-int8-ef"] / med["sync-bf16"],
+            "int4_over_int8_sync": med["sync-int4"] / med["sync-int8"],
+            "int4_ef_over_int8_ef_sync": med["sync-int4-ef"] / med["sync-int8-ef"],
+            "topk_over_int8_ef_sync": med["sync-topk-int8-ef"] / med["sync-int8-ef"], "topk": args.sync_topk,
             "peak_extra_bytes": peak_of["sync"], "one_bucket_bytes": bucket,
             "peak_over_bucket": peak_of["sync"] / bucket,
             "robust": {name: {"median_s": med[name], "over_sync_s": med[name] / med["sync"],
@@ -231,6 +243,7 @@ def main() -> None:
                               "peak_extra_bytes": peak_of[name], "peak_over_bucket": peak_of[name] / bucket}
                        for name in robust},
             "sync_sent_bytes": sent["sync"],
+            "wires_sent_over_fp32": {name: sent[name] / sent["sync"] for name in wires},
         }
         print(json.dumps(result, indent=2))
         if args.out:

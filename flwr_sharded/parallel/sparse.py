@@ -118,6 +118,12 @@ def sent_bytes(numel: int, world: int, fraction: float, values: Wire) -> int:
     return (world - 1) * RowLayout(numel, fraction, values).bytes if world > 1 and numel else 0
 
 
+def over_dense(fraction: float, value_bytes: float, world: int) -> float:
+    """What a top-k sync of a large bucket sends over what the dense sync of the same value format sends (a ring
+    all-reduce, 2 (W - 1) / W x `value_bytes` per value): W x fraction x (index + value bytes) / (2 x value bytes)."""
+    return world * fraction * (INDEX_BYTES + value_bytes) / (2 * value_bytes)
+
+
 def _parts(flat: torch.Tensor, layout: RowLayout) -> list[tuple[torch.Tensor, int]]:
     """The chunks of a flat bucket as 2-D views with their kept entries per chunk: the whole chunks, the partial."""
     parts = []

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.quant_format import QUANT_BLOCK
+from flwr_sharded.parallel.sparse import over_dense
 from flwr_sharded.parallel.wire_kinds import WIRES, BlockwiseWire, CastWire, PlainWire, Wire, register
 
 
@@ -56,6 +57,14 @@ SYNC_DTYPE_BYTES: dict[str, float] = {name: w.bytes_per_value for name, w in WIR
 one for the 4-bit ones, plus its share of the block's fp32 scale). The quantized all-reduce sends 2 (W - 1) / W of them per parameter, as a ring does."""
 
 
+def sync_wire_ratio(dtype: str, topk: float | None = None, world: int = 2) -> float:
+    """What one rank sends in a sync of a large bucket over `world` members through `--sync-dtype` `dtype` (and
+    `--sync-topk`), over the fp32 sync's bytes: the wire's bytes per value / 4, times a sparse sync's rows over a
+    dense one's (`flwr_sharded.parallel.sparse.over_dense`)."""
+    dense = SYNC_DTYPE_BYTES[dtype] / 4
+    return dense if topk is None else dense * over_dense(topk, SYNC_DTYPE_BYTES[dtype], world)
+
+
 def check_wire_dtype(dtype_name: str, device: Any) -> Any:
     """The torch dtype of a quantized `--sync-dtype` on `device` (a torch device or its name); ConfigError if it is
     unknown or this device does not run it."""
@@ -71,4 +80,4 @@ def check_wire_dtype(dtype_name: str, device: Any) -> Any:
 
 
 __all__ = ["QUANTIZED", "QUANT_BLOCK", "SYNC_DTYPE_BYTES", "WIRES", "BlockwiseWire", "CastWire", "PlainWire",
-           "SyncDtype", "Wire", "check_wire_dtype", "register", "wire_of"]
+           "SyncDtype", "Wire", "check_wire_dtype", "register", "sync_wire_ratio", "wire_of"]

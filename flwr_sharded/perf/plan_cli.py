@@ -81,7 +81,8 @@ def _header(cluster: Cluster, model: ModelShape, args: argparse.Namespace) -> st
     return (f"Cluster {cluster.name}: {cluster.nodes} x {cluster.gpus_per_node} GPUs = {cluster.gpus}{groups}; "
             f"model {model.name} ({model.num_params / 1e9:.3g} B params, {args.bytes_per_param:g} bytes each); "
             f"{args.tokens_per_gpu} tokens per GPU per step"
-            + (f"; FL sync in {args.sync_dtype}" if args.sync_dtype else ""))
+            + (f"; FL sync in {args.sync_dtype}" if args.sync_dtype else "")
+            + (f", top-{args.sync_topk * 100:g}% of each chunk" if args.sync_topk else ""))
 
 
 def _print_paper(cluster: Cluster, rows: list[PaperRow], args: argparse.Namespace) -> None:

@@ -37,6 +37,9 @@ class PlanOptions:
     sync_dtype: SyncDtype | None = same_as(ParallelConfig, "sync_dtype", default=None)
     """Wire dtype of the FL shard sync's all-reduce (`flwr-sharded train --sync-dtype`): its bytes are parameters x
     the dtype's size; unset: `bytes-per-param`, like the other collectives."""
+    sync_topk: float | None = same_as(ParallelConfig, "sync_topk")
+    """The FL shard sync's top-k fraction (`flwr-sharded train --sync-topk`): its rows, all-gathered, instead of the
+    all-reduce (their bytes grow with F); unset: dense."""
     state_bytes_per_param: float | None = option(None, gt=0)
     """Bytes per parameter of parameters + gradients + optimizer state together; unset: the trainer's (fp32 weights,
     gradients and AdamW moments: 16)."""

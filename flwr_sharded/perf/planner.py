@@ -13,6 +13,7 @@ from typing import Any
 
 from flwr_sharded.config import METHODS
 from flwr_sharded.errors import ConfigError
+from flwr_sharded.parallel.sparse import over_dense
 from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES
 from flwr_sharded.perf.cluster import Cluster
 from flwr_sharded.perf.costmodel import CommTerms, check_layout, comm_terms, overlapped
@@ -100,6 +101,13 @@ def layouts(gpus: int, gpus_per_node: int, methods: tuple[str, ...] = METHODS,
     return out
 
 
+def _wire_ratio(sync_bytes: float, bytes_per_param: float, F: int, step: StepOptions | None) -> float:
+    """The sync's wire bytes per parameter over the units': a dense wire's own size, times a top-k sync's rows over
+    the dense all-reduce (`--sync-topk`, `flwr_sharded.parallel.sparse.over_dense`)."""
+    ratio = sync_bytes / bytes_per_param
+    return ratio if step is None or step.sync_topk is None else ratio * over_dense(step.sync_topk, sync_bytes, F)
+
+
 def evaluate(cluster: Cluster, model: ModelShape, method: str, *, F: int = 1, R: int = 1, S: int, A: int = 1,
              tokens_per_gpu_batch: int = 4096, bytes_per_param: float = 2.0,
              state_bytes_per_param: float | None = None, sizes: str = "exact", latency: bool = False,
@@ -120,7 +128,7 @@ def evaluate(cluster: Cluster, model: ModelShape, method: str, *, F: int = 1, R:
     comm = comm_terms(method, model.units(bytes_per_param), S=S, R=R, F=F, A=A, B_S=bw["shard"],
                       B_R=bw["replica"], B_F=bw["federation"], sizes=sizes, backend=cluster.backend,
                       alpha_S=alpha["shard"], alpha_R=alpha["replica"], alpha_F=alpha["federation"],
-                      wire_ratio=(sync_bytes_per_param or bytes_per_param) / bytes_per_param,
+                      wire_ratio=_wire_ratio(sync_bytes_per_param or bytes_per_param, bytes_per_param, F, step),
                       steps_R=steps["replica"], steps_F=steps["federation"])
     flops_per_param_token = 8.0 if activation_checkpointing else 6.0
     compute = compute_time(model.num_params, tokens_per_gpu_batch, cluster.flops_per_gpu,

@@ -63,18 +63,31 @@ class SyncVariant:
         return ", ".join(parts)
 
 
-VARIANT_RUNS = ("fl-fsdp-overlap", "fl-fsdp-int8", "fl-fsdp-overlap-int8")
-"""Runs of the FL+FSDP layout with another sync: overlapped (the run's dtype), int8 wire (with error feedback),
-both."""
+VARIANT_RUNS = ("fl-fsdp-overlap", "fl-fsdp-int8", "fl-fsdp-overlap-int8", "fl-fsdp-int4", "fl-fsdp-overlap-int4",
+                "fl-fsdp-topk", "fl-fsdp-overlap-topk")
+"""Runs of the FL+FSDP layout with another sync: overlapped (the run's dtype); the int8 and int4 wires and the top-k
+sync (int8 values), all with error feedback; each of them overlapped too."""
+WIRE_BYTES_TARGETS = {"int8": 0.27, "int4": 0.14, "topk": 0.04}
+"""The most cross-group bytes per sync each variant's wire may send, as a fraction of the fp32 sync's."""
+
+
+def variant_wire(key: str) -> str | None:
+    """The wire a variant run is named after (int8, int4, topk), None for the run's own dtype."""
+    wire = key.rsplit("-", 1)[-1]
+    return wire if wire in WIRE_BYTES_TARGETS else None
 
 
 def sync_variant(key: str, opts) -> SyncVariant:
     """The sync of run `key` under the benchmark's options (`--sync-dtype`; the overlapped runs' `--sync-fragments`,
-    `--sync-delay`, `--sync-alpha` and `--sync-carry`)."""
+    `--sync-delay`, `--sync-alpha` and `--sync-carry`; the top-k runs' `--sync-topk`)."""
     overlap = dict(fragments=opts.sync_fragments, delay=opts.sync_delay, alpha=opts.sync_alpha,
                    carry=opts.sync_carry) if "overlap" in key else {}
-    wire = dict(dtype="int8", error_feedback=True) if key.endswith("int8") else dict(dtype=opts.sync_dtype)
-    return SyncVariant(**wire, **overlap)
+    wire = variant_wire(key)
+    if wire == "topk":
+        return SyncVariant(dtype="int8", error_feedback=True, topk=opts.sync_topk, **overlap)
+    if wire:
+        return SyncVariant(dtype=wire, error_feedback=True, **overlap)
+    return SyncVariant(dtype=opts.sync_dtype, **overlap)
 
 
 def default_layouts(topo: EmuTopology) -> dict[str, Layout]:

@@ -44,8 +44,9 @@ class BenchOptions:
     layouts: str | None = None
     """Layouts of the main cluster instead of the default ones, e.g. fsdp=1x1x8,fl-fsdp=4x1x2 (F x R x S)."""
     methods: str = ",".join(RUN_KEYS)
-    """Runs to do, comma-separated, among fsdp, hsdp, fl-fsdp, fl-hsdp, no-sync, fl-fsdp-overlap, fl-fsdp-int8 and
-    fl-fsdp-overlap-int8."""
+    """Runs to do, comma-separated, among fsdp, hsdp, fl-fsdp, fl-hsdp, no-sync and the FL+FSDP variants
+    fl-fsdp-overlap, fl-fsdp-int8, fl-fsdp-overlap-int8, fl-fsdp-int4, fl-fsdp-overlap-int4, fl-fsdp-topk and
+    fl-fsdp-overlap-topk."""
     model: str = same_as(ModelConfig, "name")
     """Model preset of every run (its traffic is predicted from the preset)."""
     seq_len: int = same_as(DataConfig, "seq_len", default=64)
@@ -62,6 +63,9 @@ class BenchOptions:
     step)."""
     aggregate_every: int = same_as(ParallelConfig, "aggregate_every")
     sync_dtype: SyncDtype = same_as(ParallelConfig, "sync_dtype")
+    sync_topk: float = same_as(ParallelConfig, "sync_topk", default=0.02)
+    """The fraction of each chunk's delta the top-k runs send (fl-fsdp-topk, fl-fsdp-overlap-topk; int8 values, error
+    feedback)."""
     overlap: OverlappedSync = field(default_factory=OverlappedSync)
     """The trainer's sync options as the overlapped runs set them (the other FL runs sync in one fragment, blocking)."""
     sweep: str = "1,2,4,8,16,32"

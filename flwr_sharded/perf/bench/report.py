@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from flwr_sharded.perf.bench.common import LABELS, REPO
-from flwr_sharded.perf.bench.layouts import VARIANT_RUNS
+from flwr_sharded.perf.bench.layouts import VARIANT_RUNS, WIRE_BYTES_TARGETS, variant_wire
 from flwr_sharded.perf.bench.plots import plot
 from flwr_sharded.perf.placement import TIERS
 
@@ -70,13 +70,14 @@ def cross_group_bytes_per_sync(run: dict[str, Any]) -> float | None:
 
 
 def sync_variant_checks(runs: dict[str, Any]) -> list[dict[str, Any]]:
-    """The overlapped and 8-bit syncs against today's FL+FSDP sync, FSDP and the no-sync limit of the same run."""
+    """The overlapped, quantized and sparse syncs against today's FL+FSDP sync, FSDP and the no-sync limit of the same
+    run."""
     out = []
 
     def add(name: str, value: float | None, kind: str, target: str, ok: bool | None) -> None:
         out.append({"check": name, "value": value, "kind": kind, "target": target, "ok": ok})
 
-    for key in ("fl-fsdp-overlap", "fl-fsdp-overlap-int8"):
+    for key in (k for k in VARIANT_RUNS if "overlap" in k):
         if key not in runs:
             continue
         r = runs[key]
@@ -88,12 +89,13 @@ def sync_variant_checks(runs: dict[str, Any]) -> list[dict[str, Any]]:
             add(f"{LABELS[key]} speedup over FSDP (median step time)", v, "ratio", ">= 8x", v >= 8)
     reference = runs.get("fl-fsdp")
     fp32 = reference and (reference.get("sync_variant") or {}).get("dtype", "float32") == "float32"
-    for key in ("fl-fsdp-int8", "fl-fsdp-overlap-int8"):
-        if key in runs and fp32:
+    for key in VARIANT_RUNS:
+        target = WIRE_BYTES_TARGETS.get(variant_wire(key) or "")
+        if key in runs and fp32 and target:
             mine, theirs = cross_group_bytes_per_sync(runs[key]), cross_group_bytes_per_sync(reference)
             if mine is not None and theirs:
                 add(f"{LABELS[key]}: cross-group bytes per sync over the fp32 sync's", mine / theirs, "ratio",
-                    "<= 0.27x", mine / theirs <= 0.27)
+                    f"<= {target:g}x", mine / theirs <= target)
     base = (reference or {}).get("final", {}).get("eval_ppl")
     for key in VARIANT_RUNS:
         ppl = runs.get(key, {}).get("final", {}).get("eval_ppl")
@@ -285,7 +287,7 @@ def _sync_variants(runs: dict[str, Any]) -> list[str]:
         return []
     ref = runs.get("no-sync", {}).get("step_s_mean")
     base = runs.get("fsdp", {}).get("step_s")
-    lines = ["", "### Overlapped and 8-bit syncs (FL+FSDP, same layout, samples and seed)",
+    lines = ["", "### Overlapped, quantized and sparse syncs (FL+FSDP, same layout, samples and seed)",
              "Sync per step: what the step waits for (an overlapped sync's communication runs during the next "
              "steps). Cross-group: bytes the syncs sent over the inter-group tier per whole-model sync "
              "(collectives, all ranks).", "",
@@ -293,7 +295,8 @@ def _sync_variants(runs: dict[str, Any]) -> list[str]:
              "per sync | eval ppl |", "|---|---|---|---|---|---|---|---|---|"]
     for key in variants:
         r, v = runs[key], runs[key]["sync_variant"]
-        text = v["dtype"] + (" + EF" if v["error_feedback"] else "") + (
+        text = (f"top-{v['topk'] * 100:g}% " if v.get("topk") else "") + v["dtype"] + (
+            " + EF" if v["error_feedback"] else "") + (
             f", N={v['fragments']} tau={v['delay']} alpha={v['alpha']:g}" + (" carry" if v.get("carry") else "")
             if v["delay"] or v["fragments"] > 1 else ", blocking")
         cross = cross_group_bytes_per_sync(r)

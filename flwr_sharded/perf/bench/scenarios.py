@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES
+from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES, sync_wire_ratio
 from flwr_sharded.perf.bench.common import LABELS, _say
 from flwr_sharded.perf.bench.layouts import (VARIANT_RUNS, Layout, SyncVariant, model_units, parse_layouts,
                                               sync_variant, vocab_size_of)
@@ -127,7 +127,8 @@ def run_training(fab: Fabric, layout: Layout, opts: argparse.Namespace, *, A: in
                               nodes_per_group=topo.nodes_per_group)
         cmp = compare(load_probes(traffic_dir), layout.method, placement, units, A=out["A"], backend="gloo",
                       reshard_root=True, ranks_per_node=topo.ranks_per_node, uplinks=topo.uplinks(),
-                      wire_ratio=SYNC_DTYPE_BYTES[variant.dtype] / 4,  # the units are fp32 (4 bytes per parameter)
+                      # the units are fp32 (4 bytes per parameter)
+                      wire_ratio=sync_wire_ratio(variant.dtype, variant.topk, layout.F),
                       fragments=variant.fragments)
         out["traffic"] = cmp.to_dict()
         out["traffic_max_error"] = cmp.max_error()
@@ -163,7 +164,7 @@ def planner_view(cluster_path: Path, layouts: dict[str, Layout], opts: argparse.
         if key in opts.method_list and "fl-fsdp" in layouts:
             v, lay = sync_variant(key, opts), layouts["fl-fsdp"]
             step = StepOptions(sync_fragments=v.fragments, sync_delay=v.delay, sync_carry=v.carry,
-                               sync_error_feedback=v.error_feedback)
+                               sync_error_feedback=v.error_feedback, sync_topk=v.topk)
             c = evaluate(cluster, shape, "fl-fsdp", F=lay.F, R=lay.R, S=lay.S, A=A,
                          **{**kw, "sync_bytes_per_param": SYNC_DTYPE_BYTES[v.dtype]}, step=step)
             variants[key] = {"predicted_step_s": c.step_time, "comm_s": c.comm.total, "compute_s": c.compute,
