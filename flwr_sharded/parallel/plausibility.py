@@ -13,12 +13,13 @@ if, for every bucket, with `allowed` = `max_move` x the median of the bucket's l
 per token x this sync's weight (before the bucket has one: `max_move` x || contribution_k ||, its own norm):
 
 - || mean_k || is finite and differs from || contribution_k || by at most `allowed`: both norms are exact passes
-  over the bucket (the contribution's is measured before the reduction, where it also serves as the member's
-  finiteness test, `bucket_norms`, so the check adds one pass over the result and the sampled move), and | ||a|| - ||b|| | <= ||a - b|| bounds the move from below, so any huge value, however
-  sparse, is caught;
+  over the bucket (the contribution's is taken before the reduction, in the pass that is also the member's
+  finiteness test, `bucket_norms`), and | ||a|| - ||b|| | <= ||a - b|| bounds the move from below, so any huge
+  value, however sparse, is caught;
 - the move itself is at most `allowed`: measured exactly in a bucket of fewer than `EXACT_BELOW` elements, and in a
-  larger one on one block in `SAMPLE` (`BLOCK` elements each, from an offset drawn after the reduction, so a sender
-  cannot aim between them), scaled up: a move spread over the bucket is caught within the sample's error, one
+  larger one on one block in `SAMPLE` (`BLOCK` elements each, from an offset each rank draws at random for each
+  sync and never sends, so no sender can aim between them; the blocking sync copies its own sampled blocks before
+  the reduction, `keep`), scaled up: a move spread over the bucket is caught within the sample's error, one
   confined to a few blocks when the norms show it. The sample overstates a move only when one block holds most of
   it (more than 86% of a bucket's squared move, for a false rejection at `max_move` 10).
 

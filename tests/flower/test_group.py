@@ -167,25 +167,29 @@ def _static_losses(data_dir: Path, tmp: Path, run: FlowerRun, federations: int) 
         "--min-lr-ratio", str(t.optim.min_lr_ratio), "--weight-decay", str(t.optim.weight_decay), "--grad-clip",
         str(t.optim.grad_clip), "--seed", str(t.seed), "--log-every", "1",
         "--eval-every", str(k * p.aggregate_every), "--run-dir", str(tmp / "static"), "--no-save-model",
-        "--no-progress"], timeout=300)
+        "--no-progress", "--sync-dtype", p.sync_dtype, *(["--sync-error-feedback"] if p.sync_error_feedback else []),
+        *(["--sync-topk", str(p.sync_topk)] if p.sync_topk else [])], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (tmp / "static" / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in records if r["kind"] == "train"], [r for r in records if r["kind"] == "eval"]
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("layout", [dict(method="fl-hsdp", replicas=2, shards=1)], ids=["fl-hsdp"])
-def test_groups_sync_identical_shards_and_match_the_static_engine(procs, data_dir, tmp_path, layout):
+@pytest.mark.parametrize("layout, sync", [
+    (dict(method="fl-hsdp", replicas=2, shards=1), {}),
+    (dict(method="fl-hsdp", replicas=2, shards=1), dict(sync_dtype="int4", sync_error_feedback=True, sync_topk=0.1)),
+], ids=["fl-hsdp", "fl-hsdp-topk-int4"])
+def test_groups_sync_identical_shards_and_match_the_static_engine(procs, data_dir, tmp_path, layout, sync):
     """Two groups, 2 rounds of K=2 syncs x A=3 steps, against `torchrun -m flwr_sharded.train` with F=2.
 
-    fl-hsdp here (replica 0 syncs, then broadcasts inside the group); fl-fsdp is compared end to end through Flower
-    in test_simulation.py.
+    fl-hsdp here (replica 0 syncs, then broadcasts inside the group), with the fp32 sync and with the top-k sync of
+    int4 values; fl-fsdp is compared end to end through Flower in test_simulation.py.
 
     Tolerance: 1e-5 absolute on every step's loss (mean over all ranks) and on the held-out loss after each round
     (same seeds, same samples; in practice the curves are bit-identical). After every sync, the checksum of every
     rank's local shards is identical across groups and, for fl-hsdp, across the replicas of a group.
     """
-    s = spec(data_dir, **layout)
+    s = spec(data_dir, **layout, **sync)
     groups = start_groups(procs, [(f"g{i}", layout) for i in range(2)])
     clients = [client(a, k) for _, a, k in groups]
     hellos = [hello(c, s, i, 2) for i, c in enumerate(clients)]
@@ -208,7 +212,7 @@ def test_groups_sync_identical_shards_and_match_the_static_engine(procs, data_di
     static_losses, static_evals = _static_losses(data_dir, tmp_path, s, federations=2)
     assert losses == pytest.approx(static_losses, abs=1e-5)
     assert evals == pytest.approx([e["eval_loss"] for e in static_evals], abs=1e-5)
-    assert losses[-1] < losses[0] - 0.3  # it trained
+    assert losses[-1] < losses[0] - (0.1 if p.sync_topk else 0.3)  # it trained (top-k: only what it sent syncs)
 
 
 @pytest.mark.timeout(300)

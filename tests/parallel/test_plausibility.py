@@ -60,6 +60,24 @@ def test_the_norms_measured_before_the_reduction_judge_as_the_ones_measured_afte
         assert fresh._pending == pytest.approx(given._pending)
 
 
+def test_the_blocking_syncs_kept_sample_measures_the_move_its_segments_would():
+    import random
+
+    g = torch.Generator().manual_seed(3)
+    sizes = [plausibility.EXACT_BELOW // 3 + extra for extra in (0, 5, 4099)]  # a sampled bucket of 3 segments
+    mine = [torch.randn(n, generator=g) for n in sizes]
+    result = torch.cat(mine) + 0.01 * torch.randn(sum(sizes), generator=g)
+    bound = MoveBound(10.0)
+    bound.begin(1.0, own_norms=plausibility.bucket_norms([mine]))
+    bound._offsets = random.Random(5)
+    bound.keep(0, torch.cat(mine))  # before the reduction: this rank's values, flat
+    assert bound.plausible(0, [result], mine)
+    offset = random.Random(5).randrange(SAMPLE)
+    expected = plausibility._move(list(result.split(sizes)), mine, every=SAMPLE, offset=offset)
+    assert bound._pending[0] == pytest.approx(expected, rel=1e-5)
+    assert bound._kept is None  # used once
+
+
 def test_measured_norms_serve_as_the_finiteness_verdict_and_an_overflowed_one_is_looked_at_again():
     from flwr_sharded.parallel.admission import healthy
 

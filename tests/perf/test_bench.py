@@ -170,7 +170,7 @@ def test_quick_bench_end_to_end(data_dir, tmp_path):
     assert set(runs) == {"fsdp", "fl-fsdp", "no-sync", "fl-fsdp-overlap-int8"}
     overlapped = runs.pop("fl-fsdp-overlap-int8")  # an int8 sync overlapped with one step: a quarter on the uplink
     assert overlapped["sync_variant"] == {"dtype": "int8", "fragments": 1, "delay": 1, "alpha": 0.0, "carry": True,
-                                          "error_feedback": True}
+                                          "error_feedback": True, "topk": None}
     assert overlapped["traffic_max_error"] <= 0.05, overlapped["traffic"]["error"]
     from flwr_sharded.perf.bench.report import cross_group_bytes_per_sync
 
@@ -190,8 +190,8 @@ def test_quick_bench_end_to_end(data_dir, tmp_path):
     assert runs["fsdp"]["step_s"] > runs["fl-fsdp"]["step_s"]
     assert (tmp_path / "out" / "time_to_ppl.png").stat().st_size > 10_000
     report = (tmp_path / "out" / "bench.md").read_text()
-    for heading in ("Step time and speedups", "Phase breakdown", "Overlapped and 8-bit syncs", "Bytes per tier",
-                    "Learning quality", "Planner agreement", "Targets"):
+    for heading in ("Step time and speedups", "Phase breakdown", "Overlapped, quantized and sparse syncs",
+                    "Bytes per tier", "Learning quality", "Planner agreement", "Targets"):
         assert heading in report
 
 
