@@ -89,7 +89,7 @@ def _move(means: list[torch.Tensor], contribution: list[torch.Tensor], *, every:
 
     ours, theirs, position, stride = [], [], 0, every * BLOCK
 
-    def norm(m: torch.Tensor, c: torch.Tensor) -> None:
+    def measure(m: torch.Tensor, c: torch.Tensor) -> None:
         ours.append(m)
         theirs.append(c)
 
@@ -100,14 +100,14 @@ def _move(means: list[torch.Tensor], contribution: list[torch.Tensor], *, every:
         while block * BLOCK < position + n:
             start = block * BLOCK - position
             if start < 0 or start + BLOCK > n:  # a block cut by the segment's edge
-                norm(m[max(start, 0):start + BLOCK], c[max(start, 0):start + BLOCK])
+                measure(m[max(start, 0):start + BLOCK], c[max(start, 0):start + BLOCK])
                 block += every
                 continue
             whole = (n - start - BLOCK) // stride + 1  # sampled blocks inside the segment from here
             for first in range(0, whole, ROWS):
                 rows = min(ROWS, whole - first)
                 lo, span = start + first * stride, (rows - 1) * stride + BLOCK
-                norm(m[lo:lo + span].unfold(0, BLOCK, stride), c[lo:lo + span].unfold(0, BLOCK, stride))
+                measure(m[lo:lo + span].unfold(0, BLOCK, stride), c[lo:lo + span].unfold(0, BLOCK, stride))
             block += whole * every
         position += n
     if not ours:
