@@ -50,6 +50,10 @@ class Topology:
     """The layout the mesh was built from."""
     group_mesh: DeviceMesh
     """All ranks of this federation group as one flattened dimension (group-wide reductions, checkpoints)."""
+    own_fed_group: dist.ProcessGroup | None = None
+    """The federation group when it spans the world (R = S = 1): a group of its own, not the default group that the
+    mesh hands out then, so that an overlapped sync's thread never shares a group with the main thread's
+    collectives (the metrics' all-reduces)."""
 
     @property
     def fed_index(self) -> int:
@@ -93,7 +97,9 @@ class Topology:
     @property
     def fed_group(self) -> dist.ProcessGroup | None:
         """Ranks holding the same (r, s) in every federation group; None when F == 1."""
-        return self.mesh.get_group("fed") if self.config.federations > 1 else None
+        if self.config.federations == 1:
+            return None
+        return self.own_fed_group or self.mesh.get_group("fed")
 
     @property
     def rep_group(self) -> dist.ProcessGroup | None:
@@ -132,4 +138,7 @@ def init_topology(config: MeshLayout, timeout_s: float = 600.0) -> Topology:
     else:
         check_world_size(config, dist.get_world_size())
     mesh = init_device_mesh(device, (config.federations, config.replicas, config.shards), mesh_dim_names=MESH_DIMS)
-    return Topology(mesh=mesh, config=config, group_mesh=mesh["rep", "shard"]._flatten("group"))
+    own = None
+    if config.federations > 1 and config.replicas * config.shards == 1:  # every rank calls new_group, in this order
+        own = dist.new_group(list(range(dist.get_world_size())))
+    return Topology(mesh=mesh, config=config, group_mesh=mesh["rep", "shard"]._flatten("group"), own_fed_group=own)
