@@ -76,9 +76,10 @@ if [[ -n "$DATA_DIR" ]]; then group_data=(--data-dir "$(cd "$DATA_DIR" && pwd)")
 
 # --- processes: each in a session of its own (its process group id is its pid), stopped by pid -------------------
 pids=() group_pids=()
-start() {  # start NAME COMMAND...: run COMMAND in WORK, logging to WORK/NAME.log
+start() {  # start NAME COMMAND...: run COMMAND in WORK, logging to WORK/NAME.log (there before this returns)
   local name="$1"; shift
-  (cd "$WORK" && exec setsid "$@" > "$WORK/$name.log" 2>&1 < /dev/null) &
+  : > "$WORK/$name.log"
+  (cd "$WORK" && exec setsid "$@" >> "$WORK/$name.log" 2>&1 < /dev/null) &
   pids+=("$!")
   echo "run_deployment.sh: started $name (pid $!, log $WORK/$name.log)"
 }
