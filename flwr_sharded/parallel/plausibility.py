@@ -147,7 +147,7 @@ class MoveBound:
         self._moves: dict[int, deque[float]] = {}
         self._pending: dict[int, float] = {}
         self._own: list[float] | None = None
-        self._kept: tuple[int, int, list[torch.Tensor]] | None = None
+        self._kept: tuple[int, int, torch.Tensor, list[torch.Tensor]] | None = None
         self._offsets = random.Random(os.urandom(16))
 
     @property
@@ -163,13 +163,13 @@ class MoveBound:
         self._pending.clear()
 
     def keep(self, k: int, flat: torch.Tensor) -> None:
-        """Before the reduction: this rank's values of bucket k, flat. A bucket whose move is sampled keeps a copy of
-        its sample (1/`SAMPLE` of it), so that `plausible`, given the result flat, reads two strided views instead of
-        one per segment."""
+        """Before the reduction: `flat`, the buffer that holds this rank's values of bucket k and will hold the
+        result. A bucket whose move is sampled keeps a copy of its sample (1/`SAMPLE` of it), so that `plausible`
+        reads the result's norm and sample from `flat` (one tensor, two strided views) instead of its segments."""
         self._kept = None
         if self.enabled and flat.numel() >= EXACT_BELOW:
             offset = self._offsets.randrange(SAMPLE)
-            self._kept = (k, offset, [view.clone() for view in _sampled(flat, SAMPLE, offset)])
+            self._kept = (k, offset, flat, [view.clone() for view in _sampled(flat, SAMPLE, offset)])
 
     def allowed(self, k: int, own_norm: float) -> float:
         """The largest move (and change of norm) of bucket k this sync: from the bucket's adopted moves, or before it
@@ -179,12 +179,16 @@ class MoveBound:
         return self.max_move * reference if reference > 0 else float("inf")
 
     def plausible(self, k: int, means: list[torch.Tensor], contribution: list[torch.Tensor]) -> bool:
-        """Whether the groups' mean of bucket k (`means`, laid out as `contribution`, or flat after `keep`) is
-        plausible here; what it moved is kept for `record`."""
+        """Whether the groups' mean of bucket k (`means`, laid out as `contribution`; after `keep`, the kept buffer)
+        is plausible here; what it moved is kept for `record`."""
         import torch
 
         from flwr_sharded.parallel.admission import all_finite
 
+        kept = self._kept if self._kept is not None and self._kept[0] == k else None
+        self._kept = None
+        if kept is not None:
+            means = [kept[2]]  # the same values as `means`, in one tensor
         measured = self._own is None
         norms = torch._foreach_norm([*means, *contribution] if measured else means)  # one pass over each
         norm = float(torch.linalg.vector_norm(torch.stack(norms[:len(means)])))
@@ -196,14 +200,11 @@ class MoveBound:
         if not own < float("inf") and not all_finite(contribution):
             return True  # its own values are not finite: it cannot judge (an inf norm may be finite values' overflow)
         allowed = self.allowed(k, own)
-        kept, self._kept = self._kept, None
-        if kept is not None and kept[0] == k and len(means) == 1:  # the sample `keep` copied, against the result's
+        if kept is not None:  # the sample `keep` copied, against the result's
             parts = [torch.linalg.vector_norm(mine.sub_(mean), dtype=torch.float32)
-                     for mine, mean in zip(kept[2], _sampled(means[0], SAMPLE, kept[1]))]
+                     for mine, mean in zip(kept[3], _sampled(kept[2], SAMPLE, kept[1]))]
             move = float(torch.linalg.vector_norm(torch.stack(parts))) * SAMPLE ** 0.5
         else:
-            if len(means) < len(contribution):  # flat: laid out as the contribution's segments
-                means = list(means[0].view(-1).split([c.numel() for c in contribution]))
             every = 1 if sum(m.numel() for m in means) < EXACT_BELOW else SAMPLE
             move = _move(means, contribution, every=every, offset=self._offsets.randrange(every))
         ok = abs(norm - own) <= allowed and move <= allowed  # |‖a‖ - ‖b‖| <= ‖a - b‖: exact, every element

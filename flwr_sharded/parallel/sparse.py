@@ -179,12 +179,14 @@ def encode(indices: torch.Tensor, values: torch.Tensor, layout: RowLayout, row: 
 
 def decode(row: torch.Tensor, layout: RowLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """A row's (indices within their chunks, int64; values, fp32)."""
+    from flwr_sharded.parallel.quant_codes import code_format
     from flwr_sharded.parallel.quantize import Quantized, dequantize
 
     scales, index_field, codes = _fields(row, layout)
     dtype = layout.values.torch_dtype()
     if layout.quantized:
-        values = dequantize(Quantized(codes.view(dtype)[:layout.kept], scales, layout.kept, QUANT_BLOCK))
+        fmt = code_format(dtype)  # its payload of `kept` codes (two to a byte in a 4-bit format)
+        values = dequantize(Quantized(fmt.values(codes, layout.kept), scales, layout.kept, QUANT_BLOCK, fmt))
     else:
         values = codes.view(dtype).float()
     return index_field.long(), values

@@ -113,9 +113,11 @@ class ShardSync:
         self.wire = SparseWire(values, topk) if topk is not None else values
         """How a bucket travels (`flwr_sharded.parallel.wire`): the shards as they are, or deltas in `wire_dtype`
         (all of them, or their top-k rows: `flwr_sharded.parallel.sparse`)."""
-        if error_feedback != self.wire.error_feedback and (error_feedback or topk is not None):
+        if error_feedback and not self.wire.error_feedback:
             raise ValueError(f"error feedback needs a quantized wire dtype ({', '.join(QUANTIZED)}) or top-k, not "
-                             f"{wire_dtype}" if error_feedback else "a top-k sync needs error feedback")
+                             f"{wire_dtype}")
+        if topk is not None and not error_feedback:
+            raise ValueError("a top-k sync needs error feedback")
         self.feedback = ErrorFeedback() if error_feedback else None
         self._workspace = Workspace() if self.delta else None
         self._global: list[torch.Tensor] | None = None
@@ -275,7 +277,7 @@ class ShardSync:
         for k, (flat, shard_segments, buffer_segments) in enumerate(views):
             torch._foreach_copy_(buffer_segments, shard_segments)
             if self.fed_group is not None and bad is None:
-                self.bound.keep(k, flat)  # its move's sample, read from `flat` after the reduction
+                self.bound.keep(k, flat)  # the result's norm and move are then read from `flat`
             if self.fed_group is not None and self.rule.linear:
                 nbytes += self.reduce_bucket(k, flat, admission.mine / total)
             elif self.fed_group is not None:
@@ -284,7 +286,7 @@ class ShardSync:
                 admitted = [(m, w) for m, w in zip(members, weights) if w > 0]
                 self._apply(k, flat, lambda g, st: self.rule.aggregate(g, admitted, st))
                 nbytes += flat.numel() * flat.element_size()
-            if self.fed_group is not None and bad is None and not self.accepts(k, [flat], shard_segments):
+            if self.fed_group is not None and bad is None and not self.accepts(k, buffer_segments, shard_segments):
                 bad = k
             if bad is None:
                 self.finish_bucket(k, flat, shard_segments, buffer_segments,

@@ -70,8 +70,10 @@ def test_the_blocking_syncs_kept_sample_measures_the_move_its_segments_would():
     bound = MoveBound(10.0)
     bound.begin(1.0, own_norms=plausibility.bucket_norms([mine]))
     bound._offsets = random.Random(5)
-    bound.keep(0, torch.cat(mine))  # before the reduction: this rank's values, flat
-    assert bound.plausible(0, [result], mine)
+    flat = torch.cat(mine)
+    bound.keep(0, flat)  # before the reduction: this rank's values, flat, in the buffer the result will fill
+    flat.copy_(result)
+    assert bound.plausible(0, list(flat.split(sizes)), mine)
     offset = random.Random(5).randrange(SAMPLE)
     expected = plausibility._move(list(result.split(sizes)), mine, every=SAMPLE, offset=offset)
     assert bound._pending[0] == pytest.approx(expected, rel=1e-5)
