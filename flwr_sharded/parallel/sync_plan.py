@@ -1,0 +1,128 @@
+"""Which parts of its shards a rank averages with which ranks of the other groups, when groups shard differently.
+
+FSDP2 shards every parameter on its first dimension: with S ranks, rank s holds rows [s c, (s + 1) c) of a parameter
+of n rows, c = ceil(n / S) (the last ranks may hold fewer, or none). Groups with different S cut each parameter at
+different rows; the common refinement of all groups' cuts splits it into pieces that each lie inside one shard of
+every group. A piece's owners (the shard index that holds it in each group) average it among themselves: each rank
+exchanges only the parts of its shard that overlap the others' shards, and no model is gathered. Pieces with the same
+owners form one channel (one process group, one set of buckets), whatever parameter they belong to.
+
+With equal groups there is one piece per shard, owned by shard s in every group: the plan is today's shard-to-shard
+sync. Pure Python: the static engine, a Flower round's strategy and the cost model share it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+from typing import Sequence
+
+Owners = tuple[int, ...]
+"""A channel's key: the shard index of its owner in each group, in group order."""
+
+
+def shard_rows(rows: int, shards: int, index: int) -> tuple[int, int]:
+    """Rows [start, end) of a parameter of `rows` rows that shard `index` of `shards` holds (FSDP2's chunking)."""
+    chunk = -(-rows // shards) if rows else 0
+    start = min(index * chunk, rows)
+    return start, min(start + chunk, rows)
+
+
+def owner_of(row: int, rows: int, shards: int) -> int:
+    """The shard index that holds `row` of a parameter of `rows` rows sharded `shards` ways."""
+    return row // -(-rows // shards)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows [start, end) of parameter `param`, held by shard `owners[g]` of every group g."""
+
+    param: int
+    start: int
+    end: int
+    owners: Owners
+
+
+def pieces_of(rows: int, layouts: Sequence[int]) -> list[tuple[int, int, Owners]]:
+    """The common refinement of the groups' cuts of one parameter of `rows` rows: (start, end, owners) in row order."""
+    cuts = {0, rows}
+    for shards in layouts:
+        cuts.update(shard_rows(rows, shards, s)[0] for s in range(shards))
+    bounds = sorted(c for c in cuts if c <= rows)
+    return [(a, b, tuple(owner_of(a, rows, shards) for shards in layouts)) for a, b in zip(bounds, bounds[1:])]
+
+
+@dataclass(frozen=True)
+class SyncPlan:
+    """The pieces of a model's parameters under groups that shard it `layouts[g]` ways each.
+
+    Args:
+        layouts: each group's sharding degree S, in member order.
+        shapes: every parameter's global shape, in the order every group syncs them.
+    """
+
+    layouts: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        if not self.layouts or min(self.layouts) < 1:
+            raise ValueError(f"a sync plan needs groups of at least one shard, got {list(self.layouts)}")
+
+    @property
+    def equal(self) -> bool:
+        """Whether every group shards alike (one channel per shard index: the plain shard-to-shard sync)."""
+        return len(set(self.layouts)) == 1
+
+    def pieces(self) -> list[Piece]:
+        """Every parameter's pieces, parameter by parameter, in row order."""
+        out = []
+        for i, shape in enumerate(self.shapes):
+            out += [Piece(i, a, b, owners) for a, b, owners in pieces_of(rows_of(shape), self.layouts)]
+        return out
+
+    def channels(self) -> list[Owners]:
+        """The distinct owner tuples, sorted: the order in which every rank runs its channels (deadlock-free)."""
+        return sorted({p.owners for p in self.pieces()})
+
+    def channels_of(self, group: int, shard: int) -> list[Owners]:
+        """The channels shard `shard` of group `group` takes part in, in the common order."""
+        return [c for c in self.channels() if c[group] == shard]
+
+    def local_ranges(self, group: int, shard: int) -> dict[Owners, list[tuple[int, int, int]]]:
+        """Per channel of this rank: (param, first element, end element) ranges of its local shards, in order."""
+        out: dict[Owners, list[tuple[int, int, int]]] = {}
+        for p in self.pieces():
+            if p.owners[group] != shard or p.end == p.start:
+                continue
+            row = row_numel(self.shapes[p.param])
+            first = shard_rows(rows_of(self.shapes[p.param]), self.layouts[group], shard)[0]
+            out.setdefault(p.owners, []).append((p.param, (p.start - first) * row, (p.end - first) * row))
+        return {c: out[c] for c in sorted(out)}
+
+    def elements(self) -> int:
+        """Elements of the model (every piece counted once)."""
+        return sum(prod(shape) for shape in self.shapes)
+
+    def shard_elements(self, group: int, shard: int) -> int:
+        """Elements shard `shard` of group `group` holds."""
+        return sum(row_numel(shape) * (lambda r: r[1] - r[0])(shard_rows(rows_of(shape), self.layouts[group], shard))
+                   for shape in self.shapes)
+
+
+def rows_of(shape: Sequence[int]) -> int:
+    """Rows of the dimension FSDP2 shards (a scalar counts as one row)."""
+    return int(shape[0]) if len(shape) else 1
+
+
+def row_numel(shape: Sequence[int]) -> int:
+    """Elements in one row of that dimension."""
+    return prod(int(d) for d in shape[1:]) if len(shape) else 1
+
+
+def channel_ranks(owners: Owners, bases: Sequence[int]) -> list[int]:
+    """Global ranks of a channel's owners: replica 0 of group g is ranks bases[g] .. bases[g] + S_g - 1."""
+    return [base + s for base, s in zip(bases, owners)]
+
+
+__all__ = ["Owners", "Piece", "SyncPlan", "channel_ranks", "owner_of", "pieces_of", "row_numel", "rows_of",
+           "shard_rows"]
