@@ -19,9 +19,8 @@ import yaml
 
 from flwr_sharded import schema
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.parallel.outer import LINEAR_RULES, RULES, make_rule, rule_options
 from flwr_sharded.parallel.plausibility import DEFAULT_MAX_MOVE
-from flwr_sharded.parallel.wire import QUANTIZED, SyncDtype
+from flwr_sharded.parallel.wire import QUANTIZED, SyncDtype  # noqa: F401 - QUANTIZED: for importers
 from flwr_sharded.schema import CLI, Surface, option
 
 Method = Literal["fsdp", "hsdp", "fl-fsdp", "fl-hsdp"]
@@ -50,6 +49,11 @@ class ParallelConfig:
     """R: replication groups inside a federation group (HSDP when > 1)."""
     shards: int = option(1, ge=1)
     """S: ranks one model replica is sharded over; innermost mesh dimension (keep it inside a node)."""
+    group_shards: str = option("", not_flat="a Flower run's groups each start with their own S (--shards of the "
+                                            "group, or facility-shards)")
+    """S of each federation group, comma-separated (e.g. 2,4): a federation of groups that shard differently (FL
+    methods, static engine), whose shards are averaged piece by piece where they overlap; F is their number, R
+    (`replicas`) is every group's, and the world is R x their sum. Unset: F groups of `shards`."""
     aggregate_every: int = option(8, ge=1)
     """A: optimizer steps between two shard syncs (FL methods only)."""
     bucket_mb: float = option(64.0, gt=0)
@@ -128,8 +132,28 @@ class ParallelConfig:
         return self.sync_delay > 0 and self.sync_carry is not False
 
     @property
+    def layouts(self) -> tuple[int, ...]:
+        """Each federation group's S, in group order: `group-shards` (checked by `layout_checks.validate_parallel`), else F groups
+        of `shards`."""
+        if self.group_shards:
+            return tuple(int(x) for x in self.group_shards.split(","))
+        return (self.shards,) * self.federations
+
+    @property
+    def unequal(self) -> bool:
+        """Whether the federation groups shard differently."""
+        return len(set(self.layouts)) > 1
+
+    @property
     def world_size(self) -> int:
-        return self.federations * self.replicas * self.shards
+        return self.replicas * sum(self.layouts)
+
+    def describe_layout(self) -> str:
+        """The world's arithmetic, for messages: 'F*R*S = 2*1*4 = 8' or 'R*(S1+S2) = 1*(2+4) = 6'."""
+        if self.group_shards:
+            terms = "+".join(f"S{g + 1}" for g in range(len(self.layouts)))
+            return f"R*({terms}) = {self.replicas}*({'+'.join(map(str, self.layouts))}) = {self.world_size}"
+        return f"F*R*S = {self.federations}*{self.replicas}*{self.shards} = {self.world_size}"
 
     def describe_sync(self) -> str:
         """The shard sync in one clause, for start-up banners: wire dtype, fragments, outer rule, overlap (e.g.
@@ -364,106 +388,6 @@ def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------------------------------- checks
 
-def outer_rule(p: ParallelConfig, surface: Surface = CLI):
-    """The shard rule the sync applies (`flwr_sharded.parallel.outer`); ConfigError for a bad name or option.
-
-    For the built-in rules, an option the rule does not take is an error naming the option (custom rules check
-    their own keyword arguments).
-    """
-    options = {k: v for k, v in (("lr", p.outer_lr), ("momentum", p.outer_momentum)) if v is not None}
-    outer = label_of(surface, "outer")
-    if p.outer in RULES:
-        takes = {name: set(rule_options(cls)) for name, cls in RULES.items()}
-        for key in options:
-            if key not in takes[p.outer]:
-                users = [name for name, fields in takes.items() if key in fields]
-                raise surface.error(f"{label_of(surface, f'outer-{key}')} does not apply to {outer} {p.outer}; only "
-                                    f"{', '.join(users)} take it")
-    try:
-        return make_rule(p.outer, **options)
-    except ConfigError as exc:
-        raise surface.error(f"{outer} {exc}") from None
-
-
-def validate_parallel(p: ParallelConfig, world_size: int | None = None, surface: Surface = CLI) -> None:
-    """Check the layout against the method and (when known) the launched world size."""
-    L = labeler(surface)
-    for o in schema.options(ParallelConfig):
-        o.check(getattr(p, o.path[-1]), surface)
-    if not p.federated and p.federations != 1:
-        raise surface.error(f"{L('method')} {p.method} trains one model: {L('federations')} must be 1 (got "
-                            f"{p.federations}); use fl-{p.method} to federate {p.federations} groups")
-    if p.method in ("fsdp", "fl-fsdp") and p.replicas != 1:
-        hybrid = "hsdp" if p.method == "fsdp" else "fl-hsdp"
-        raise surface.error(f"{L('method')} {p.method} has no replication: {L('replicas')} must be 1 (got "
-                            f"{p.replicas}); use {hybrid} for R > 1")
-    rule = outer_rule(p, surface)
-    if p.sync_dtype != "float32" and not rule.linear:
-        raise surface.error(f"{L('sync-dtype')} {p.sync_dtype} sends one delta per group through an all-reduce, "
-                            f"but {L('outer')} {p.outer} needs every member's shards; use {L('sync-dtype')} float32 "
-                            f"or a linear rule")
-    validate_sync(p, rule, surface)
-    if world_size is not None and world_size != p.world_size:
-        raise surface.error(f"world size {world_size} != F*R*S = {p.federations}*{p.replicas}*{p.shards} = "
-                            f"{p.world_size}; launch {p.world_size} processes or change {L('federations')}/"
-                            f"{L('replicas')}/{L('shards')}")
-
-
-def validate_sync(p: ParallelConfig, rule: Any, surface: Surface = CLI) -> None:
-    """Check the shard sync's wire, fragments and overlap against each other and the outer rule."""
-    from flwr_sharded.parallel.schedule import Schedule
-
-    L = labeler(surface)
-    defaults = ParallelConfig()  # an option off (even spelled out) shapes nothing
-    streaming = [name for name in ("sync-fragments", "sync-delay", "sync-alpha", "sync-carry", "sync-error-feedback",
-                                   "sync-topk") if getattr(p, name.replace("-", "_")) not in
-                 (getattr(defaults, name.replace("-", "_")), False)]
-    if streaming and not p.federated:
-        raise surface.error(f"{', '.join(L(n) for n in streaming)} shape the shard sync of FL methods; "
-                            f"{L('method')} {p.method} has none (use fl-fsdp or fl-hsdp)")
-    if p.sync_error_feedback and p.sync_dtype not in QUANTIZED and p.sync_topk is None:
-        raise surface.error(f"{L('sync-error-feedback')} carries the rounding errors of a quantized wire or what "
-                            f"{L('sync-topk')} did not send: it needs {L('sync-dtype')} {' or '.join(QUANTIZED)} "
-                            f"or {L('sync-topk')}, got {L('sync-dtype')} {p.sync_dtype}")
-    if p.sync_topk is not None:
-        validate_topk(p, rule, surface)
-    if p.sync_fragments > p.aggregate_every:
-        raise surface.error(f"{L('sync-fragments')} {p.sync_fragments} is more than the {p.aggregate_every} steps of "
-                            f"a period ({L('aggregate-every')}): each fragment syncs after its own step; allowed: "
-                            f"1..{p.aggregate_every}")
-    share = Schedule.shortest_share_of(p.aggregate_every, p.sync_fragments)
-    if p.sync_delay >= share:
-        raise surface.error(f"{L('sync-delay')} {p.sync_delay} is not smaller than a fragment's share of the period "
-                            f"({L('aggregate-every')} {p.aggregate_every} / {L('sync-fragments')} "
-                            f"{p.sync_fragments}: {share} step(s) between two syncs); allowed: 0..{share - 1}")
-    if p.sync_carry and not p.sync_delay:
-        raise surface.error(f"{L('sync-carry')} keeps the local steps taken while an overlapped sync travels; with "
-                            f"{L('sync-delay')} 0 there are none: set {L('sync-delay')} >= 1 or leave it unset")
-    if p.sync_delay and not rule.linear:
-        raise surface.error(f"{L('sync-delay')} {p.sync_delay} reduces a weighted mean in the background, but "
-                            f"{L('outer')} {p.outer} needs every member's shards; use a linear rule "
-                            f"({', '.join(LINEAR_RULES)}) or {L('sync-delay')} 0")
-
-
-def validate_topk(p: ParallelConfig, rule: Any, surface: Surface = CLI) -> None:
-    """`sync-topk` against the outer rule and error feedback (its bounds are the option's own)."""
-    L = labeler(surface)
-    if not rule.linear:
-        raise surface.error(f"{L('sync-topk')} {p.sync_topk:g} sums every group's sparse delta, but {L('outer')} "
-                            f"{p.outer} needs every member's shards; use a linear rule ({', '.join(LINEAR_RULES)})")
-    if not p.sync_error_feedback:
-        raise surface.error(f"{L('sync-topk')} {p.sync_topk:g} sends a fraction of each delta and keeps the rest "
-                            f"for later syncs in an error-feedback residual: add {L('sync-error-feedback')}")
-
-
-def check_fragments(p: ParallelConfig, blocks: int, model: str, surface: Surface = CLI) -> None:
-    """`sync-fragments` against the model's number of transformer blocks (contiguous groups of blocks)."""
-    if p.sync_fragments > blocks:
-        raise surface.error(f"{label_of(surface, 'sync-fragments')} {p.sync_fragments}: model {model} has "
-                            f"{blocks} transformer blocks, and a fragment is a group of whole blocks; allowed: "
-                            f"1..{blocks}")
-
-
 def labeler(surface: Surface):
     """`L(name)`: the TrainConfig option `name` as `surface` spells it."""
     return lambda name: label_of(surface, name)
@@ -473,6 +397,8 @@ def validate(cfg: TrainConfig, world_size: int | None = None, surface: Surface =
     """Validate a whole run configuration; raises ConfigError on the first problem, naming the option."""
     for o in schema.options(TrainConfig):
         o.check(schema.get(cfg, o.path), surface)
+    from flwr_sharded.layout_checks import validate_parallel
+
     validate_parallel(cfg.parallel, world_size, surface)
     L = labeler(surface)
     c = cfg.checkpoint

@@ -59,13 +59,11 @@ def join_world(cfg: TrainConfig, argv: Sequence[str]) -> None:
         shlex.quote, argv)])
     if "WORLD_SIZE" in os.environ:
         if int(os.environ["WORLD_SIZE"]) != p.world_size:
-            raise ConfigError(f"world size {os.environ['WORLD_SIZE']} != F*R*S = {p.federations}*{p.replicas}*"
-                              f"{p.shards} = {p.world_size}; launch it with: {command} (or change --federations/"
-                              f"--replicas/--shards)")
+            raise ConfigError(f"world size {os.environ['WORLD_SIZE']} != {p.describe_layout()}; launch it with: "
+                              f"{command} (or change --federations/--replicas/--shards/--group-shards)")
         return
     if p.world_size != 1:
-        raise ConfigError(f"this run needs F x R x S = {p.federations} x {p.replicas} x {p.shards} = {p.world_size} "
-                          f"processes; launch it with: {command}")
+        raise ConfigError(f"this run needs {p.describe_layout()} processes; launch it with: {command}")
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

@@ -38,17 +38,19 @@ def check_alignment(names: list[str], params: list[torch.Tensor], fed_group: dis
                     rep_group: dist.ProcessGroup | None) -> None:
     """Compare fingerprints across `fed_group`; raise `ShardAlignmentError` naming the first mismatch. With a
     replication group, replica 0 checks and tells the other replicas the verdict, so all of them raise."""
+    descriptors = [_descriptor(n, p) for n, p in zip(names, params)]
+    check_descriptors([(descriptors, fed_group)] if fed_group is not None else [], rep_group,
+                      local_shard(params[0]).device)
+
+
+def check_descriptors(channels: list[tuple[list[str], dist.ProcessGroup]], rep_group: dist.ProcessGroup | None,
+                      device: torch.device) -> None:
+    """Compare each channel's descriptors (what its members sync, in order) across its group, channel by channel;
+    raise `ShardAlignmentError` naming the first mismatch, on the replicas too (told by replica 0)."""
     message = ""
-    device = local_shard(params[0]).device
-    if fed_group is not None:
-        mine = int(fingerprint(names, params)[:15], 16)
-        gathered = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(fed_group))]
-        dist.all_gather(gathered, torch.tensor([mine], dtype=torch.int64, device=device), group=fed_group)
-        if any(int(g.item()) != mine for g in gathered):
-            descriptors = [_descriptor(n, p) for n, p in zip(names, params)]
-            everyone: list[list[str] | None] = [None] * len(gathered)
-            dist.all_gather_object(everyone, descriptors, group=fed_group)
-            message = _first_mismatch(everyone)
+    for descriptors, group in channels:
+        found = _mismatch(descriptors, group, device)
+        message = message or found
     if rep_group is not None:
         verdict = torch.tensor([1 if message else 0], dtype=torch.int64, device=device)
         dist.broadcast(verdict, group=rep_group, group_src=0)
@@ -56,6 +58,18 @@ def check_alignment(names: list[str], params: list[torch.Tensor], fed_group: dis
             message = "replica 0 of this group found shards misaligned with other groups (see its error)"
     if message:
         raise ShardAlignmentError(message)
+
+
+def _mismatch(descriptors: list[str], group: dist.ProcessGroup, device: torch.device) -> str:
+    """'' when every member of `group` has the same descriptors; else the first difference, explained."""
+    mine = int(hashlib.sha256("\n".join(descriptors).encode()).hexdigest()[:15], 16)
+    gathered = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, torch.tensor([mine], dtype=torch.int64, device=device), group=group)
+    if all(int(g.item()) == mine for g in gathered):
+        return ""
+    everyone: list[list[str] | None] = [None] * len(gathered)
+    dist.all_gather_object(everyone, descriptors, group=group)
+    return _first_mismatch(everyone)
 
 
 def _first_mismatch(everyone: list[list[str] | None]) -> str:
@@ -79,4 +93,4 @@ def _explain(descriptor: str) -> str:
     return f"'{name}' shape {shape} {dtype} local shard {local} placements {placements}"
 
 
-__all__ = ["ShardAlignmentError", "check_alignment", "fingerprint", "local_shard"]
+__all__ = ["ShardAlignmentError", "check_alignment", "check_descriptors", "fingerprint", "local_shard"]

@@ -127,28 +127,30 @@ class OverlappedSync:
         try:
             stream = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
             with torch.no_grad(), stream:
-                admission = self.sync.admit(weight, ok)
+                admissions = self.sync.admit(weight, ok)
                 self.sync.bound.begin(weight, ok, norms)
-                self._total = admission.total
+                self._total = admissions[0].total if admissions[0] is not None else 0.0
                 for k, send in enumerate(self._sends):
-                    self._bytes += self.sync.reduce_bucket(k, send, admission.mine / self._total)
-                self._conclude(admission.weights)  # before any merge
+                    if admissions[self.sync.channel_of(k)] is not None:
+                        self._bytes += self.sync.reduce_bucket(k, send, self.sync.share(k, admissions))
+                self._conclude(admissions)  # before any merge
                 if self._stream is not None:
                     self._stream.synchronize()
         except BaseException as exc:  # noqa: BLE001 - raised by wait() on the main thread
             self._error = exc
 
-    def _conclude(self, weights: list[float]) -> None:
+    def _conclude(self, admissions: list) -> None:
         """The members' vote on the reduced snapshot, each bucket checked against this rank's contribution (the
         origin; without one, finiteness only); raises `SyncRejected`, naming the offenders found, if rejected."""
         s, origins = self.sync, self._origins
-        bad = None
+        bad: dict[int, int] = {}  # channel -> its first bucket rejected here
         for k, send in enumerate(self._sends):
+            c = s.channel_of(k)
             # no origin: the move is not bounded, and `accepts` checks finiteness only (the contribution unread)
-            if not s.accepts(k, [send], [origins[k] if origins is not None else send]):
-                bad = k
-                break
-        s.conclude(bad, weights, self._sends[0].device, lambda k: (origins[k], True))  # origins: when checked
+            if admissions[c] is not None and c not in bad and not s.accepts(
+                    k, [send], [origins[k] if origins is not None else send]):
+                bad[c] = k
+        s.conclude(bad, admissions, self._sends[0].device, lambda k: (origins[k], True))  # origins: when checked
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for the reduction; raises what it raised (then nothing may be merged: roll back)."""

@@ -17,29 +17,21 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
 
 from flwr_sharded.parallel.admission import Admission, SyncRejected, admit, all_finite, healthy, vote
-from flwr_sharded.parallel.alignment import check_alignment, fingerprint, local_shard
+from flwr_sharded.parallel.alignment import check_alignment, check_descriptors, fingerprint, local_shard
+from flwr_sharded.parallel.buckets import itemsize, plan_buckets
 from flwr_sharded.parallel.offender import identify
 from flwr_sharded.parallel.outer import FedAvg, ShardRule
 from flwr_sharded.parallel.plausibility import DEFAULT_MAX_MOVE, MoveBound, bucket_norms
 from flwr_sharded.parallel.quantize import ErrorFeedback, Workspace
 from flwr_sharded.parallel.sparse import SparseWire
+from flwr_sharded.parallel.sync_plan import Owners, Seat, SyncPlan
 from flwr_sharded.parallel.wire import QUANTIZED, WIRES, wire_of
-
-
-@dataclass(frozen=True)
-class _Segment:
-    """A contiguous element range of one local shard, placed at `offset` in a bucket."""
-
-    shard: int
-    start: int
-    end: int
-    offset: int
 
 
 @dataclass
@@ -84,31 +76,38 @@ class ShardSync:
     def __init__(self, named_params: Iterable[tuple[str, torch.Tensor]], *, fed_group: dist.ProcessGroup | None,
                  rep_group: dist.ProcessGroup | None = None, bucket_bytes: int = 64 << 20,
                  rule: ShardRule | None = None, wire_dtype: torch.dtype | None = None,
-                 error_feedback: bool = False, max_move: float = DEFAULT_MAX_MOVE, topk: float | None = None) -> None:
+                 error_feedback: bool = False, max_move: float = DEFAULT_MAX_MOVE, topk: float | None = None,
+                 seat: Seat | None = None) -> None:
         named = list(named_params)
         if not named:
             raise ValueError("ShardSync needs at least one parameter")
         rule = rule or FedAvg()
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
-        self.fed_group = fed_group
+        self.seat = seat
+        """Where this rank sits among groups that shard differently; None: every group shards alike."""
+        self.channels, ranges = self._plan_channels()
+        self.groups: list[dist.ProcessGroup | None] = []
+        """Each channel's process group (None on ranks that do not join the cross-group reduction)."""
         self.rep_group = rep_group
-        self._aligned = False
-        self._buckets = self._plan_buckets(bucket_bytes)
+        self.rebind(fed_group, rep_group)
+        self._buckets = plan_buckets(ranges, [local_shard(p).dtype for p in self.params], bucket_bytes)
+        self._channel_buckets = [[k for k, b in enumerate(self._buckets) if b.channel == c]
+                                 for c in range(len(self.channels))]
         self._buffer: torch.Tensor | None = None
         self._views: list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]] | None = None
         self._pointers: list[int] = []
         self.rule = rule
         self.wire_dtype = wire_dtype
         # a reduced (or top-k) wire: the reduction sends weighted deltas from the global shards, in `wire_dtype`
-        self.delta = topk is not None or wire_dtype is not None and any(dt != wire_dtype for dt, _ in self._buckets)
+        self.delta = topk is not None or wire_dtype is not None and any(b.dtype != wire_dtype for b in self._buckets)
         if self.delta and not rule.linear:
             raise ValueError(f"{type(rule).__name__} is not linear: it all-gathers every member's shards, which a "
                              f"reduced wire dtype ({wire_dtype}) cannot carry as one delta; use a linear rule or "
                              f"the shards' dtype")
-        if self.delta and any(dtype != torch.float32 for dtype, _ in self._buckets):
+        if self.delta and any(b.dtype != torch.float32 for b in self._buckets):
             raise ValueError(f"a wire dtype ({wire_dtype}) other than the shards' needs fp32 shards, got "
-                             f"{sorted({str(dtype) for dtype, _ in self._buckets})}")
+                             f"{sorted({str(b.dtype) for b in self._buckets})}")
         values = wire_of(wire_dtype or torch.float32) if self.delta else WIRES["float32"]
         self.wire = SparseWire(values, topk) if topk is not None else values
         """How a bucket travels (`flwr_sharded.parallel.wire`): the shards as they are, or deltas in `wire_dtype`
@@ -124,35 +123,31 @@ class ShardSync:
         self._rule_state: list[dict[str, torch.Tensor]] | None = None
         self.max_weight: float | None = None
         """The largest weight a member may bring to a sync (`flwr_sharded.parallel.admission`); None: unchecked."""
+        self._refused: dict[int, SyncRejected] = {}
         self.left_out: list[int] = []
         """The members (indices in the federation group) the last sync's admission left out."""
         self.bound = MoveBound(max_move)
         """How far a result may move this rank's buckets, and the moves adopted so far."""
 
     # ----- planning -------------------------------------------------------------------------------------------
-    def _plan_buckets(self, bucket_bytes: int) -> list[tuple[torch.dtype, list[_Segment]]]:
-        """Pack shards, grouped by dtype, into buckets of at most `bucket_bytes`; large shards are split."""
-        buckets: list[tuple[torch.dtype, list[_Segment]]] = []
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i, p in enumerate(self.params):
-            by_dtype.setdefault(local_shard(p).dtype, []).append(i)
-        for dtype, indices in by_dtype.items():
-            capacity = max(1, bucket_bytes // _itemsize(dtype))
-            current: list[_Segment] = []
-            used = 0
-            for i in indices:
-                numel, start = local_shard(self.params[i]).numel(), 0
-                while start < numel:
-                    take = min(numel - start, capacity - used)
-                    current.append(_Segment(i, start, start + take, used))
-                    used += take
-                    start += take
-                    if used == capacity:
-                        buckets.append((dtype, current))
-                        current, used = [], 0
-            if current:
-                buckets.append((dtype, current))
-        return buckets
+    def _plan_channels(self) -> tuple[list[Owners], list[list[tuple[int, int, int]]]]:
+        """This rank's channels and, per channel, the (shard, start, end) element ranges it syncs there: every
+        shard whole in one channel when the groups shard alike, else its pieces (`flwr_sharded.parallel.sync_plan`)."""
+        if self.seat is None:
+            return [()], [[(i, 0, local_shard(p).numel()) for i, p in enumerate(self.params)]]
+        plan = self.plan()
+        for i, (name, p) in enumerate(zip(self.names, self.params)):
+            expected = plan.expected_numel(i, self.seat.group, self.seat.shard)
+            if local_shard(p).numel() != expected:
+                raise ValueError(f"'{name}' holds {local_shard(p).numel()} elements on shard {self.seat.shard} of "
+                                 f"group {self.seat.group}, but the sync plan of groups S={list(self.seat.layouts)} "
+                                 f"expects {expected} (FSDP2's row chunking on dim 0)")
+        ranges = plan.local_ranges(self.seat.group, self.seat.shard)
+        return list(ranges), list(ranges.values())
+
+    def plan(self) -> SyncPlan:
+        """The pieces of these parameters under the groups' layouts (`seat`)."""
+        return SyncPlan(self.seat.layouts, tuple(tuple(p.shape) for p in self.params))
 
     @property
     def num_buckets(self) -> int:
@@ -167,18 +162,16 @@ class ShardSync:
         if self._views is not None and pointers == self._pointers:
             return self._views
         if self._buffer is None:
-            largest = max(sum(s.end - s.start for s in segs) * _itemsize(dt) for dt, segs in self._buckets)
+            largest = max(b.numel * itemsize(b.dtype) for b in self._buckets)
             self._buffer = torch.empty(largest, dtype=torch.uint8, device=local_shard(self.params[0]).device)
             if self.delta:
-                self.wire.reserve(self._workspace, max(sum(s.end - s.start for s in segs) for _, segs in self._buckets),
-                                  self._buffer.device)
+                self.wire.reserve(self._workspace, max(b.numel for b in self._buckets), self._buffer.device)
         shards = [local_shard(p).view(-1) for p in self.params]
         self._views = []
-        for dtype, segments in self._buckets:
-            numel = sum(s.end - s.start for s in segments)
-            flat = self._buffer[:numel * _itemsize(dtype)].view(dtype)
-            self._views.append((flat, [shards[s.shard][s.start:s.end] for s in segments],
-                                [flat[s.offset:s.offset + s.end - s.start] for s in segments]))
+        for bucket in self._buckets:
+            flat = self._buffer[:bucket.numel * itemsize(bucket.dtype)].view(bucket.dtype)
+            self._views.append((flat, [shards[s.shard][s.start:s.end] for s in bucket.segments],
+                                [flat[s.offset:s.offset + s.end - s.start] for s in bucket.segments]))
         self._pointers = pointers
         return self._views
 
@@ -188,9 +181,16 @@ class ShardSync:
         return fingerprint(self.names, self.params)
 
     def check_alignment(self) -> None:
-        """Compare fingerprints across the federation group; raise `ShardAlignmentError` naming the first mismatch
-        (on the other replicas too, told by replica 0). Changes nothing."""
-        check_alignment(self.names, self.params, self.fed_group, self.rep_group)
+        """Compare fingerprints across the federation group (each channel's pieces across its group, when the groups
+        shard differently); raise `ShardAlignmentError` naming the first mismatch (on the other replicas too, told
+        by replica 0). Changes nothing."""
+        if self.seat is None:
+            check_alignment(self.names, self.params, self.fed_group, self.rep_group)
+        else:
+            plan, dtypes = self.plan(), [str(p.dtype) for p in self.params]
+            described = [(plan.describe(key, self.names, dtypes), group) for key, group in zip(self.channels, self.groups)]
+            check_descriptors(described if self.fed_group is not None else [], self.rep_group,
+                              local_shard(self.params[0]).device)
         self._aligned = True
 
     @property
@@ -198,12 +198,29 @@ class ShardSync:
         """Whether the alignment with the current peers was checked (`check_alignment`)."""
         return self._aligned
 
-    def rebind(self, fed_group: dist.ProcessGroup | None, rep_group: dist.ProcessGroup | None = None) -> None:
-        """Sync over other groups from now on (a new round's members), keeping buckets, buffer and rule state.
+    @property
+    def fed_group(self) -> dist.ProcessGroup | None:
+        """The process group of this rank's (first) channel; None on ranks that do not join the reduction."""
+        return self.groups[0] if self.groups else None
+
+    def rebind(self, fed_group: dist.ProcessGroup | Mapping[Owners, dist.ProcessGroup] | None,
+               rep_group: dist.ProcessGroup | None = None) -> None:
+        """Sync over other groups from now on (a new round's members), keeping buckets, buffer and rule state:
+        one process group, or, when the groups shard differently, every channel's (keyed by its owners).
 
         The alignment with the new peers is checked again before the next sync.
         """
-        self.fed_group, self.rep_group = fed_group, rep_group
+        if fed_group is None:
+            self.groups = [None] * len(self.channels)
+        elif self.seat is None:
+            self.groups = [fed_group]
+        else:
+            missing = [key for key in self.channels if key not in fed_group]
+            if missing:
+                raise ValueError(f"no process group for channel(s) {missing} of shard {self.seat.shard} of group "
+                                 f"{self.seat.group}")
+            self.groups = [fed_group[key] for key in self.channels]
+        self.rep_group = rep_group
         self._aligned = False
 
     # ----- outer state ----------------------------------------------------------------------------------------
@@ -268,41 +285,47 @@ class ShardSync:
         start = time.perf_counter()
         nbytes = 0
         views = self.bucket_views()
-        total, weights, bad = 0.0, [], None  # bad: the first bucket rejected here; it and later ones keep our values
-        if self.fed_group is not None:
+        joins = self.fed_group is not None
+        admissions: list[Admission | None] = []
+        bad: dict[int, int] = {}  # channel -> its first bucket rejected here; it and its later ones keep our values
+        if joins:
             ok, norms = self.own_verdict([shard_segments for _, shard_segments, _ in views], weight)
-            admission = self.admit(weight, ok)
+            admissions = self.admit(weight, ok)
             self.bound.begin(weight, ok, norms)
-            total, weights = admission.total, admission.weights
         for k, (flat, shard_segments, buffer_segments) in enumerate(views):
+            c = self.channel_of(k)
             torch._foreach_copy_(buffer_segments, shard_segments)
-            if self.fed_group is not None and bad is None:
+            if joins and admissions[c] is None:
+                continue  # nobody of this channel may contribute: it keeps everyone's values and is rejected
+            if joins and c not in bad:
                 self.bound.keep(k, flat)  # the result's norm and move are then read from `flat`
-            if self.fed_group is not None and self.rule.linear:
-                nbytes += self.reduce_bucket(k, flat, admission.mine / total)
-            elif self.fed_group is not None:
+            if joins and self.rule.linear:
+                nbytes += self.reduce_bucket(k, flat, self.share(k, admissions))
+            elif joins:
+                weights = admissions[c].weights
                 members = [torch.empty_like(flat) for _ in weights]
-                dist.all_gather(members, flat, group=self.fed_group)
+                dist.all_gather(members, flat, group=self.groups[c])
                 admitted = [(m, w) for m, w in zip(members, weights) if w > 0]
                 self._apply(k, flat, lambda g, st: self.rule.aggregate(g, admitted, st))
                 nbytes += flat.numel() * flat.element_size()
-            if self.fed_group is not None and bad is None and not self.accepts(k, buffer_segments, shard_segments):
-                bad = k
-            if bad is None:
+            if joins and c not in bad and not self.accepts(k, buffer_segments, shard_segments):
+                bad[c] = k
+            if c not in bad:
                 self.finish_bucket(k, flat, shard_segments, buffer_segments,
                                    apply_rule=apply_rule and self.rule.linear, alpha=alpha)
-        if self.fed_group is not None:
+        if joins:
 
             def contribution(k: int) -> tuple[torch.Tensor, bool]:
                 flat, shard_segments, buffer_segments = views[k]
                 torch._foreach_copy_(buffer_segments, shard_segments)
-                return flat, bad == k  # not written: the shards still hold this rank's contribution
+                return flat, bad.get(self._buckets[k].channel) == k  # not written: still this rank's values
 
-            self.conclude(bad, weights, flat.device, contribution)  # raises on every member unless adopted
-        if self.fed_group is not None and self.delta and isinstance(self.rule, FedAvg):
+            self.conclude(bad, admissions, flat.device, contribution)  # raises on every member unless adopted
+        if joins and self.delta and isinstance(self.rule, FedAvg):
             self.store_global()  # after every bucket succeeded: a failed sync leaves the global shards as they were
-        buckets = len(views) if self.fed_group is not None else 0
-        return SyncStats(seconds=time.perf_counter() - start, buckets=buckets, bytes=nbytes, total_weight=total)
+        total = admissions[0].total if joins else 0.0
+        return SyncStats(seconds=time.perf_counter() - start, buckets=len(views) if joins else 0, bytes=nbytes,
+                         total_weight=total)
 
     def own_verdict(self, buckets: list[list[torch.Tensor]], weight: float) -> tuple[bool, list[float] | None]:
         """This member's verdict on what it sends (`buckets`: their segments) and, when the move is bounded, each
@@ -315,32 +338,63 @@ class ShardSync:
         finite, and plausible when the move is bounded (`flwr_sharded.parallel.plausibility`), on this rank."""
         return self.bound.plausible(k, means, contribution) if self.bound.enabled else all_finite(means)
 
-    def conclude(self, bad: int | None, weights: list[float], device: torch.device,
+    def conclude(self, bad: dict[int, int], admissions: list[Admission | None], device: torch.device,
                  contribution: Callable[[int], tuple[torch.Tensor, bool]]) -> None:
-        """The members' vote on this sync's result (`bad`: the first bucket this rank rejected); adopted: its moves
-        join the history. Rejected: the members search the first bucket any of them rejected for its offender
-        (`contribution(k)`: a flat tensor of bucket k and whether it holds this rank's values), then `SyncRejected`
-        is raised on every member, naming the offenders it found."""
-        try:
-            vote(bad is None, self.fed_group, device, first_bad=bad)
-        except SyncRejected as exc:
-            self.bound.discard()
-            if exc.bucket is not None and self.bound.enabled and self.rule.linear:
-                flat, intact = contribution(exc.bucket)
-                exc.offenders = identify(flat, intact, weights, self.bound, exc.bucket, self.fed_group)
-                if exc.offenders:
-                    exc.args = (f"{exc.args[0]}; member(s) {exc.offenders} of the federation group sent it (their "
-                                f"contributions alone explain it)",)
-            raise
-        self.bound.record()
+        """The members' vote on this sync's result, channel by channel (`bad`: each channel's first bucket this rank
+        rejected; `admissions`: each channel's, None where nobody could contribute); adopted everywhere: its moves
+        join the history. Rejected: the members of a rejecting channel search the first bucket any of them rejected
+        for its offender (`contribution(k)`: a flat tensor of bucket k and whether it holds this rank's values),
+        then `SyncRejected` is raised on every member of it, naming the offenders found."""
+        rejected: SyncRejected | None = None
+        offenders: set[int] = set()
+        for c, group in enumerate(self.groups):
+            if admissions[c] is None:
+                rejected = rejected or self._refused[c]
+                continue
+            mine = self._channel_buckets[c].index(bad[c]) if c in bad else None
+            try:
+                vote(c not in bad, group, device, first_bad=mine)
+            except SyncRejected as exc:
+                rejected = rejected or exc
+                if exc.bucket is not None and self.bound.enabled and self.rule.linear:
+                    k = self._channel_buckets[c][exc.bucket]
+                    flat, intact = contribution(k)
+                    offenders.update(identify(flat, intact, admissions[c].weights, self.bound, k, group))
+        if rejected is None:
+            self.bound.record()
+            return
+        self.bound.discard()
+        if offenders:
+            rejected.offenders = sorted(offenders)
+            rejected.args = (f"{rejected.args[0]}; member(s) {rejected.offenders} of the federation group sent it "
+                             f"(their contributions alone explain it)",)
+        raise rejected
 
     # ----- the steps of a sync, bucket by bucket (shared with the overlapped sync, `parallel/streaming.py`) -----
-    def admit(self, weight: float, ok: bool) -> Admission:
-        """The members' admitted weights (`flwr_sharded.parallel.admission.admit`; one all-gather); the members
-        left out are kept in `left_out`."""
-        admission = admit(weight, ok, self.max_weight, self.fed_group, local_shard(self.params[0]).device)
-        self.left_out = admission.left_out
-        return admission
+    def admit(self, weight: float, ok: bool) -> list[Admission | None]:
+        """Each channel's admitted weights (`flwr_sharded.parallel.admission.admit`; one all-gather each), None for a
+        channel where no member may contribute (its `SyncRejected` is raised when the sync concludes, after the
+        other channels' collectives); the members left out anywhere are kept in `left_out`."""
+        device = local_shard(self.params[0]).device
+        admissions: list[Admission | None] = []
+        self._refused = {}
+        for c, group in enumerate(self.groups):
+            try:
+                admissions.append(admit(weight, ok, self.max_weight, group, device))
+            except SyncRejected as exc:
+                self._refused[c] = exc
+                admissions.append(None)
+        self.left_out = sorted({j for a in admissions if a is not None for j in a.left_out})
+        return admissions
+
+    def channel_of(self, k: int) -> int:
+        """The index of bucket k's channel among this rank's."""
+        return self._buckets[k].channel
+
+    def share(self, k: int, admissions: list[Admission | None]) -> float:
+        """This member's share of bucket k's mean: its admitted weight over its channel's total."""
+        admission = admissions[self._buckets[k].channel]
+        return admission.mine / admission.total
 
     def reduce_bucket(self, k: int, flat: torch.Tensor, scale: float) -> int:
         """`flat` holds this rank's values of bucket k; on return it holds the groups' weighted mean (a linear rule's
@@ -349,8 +403,8 @@ class ShardSync:
         if scale == 0.0:
             flat.zero_()  # NaN * 0 is NaN; with a delta wire, flat then holds the zero delta
         residual = self.feedback.residual(k, flat) if self.feedback is not None and scale else None
-        return self.wire.reduce(flat, self._global[k] if self.delta else None, scale, self.fed_group,
-                                self._workspace, residual)
+        return self.wire.reduce(flat, self._global[k] if self.delta else None, scale,
+                                self.groups[self._buckets[k].channel], self._workspace, residual)
 
     def finish_bucket(self, k: int, flat: torch.Tensor, shard_segments: list[torch.Tensor],
                       buffer_segments: list[torch.Tensor], *, apply_rule: bool, alpha: float = 0.0,
@@ -430,7 +484,7 @@ class ShardSync:
 
     def segments_of(self, k: int, flat: torch.Tensor) -> list[torch.Tensor]:
         """Views of a flat tensor of bucket k's size, laid out as bucket k's shard segments."""
-        return [flat[seg.offset:seg.offset + seg.end - seg.start] for seg in self._buckets[k][1]]
+        return [flat[seg.offset:seg.offset + seg.end - seg.start] for seg in self._buckets[k].segments]
 
     def _apply(self, k: int, flat: torch.Tensor, step: Any) -> None:
         """Run the rule on bucket k: write the new global values into `flat`, keep them (and the state)."""
@@ -442,6 +496,3 @@ class ShardSync:
             self._global[k].copy_(new)
             self._rule_state[k] = state
 
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()

@@ -99,14 +99,40 @@ class SyncPlan:
             out.setdefault(p.owners, []).append((p.param, (p.start - first) * row, (p.end - first) * row))
         return {c: out[c] for c in sorted(out)}
 
+    def describe(self, owners: Owners, names: Sequence[str], dtypes: Sequence[str]) -> list[str]:
+        """What channel `owners` syncs, piece by piece (every member of the channel must describe it alike)."""
+        return [f"{names[p.param]}|{tuple(self.shapes[p.param])}|{dtypes[p.param]}|rows {p.start}:{p.end}|groups "
+                f"S={list(self.layouts)}" for p in self.pieces() if p.owners == owners]
+
+    def expected_numel(self, param: int, group: int, shard: int) -> int:
+        """Elements of parameter `param` that shard `shard` of group `group` holds."""
+        shape = self.shapes[param]
+        start, end = shard_rows(rows_of(shape), self.layouts[group], shard)
+        return (end - start) * row_numel(shape)
+
     def elements(self) -> int:
         """Elements of the model (every piece counted once)."""
         return sum(prod(shape) for shape in self.shapes)
 
     def shard_elements(self, group: int, shard: int) -> int:
         """Elements shard `shard` of group `group` holds."""
-        return sum(row_numel(shape) * (lambda r: r[1] - r[0])(shard_rows(rows_of(shape), self.layouts[group], shard))
-                   for shape in self.shapes)
+        return sum(self.expected_numel(i, group, shard) for i in range(len(self.shapes)))
+
+
+@dataclass(frozen=True)
+class Seat:
+    """Where a rank sits in a federation of groups that shard differently."""
+
+    layouts: tuple[int, ...]
+    """Every group's sharding degree S, in member order."""
+    group: int
+    """This rank's group (its member index)."""
+    shard: int
+    """This rank's shard index in its group."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.group < len(self.layouts) or not 0 <= self.shard < self.layouts[self.group]:
+            raise ValueError(f"shard {self.shard} of group {self.group} is not a seat of groups S={list(self.layouts)}")
 
 
 def rows_of(shape: Sequence[int]) -> int:
@@ -124,5 +150,5 @@ def channel_ranks(owners: Owners, bases: Sequence[int]) -> list[int]:
     return [base + s for base, s in zip(bases, owners)]
 
 
-__all__ = ["Owners", "Piece", "SyncPlan", "channel_ranks", "owner_of", "pieces_of", "row_numel", "rows_of",
+__all__ = ["Owners", "Piece", "Seat", "SyncPlan", "channel_ranks", "owner_of", "pieces_of", "row_numel", "rows_of",
            "shard_rows"]

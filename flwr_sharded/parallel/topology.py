@@ -1,16 +1,20 @@
-"""The F x R x S process mesh: federation, replication and sharding dimensions, from `init_device_mesh`."""
+"""The F x R x S process mesh: federation, replication and sharding dimensions, from `init_device_mesh`; or, when the
+groups shard differently (`group-shards`), each group's own R x S_g mesh and the channels its shards are averaged
+over (`flwr_sharded.parallel.sync_plan`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+import os
 from datetime import timedelta
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from flwr_sharded.errors import ConfigError
+from flwr_sharded.parallel.sync_plan import Owners, Seat, SyncPlan, channel_ranks
 
 MESH_DIMS = ("fed", "rep", "shard")
 
@@ -111,6 +115,29 @@ class Topology:
         ranks = p.federations * self.group_world
         return f"{p.method}: F={p.federations} x R={p.replicas} x S={p.shards} = {ranks} ranks"
 
+    # ----- what the federation's code asks of either kind of topology ----------------------------------------
+    seat: Seat | None = None
+    """Where this rank sits among groups that shard differently; None here (every group shards alike)."""
+
+    @property
+    def group_worlds(self) -> list[int]:
+        """Every federation group's ranks."""
+        return [self.group_world] * self.config.federations
+
+    def group_ranks(self, f: int) -> list[int]:
+        """The global ranks of federation group f."""
+        return list(range(f * self.group_world, (f + 1) * self.group_world))
+
+    def sync_groups(self, shapes: Sequence[tuple[int, ...]]) -> dist.ProcessGroup | None:
+        """The process group(s) a shard sync of parameters of these global shapes runs over (collective over the
+        world: call it on every rank): the mesh's "fed" group."""
+        return self.fed_group
+
+    @property
+    def leaders(self) -> dist.ProcessGroup | None:
+        """A group of one rank per federation group (its vote of a commit); None: each shard index votes."""
+        return None
+
 
 def check_world_size(config: MeshLayout, world_size: int) -> None:
     """ConfigError unless `world_size` processes make the F x R x S mesh."""
@@ -120,25 +147,151 @@ def check_world_size(config: MeshLayout, world_size: int) -> None:
                           f"{config.shards} = {ranks}; launch {ranks} processes or change federations/replicas/shards")
 
 
-def init_topology(config: MeshLayout, timeout_s: float = 600.0) -> Topology:
-    """Start the default process group (NCCL on GPUs, gloo on CPU) and build the (F, R, S) mesh.
-
-    Expects the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) and a validated layout
-    (`flwr_sharded.config.validate_parallel`); checks that the world makes the mesh.
-    """
+def _start_world(config: MeshLayout, ranks: int, timeout_s: float) -> str:
+    """Start the default process group (NCCL on GPUs, gloo on CPU) unless it runs; ConfigError unless it has `ranks`
+    processes. Returns the device type."""
     device = device_type()
     if not dist.is_initialized():
-        import os
-
-        check_world_size(config, int(os.environ.get("WORLD_SIZE", "1")))
+        size = int(os.environ.get("WORLD_SIZE", "1"))
+        if size != ranks:
+            raise ConfigError(f"world size {size} != the layout's {ranks} ranks; launch {ranks} processes or change "
+                              f"federations/replicas/shards/group-shards")
         if device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         backend = backend_for(device) if config.backend == "auto" else config.backend
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-    else:
-        check_world_size(config, dist.get_world_size())
+    elif dist.get_world_size() != ranks:
+        raise ConfigError(f"world size {dist.get_world_size()} != {ranks} ranks of the layout")
+    return device
+
+
+def init_topology(config: MeshLayout, timeout_s: float = 600.0) -> Topology | GroupsTopology:
+    """Start the default process group (NCCL on GPUs, gloo on CPU) and build the (F, R, S) mesh, or, when the groups
+    shard differently, each group's mesh (`init_groups_topology`).
+
+    Expects the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) and a validated layout
+    (`flwr_sharded.layout_checks.validate_parallel`); checks that the world makes the mesh.
+    """
+    layouts = tuple(getattr(config, "layouts", ()) or (config.shards,) * config.federations)
+    if len(set(layouts)) > 1:
+        return init_groups_topology(config, layouts, timeout_s)
+    check_world_size(config, dist.get_world_size() if dist.is_initialized() else
+                     int(os.environ.get("WORLD_SIZE", "1")))
+    device = _start_world(config, config.federations * config.replicas * config.shards, timeout_s)
     mesh = init_device_mesh(device, (config.federations, config.replicas, config.shards), mesh_dim_names=MESH_DIMS)
     own = None
     if config.federations > 1 and config.replicas * config.shards == 1:  # every rank calls new_group, in this order
         own = dist.new_group(list(range(dist.get_world_size())))
     return Topology(mesh=mesh, config=config, group_mesh=mesh["rep", "shard"]._flatten("group"), own_fed_group=own)
+
+
+@dataclass
+class GroupsTopology:
+    """This rank's place in a federation of groups that shard differently (S_g per group, R for all): its group's
+    own (rep, shard) mesh, and the channels its shards are averaged over, one process group each."""
+
+    mesh: DeviceMesh
+    """This group's mesh: ("rep", "shard") for R > 1, else ("shard",)."""
+    config: MeshLayout
+    layouts: tuple[int, ...]
+    """Every group's S, in member order."""
+    fed_index: int
+    group_pg: dist.ProcessGroup
+    """All ranks of this federation group."""
+    leaders: dist.ProcessGroup
+    """Rank 0 of every group (the members' commit vote)."""
+    channels: dict[Owners, dist.ProcessGroup] = field(default_factory=dict)
+    """The channels' process groups made so far (`sync_groups`)."""
+
+    @property
+    def replicas(self) -> int:
+        return self.config.replicas
+
+    @property
+    def replica_index(self) -> int:
+        return self.mesh.get_local_rank("rep") if self.replicas > 1 else 0
+
+    @property
+    def shard_index(self) -> int:
+        return self.mesh.get_local_rank("shard")
+
+    @property
+    def group_world(self) -> int:
+        return self.replicas * self.layouts[self.fed_index]
+
+    @property
+    def group_worlds(self) -> list[int]:
+        return [self.replicas * s for s in self.layouts]
+
+    @property
+    def group_rank(self) -> int:
+        return self.replica_index * self.layouts[self.fed_index] + self.shard_index
+
+    def base(self, f: int) -> int:
+        """Group f's first global rank."""
+        return sum(self.group_worlds[:f])
+
+    def group_ranks(self, f: int) -> list[int]:
+        return list(range(self.base(f), self.base(f) + self.group_worlds[f]))
+
+    @property
+    def dp_index(self) -> int:
+        return self.base(self.fed_index) + self.group_rank
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        return self.mesh
+
+    @property
+    def rep_group(self) -> dist.ProcessGroup | None:
+        return self.mesh.get_group("rep") if self.replicas > 1 else None
+
+    @property
+    def fed_group(self) -> None:
+        """No one group holds a shard index of every group: the sync runs over channels (`sync_groups`)."""
+        return None
+
+    @property
+    def seat(self) -> Seat:
+        return Seat(self.layouts, self.fed_index, self.shard_index)
+
+    def sync_groups(self, shapes: Sequence[tuple[int, ...]]) -> dict[Owners, dist.ProcessGroup]:
+        """Every channel's process group for parameters of these global shapes (replica 0 of each owner), made on
+        every rank in the plan's order (collective over the world: call it on every rank)."""
+        bases = [self.base(f) for f in range(len(self.layouts))]
+        for owners in SyncPlan(self.layouts, tuple(map(tuple, shapes))).channels():
+            if owners not in self.channels:
+                self.channels[owners] = dist.new_group(channel_ranks(owners, bases))
+        return self.channels
+
+    def describe(self) -> str:
+        sizes = ", ".join(f"S={s}" for s in self.layouts)
+        return (f"{self.config.method}: {len(self.layouts)} groups of R={self.replicas} x ({sizes}) = "
+                f"{sum(self.group_worlds)} ranks")
+
+
+def init_groups_topology(config: MeshLayout, layouts: tuple[int, ...], timeout_s: float = 600.0) -> GroupsTopology:
+    """Start the world of R x sum(S_g) ranks, group after group, and build this rank's group mesh; every rank makes
+    every group's process groups, in the same order."""
+    R = config.replicas
+    device = _start_world(config, R * sum(layouts), timeout_s)
+    rank = dist.get_rank()
+    bases = [R * sum(layouts[:f]) for f in range(len(layouts))]
+    fed = max(f for f, base in enumerate(bases) if base <= rank)
+    r, s = divmod(rank - bases[fed], layouts[fed])
+    own: dict[str, object] = {}
+    for f, S in enumerate(layouts):
+        grid = torch.arange(bases[f], bases[f] + R * S).view(R, S)
+        whole = dist.new_group(grid.flatten().tolist())
+        reps = [dist.new_group(grid[:, j].tolist()) for j in range(S)] if R > 1 else []
+        shards = [dist.new_group(grid[i].tolist()) for i in range(R)]
+        if f == fed:
+            own = {"grid": grid, "whole": whole, "rep": reps[s] if reps else None, "shard": shards[r]}
+    leaders = dist.new_group(bases)
+    if R > 1:
+        mesh = DeviceMesh.from_group([own["rep"], own["shard"]], device, mesh=own["grid"],
+                                     mesh_dim_names=("rep", "shard"))
+    else:
+        mesh = DeviceMesh.from_group(own["shard"], device, mesh=own["grid"][0], mesh_dim_names=("shard",))
+    return GroupsTopology(mesh=mesh, config=config, layouts=layouts, fed_index=fed, group_pg=own["whole"],
+                          leaders=leaders)

@@ -59,7 +59,7 @@ META_PART = META + ".part"
 FAULT_COMMIT_DELAY_ENV = "FLWR_SHARDED_FAULT_COMMIT_DELAY_S"
 """Fault-injection hook for tests: seconds to sleep between writing a checkpoint and committing it (unset: none)."""
 
-MUST_MATCH = ("parallel.method", "parallel.federations", "parallel.replicas", "parallel.shards", "parallel.outer",
+MUST_MATCH = ("parallel.method", "parallel.federations", "parallel.replicas", "parallel.shards", "parallel.group_shards", "parallel.outer",
               "model.name", "data.dataset", "data.seq_len", "data.partition", "batch_size", "grad_accum", "seed",
               "optim.optimizer")
 """What a resumed run must share with its checkpoint: layout, model, data, batches, seed and optimizer."""

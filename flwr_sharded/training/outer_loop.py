@@ -75,14 +75,15 @@ class StaticFederation:
     def __init__(self, topo: Topology, wait_timeout: float | None) -> None:
         self.topo, self.wait_timeout = topo, wait_timeout
         self.member_index, self.members = topo.fed_index, topo.config.federations
-        W = topo.group_world
-        groups = [dist.new_group([f * W + k for k in range(W)], backend="gloo") for f in range(self.members)]
+        groups = [dist.new_group(topo.group_ranks(f), backend="gloo") for f in range(self.members)]
         self.control = groups[topo.fed_index]  # every rank makes every group, in the same order
 
     def join(self) -> None:
         pass
 
     def vote_group(self) -> dist.ProcessGroup | None:
+        if self.topo.leaders is not None:  # groups that shard differently: their rank 0s vote for them
+            return self.topo.leaders if self.topo.group_rank == 0 else None
         return self.topo.fed_group if self.topo.replica_index == 0 else None
 
     def gather(self, obj: Any) -> list[Any]:

@@ -16,8 +16,8 @@ def _generator(*parts: object) -> torch.Generator:
 
 
 def partition_indices(n_blocks: int, *, fed_index: int, num_feds: int, dp_index: int, dp_world: int,
-                      seed: int, epoch: int, partition: str = "iid",
-                      doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+                      seed: int, epoch: int, partition: str = "iid", doc_ids: torch.Tensor | None = None,
+                      group: tuple[int, int] | None = None) -> torch.Tensor:
     """The train block indices data-parallel rank `dp_index` (federation group `fed_index`) uses in `epoch`.
 
     iid: one permutation of all blocks from (seed, epoch); the rank takes every `dp_world`-th entry from `dp_index`,
@@ -27,18 +27,22 @@ def partition_indices(n_blocks: int, *, fed_index: int, num_feds: int, dp_index:
     group's size in `dp_world // num_feds`), as on the server path with a different S per facility.
     document: the blocks are cut into `num_feds` contiguous ranges at document starts (`doc_ids`); group f shuffles
     range f with (seed, epoch, f) and its ranks take every `dp_world // num_feds`-th entry.
+    `group`: (this rank's index in its group, the group's ranks) when groups have different sizes in one world
+    (`group-shards`); by default every group has `dp_world // num_feds` ranks.
     """
-    if num_feds < 1 or dp_world < 1 or dp_world % num_feds:
-        raise ValueError(f"dp_world ({dp_world}) must be a positive multiple of num_feds ({num_feds})")
-    group_world = dp_world // num_feds
-    if not 0 <= dp_index < dp_world or fed_index != dp_index // group_world:
+    if group is None:
+        if num_feds < 1 or dp_world < 1 or dp_world % num_feds:
+            raise ValueError(f"dp_world ({dp_world}) must be a positive multiple of num_feds ({num_feds})")
+        group = (dp_index - fed_index * (dp_world // num_feds), dp_world // num_feds)
+    rank, group_world = group
+    if not 0 <= dp_index < dp_world or not 0 <= rank < group_world or not 0 <= fed_index < num_feds:
         raise ValueError(f"dp_index {dp_index} is not a rank of federation group {fed_index} "
-                         f"({num_feds} groups of {group_world} in a world of {dp_world})")
+                         f"({num_feds} groups, this one of {group_world}, in a world of {dp_world})")
     if partition == "iid":
         indices = torch.randperm(n_blocks, generator=_generator("iid", seed, epoch))[dp_index::dp_world]
     elif partition == "iid-groups":
-        group = torch.randperm(n_blocks, generator=_generator("iid", seed, epoch))[fed_index::num_feds]
-        indices = group[dp_index - fed_index * group_world::group_world]
+        members_of_group = torch.randperm(n_blocks, generator=_generator("iid", seed, epoch))[fed_index::num_feds]
+        indices = members_of_group[rank::group_world]
     elif partition == "document":
         if doc_ids is None or len(doc_ids) != n_blocks:
             raise ValueError(f"partition 'document' needs doc_ids for all {n_blocks} blocks")
@@ -46,7 +50,7 @@ def partition_indices(n_blocks: int, *, fed_index: int, num_feds: int, dp_index:
         first_block = torch.searchsorted(doc_ids, doc_ids, right=False)
         members = torch.nonzero(first_block * num_feds // n_blocks == fed_index).flatten()
         order = torch.randperm(len(members), generator=_generator("document", seed, epoch, fed_index))
-        indices = members[order][dp_index - fed_index * group_world::group_world]
+        indices = members[order][rank::group_world]
     else:
         raise ValueError(f"unknown partition {partition!r}; use iid, iid-groups or document")
     if len(indices) == 0:
@@ -62,10 +66,10 @@ class BatchStream:
     """
 
     def __init__(self, blocks: TokenBlocks, *, batch_size: int, fed_index: int, num_feds: int, dp_index: int,
-                 dp_world: int, seed: int, partition: str = "iid") -> None:
+                 dp_world: int, seed: int, partition: str = "iid", group: tuple[int, int] | None = None) -> None:
         self._train, self._doc_ids, self.batch_size = blocks.train, blocks.train_doc_ids, batch_size
         self._layout = dict(fed_index=fed_index, num_feds=num_feds, dp_index=dp_index, dp_world=dp_world,
-                            seed=seed, partition=partition)
+                            seed=seed, partition=partition, group=group)
         self.epoch, self.position = 0, 0
         self._indices = self._epoch_indices(0)
         if len(self._indices) < batch_size:

@@ -73,7 +73,7 @@ def check_sync(cfg: TrainConfig) -> None:
     wire with a `requirement` (fp8) needs a device that runs it (`flwr_sharded.parallel.wire`)."""
     p = cfg.parallel
     if p.federated and p.sync_fragments > 1:
-        from flwr_sharded.config import check_fragments
+        from flwr_sharded.layout_checks import check_fragments
         from flwr_sharded.training.models import model_config
 
         config = model_config(cfg.model.name, vocab_size=256, max_seq_len=cfg.data.seq_len)  # layers only

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flwr_sharded.config import TrainConfig, config_to_dict, outer_rule
+from flwr_sharded.config import TrainConfig, config_to_dict
+from flwr_sharded.layout_checks import outer_rule
 from flwr_sharded.parallel.contribution import expected_weight_of
 from flwr_sharded.parallel.schedule import Schedule
 from flwr_sharded.parallel.sharding import mixed_precision_policy
@@ -106,10 +107,11 @@ class Trainer:
 
         p = cfg.parallel
         fed_index, num_feds = partition or (topo.fed_index, p.federations)
-        self.stream = BatchStream(self.blocks, batch_size=cfg.batch_size, fed_index=fed_index,
-                                           num_feds=num_feds, dp_index=fed_index * topo.group_world + topo.group_rank,
-                                           dp_world=num_feds * topo.group_world, seed=cfg.seed,
-                                           partition=cfg.data.partition)
+        dp_index, dp_world = ((topo.dp_index, sum(topo.group_worlds)) if partition is None else
+                              (fed_index * topo.group_world + topo.group_rank, num_feds * topo.group_world))
+        self.stream = BatchStream(self.blocks, batch_size=cfg.batch_size, fed_index=fed_index, num_feds=num_feds,
+                                  dp_index=dp_index, dp_world=dp_world, seed=cfg.seed, partition=cfg.data.partition,
+                                  group=(topo.group_rank, topo.group_world))
         n_eval = (min(cfg.data.eval_blocks, len(self.blocks.validation)) // topo.group_world) * topo.group_world
         self.eval_data = eval_batches(self.blocks, batch_size=cfg.batch_size, group_rank=topo.group_rank,
                                                group_world=topo.group_world, max_blocks=n_eval)
@@ -118,17 +120,19 @@ class Trainer:
         if p.federated:
             replica0 = topo.replica_index == 0
             parts = fragment_parameters(self.model, transformer_blocks(self.model), p.sync_fragments)
-            syncs = [ShardSync(part, fed_group=topo.fed_group if static_sync and replica0 else None,
+            # every rank makes the channels' groups of groups that shard differently (a collective of the world)
+            groups = topo.sync_groups([tuple(q.shape) for q in self.model.parameters()]) if static_sync else None
+            syncs = [ShardSync(part, fed_group=groups if replica0 else None,
                                bucket_bytes=int(p.bucket_mb * (1 << 20)), rule=outer_rule(p),
                                wire_dtype=WIRES[p.sync_dtype].torch_dtype(), error_feedback=p.sync_error_feedback,
-                               max_move=p.sync_max_move, topk=p.sync_topk)
+                               max_move=p.sync_max_move, topk=p.sync_topk, seat=topo.seat)
                      for part in parts]
             sync = FragmentedSync(syncs, Schedule(p.aggregate_every, p.sync_fragments, p.sync_delay),
                                   carry=p.carries)
             self._fragment_of = {id(param): i for i, part in enumerate(parts) for _, param in part}
             self.outer = OuterLoop(self, sync, topo, alpha=p.sync_alpha, reset_optimizer_state=p.reset_optimizer_state,
                                    max_weight=lambda steps: expected_weight_of(cfg, steps=steps,
-                                                                               worlds=[topo.group_world]))
+                                                                               worlds=[max(topo.group_worlds)]))
         self.proximal_mu = cfg.optim.proximal_mu
         """FedProx's mu of the current round (0: off)."""
         self.proximal = ProximalTerm(self.model)

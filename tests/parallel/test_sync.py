@@ -192,7 +192,8 @@ def test_bucket_plan_splits_and_covers_every_element():
     params = [("a", torch.zeros(10)), ("b", torch.zeros(7, 3)), ("c", torch.zeros(5, dtype=torch.float64))]
     sync = ShardSync(params, fed_group=None, bucket_bytes=32)  # 8 fp32 or 4 fp64 elements per bucket
     covered: dict[int, int] = {}
-    for dtype, segments in sync._buckets:
+    for bucket in sync._buckets:
+        dtype, segments = bucket.dtype, bucket.segments
         size = sum(s.end - s.start for s in segments)
         assert size * torch.empty((), dtype=dtype).element_size() <= 32
         for s in segments:

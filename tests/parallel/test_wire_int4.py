@@ -57,14 +57,14 @@ def _sync_worker(rank: int, world: int):
         sent = sync.sync(weight=WEIGHTS[topo.fed_index]).bytes
         after = [local_shard(p).clone() for p in model.parameters()]
         residual = [torch.zeros(t.numel(), dtype=torch.float64) for t in after]  # the residuals, per shard
-        for k, (_, segments) in enumerate(sync._buckets):
+        for k, segments in enumerate(b.segments for b in sync._buckets):
             res = sync.feedback.residuals[str(k)]
             for s in segments:
                 residual[s.shard][s.start:s.end] = res[s.offset:s.offset + s.end - s.start].double()
         deltas = [max(float((b[i].double() - g).abs().max()) for _, b in sources) for i, g in enumerate(global_)]
         rounds.append({"after": after, "expected": expected, "residual": residual, "sent": sent, "max_delta": max(deltas),
                        "expected_sent": sum(all_reduce_bytes(sum(s.end - s.start for s in segs), world, INT4)
-                                            for _, segs in sync._buckets)})
+                                            for segs in (b.segments for b in sync._buckets))})
     return rounds
 
 
