@@ -245,8 +245,12 @@ def federation_from_dict(data: dict, where: str = "cluster") -> Federation:
         names.add(name)
         extra = sorted(set(entry) - _FACILITY_KEYS)
         if extra:
-            raise ConfigError(f"{here}: unknown field(s) {', '.join(extra)}; known: {', '.join(sorted(_FACILITY_KEYS))}")
-        merged = {**defaults, **entry, "name": name, "bandwidth": {**inner, **(entry.get("bandwidth") or {})}}
+            raise ConfigError(f"{here}: unknown field(s) {', '.join(extra)}; known: "
+                              f"{', '.join(sorted(_FACILITY_KEYS))}")
+        own = entry.get("bandwidth") or {}
+        if not isinstance(own, dict):
+            raise ConfigError(f"{here}: field 'bandwidth' must be a mapping of tiers, got {own!r}")
+        merged = {**defaults, **entry, "name": name, "bandwidth": {**inner, **own}}
         if "inter_group" in merged["bandwidth"]:
             raise ConfigError(f"{here}: bandwidth.inter_group is the federation's (top level), not a facility's")
         facilities.append(cluster_from_dict(merged, where=here))

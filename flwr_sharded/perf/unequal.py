@@ -72,7 +72,8 @@ class UnequalSync:
         return out
 
 
-def check_layouts(layouts: Sequence[tuple[int, int]], names: Sequence[str] | None = None) -> tuple[tuple[int, int], ...]:
+def check_layouts(layouts: Sequence[tuple[int, int]],
+                  names: Sequence[str] | None = None) -> tuple[tuple[int, int], ...]:
     """The groups' (R, S) as a tuple; ConfigError naming the group unless each is a pair of integers >= 1."""
     if not layouts:
         raise ConfigError("layouts: a federation needs at least one group, got none")

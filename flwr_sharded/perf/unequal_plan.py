@@ -28,12 +28,16 @@ GiB = 1024**3
 def local_steps(A: int, step_times: Sequence[float]) -> tuple[int, ...]:
     """Local steps per sync of each group so that all arrive together: the fastest group's A, and
     A_g = max(1, round(A t_fastest / t_g)) for the others."""
-    if isinstance(A, bool) or not isinstance(A, int) or A < 1:
-        raise ConfigError(f"--aggregate-every: values must be integers >= 1, got {A!r}")
+    _check_steps(A)
     if not step_times or min(step_times) <= 0:
         raise ConfigError(f"step times must be positive, got {list(step_times)}")
     fastest = min(step_times)
     return tuple(max(1, round(A * fastest / t)) for t in step_times)
+
+
+def _check_steps(A: int) -> None:
+    if isinstance(A, bool) or not isinstance(A, int) or A < 1:
+        raise ConfigError(f"--aggregate-every: values must be integers >= 1, got {A!r}")
 
 
 def idle_times(steps: Sequence[int], step_times: Sequence[float]) -> tuple[float, ...]:
@@ -140,7 +144,7 @@ def plan_federation(federation: Federation, model: ModelShape, *, tokens_per_gpu
     if not aggregate_every:
         raise ConfigError("--aggregate-every: give at least one value")
     for A in aggregate_every:
-        local_steps(A, [1.0])
+        _check_steps(A)
     per_facility = [facility_layouts(f, model, F, tokens_per_gpu_batch=tokens_per_gpu_batch,
                                      bytes_per_param=bytes_per_param, memory_fraction=memory_fraction, step=step,
                                      **options) for f in federation.facilities]

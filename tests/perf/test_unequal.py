@@ -9,10 +9,12 @@ import pytest
 import yaml
 
 from flwr_sharded.errors import ConfigError
+from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES, sync_wire_ratio
 from flwr_sharded.parallel.sync_plan import shard_rows
 from flwr_sharded.perf import plan_cli
 from flwr_sharded.perf.cluster import Federation, federation_from_dict, load_cluster, load_description
 from flwr_sharded.perf.costmodel import Units, comm_terms
+from flwr_sharded.perf.memory_model import StepOptions
 from flwr_sharded.perf.model_shape import ModelShape
 from flwr_sharded.perf.placement import Placement, rank_traffic
 from flwr_sharded.perf.unequal import unequal_sync
@@ -61,6 +63,9 @@ def test_equal_layouts_reduce_to_the_equal_formulas(F, R, S):
     terms = comm_terms(method, units, S=S, R=R, F=F, A=A, B_S=1e12, B_R=B_R, B_F=B_F, wire_ratio=wire)
     assert sync.time == pytest.approx(terms.sync * A) and sync.busiest == pytest.approx(sync.time)
     assert sync.broadcast_bytes[0] == pytest.approx((R - 1) * units.total)
+    tiers = sync.tiers(0, placement.dim_tier("replica"))
+    assert tiers == ({"inter_group": pytest.approx(sync.group_bytes[0]), "intra_node": sync.broadcast_bytes[0]}
+                     if R > 1 else {"inter_group": pytest.approx(sync.group_bytes[0])})
 
 
 def test_sync_time_follows_the_channel_order():
@@ -142,6 +147,10 @@ def test_a_facility_too_small_for_any_shard_count_is_named():
     ({"facilities": [FEDERATION["facilities"][0], {**FEDERATION["facilities"][1], "nodes": 0}]},
      "facility fast: field 'nodes'"),
     ({"facilities": [FEDERATION["facilities"][0]] * 2}, "facility slow: two facilities"),
+    ({"facilities": [FEDERATION["facilities"][0], {**FEDERATION["facilities"][1], "bandwidth": "1Gbit"}]},
+     "facility fast: field 'bandwidth'"),
+    ({"facilities": [FEDERATION["facilities"][0], {**FEDERATION["facilities"][1], "flops_per_gpu": "fast"}]},
+     "facility fast: flops_per_gpu"),
 ])
 def test_bad_federation_names_the_facility_and_field(change, match):
     with pytest.raises(ConfigError, match=match):
@@ -177,3 +186,29 @@ def test_cli_plans_the_example_federation(capsys):
     assert max(sites[0]["rank_bytes"]) == pytest.approx(2 * max(sites[1]["rank_bytes"]))  # half the shards
     assert _cli("--cluster", str(path), "--layouts", "paper") == 2
     assert "federation of facilities" in capsys.readouterr().err
+
+
+def test_the_worked_example_of_the_docs():
+    # docs/cost-model.md, "Unequal federations": 8 rows of 1,000 fp32 values, S = 2 and S = 4, 10 Gbit/s
+    def sync(*layouts):
+        return unequal_sync(layouts, [(8, 1000)], bytes_per_param=4, B_F=10e9)
+
+    mixed = sync((1, 2), (1, 4))
+    assert mixed.rank_bytes == ((16e3, 16e3), (8e3,) * 4) and mixed.group_bytes == (32e3, 32e3)
+    assert mixed.time == pytest.approx(12.8e-6) and mixed.busiest == pytest.approx(12.8e-6)
+    assert sync((1, 4), (1, 4)).time == pytest.approx(6.4e-6) and sync((1, 2), (1, 2)).time == pytest.approx(12.8e-6)
+
+
+def test_the_sync_wire_scales_as_the_planners():
+    fed = federation_from_dict(FEDERATION)
+
+    def group_bytes(**kwargs):
+        best = plan_federation(fed, MODEL, tokens_per_gpu_batch=1024, aggregate_every=(8,), bytes_per_param=4.0,
+                               **kwargs)[0]
+        return best.sync.group_bytes[0]
+
+    assert group_bytes() == pytest.approx(MODEL.num_params * 4.0)  # 2 (F-1)/F = 1 for F = 2
+    int8 = SYNC_DTYPE_BYTES["int8"]
+    assert group_bytes(sync_bytes_per_param=int8) == pytest.approx(MODEL.num_params * int8)
+    topk = group_bytes(sync_bytes_per_param=int8, step=StepOptions(sync_dtype="int8", sync_topk=0.02))
+    assert topk == pytest.approx(MODEL.num_params * 4.0 * sync_wire_ratio("int8", 0.02, 2))
