@@ -191,8 +191,75 @@ def cluster_from_dict(data: Any, where: str = "cluster") -> Cluster:
     )
 
 
-def load_cluster(path: str | Path) -> Cluster:
-    """Read and validate a cluster YAML file (see examples/clusters/)."""
+@dataclass(frozen=True)
+class Federation:
+    """Facilities of their own sizes and GPUs (one `Cluster` each, a single node group), joined by one network."""
+
+    name: str
+    """Label for reports."""
+    facilities: tuple[Cluster, ...]
+    """Each facility's nodes, GPUs and inner tiers, named (its `name`), in member order."""
+    inter_group: float
+    """Bits/s one flow between two facilities gets."""
+    shared: bool = False
+    """Whether each facility's flows to the others share one uplink of `inter_group` (the `shared` tier list names
+    inter_group)."""
+
+    @property
+    def gpus(self) -> int:
+        return sum(f.gpus for f in self.facilities)
+
+
+_FEDERATION_KEYS = {"name", "description", "facilities", "bandwidth", "latency", "gpu_memory", "flops_per_gpu",
+                    "backend", "shared"}
+_FACILITY_KEYS = _CLUSTER_KEYS - {"nodes_per_group", "shared"}
+
+
+def federation_from_dict(data: dict, where: str = "cluster") -> Federation:
+    """Validate a federation (`facilities:` a list of facility mappings; the top level's `bandwidth.inter_group`
+    between them, its other fields every facility's defaults); ConfigError names the facility and field."""
+    unknown = sorted(set(data) - _FEDERATION_KEYS)
+    if unknown:
+        raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)} beside 'facilities'; known: "
+                          f"{', '.join(sorted(_FEDERATION_KEYS))} (a facility's nodes go in its own entry)")
+    entries = data["facilities"]
+    if not isinstance(entries, list) or len(entries) < 2:
+        raise ConfigError(f"{where}: field 'facilities' must list at least two facilities, got {entries!r}")
+    bandwidth = data.get("bandwidth") or {}
+    if not isinstance(bandwidth, dict) or "inter_group" not in bandwidth:
+        raise ConfigError(f"{where}: missing field 'bandwidth.inter_group' (between the facilities)")
+    inter_group = parse_bandwidth(bandwidth["inter_group"], f"{where}: bandwidth.inter_group")
+    shared = data.get("shared", [])
+    if shared not in ([], ["inter_group"]):
+        raise ConfigError(f"{where}: field 'shared' of a federation may list only inter_group, got {shared!r}")
+    defaults = {k: v for k, v in data.items() if k in ("latency", "gpu_memory", "flops_per_gpu", "backend")}
+    inner = {t: v for t, v in bandwidth.items() if t != "inter_group"}
+    facilities, names = [], set()
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{where}: facilities[{i}]: expected a mapping of facility fields, got {entry!r}")
+        name = str(entry.get("name", f"facility-{i}"))
+        here = f"{where}: facility {name}"
+        if name in names:
+            raise ConfigError(f"{here}: two facilities have this name")
+        names.add(name)
+        extra = sorted(set(entry) - _FACILITY_KEYS)
+        if extra:
+            raise ConfigError(f"{here}: unknown field(s) {', '.join(extra)}; known: "
+                              f"{', '.join(sorted(_FACILITY_KEYS))}")
+        own = entry.get("bandwidth") or {}
+        if not isinstance(own, dict):
+            raise ConfigError(f"{here}: field 'bandwidth' must be a mapping of tiers, got {own!r}")
+        merged = {**defaults, **entry, "name": name, "bandwidth": {**inner, **own}}
+        if "inter_group" in merged["bandwidth"]:
+            raise ConfigError(f"{here}: bandwidth.inter_group is the federation's (top level), not a facility's")
+        facilities.append(cluster_from_dict(merged, where=here))
+    return Federation(name=str(data.get("name", where)), facilities=tuple(facilities), inter_group=inter_group,
+                      shared=bool(shared))
+
+
+def load_description(path: str | Path) -> Cluster | Federation:
+    """Read and validate a cluster YAML file (see examples/clusters/): a `Federation` if it lists `facilities`."""
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text())
@@ -202,4 +269,15 @@ def load_cluster(path: str | Path) -> Cluster:
         raise ConfigError(f"--cluster: {path} is not valid YAML: {exc}") from exc
     if isinstance(data, dict) and "name" not in data:
         data = {**data, "name": path.stem}
+    if isinstance(data, dict) and "facilities" in data:
+        return federation_from_dict(data, where=str(path))
     return cluster_from_dict(data, where=str(path))
+
+
+def load_cluster(path: str | Path) -> Cluster:
+    """Read and validate a cluster YAML file of one cluster (not a federation of facilities)."""
+    found = load_description(path)
+    if isinstance(found, Federation):
+        raise ConfigError(f"--cluster: {path} describes a federation of facilities; only `flwr-sharded plan` "
+                          f"plans one")
+    return found

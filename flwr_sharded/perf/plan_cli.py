@@ -13,11 +13,12 @@ from flwr_sharded.config import METHODS
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.outer import RULES
 from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES
-from flwr_sharded.perf.cluster import Cluster, load_cluster
+from flwr_sharded.perf.cluster import Cluster, Federation, load_description
 from flwr_sharded.perf.memory_model import StepOptions
 from flwr_sharded.perf.model_shape import ModelShape, model_from_name
 from flwr_sharded.perf.plan_options import PlanOptions
 from flwr_sharded.perf.planner import Candidate, PaperRow, evaluate, explain, paper_layouts, plan
+from flwr_sharded.perf.unequal_plan import FederationCandidate, plan_federation
 
 GiB = 1024**3
 
@@ -144,8 +145,10 @@ def run(parsed: argparse.Namespace) -> int:
         raise SystemExit(2) from None
     step = args.step
     try:
-        cluster = load_cluster(args.cluster)
+        cluster = load_description(args.cluster)
         model = _model_from_args(args)
+        if isinstance(cluster, Federation):
+            return _run_federation(cluster, model, args)
         if args.layouts == "paper":
             rows = paper_layouts(cluster, model, tokens_per_gpu_batch=args.tokens_per_gpu,
                                  bytes_per_param=args.bytes_per_param, latency=args.latency,
@@ -190,3 +193,60 @@ def run(parsed: argparse.Namespace) -> int:
               f"{c.batch_tokens:>14,} {c.memory.total / GiB:>11.1f}  {tiers}")
     print(f"Recommended: {reason}")
     return 0
+
+
+def _federation_options(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(tokens_per_gpu_batch=args.tokens_per_gpu, aggregate_every=tuple(args.aggregate_every),
+                bytes_per_param=args.bytes_per_param, sync_bytes_per_param=SYNC_DTYPE_BYTES.get(args.sync_dtype),
+                memory_fraction=args.memory_fraction, step=args.step, sizes=args.sizes, latency=args.latency,
+                activation_checkpointing=args.activation_checkpointing,
+                state_bytes_per_param=args.state_bytes_per_param)
+
+
+def _run_federation(federation: Federation, model: ModelShape | None, args: argparse.Namespace) -> int:
+    """`plan` on a federation of facilities: each facility's (R, S), its A_g and idle time, the ranked table."""
+    if args.layouts == "paper":
+        raise ConfigError(f"--layouts paper: {federation.name} is a federation of facilities, the paper's layouts "
+                          f"need one 512-GPU cluster")
+    if model is None:
+        raise ConfigError("give a model: --model PRESET|MODEL_DIR|ORG/NAME, or --params N --layers L")
+    ranked = plan_federation(federation, model, **_federation_options(args))
+    best = ranked[0]
+    if args.json:
+        print(json.dumps({"federation": federation.name, "model": model.name,
+                          "candidates": [_federation_dict(c) for c in ranked[:args.top]],
+                          "recommended": _federation_dict(best)}, indent=2))
+        return 0
+    sites = ", ".join(f"{f.name} {f.nodes} x {f.gpus_per_node} GPUs ({f.flops_per_gpu / 1e12:g} TFLOP/s each)"
+                      for f in federation.facilities)
+    print(f"Federation {federation.name}: {sites}; {federation.inter_group / 1e9:g} Gbit/s between facilities"
+          f"{' (one shared uplink each)' if federation.shared else ''}; model {model.name} "
+          f"({model.num_params / 1e9:.3g} B params, {args.bytes_per_param:g} bytes each); {args.tokens_per_gpu} "
+          f"tokens per GPU per step" + (f"; FL sync in {args.sync_dtype}" if args.sync_dtype else ""))
+    print(f"{'#':>3} {'R x S per facility':<24} {'A per facility':<16} {'sync s':>8} {'period s':>9} "
+          f"{'tokens/s':>10} {'max MB/rank':>11}")
+    for i, c in enumerate(ranked[:args.top], 1):
+        shapes = ", ".join(f"{f.R}x{f.S}" for f in c.facilities)
+        steps = ", ".join(str(f.A) for f in c.facilities)
+        print(f"{i:>3} {shapes:<24} {steps:<16} {c.sync.time:>8.4g} {c.period:>9.4g} {c.tokens_per_second:>10,.0f} "
+              f"{c.sync.max_rank_bytes / 1e6:>11.4g}")
+    print(f"Recommended: {best.label()}: {best.tokens_per_second:,.0f} tokens/s; a sync every "
+          f"{best.period:.4g} s = {best.compute_period:.4g} s of local steps + {best.sync.time:.4g} s of sync "
+          f"(busiest rank {best.sync.busiest:.4g} s); larger A saves communication but lets groups drift")
+    print(f"{'facility':<12} {'GPUs':>5} {'R':>3} {'S':>3} {'step s':>8} {'A_g':>4} {'idle s/sync':>11} "
+          f"{'idle, equal A':>13} {'MB/rank/sync':>12} {'mem/GPU GiB':>11}")
+    for g, f in enumerate(best.facilities):
+        print(f"{f.name:<12} {f.gpus:>5} {f.R:>3} {f.S:>3} {f.local.step_time:>8.4g} {f.A:>4} {f.idle:>11.4g} "
+              f"{f.idle_equal:>13.4g} {max(best.sync.rank_bytes[g]) / 1e6:>12.4g} {f.memory.total / GiB:>11.1f}")
+    return 0
+
+
+def _federation_dict(c: FederationCandidate) -> dict[str, Any]:
+    return {"A": c.A, "sync_s": c.sync.time, "sync_busiest_rank_s": c.sync.busiest, "period_s": c.period,
+            "compute_period_s": c.compute_period, "tokens_per_s": c.tokens_per_second,
+            "max_rank_bytes": c.sync.max_rank_bytes,
+            "facilities": [{"name": f.name, "gpus": f.gpus, "R": f.R, "S": f.S, "method": f.local.method,
+                            "step_s": f.local.step_time, "A": f.A, "idle_s": f.idle, "idle_equal_A_s": f.idle_equal,
+                            "rank_bytes": list(c.sync.rank_bytes[g]), "group_bytes": c.sync.group_bytes[g],
+                            "broadcast_bytes": c.sync.broadcast_bytes[g], "memory_gib": f.memory.total / GiB}
+                           for g, f in enumerate(c.facilities)]}

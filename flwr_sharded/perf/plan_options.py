@@ -19,7 +19,8 @@ class PlanOptions:
     """`flwr-sharded plan`: rank every (method, F, R, S, A) layout of a cluster with the cost model."""
 
     cluster: str | None = option(None, required=True)
-    """Cluster YAML (see examples/clusters/)."""
+    """Cluster YAML (see examples/clusters/); one that lists `facilities` plans a federation of facilities of different
+    sizes: each facility's R and S, its local steps per sync and its idle time."""
     model: str | None = None
     """A model as `train --model` takes it: a preset (tiny, small, medium, llama-1b, llama-3b, llama3.1-8b), a Hugging
     Face model directory or hub id (its architecture read from config.json); or a model without either: `params`
@@ -52,7 +53,7 @@ class PlanOptions:
     tokens_per_gpu: int = option(2 * 2048, ge=1)
     """Tokens per GPU per optimizer step (the paper's 2 x 2048), split over `grad-accum` micro-batches."""
     aggregate_every: str = "1,2,4,8,16,32"
-    """Values of A to try for FL methods, comma-separated."""
+    """Values of A to try for FL methods, comma-separated (for a federation of facilities: the fastest one's)."""
     methods: str = ",".join(METHODS)
     """Methods to consider, comma-separated."""
     top: int = option(10, ge=1)
