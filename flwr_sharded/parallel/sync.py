@@ -431,15 +431,17 @@ class ShardSync(OuterState):
             torch._foreach_copy_(shard_segments, buffer_segments)
 
     @torch.no_grad()
-    def broadcast(self, rep_group: dist.ProcessGroup) -> None:
-        """Copy the shards of rank 0 of `rep_group` to its other ranks, one broadcast per bucket (FL+HSDP: replica
-        0 to the other replicas; a rejoining group: a member's shards to the newcomer)."""
-        source = dist.get_rank(rep_group) == 0
-        for flat, shard_segments, buffer_segments in self.bucket_views():
-            if source:
+    def broadcast(self, rep_group: dist.ProcessGroup | None, source: int = 0) -> None:
+        """Copy the shards of rank `source` of `rep_group` to its other ranks, one broadcast per bucket (FL+HSDP:
+        replica 0 to the other replicas; a rejoining group: a member's shards to the newcomer). None: over each
+        bucket's channel, from member `source` (a newcomer of another layout, after `reseat`)."""
+        for k, (flat, shard_segments, buffer_segments) in enumerate(self.bucket_views()):
+            group = rep_group if rep_group is not None else self.groups[self.channel_of(k)]
+            sends = dist.get_rank(group) == source
+            if sends:
                 torch._foreach_copy_(buffer_segments, shard_segments)
-            dist.broadcast(flat, group=rep_group, group_src=0)
-            if not source:
+            dist.broadcast(flat, group=group, group_src=source)
+            if not sends:
                 torch._foreach_copy_(shard_segments, buffer_segments)
 
     def segments_of(self, k: int, flat: torch.Tensor) -> list[torch.Tensor]:

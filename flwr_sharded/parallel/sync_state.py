@@ -14,7 +14,7 @@ from flwr_sharded.parallel.buckets import Bucket
 
 class OuterState:
     """The outer-state half of `flwr_sharded.parallel.sync.ShardSync` (which provides `rule`, `delta`, `feedback`,
-    `wire_dtype`, `bucket_views`, `segments_of` and `_buckets`)."""
+    `wire_dtype`, `groups`, `channel_of`, `bucket_views`, `segments_of` and `_buckets`)."""
 
     _global: list[torch.Tensor] | None
     _rule_state: list[dict[str, torch.Tensor]] | None
@@ -57,16 +57,18 @@ class OuterState:
             self.feedback.residuals = dict(state.get("residuals") or {})
 
     @torch.no_grad()
-    def broadcast_outer_state(self, group: dist.ProcessGroup) -> None:
-        """Copy the outer state (global shards, rule state) of rank 0 of `group` to its other ranks."""
+    def broadcast_outer_state(self, group: dist.ProcessGroup | None, source: int = 0) -> None:
+        """Copy the outer state (global shards, rule state) of rank `source` of `group` to its other ranks (None:
+        over each bucket's channel, from member `source`, as `broadcast`)."""
         if not self.keeps_global:
             return
         if self._global is None:
             raise RuntimeError("no outer state to broadcast: call capture_global() first")
         for k, global_k in enumerate(self._global):
-            dist.broadcast(global_k, group=group, group_src=0)
+            over = group if group is not None else self.groups[self.channel_of(k)]
+            dist.broadcast(global_k, group=over, group_src=source)
             for name in sorted(self._rule_state[k]):
-                dist.broadcast(self._rule_state[k][name], group=group, group_src=0)
+                dist.broadcast(self._rule_state[k][name], group=over, group_src=source)
 
     def _needs_global(self) -> str:
         if self.rule.stateful:
