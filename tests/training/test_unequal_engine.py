@@ -47,3 +47,24 @@ def test_bad_group_shards_are_refused_before_any_process_starts(data_dir, tmp_pa
                       timeout=100)
     assert result.returncode != 0 and "world size 5 != R*(S1+S2) = 1*(2+4) = 6" in result.stderr
     assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.timeout(300)
+def test_group_steps_speed_gives_a_slower_group_fewer_steps_and_the_faster_one_less_idle_time(data_dir, tmp_path):
+    """Group 1 sleeps 0.4 s after each step (several times a step's compute): with equal A the faster group idles
+    about A x 0.4 s per sync; with --group-steps speed group 1 trains fewer steps from the second period on, and the
+    faster group's idle time drops (medians; the exchange's records give both)."""
+    common = ["--method", "fl-fsdp", "--group-shards", "1,2", "--aggregate-every", "4", "--steps", "16",
+              "--debug-slow-group", "1:0.4", "--eval-every", "0", "--no-save-model"]
+    _run(3, [*common, *_common(data_dir, tmp_path, "equal")])
+    _run(3, [*common, "--group-steps", "speed", *_common(data_dir, tmp_path, "speed")])
+    equal, speed = _records(tmp_path / "equal", "sync_groups"), _records(tmp_path / "speed", "sync_groups")
+    assert [r["reference_step"] for r in speed] == [4, 8, 12, 16] == [r["step"] for r in equal]
+    assert all(r["steps"] == [4, 4] for r in equal)
+    assert speed[0]["steps"] == [4, 4] and all(r["steps"][0] == 4 and r["steps"][1] < 4 for r in speed[1:])
+    assert speed[-1]["step"] == 16  # group 0's step count; group 1 took fewer
+    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    idle_equal = median([r["idle_s"][0] for r in equal[1:]])
+    idle_speed = median([r["idle_s"][0] for r in speed[1:]])
+    assert idle_equal > 1.0 and idle_speed < 0.5 * idle_equal, (idle_equal, idle_speed)
+    assert _records(tmp_path / "speed", "eval")  # the run evaluated at its end, on the reference clock
