@@ -139,7 +139,7 @@ class ParallelConfig:
 
     @property
     def layouts(self) -> tuple[int, ...]:
-        """Each federation group's S, in group order: `group-shards` (checked by `layout_checks.validate_parallel`), else F groups
+        """Each federation group's S, in group order: `group-shards` (checked by `validation.validate_parallel`), else F groups
         of `shards`."""
         if self.group_shards:
             return tuple(int(x) for x in self.group_shards.split(","))
@@ -397,33 +397,3 @@ def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
 def labeler(surface: Surface):
     """`L(name)`: the TrainConfig option `name` as `surface` spells it."""
     return lambda name: label_of(surface, name)
-
-
-def validate(cfg: TrainConfig, world_size: int | None = None, surface: Surface = CLI) -> None:
-    """Validate a whole run configuration; raises ConfigError on the first problem, naming the option."""
-    for o in schema.options(TrainConfig):
-        o.check(schema.get(cfg, o.path), surface)
-    from flwr_sharded.layout_checks import validate_parallel
-
-    validate_parallel(cfg.parallel, world_size, surface)
-    L = labeler(surface)
-    c = cfg.checkpoint
-    if (c.resume or c.every or c.async_save) and not c.dir:
-        raise surface.error(f"{L('resume')}, {L('checkpoint-every')} and {L('async-checkpoint')} need "
-                            f"{L('checkpoint-dir')}")
-    p = cfg.parallel
-    if p.group_steps != "equal" and (c.every or c.resume or cfg.steps % p.aggregate_every):
-        raise surface.error(f"{L('group-steps')} {p.group_steps} runs whole periods of the fastest group's "
-                            f"{L('aggregate-every')} steps and keeps each group's steps in memory only: {L('steps')} "
-                            f"must be a multiple of {L('aggregate-every')} (got {cfg.steps} and {p.aggregate_every}), "
-                            f"without {L('checkpoint-every')} or {L('resume')} (a checkpoint is written at the end)")
-    if p.sync_delay and c.every % p.aggregate_every:
-        raise surface.error(f"{L('checkpoint-every')} {c.every} with {L('sync-delay')} {p.sync_delay}: checkpoints "
-                            f"are taken at the end of a period, when no sync is in flight; use a multiple of "
-                            f"{L('aggregate-every')} ({p.aggregate_every})")
-    if cfg.data.streaming and cfg.data.max_train_blocks is None:
-        raise surface.error(f"{L('streaming')} reads a dataset until {L('max-train-blocks')} blocks are full: set "
-                            f"{L('max-train-blocks')} (e.g. 65536, the paper's), or turn {L('streaming')} off")
-    if cfg.optim.proximal_mu > 0 and not cfg.parallel.federated:
-        raise surface.error(f"{L('proximal-mu')} pulls each group towards the shards of its last sync: it needs "
-                            f"an FL method (fl-fsdp or fl-hsdp), got {L('method')} {cfg.parallel.method}")

@@ -22,7 +22,8 @@ import sys
 from typing import Any, Sequence
 
 from flwr_sharded import memory_release, schema
-from flwr_sharded.config import TrainConfig, config_to_dict, load_config, validate
+from flwr_sharded.config import TrainConfig, config_to_dict, load_config
+from flwr_sharded.validation import validate
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.training.preflight import preflight
 

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 from flwr_sharded import schema
-from flwr_sharded.config import METHODS, QUANTIZED, OptimConfig, ParallelConfig, TrainConfig, validate
-from flwr_sharded.layout_checks import outer_rule
+from flwr_sharded.config import METHODS, QUANTIZED, OptimConfig, ParallelConfig, TrainConfig
+from flwr_sharded.validation import outer_rule, validate
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.outer import LINEAR_RULES
 from flwr_sharded.schema import Surface, option, same_as

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 import torch.distributed as dist
 
+from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.admission import Admission, SyncRejected, admit, all_finite, healthy, vote
 from flwr_sharded.parallel.alignment import check_alignment, check_descriptors, fingerprint, local_shard
 from flwr_sharded.parallel.buckets import itemsize, plan_buckets
@@ -156,14 +157,14 @@ class ShardSync(OuterState):
         for i, (name, p) in enumerate(zip(self.names, self.params)):
             expected = plan.expected_numel(i, self.seat.group, self.seat.shard)
             if local_shard(p).numel() != expected:
-                raise ValueError(f"'{name}' holds {local_shard(p).numel()} elements on shard {self.seat.shard} of "
-                                 f"group {self.seat.group}, but the sync plan of groups S={list(self.seat.layouts)} "
-                                 f"expects {expected} (FSDP2's row chunking on dim 0)")
+                raise ConfigError(f"'{name}' holds {local_shard(p).numel()} elements on shard {self.seat.shard} of "
+                                  f"group {self.seat.group}, but the sync plan of groups S={list(self.seat.layouts)} "
+                                  f"expects {expected} (FSDP2's row chunking on dim 0)")
         ranges = plan.local_ranges(self.seat.group, self.seat.shard)
         if not ranges:
-            raise ValueError(f"shard {self.seat.shard} of group {self.seat.group} (S={self.seat.layouts[self.seat.group]}"
-                             f") holds no row of any parameter: no sync plan of groups S={list(self.seat.layouts)} "
-                             f"can serve it; use a smaller S for that group")
+            raise ConfigError(f"shard {self.seat.shard} of group {self.seat.group} (S={self.seat.layouts[self.seat.group]}"
+                              f") holds no row of any parameter: no sync plan of groups S={list(self.seat.layouts)} "
+                              f"can serve it; give that group a smaller S (group-shards)")
         return list(ranges), list(ranges.values())
 
     def plan(self) -> SyncPlan:

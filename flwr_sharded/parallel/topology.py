@@ -171,7 +171,7 @@ def init_topology(config: MeshLayout, timeout_s: float = 600.0) -> Topology | Gr
     shard differently, each group's mesh (`init_groups_topology`).
 
     Expects the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) and a validated layout
-    (`flwr_sharded.layout_checks.validate_parallel`); checks that the world makes the mesh.
+    (`flwr_sharded.validation.validate_parallel`); checks that the world makes the mesh.
     """
     layouts = tuple(getattr(config, "layouts", ()) or (config.shards,) * config.federations)
     if len(set(layouts)) > 1:

@@ -9,17 +9,17 @@ stay the tokens each group trained.
 Groups then take different numbers of steps, so what the world does together (logging's and evaluation's
 all-reduces, the end of the run) happens on the reference clock, the fastest group's step count: periods x A, where
 the groups agree. Each group's learning-rate schedule follows the same clock (a group that takes half the steps
-moves its schedule two steps per step).
+moves its schedule two steps per step). Torch-free to import (the planner uses `local_steps`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-import torch
-import torch.distributed as dist
+if TYPE_CHECKING:
+    import torch
 
 GROUP_STEPS = ("equal", "speed")
 """`group-steps`: every group A local steps per sync, or each group its own from its speed."""
@@ -100,10 +100,14 @@ class Pace:
         self.period_start = step_count
         self.compute_s = 0.0
 
-    def exchange(self, sync_s: float, steps: int, leaders: dist.ProcessGroup | None, group: dist.ProcessGroup,
-                 leader: bool, members: int, device: torch.device) -> dict[str, list[float]]:
-        """After a sync: every group's (step time, sync seconds, steps) over the leaders, then to every rank of the
-        group (two small collectives); with `adapt`, the next period's steps. Returns what `last` keeps."""
+    def exchange(self, sync_s: float, steps: int, leaders: Any, group: Any, leader: bool, members: int,
+                 device: torch.device) -> dict[str, list[float]]:
+        """After a sync: every group's (step time, sync seconds, steps) over the leaders (a process group of each
+        group's rank 0), then to every rank of `group` (two small collectives); with `adapt`, the next period's
+        steps. Returns what `last` keeps."""
+        import torch  # the planner imports the formulas above without torch
+        import torch.distributed as dist
+
         box = torch.zeros(members * 3, dtype=torch.float64, device=device)
         mine = torch.tensor([self.compute_s / max(1, steps), sync_s, float(steps)], dtype=torch.float64,
                             device=device)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from flwr_sharded.config import TrainConfig, validate
+from flwr_sharded.config import TrainConfig
+from flwr_sharded.validation import validate
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.wire import WIRES
 
@@ -73,7 +74,7 @@ def check_sync(cfg: TrainConfig) -> None:
     wire with a `requirement` (fp8) needs a device that runs it (`flwr_sharded.parallel.wire`)."""
     p = cfg.parallel
     if p.federated and p.sync_fragments > 1:
-        from flwr_sharded.layout_checks import check_fragments
+        from flwr_sharded.validation import check_fragments
         from flwr_sharded.training.models import model_config
 
         config = model_config(cfg.model.name, vocab_size=256, max_seq_len=cfg.data.seq_len)  # layers only

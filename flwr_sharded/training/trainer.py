@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flwr_sharded.config import TrainConfig, config_to_dict
-from flwr_sharded.layout_checks import outer_rule
+from flwr_sharded.validation import outer_rule
 from flwr_sharded.parallel.contribution import expected_weight_of
 from flwr_sharded.parallel.schedule import Schedule
 from flwr_sharded.parallel.sharding import mixed_precision_policy

@@ -166,7 +166,8 @@ def test_the_shard_sync_refuses_top_k_without_error_feedback():
      r"--sync-error-feedback, --sync-topk shape the shard sync of FL methods"),
 ])
 def test_bad_top_k_options_are_refused_naming_the_option(options, message):
-    from flwr_sharded.config import TrainConfig, validate
+    from flwr_sharded.config import TrainConfig
+    from flwr_sharded.validation import validate
     from flwr_sharded.errors import ConfigError
 
     cfg = TrainConfig()

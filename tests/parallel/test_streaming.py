@@ -171,7 +171,8 @@ def test_one_fragment_without_delay_is_the_blocking_sync(data_dir):
     ({"sync_carry": True}, r"--sync-carry .* --sync-delay 0 there are none"),
 ])
 def test_bad_sync_options_are_refused_naming_the_option(options, message):
-    from flwr_sharded.config import TrainConfig, validate
+    from flwr_sharded.config import TrainConfig
+    from flwr_sharded.validation import validate
     from flwr_sharded.errors import ConfigError
 
     cfg = TrainConfig()
@@ -211,7 +212,8 @@ def test_flower_run_refuses_overlap_on_the_server_path():
 def test_an_overlapped_sync_carries_unless_told_not_to(tmp_path):
     """`sync-carry` unset: on with `sync-delay` > 0, off without it; false turns it off on every surface; true with
     `sync-delay` 0 is refused, naming the option as the surface spells it."""
-    from flwr_sharded.config import ParallelConfig, TrainConfig, load_config, validate
+    from flwr_sharded.config import ParallelConfig, TrainConfig, load_config
+    from flwr_sharded.validation import validate
     from flwr_sharded.errors import ConfigError
     from flwr_sharded.flower.run import FlowerRun
     from flwr_sharded.train import build_parser, resolve_config

@@ -77,7 +77,9 @@ def _everyone_full(topo, model) -> list[tuple[int, int, list[torch.Tensor]]]:
     return [(f, r, t) for f, r, t in everyone if r == 0]  # one copy of each group's model
 
 
-def _sync_worker(rank: int, world: int, layouts: tuple[int, ...], R: int, wire: str, overlapped: bool):
+def _sync_worker(rank: int, world: int, layouts: tuple[int, ...], R: int, wire: str, overlapped: bool,
+                 rule: str = "fedavg"):
+    from flwr_sharded.parallel.outer import make_rule
     from flwr_sharded.parallel.streaming import FragmentedSync
     from flwr_sharded.parallel.schedule import Schedule
     from flwr_sharded.parallel.sync import ShardSync, local_shard
@@ -87,8 +89,9 @@ def _sync_worker(rank: int, world: int, layouts: tuple[int, ...], R: int, wire: 
     groups = topo.sync_groups([tuple(p.shape) for p in model.parameters()])
     sync = ShardSync(model.named_parameters(), fed_group=groups if topo.replica_index == 0 else None,
                      rep_group=topo.rep_group, bucket_bytes=4000, seat=topo.seat,
-                     wire_dtype=WIRES[wire].torch_dtype(), max_move=0)
-    sync.capture_global()  # the global model the reduced wires send deltas from
+                     wire_dtype=WIRES[wire].torch_dtype(), max_move=0, rule=make_rule(rule))
+    start = _full(model)
+    sync.capture_global()  # the global model the reduced wires (and outer optimizers) step from
     _perturb(model, seed=100 + rank, scale=0.05)  # every rank differs, replicas included
     before = _everyone_full(topo, model)
     weight = WEIGHTS[topo.fed_index]
@@ -103,6 +106,9 @@ def _sync_worker(rank: int, world: int, layouts: tuple[int, ...], R: int, wire: 
     after = _everyone_full(topo, model)
     total = sum(WEIGHTS[f] for f, _, _ in before)
     expected = [sum(WEIGHTS[f] * t[i].double() for f, _, t in before) / total for i in range(len(before[0][2]))]
+    if rule != "fedavg":  # the rule is element-wise: the central step on whole tensors is the reference
+        central = make_rule(rule)
+        expected = [central.apply_mean(g.double(), m, central.init_state(g.double()))[0] for g, m in zip(start, expected)]
     errors = [max(float((t.double() - e).abs().max()) for t, e in zip(full, expected)) for _, _, full in after]
     moved = max(float((b.double() - e).abs().max()) for _, _, full in before for b, e in zip(full, expected))
     shards = [local_shard(p).clone() for p in model.parameters()]
@@ -147,6 +153,39 @@ def test_unequal_fl_hsdp_replicas_end_bit_identical():
         by_seat.setdefault((f, s), []).append(res["shards"])
     for replicas in by_seat.values():
         assert len(replicas) == 2 and all(torch.equal(a, b) for a, b in zip(*replicas))
+
+
+@pytest.mark.timeout(300)
+def test_unequal_groups_step_an_outer_optimizer_as_the_central_rule_on_whole_tensors():
+    out = run_ranks(_sync_worker, 3, (1, 2), 1, "float32", False, "nesterov", timeout=240)
+    for res in out:
+        assert max(res["errors"]) < 1e-6, res["errors"]
+        assert all(res["same"])
+
+
+def test_reseat_carries_the_outer_state_element_by_element():
+    """A sync re-planned for another seat (a round whose members shard differently) keeps every element's global
+    value and rule state, and the rule's per-bucket scalars."""
+    from flwr_sharded.parallel.outer import make_rule
+    from flwr_sharded.parallel.sync import ShardSync
+    from flwr_sharded.parallel.sync_plan import Seat
+
+    params = [(f"p{i}", torch.randn(rows, 3)) for i, rows in enumerate((8, 5, 1))]
+    sync = ShardSync(params, fed_group=None, bucket_bytes=40, rule=make_rule("fedadam"),
+                     seat=Seat((1, 2), group=0, shard=0))  # S = 1 next to S = 2: two channels, whole tensors here
+    assert len(sync.channels) == 2
+    sync.capture_global()
+    for state, g in zip(sync._rule_state, sync._global):
+        state["m"].copy_(2 * g)
+        state["t"].fill_(7)
+    old = [b.segments for b in sync._buckets]
+    sync.reseat(None, None)
+    assert [b.segments for b in sync._buckets] != old and len(sync.channels) == 1
+    for bucket, g, state in zip(sync._buckets, sync._global, sync._rule_state):
+        for seg in bucket.segments:
+            expected = params[seg.shard][1].view(-1)[seg.start:seg.end]
+            assert torch.equal(g[seg.offset:seg.offset + seg.end - seg.start], expected)
+        assert torch.equal(state["m"], 2 * g) and float(state["t"]) == 7
 
 
 def _other_model_worker(rank: int, world: int):

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from flwr_sharded.config import TrainConfig, load_config, validate
+from flwr_sharded.config import TrainConfig, load_config
+from flwr_sharded.validation import validate
 
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.train import main

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flwr_sharded.config import DataConfig, TrainConfig, load_config, validate
+from flwr_sharded.config import DataConfig, TrainConfig, load_config
+from flwr_sharded.validation import validate
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.train import main
 from flwr_sharded.training import data, packing, sources

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from flwr_sharded.config import TrainConfig, validate
+from flwr_sharded.config import TrainConfig
+from flwr_sharded.validation import validate
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.training.pace import Pace, idle_times, local_steps
 

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from flwr_sharded import memory_release, schema
 from flwr_sharded.config import ParallelConfig
-from flwr_sharded.layout_checks import validate_parallel
+from flwr_sharded.validation import validate_parallel
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower import endpoint as E
 from flwr_sharded.flower import handoff

@@ -91,7 +91,7 @@ def _apply_quick(args: argparse.Namespace) -> None:
 def _validate(args: argparse.Namespace) -> None:
     """Everything that can be checked before touching the network: cluster files, layouts, model, data, host."""
     from flwr_sharded.config import DataConfig, ParallelConfig
-    from flwr_sharded.layout_checks import validate_sync
+    from flwr_sharded.validation import validate_sync
     from flwr_sharded.parallel.outer import FedAvg
     from flwr_sharded.presets import PRESETS
     from flwr_sharded.training.data import check_data

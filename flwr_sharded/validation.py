@@ -1,6 +1,7 @@
-"""The checks of the process layout and the shard sync that span several options (`ParallelConfig`): the method
-against F, R and S (or each group's S), the outer rule and its options, the wire, fragments, overlap and top-k.
-`flwr_sharded.config.validate` runs them before any process group, model or file is touched."""
+"""The checks that span several options of a run configuration (`flwr_sharded.config`): the method against F, R and
+S (or each group's S, and their steps), the outer rule and its options, the wire, fragments, overlap and top-k,
+checkpoints and data. `validate` runs them before any process group, model or file is touched, and its messages name
+each option as the surface spells it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import re
 from typing import Any
 
 from flwr_sharded import schema
-from flwr_sharded.config import ParallelConfig, label_of, labeler
+from flwr_sharded.config import ParallelConfig, TrainConfig, label_of, labeler
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.outer import LINEAR_RULES, RULES, make_rule, rule_options
 from flwr_sharded.parallel.wire import QUANTIZED
@@ -154,3 +155,31 @@ def check_fragments(p: ParallelConfig, blocks: int, model: str, surface: Surface
         raise surface.error(f"{label_of(surface, 'sync-fragments')} {p.sync_fragments}: model {model} has "
                             f"{blocks} transformer blocks, and a fragment is a group of whole blocks; allowed: "
                             f"1..{blocks}")
+
+
+def validate(cfg: TrainConfig, world_size: int | None = None, surface: Surface = CLI) -> None:
+    """Validate a whole run configuration; raises ConfigError on the first problem, naming the option."""
+    for o in schema.options(TrainConfig):
+        o.check(schema.get(cfg, o.path), surface)
+    validate_parallel(cfg.parallel, world_size, surface)
+    L = labeler(surface)
+    c = cfg.checkpoint
+    if (c.resume or c.every or c.async_save) and not c.dir:
+        raise surface.error(f"{L('resume')}, {L('checkpoint-every')} and {L('async-checkpoint')} need "
+                            f"{L('checkpoint-dir')}")
+    p = cfg.parallel
+    if p.group_steps != "equal" and (c.every or c.resume or cfg.steps % p.aggregate_every):
+        raise surface.error(f"{L('group-steps')} {p.group_steps} runs whole periods of the fastest group's "
+                            f"{L('aggregate-every')} steps and keeps each group's steps in memory only: {L('steps')} "
+                            f"must be a multiple of {L('aggregate-every')} (got {cfg.steps} and {p.aggregate_every}), "
+                            f"without {L('checkpoint-every')} or {L('resume')} (a checkpoint is written at the end)")
+    if p.sync_delay and c.every % p.aggregate_every:
+        raise surface.error(f"{L('checkpoint-every')} {c.every} with {L('sync-delay')} {p.sync_delay}: checkpoints "
+                            f"are taken at the end of a period, when no sync is in flight; use a multiple of "
+                            f"{L('aggregate-every')} ({p.aggregate_every})")
+    if cfg.data.streaming and cfg.data.max_train_blocks is None:
+        raise surface.error(f"{L('streaming')} reads a dataset until {L('max-train-blocks')} blocks are full: set "
+                            f"{L('max-train-blocks')} (e.g. 65536, the paper's), or turn {L('streaming')} off")
+    if cfg.optim.proximal_mu > 0 and not cfg.parallel.federated:
+        raise surface.error(f"{L('proximal-mu')} pulls each group towards the shards of its last sync: it needs "
+                            f"an FL method (fl-fsdp or fl-hsdp), got {L('method')} {cfg.parallel.method}")
