@@ -83,6 +83,7 @@ def _sync_worker(rank: int, world: int, layouts: tuple[int, ...], R: int, wire: 
     from flwr_sharded.parallel.streaming import FragmentedSync
     from flwr_sharded.parallel.schedule import Schedule
     from flwr_sharded.parallel.sync import ShardSync, local_shard
+    from flwr_sharded.parallel.traffic import TrafficMeter
     from flwr_sharded.parallel.wire import WIRES
 
     topo, model = _tiny_model(layouts, R)
@@ -102,8 +103,12 @@ def _sync_worker(rank: int, world: int, layouts: tuple[int, ...], R: int, wire: 
             fragmented.wait(0, timeout=60)
         fragmented.merge(0, alpha=0.0)
     else:
-        sync.sync(weight)
+        sync.check_alignment()  # once, before the first sync; not part of one sync's traffic
+        with TrafficMeter() as meter:
+            sync.sync(weight)
     after = _everyone_full(topo, model)
+    group_of = {r: f for f in range(len(layouts)) for r in topo.group_ranks(f)}
+    cross = 0 if overlapped else sum(rec.nbytes for rec in meter.records if len({group_of[x] for x in rec.ranks}) > 1)
     total = sum(WEIGHTS[f] for f, _, _ in before)
     expected = [sum(WEIGHTS[f] * t[i].double() for f, _, t in before) / total for i in range(len(before[0][2]))]
     if rule != "fedavg":  # the rule is element-wise: the central step on whole tensors is the reference
@@ -113,6 +118,8 @@ def _sync_worker(rank: int, world: int, layouts: tuple[int, ...], R: int, wire: 
     moved = max(float((b.double() - e).abs().max()) for _, _, full in before for b, e in zip(full, expected))
     shards = [local_shard(p).clone() for p in model.parameters()]
     return {"errors": errors, "moved": moved, "coords": (topo.fed_index, topo.replica_index, topo.shard_index),
+            "cross_group_bytes": cross, "buffer_bytes": sync._buffer.numel(),
+            "shapes": [tuple(p.shape) for p in model.parameters()],
             "shards": shards, "channels": len(sync.channels), "same": [all(torch.equal(a, b) for a, b in
                                                                           zip(after[0][2], full))
                                                                       for _, _, full in after]}
@@ -121,10 +128,22 @@ def _sync_worker(rank: int, world: int, layouts: tuple[int, ...], R: int, wire: 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("layouts", [(1, 2), (2, 4), (2, 3, 4)], ids=["S=1,2", "S=2,4", "S=2,3,4"])
 def test_unequal_groups_end_with_the_central_weighted_mean(layouts):
+    """... and each rank sends across groups exactly the cost model's bytes (its channels' ring all-reduces, and per
+    channel its weight, verdict and vote), holding no more than its shards and one bucket."""
+    from flwr_sharded.parallel.admission import ADMISSION_BYTES, VOTE_BYTES
+    from flwr_sharded.perf.traffic_report import sent_bytes
+    from flwr_sharded.perf.unequal import unequal_sync
+
     out = run_ranks(_sync_worker, sum(layouts), layouts, 1, "float32", False, timeout=240)
+    model = unequal_sync([(1, S) for S in layouts], out[0]["shapes"], bytes_per_param=4, B_F=1e9)
     for res in out:
         assert max(res["errors"]) < 1e-6, res["errors"]
         assert all(res["same"])  # every group holds bit-identical full models
+        f, _, s = res["coords"]
+        control = res["channels"] * (len(layouts) * ADMISSION_BYTES + VOTE_BYTES)
+        payload = model.rank_bytes[f][s] / sent_bytes("all_reduce", 1.0, len(layouts))  # the meter counts payload
+        assert res["cross_group_bytes"] == pytest.approx(payload + control, abs=1e-6)
+        assert res["buffer_bytes"] <= 4000
     assert out[0]["moved"] > 1e-2  # the groups did differ: the check could fail
     assert max(r["channels"] for r in out) > 1  # a rank of the smaller S averages with several of the larger
 
