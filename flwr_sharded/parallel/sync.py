@@ -1,4 +1,5 @@
-"""Shard-to-shard federated averaging: every rank averages its local shards with the same shards of the other groups.
+"""Shard-to-shard federated averaging: every rank averages its local shards with the same shards of the other groups
+(or, when the groups shard differently, each piece of them with its owners in the other groups: `sync_plan`).
 
 The model is never gathered. Local shards are packed into one reusable flat bucket (scaled by this group's FedAvg
 weight on the way in), each bucket is all-reduced (SUM) over the federation process group, and the result is copied
@@ -73,6 +74,9 @@ class ShardSync(OuterState):
         max_move: a result is adopted only if it moves no bucket of any rank's shards by more than this many times
             the bucket's recent moves (`flwr_sharded.parallel.plausibility`); a rejected one names its offender
             where one member alone explains it (`flwr_sharded.parallel.offender`). 0: finiteness only.
+        seat: where this rank sits among groups that shard differently (`flwr_sharded.parallel.sync_plan`): the
+            sync then runs piece by piece over channels, and `fed_group` maps each channel's owners to its process
+            group; None: every group shards alike, and `fed_group` is one group of the same shard index.
     """
 
     def __init__(self, named_params: Iterable[tuple[str, torch.Tensor]], *, fed_group: dist.ProcessGroup | None,
@@ -148,6 +152,7 @@ class ShardSync(OuterState):
             self._buffer, self._views = None, None
             self.bound = MoveBound(self.bound.max_move)
         self.rebind(fed_group, rep_group)
+
     def _plan_channels(self) -> tuple[list[Owners], list[list[tuple[int, int, int]]]]:
         """This rank's channels and, per channel, the (shard, start, end) element ranges it syncs there: every
         shard whole in one channel when the groups shard alike, else its pieces (`flwr_sharded.parallel.sync_plan`)."""

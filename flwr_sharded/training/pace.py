@@ -61,6 +61,8 @@ class Pace:
     """The group's step count when the current period began."""
     compute_s: float = 0.0
     """Seconds this rank spent in inner steps in the current period."""
+    tokens: int = 0
+    """Tokens every group together trained in the adopted periods (each its own steps)."""
     last: dict[str, list[float]] = field(default_factory=dict)
     """The last exchange: every group's step time, sync seconds, idle seconds and steps."""
 

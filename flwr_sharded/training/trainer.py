@@ -322,8 +322,11 @@ class Trainer:
         window_start, window_steps, syncs = time.perf_counter(), 0, 0
         last: dict[str, Any] = {}
 
+        pace = Pace(p.aggregate_every, adapt=p.group_steps == "speed", member=self.topo.fed_index)
+
         def stamp(record: dict[str, Any]) -> dict[str, Any]:
-            record.update(elapsed_s=time.perf_counter() - started, tokens_seen=self.step_count * world_tokens_per_step)
+            seen = pace.tokens if pace.adapt else self.step_count * world_tokens_per_step  # groups' own steps
+            record.update(elapsed_s=time.perf_counter() - started, tokens_seen=seen)
             if run_dir is not None:
                 run_dir.log(record)
             return record
@@ -331,7 +334,6 @@ class Trainer:
         federation = StaticFederation(self.topo, wait_timeout=cfg.timeout_s) if p.federated and p.sync else None
         if federation is not None and p.sync_retries:
             self.outer.keep_rollback_point()
-        pace = Pace(p.aggregate_every, adapt=p.group_steps == "speed", member=self.topo.fed_index)
         failures, tick, last_tick = 0, None, 0
         try:
             while not pace.finished(self.step_count, cfg.steps):
@@ -405,6 +407,9 @@ class Trainer:
             return outcomes
         timing = pace.exchange(time.perf_counter() - started, pace.steps, federation.leaders,
                                self.topo.group_pg, self.topo.group_rank == 0, federation.members, self.device)
+        cfg = self.cfg
+        pace.tokens += sum(n * world for n, world in zip(timing["steps"], self.topo.group_worlds)) * (
+            cfg.batch_size * cfg.grad_accum * cfg.data.seq_len)
         pace.end_period(self.step_count)
         if pace.adapt:
             self.outer.set_aggregate_every(pace.steps)
