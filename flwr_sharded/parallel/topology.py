@@ -4,8 +4,8 @@ over (`flwr_sharded.parallel.sync_plan`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 import os
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Protocol, Sequence
 
