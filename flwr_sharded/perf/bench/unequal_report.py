@@ -82,7 +82,9 @@ def sync_group_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def group_timing(records: list[dict[str, Any]]) -> dict[str, Any] | None:
     """Per group over the syncs (the first left out as warm-up when there are more): mean step time, local steps,
     idle and sync seconds per sync; the fastest group (least mean step time) and its idle time per sync as a
-    fraction of its sync period (its local steps' time + idle + sync). None without records."""
+    fraction of its sync period (its local steps' time + idle + sync). `records`: a run's metrics (the
+    `sync_groups` ones are used). None without any."""
+    records = sync_group_records(records)
     if not records:
         return None
     steady = records[1:] or records
@@ -124,12 +126,14 @@ def eval_tokens(records: list[dict[str, Any]], tokens_per_step: float | None) ->
 
 def ppl_at(curve: Sequence[tuple[float, float]], tokens: float) -> float | None:
     """Eval ppl at `tokens`, interpolated linearly in log ppl between the nearest eval points; None outside."""
-    for (t0, p0), (t1, p1) in zip(curve, curve[1:]):
-        if t0 <= tokens <= t1:
-            w = 0.0 if t1 == t0 else (tokens - t0) / (t1 - t0)
-            return math.exp((1 - w) * math.log(p0) + w * math.log(p1))
     exact = [p for t, p in curve if t == tokens]
-    return exact[0] if exact else None
+    if exact:
+        return exact[0]
+    for (t0, p0), (t1, p1) in zip(curve, curve[1:]):
+        if t0 < tokens < t1:
+            w = (tokens - t0) / (t1 - t0)
+            return math.exp((1 - w) * math.log(p0) + w * math.log(p1))
+    return None
 
 
 def at_equal_tokens(run: list[tuple[float, float]], ref: list[tuple[float, float]]) -> dict[str, Any] | None:
