@@ -59,7 +59,7 @@ def test_cross_group_traffic_counts_only_sync_collectives_across_groups():
     t = cross_group_traffic(probes, groups)
     # an all-reduce over 2 ranks sends its payload once (2 (n-1)/n); the list all-gather (n-1) x its input
     assert t["group_bytes_per_sync"] == [(1000 + 8) / 2, 1000 / 2]
-    assert t["bytes_per_sync"] == 2008 / 2 and t["syncs"] == 2
+    assert t["bytes_per_sync"] == 2008 / 2 and t["syncs"] == 2 and t["max_rank_bytes"] == 1008 / 2
     assert t["sync_s"] == pytest.approx(0.3) and t["sync_s_min"] == pytest.approx(0.1)
 
 

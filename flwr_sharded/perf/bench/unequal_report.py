@@ -39,21 +39,25 @@ def cross_group_traffic(probes: list[dict[str, Any]], groups: Sequence[Sequence[
     A sync collective is cross-group when its process group has ranks of more than one FL group (the channels'
     all-reduces, and their small set-up and vote messages); a rank's share follows the meter's ring rules."""
     group_of = {r: g for g, ranks in enumerate(groups) for r in ranks}
-    per_group = [0.0] * len(groups)
+    per_group, per_rank = [0.0] * len(groups), {}
     for probe in probes:
         rank = probe["rank"]
+        per_rank[rank] = 0.0
         for rec in probe["collectives"]:
             ranks, n = rec["ranks"], len(rec["ranks"])
             if rec["phase"] != "sync" or rank not in ranks or n < 2 or len({group_of[r] for r in ranks}) < 2:
                 continue
             if rec["op"] == "broadcast" and ranks.index(rank) == n - 1:
                 continue
-            per_group[group_of[rank]] += sent_bytes(rec["op"], rec["bytes"], n, backend)
+            nbytes = sent_bytes(rec["op"], rec["bytes"], n, backend)
+            per_group[group_of[rank]] += nbytes
+            per_rank[rank] += nbytes
     syncs = probes[0]["windows"]["sync"] if probes else 0
     sync_s = [p["seconds"]["sync"] / p["windows"]["sync"] for p in probes if p["windows"]["sync"]]
     return {"syncs": syncs, "bytes": sum(per_group),
             "bytes_per_sync": sum(per_group) / syncs if syncs else None,
             "group_bytes_per_sync": [b / syncs for b in per_group] if syncs else None,
+            "max_rank_bytes": max(per_rank.values()) / syncs if syncs and per_rank else None,
             "rank_sync_s": sync_s, "sync_s": max(sync_s, default=None), "sync_s_min": min(sync_s, default=None)}
 
 
@@ -214,16 +218,20 @@ def render_unequal(scen: dict[str, Any]) -> list[str]:
              "Bytes every sync sends across groups (traffic meter, summed over ranks) against the equal federation "
              "and the cost model (`perf.unequal`); sync time: the ranks' mean sync window, least and most over ranks "
              "(the most includes waiting for the last rank to arrive), and the model's.",
-             "", "| run | layout | s/step | MB per sync | vs equal | model MB | vs model | sync s (ranks) | "
-             "model sync s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "", "| run | layout | s/step | MB per sync | vs equal | model MB | vs model | per group MB | "
+             "busiest rank MB (model) | sync s (ranks) | model sync s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, r in runs.items():
         cg, pred = r.get("cross_group") or {}, r.get("predicted_sync") or {}
         mb = cg.get("bytes_per_sync")
         lines.append(f"| {UNEQUAL_LABELS.get(key, key)} | {r['layout']} | {r['step_s']:.3f} | "
                      f"{_f(mb and mb / 1e6, '.3f')} | {_f(bytes_ratio(r, runs.get('equal')), '.3f')}x | "
                      f"{_f(pred.get('bytes_per_sync') and pred['bytes_per_sync'] / 1e6, '.3f')} | "
-                     f"{_f(model_error(r), '+.2%')} | {_f(cg.get('sync_s_min'), '.3f')}-{_f(cg.get('sync_s'), '.3f')} | "
+                     f"{_f(model_error(r), '+.2%')} | "
+                     f"{' / '.join(f'{b / 1e6:.2f}' for b in cg.get('group_bytes_per_sync') or [])} | "
+                     f"{_f(cg.get('max_rank_bytes') and cg['max_rank_bytes'] / 1e6, '.2f')} "
+                     f"({_f(pred.get('max_rank_bytes') and pred['max_rank_bytes'] / 1e6, '.2f')}) | "
+                     f"{_f(cg.get('sync_s_min'), '.3f')}-{_f(cg.get('sync_s'), '.3f')} | "
                      f"{_f(pred.get('sync_s'), '.3f')} |")
     timed = {k: r for k, r in runs.items() if r.get("group_timing")}
     if timed:
