@@ -56,6 +56,12 @@ class ParallelConfig:
     (`replicas`) is every group's, and the world is R x their sum. Unset: F groups of `shards`."""
     aggregate_every: int = option(8, ge=1)
     """A: optimizer steps between two shard syncs (FL methods only)."""
+    group_steps: Literal["equal", "speed"] = option("equal", not_flat="a Flower round's A is the strategy's")
+    """How many local steps each federation group trains per sync (static engine): equal (every group A), or speed
+    (each group's from the step times the groups measure and exchange after every sync: the fastest trains A, one k
+    times slower about A/k, at least 1), so that groups of different speeds arrive at the sync together; the weights
+    stay the tokens each trained, and logging, evaluation and the end of the run follow the fastest group's step
+    count. The time each group idles per sync is logged either way (`sync_groups` records)."""
     bucket_mb: float = option(64.0, gt=0)
     """Size of one flat buffer used by the shard sync, in MiB; one collective per bucket."""
     sync_dtype: SyncDtype = "float32"
@@ -406,6 +412,11 @@ def validate(cfg: TrainConfig, world_size: int | None = None, surface: Surface =
         raise surface.error(f"{L('resume')}, {L('checkpoint-every')} and {L('async-checkpoint')} need "
                             f"{L('checkpoint-dir')}")
     p = cfg.parallel
+    if p.group_steps != "equal" and (c.every or c.resume or cfg.steps % p.aggregate_every):
+        raise surface.error(f"{L('group-steps')} {p.group_steps} runs whole periods of the fastest group's "
+                            f"{L('aggregate-every')} steps and keeps each group's steps in memory only: {L('steps')} "
+                            f"must be a multiple of {L('aggregate-every')} (got {cfg.steps} and {p.aggregate_every}), "
+                            f"without {L('checkpoint-every')} or {L('resume')} (a checkpoint is written at the end)")
     if p.sync_delay and c.every % p.aggregate_every:
         raise surface.error(f"{L('checkpoint-every')} {c.every} with {L('sync-delay')} {p.sync_delay}: checkpoints "
                             f"are taken at the end of a period, when no sync is in flight; use a multiple of "

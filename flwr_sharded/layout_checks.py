@@ -50,6 +50,8 @@ def validate_parallel(p: ParallelConfig, world_size: int | None = None, surface:
                             f"{p.replicas}); use {hybrid} for R > 1")
     if p.group_shards:
         validate_group_shards(p, surface)
+    if p.group_steps != "equal":
+        validate_group_steps(p, surface)
     rule = outer_rule(p, surface)
     if p.sync_dtype != "float32" and not rule.linear:
         raise surface.error(f"{L('sync-dtype')} {p.sync_dtype} sends one delta per group through an all-reduce, "
@@ -80,6 +82,23 @@ def validate_group_shards(p: ParallelConfig, surface: Surface = CLI) -> None:
                             f"{p.shards})")
     p.group_shards = ",".join(str(int(e)) for e in entries)
     p.federations = len(entries)
+
+
+def validate_group_steps(p: ParallelConfig, surface: Surface = CLI) -> None:
+    """`group-steps speed`: an FL method with one blocking fragment and a rule that weighs members by their tokens."""
+    L = labeler(surface)
+    what = f"{L('group-steps')} {p.group_steps}"
+    if not p.federated or not p.sync:
+        raise surface.error(f"{what} sets each federation group's local steps per sync: it needs an FL method with "
+                            f"its sync on (fl-fsdp, fl-hsdp)")
+    if p.sync_fragments != 1 or p.sync_delay != 0:
+        raise surface.error(f"{what} changes each group's period, which {L('sync-fragments')} and {L('sync-delay')} "
+                            f"cut at fixed steps: use one fragment and no delay (got {p.sync_fragments} and "
+                            f"{p.sync_delay})")
+    if p.outer in ("trimmed-mean", "median"):
+        raise surface.error(f"{what} gives groups different numbers of steps, but {L('outer')} {p.outer} ignores the "
+                            f"weights (tokens) and counts every group alike, as if they trained the same steps; use a "
+                            f"weighted rule ({', '.join(LINEAR_RULES)})")
 
 
 def validate_sync(p: ParallelConfig, rule: Any, surface: Surface = CLI) -> None:

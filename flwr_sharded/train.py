@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     # everywhere (the commit vote); rank 0 brings NaN shards and moments to the N-th (admission and healing)
     parser.add_argument("--debug-fail-sync", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--debug-nan-sync", type=int, default=0, help=argparse.SUPPRESS)
+    # G:SECONDS: every rank of federation group G sleeps that long after each inner step (a slower group)
+    parser.add_argument("--debug-slow-group", default="", help=argparse.SUPPRESS)
     schema.add_arguments(parser, TrainConfig)
     return parser
 
@@ -71,11 +73,26 @@ def join_world(cfg: TrainConfig, argv: Sequence[str]) -> None:
                       MASTER_PORT=str(port))
 
 
-def run(cfg: TrainConfig, measure_traffic: str | None = None, faults: Any = None) -> dict[str, Any]:
+def slow_group(text: str) -> tuple[int, float] | None:
+    """`--debug-slow-group G:SECONDS` as (G, SECONDS); ConfigError if malformed."""
+    if not text:
+        return None
+    group, _, seconds = text.partition(":")
+    try:
+        out = int(group), float(seconds)
+    except ValueError:
+        out = (-1, -1.0)
+    if out[0] < 0 or not out[1] >= 0:
+        raise ConfigError(f"--debug-slow-group takes GROUP:SECONDS (e.g. 1:0.2), got {text!r}")
+    return out
+
+
+def run(cfg: TrainConfig, measure_traffic: str | None = None, faults: Any = None,
+        slow: tuple[int, float] | None = None) -> dict[str, Any]:
     """Train in the current torchrun world, write the run directory, and return rank 0's final metrics.
 
     `measure_traffic`: a directory where every rank writes the bytes it sent during steps and syncs.
-    `faults`: test-only `FaultInjection` of rank 0.
+    `faults`: test-only `FaultInjection` of rank 0. `slow`: (group, seconds) a group sleeps after each step.
     """
     import torch.distributed as dist
 
@@ -93,6 +110,8 @@ def run(cfg: TrainConfig, measure_traffic: str | None = None, faults: Any = None
         trainer = Trainer(cfg, topo)
         memory_release.after_load()  # the load's transient buffers
         resumed = trainer.resume() if cfg.checkpoint.resume else None  # before the run directory continues
+        if slow is not None and topo.fed_index == slow[0]:
+            trainer.step_delay = slow[1]
         if leader and faults is not None and trainer.outer is not None:
             trainer.outer.faults = faults
         if leader:
@@ -146,6 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = resolve_config(args)
         validate(cfg)
+        slow = slow_group(args.debug_slow_group)
         if args.print_config:
             print(json.dumps(config_to_dict(cfg), indent=2))
             return 0
@@ -160,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         final = run(cfg, measure_traffic=args.measure_traffic,
-                    faults=FaultInjection(fail_sync=args.debug_fail_sync, nan_sync=args.debug_nan_sync))
+                    faults=FaultInjection(fail_sync=args.debug_fail_sync, nan_sync=args.debug_nan_sync), slow=slow)
     except ConfigError as exc:  # found once the data is opened (e.g. a hub dataset that needs a loading script)
         if leader:
             print(f"flwr-sharded: error: {exc}", file=sys.stderr)

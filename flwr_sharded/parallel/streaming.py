@@ -270,13 +270,18 @@ class FragmentedSync:
         for s, sd in zip(self.fragments, saved):
             s.load_outer_state_dict(sd)
 
-    def broadcast(self, group: object) -> None:
+    def broadcast(self, group: object, source: int = 0) -> None:
         for s in self.fragments:
-            s.broadcast(group)
+            s.broadcast(group, source)
 
-    def broadcast_outer_state(self, group: object) -> None:
+    def broadcast_outer_state(self, group: object, source: int = 0) -> None:
         for s in self.fragments:
-            s.broadcast_outer_state(group)
+            s.broadcast_outer_state(group, source)
+
+    def reseat(self, seat: object, fed_group: object, rep_group: object = None) -> None:
+        """Every fragment's `ShardSync.reseat` (a round whose members shard differently)."""
+        for s in self.fragments:
+            s.reseat(seat, fed_group, rep_group)
 
     def step_rule(self) -> None:
         for s in self.fragments:

@@ -31,6 +31,7 @@ from flwr_sharded.parallel.plausibility import DEFAULT_MAX_MOVE, MoveBound, buck
 from flwr_sharded.parallel.quantize import ErrorFeedback, Workspace
 from flwr_sharded.parallel.sparse import SparseWire
 from flwr_sharded.parallel.sync_plan import Owners, Seat, SyncPlan
+from flwr_sharded.parallel.sync_state import OuterState
 from flwr_sharded.parallel.wire import QUANTIZED, WIRES, wire_of
 
 
@@ -48,7 +49,7 @@ class SyncStats:
     """Sum of the weights of the groups that took part (0 when unknown on this rank)."""
 
 
-class ShardSync:
+class ShardSync(OuterState):
     """Weighted FedAvg of this rank's local parameter shards over a federation process group.
 
     Args:
@@ -86,14 +87,11 @@ class ShardSync:
         self.params = [p for _, p in named]
         self.seat = seat
         """Where this rank sits among groups that shard differently; None: every group shards alike."""
-        self.channels, ranges = self._plan_channels()
+        self.bucket_bytes = bucket_bytes
         self.groups: list[dist.ProcessGroup | None] = []
         """Each channel's process group (None on ranks that do not join the cross-group reduction)."""
-        self.rep_group = rep_group
+        self._plan()
         self.rebind(fed_group, rep_group)
-        self._buckets = plan_buckets(ranges, [local_shard(p).dtype for p in self.params], bucket_bytes)
-        self._channel_buckets = [[k for k, b in enumerate(self._buckets) if b.channel == c]
-                                 for c in range(len(self.channels))]
         self._buffer: torch.Tensor | None = None
         self._views: list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]] | None = None
         self._pointers: list[int] = []
@@ -130,6 +128,25 @@ class ShardSync:
         """How far a result may move this rank's buckets, and the moves adopted so far."""
 
     # ----- planning -------------------------------------------------------------------------------------------
+    def _plan(self) -> None:
+        """This rank's channels (`_plan_channels`) and their buckets, each channel cut alike on all its members."""
+        self.channels, ranges = self._plan_channels()
+        self._buckets = plan_buckets(ranges, [local_shard(p).dtype for p in self.params], self.bucket_bytes)
+        self._channel_buckets = [[k for k, b in enumerate(self._buckets) if b.channel == c]
+                                 for c in range(len(self.channels))]
+
+    def reseat(self, seat: Seat | None, fed_group: dist.ProcessGroup | Mapping[Owners, dist.ProcessGroup] | None,
+               rep_group: dist.ProcessGroup | None = None) -> None:
+        """Sync as `seat` from now on (a round whose members shard differently, or alike: None) over `fed_group`
+        (`rebind`): the buckets are planned anew, the outer state carried over element by element (`relayout`) and
+        the move history restarted (its buckets are other ones)."""
+        if seat != self.seat:
+            old, self.seat = self._buckets, seat
+            self._plan()
+            self.relayout(old, [local_shard(p).numel() for p in self.params])
+            self._buffer, self._views = None, None
+            self.bound = MoveBound(self.bound.max_move)
+        self.rebind(fed_group, rep_group)
     def _plan_channels(self) -> tuple[list[Owners], list[list[tuple[int, int, int]]]]:
         """This rank's channels and, per channel, the (shard, start, end) element ranges it syncs there: every
         shard whole in one channel when the groups shard alike, else its pieces (`flwr_sharded.parallel.sync_plan`)."""
@@ -143,6 +160,10 @@ class ShardSync:
                                  f"group {self.seat.group}, but the sync plan of groups S={list(self.seat.layouts)} "
                                  f"expects {expected} (FSDP2's row chunking on dim 0)")
         ranges = plan.local_ranges(self.seat.group, self.seat.shard)
+        if not ranges:
+            raise ValueError(f"shard {self.seat.shard} of group {self.seat.group} (S={self.seat.layouts[self.seat.group]}"
+                             f") holds no row of any parameter: no sync plan of groups S={list(self.seat.layouts)} "
+                             f"can serve it; use a smaller S for that group")
         return list(ranges), list(ranges.values())
 
     def plan(self) -> SyncPlan:
@@ -222,43 +243,6 @@ class ShardSync:
             self.groups = [fed_group[key] for key in self.channels]
         self.rep_group = rep_group
         self._aligned = False
-
-    # ----- outer state ----------------------------------------------------------------------------------------
-    @property
-    def keeps_global(self) -> bool:
-        """Whether this sync keeps the global shards (and rule state): a stateful rule, or a reduced wire dtype;
-        then `outer_state_dict` belongs in checkpoints and must be restored with the shards."""
-        return self.rule.stateful or self.delta
-
-    @property
-    def has_outer_state(self) -> bool:
-        """Whether this rank holds outer state (global shards): replica 0 after `capture_global`."""
-        return self._global is not None
-
-    @torch.no_grad()
-    def capture_global(self) -> None:
-        """Remember the current shards as the global model (start of a sync period) when `keeps_global`."""
-        if not self.keeps_global:
-            return
-        self._global = [torch.cat([seg.float() for seg in shard_segments])
-                        for _, shard_segments, _ in self.bucket_views()]
-        if self._rule_state is None:
-            self._rule_state = [self.rule.init_state(g) for g in self._global]
-
-    def outer_state_dict(self) -> dict[str, Any]:
-        """This rank's outer state (global shards and rule state, flat per bucket, and the error-feedback residuals),
-        for checkpoints and rollbacks."""
-        out = {"rule": type(self.rule).__name__, "global": self._global, "state": self._rule_state}
-        if self.feedback is not None:
-            out["residuals"] = self.feedback.residuals
-        return out
-
-    def load_outer_state_dict(self, state: dict[str, Any]) -> None:
-        if state["rule"] != type(self.rule).__name__:
-            raise ValueError(f"outer state was saved for {state['rule']}, this sync uses {type(self.rule).__name__}")
-        self._global, self._rule_state = state["global"], state["state"]
-        if self.feedback is not None:
-            self.feedback.residuals = dict(state.get("residuals") or {})
 
     # ----- the sync -------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -447,40 +431,18 @@ class ShardSync:
             torch._foreach_copy_(shard_segments, buffer_segments)
 
     @torch.no_grad()
-    def broadcast(self, rep_group: dist.ProcessGroup) -> None:
-        """Copy the shards of rank 0 of `rep_group` to its other ranks, one broadcast per bucket (FL+HSDP: replica
-        0 to the other replicas; a rejoining group: a member's shards to the newcomer)."""
-        source = dist.get_rank(rep_group) == 0
-        for flat, shard_segments, buffer_segments in self.bucket_views():
-            if source:
+    def broadcast(self, rep_group: dist.ProcessGroup | None, source: int = 0) -> None:
+        """Copy the shards of rank `source` of `rep_group` to its other ranks, one broadcast per bucket (FL+HSDP:
+        replica 0 to the other replicas; a rejoining group: a member's shards to the newcomer). None: over each
+        bucket's channel, from member `source` (a newcomer of another layout, after `reseat`)."""
+        for k, (flat, shard_segments, buffer_segments) in enumerate(self.bucket_views()):
+            group = rep_group if rep_group is not None else self.groups[self.channel_of(k)]
+            sends = dist.get_rank(group) == source
+            if sends:
                 torch._foreach_copy_(buffer_segments, shard_segments)
-            dist.broadcast(flat, group=rep_group, group_src=0)
-            if not source:
+            dist.broadcast(flat, group=group, group_src=source)
+            if not sends:
                 torch._foreach_copy_(shard_segments, buffer_segments)
-
-    @torch.no_grad()
-    def broadcast_outer_state(self, group: dist.ProcessGroup) -> None:
-        """Copy the outer state (global shards, rule state) of rank 0 of `group` to its other ranks."""
-        if not self.keeps_global:
-            return
-        if self._global is None:
-            raise RuntimeError("no outer state to broadcast: call capture_global() first")
-        for k, global_k in enumerate(self._global):
-            dist.broadcast(global_k, group=group, group_src=0)
-            for name in sorted(self._rule_state[k]):
-                dist.broadcast(self._rule_state[k][name], group=group, group_src=0)
-
-    def _needs_global(self) -> str:
-        if self.rule.stateful:
-            return f"{type(self.rule).__name__} steps from the global model"
-        return f"a {self.wire_dtype} wire sends deltas from the global model"
-
-    def store_global(self, means: list[torch.Tensor] | None = None) -> None:
-        """Make the groups' mean the global model (FedAvg with a reduced wire): `means`, one flat tensor per bucket,
-        or else the current shards (which a blocking sync just overwrote with it)."""
-        for k, (global_k, (_, shard_segments, _)) in enumerate(zip(self._global, self.bucket_views())):
-            torch._foreach_copy_(self.segments_of(k, global_k), shard_segments if means is None else
-                                 self.segments_of(k, means[k]))
 
     def segments_of(self, k: int, flat: torch.Tensor) -> list[torch.Tensor]:
         """Views of a flat tensor of bucket k's size, laid out as bucket k's shard segments."""

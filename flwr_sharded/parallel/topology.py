@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from flwr_sharded.errors import ConfigError
+from flwr_sharded.parallel.alignment import ShardAlignmentError
 from flwr_sharded.parallel.sync_plan import Owners, Seat, SyncPlan, channel_ranks
 
 MESH_DIMS = ("fed", "rep", "shard")
@@ -258,8 +259,21 @@ class GroupsTopology:
     def sync_groups(self, shapes: Sequence[tuple[int, ...]]) -> dict[Owners, dist.ProcessGroup]:
         """Every channel's process group for parameters of these global shapes (replica 0 of each owner), made on
         every rank in the plan's order (collective over the world: call it on every rank)."""
+        shapes = [tuple(int(d) for d in shape) for shape in shapes]
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (self.fed_index, shapes))  # before any group: a mismatch would hang them
+        for f, theirs in everyone:
+            if theirs != shapes:
+                first = next((i for i, (a, b) in enumerate(zip(shapes, theirs)) if a != b), min(len(shapes),
+                                                                                              len(theirs)))
+                mine = shapes[first] if first < len(shapes) else "none"
+                other = theirs[first] if first < len(theirs) else "none"
+                raise ShardAlignmentError(
+                    f"federation groups {self.fed_index} and {f} build different models: parameter #{first} has "
+                    f"shape {mine} in group {self.fed_index} and {other} in group {f} ({len(shapes)} and "
+                    f"{len(theirs)} parameters); every group must train the same model")
         bases = [self.base(f) for f in range(len(self.layouts))]
-        for owners in SyncPlan(self.layouts, tuple(map(tuple, shapes))).channels():
+        for owners in SyncPlan(self.layouts, tuple(shapes)).channels():
             if owners not in self.channels:
                 self.channels[owners] = dist.new_group(channel_ranks(owners, bases))
         return self.channels

@@ -117,7 +117,7 @@ def channel_elements(plan: SyncPlan) -> dict[Owners, int]:
     for p in plan.pieces():
         numel = (p.end - p.start) * row_numel(plan.shapes[p.param])
         out[p.owners] = out.get(p.owners, 0) + numel
-    return {c: out[c] for c in sorted(out)}
+    return {c: out[c] for c in plan.channels() if c in out}
 
 
 def unequal_sync(layouts: Sequence[tuple[int, int]], shapes: Sequence[Sequence[int]] | None = None, *,

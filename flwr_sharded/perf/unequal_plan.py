@@ -21,18 +21,17 @@ from flwr_sharded.perf.memory_model import MemoryBreakdown, StepOptions, memory_
 from flwr_sharded.perf.model_shape import ModelShape
 from flwr_sharded.perf.planner import Candidate, _wire_ratio, evaluate, layouts
 from flwr_sharded.perf.unequal import UnequalSync, model_shapes, unequal_sync
+from flwr_sharded.training import pace
 
 GiB = 1024**3
 
 
 def local_steps(A: int, step_times: Sequence[float]) -> tuple[int, ...]:
-    """Local steps per sync of each group so that all arrive together: the fastest group's A, and
-    A_g = max(1, round(A t_fastest / t_g)) for the others."""
+    """`flwr_sharded.training.pace.local_steps` (what `--group-steps speed` trains), ConfigError on bad input."""
     _check_steps(A)
     if not step_times or min(step_times) <= 0:
         raise ConfigError(f"step times must be positive, got {list(step_times)}")
-    fastest = min(step_times)
-    return tuple(max(1, round(A * fastest / t)) for t in step_times)
+    return pace.local_steps(A, step_times)
 
 
 def _check_steps(A: int) -> None:
@@ -40,10 +39,7 @@ def _check_steps(A: int) -> None:
         raise ConfigError(f"--aggregate-every: values must be integers >= 1, got {A!r}")
 
 
-def idle_times(steps: Sequence[int], step_times: Sequence[float]) -> tuple[float, ...]:
-    """Seconds each group waits per sync for the last one to finish its steps: max_h (A_h t_h) - A_g t_g."""
-    arrivals = [a * t for a, t in zip(steps, step_times)]
-    return tuple(max(arrivals) - x for x in arrivals)
+idle_times = pace.idle_times
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,8 @@ class StaticFederation:
         self.member_index, self.members = topo.fed_index, topo.config.federations
         groups = [dist.new_group(topo.group_ranks(f), backend="gloo") for f in range(self.members)]
         self.control = groups[topo.fed_index]  # every rank makes every group, in the same order
+        self.leaders = topo.leaders or dist.new_group([topo.group_ranks(f)[0] for f in range(self.members)])
+        """Rank 0 of every group (their timings after each period, `flwr_sharded.training.pace`)."""
 
     def join(self) -> None:
         pass
@@ -168,6 +170,9 @@ class OuterLoop:
         self.inner, self.sync, self.topo = inner, sync, topo
         self.alpha, self.reset_optimizer_state = alpha, reset_optimizer_state
         self._max_weight = max_weight
+        self.most_steps = 0
+        """The most steps any member trains per period when members train different numbers (`group-steps`); 0:
+        the schedule's A."""
         self.tokens = [0] * len(sync.fragments)
         """This rank's tokens since each fragment's last sync started (its weight in the next one)."""
         self.rollback: RollbackPoint | None = None
@@ -206,7 +211,7 @@ class OuterLoop:
         self.tokens[i] = 0
         schedule = self.sync.schedule
         # no group can have trained on more than a period (and the delay of an overlapped sync) of full batches
-        self.sync.set_max_weight(self._max_weight(schedule.aggregate_every + schedule.delay))
+        self.sync.set_max_weight(self._max_weight(max(schedule.aggregate_every, self.most_steps) + schedule.delay))
         return weight
 
     # ----- commit and rollback ------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from flwr_sharded.training.metrics import PhaseTimer, Throughput
 from flwr_sharded.training.model_init import build_sharded_model
 from flwr_sharded.training.models import transformer_blocks
 from flwr_sharded.training.outer_loop import OuterLoop, StaticFederation, SyncFailed, SyncOutcome
+from flwr_sharded.training.pace import Pace
 from flwr_sharded.training.proximal import ProximalTerm
 from flwr_sharded.training.safetensors_writer import save_sharded_pretrained
 
@@ -133,6 +134,10 @@ class Trainer:
             self.outer = OuterLoop(self, sync, topo, alpha=p.sync_alpha, reset_optimizer_state=p.reset_optimizer_state,
                                    max_weight=lambda steps: expected_weight_of(cfg, steps=steps,
                                                                                worlds=[max(topo.group_worlds)]))
+            if p.group_steps == "speed":  # a faster group brings up to A steps' tokens, whatever this group's steps
+                self.outer.most_steps = p.aggregate_every
+        self.step_delay = 0.0
+        """Seconds this rank sleeps after each inner step (a slower group, for tests and benchmarks)."""
         self.proximal_mu = cfg.optim.proximal_mu
         """FedProx's mu of the current round (0: off)."""
         self.proximal = ProximalTerm(self.model)
@@ -304,7 +309,7 @@ class Trainer:
 
         `run_dir`: the `flwr_sharded.run_dir.RunDir` that rank 0 writes records to (None elsewhere).
         """
-        from flwr_sharded.training.metrics import progress_bar, train_line
+        from flwr_sharded.training.metrics import progress_bar
 
         cfg, p = self.cfg, self.cfg.parallel
         if cfg.checkpoint.resume and self.resumed_from is None:
@@ -326,41 +331,51 @@ class Trainer:
         federation = StaticFederation(self.topo, wait_timeout=cfg.timeout_s) if p.federated and p.sync else None
         if federation is not None and p.sync_retries:
             self.outer.keep_rollback_point()
-        failures = 0
+        pace = Pace(p.aggregate_every, adapt=p.group_steps == "speed", member=self.topo.fed_index)
+        failures, tick, last_tick = 0, None, 0
         try:
-            while self.step_count < cfg.steps:
+            while not pace.finished(self.step_count, cfg.steps):
+                started_step = time.perf_counter()
                 loss_sum += self.step()
+                if self.step_delay:
+                    time.sleep(self.step_delay)
+                pace.compute_s += time.perf_counter() - started_step
+                if pace.adapt:
+                    self.follow_clock(pace.reference(self.step_count))
                 window_steps += 1
                 if federation is not None:
                     step = self.step_count
-                    outcomes = self.outer_step((step - 1) % p.aggregate_every + 1, federation)
+                    outcomes = self.paced_step(pace, federation, run_dir)
                     syncs += sum(o.adopted for o in outcomes)
                     if outcomes and not outcomes[-1].adopted:  # back at the last adopted sync: its steps undone
                         failures += 1
                         stamp(self._sync_failed(outcomes[-1], failures, failed_at=step))
+                        pace.restart_period(self.step_count)
+                        last_tick = math.floor(pace.reference(self.step_count))  # its steps are logged again
                         loss_sum.zero_()
                         window_start, window_steps, bar.n = time.perf_counter(), 0, self.step_count
                         continue
                     failures = 0 if outcomes else failures
-                if self.step_count % out.log_every == 0 or self.step_count == cfg.steps:
+                tick = pace.tick(self.step_count)
+                bar.update(1)
+                if tick is None:
+                    continue
+                end = tick >= cfg.steps
+                if tick // out.log_every > last_tick // out.log_every or end:
                     last = stamp(self._train_record(loss_sum, window_steps, time.perf_counter() - window_start,
                                                     syncs))
-                    if self.is_logger and out.progress:
-                        bar.write(train_line(last, cfg.steps))
-                    elif self.is_logger:
-                        logger.info("%s", train_line(last, cfg.steps))
-                    bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}")
+                    self._show(bar, last)
                     loss_sum.zero_()
                     window_start, window_steps = time.perf_counter(), 0
-                if (cfg.eval_every and self.step_count % cfg.eval_every == 0) or self.step_count == cfg.steps:
+                if (cfg.eval_every and tick // cfg.eval_every > last_tick // cfg.eval_every) or end:
                     metrics = stamp({"kind": "eval", "step": self.step_count, **self.evaluate()})
                     last.update(metrics)
                     window_start = time.perf_counter()  # evaluation is not training time
                 if self.checkpointer is not None and (
-                        (cfg.checkpoint.every and self.step_count % cfg.checkpoint.every == 0)
-                        or self.step_count == cfg.steps):
+                        (cfg.checkpoint.every and tick // cfg.checkpoint.every > last_tick // cfg.checkpoint.every)
+                        or end):
                     self.checkpoint_or_report(self.save_checkpoint)
-                bar.update(1)
+                last_tick = tick
             if self.checkpointer is not None:
                 self.checkpoint_or_report(self.checkpointer.wait)
         finally:
@@ -368,6 +383,40 @@ class Trainer:
                 self.outer.abandon(self.cfg.timeout_s)  # a sync in flight when `steps` ends mid-period is dropped
             bar.close()
         return last
+
+    def _show(self, bar: Any, record: dict[str, Any]) -> None:
+        """A train record on the progress bar, or in the log without one (rank 0)."""
+        from flwr_sharded.training.metrics import train_line
+
+        if self.is_logger and self.cfg.output.progress:
+            bar.write(train_line(record, self.cfg.steps))
+        elif self.is_logger:
+            logger.info("%s", train_line(record, self.cfg.steps))
+        bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+
+    def paced_step(self, pace: Pace, federation: StaticFederation, run_dir: Any) -> list[SyncOutcome]:
+        """The outer loop after an inner step, at the group's place in its period; after a period's last sync the
+        groups exchange their step and sync times (`Pace.exchange`, logged by rank 0 as a "sync_groups" record) and,
+        with `group-steps speed`, each takes its next period's steps."""
+        step_in_period = pace.step_in_period(self.step_count)
+        started = time.perf_counter()
+        outcomes = self.outer_step(step_in_period, federation)
+        if not outcomes or not outcomes[-1].adopted or step_in_period != pace.steps:
+            return outcomes
+        timing = pace.exchange(time.perf_counter() - started, pace.steps, federation.leaders,
+                               self.topo.group_pg, self.topo.group_rank == 0, federation.members, self.device)
+        pace.end_period(self.step_count)
+        if pace.adapt:
+            self.outer.set_aggregate_every(pace.steps)
+        if run_dir is not None:
+            run_dir.log({"kind": "sync_groups", "step": self.step_count, "reference_step": pace.periods * pace.A,
+                         **timing})
+        return outcomes
+
+    def follow_clock(self, reference: float) -> None:
+        """`group-steps speed`: the learning-rate schedule at the run's reference step (the fastest group's)."""
+        self.scheduler.last_epoch = math.floor(reference + 1e-9) - 1
+        self.scheduler.step()
 
     def outer_step(self, step_in_period: int, federation: Any, *, apply_rule: bool = True) -> list[SyncOutcome]:
         """The outer loop's part after step `step_in_period` (1..A) of a period: the syncs due, timed as "sync"."""

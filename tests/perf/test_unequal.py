@@ -72,11 +72,13 @@ def test_sync_time_follows_the_channel_order():
     # nested cuts (2 | 4): no channel waits; the busiest ranks are site 0's, with two channels each
     nested = unequal_sync([(1, 2), (1, 4)], elements=8, bytes_per_param=1, B_F=8)
     assert nested.time == nested.busiest == 4.0  # two channels of 2 bytes, 2 s each at 1 byte/s
-    # 2 and 3 shards of 6 rows: pieces of 2, 1, 1, 2 rows whose channels (0,0) (0,1) (1,1) (1,2) each wait for the
-    # previous one (they share an owner): the sync takes all four all-reduces, twice the busiest rank's three rows
+    # 2 and 3 shards of 6 rows: pieces of 2, 1, 1, 2 rows whose channels (0,0) (0,1) (1,1) (1,2) each share an owner
+    # with the next; the plan runs them in rounds of channels that share none, (0,0) (1,1) then (0,1) (1,2), so the
+    # sync takes the busiest rank's three rows (sorted alone, every channel would wait for the one before: 6 s)
     crossed = unequal_sync([(1, 2), (1, 3)], elements=6, bytes_per_param=1, B_F=8)
+    assert list(crossed.channel_bytes) == [(0, 0), (1, 1), (0, 1), (1, 2)]
     assert list(crossed.channel_bytes.values()) == [2, 1, 1, 2]
-    assert crossed.busiest == 3.0 and crossed.time == 6.0
+    assert crossed.busiest == 3.0 and crossed.time == 3.0
     shared = unequal_sync([(1, 2), (1, 4)], elements=8, bytes_per_param=1, B_F=8, shared_uplink=True)
     assert shared.time == 8.0  # each group's 8 bytes through one 1 byte/s uplink
 

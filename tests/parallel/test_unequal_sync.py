@@ -1,0 +1,166 @@
+"""The shard sync between groups that shard differently (`--group-shards`), on real FSDP2 shards over gloo: every
+group ends with the central token-weighted mean of the groups' full models, piece by piece, never gathering one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flwr_sharded.parallel.sync_plan import SyncPlan, pieces_of, shard_rows
+from tests.multiproc import run_ranks
+
+WEIGHTS = [1.0, 3.0, 2.0]  # unequal FedAvg weights per federation group
+
+
+def test_pieces_refine_every_groups_cut_and_have_one_owner_in_each():
+    for rows in (1, 5, 8, 12, 13):
+        for layouts in ((2, 4), (2, 3), (1, 2, 3, 4), (3, 3)):
+            pieces = pieces_of(rows, layouts)
+            assert [a for a, _, _ in pieces] == sorted({a for a, _, _ in pieces}) and pieces[0][0] == 0
+            assert pieces[-1][1] == rows and all(a < b for a, b, _ in pieces)
+            for a, b, owners in pieces:
+                for S, s in zip(layouts, owners):
+                    start, end = shard_rows(rows, S, s)
+                    assert start <= a and b <= end  # inside one shard of every group
+
+
+def test_channels_of_equal_groups_are_the_shard_indices_and_unequal_ones_run_in_rounds():
+    assert SyncPlan((3, 3), ((12, 2), (7,))).channels() == [(0, 0), (1, 1), (2, 2)]
+    channels = SyncPlan((2, 3), ((6,),)).channels()
+    assert channels == [(0, 0), (1, 1), (0, 1), (1, 2)]  # (0,0) and (1,1) share no owner: they run at once
+    plan = SyncPlan((2, 4), ((8, 3), (5,)))
+    for g, S in enumerate(plan.layouts):  # every element of every shard is in exactly one of its channels
+        for s in range(S):
+            covered = sum(end - start for ranges in plan.local_ranges(g, s).values() for _, start, end in ranges)
+            assert covered == plan.shard_elements(g, s)
+
+
+def _tiny_model(layouts: tuple[int, ...], R: int, intermediate_size: int = 64):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from flwr_sharded.config import ParallelConfig
+    from flwr_sharded.parallel.sharding import apply_fsdp, mixed_precision_policy
+    from flwr_sharded.parallel.topology import init_topology
+    from flwr_sharded.training.models import transformer_blocks
+
+    method = "fl-hsdp" if R > 1 else "fl-fsdp"
+    topo = init_topology(ParallelConfig(method=method, federations=len(layouts), replicas=R,
+                                        group_shards=",".join(map(str, layouts))))
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=130, hidden_size=40, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=intermediate_size, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config)
+    model = apply_fsdp(model, transformer_blocks(model), topo.fsdp_mesh, mp_policy=mixed_precision_policy("fp32", "cpu"))
+    return topo, model
+
+
+def _perturb(model, seed: int, scale: float = 1.0) -> None:
+    from flwr_sharded.parallel.sync import local_shard
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            local_shard(p).add_(torch.randn(local_shard(p).shape, generator=gen), alpha=scale)
+
+
+def _full(model) -> list[torch.Tensor]:
+    """Every parameter's full tensor (a collective over the group: the test's reference, not the sync's way)."""
+    return [p.full_tensor().detach().clone() for p in model.parameters()]
+
+
+def _everyone_full(topo, model) -> list[tuple[int, int, list[torch.Tensor]]]:
+    import torch.distributed as dist
+
+    full = _full(model)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (topo.fed_index, topo.group_rank, full))
+    return [(f, r, t) for f, r, t in everyone if r == 0]  # one copy of each group's model
+
+
+def _sync_worker(rank: int, world: int, layouts: tuple[int, ...], R: int, wire: str, overlapped: bool):
+    from flwr_sharded.parallel.streaming import FragmentedSync
+    from flwr_sharded.parallel.schedule import Schedule
+    from flwr_sharded.parallel.sync import ShardSync, local_shard
+    from flwr_sharded.parallel.wire import WIRES
+
+    topo, model = _tiny_model(layouts, R)
+    groups = topo.sync_groups([tuple(p.shape) for p in model.parameters()])
+    sync = ShardSync(model.named_parameters(), fed_group=groups if topo.replica_index == 0 else None,
+                     rep_group=topo.rep_group, bucket_bytes=4000, seat=topo.seat,
+                     wire_dtype=WIRES[wire].torch_dtype(), max_move=0)
+    sync.capture_global()  # the global model the reduced wires send deltas from
+    _perturb(model, seed=100 + rank, scale=0.05)  # every rank differs, replicas included
+    before = _everyone_full(topo, model)
+    weight = WEIGHTS[topo.fed_index]
+    if overlapped:
+        fragmented = FragmentedSync([sync], Schedule(2, 1, 1))
+        fragmented.start(0, weight)
+        if topo.replica_index == 0:
+            fragmented.wait(0, timeout=60)
+        fragmented.merge(0, alpha=0.0)
+    else:
+        sync.sync(weight)
+    after = _everyone_full(topo, model)
+    total = sum(WEIGHTS[f] for f, _, _ in before)
+    expected = [sum(WEIGHTS[f] * t[i].double() for f, _, t in before) / total for i in range(len(before[0][2]))]
+    errors = [max(float((t.double() - e).abs().max()) for t, e in zip(full, expected)) for _, _, full in after]
+    moved = max(float((b.double() - e).abs().max()) for _, _, full in before for b, e in zip(full, expected))
+    shards = [local_shard(p).clone() for p in model.parameters()]
+    return {"errors": errors, "moved": moved, "coords": (topo.fed_index, topo.replica_index, topo.shard_index),
+            "shards": shards, "channels": len(sync.channels), "same": [all(torch.equal(a, b) for a, b in
+                                                                          zip(after[0][2], full))
+                                                                      for _, _, full in after]}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layouts", [(1, 2), (2, 4), (2, 3, 4)], ids=["S=1,2", "S=2,4", "S=2,3,4"])
+def test_unequal_groups_end_with_the_central_weighted_mean(layouts):
+    out = run_ranks(_sync_worker, sum(layouts), layouts, 1, "float32", False, timeout=240)
+    for res in out:
+        assert max(res["errors"]) < 1e-6, res["errors"]
+        assert all(res["same"])  # every group holds bit-identical full models
+    assert out[0]["moved"] > 1e-2  # the groups did differ: the check could fail
+    assert max(r["channels"] for r in out) > 1  # a rank of the smaller S averages with several of the larger
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("wire,overlapped,tolerance", [("int8", False, 2e-3), ("float32", True, 1e-6)],
+                         ids=["int8", "overlapped"])
+def test_unequal_groups_int8_and_overlapped_syncs_equal_the_central_mean(wire, overlapped, tolerance):
+    """int8: each delta is rounded to its block's step (max |delta| / 127, deltas of about 0.05 x 4 sigma), summed in
+    fp32: the mean is within a step of the exact one; fp32 overlapped: exact."""
+    out = run_ranks(_sync_worker, 6, (2, 4), 1, wire, overlapped, timeout=240)
+    for res in out:
+        assert max(res["errors"]) < tolerance, res["errors"]
+        assert all(res["same"])
+    assert out[0]["moved"] > 20 * tolerance
+
+
+@pytest.mark.timeout(300)
+def test_unequal_fl_hsdp_replicas_end_bit_identical():
+    out = run_ranks(_sync_worker, 6, (1, 2), 2, "float32", False, timeout=240)
+    for res in out:
+        assert max(res["errors"]) < 1e-6
+    by_seat: dict[tuple[int, int], list] = {}
+    for res in out:
+        f, _, s = res["coords"]
+        by_seat.setdefault((f, s), []).append(res["shards"])
+    for replicas in by_seat.values():
+        assert len(replicas) == 2 and all(torch.equal(a, b) for a, b in zip(*replicas))
+
+
+def _other_model_worker(rank: int, world: int):
+    from flwr_sharded.parallel.alignment import ShardAlignmentError
+
+    topo, model = _tiny_model((1, 2), 1, intermediate_size=64 if rank == 0 else 72)
+    try:
+        topo.sync_groups([tuple(p.shape) for p in model.parameters()])
+    except ShardAlignmentError as exc:
+        return str(exc)
+    return ""
+
+
+@pytest.mark.timeout(120)
+def test_a_group_with_another_model_is_refused_before_any_channel():
+    out = run_ranks(_other_model_worker, 3)
+    assert all("build different models" in msg and ("groups 0 and 1" in msg or "groups 1 and 0" in msg) for msg in out)
