@@ -77,7 +77,7 @@ def test_predicted_sync_sends_the_model_per_group_whatever_its_S():
 
 def _records(idle_fast: float) -> list[dict]:
     """sync_groups records of two groups: group 0 steps 0.1 s, group 1 0.2 s (the slow one)."""
-    return [{"kind": "sync_groups", "step": 8 * (i + 1), "sync_s": [0.05, 0.05], "idle_s": [idle_fast, 0.0],
+    return [{"kind": "sync_groups", "step": 8 * (i + 1), "sync_s": [0.05 + idle_fast, 0.05], "idle_s": [idle_fast, 0.0],
              "steps": [8, 8], "step_time_s": [0.1, 0.2]} for i in range(3)] + [{"kind": "train", "step": 8}]
 
 
@@ -88,16 +88,19 @@ def test_group_timing_finds_the_fastest_group_and_its_idle_share():
     assert [r["step"] for r in records] == [8, 16, 24]
     t = group_timing(records)
     assert t["fastest"] == 0 and t["syncs_used"] == 2 and t["syncs"] == 3
-    assert t["fastest_idle_fraction"] == pytest.approx(0.8 / (0.8 + 0.8 + 0.05))
+    assert t["fastest_idle_fraction"] == pytest.approx(0.8 / (0.8 + 0.85))  # the sync's wall time holds the idle
     assert t["groups"][1]["period_s"] == pytest.approx(8 * 0.2 + 0.05)
     assert group_timing([]) is None
 
 
 def test_eval_perplexity_at_equal_tokens():
-    records = [{"kind": "eval", "step": 8, "eval_ppl": 100.0, "tokens_seen": 1000},
-               {"kind": "eval", "step": 16, "eval_ppl": 25.0}, {"kind": "train", "step": 16}]
-    curve = eval_tokens(records, tokens_per_step=125)
-    assert curve == [(1000.0, 100.0), (2000.0, 25.0)]
+    # group 0 (2 ranks) 8 steps per sync, group 1 (4 ranks) 4: 8 x 2 + 4 x 4 = 32 rank-steps of 10 tokens per sync
+    records = [{"kind": "sync_groups", "step": 8 * k, "steps": [8, 4]} for k in (1, 2)]
+    records += [{"kind": "eval", "step": 8, "eval_ppl": 100.0, "tokens_seen": 480},
+                {"kind": "eval", "step": 16, "eval_ppl": 25.0, "tokens_seen": 960},
+                {"kind": "eval", "step": 20, "eval_ppl": 20.0, "tokens_seen": 1200}]
+    assert eval_tokens(records, [20, 40]) == [(320.0, 100.0), (640.0, 25.0), (1200.0, 20.0)]
+    curve = [(1000.0, 100.0), (2000.0, 25.0)]
     assert ppl_at(curve, 1500) == pytest.approx(50.0)  # linear in log ppl
     assert ppl_at(curve, 999) is None and ppl_at(curve, 2000) == 25.0
     cmp = at_equal_tokens([(1000.0, 110.0), (3000.0, 11.0)], curve)

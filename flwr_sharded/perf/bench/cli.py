@@ -120,6 +120,9 @@ def _validate(args: argparse.Namespace) -> None:
         from flwr_sharded.perf.bench.unequal import parse_group_shards, unequal_layouts
 
         unequal_layouts(parse_group_shards(args.unequal_groups), load_topology(args.unequal), args.slow_group)
+        if "unequal-slow-speed" in args.unequal_run_list and args.steps % args.aggregate_every:
+            raise ConfigError(f"--steps {args.steps}: the run with --group-steps speed trains whole periods of "
+                              f"--aggregate-every {args.aggregate_every} steps; use a multiple of it")
     if not args.method_list and args.unequal is None:
         raise ConfigError("--methods none and --unequal none: nothing to run")
     check_data(DataConfig(data_dir=args.data_dir))

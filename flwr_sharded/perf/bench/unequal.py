@@ -80,7 +80,8 @@ def _inspect(run: dict[str, Any], layout: Layout, shapes: list[tuple[int, ...]],
     run["group_shards"] = list(layout.shards_per_group)
     run["sync_groups"] = sync_group_records(records)
     run["group_timing"] = group_timing(run["sync_groups"])
-    run["eval_tokens"] = eval_tokens(records, run.get("effective_batch_tokens"))
+    step_tokens = [run["batch_size"] * run["seq_len"] * layout.R * S for S in layout.shards_per_group]
+    run["eval_tokens"] = eval_tokens(records, step_tokens)
 
 
 def unequal_scenario(cluster_path: Path, opts: argparse.Namespace, work: Path, vocab: int) -> dict[str, Any]:
@@ -104,6 +105,7 @@ def unequal_scenario(cluster_path: Path, opts: argparse.Namespace, work: Path, v
             _say(f"-- {UNEQUAL_LABELS[key]} {layout.text()} A={A} {' '.join(extra)} ...")
             run = run_training(fab, layout, opts, A=A, steps=opts.steps, label=key, log_every=A,
                                work=work / "unequal", variant=variant, extra_args=extra)
+            run.update(batch_size=opts.batch_size, seq_len=opts.seq_len)
             _inspect(run, layout, shapes, bps, variant)
             result["runs"][key] = run
             cg = run["cross_group"]

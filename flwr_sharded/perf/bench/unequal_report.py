@@ -86,8 +86,9 @@ def sync_group_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def group_timing(records: list[dict[str, Any]]) -> dict[str, Any] | None:
     """Per group over the syncs (the first left out as warm-up when there are more): mean step time, local steps,
     idle and sync seconds per sync; the fastest group (least mean step time) and its idle time per sync as a
-    fraction of its sync period (its local steps' time + idle + sync). `records`: a run's metrics (the
-    `sync_groups` ones are used). None without any."""
+    fraction of its sync period (its local steps' time + its sync's wall time, which holds the idle time: a
+    group's `idle_s` is its `sync_s` less the shortest group's). `records`: a run's metrics (the `sync_groups`
+    ones are used). None without any."""
     records = sync_group_records(records)
     if not records:
         return None
@@ -100,11 +101,11 @@ def group_timing(records: list[dict[str, Any]]) -> dict[str, Any] | None:
     groups = [{"step_time_s": mean("step_time_s", g), "steps": mean("steps", g), "idle_s": mean("idle_s", g),
                "sync_s": mean("sync_s", g)} for g in range(F)]
     for g in groups:
-        g["period_s"] = g["steps"] * g["step_time_s"] + g["idle_s"] + g["sync_s"]
+        g["period_s"] = g["steps"] * g["step_time_s"] + g["sync_s"]
     fastest = min(range(F), key=lambda g: groups[g]["step_time_s"])
     fractions = [float(r["idle_s"][fastest]) / period for r in steady
                  if (period := float(r["steps"][fastest]) * float(r["step_time_s"][fastest])
-                     + float(r["idle_s"][fastest]) + float(r["sync_s"][fastest])) > 0]
+                     + float(r["sync_s"][fastest])) > 0]
     return {"groups": groups, "fastest": fastest, "syncs_used": len(steady), "syncs": len(records),
             "fastest_idle_fraction": statistics.fmean(fractions) if fractions else None,
             "fastest_idle_fraction_max": max(fractions, default=None)}
@@ -114,17 +115,23 @@ def group_timing(records: list[dict[str, Any]]) -> dict[str, Any] | None:
 # Eval perplexity at equal tokens.
 
 
-def eval_tokens(records: list[dict[str, Any]], tokens_per_step: float | None) -> list[tuple[float, float]]:
-    """(tokens seen, eval ppl) of every eval record: its `tokens_seen`, else step x `tokens_per_step`."""
+def eval_tokens(records: list[dict[str, Any]], group_step_tokens: Sequence[float]) -> list[tuple[float, float]]:
+    """(tokens the groups trained, eval ppl) of every eval record of a run's metrics.
+
+    The groups' steps per sync (`sync_groups` records) times `group_step_tokens` (tokens one optimizer step of each
+    group trains), summed up to the sync at the eval's step (rank 0's step count, at which it logs both); an eval
+    without a sync at its step counts its `tokens_seen` (the world's tokens per step x the step: right while the
+    groups take equal steps)."""
+    trained, total = {}, 0.0
+    for r in sync_group_records(records):
+        total += sum(n * t for n, t in zip(r["steps"], group_step_tokens))
+        trained[r["step"]] = total
     out = []
     for r in records:
-        if r.get("kind") != "eval":
-            continue
-        tokens = r.get("tokens_seen")
-        if tokens is None and tokens_per_step:
-            tokens = r["step"] * tokens_per_step
-        if tokens is not None:
-            out.append((float(tokens), float(r["eval_ppl"])))
+        if r.get("kind") == "eval":
+            tokens = trained.get(r["step"], r.get("tokens_seen"))
+            if tokens is not None:
+                out.append((float(tokens), float(r["eval_ppl"])))
     return sorted(out)
 
 
