@@ -101,9 +101,10 @@ def unequal_scenario(cluster_path: Path, opts: argparse.Namespace, work: Path, v
     _say(f"\n== scenario unequal: {topo.describe()}; groups {layouts['equal'].text()} and "
          f"{layouts['unequal'].text()}; {opts.steps} steps per run")
     with Fabric(topo) as fab:
-        def train(key: str, layout: Layout, extra: list[str]) -> None:
+        def train(key: str, layout: Layout, extra: list[str], eval_every: int | None = None) -> None:
             _say(f"-- {UNEQUAL_LABELS[key]} {layout.text()} A={A} {' '.join(extra)} ...")
-            run = run_training(fab, layout, opts, A=A, steps=opts.steps, label=key, log_every=A,
+            run_opts = argparse.Namespace(**{**vars(opts), "eval_every": eval_every or opts.eval_every})
+            run = run_training(fab, layout, run_opts, A=A, steps=opts.steps, label=key, log_every=A,
                                work=work / "unequal", variant=variant, extra_args=extra)
             run.update(batch_size=opts.batch_size, seq_len=opts.seq_len)
             _inspect(run, layout, shapes, bps, variant)
@@ -113,9 +114,12 @@ def unequal_scenario(cluster_path: Path, opts: argparse.Namespace, work: Path, v
                  f"{(cg['bytes_per_sync'] or 0) / 1e6:.3f} MB across groups per sync "
                  f"(model {run['predicted_sync']['bytes_per_sync'] / 1e6:.3f})")
 
+        # the equal-speed reference of the --group-steps speed run evaluates every step: that run's tokens at its
+        # evals fall between the reference's steps, which then lie one step apart
+        reference_eval = 1 if "unequal-slow-speed" in opts.unequal_run_list else None
         for key in ("equal", "unequal"):
             if key in opts.unequal_run_list:
-                train(key, layouts[key], [])
+                train(key, layouts[key], [], eval_every=reference_eval if key == "unequal" else None)
         slow_keys = [k for k in UNEQUAL_RUNS[2:] if k in opts.unequal_run_list]
         missing = [f for f in (SLOW_FLAG, GROUP_STEPS_FLAG) if f not in trainer_flags()]
         if slow_keys and missing:
