@@ -11,7 +11,7 @@ import pytest
 
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.perf.bench.layouts import Layout
-from flwr_sharded.perf.bench.unequal import parse_group_shards, unequal_layouts
+from flwr_sharded.perf.bench.unequal import parse_group_shards, slow_seconds, unequal_layouts
 from flwr_sharded.perf.bench.unequal_report import (at_equal_tokens, cross_group_traffic, eval_tokens, group_timing,
                                                     ppl_at, predicted_sync, render_unequal, unequal_checks)
 from flwr_sharded.perf.netemu.topology import EmuTopology
@@ -91,6 +91,12 @@ def test_group_timing_finds_the_fastest_group_and_its_idle_share():
     assert t["fastest_idle_fraction"] == pytest.approx(0.8 / (0.8 + 0.85))  # the sync's wall time holds the idle
     assert t["groups"][1]["period_s"] == pytest.approx(8 * 0.2 + 0.05)
     assert group_timing([]) is None
+
+
+def test_slow_seconds_from_the_slow_groups_step_time():
+    run = {"step_s": 0.5, "group_timing": group_timing(_records(0.8))}
+    assert slow_seconds(run, 1)[0] == pytest.approx(0.2) and slow_seconds(run, 0)[0] == pytest.approx(0.1)
+    assert slow_seconds({"step_s": 0.5, "group_timing": None}, 1)[0] == 0.5
 
 
 def test_eval_perplexity_at_equal_tokens():

@@ -74,8 +74,8 @@ class BenchOptions:
     slow_group: int = option(1, ge=0)
     """The group the slow runs slow down (the trainer's --debug-slow-group)."""
     slow_seconds: float | None = option(None, gt=0)
-    """Seconds the slow group sleeps after each optimizer step; unset: the unequal run's median step time (the slow
-    group is then about half as fast)."""
+    """Seconds the slow group sleeps after each optimizer step; unset: that group's mean step time in the unequal run
+    (it is then about half as fast)."""
     aggregate_every: int = same_as(ParallelConfig, "aggregate_every")
     sync_dtype: SyncDtype = same_as(ParallelConfig, "sync_dtype")
     sync_topk: float = same_as(ParallelConfig, "sync_topk", default=0.02)

@@ -84,6 +84,15 @@ def _inspect(run: dict[str, Any], layout: Layout, shapes: list[tuple[int, ...]],
     run["eval_tokens"] = eval_tokens(records, step_tokens)
 
 
+def slow_seconds(run: dict[str, Any], group: int) -> tuple[float, str]:
+    """The sleep after each step that makes `group` about half as fast as in `run`: its mean step time there (from
+    the `sync_groups` records), else the run's median step time; and where it came from."""
+    timing = run.get("group_timing")
+    if timing:
+        return timing["groups"][group]["step_time_s"], f"group {group}'s mean step time in the unequal run"
+    return run["step_s"], "the unequal run's median step time"
+
+
 def unequal_scenario(cluster_path: Path, opts: argparse.Namespace, work: Path, vocab: int) -> dict[str, Any]:
     """Train the scenario's runs one after the other on the cluster of `--unequal`; results as `_scenario`'s."""
     topo = load_topology(cluster_path)
@@ -104,7 +113,9 @@ def unequal_scenario(cluster_path: Path, opts: argparse.Namespace, work: Path, v
         def train(key: str, layout: Layout, extra: list[str], eval_every: int | None = None) -> None:
             _say(f"-- {UNEQUAL_LABELS[key]} {layout.text()} A={A} {' '.join(extra)} ...")
             run_opts = argparse.Namespace(**{**vars(opts), "eval_every": eval_every or opts.eval_every})
-            run = run_training(fab, layout, run_opts, A=A, steps=opts.steps, label=key, log_every=A,
+            # a training window never spans an evaluation (the trainer's windows restart after one)
+            run = run_training(fab, layout, run_opts, A=A, steps=opts.steps, label=key,
+                               log_every=min(A, eval_every or A),
                                work=work / "unequal", variant=variant, extra_args=extra)
             run.update(batch_size=opts.batch_size, seq_len=opts.seq_len)
             _inspect(run, layout, shapes, bps, variant)
@@ -115,7 +126,8 @@ def unequal_scenario(cluster_path: Path, opts: argparse.Namespace, work: Path, v
                  f"(model {run['predicted_sync']['bytes_per_sync'] / 1e6:.3f})")
 
         # the equal-speed reference of the --group-steps speed run evaluates every step: that run's tokens at its
-        # evals fall between the reference's steps, which then lie one step apart
+        # evals fall between the reference's steps, which then lie one step apart (the evaluations, a collective of
+        # the world, then line the groups up every step: that run's idle times are not today's)
         reference_eval = 1 if "unequal-slow-speed" in opts.unequal_run_list else None
         for key in ("equal", "unequal"):
             if key in opts.unequal_run_list:
@@ -133,7 +145,7 @@ def unequal_scenario(cluster_path: Path, opts: argparse.Namespace, work: Path, v
                 if "unequal" not in result["runs"]:
                     raise ConfigError("--slow-seconds: unset, it is the unequal run's step time; run `unequal` "
                                       "too (--unequal-runs) or give the seconds")
-                seconds, why = result["runs"]["unequal"]["step_s"], "the unequal run's median step time: half as fast"
+                seconds, why = slow_seconds(result["runs"]["unequal"], opts.slow_group)
             result["slow"] = {"group": opts.slow_group, "seconds": seconds, "why": why}
             slow = [SLOW_FLAG, f"{opts.slow_group}:{seconds:.4f}"]
             for key in slow_keys:
