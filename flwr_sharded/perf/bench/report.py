@@ -213,7 +213,8 @@ def render(results: dict[str, Any]) -> str:
         value, kind = c["value"], c["kind"]
         v = "-" if value is None else f"{value:.2f}x" if kind == "ratio" else f"{value:+.1%}" if kind == "delta" \
             else f"{value:.2%}"
-        lines.append(f"| {c['check']} | {v} | {c['target']} | {'yes' if c['ok'] else 'no'} |")
+        holds = "-" if c["ok"] is None else "yes" if c["ok"] else "no"
+        lines.append(f"| {c['check']} | {v} | {c['target']} | {holds} |")
     return "\n".join(lines)
 
 

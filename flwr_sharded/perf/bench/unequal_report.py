@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import math
 import statistics
+from pathlib import Path
 from typing import Any, Sequence
 
+from flwr_sharded.perf.bench.common import REPO
 from flwr_sharded.perf.traffic_report import sent_bytes
 
 UNEQUAL_RUNS = ("equal", "unequal", "unequal-slow", "unequal-slow-speed")
@@ -207,6 +209,13 @@ def model_error(run: dict[str, Any] | None) -> float | None:
     return mine / pred - 1 if mine is not None and pred else None
 
 
+def _rel(path: str) -> str:
+    try:
+        return str(Path(path).relative_to(REPO))
+    except ValueError:
+        return path
+
+
 def _f(value: float | None, spec: str) -> str:
     return "-" if value is None or (isinstance(value, float) and not math.isfinite(value)) else format(value, spec)
 
@@ -216,7 +225,7 @@ def render_unequal(scen: dict[str, Any]) -> list[str]:
     runs = scen["runs"]
     slow = scen.get("slow")
     lines = ["", f"## Scenario `unequal`: {scen['description']}", "",
-             f"Cluster file `{scen['cluster_file']}`; {scen['batch_size']} x {scen['seq_len']} tokens per rank per "
+             f"Cluster file `{_rel(scen['cluster_file'])}`; {scen['batch_size']} x {scen['seq_len']} tokens per rank per "
              f"step, {scen['steps']} steps per run, A = {scen['A']}. The equal federation has the unequal one's "
              f"model, F and ranks (F groups of their mean S)."
              + (f" Slow runs: group {slow['group']} sleeps {slow['seconds']:.3f} s after each optimizer step "
