@@ -84,6 +84,8 @@ def _apply_quick(args: argparse.Namespace) -> None:
         args.aggregate_every, args.eval_every, args.eval_blocks = 2, 4, 8
         args.sync_fragments, args.sync_delay = 1, 1
         args.sweep_values, args.contrast, args.measure_planner_choice = [], None, False
+        if args.method_list:  # the unequal scenario only when it is all there is to run
+            args.unequal = None
         args.repeats = 1
         args.sweep_windows = 1
 
@@ -111,9 +113,18 @@ def _validate(args: argparse.Namespace) -> None:
             continue
         topo = load_topology(path)
         layouts = parse_layouts(args.layouts if option == "--cluster" else None, topo)
-        if option == "--cluster" and "fl-fsdp" not in layouts:
+        if option == "--cluster" and "fl-fsdp" not in layouts and args.method_list:
             raise ConfigError(f"--cluster {path}: a single node has no FL+FSDP layout to benchmark; describe at "
                               f"least 2 nodes")
+    if args.unequal is not None:
+        from flwr_sharded.perf.bench.unequal import parse_group_shards, unequal_layouts
+
+        unequal_layouts(parse_group_shards(args.unequal_groups), load_topology(args.unequal), args.slow_group)
+        if "unequal-slow-speed" in args.unequal_run_list and args.steps % args.aggregate_every:
+            raise ConfigError(f"--steps {args.steps}: the run with --group-steps speed trains whole periods of "
+                              f"--aggregate-every {args.aggregate_every} steps; use a multiple of it")
+    if not args.method_list and args.unequal is None:
+        raise ConfigError("--methods none and --unequal none: nothing to run")
     check_data(DataConfig(data_dir=args.data_dir))
     check_host()
 
@@ -133,7 +144,7 @@ def run(parsed: argparse.Namespace) -> int:
         return 2
     args.out = str(Path(args.out).resolve())
     args.data_dir = str(data_dir_of(DataConfig(data_dir=args.data_dir)).resolve())
-    for name in ("cluster", "contrast", "keep_runs"):
+    for name in ("cluster", "contrast", "unequal", "keep_runs"):
         if getattr(args, name):
             setattr(args, name, str(Path(getattr(args, name)).resolve()))
     return _reexec(args, "main")

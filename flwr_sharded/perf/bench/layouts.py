@@ -14,24 +14,47 @@ from flwr_sharded.perf.netemu.topology import EmuTopology
 
 @dataclass(frozen=True)
 class Layout:
-    """One method's (F, R, S) on the emulated cluster."""
+    """One method's (F, R, S) on the emulated cluster; `group_shards`: each FL group's own S instead (an unequal
+    federation, `--group-shards`; F is their number and S is 0)."""
 
     method: str
     F: int
     R: int
     S: int
+    group_shards: tuple[int, ...] = ()
+
+    @classmethod
+    def unequal(cls, method: str, R: int, group_shards: tuple[int, ...]) -> Layout:
+        """F groups of R x S_g ranks, one S_g per group."""
+        return cls(method, len(group_shards), R, 0, tuple(group_shards))
+
+    @property
+    def shards_per_group(self) -> tuple[int, ...]:
+        """Every group's S, in group order."""
+        return self.group_shards or (self.S,) * self.F
 
     @property
     def world(self) -> int:
-        return self.F * self.R * self.S
+        return self.R * sum(self.shards_per_group)
+
+    def group_ranks(self) -> list[range]:
+        """Each FL group's global ranks (groups are consecutive blocks of R x S_g ranks)."""
+        out, base = [], 0
+        for S in self.shards_per_group:
+            out.append(range(base, base + self.R * S))
+            base += self.R * S
+        return out
 
     def text(self) -> str:
+        if self.group_shards:
+            return f"{self.F}x{self.R}x({','.join(map(str, self.group_shards))})"
         return f"{self.F}x{self.R}x{self.S}"
 
     def train_args(self, A: int, sync: SyncVariant | None = None) -> list[str]:
         fl = self.method.startswith("fl-")
-        return ["--method", self.method, "--federations", str(self.F), "--replicas", str(self.R),
-                "--shards", str(self.S), "--aggregate-every", str(A if fl else 1),
+        shape = (["--group-shards", ",".join(map(str, self.group_shards))] if self.group_shards else
+                 ["--federations", str(self.F), "--shards", str(self.S)])
+        return ["--method", self.method, *shape, "--replicas", str(self.R), "--aggregate-every", str(A if fl else 1),
                 *((sync or SyncVariant()).train_args() if fl else [])]
 
 

@@ -16,6 +16,7 @@ from flwr_sharded.config import DataConfig, ModelConfig, OptimConfig, ParallelCo
 from flwr_sharded.parallel.wire import SyncDtype
 from flwr_sharded.perf.bench.common import REPO
 from flwr_sharded.perf.bench.layouts import VARIANT_RUNS
+from flwr_sharded.perf.bench.unequal_report import UNEQUAL_RUNS
 from flwr_sharded.perf.plan_options import PlanOptions
 from flwr_sharded.schema import option, same_as
 
@@ -46,7 +47,7 @@ class BenchOptions:
     methods: str = ",".join(RUN_KEYS)
     """Runs to do, comma-separated, among fsdp, hsdp, fl-fsdp, fl-hsdp, no-sync and the FL+FSDP variants
     fl-fsdp-overlap, fl-fsdp-int8, fl-fsdp-overlap-int8, fl-fsdp-int4, fl-fsdp-overlap-int4, fl-fsdp-topk and
-    fl-fsdp-overlap-topk."""
+    fl-fsdp-overlap-topk; `none` skips the main cluster's scenario (e.g. for the unequal one alone)."""
     model: str = same_as(ModelConfig, "name")
     """Model preset of every run (its traffic is predicted from the preset)."""
     seq_len: int = same_as(DataConfig, "seq_len", default=64)
@@ -61,6 +62,20 @@ class BenchOptions:
     contrast_batch_size: int = option(4, ge=1)
     """Sequences per rank per step on the contrasting cluster (compute-heavy, so communication is a small part of a
     step)."""
+    unequal: str = str(REPO / "benchmarks" / "clusters" / "emulated-unequal.yaml")
+    """Cluster YAML of the unequal scenario (a federation of groups that shard differently next to an equal one);
+    `none` skips it."""
+    unequal_groups: str = "2,4"
+    """S of each group of the unequal federation (R = 1, the trainer's --group-shards); the equal federation next to
+    it has as many groups of their mean S (2,4: 2 groups of 3)."""
+    unequal_runs: str = ",".join(UNEQUAL_RUNS)
+    """Runs of the unequal scenario, comma-separated, among equal, unequal, unequal-slow (one group slowed down,
+    equal local steps per sync) and unequal-slow-speed (the same with the trainer's --group-steps speed)."""
+    slow_group: int = option(1, ge=0)
+    """The group the slow runs slow down (the trainer's --debug-slow-group)."""
+    slow_seconds: float | None = option(None, gt=0)
+    """Seconds the slow group sleeps after each optimizer step; unset: that group's mean step time in the unequal run
+    (it is then about half as fast)."""
     aggregate_every: int = same_as(ParallelConfig, "aggregate_every")
     sync_dtype: SyncDtype = same_as(ParallelConfig, "sync_dtype")
     sync_topk: float = same_as(ParallelConfig, "sync_topk", default=0.02)
@@ -87,7 +102,8 @@ class BenchOptions:
     date: str | None = None
     """Date printed in the report; unset: today."""
     quick: bool = False
-    """Tiny model, 8 steps, A = 2, no sweep, no contrast, no planner run (for tests)."""
+    """Tiny model, 8 steps, A = 2, no sweep, no contrast, no planner run, no unequal scenario unless it is all there
+    is to run (`--methods none`) (for tests)."""
     run_timeout: float = option(1200.0, gt=0)
     """Seconds one training run may take."""
     collective_timeout: float = same_as(TrainConfig, "timeout_s", name="collective-timeout", default=300.0)
@@ -148,9 +164,14 @@ def resolve(parsed: argparse.Namespace, sub: type | None = None) -> argparse.Nam
     bench = schema.apply_arguments(BenchOptions(), parsed)
     values = _leaves(bench)
     skip_sweep = bench.sweep.lower() in ("none", "")
-    values.update(method_list=tool_options.split_list(bench.methods, "--methods", allowed=RUN_KEYS),
+    skip_main = bench.methods.lower() == "none"
+    values.update(method_list=[] if skip_main else tool_options.split_list(bench.methods, "--methods",
+                                                                            allowed=RUN_KEYS),
                   sweep_values=[] if skip_sweep else tool_options.split_list(bench.sweep, "--sweep", int),
-                  contrast=None if bench.contrast.lower() in ("none", "") else bench.contrast)
+                  contrast=None if bench.contrast.lower() in ("none", "") else bench.contrast,
+                  unequal=None if bench.unequal.lower() in ("none", "") else bench.unequal,
+                  unequal_run_list=tool_options.split_list(bench.unequal_runs, "--unequal-runs",
+                                                           allowed=UNEQUAL_RUNS))
     if sub is not None:
         values.update(_leaves(schema.apply_arguments(sub(), parsed)))
     if sub is SyncOptions:

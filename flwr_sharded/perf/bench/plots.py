@@ -18,8 +18,10 @@ def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
     except ImportError:
         _say("matplotlib is not installed: no plots (pip install 'flwr_sharded[plot]')")
         return []
-    written = []
-    main = results["scenarios"]["main"]
+    written: list[Path] = []
+    main = results["scenarios"].get("main")
+    if main is None:
+        return written
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for key, r in main["runs"].items():
         xs = [p["time_s"] for p in r["train"]]

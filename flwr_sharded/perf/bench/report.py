@@ -11,6 +11,7 @@ from typing import Any
 from flwr_sharded.perf.bench.common import LABELS, REPO
 from flwr_sharded.perf.bench.layouts import VARIANT_RUNS, WIRE_BYTES_TARGETS, variant_wire
 from flwr_sharded.perf.bench.plots import plot
+from flwr_sharded.perf.bench.unequal_report import render_unequal, unequal_checks
 from flwr_sharded.perf.placement import TIERS
 
 
@@ -25,7 +26,7 @@ def _json_default(value: Any) -> Any:
 def checks(results: dict[str, Any]) -> list[dict[str, Any]]:
     """The issue's targets, each with its measured value and whether it holds."""
     out = []
-    main = results["scenarios"]["main"]
+    main = results["scenarios"].get("main", {"runs": {}})
     runs = main["runs"]
 
     def add(name: str, value: float | None, kind: str, target: str, ok: bool | None) -> None:
@@ -44,7 +45,11 @@ def checks(results: dict[str, Any]) -> list[dict[str, Any]]:
         v = a["sync_s_mean"] / (a["step_s_mean"] - a["sync_s_mean"])
         add("(same, within the FL+FSDP run: sync time over the other phases)", v, "delta", "<= +20%", v <= 0.20)
     out.extend(sync_variant_checks(runs))
+    if "unequal" in results["scenarios"]:
+        out.extend(unequal_checks(results["scenarios"]["unequal"]))
     for scen_name, scen in results["scenarios"].items():
+        if scen_name == "unequal":
+            continue
         errors = [r["traffic_max_error"] for r in scen["runs"].values() if "traffic_max_error" in r]
         errors += [r["traffic_max_error"] for r in scen.get("sweep", []) if "traffic_max_error" in r]
         if "planner_choice_run" in scen:
@@ -166,8 +171,9 @@ def rerender(out_dir: str | Path) -> str:
     """Recompute checks and agreement of a saved `bench.json` and rewrite `bench.md` and the plots."""
     out_dir = Path(out_dir)
     results = json.loads((out_dir / "bench.json").read_text())
-    for scen in results["scenarios"].values():
-        scen["agreement"] = agreement(scen)
+    for name, scen in results["scenarios"].items():
+        if name != "unequal":
+            scen["agreement"] = agreement(scen)
     results["checks"] = checks(results)
     report = render(results)
     (out_dir / "bench.json").write_text(json.dumps(results, indent=1, default=_json_default))
@@ -201,13 +207,14 @@ def render(results: dict[str, Any]) -> str:
     """Markdown tables of everything measured."""
     lines = _header(results)
     for name, scen in results["scenarios"].items():
-        lines += _scenario(name, scen, results["settings"])
+        lines += render_unequal(scen) if name == "unequal" else _scenario(name, scen, results["settings"])
     lines += ["", "## Targets", "", "| check | measured | target | holds |", "|---|---|---|---|"]
     for c in results["checks"]:
         value, kind = c["value"], c["kind"]
         v = "-" if value is None else f"{value:.2f}x" if kind == "ratio" else f"{value:+.1%}" if kind == "delta" \
             else f"{value:.2%}"
-        lines.append(f"| {c['check']} | {v} | {c['target']} | {'yes' if c['ok'] else 'no'} |")
+        holds = "-" if c["ok"] is None else "yes" if c["ok"] else "no"
+        lines.append(f"| {c['check']} | {v} | {c['target']} | {holds} |")
     return "\n".join(lines)
 
 

@@ -14,7 +14,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES, sync_wire_ratio
 from flwr_sharded.perf.bench.common import LABELS, _say
@@ -82,9 +82,12 @@ def step_stats(repeats: list[list[dict[str, Any]]]) -> dict[str, Any]:
 
 def run_training(fab: Fabric, layout: Layout, opts: argparse.Namespace, *, A: int, steps: int,
                  sync: bool = True, label: str | None = None, log_every: int | None = None,
-                 units: Units | None = None, work: Path, variant: SyncVariant | None = None) -> dict[str, Any]:
-    """Train one layout on the fabric; return its summary with measured and predicted traffic per tier.
-    `variant`: how an FL layout syncs (default: the benchmark's `--sync-dtype`, blocking, one fragment)."""
+                 units: Units | None = None, work: Path, variant: SyncVariant | None = None,
+                 extra_args: Sequence[str] = ()) -> dict[str, Any]:
+    """Train one layout on the fabric; return its summary with measured and predicted traffic per tier (`units`:
+    the model's, for a layout of equal groups). `variant`: how an FL layout syncs (default: the benchmark's
+    `--sync-dtype`, blocking, one fragment); `extra_args`: more trainer flags. The run's metrics and traffic stay in
+    its `run_dir` (under `work`)."""
     from flwr_sharded.perf.traffic_report import compare, load_probes
 
     topo = fab.topology
@@ -104,6 +107,7 @@ def run_training(fab: Fabric, layout: Layout, opts: argparse.Namespace, *, A: in
             "--measure-traffic", str(traffic_dir), "--timeout", str(opts.collective_timeout)]
     if not sync:
         argv.append("--no-sync")
+    argv += list(extra_args)
     for attempt in (1, 2):
         start, load_before = time.perf_counter(), os.getloadavg()[0]
         try:
@@ -120,7 +124,7 @@ def run_training(fab: Fabric, layout: Layout, opts: argparse.Namespace, *, A: in
     out = {"label": label, "method": layout.method, "layout": layout.text(), "F": layout.F, "R": layout.R,
            "S": layout.S, "A": A if layout.method.startswith("fl-") else 1, "sync": sync, "steps": steps,
            "sync_variant": dataclasses.asdict(variant) if layout.method.startswith("fl-") else None,
-           "wall_s": wall, "attempts": attempt, "load_avg": [load_before, os.getloadavg()[0]], **summary,
+           "wall_s": wall, "attempts": attempt, "run_dir": str(run_dir), "load_avg": [load_before, os.getloadavg()[0]], **summary,
            **step_stats([summary["windows"]]), "repeats": 1}
     if units is not None:
         placement = Placement(F=layout.F, R=layout.R, S=layout.S, gpus_per_node=topo.ranks_per_node,
@@ -287,13 +291,18 @@ def _inner_main(opts: argparse.Namespace) -> int:
             "date": opts.date or _dt.date.today().isoformat(), "machine": _machine(),
             "settings": {k: v for k, v in vars(opts).items() if k not in ("func",)},
             "vocab_size": vocab, "scenarios": {}}
-        results["scenarios"]["main"] = _scenario("main", Path(opts.cluster), opts, work, vocab, main=True,
-                                                 steps=opts.steps, repeats=opts.repeats)
+        if opts.method_list:
+            results["scenarios"]["main"] = _scenario("main", Path(opts.cluster), opts, work, vocab, main=True,
+                                                     steps=opts.steps, repeats=opts.repeats)
         if opts.contrast:
             results["scenarios"]["contrast"] = _scenario("contrast", Path(opts.contrast), opts, work, vocab,
                                                          main=False, steps=opts.contrast_steps or opts.steps,
                                                          repeats=opts.contrast_repeats,
                                                          batch_size=opts.contrast_batch_size)
+        if opts.unequal:
+            from flwr_sharded.perf.bench.unequal import unequal_scenario
+
+            results["scenarios"]["unequal"] = unequal_scenario(Path(opts.unequal), opts, work, vocab)
         results["elapsed_s"] = time.perf_counter() - started
         results["checks"] = checks(results)
         report = render(results)
