@@ -370,9 +370,10 @@ class Trainer:
                     loss_sum.zero_()
                     window_start, window_steps = time.perf_counter(), 0
                 if (cfg.eval_every and tick // cfg.eval_every > last_tick // cfg.eval_every) or end:
+                    evaluated = time.perf_counter()
                     metrics = stamp({"kind": "eval", "step": self.step_count, **self.evaluate()})
                     last.update(metrics)
-                    window_start = time.perf_counter()  # evaluation is not training time
+                    window_start += time.perf_counter() - evaluated  # evaluation is not training time
                 if self.checkpointer is not None and (
                         (cfg.checkpoint.every and tick // cfg.checkpoint.every > last_tick // cfg.checkpoint.every)
                         or end):
