@@ -241,6 +241,9 @@ class GroupLayout:
         p = run.train.parallel
         if (self.method, self.replicas, self.shards) == (p.method, p.replicas, p.shards):
             return ""
+        hint = ("; on the decentralised path, partition iid-groups or document lets groups of any S sync together"
+                if (self.method, self.replicas) == (p.method, p.replicas) and run.federation.aggregation ==
+                "decentralized" else "")
         return (f"the run config asks for {p.method} with R={p.replicas} x S={p.shards} = {p.replicas * p.shards} "
                 f"ranks per group, but this group runs {self.method} with R={self.replicas} x S={self.shards} = "
-                f"{self.world} ranks; relaunch the group or change the run config")
+                f"{self.world} ranks; relaunch the group or change the run config{hint}")

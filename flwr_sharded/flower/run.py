@@ -251,11 +251,20 @@ class FlowerRun:
         """`facility_of`, else a facility of the group alone."""
         return self.facility_of(partition_id) or f"partition-{partition_id}"
 
-    def for_group(self, partition_id: int, node_facility: str = "") -> FlowerRun:
+    @property
+    def takes_own_shards(self) -> bool:
+        """Whether a group may run its own S, whatever `shards` and `facility-shards` give it: on the decentralised
+        path, with a partition that keeps groups of different sizes disjoint (iid-groups, document); its shards
+        are then averaged piece by piece with the others' (`flwr_sharded.flower.group.channels`)."""
+        return self.federation.aggregation == "decentralized" and self.train.data.partition != "iid"
+
+    def for_group(self, partition_id: int, node_facility: str = "", own_shards: int | None = None) -> FlowerRun:
         """This run with S set for the group of `partition_id` (its facility: the node config's, else the run
-        config's `facilities`)."""
+        config's `facilities`); `own_shards`: the S the group runs, which stands where `takes_own_shards`."""
         facility = node_facility or self.facility_of(partition_id)
         shards = self.shards_by_facility().get(facility, self.train.parallel.shards)
+        if own_shards is not None and self.takes_own_shards:
+            shards = own_shards
         if shards == self.train.parallel.shards:
             return self
         out = copy.deepcopy(self)

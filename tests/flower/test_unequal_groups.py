@@ -14,6 +14,7 @@ import pytest
 
 from flwr_sharded.flower import messages as P
 from flwr_sharded.flower.group import channels
+from flwr_sharded.flower.run import FlowerRun
 from flwr_sharded.flower.server import records, unequal
 from flwr_sharded.parallel.sync_plan import SyncPlan
 from tests.flower.procs import group_pids, start_group, start_groups, wait_until
@@ -38,6 +39,16 @@ def test_members_that_shard_differently_get_their_s_and_a_plan_every_shard_can_s
     assert unequal.rejoin_refusal(membership, group(3, [16, 3]), groups[7]) == ""
     assert "differs from the members'" in unequal.rejoin_refusal(membership, group(3, [16, 3], digest="x"), groups[7])
     assert "fingerprint" in unequal.rejoin_refusal(membership, group(1, [16, 3], fingerprint="other"), groups[7])
+
+
+def test_a_group_runs_its_own_s_on_the_decentralised_path_unless_the_partition_is_iid():
+    run = FlowerRun.from_run_config({"shards": 2, "partition": "iid-groups"})
+    assert run.takes_own_shards and run.for_group(0, own_shards=3).train.parallel.shards == 3
+    iid = FlowerRun.from_run_config({"shards": 2})  # blocks of groups of different sizes would overlap
+    assert iid.for_group(0, own_shards=3).train.parallel.shards == 2
+    assert "partition iid-groups or document" in P.GroupLayout("fl-fsdp", 1, 3, 3).mismatch(iid)
+    server = FlowerRun.from_run_config({"shards": 2, "partition": "iid-groups", "aggregation": "server"})
+    assert server.for_group(0, own_shards=3).train.parallel.shards == 2  # the facility gives S
 
 
 def test_a_group_of_another_model_and_one_no_plan_can_serve_are_left_out_by_name():
@@ -115,13 +126,13 @@ def test_groups_of_one_and_two_ranks_match_the_static_engine_and_a_relaunched_gr
     and the held-out loss after each round agree within 1e-5, and the two groups end each round with the same model
     (their shards' sums agree). Then the S = 2 group is killed, the other trains a round alone, and the group comes
     back with S = 3: the round's catch-up gives it member 0's model, step and learning rate before it trains."""
-    runs = {s: spec(data_dir, shards=s, partition="iid-groups") for s in (1, 2, 3)}
+    s = spec(data_dir, shards=2, partition="iid-groups")  # each group runs its own S (`takes_own_shards`)
     (_, a_addr, a_key), (_, b_addr, b_key) = start_groups(procs, [("a", dict(shards=1)), ("b", dict(shards=2))])
     a, b = client(a_addr, a_key), client(b_addr, b_key)
-    hellos = [hello(a, runs[1], 0, 2), hello(b, runs[2], 1, 2)]
+    hellos = [hello(a, s, 0, 2), hello(b, s, 1, 2)]
     assert hellos[0]["model_digest"] == hellos[1]["model_digest"] and hellos[0]["fingerprint"] != hellos[1]["fingerprint"]
     assert hellos[0]["param_rows"] == hellos[1]["param_rows"]
-    losses, evals, s = [], [], runs[1]
+    losses, evals = [], []
     for r in range(s.federation.rounds):
         out = _train_round([a, b], hellos[0], f"unequal/round{r}", [1, 2])
         assert [o["syncs"] for o in out] == [s.federation.syncs_per_round] * 2
@@ -141,7 +152,7 @@ def test_groups_of_one_and_two_ranks_match_the_static_engine_and_a_relaunched_gr
     (alone,) = _train_round([a], hellos[0], "unequal/alone", [], syncs=1, steps=2)
     _, c_addr, c_key = start_group(procs, "c", shards=3)
     c = client(c_addr, c_key)
-    assert hello(c, runs[3], 1, 2)["steps"] == 0  # a fresh group, of another S
+    assert hello(c, s, 1, 2)["steps"] == 0  # a fresh group, of another S
     got_a, got_c = _train_round([a, c], hellos[0], "unequal/rejoin", [1, 3], syncs=1, steps=2, catch_up=True,
                                 evaluate=False)
     assert got_a["catch_up_checksums"] == alone["checksums"]

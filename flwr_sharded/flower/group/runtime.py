@@ -254,7 +254,8 @@ class GroupRuntime:
         run = cfg = None
         try:
             partition = (int(args["partition_id"]), int(args["num_partitions"]))
-            run = FlowerRun.from_json(str(args["run"])).for_group(partition[0], str(args.get("facility", "")))
+            run = FlowerRun.from_json(str(args["run"])).for_group(partition[0], str(args.get("facility", "")),
+                                                                  own_shards=self.args.shards)
             mismatch = layout.mismatch(run)
             if mismatch:
                 raise ConfigError(mismatch)

@@ -159,7 +159,7 @@ class GroupMembership:
                                    rendezvous_host=str(info.get("rendezvous_host", "")),
                                    rendezvous_ports=[int(p) for p in metrics.get("rendezvous_ports", [])])
             partition = int(metrics.get("partition_id", 0))
-            expected = self.run.for_group(partition, str(info.get("facility", "")))
+            expected = self.run.for_group(partition, str(info.get("facility", "")), own_shards=layout.shards)
             if not error and layout.mismatch(expected):
                 error = layout.mismatch(expected)
             if not error and len(layout.rendezvous_ports) != expected.train.parallel.shards:
