@@ -159,3 +159,26 @@ def test_groups_of_one_and_two_ranks_match_the_static_engine_and_a_relaunched_gr
     assert sum(got_c["catch_up_checksums"]) == pytest.approx(sum(alone["checksums"]), rel=1e-9, abs=1e-9)
     assert got_c["step"] == got_a["step"] == alone["step"] + 2 and got_c["lr"] == got_a["lr"]
     assert sum(got_c["checksums"]) == pytest.approx(sum(got_a["checksums"]), rel=1e-9, abs=1e-9)
+
+
+@pytest.mark.timeout(900)
+def test_a_flower_simulation_of_groups_of_two_and_one_ranks_matches_the_static_engine(data_dir, tmp_path):
+    """`flwr run` in simulation, partition 0 with S = 2 and partition 1 with S = 1 (`facility-shards`): the
+    ServerApp sends every member's S, the groups sync over their plan's channels, every step's loss (token-weighted:
+    the mean over the 3 ranks) and each round's held-out loss agree with `flwr_sharded.train --group-shards 2,1`
+    within 1e-5, and the records and the summary name each group's layout."""
+    from tests.flower.conftest import run_demo
+    from tests.flower.procs import FAST_RUN_CONFIG
+
+    c = {**FAST_RUN_CONFIG, "shards": 2, "facilities": "a,b", "facility-shards": "b=1", "partition": "iid-groups"}
+    run = run_demo(tmp_path, data_dir, c, timeout=600)
+    assert run.returncode == 0, run.output[-5000:]
+    assert len(run.rounds) == c["num-server-rounds"]
+    for record in run.rounds:
+        assert (record["groups"], record["synced"], record["syncs"]) == (2, 1, c["syncs-per-round"])
+        assert sorted(record["layouts"].values()) == ["1x1", "1x2"] and record["checksums_equal"] == 1
+    (summary,) = run.summary
+    assert sorted(summary["layouts"].values()) == ["1x1", "1x2"] and "groups (R x S): node" in run.output
+    static_losses, static_evals = _static_unequal(data_dir, tmp_path, FlowerRun.from_run_config(c), "2,1")
+    assert [x for r in run.rounds for x in r["losses"]] == pytest.approx(static_losses, abs=1e-5)
+    assert [r["eval_loss"] for r in run.rounds] == pytest.approx(static_evals, abs=1e-5)
