@@ -99,19 +99,23 @@ def prepare(runtime: Any, args: TrainArgs) -> None:
         raise InstructionError(f"members of S={args.member_shards} make {len(scopes)} channels, more than the "
                                f"{MAX_SCOPES} rendezvous scopes member 0's store holds")
     seat = seat_of(args, runtime.topo.shard_index)
+    if t.shard_sync.fragments[0].seat == seat:  # the same layouts as the last round (members alike: as always)
+        return
     error = ""
-    if t.shard_sync.fragments[0].seat != seat:
-        try:
-            t.shard_sync.reseat(seat, None)
-        except ValueError as exc:  # a shard of this group holds no row, or not the rows the plan expects
-            error = str(exc)
+    try:
+        t.shard_sync.reseat(seat, None)
+    except ValueError as exc:  # a shard of this group holds no row, or not the rows the plan expects
+        error = str(exc)
     errors = sorted({e for e in runtime.gather(error) if e})  # every rank agrees before any trains
+    if errors:
+        seat = None
+        t.shard_sync.reseat(None, None)  # every rank, every fragment back to whole shards (always plannable)
+    if t.shard_sync.keeps_global:
+        t.outer.commit()  # the rollback point holds the outer state in the new seat's buckets
+    _bound_weights(t, runtime.args.replicas * max(args.member_shards if seat is not None else [own]))
     if errors:
         raise InstructionError(f"this group (R={runtime.args.replicas} x S={own}) cannot sync with members of "
                                f"S={args.member_shards}: {'; '.join(errors)}")
-    if seat is not None and t.shard_sync.keeps_global:
-        t.outer.commit()  # the rollback point holds the outer state in the new seat's buckets
-    _bound_weights(t, runtime.args.replicas * max(args.member_shards or [own]))
 
 
 def _bound_weights(trainer: Any, world: int) -> None:
