@@ -19,6 +19,7 @@ from flwr_sharded.flower.run import FlowerRun
 from flwr_sharded.flower.server import records, unequal
 from flwr_sharded.parallel.sync_plan import SyncPlan
 from tests.flower.procs import group_pids, start_group, start_groups, wait_until
+from tests.flower.test_strategy import task_identity  # noqa: F401  (a fixture: Flower messages outside a run)
 from tests.flower.test_group import all_gone, client, hello, round_args, spec
 from tests.multiproc import torchrun
 
@@ -216,3 +217,37 @@ def test_a_flower_simulation_of_groups_of_two_and_one_ranks_matches_the_static_e
     static_losses, static_evals = _static_unequal(data_dir, tmp_path, FlowerRun.from_run_config(c), "2,1")
     assert [x for r in run.rounds for x in r["losses"]] == pytest.approx(static_losses, abs=1e-5)
     assert [r["eval_loss"] for r in run.rounds] == pytest.approx(static_evals, abs=1e-5)
+
+
+def test_the_strategy_sends_every_members_s_leaves_another_model_out_and_names_the_layouts(caplog):
+    """Fake nodes (no processes): S = 2 and S = 1 with one model, and a third group of another model."""
+    import logging
+
+    from tests.flower.test_strategy import FakeGrid, config, fast, group as fake_group, hello_ok, make, spec as run
+    from tests.flower.test_strategy import train_ok
+
+    def hello_of(node: int, shards: int, partition: int, digest: str = "model"):
+        def answer(m):
+            out = hello_ok(node, shards=shards, fingerprint=f"fp{shards}", partition=partition)
+            out[P.INFO]["model_digest"] = digest
+            out[P.METRICS]["param_rows"] = [16, 3]
+            return 0.0, out
+        return answer
+
+    def train_of(shards: int):
+        return lambda m, n: (0.0, train_ok(checksums=[1.0] * (2 * shards)))
+
+    grid = FakeGrid({1: fake_group(1, 0, hello=hello_of(1, 2, 0), train=train_of(2)),
+                     2: fake_group(2, 1, hello=hello_of(2, 1, 1), train=train_of(1)),
+                     3: fake_group(3, 2, hello=hello_of(3, 1, 2, digest="other"), train=train_of(1))})
+    strategy = make(run(shards=2, partition="iid-groups", rounds=1), fast(num_groups=3, min_groups=2))
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        strategy.start(grid)
+    log = "\n".join(r.getMessage() for r in caplog.records)
+    assert "group on node 3 left out: its model (parameter names, shapes and dtypes: digest other)" in log
+    trains = grid.sent(P.MSG_TRAIN)
+    assert [config(m)["member-shards"] for m in trains] == [[2, 1], [2, 1]]
+    assert config(trains[0])["members"] == ["1", "2"] and len(config(trains[0])["rendezvous-ports"]) == 2
+    (record,) = [h for h in strategy.history if h.get("kind") == "round"]
+    assert record["layouts"] == {"1": "1x2", "2": "1x1"} and record["checksums_equal"] == 1
+    assert "groups (R x S): node 1: 1x2, node 2: 1x1" in log  # those that passed the hello
