@@ -165,7 +165,8 @@ def test_groups_of_one_and_two_ranks_match_the_static_engine_and_a_relaunched_gr
     (_, a_addr, a_key), (_, b_addr, b_key) = start_groups(procs, [("a", dict(shards=1)), ("b", dict(shards=2))])
     a, b = client(a_addr, a_key), client(b_addr, b_key)
     hellos = [hello(a, s, 0, 2), hello(b, s, 1, 2)]
-    assert hellos[0]["model_digest"] == hellos[1]["model_digest"] and hellos[0]["fingerprint"] != hellos[1]["fingerprint"]
+    assert hellos[0]["model_digest"] == hellos[1]["model_digest"]
+    assert hellos[0]["fingerprint"] != hellos[1]["fingerprint"]  # their shards differ
     assert hellos[0]["param_rows"] == hellos[1]["param_rows"]
     losses, evals = [], []
     for r in range(s.federation.rounds):
@@ -251,3 +252,35 @@ def test_the_strategy_sends_every_members_s_leaves_another_model_out_and_names_t
     (record,) = [h for h in strategy.history if h.get("kind") == "round"]
     assert record["layouts"] == {"1": "1x2", "2": "1x1"} and record["checksums_equal"] == 1
     assert "groups (R x S): node 1: 1x2, node 2: 1x1" in log  # those that passed the hello
+
+
+def test_a_group_dropped_and_relaunched_with_another_s_rejoins_with_a_catch_up():
+    """Fake nodes: both groups run S = 2; node 2 fails round 1, is relaunched with S = 3 and rejoins in round 2 with a
+    catch-up from member 0, the members' S sent with it."""
+    from tests.flower.test_strategy import FakeGrid, config, fast, group as fake_group, hello_ok, make, reply
+    from tests.flower.test_strategy import spec as run
+    from tests.flower.test_strategy import train_ok
+
+    hellos = {1: [2], 2: [2, 3]}
+
+    def hello_of(node: int, partition: int):
+        def answer(m):
+            shards = hellos[node].pop(0) if len(hellos[node]) > 1 else hellos[node][0]
+            out = hello_ok(node, shards=shards, fingerprint=f"fp{shards}", partition=partition)
+            out[P.INFO]["model_digest"] = "model"
+            out[P.METRICS]["param_rows"] = [16, 3]
+            return 0.0, out
+        return answer
+
+    def node_2(m, n):
+        return (0.0, reply(False, "rank 1 died")) if n == 1 else (0.0, train_ok(checksums=[1.0] * 6))
+
+    grid = FakeGrid({1: fake_group(1, 0, hello=hello_of(1, 0)),
+                     2: fake_group(2, 1, hello=hello_of(2, 1), train=node_2)})
+    strategy = make(run(shards=2, partition="iid-groups", rounds=2), fast(min_groups=1))
+    strategy.start(grid)
+    trains = grid.sent(P.MSG_TRAIN)
+    first, second = trains[:2], trains[2:]
+    assert ["member-shards" in config(m) for m in first] == [False, False]  # alike: the plain path
+    assert [(config(m)["member-shards"], config(m)["catch-up"]) for m in second] == [([2, 3], True)] * 2
+    assert [h.get("layouts") for h in strategy.history if h.get("kind") == "round"] == [None, {"1": "1x2", "2": "1x3"}]
