@@ -139,8 +139,8 @@ def _train_round(clients, offer, prefix: str, shards: list[int], **flags) -> lis
 
 def _static_unequal(data_dir: Path, tmp: Path, run, layouts: str) -> tuple[list[float], list[float]]:
     t, p, k = run.train, run.train.parallel, run.federation.syncs_per_round
-    result = torchrun(sum(int(s) for s in layouts.split(",")), [
-        "--method", "fl-fsdp", "--group-shards", layouts, "--model", t.model.name, "--data-dir", str(data_dir),
+    result = torchrun(p.replicas * sum(int(s) for s in layouts.split(",")), [
+        "--method", p.method, "--replicas", str(p.replicas), "--group-shards", layouts, "--model", t.model.name, "--data-dir", str(data_dir),
         "--seq-len", str(t.data.seq_len), "--batch-size", str(t.batch_size), "--eval-blocks", str(t.data.eval_blocks),
         "--steps", str(run.total_steps), "--aggregate-every", str(p.aggregate_every), "--lr", str(t.optim.lr),
         "--warmup", str(t.optim.warmup), "--min-lr-ratio", str(t.optim.min_lr_ratio), "--weight-decay",
@@ -195,6 +195,27 @@ def test_groups_of_one_and_two_ranks_match_the_static_engine_and_a_relaunched_gr
     assert sum(got_c["catch_up_checksums"]) == pytest.approx(sum(alone["checksums"]), rel=1e-9, abs=1e-9)
     assert got_c["step"] == got_a["step"] == alone["step"] + 2 and got_c["lr"] == got_a["lr"]
     assert sum(got_c["checksums"]) == pytest.approx(sum(got_a["checksums"]), rel=1e-9, abs=1e-9)
+
+
+@pytest.mark.timeout(600)
+def test_fl_hsdp_groups_of_different_s_match_the_static_engine_replicas_alike(procs, data_dir, tmp_path):
+    """R = 2 groups of S = 1 and 2 (6 ranks), one round of K = 2 syncs x A = 3 steps: the replicas, which take each
+    bucket of their seat from replica 0, end every sync equal, both groups hold one model, and every step's loss
+    equals `--method fl-hsdp --replicas 2 --group-shards 1,2` (1e-5)."""
+    s = spec(data_dir, method="fl-hsdp", replicas=2, shards=2, partition="iid-groups", rounds=1)
+    layout = dict(method="fl-hsdp", replicas=2)
+    (_, a_addr, a_key), (_, b_addr, b_key) = start_groups(procs, [("a", dict(shards=1, **layout)),
+                                                                  ("b", dict(shards=2, **layout))])
+    a, b = client(a_addr, a_key), client(b_addr, b_key)
+    offer, _ = hello(a, s, 0, 2), hello(b, s, 1, 2)
+    out = _train_round([a, b], offer, "hsdp/round0", [1, 2])
+    for k in range(s.federation.syncs_per_round):
+        one, two = out[0]["checksums"][k * 2:(k + 1) * 2], out[1]["checksums"][k * 4:(k + 1) * 4]
+        assert one[0] == one[1] and two[:2] == two[2:]  # replica 1 = replica 0, shard by shard
+        assert one[0] == pytest.approx(sum(two[:2]), rel=1e-9)
+    losses = [(2 * x + 4 * y) / 6 for x, y in zip(out[0]["losses"], out[1]["losses"])]
+    static_losses, _ = _static_unequal(data_dir, tmp_path, s, "1,2")
+    assert losses == pytest.approx(static_losses, abs=1e-5)
 
 
 @pytest.mark.timeout(900)
