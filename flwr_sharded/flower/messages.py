@@ -177,11 +177,16 @@ class TrainArgs:
     """Server path: the facility's first member exports its shards after the round."""
     catch_up: bool = False
     """A member (re)joined: every member adopts member 0's shards, outer state and step first."""
+    member_shards: list[int] = option(factory=list, ge=1)
+    """Every member's S, in member order, when they shard differently (the round syncs over the channels of their
+    sync plan, `flwr_sharded.flower.group.channels`); empty: every member shards alike. `rendezvous_ports` are then
+    member 0's, one per shard index of member 0."""
     round: RoundOptions = field(default_factory=RoundOptions)
     """The round options the strategy set for this round (the train config's `RoundOptions` keys)."""
 
     def to_config(self) -> dict[str, Any]:
-        out = {o.name: schema.get(self, o.path) for o in schema.options(type(self)) if o.path[0] != "round"}
+        out = {o.name: schema.get(self, o.path) for o in schema.options(type(self)) if o.path[0] != "round"
+               and not (o.many and o.default == [] and not schema.get(self, o.path))}  # an empty list: unset
         return {**out, **self.round.to_config()}
 
     @classmethod
@@ -210,6 +215,9 @@ class TrainArgs:
             raise ArgumentError(f"member-index {args.member_index} of {len(args.members)} members")
         if len(set(args.members)) != len(args.members):
             raise ArgumentError(f"members {args.members} name a node twice")
+        if args.member_shards and len(args.member_shards) != len(args.members):
+            raise ArgumentError(f"member-shards {args.member_shards} must name the S of each of the "
+                                f"{len(args.members)} members")
         return args
 
 
@@ -233,6 +241,9 @@ class GroupLayout:
         p = run.train.parallel
         if (self.method, self.replicas, self.shards) == (p.method, p.replicas, p.shards):
             return ""
+        hint = ("; on the decentralised path, partition iid-groups or document lets groups of any S sync together"
+                if (self.method, self.replicas) == (p.method, p.replicas) and run.federation.aggregation ==
+                "decentralized" else "")
         return (f"the run config asks for {p.method} with R={p.replicas} x S={p.shards} = {p.replicas * p.shards} "
                 f"ranks per group, but this group runs {self.method} with R={self.replicas} x S={self.shards} = "
-                f"{self.world} ranks; relaunch the group or change the run config")
+                f"{self.world} ranks; relaunch the group or change the run config{hint}")

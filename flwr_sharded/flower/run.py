@@ -45,10 +45,13 @@ class FederationConfig:
     travel through the Flower server, for groups that share no network; groups of one facility still all-reduce)."""
     facilities: str | None = None
     """Server path: the facility of each group by partition id, comma-separated (e.g. "a,a,b,b"); a SuperNode's node
-    config `facility` overrides it; unset: every group is a facility of its own."""
+    config `facility` overrides it; unset: every group is a facility of its own. Decentralised path: only names the
+    groups `facility-shards` gives their own S (every group still syncs with every other)."""
     facility_shards: str | None = None
-    """Server path: S of the groups of some facilities, e.g. "b=1" (the others use `shards`); their ranks hold other
-    rows, which the server combines row by row. Needs partition iid-groups or document."""
+    """S of the groups of some facilities, e.g. "b=1" (the others use `shards`); their ranks hold other rows, which
+    the server combines row by row (server path), or which the groups average piece by piece where their shards
+    overlap (decentralised path: one channel per owner tuple of their sync plan). Needs partition iid-groups or
+    document."""
     server_buffer_mb: float = option(128.0, gt=0)
     """Server path: the largest chunk, in MiB of fp32 rows. The model travels in chunks of global rows (at most
     this, and at most a sixteenth of the model or 8 MiB, whichever is larger), each pulled, averaged and sent back
@@ -248,11 +251,20 @@ class FlowerRun:
         """`facility_of`, else a facility of the group alone."""
         return self.facility_of(partition_id) or f"partition-{partition_id}"
 
-    def for_group(self, partition_id: int, node_facility: str = "") -> FlowerRun:
+    @property
+    def takes_own_shards(self) -> bool:
+        """Whether a group may run its own S, whatever `shards` and `facility-shards` give it: on the decentralised
+        path, with a partition that keeps groups of different sizes disjoint (iid-groups, document); its shards
+        are then averaged piece by piece with the others' (`flwr_sharded.flower.group.channels`)."""
+        return self.federation.aggregation == "decentralized" and self.train.data.partition != "iid"
+
+    def for_group(self, partition_id: int, node_facility: str = "", own_shards: int | None = None) -> FlowerRun:
         """This run with S set for the group of `partition_id` (its facility: the node config's, else the run
-        config's `facilities`)."""
+        config's `facilities`); `own_shards`: the S the group runs, which stands where `takes_own_shards`."""
         facility = node_facility or self.facility_of(partition_id)
         shards = self.shards_by_facility().get(facility, self.train.parallel.shards)
+        if own_shards is not None and self.takes_own_shards:
+            shards = own_shards
         if shards == self.train.parallel.shards:
             return self
         out = copy.deepcopy(self)
@@ -288,15 +300,13 @@ class FlowerRun:
         except ValueError:
             raise S.error(f"{L('facility-shards')} must be comma-separated facility=S pairs with S >= 1 (e.g. "
                           f"\"b=1\"); got {f.facility_shards!r}") from None
-        if by_facility and f.aggregation != "server":
-            raise S.error(f"{L('facility-shards')} gives facilities their own S, which only the server path can "
-                          f"combine; set {L('aggregation')} = \"server\"")
         if by_facility and self.train.data.partition == "iid":
             raise S.error(f"{L('facility-shards')}: with groups of different sizes, {L('partition')} \"iid\" would "
                           f"give some blocks to two groups; use \"iid-groups\" or \"document\"")
-        if f.facilities and f.aggregation != "server":
-            raise S.error(f"{L('facilities')} groups clients for the server path; set {L('aggregation')} = "
-                          f"\"server\" or leave it unset")
+        if f.facilities and f.aggregation != "server" and not by_facility:
+            raise S.error(f"{L('facilities')} groups clients for the server path, or names the groups "
+                          f"{L('facility-shards')} gives their own S; set {L('aggregation')} = \"server\", "
+                          f"{L('facility-shards')}, or leave it unset")
         if f.server_rule != "mean" and f.aggregation != "server":
             raise S.error(f"{L('server-rule')} {f.server_rule!r} combines facilities at the server; set "
                           f"{L('aggregation')} = \"server\" or leave it at \"mean\"")

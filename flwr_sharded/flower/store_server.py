@@ -108,11 +108,22 @@ class StoreServer:
 
     def open_round(self, prefix: str, secret: str, shards: int) -> None:
         """Admit the members of round `prefix` (scopes `prefix/s0` .. `prefix/s<shards-1>`), who prove `secret`."""
-        self._call(self._open, [f"{prefix}/s{s}".encode() for s in range(shards)], secret.encode())
+        self.open_scopes(round_scopes(prefix, shards), secret)
 
     def close_round(self, prefix: str, shards: int) -> None:
         """Drop round `prefix`'s keys and connections."""
-        self._call(self._close, [f"{prefix}/s{s}".encode() for s in range(shards)])
+        self.close_scopes(round_scopes(prefix, shards))
+
+    def open_scopes(self, scopes: list[str], secret: str) -> None:
+        """Admit the members of a round to each of `scopes` (any port serves every scope), who prove `secret`;
+        ValueError beyond MAX_SCOPES (opening them would close the round's first ones)."""
+        if len(scopes) > MAX_SCOPES:
+            raise ValueError(f"a round of {len(scopes)} rendezvous scopes; this store holds at most {MAX_SCOPES}")
+        self._call(self._open, [scope.encode() for scope in scopes], secret.encode())
+
+    def close_scopes(self, scopes: list[str]) -> None:
+        """Drop the keys and connections of `scopes`."""
+        self._call(self._close, [scope.encode() for scope in scopes])
 
     def close(self) -> None:
         """Stop serving (every round closed, the ports released)."""
@@ -280,6 +291,11 @@ class StoreServer:
         round_.used -= size
         self.used -= size
         return True
+
+
+def round_scopes(prefix: str, shards: int) -> list[str]:
+    """The scopes of a round whose members shard alike: one per shard index, `prefix/s<s>`."""
+    return [f"{prefix}/s{s}" for s in range(shards)]
 
 
 def _key(key: bytes) -> bytes:

@@ -121,7 +121,6 @@ BAD_RUN_CONFIGS = [
     ("outer", {"aggregation": "server", "outer": "trimmed-mean"}, ["fedavg, fedavgm, nesterov, fedadam, fedyogi"]),
     ("checkpoint-rounds", {"checkpoint-rounds": 0}, [">= 1"]),
     ("resume", {"resume": True}, ["checkpoint-dir"]),
-    ("facility-shards", {"facility-shards": "b=1", "partition": "iid-groups"}, ["server"]),
     ("facility-shards", {"aggregation": "server", "facility-shards": "b=1"}, ["iid-groups", "document"]),
     ("facility-shards", {"aggregation": "server", "facility-shards": "b=0", "partition": "iid-groups"},
      ["facility=S", "S >= 1"]),
@@ -145,6 +144,14 @@ def test_bad_run_config_is_a_clear_config_error(key, run_config, words):
     assert "--" not in message, message
     for word in words:
         assert word in message, message
+
+
+def test_groups_of_different_sizes_may_sync_decentralised():
+    """facility-shards on the decentralised path: the groups average their shards piece by piece."""
+    run = FlowerRun.from_run_config({"facilities": "a,b", "facility-shards": "b=1", "shards": 2,
+                                     "partition": "iid-groups"})
+    run.validate()
+    assert [run.for_group(i).train.parallel.shards for i in range(2)] == [2, 1]
 
 
 def test_valid_outer_options_pass():

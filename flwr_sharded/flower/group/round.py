@@ -20,37 +20,56 @@ import torch
 import torch.distributed as dist
 
 from flwr_sharded.flower import rendezvous as rdv
+from flwr_sharded.flower.group import channels
 from flwr_sharded.flower.messages import TrainArgs
+from flwr_sharded.parallel.sync_plan import Owners
 
 logger = logging.getLogger("flwr_sharded.group")
 
 
 class RoundFederation:
     """A round's members as the outer loop's federation: its rendezvous (once per round, replica 0 of each shard
-    index) and the group's control group."""
+    index; when the members shard differently, of each of its channels: `channels`) and the group's control group."""
 
     def __init__(self, runtime: Any, args: TrainArgs) -> None:
         self.rt, self.args = runtime, args
         self.member_index, self.members = args.member_index, len(args.members)
         self.wait_timeout: float | None = args.sync_timeout + 5.0
         self.groups: list[rdv.FederationGroup] = []
+        self.channel_groups: dict[Owners, rdv.FederationGroup] = {}
+        self.plan = channels.round_plan(args, channels.model_shapes(runtime.trainer.model))
+        """The round's sync plan when its members shard differently; None: one group per shard index."""
+        self.joined = False
         self.rendezvous_s = 0.0
 
     def join(self) -> None:
-        if self.groups:
+        if self.joined:
             return
         a, s, t = self.args, self.rt.topo.shard_index, self.rt.trainer
         start = time.perf_counter()
         backend = rdv.backend_for_device(t.device, self.rt.args.sync_backend)
-        group = rdv.join(host=a.rendezvous_host, port=a.rendezvous_ports[s], prefix=f"{a.prefix}/s{s}",
-                         rank=a.member_index, size=len(a.members), rendezvous_timeout=a.rendezvous_timeout,
-                         sync_timeout=a.sync_timeout, backend=backend, secret=a.secret, members=a.members,
-                         abort=self.rt.abort_check(a.prefix))
-        self.groups.append(group)
-        t.shard_sync.rebind(group.pg, None)
+        abort = self.rt.abort_check(a.prefix)
+        if self.plan is not None:
+            for owners, group in channels.join(a, self.plan, s, backend=backend, abort=abort):
+                self.groups.append(group)
+                self.channel_groups[owners] = group
+            t.shard_sync.reseat(channels.seat_of(a, s), {k: g.pg for k, g in self.channel_groups.items()})
+        else:
+            group = rdv.join(host=a.rendezvous_host, port=a.rendezvous_ports[s], prefix=f"{a.prefix}/s{s}",
+                             rank=a.member_index, size=len(a.members), rendezvous_timeout=a.rendezvous_timeout,
+                             sync_timeout=a.sync_timeout, backend=backend, secret=a.secret, members=a.members,
+                             abort=abort)
+            self.groups.append(group)
+            t.shard_sync.rebind(group.pg, None)
+        self.joined = True
         self.rendezvous_s += time.perf_counter() - start
 
     def vote_group(self) -> Any:
+        """Shard index s's group; when the members shard differently, the channel of shard 0 of every member (its
+        other shards' outcome reaches it over the group's control group)."""
+        if self.plan is not None:
+            lead = self.channel_groups.get(channels.lead_channel(self.members))
+            return lead.pg if lead is not None else None
         return self.groups[0].pg if self.groups else None
 
     def gather(self, obj: Any) -> list[Any]:
@@ -184,19 +203,15 @@ class GroupRound:
         """Every member adopts member 0's shards, outer state and schedule position (a group (re)joined the run);
         returns '' or the error (then every rank is back at the last commit).
 
-        Replica 0 of each shard index joins the round's federation group and receives member 0's shards and outer
-        state by broadcast; the step count travels on shard index 0; FL+HSDP replicas then copy replica 0.
+        Replica 0 of each shard index joins the round's federation group (or its channels, when the members shard
+        differently) and receives member 0's shards and outer state by broadcast; the step count travels on shard
+        index 0 (the channel of every member's shard 0); FL+HSDP replicas then copy replica 0.
         """
         t, error, step = self.t, "", self.t.step_count
         if self.topo.replica_index == 0:
             try:
                 self.federation.join()
-                pg = self.federation.vote_group()
-                t.shard_sync.broadcast(pg)
-                t.shard_sync.broadcast_outer_state(pg)
-                box = torch.tensor([t.step_count], dtype=torch.int64, device=t.device)
-                dist.broadcast(box, group=pg, group_src=0)
-                step = int(box.item())
+                step = self._adopt_member_0()
             except Exception as exc:  # noqa: BLE001 - rendezvous, timeout, peer gone
                 error = f"shard {self.topo.shard_index}: {rdv.first_line(exc)}"
         errors = [e for e in self.rt.gather(error) if e]
@@ -212,3 +227,17 @@ class GroupRound:
         t.set_anchor()
         t.outer.commit()
         return ""
+
+    def _adopt_member_0(self) -> int:
+        """Replica 0: member 0's shards and outer state, over this shard index's group, or piece by piece over each
+        channel when the members shard differently; returns member 0's step count (where this rank learns it)."""
+        t = self.t
+        pg = self.federation.vote_group()
+        over = pg if self.federation.plan is None else None  # None: over each bucket's channel
+        t.shard_sync.broadcast(over, source=0)
+        t.shard_sync.broadcast_outer_state(over, source=0)
+        if pg is None:
+            return t.step_count
+        box = torch.tensor([t.step_count], dtype=torch.int64, device=t.device)
+        dist.broadcast(box, group=pg, group_src=0)
+        return int(box.item())

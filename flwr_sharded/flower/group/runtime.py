@@ -42,7 +42,7 @@ from flwr_sharded.flower import endpoint as E
 from flwr_sharded.flower import handoff
 from flwr_sharded.flower import messages as M
 from flwr_sharded.flower import rendezvous as rdv
-from flwr_sharded.flower.group import options, server_side
+from flwr_sharded.flower.group import channels, options, server_side
 from flwr_sharded.flower.group.round import GroupRound
 from flwr_sharded.flower.group.server_side import InstructionError
 from flwr_sharded.flower.node_policy import NodePolicy
@@ -254,7 +254,8 @@ class GroupRuntime:
         run = cfg = None
         try:
             partition = (int(args["partition_id"]), int(args["num_partitions"]))
-            run = FlowerRun.from_json(str(args["run"])).for_group(partition[0], str(args.get("facility", "")))
+            run = FlowerRun.from_json(str(args["run"])).for_group(partition[0], str(args.get("facility", "")),
+                                                                  own_shards=self.args.shards)
             mismatch = layout.mismatch(run)
             if mismatch:
                 raise ConfigError(mismatch)
@@ -285,7 +286,7 @@ class GroupRuntime:
         fingerprints = self.gather(self.trainer.shard_sync.fingerprint())
         out.update(compatible=True, fingerprint=hashlib.sha256("|".join(fingerprints).encode()).hexdigest()[:32],
                    tokens=self.tokens, steps=self.trainer.step_count, resumed_round=self.resumed_round,
-                   partition_id=partition[0], num_partitions=partition[1])
+                   partition_id=partition[0], num_partitions=partition[1], **channels.model_facts(self.trainer.model))
         return out
 
     def _check_group(self, cfg: Any, partition_id: int, *, rejoin: bool) -> None:
@@ -339,8 +340,7 @@ class GroupRuntime:
         server_path = self.run.federation.aggregation == "server"
         if a.export and not server_path:
             raise InstructionError("export asks for the server path, but this run's aggregation is decentralized")
-        if len(a.rendezvous_ports) != self.args.shards:
-            raise InstructionError(f"{len(a.rendezvous_ports)} rendezvous ports for {self.args.shards} shard indices")
+        channels.prepare(self, a)  # the round's layouts: this group's seat among its members
         p, steps = self.run.train.parallel, a.round.for_run(self.run).aggregate_every
         try:
             t.outer.set_aggregate_every(steps)
@@ -368,13 +368,14 @@ class GroupRuntime:
         """Rank 0 of the round's member 0: the round's scopes open on this group's store while the round runs (the
         members prove `a.secret` there); its keys are dropped when it ends."""
         hosting = self.store is not None and a.member_index == 0
+        scopes = channels.host_scopes(a, self.args.shards, channels.model_shapes(self.trainer.model))
         if hosting:
-            self.store.open_round(a.prefix, a.secret, self.args.shards)
+            self.store.open_scopes(scopes, a.secret)
         try:
             yield
         finally:
             if hosting:
-                self.store.close_round(a.prefix, self.args.shards)
+                self.store.close_scopes(scopes)
 
     def do_apply(self, args: dict[str, Any]) -> dict[str, Any]:
         """Server path: adopt the server's mean from the chunk files, then checkpoint and evaluate if asked."""

@@ -19,6 +19,7 @@ from flwr.supercore import log
 
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower import messages as M
+from flwr_sharded.flower.server import unequal
 from flwr_sharded.flower.server.grid import message, reply_info, reply_payload
 from flwr_sharded.parallel.verdict import DROPPED, NAMED, Verdict, reasons
 
@@ -38,6 +39,10 @@ class GroupInfo:
     """The facility (set of groups sharing a fabric) of the server path; '' on the decentralised path."""
     log_file: str = ""
     """Where the group writes its log (groups launched in simulation)."""
+    model_digest: str = ""
+    """Digest of the model's parameter names, global shapes and dtypes (the same for groups of any S)."""
+    param_rows: list[int] = field(default_factory=list)
+    """Each parameter's rows (the dimension FSDP2 shards), for the sync plan of groups that shard differently."""
     failures: list[str] = field(default_factory=list)
     strikes: int = 0
     """Consecutive rounds this group was held at fault (`GroupMembership.hold_at_fault`)."""
@@ -105,6 +110,8 @@ class GroupMembership:
                     f"model/sharding fingerprint {g.fingerprint[:12]} differs from the majority's {common[:12]} "
                     f"(another model or dtype)"))
             candidates = {n: g for same_s in by_shards.values() for n, g in same_s.items()}
+            if len(by_shards) > 1:  # groups that shard differently: one model, and seats every plan can serve
+                unequal.check_layouts(self, candidates)
             if self.run.train.checkpoint.resume:  # the run goes on after the round most groups' checkpoints hold
                 self.resumed_round = self._keep_majority(candidates, lambda g: g.resumed_round, lambda g, common: (
                     f"its checkpoint holds round {g.resumed_round}, the majority's round {common} (a group that "
@@ -152,7 +159,7 @@ class GroupMembership:
                                    rendezvous_host=str(info.get("rendezvous_host", "")),
                                    rendezvous_ports=[int(p) for p in metrics.get("rendezvous_ports", [])])
             partition = int(metrics.get("partition_id", 0))
-            expected = self.run.for_group(partition, str(info.get("facility", "")))
+            expected = self.run.for_group(partition, str(info.get("facility", "")), own_shards=layout.shards)
             if not error and layout.mismatch(expected):
                 error = layout.mismatch(expected)
             if not error and len(layout.rendezvous_ports) != expected.train.parallel.shards:
@@ -164,7 +171,9 @@ class GroupMembership:
                 continue
             candidates[node] = GroupInfo(node, partition, layout, str(info.get("fingerprint", "")),
                                          int(metrics.get("tokens", 0)), int(metrics.get("resumed_round", 0)),
-                                         self.facility_of(partition, info), str(info.get("log_file", "")))
+                                         self.facility_of(partition, info), str(info.get("log_file", "")),
+                                         str(info.get("model_digest", "")),
+                                         [int(r) for r in metrics.get("param_rows", [])])
         return candidates
 
     def readmit(self, grid: Grid, server_round: int) -> list[int]:
@@ -190,10 +199,9 @@ class GroupMembership:
                 self.left_out[node] = "rejoin refused: no member to catch up from"
                 log(ERROR, "group on node %d: %s", node, self.left_out[node])
                 continue
-            fingerprint = self.groups[source].fingerprint
-            if g.fingerprint != fingerprint:
-                self.left_out[node] = (f"rejoin refused: fingerprint {g.fingerprint[:12]} != the members' "
-                                       f"{fingerprint[:12]}")
+            refused = unequal.rejoin_refusal(self, g, self.groups[source])
+            if refused:
+                self.left_out[node] = f"rejoin refused: {refused}"
                 log(ERROR, "group on node %d: %s", node, self.left_out[node])
                 continue
             old = self.groups[node]

@@ -13,9 +13,10 @@ from flwr_sharded.run_dir import perplexity
 
 def round_record(server_round: int, members: list[int], ok: dict[int, dict[str, Any]],
                  rolled_back: dict[int, dict[str, Any]], dropped: dict[int, str], round_s: float, group_world: int,
-                 rejoined: list[int]) -> dict[str, Any]:
+                 rejoined: list[int], layouts: dict[str, str] | None = None) -> dict[str, Any]:
     """One round of the run: token-weighted per-step losses, throughput, timings of the slowest group, the groups'
-    checksums after every sync, and who failed why."""
+    checksums after every sync, and who failed why. `layouts`: each node's "R x S" (groups that shard differently:
+    the members' layouts are recorded, and checksums are compared between groups of one layout)."""
     alive = {**ok, **rolled_back}
     tokens = {n: float(m.get("tokens", 0)) for n, m in alive.items()}
     total_tokens = sum(tokens.values())
@@ -40,11 +41,15 @@ def round_record(server_round: int, members: list[int], ok: dict[int, dict[str, 
         "tokens_per_s": total_tokens / round_s if round_s > 0 else 0.0, "round_s": round_s, **slowest,
         "work_s": work_s, "overhead_s": max(0.0, round_s - work_s),
         "overhead_pct": 100.0 * max(0.0, round_s - work_s) / round_s if round_s > 0 else 0.0,
-        "checksums_equal": int(checksums_equal(checksums, syncs, group_world)),
+        "checksums_equal": int(all(checksums_equal(same, syncs, world)
+                                   for world, same in by_layout(checksums, layouts or {}, group_world))),
         "losses": step_losses, "checksums": checksums,
         "errors": {str(n): e for n, e in dropped.items()} | {
             str(n): str(m.get("sync_error", "")) for n, m in rolled_back.items()},
     }
+    member_layouts = {str(n): (layouts or {}).get(str(n), "") for n in members}
+    if len(set(member_layouts.values())) > 1:
+        record["layouts"] = member_layouts
     if evals:
         record["eval_loss"] = sum(evals) / len(evals)
         record["eval_ppl"] = perplexity(record["eval_loss"])
@@ -72,6 +77,20 @@ def checksums_equal(checksums: dict[str, list[float]], syncs: int, group_world: 
     return all(v == vectors[0] for v in vectors[1:])
 
 
+def by_layout(checksums: dict[str, list[float]], layouts: dict[str, str],
+              group_world: int) -> list[tuple[int, dict[str, list[float]]]]:
+    """The checksums split by the groups' layouts ("R x S", each with its world R x S; unknown: `group_world`)."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for node, sums in checksums.items():
+        out.setdefault(layouts.get(node, ""), {})[node] = sums
+    return [(_world(layout, group_world), same) for layout, same in out.items()]
+
+
+def _world(layout: str, default: int) -> int:
+    replicas, _, shards = layout.partition("x")
+    return int(replicas) * int(shards) if shards else default
+
+
 def log_round(r: dict[str, Any]) -> None:
     eval_part = f", eval ppl {r['eval_ppl']:.2f}" if "eval_ppl" in r else ""
     log(INFO, "round %d: train loss %.4f ppl %.2f%s | %.0f tokens/s | %d group(s), %d sync(s)%s | round %.2f s"
@@ -84,8 +103,9 @@ def log_round(r: dict[str, Any]) -> None:
 
 
 def summary(history: list[dict[str, Any]], seconds: float, members: list[int],
-            left_out: dict[int, str]) -> dict[str, Any] | None:
-    """The run's summary record over its round records (None before any round)."""
+            left_out: dict[int, str], layouts: dict[str, str] | None = None) -> dict[str, Any] | None:
+    """The run's summary record over its round records (None before any round); `layouts`: each group's "R x S"
+    by node."""
     rounds = [h for h in history if h.get("kind") == "round"]
     if not rounds:
         return None
@@ -97,7 +117,7 @@ def summary(history: list[dict[str, Any]], seconds: float, members: list[int],
             "tokens": tokens, "tokens_per_s": tokens / round_s if round_s else 0.0,
             "final_train_loss": rounds[-1]["train_loss"], "final_train_ppl": rounds[-1]["train_ppl"],
             "final_eval_ppl": rounds[-1].get("eval_ppl"), "members": [str(m) for m in members],
-            "left_out": {str(k): v for k, v in left_out.items()}}
+            "left_out": {str(k): v for k, v in left_out.items()}, "layouts": dict(layouts or {})}
 
 
 def log_summary(s: dict[str, Any], history: list[dict[str, Any]]) -> None:
@@ -105,6 +125,8 @@ def log_summary(s: dict[str, Any], history: list[dict[str, Any]]) -> None:
     log(INFO, "Summary: %d round(s) in %.1f s (run %.1f s); orchestration overhead %.2f s = %.1f%% of round time;"
         " %.0f tokens/s", s["rounds"], s["round_s"], s["seconds"], s["overhead_s"], s["overhead_pct"],
         s["tokens_per_s"])
+    if s.get("layouts"):
+        log(INFO, "  groups (R x S): %s", ", ".join(f"node {n}: {layout}" for n, layout in s["layouts"].items()))
     log(INFO, "  round | train ppl | eval ppl | tokens/s | round s | work s | overhead")
     for h in history:
         if h.get("kind") == "round":

@@ -40,7 +40,7 @@ from flwr_sharded.flower import messages as M
 from flwr_sharded.flower.run import FlowerRun, RoundOptions
 from flwr_sharded.flower.server import collect
 from flwr_sharded.flower.server import grid as G
-from flwr_sharded.flower.server import records
+from flwr_sharded.flower.server import records, unequal
 from flwr_sharded.flower.server.membership import GroupInfo, GroupMembership
 from flwr_sharded.run_dir import perplexity
 
@@ -89,8 +89,9 @@ class DecentralizedFedAvg(GroupMembership, Strategy):
     # ----- Strategy interface ---------------------------------------------------------------------------------
     def summary(self) -> None:
         r, d, p, f = self.run, self.deadlines, self.run.train.parallel, self.run.federation
-        log(INFO, "\t├── Groups: %s R=%d x S=%d (%d ranks each); wait for %d, go on with >= %d", p.method,
-            p.replicas, p.shards, r.group_world, d.num_groups, d.min_groups)
+        log(INFO, "\t├── Groups: %s R=%d x S=%d (%d ranks each)%s; wait for %d, go on with >= %d", p.method,
+            p.replicas, p.shards, r.group_world, f", facility-shards {f.facility_shards}" if f.facility_shards else "",
+            d.num_groups, d.min_groups)
         log(INFO, "\t├── Per round: K=%d syncs x A=%d steps; %d rounds = %d steps; model %s, seq %d, batch %d",
             f.syncs_per_round, p.aggregate_every, f.rounds, r.total_steps, r.train.model.name, r.train.data.seq_len,
             r.train.batch_size)
@@ -119,13 +120,14 @@ class DecentralizedFedAvg(GroupMembership, Strategy):
         d = self.deadlines
         out = []
         secret = secrets.token_hex(32)  # the members' proof at the rendezvous; travels over Flower's TLS channel
+        shards = unequal.member_shards(self.groups, members)  # members that shard differently: their S each
         for i, node in enumerate(members):
             args = M.TrainArgs(server_round=server_round, job=f"{prefix}/{node}", members=[str(m) for m in members],
                                member_index=i, rendezvous_host=offer.rendezvous_host,
                                rendezvous_ports=list(offer.rendezvous_ports), prefix=prefix,
                                rendezvous_timeout=d.rendezvous_timeout, sync_timeout=d.sync_timeout, secret=secret,
                                evaluate=evaluate, checkpoint=checkpoint, export=export_first and i == 0,
-                               catch_up=catch_up, round=round_options)
+                               catch_up=catch_up, member_shards=shards, round=round_options)
             out.append(G.message(node, M.MSG_TRAIN, {**args.to_config(), "timeout": M.START_TIMEOUT_S},
                                  str(server_round), d.round_timeout))
         return out
@@ -147,7 +149,7 @@ class DecentralizedFedAvg(GroupMembership, Strategy):
                 ok[node] = metrics
         alive = {**ok, **rolled_back}
         record = records.round_record(server_round, self.round_members, ok, rolled_back, dropped, self._round_wall,
-                                      self.run.group_world, self._rejoined)
+                                      self.run.group_world, self._rejoined, layouts=self.layouts())
         records.note_checkpoint_errors(server_round, alive, record)
         for node, reason in dropped.items():
             self.dropped.add(node)
@@ -243,7 +245,8 @@ class DecentralizedFedAvg(GroupMembership, Strategy):
                 log(INFO, "[ROUND %d/%d] %d group(s): nodes %s", server_round, rounds, len(self.round_members),
                     self.round_members)
                 self.run_round(grid, server_round, result, train_config)
-            summary = records.summary(self.history, time.monotonic() - self._started, self.members, self.left_out)
+            summary = records.summary(self.history, time.monotonic() - self._started, self.members, self.left_out,
+                                      layouts=self.layouts())
             if summary is not None:
                 self.history.append(summary)
                 records.log_summary(summary, self.history)
@@ -321,6 +324,10 @@ class DecentralizedFedAvg(GroupMembership, Strategy):
         self.saved_model = saved[0] if saved else ""
         log(INFO, "finish: %d of %d node(s) answered (%d group(s) shut down)%s", len(replies), len(messages),
             stopped, f"; model saved to {saved[0]}" if saved else "")
+
+    def layouts(self) -> dict[str, str]:
+        """Every known group's layout, "R x S" by node (the records name it: groups may shard differently)."""
+        return {str(n): unequal.layout_of(g) for n, g in sorted(self.groups.items())}
 
     def save_dir(self) -> str:
         return str(self.run_dir.model_dir) if self.run_dir is not None and self.run.train.output.save_model else ""
