@@ -214,6 +214,11 @@ class OuterLoop:
         self.sync.set_max_weight(self._max_weight(max(schedule.aggregate_every, self.most_steps) + schedule.delay))
         return weight
 
+    def bound_weights(self, max_weight: Callable[[int], float]) -> None:
+        """The most a member may weigh in a sync after a given number of steps, from now on (a round whose largest
+        member has more ranks than this group)."""
+        self._max_weight = max_weight
+
     # ----- commit and rollback ------------------------------------------------------------------------------------
     def keep_rollback_point(self) -> None:
         """Keep a host copy of the last adopted sync from now on (what `restore` returns to), committed now."""

@@ -123,4 +123,4 @@ def _bound_weights(trainer: Any, world: int) -> None:
     from flwr_sharded.parallel.contribution import expected_weight_of
 
     cfg = trainer.cfg
-    trainer.outer._max_weight = lambda steps: expected_weight_of(cfg, steps=steps, worlds=[world])
+    trainer.outer.bound_weights(lambda steps: expected_weight_of(cfg, steps=steps, worlds=[world]))
