@@ -73,7 +73,8 @@ def test_facilities_with_different_shard_counts_federate_through_the_server(data
     """Facility a runs S = 2, facility b S = 1 (`facility-shards`): the server combines their rows, and each rank
     assembles its own rows of the mean, so after every round both groups hold the same model (same held-out loss,
     evaluated over the same blocks, and the same parameter sum), whose sum is the weighted mean of the sums the
-    facilities sent. The groups train on disjoint data (iid-groups)."""
+    facilities sent. The groups train on disjoint data (iid-groups). The decentralised path, with the same groups,
+    ends every round with the same model."""
     config = {**BASE, "outer": "fedavg", "aggregation": "server", "facilities": "a,b", "facility-shards": "b=1",
               "partition": "iid-groups", "evaluate-in-train": True, "server-buffer-mb": 0.25}
     run = run_demo(tmp_path / "hetero", data_dir, config)
@@ -89,6 +90,14 @@ def test_facilities_with_different_shard_counts_federate_through_the_server(data
         weights = r["facility_weights"]
         expected = sum(w * sum(r["train_checksums"][n]) for n, w in weights.items()) / sum(weights.values())
         assert len(weights) == 2 and math.isclose(sum(checksums[0]), expected, rel_tol=1e-6), (expected, r)
+    # the decentralised path syncs the same groups shard to shard, piece by piece over their channels: the same
+    # losses, held-out losses and parameters after every round
+    shard_to_shard = {k: v for k, v in config.items() if k not in ("aggregation", "server-buffer-mb")}
+    decentralised = _ok(run_demo(tmp_path / "decentralised", data_dir, shard_to_shard), 2)
+    for s, d in zip(rounds, decentralised):
+        assert _close(s["losses"], d["losses"]) and math.isclose(s["eval_loss"], d["eval_loss"], rel_tol=1e-5)
+        by_layout = [sorted(x["checksums"].values(), key=len) for x in (s, d)]
+        assert all(_close(a, b, 1e-4) for a, b in zip(*by_layout)), by_layout
 
 
 def test_each_group_gets_the_shards_of_its_facility():
