@@ -321,7 +321,6 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         window_start, window_steps, syncs = time.perf_counter(), 0, 0
         last: dict[str, Any] = {}
-
         pace = Pace(p.aggregate_every, adapt=p.group_steps == "speed", member=self.topo.fed_index)
 
         def stamp(record: dict[str, Any]) -> dict[str, Any]:
@@ -337,13 +336,7 @@ class Trainer:
         failures, tick, last_tick = 0, None, 0
         try:
             while not pace.finished(self.step_count, cfg.steps):
-                started_step = time.perf_counter()
-                loss_sum += self.step()
-                if self.step_delay:
-                    time.sleep(self.step_delay)
-                pace.compute_s += time.perf_counter() - started_step
-                if pace.adapt:
-                    self.follow_clock(pace.reference(self.step_count))
+                loss_sum += self.timed_step(pace)
                 window_steps += 1
                 if federation is not None:
                     step = self.step_count
@@ -386,6 +379,18 @@ class Trainer:
                 self.outer.abandon(self.cfg.timeout_s)  # a sync in flight when `steps` ends mid-period is dropped
             bar.close()
         return last
+
+    def timed_step(self, pace: Pace) -> torch.Tensor:
+        """One inner step (and a slower group's sleep), its time counted towards the period's step time; with
+        `group-steps speed`, the learning-rate schedule at the run's clock."""
+        started = time.perf_counter()
+        loss = self.step()
+        if self.step_delay:
+            time.sleep(self.step_delay)
+        pace.compute_s += time.perf_counter() - started
+        if pace.adapt:
+            self.follow_clock(pace.reference(self.step_count))
+        return loss
 
     def _show(self, bar: Any, record: dict[str, Any]) -> None:
         """A train record on the progress bar, or in the log without one (rank 0)."""

@@ -155,6 +155,7 @@ def test_bench_options_for_the_unequal_scenario(data_dir, tmp_path):
 
 @needs_root
 @pytest.mark.timeout(300)
+@pytest.mark.slow  # four emulated trainings (~1 min); the report's parts are tested above on recorded metrics
 def test_quick_unequal_bench_end_to_end(data_dir, tmp_path):
     """The equal and the unequal federation on the flat 6-rank cluster: the meter's cross-group bytes per sync are
     the same for both (each group sends the model once) and perf.unequal's."""

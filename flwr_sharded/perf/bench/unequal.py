@@ -12,7 +12,7 @@ from typing import Any
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.perf.bench.common import _say
 from flwr_sharded.perf.bench.layouts import Layout, SyncVariant
-from flwr_sharded.perf.bench.scenarios import run_training
+from flwr_sharded.perf.bench.training_run import run_training
 from flwr_sharded.perf.bench.unequal_report import (UNEQUAL_LABELS, UNEQUAL_RUNS, at_equal_tokens,
                                                     cross_group_traffic, eval_tokens, group_timing, predicted_sync,
                                                     sync_group_records)
@@ -50,13 +50,6 @@ def unequal_layouts(shards: tuple[int, ...], topo: EmuTopology, slow_group: int)
     if not 0 <= slow_group < F:
         raise ConfigError(f"--slow-group {slow_group}: the unequal federation has groups 0 to {F - 1}")
     return {"equal": Layout("fl-fsdp", F, 1, sum(shards) // F), "unequal": Layout.unequal("fl-fsdp", 1, shards)}
-
-
-def trainer_flags() -> set[str]:
-    """Every flag `flwr_sharded.train` accepts (hidden ones too)."""
-    from flwr_sharded.train import build_parser
-
-    return set(build_parser()._option_string_actions)
 
 
 def model_shapes(model: str, vocab: int, seq_len: int) -> list[tuple[int, ...]]:
@@ -106,7 +99,7 @@ def unequal_scenario(cluster_path: Path, opts: argparse.Namespace, work: Path, v
     result: dict[str, Any] = {"name": "unequal", "cluster_file": str(cluster_path), "topology": topology_dict(topo),
                               "description": topo.describe(), "notes": list(topo.notes), "steps": opts.steps,
                               "repeats": 1, "batch_size": opts.batch_size, "seq_len": opts.seq_len, "A": A,
-                              "sync_bps": bps, "runs": {}, "skipped": {}}
+                              "sync_bps": bps, "runs": {}}
     _say(f"\n== scenario unequal: {topo.describe()}; groups {layouts['equal'].text()} and "
          f"{layouts['unequal'].text()}; {opts.steps} steps per run")
     with Fabric(topo) as fab:
@@ -133,12 +126,6 @@ def unequal_scenario(cluster_path: Path, opts: argparse.Namespace, work: Path, v
             if key in opts.unequal_run_list:
                 train(key, layouts[key], [], eval_every=reference_eval if key == "unequal" else None)
         slow_keys = [k for k in UNEQUAL_RUNS[2:] if k in opts.unequal_run_list]
-        missing = [f for f in (SLOW_FLAG, GROUP_STEPS_FLAG) if f not in trainer_flags()]
-        if slow_keys and missing:
-            for key in slow_keys:
-                result["skipped"][key] = f"the trainer has no {' or '.join(missing)}"
-            _say(f"   skipped {', '.join(slow_keys)}: the trainer has no {' or '.join(missing)}")
-            slow_keys = []
         if slow_keys:
             seconds, why = opts.slow_seconds, "--slow-seconds"
             if seconds is None:
