@@ -66,7 +66,9 @@ def join_world(cfg: TrainConfig, argv: Sequence[str]) -> None:
                               f"{command} (or change --federations/--replicas/--shards/--group-shards)")
         return
     if p.world_size != 1:
-        raise ConfigError(f"this run needs {p.describe_layout()} processes; launch it with: {command}")
+        layout = (p.describe_layout() if p.group_shards else
+                  f"F x R x S = {p.federations} x {p.replicas} x {p.shards} = {p.world_size}")
+        raise ConfigError(f"this run needs {layout} processes; launch it with: {command}")
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

@@ -112,7 +112,9 @@ class _RefusingSync:
 def test_a_group_no_plan_can_serve_refuses_the_round_on_every_rank_before_training():
     import torch
 
-    trainer = SimpleNamespace(shard_sync=_RefusingSync(), model=torch.nn.Linear(4, 1), outer=SimpleNamespace(),
+    outer = SimpleNamespace()
+    outer.bound_weights = lambda bound: setattr(outer, "max_weight", bound)
+    trainer = SimpleNamespace(shard_sync=_RefusingSync(), model=torch.nn.Linear(4, 1), outer=outer,
                               cfg=SimpleNamespace(batch_size=2, grad_accum=1, data=SimpleNamespace(seq_len=8)))
     runtime = SimpleNamespace(args=SimpleNamespace(shards=2, replicas=1), trainer=trainer,
                               topo=SimpleNamespace(shard_index=1), gather=lambda x: [x, ""])
@@ -122,7 +124,7 @@ def test_a_group_no_plan_can_serve_refuses_the_round_on_every_rank_before_traini
     with pytest.raises(InstructionError, match=r"R=1 x S=2\) cannot sync with members of S=\[1, 2\]: shard 1"):
         channels.prepare(runtime, args)
     assert trainer.shard_sync.calls[-1] is None  # back to whole shards, the same on every rank
-    assert trainer.outer._max_weight(1) == 1 * 2 * 8 * 2  # bounded by this group's own world again
+    assert trainer.outer.max_weight(1) == 1 * 2 * 8 * 2  # bounded by this group's own world again
     args.member_shards = [1, 1]
     with pytest.raises(InstructionError, match="gives member 1 S=1, but this group runs S=2"):
         channels.prepare(runtime, args)

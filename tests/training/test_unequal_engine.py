@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
-from tests.multiproc import torchrun
+from tests.multiproc import free_port
 from tests.training.test_engine import FAILED_SYNC, SGD, _common, _records, _run, _state
 
 
@@ -37,15 +41,22 @@ def test_a_sync_that_fails_on_the_member_with_the_larger_s_is_rolled_back_everyw
     assert [r["step"] for r in train] == [1, 2, 3, 3, 4, 5, 6] and train[-1]["syncs"] == 3
 
 
+def _rank0_of(world: int, args: list[str]) -> subprocess.CompletedProcess:
+    """Rank 0 of a world of `world` processes, alone (under torchrun the other ranks' exits may stop it before it
+    prints its error)."""
+    env = {**os.environ, "WORLD_SIZE": str(world), "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    return subprocess.run([sys.executable, "-m", "flwr_sharded.train", *args], env=env, capture_output=True,
+                          text=True, timeout=100)
+
+
 @pytest.mark.timeout(120)
 def test_bad_group_shards_are_refused_before_any_process_starts(data_dir, tmp_path):
-    result = torchrun(3, ["--method", "fl-fsdp", "--group-shards", "2,2,x", *_common(data_dir, tmp_path, "bad")],
-                      timeout=100)
-    assert result.returncode != 0 and "--group-shards is a comma-separated list" in result.stderr
+    result = _rank0_of(3, ["--method", "fl-fsdp", "--group-shards", "2,2,x", *_common(data_dir, tmp_path, "bad")])
+    assert result.returncode == 2 and "--group-shards is a comma-separated list" in result.stderr, result.stderr
     assert not (tmp_path / "bad").exists()
-    result = torchrun(5, ["--method", "fl-fsdp", "--group-shards", "2,4", *_common(data_dir, tmp_path, "bad")],
-                      timeout=100)
-    assert result.returncode != 0 and "world size 5 != R*(S1+S2) = 1*(2+4) = 6" in result.stderr
+    result = _rank0_of(5, ["--method", "fl-fsdp", "--group-shards", "2,4", *_common(data_dir, tmp_path, "bad")])
+    assert result.returncode == 2 and "world size 5 != R*(S1+S2) = 1*(2+4) = 6" in result.stderr, result.stderr
     assert not (tmp_path / "bad").exists()
 
 
