@@ -14,6 +14,7 @@ sync. Pure Python: the static engine, a Flower round's strategy and the cost mod
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from math import prod
 from typing import Sequence
 
@@ -75,16 +76,22 @@ class SyncPlan:
 
     def pieces(self) -> list[Piece]:
         """Every parameter's pieces, parameter by parameter, in row order."""
-        out = []
-        for i, shape in enumerate(self.shapes):
-            out += [Piece(i, a, b, owners) for a, b, owners in pieces_of(rows_of(shape), self.layouts)]
-        return out
+        return list(self._pieces)
+
+    @cached_property
+    def _pieces(self) -> tuple[Piece, ...]:
+        return tuple(Piece(i, a, b, owners) for i, shape in enumerate(self.shapes)
+                     for a, b, owners in pieces_of(rows_of(shape), self.layouts))
 
     def channels(self) -> list[Owners]:
         """The distinct owner tuples in the one order every rank runs its channels in (a common order of blocking
         collectives cannot deadlock): rounds of channels that share no owner, which therefore run at once, each
         round sorted. (Sorted alone, layouts whose cuts do not nest, as S = 2 and 3, would chain every channel
         behind the one before.)"""
+        return list(self._channels)
+
+    @cached_property
+    def _channels(self) -> tuple[Owners, ...]:
         rounds: list[list[Owners]] = []
         for key in sorted({p.owners for p in self.pieces()}):
             free = next((r for r, keys in enumerate(rounds)
@@ -92,7 +99,7 @@ class SyncPlan:
             if free == len(rounds):
                 rounds.append([])
             rounds[free].append(key)
-        return [key for keys in rounds for key in keys]
+        return tuple(key for keys in rounds for key in keys)
 
     def channels_of(self, group: int, shard: int) -> list[Owners]:
         """The channels shard `shard` of group `group` takes part in, in the common order."""
