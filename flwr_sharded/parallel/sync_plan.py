@@ -93,7 +93,7 @@ class SyncPlan:
     @cached_property
     def _channels(self) -> tuple[Owners, ...]:
         rounds: list[list[Owners]] = []
-        for key in sorted({p.owners for p in self.pieces()}):
+        for key in sorted({p.owners for p in self._pieces}):
             free = next((r for r, keys in enumerate(rounds)
                          if all(all(a != b for a, b in zip(key, other)) for other in keys)), len(rounds))
             if free == len(rounds):
@@ -108,7 +108,7 @@ class SyncPlan:
     def local_ranges(self, group: int, shard: int) -> dict[Owners, list[tuple[int, int, int]]]:
         """Per channel of this rank: (param, first element, end element) ranges of its local shards, in order."""
         out: dict[Owners, list[tuple[int, int, int]]] = {}
-        for p in self.pieces():
+        for p in self._pieces:
             if p.owners[group] != shard or p.end == p.start:
                 continue
             row = row_numel(self.shapes[p.param])
@@ -119,7 +119,7 @@ class SyncPlan:
     def describe(self, owners: Owners, names: Sequence[str], dtypes: Sequence[str]) -> list[str]:
         """What channel `owners` syncs, piece by piece (every member of the channel must describe it alike)."""
         return [f"{names[p.param]}|{tuple(self.shapes[p.param])}|{dtypes[p.param]}|rows {p.start}:{p.end}|groups "
-                f"S={list(self.layouts)}" for p in self.pieces() if p.owners == owners]
+                f"S={list(self.layouts)}" for p in self._pieces if p.owners == owners]
 
     def expected_numel(self, param: int, group: int, shard: int) -> int:
         """Elements of parameter `param` that shard `shard` of group `group` holds."""
