@@ -56,12 +56,14 @@ class ParallelConfig:
     (`replicas`) is every group's, and the world is R x their sum. Unset: F groups of `shards`."""
     aggregate_every: int = option(8, ge=1)
     """A: optimizer steps between two shard syncs (FL methods only)."""
-    group_steps: Literal["equal", "speed"] = option("equal", not_flat="a Flower round's A is the strategy's")
-    """How many local steps each federation group trains per sync (static engine): equal (every group A), or speed
-    (each group's from the step times the groups measure and exchange after every sync: the fastest trains A, one k
-    times slower about A/k, at least 1), so that groups of different speeds arrive at the sync together; the weights
-    stay the tokens each trained, and logging, evaluation and the end of the run follow the fastest group's step
-    count. The time each group idles per sync is logged either way (`sync_groups` records)."""
+    group_steps: Literal["equal", "speed"] = "equal"
+    """How many local steps each federation group trains per sync: equal (every group A), or speed (the fastest
+    group trains A, one k times slower about A/k, at least 1), so that groups of different speeds arrive at the sync
+    together. The static engine's groups measure and exchange their step times after every sync; in a Flower run the
+    strategy takes each member's step time from its last round's reply (a round without one for every member is
+    equal). The weights stay the tokens each group trained, and each group's learning-rate schedule (and the static
+    engine's logging, evaluation and end of run) follows the fastest group's step count. The time each group idles
+    per sync is recorded either way (`sync_groups` records; a Flower round's `idle_s_per_sync`)."""
     bucket_mb: float = option(64.0, gt=0)
     """Size of one flat buffer used by the shard sync, in MiB; one collective per bucket."""
     sync_dtype: SyncDtype = "float32"

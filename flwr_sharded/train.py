@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 from flwr_sharded import memory_release, schema
 from flwr_sharded.config import TrainConfig, config_to_dict, load_config
-from flwr_sharded.validation import validate
+from flwr_sharded.validation import validate, validate_static
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.training.preflight import preflight
 
@@ -168,6 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = resolve_config(args)
         validate(cfg)
+        validate_static(cfg)
         slow = slow_group(args.debug_slow_group)
         if args.print_config:
             print(json.dumps(config_to_dict(cfg), indent=2))

@@ -157,6 +157,16 @@ def check_fragments(p: ParallelConfig, blocks: int, model: str, surface: Surface
                             f"1..{blocks}")
 
 
+def validate_static(cfg: TrainConfig, surface: Surface = CLI) -> None:
+    """The static engine's own checks, beyond `validate` (a Flower run trains rounds, and checkpoints at their end)."""
+    L, c, p = labeler(surface), cfg.checkpoint, cfg.parallel
+    if p.group_steps != "equal" and (c.every or c.resume or cfg.steps % p.aggregate_every):
+        raise surface.error(f"{L('group-steps')} {p.group_steps} runs whole periods of the fastest group's "
+                            f"{L('aggregate-every')} steps and keeps each group's steps in memory only: {L('steps')} "
+                            f"must be a multiple of {L('aggregate-every')} (got {cfg.steps} and {p.aggregate_every}), "
+                            f"without {L('checkpoint-every')} or {L('resume')} (a checkpoint is written at the end)")
+
+
 def validate(cfg: TrainConfig, world_size: int | None = None, surface: Surface = CLI) -> None:
     """Validate a whole run configuration; raises ConfigError on the first problem, naming the option."""
     for o in schema.options(TrainConfig):
@@ -168,11 +178,6 @@ def validate(cfg: TrainConfig, world_size: int | None = None, surface: Surface =
         raise surface.error(f"{L('resume')}, {L('checkpoint-every')} and {L('async-checkpoint')} need "
                             f"{L('checkpoint-dir')}")
     p = cfg.parallel
-    if p.group_steps != "equal" and (c.every or c.resume or cfg.steps % p.aggregate_every):
-        raise surface.error(f"{L('group-steps')} {p.group_steps} runs whole periods of the fastest group's "
-                            f"{L('aggregate-every')} steps and keeps each group's steps in memory only: {L('steps')} "
-                            f"must be a multiple of {L('aggregate-every')} (got {cfg.steps} and {p.aggregate_every}), "
-                            f"without {L('checkpoint-every')} or {L('resume')} (a checkpoint is written at the end)")
     if p.sync_delay and c.every % p.aggregate_every:
         raise surface.error(f"{L('checkpoint-every')} {c.every} with {L('sync-delay')} {p.sync_delay}: checkpoints "
                             f"are taken at the end of a period, when no sync is in flight; use a multiple of "

@@ -181,8 +181,15 @@ class TrainArgs:
     """Every member's S, in member order, when they shard differently (the round syncs over the channels of their
     sync plan, `flwr_sharded.flower.group.channels`); empty: every member shards alike. `rendezvous_ports` are then
     member 0's, one per shard index of member 0."""
+    member_steps: list[int] = option(factory=list, ge=1)
+    """Every member's local steps per sync of this round, in member order (`group-steps speed`: the fastest member's
+    is the round's A); empty: every member the round's A."""
     round: RoundOptions = field(default_factory=RoundOptions)
     """The round options the strategy set for this round (the train config's `RoundOptions` keys)."""
+
+    def local_steps(self, round_steps: int) -> int:
+        """This member's local steps per sync in a round of A = `round_steps`."""
+        return self.member_steps[self.member_index] if self.member_steps else round_steps
 
     def to_config(self) -> dict[str, Any]:
         out = {o.name: schema.get(self, o.path) for o in schema.options(type(self)) if o.path[0] != "round"
@@ -217,6 +224,9 @@ class TrainArgs:
             raise ArgumentError(f"members {args.members} name a node twice")
         if args.member_shards and len(args.member_shards) != len(args.members):
             raise ArgumentError(f"member-shards {args.member_shards} must name the S of each of the "
+                                f"{len(args.members)} members")
+        if args.member_steps and len(args.member_steps) != len(args.members):
+            raise ArgumentError(f"member-steps {args.member_steps} must name the local steps of each of the "
                                 f"{len(args.members)} members")
         return args
 

@@ -327,7 +327,8 @@ class FlowerRun:
                 raise S.error(f"{L(key)} must be below {L('round-timeout')} ({d.round_timeout:g} s): a round's K "
                               f"syncs must fit in it")
         validate(self.group_config(), surface=S)
-        decentralized_only = [k for k, on in (("sync-delay", p.sync_delay), ("sync-fragments", p.sync_fragments > 1),
+        decentralized_only = [k for k, on in (("group-steps", p.group_steps != "equal"), ("sync-delay", p.sync_delay),
+                                              ("sync-fragments", p.sync_fragments > 1),
                                               ("sync-dtype", p.sync_dtype in QUANTIZED),
                                               ("sync-topk", p.sync_topk is not None)) if on]
         if f.aggregation == "server" and decentralized_only:

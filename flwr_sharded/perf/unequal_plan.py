@@ -29,9 +29,10 @@ GiB = 1024**3
 def local_steps(A: int, step_times: Sequence[float]) -> tuple[int, ...]:
     """`flwr_sharded.training.pace.local_steps` (what `--group-steps speed` trains), ConfigError on bad input."""
     _check_steps(A)
-    if not step_times or min(step_times) <= 0:
-        raise ConfigError(f"step times must be positive, got {list(step_times)}")
-    return pace.local_steps(A, step_times)
+    try:
+        return pace.local_steps(A, step_times)
+    except ValueError as exc:  # step times that are not all positive
+        raise ConfigError(str(exc)) from None
 
 
 def _check_steps(A: int) -> None:

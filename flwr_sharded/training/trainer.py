@@ -175,6 +175,8 @@ class Trainer:
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1
+        if self.step_delay:
+            time.sleep(self.step_delay)
         return total
 
     def set_anchor(self, fragment: int | None = None) -> None:
@@ -211,6 +213,11 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
             group["lr"] = lr
+
+    @property
+    def schedule_step(self) -> int:
+        """The learning-rate schedule's step: the step count, or with per-group steps the run's reference step."""
+        return int(self.scheduler.last_epoch)
 
     def set_step(self, step: int) -> None:
         """Continue from step `step` with the schedule's learning rate of that step (a catch-up to another member)."""
@@ -385,8 +392,6 @@ class Trainer:
         `group-steps speed`, the learning-rate schedule at the run's clock."""
         started = time.perf_counter()
         loss = self.step()
-        if self.step_delay:
-            time.sleep(self.step_delay)
         pace.compute_s += time.perf_counter() - started
         if pace.adapt:
             self.follow_clock(pace.reference(self.step_count))

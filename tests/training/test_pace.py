@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from flwr_sharded.config import TrainConfig
-from flwr_sharded.validation import validate
+from flwr_sharded.validation import validate, validate_static
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.training.pace import Pace, idle_times, local_steps
 
@@ -54,7 +54,11 @@ def test_group_steps_needs_whole_periods_and_no_periodic_checkpoints():
     cfg = TrainConfig(steps=10)
     cfg.parallel.method, cfg.parallel.federations, cfg.parallel.aggregate_every = "fl-fsdp", 2, 4
     cfg.parallel.group_steps = "speed"
+    validate(cfg)  # a Flower run trains whole rounds: only the static engine counts steps
     with pytest.raises(ConfigError, match="must be a multiple of --aggregate-every"):
-        validate(cfg)
+        validate_static(cfg)
     cfg.steps = 16
-    validate(cfg)
+    validate_static(cfg)
+    cfg.checkpoint.dir, cfg.checkpoint.resume = "ckpt", True
+    with pytest.raises(ConfigError, match="without --checkpoint-every or --resume"):
+        validate_static(cfg)

@@ -119,7 +119,8 @@ def prepare(runtime: Any, args: TrainArgs) -> None:
 
 
 def _bound_weights(trainer: Any, world: int) -> None:
-    """A member may weigh at most what the round's largest member (`world` ranks) can train in a period."""
+    """A member may weigh at most what the round's largest member (`world` ranks: every member runs the run's R, the
+    hello refuses another) can train in a period (of the most local steps any member takes: `OuterLoop.most_steps`)."""
     from flwr_sharded.parallel.contribution import expected_weight_of
 
     cfg = trainer.cfg

@@ -55,6 +55,8 @@ class GroupOptions:
     """Tests: the N-th sync attempt fails on rank 0 after the reduction succeeded everywhere (the commit vote)."""
     debug_nan_sync: int = option(0, ge=0, hidden=True)
     """Tests: rank 0 brings NaN shards and moments to the N-th sync attempt (admission and healing)."""
+    debug_step_delay: float = option(0.0, ge=0, hidden=True)
+    """Tests: every rank sleeps this many seconds after each inner step (a slower group)."""
 
 
 def build_parser(description: str | None = None) -> argparse.ArgumentParser:

@@ -100,6 +100,8 @@ class GroupRound:
         """Members an adopted sync of this round left out (weight out of bounds, or values not finite)."""
         self.options = args.round.for_run(runtime.run)
         """This round's A, K, peak learning rate and FedProx mu: the strategy's, else the run's."""
+        self.steps = args.local_steps(self.options.aggregate_every)
+        """This member's local steps per sync: A, or its own (`member_steps`: the fastest member's is A)."""
 
     # ----- the round ------------------------------------------------------------------------------------------
     def run(self, *, apply_rule: bool = True) -> dict[str, Any]:
@@ -124,8 +126,11 @@ class GroupRound:
             last = t.outer.schedule.fragments - 1
             for k in range(0 if failure else self.options.syncs_per_round):
                 start = time.perf_counter()
-                for step in range(1, self.options.aggregate_every + 1):
+                clock = t.schedule_step  # the run's reference step at the start of the period
+                for step in range(1, self.steps + 1):
                     losses.append(t.step())
+                    if self.steps != self.options.aggregate_every:  # the schedule on the fastest member's clock
+                        t.follow_clock(clock + step * self.options.aggregate_every / self.steps)
                     self._progress(losses)
                     if not t.outer.due(step):
                         continue
@@ -170,7 +175,7 @@ class GroupRound:
     def _progress(self, losses: list[torch.Tensor]) -> None:
         every = self.rt.run.train.output.log_every
         if self.rt.rank == 0 and len(losses) % every == 0:
-            total = self.options.syncs_per_round * self.options.aggregate_every
+            total = self.options.syncs_per_round * self.steps
             logger.info("round %d: step %d/%d of the round (run step %d), loss %.4f", self.args.server_round,
                         len(losses), total, self.t.step_count, float(losses[-1]))
 
@@ -195,19 +200,22 @@ class GroupRound:
                 "lr": t.scheduler.get_last_lr()[0], "members": len(self.args.members),
                 "catch_up_checksums": caught_up, "sync_blame": sorted(self.blame),
                 "sync_left_out": sorted(self.left_out), "facility_tokens": weight,
-                "aggregate_every": self.options.aggregate_every, "syncs_per_round": self.options.syncs_per_round, "peak_lr": t.scheduler.base_lrs[0], "proximal_mu": t.proximal_mu,
+                "aggregate_every": self.options.aggregate_every, "local_steps": self.steps,
+                "syncs_per_round": self.options.syncs_per_round, "peak_lr": t.scheduler.base_lrs[0],
+                "proximal_mu": t.proximal_mu,
                 **{f"{name}_s_total": value for name, value in phases.items()}}
 
     # ----- pieces ---------------------------------------------------------------------------------------------
     def catch_up(self) -> str:
-        """Every member adopts member 0's shards, outer state and schedule position (a group (re)joined the run);
-        returns '' or the error (then every rank is back at the last commit).
+        """Every member adopts member 0's shards, outer state and clock (its schedule's step: with per-member steps the
+        run's reference step) (a group (re)joined the run); returns '' or the error (then every rank is back at the
+        last commit).
 
         Replica 0 of each shard index joins the round's federation group (or its channels, when the members shard
         differently) and receives member 0's shards and outer state by broadcast; the step count travels on shard
         index 0 (the channel of every member's shard 0); FL+HSDP replicas then copy replica 0.
         """
-        t, error, step = self.t, "", self.t.step_count
+        t, error, step = self.t, "", self.t.schedule_step
         if self.topo.replica_index == 0:
             try:
                 self.federation.join()
@@ -220,9 +228,9 @@ class GroupRound:
             return "; ".join(sorted(set(errors)))
         if self.topo.rep_group is not None:
             t.shard_sync.broadcast(self.topo.rep_group)
-        step = self.rt.broadcast(step)  # rank 0 (replica 0, shard 0) knows member 0's step count
-        if step != t.step_count:
-            logger.info("caught up: step %d -> %d (member 0's)", t.step_count, step)
+        step = self.rt.broadcast(step)  # rank 0 (replica 0, shard 0) knows member 0's clock
+        if (step, step) != (t.step_count, t.schedule_step):
+            logger.info("caught up: step %d -> %d (member 0's clock)", t.step_count, step)
             t.set_step(step)
         t.set_anchor()
         t.outer.commit()
@@ -230,14 +238,14 @@ class GroupRound:
 
     def _adopt_member_0(self) -> int:
         """Replica 0: member 0's shards and outer state, over this shard index's group, or piece by piece over each
-        channel when the members shard differently; returns member 0's step count (where this rank learns it)."""
+        channel when the members shard differently; returns member 0's clock (where this rank learns it)."""
         t = self.t
         pg = self.federation.vote_group()
         over = pg if self.federation.plan is None else None  # None: over each bucket's channel
         t.shard_sync.broadcast(over, source=0)
         t.shard_sync.broadcast_outer_state(over, source=0)
         if pg is None:
-            return t.step_count
-        box = torch.tensor([t.step_count], dtype=torch.int64, device=t.device)
+            return t.schedule_step
+        box = torch.tensor([t.schedule_step], dtype=torch.int64, device=t.device)
         dist.broadcast(box, group=pg, group_src=0)
         return int(box.item())

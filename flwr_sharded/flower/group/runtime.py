@@ -317,6 +317,7 @@ class GroupRuntime:
         self.trainer = Trainer(cfg, self.topo, static_sync=False, partition=partition)
         memory_release.after_load()  # the load's transient buffers
         self.key, self.tokens, self.syncs, self.resumed_round = key, 0, 0, 0
+        self.trainer.step_delay = self.args.debug_step_delay
         if self.rank == 0:  # test-only faults, counted in the outer loop's sync attempts
             self.trainer.outer.faults = FaultInjection(fail_sync=self.args.debug_fail_sync,
                                                        nan_sync=self.args.debug_nan_sync)
@@ -341,7 +342,8 @@ class GroupRuntime:
         if a.export and not server_path:
             raise InstructionError("export asks for the server path, but this run's aggregation is decentralized")
         channels.prepare(self, a)  # the round's layouts: this group's seat among its members
-        p, steps = self.run.train.parallel, a.round.for_run(self.run).aggregate_every
+        p, steps = self.run.train.parallel, a.local_steps(a.round.for_run(self.run).aggregate_every)
+        t.outer.most_steps = max(a.member_steps, default=0)  # a faster member's weight: its steps' tokens
         try:
             t.outer.set_aggregate_every(steps)
         except ValueError as exc:

@@ -43,6 +43,8 @@ class GroupInfo:
     """Digest of the model's parameter names, global shapes and dtypes (the same for groups of any S)."""
     param_rows: list[int] = field(default_factory=list)
     """Each parameter's rows (the dimension FSDP2 shards), for the sync plan of groups that shard differently."""
+    step_s: float = 0.0
+    """Seconds per inner step in its last round (`group-steps speed` sets its local steps from it); 0: unmeasured."""
     failures: list[str] = field(default_factory=list)
     strikes: int = 0
     """Consecutive rounds this group was held at fault (`GroupMembership.hold_at_fault`)."""

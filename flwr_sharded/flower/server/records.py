@@ -25,7 +25,11 @@ def round_record(server_round: int, members: list[int], ok: dict[int, dict[str, 
     weights = {n: (tokens[n] or 1.0) for n in alive}
     weight_sum = sum(weights.values()) or 1.0
     step_losses = [sum(weights[n] * losses_by_node[n][i] for n in alive) / weight_sum for i in range(steps)]
-    train_loss = sum(step_losses) / len(step_losses) if step_losses else float("nan")
+    if len({len(v) for v in losses_by_node.values()}) > 1:  # members of their own steps: each one's mean loss
+        means = {n: sum(v) / len(v) for n, v in losses_by_node.items() if v}
+        train_loss = sum(weights[n] * x for n, x in means.items()) / (sum(weights[n] for n in means) or 1.0)
+    else:
+        train_loss = sum(step_losses) / len(step_losses) if step_losses else float("nan")
     slowest = {key: max((float(m.get(key, 0)) for m in alive.values()), default=0.0)
                for key in ("train_s", "sync_s", "eval_s")}
     work_s = max((sum(float(m.get(k, 0)) for k in slowest) for m in alive.values()), default=0.0)
@@ -47,6 +51,10 @@ def round_record(server_round: int, members: list[int], ok: dict[int, dict[str, 
         "errors": {str(n): e for n, e in dropped.items()} | {
             str(n): str(m.get("sync_error", "")) for n, m in rolled_back.items()},
     }
+    local = {str(n): int(m["local_steps"]) for n, m in alive.items() if "local_steps" in m}
+    if len(set(local.values())) > 1:
+        record["member_steps"] = local
+    record.update(member_timings(alive))
     member_layouts = {str(n): (layouts or {}).get(str(n), "") for n in members}
     if len(set(member_layouts.values())) > 1:
         record["layouts"] = member_layouts
@@ -54,6 +62,21 @@ def round_record(server_round: int, members: list[int], ok: dict[int, dict[str, 
         record["eval_loss"] = sum(evals) / len(evals)
         record["eval_ppl"] = perplexity(record["eval_loss"])
     return record
+
+
+def member_timings(replies: dict[int, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Each member's pace over the round's syncs (node -> seconds), {} with fewer than two members that synced:
+    `step_s` per inner step, `sync_period_s` per sync (its local steps and its sync), and `idle_s_per_sync`, its sync
+    time per sync beyond the shortest member's (the syncs end together: the excess is how early it arrived)."""
+    synced = {str(n): m for n, m in replies.items() if m.get("syncs") and m.get("steps")}
+    if len(synced) < 2:
+        return {}
+    sync = {n: float(m.get("sync_s", 0.0)) / int(m["syncs"]) for n, m in synced.items()}
+    shortest = min(sync.values())
+    return {"step_s": {n: float(m.get("train_s", 0.0)) / int(m["steps"]) for n, m in synced.items()},
+            "sync_period_s": {n: (float(m.get("train_s", 0.0)) + float(m.get("sync_s", 0.0))) / int(m["syncs"])
+                              for n, m in synced.items()},
+            "idle_s_per_sync": {n: x - shortest for n, x in sync.items()}}
 
 
 def note_checkpoint_errors(server_round: int, replies: dict[int, dict[str, Any]], record: dict[str, Any]) -> None:

@@ -92,8 +92,9 @@ class DecentralizedFedAvg(GroupMembership, Strategy):
         log(INFO, "\t├── Groups: %s R=%d x S=%d (%d ranks each)%s; wait for %d, go on with >= %d", p.method,
             p.replicas, p.shards, r.group_world, f", facility-shards {f.facility_shards}" if f.facility_shards else "",
             d.num_groups, d.min_groups)
-        log(INFO, "\t├── Per round: K=%d syncs x A=%d steps; %d rounds = %d steps; model %s, seq %d, batch %d",
-            f.syncs_per_round, p.aggregate_every, f.rounds, r.total_steps, r.train.model.name, r.train.data.seq_len,
+        log(INFO, "\t├── Per round: K=%d syncs x A=%d steps%s; %d rounds = %d steps; model %s, seq %d, batch %d",
+            f.syncs_per_round, p.aggregate_every, " (the fastest group's: group-steps speed)" if
+            p.group_steps == "speed" else "", f.rounds, r.total_steps, r.train.model.name, r.train.data.seq_len,
             r.train.batch_size)
         log(INFO, "\t├── Shard sync: %s; aggregation %s", p.describe_sync(), f.aggregation)
         log(INFO, "\t└── Deadlines: sample %.0f s, hello %.0f s, round %.0f s, rendezvous %.0f s, sync %.0f s",
@@ -121,13 +122,15 @@ class DecentralizedFedAvg(GroupMembership, Strategy):
         out = []
         secret = secrets.token_hex(32)  # the members' proof at the rendezvous; travels over Flower's TLS channel
         shards = unequal.member_shards(self.groups, members)  # members that shard differently: their S each
+        steps = unequal.member_steps(self.groups, members, round_options.for_run(self.run).aggregate_every,
+                                     self.run.train.parallel.group_steps)  # members of different speeds: their A
         for i, node in enumerate(members):
             args = M.TrainArgs(server_round=server_round, job=f"{prefix}/{node}", members=[str(m) for m in members],
                                member_index=i, rendezvous_host=offer.rendezvous_host,
                                rendezvous_ports=list(offer.rendezvous_ports), prefix=prefix,
                                rendezvous_timeout=d.rendezvous_timeout, sync_timeout=d.sync_timeout, secret=secret,
                                evaluate=evaluate, checkpoint=checkpoint, export=export_first and i == 0,
-                               catch_up=catch_up, member_shards=shards, round=round_options)
+                               catch_up=catch_up, member_shards=shards, member_steps=steps, round=round_options)
             out.append(G.message(node, M.MSG_TRAIN, {**args.to_config(), "timeout": M.START_TIMEOUT_S},
                                  str(server_round), d.round_timeout))
         return out
@@ -170,6 +173,8 @@ class DecentralizedFedAvg(GroupMembership, Strategy):
                             f"{sorted(ok)}, rolled back by {sorted(rolled_back)})")
         for node, metrics in alive.items():
             self.groups[node].tokens = int(metrics.get("total_tokens", 0))
+            if metrics.get("steps"):
+                self.groups[node].step_s = float(metrics.get("train_s", 0.0)) / int(metrics["steps"])
         self.history.append(record)  # written and logged by run_round once the round is complete
         return None, MetricRecord({k: v for k, v in record.items() if isinstance(v, (int, float))
                                    and not isinstance(v, bool)} | {"losses": record["losses"] or [0.0]})

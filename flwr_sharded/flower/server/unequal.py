@@ -1,6 +1,6 @@
 """Groups that shard differently in one decentralised round: what the strategy checks at hello and at a rejoin, and
 what it tells the round's members (every member's S, from which each derives the round's sync plan:
-`flwr_sharded.flower.group.channels`).
+`flwr_sharded.flower.group.channels`; with `group-steps speed`, every member's local steps per sync).
 
 Groups of one S must agree on the model/sharding fingerprint (it covers their local shard shapes); groups of any S
 must agree on the model digest (parameter names, global shapes, dtypes). On the decentralised path, a group whose S
@@ -16,12 +16,24 @@ from typing import Any
 from flwr.supercore import log
 
 from flwr_sharded.parallel.sync_plan import shard_rows
+from flwr_sharded.training.pace import local_steps
 
 
 def member_shards(groups: dict[int, Any], members: list[int]) -> list[int]:
     """Every member's S, in member order, when the members shard differently; [] when they shard alike."""
     shards = [groups[n].layout.shards for n in members]
     return shards if len(set(shards)) > 1 else []
+
+
+def member_steps(groups: dict[int, Any], members: list[int], round_steps: int, group_steps: str) -> list[int]:
+    """Every member's local steps per sync of a round of A = `round_steps`, in member order, with `group-steps speed`:
+    from each one's step time in its last round (`pace.local_steps`: the fastest trains A). [] (every member A) with
+    `equal`, while a member has no step time yet (its first round, or a rejoin), or when all come out alike."""
+    times = [groups[n].step_s for n in members]
+    if group_steps != "speed" or len(members) < 2 or min(times) <= 0:
+        return []
+    steps = list(local_steps(round_steps, times))
+    return steps if len(set(steps)) > 1 else []
 
 
 def layout_of(group: Any) -> str:
