@@ -131,19 +131,19 @@ def main() -> None:
     unchecked = ShardSync(model.named_parameters(), fed_group=topo.fed_group,
                           bucket_bytes=int(args.bucket_mb * 2**20), max_move=0.0)
     unchecked.check_alignment()
-    # time in the member's own verdict (before the reduction) and in the result's check, per call
+    # time in the member's own verdict and the sample's copy (before the reduction) and in the result's check
     check_s: dict[str, list[float]] = {}
 
     def timed_checks(name: str, instance: ShardSync) -> None:
         into = check_s.setdefault(name, [])
-        for method in ("own_verdict", "accepts"):
-            def timed(*a, _call=getattr(instance, method)):
+        for owner, method in ((instance, "own_verdict"), (instance.bound, "keep"), (instance, "accepts")):
+            def timed(*a, _call=getattr(owner, method)):
                 t0 = time.perf_counter()
                 out = _call(*a)
                 into.append(time.perf_counter() - t0)
                 return out
 
-            setattr(instance, method, timed)
+            setattr(owner, method, timed)
 
     timed_checks("sync", sync)
     timed_checks("sync-unchecked", unchecked)
@@ -225,7 +225,7 @@ def main() -> None:
             "median_s": med,
             "sync_over_flat": med["sync"] / med["flat"],
             "checked_over_unchecked": med["sync"] / med["sync-unchecked"],
-            "check_s_per_sync": check_per_sync,  # rank 0's mean time in its own verdict and the result's check
+            "check_s_per_sync": check_per_sync,  # rank 0's mean time in its verdict, sample copy and result check
             "check_overhead_of_sync": (check_per_sync["sync"] - check_per_sync["sync-unchecked"]) / med["sync"],
             "int8_checked_over_unchecked": med["sync-int8"] / med["sync-int8-unchecked"],
             "int8_check_overhead_of_sync": (check_per_sync["sync-int8"] - check_per_sync["sync-int8-unchecked"])
