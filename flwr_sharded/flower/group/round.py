@@ -207,13 +207,13 @@ class GroupRound:
 
     # ----- pieces ---------------------------------------------------------------------------------------------
     def catch_up(self) -> str:
-        """Every member adopts member 0's shards, outer state and clock (its schedule's step: with per-member steps the
-        run's reference step) (a group (re)joined the run); returns '' or the error (then every rank is back at the
-        last commit).
+        """A group (re)joined the run: every member adopts member 0's shards, outer state and clock (its schedule's
+        step; with per-member steps, the run's reference step); returns '' or the error (then every rank is back at
+        the last commit).
 
         Replica 0 of each shard index joins the round's federation group (or its channels, when the members shard
-        differently) and receives member 0's shards and outer state by broadcast; the step count travels on shard
-        index 0 (the channel of every member's shard 0); FL+HSDP replicas then copy replica 0.
+        differently) and receives member 0's shards and outer state by broadcast; the clock travels on shard index 0
+        (the channel of every member's shard 0); FL+HSDP replicas then copy replica 0.
         """
         t, error, step = self.t, "", self.t.schedule_step
         if self.topo.replica_index == 0:
