@@ -131,16 +131,19 @@ def main() -> None:
     unchecked = ShardSync(model.named_parameters(), fed_group=topo.fed_group,
                           bucket_bytes=int(args.bucket_mb * 2**20), max_move=0.0)
     unchecked.check_alignment()
-    # time in the member's own verdict and the sample's copy (before the reduction) and in the result's check
+    # time in the member's own verdict (before the reduction) and in the result's check, the whole check: per sync
+    # (a verdict opens a sync, each bucket's check adds to it)
     check_s: dict[str, list[float]] = {}
 
     def timed_checks(name: str, instance: ShardSync) -> None:
         into = check_s.setdefault(name, [])
-        for owner, method in ((instance, "own_verdict"), (instance.bound, "keep"), (instance, "accepts")):
-            def timed(*a, _call=getattr(owner, method)):
+        for owner, method in ((instance, "own_verdict"), (instance, "accepts")):
+            def timed(*a, _call=getattr(owner, method), _opens=method == "own_verdict"):
                 t0 = time.perf_counter()
                 out = _call(*a)
-                into.append(time.perf_counter() - t0)
+                if _opens or not into:
+                    into.append(0.0)
+                into[-1] += time.perf_counter() - t0
                 return out
 
             setattr(owner, method, timed)
@@ -200,7 +203,7 @@ def main() -> None:
             fn()
             times[name].append(time.perf_counter() - t0)
             keep_scale(name)
-    check_per_sync = {k: sum(v) / args.repeats for k, v in check_s.items()}
+    check_per_sync = {k: statistics.median(v) for k, v in check_s.items()}
     # the slowest rank decides a collective's time: take the max over ranks of each sample
     stacked = torch.tensor([times[k] for k in runs], dtype=torch.float64)
     dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
@@ -225,7 +228,7 @@ def main() -> None:
             "median_s": med,
             "sync_over_flat": med["sync"] / med["flat"],
             "checked_over_unchecked": med["sync"] / med["sync-unchecked"],
-            "check_s_per_sync": check_per_sync,  # rank 0's mean time in its verdict, sample copy and result check
+            "check_s_per_sync": check_per_sync,  # rank 0's median time per sync in its verdict and the result's check
             "check_overhead_of_sync": (check_per_sync["sync"] - check_per_sync["sync-unchecked"]) / med["sync"],
             "int8_checked_over_unchecked": med["sync-int8"] / med["sync-int8-unchecked"],
             "int8_check_overhead_of_sync": (check_per_sync["sync-int8"] - check_per_sync["sync-int8-unchecked"])

@@ -18,8 +18,9 @@ per token x this sync's weight (before the bucket has one: `max_move` x || contr
   value, however sparse, is caught;
 - the move itself is at most `allowed`: measured exactly in a bucket of fewer than `EXACT_BELOW` elements, and in a
   larger one on one block in `SAMPLE` (`BLOCK` elements each, from an offset each rank draws at random for each
-  sync and never sends, so no sender can aim between them; the blocking sync copies its own sampled blocks before
-  the reduction, `keep`), scaled up: a move spread over the bucket is caught within the sample's error, one
+  sync and never sends, so no sender can aim between them; read from the result's buffer and from this rank's
+  shards, which hold its own values until the result is adopted, through views built once per bucket and offset),
+  scaled up: a move spread over the bucket is caught within the sample's error, one
   confined to a few blocks when the norms show it. The sample overstates a move only when one block holds most of
   it (more than 86% of a bucket's squared move, for a false rejection at `max_move` 10).
 
@@ -80,19 +81,12 @@ def bucket_norms(buckets: list[list[torch.Tensor]]) -> list[float]:
     return torch.stack(out).tolist()
 
 
-def _move(means: list[torch.Tensor], contribution: list[torch.Tensor], *, every: int, offset: int) -> float:
-    """|| means - contribution ||_2 over the bucket's blocks j (of `BLOCK` elements, counted across its segments in
-    order) with j % every == offset, scaled by sqrt(every): exact for every = 1, else an unbiased estimate of its
-    square from 1/every of the elements. Whole blocks are read `ROWS` at a time (strided views, a small temporary),
-    and every view's difference and norm is one foreach call."""
-    import torch
-
+def _blocks(means: list[torch.Tensor], contribution: list[torch.Tensor], *, every: int,
+            offset: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Views of the bucket's blocks j (of `BLOCK` elements, counted across its segments in order) with j % every ==
+    offset, in `means` and in `contribution` alike: whole blocks `ROWS` at a time (strided views), and the blocks cut
+    by a segment's edge."""
     ours, theirs, position, stride = [], [], 0, every * BLOCK
-
-    def measure(m: torch.Tensor, c: torch.Tensor) -> None:
-        ours.append(m)
-        theirs.append(c)
-
     for m, c in zip(means, contribution):
         m, c, n = m.reshape(-1), c.reshape(-1), m.numel()
         block = position // BLOCK
@@ -100,33 +94,36 @@ def _move(means: list[torch.Tensor], contribution: list[torch.Tensor], *, every:
         while block * BLOCK < position + n:
             start = block * BLOCK - position
             if start < 0 or start + BLOCK > n:  # a block cut by the segment's edge
-                measure(m[max(start, 0):start + BLOCK], c[max(start, 0):start + BLOCK])
+                ours.append(m[max(start, 0):start + BLOCK])
+                theirs.append(c[max(start, 0):start + BLOCK])
                 block += every
                 continue
             whole = (n - start - BLOCK) // stride + 1  # sampled blocks inside the segment from here
             for first in range(0, whole, ROWS):
                 rows = min(ROWS, whole - first)
                 lo, span = start + first * stride, (rows - 1) * stride + BLOCK
-                measure(m[lo:lo + span].unfold(0, BLOCK, stride), c[lo:lo + span].unfold(0, BLOCK, stride))
+                ours.append(m[lo:lo + span].unfold(0, BLOCK, stride))
+                theirs.append(c[lo:lo + span].unfold(0, BLOCK, stride))
             block += whole * every
         position += n
+    return ours, theirs
+
+
+def _distance(ours: list[torch.Tensor], theirs: list[torch.Tensor], every: int) -> float:
+    """|| ours - theirs ||_2 scaled by sqrt(every): one foreach difference and norm over the views (a temporary the
+    size of the views, 1/every of a bucket)."""
+    import torch
+
     if not ours:
         return 0.0
     differences = torch._foreach_sub([m.float() for m in ours], [c.float() for c in theirs])
     return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(differences)))) * every ** 0.5
 
 
-def _sampled(flat: torch.Tensor, every: int, offset: int) -> list[torch.Tensor]:
-    """The blocks j % every == offset of a flat tensor, as `_move` samples them: at most two views (the whole blocks,
-    strided; a block cut by the end)."""
-    n, stride, start, views = flat.numel(), every * BLOCK, offset * BLOCK, []
-    if start + BLOCK <= n:
-        whole = (n - start - BLOCK) // stride + 1
-        views.append(flat[start:start + (whole - 1) * stride + BLOCK].unfold(0, BLOCK, stride))
-        start += whole * stride
-    if start < n:
-        views.append(flat[start:])
-    return views
+def _move(means: list[torch.Tensor], contribution: list[torch.Tensor], *, every: int, offset: int) -> float:
+    """|| means - contribution ||_2 over the bucket's blocks j with j % every == offset (`_blocks`), scaled by
+    sqrt(every): exact for every = 1, else an unbiased estimate of its square from 1/every of the elements."""
+    return _distance(*_blocks(means, contribution, every=every, offset=offset), every)
 
 
 class MoveBound:
@@ -147,7 +144,8 @@ class MoveBound:
         self._moves: dict[int, deque[float]] = {}
         self._pending: dict[int, float] = {}
         self._own: list[float] | None = None
-        self._kept: tuple[int, int, torch.Tensor, list[torch.Tensor]] | None = None
+        self._samples: dict[int, tuple[list[torch.Tensor], list[torch.Tensor], dict[int, tuple[list, list]]]] = {}
+        """Per bucket: the segment lists it was checked on, and per offset the views of their sampled blocks."""
         self._offsets = random.Random(os.urandom(16))
 
     @property
@@ -159,17 +157,8 @@ class MoveBound:
         own verdict on its values (one whose values are not sound cannot judge the others' mean: it says yes);
         `own_norms`: each bucket's norm of this member's values (`bucket_norms`), when measured before the
         reduction (else `plausible` measures it)."""
-        self.weight, self.judges, self._own, self._kept = weight, judges, own_norms, None
+        self.weight, self.judges, self._own = weight, judges, own_norms
         self._pending.clear()
-
-    def keep(self, k: int, flat: torch.Tensor) -> None:
-        """Before the reduction: `flat`, the buffer that holds this rank's values of bucket k and will hold the
-        result. A bucket whose move is sampled keeps a copy of its sample (1/`SAMPLE` of it), so that `plausible`
-        reads the result's norm and sample from `flat` (one tensor, two strided views) instead of its segments."""
-        self._kept = None
-        if self.enabled and flat.numel() >= EXACT_BELOW:
-            offset = self._offsets.randrange(SAMPLE)
-            self._kept = (k, offset, flat, [view.clone() for view in _sampled(flat, SAMPLE, offset)])
 
     def allowed(self, k: int, own_norm: float) -> float:
         """The largest move (and change of norm) of bucket k this sync: from the bucket's adopted moves, or before it
@@ -178,21 +167,19 @@ class MoveBound:
         reference = statistics.median(history) * self.weight if history else own_norm
         return self.max_move * reference if reference > 0 else float("inf")
 
-    def plausible(self, k: int, means: list[torch.Tensor], contribution: list[torch.Tensor]) -> bool:
-        """Whether the groups' mean of bucket k (`means`, laid out as `contribution`; after `keep`, the kept buffer)
-        is plausible here; what it moved is kept for `record`."""
+    def plausible(self, k: int, means: list[torch.Tensor], contribution: list[torch.Tensor],
+                  whole: torch.Tensor | None = None) -> bool:
+        """Whether the groups' mean of bucket k (`means`, laid out as `contribution`, this rank's values of it) is
+        plausible here; what it moved is kept for `record`. `whole`: one tensor holding exactly `means`, one after the
+        other (the sync's flat bucket), whose norm is one pass over contiguous memory."""
         import torch
 
         from flwr_sharded.parallel.admission import all_finite
 
-        kept = self._kept if self._kept is not None and self._kept[0] == k else None
-        self._kept = None
-        if kept is not None:
-            means = [kept[2]]  # the same values as `means`, in one tensor
-        measured = self._own is None
-        norms = torch._foreach_norm([*means, *contribution] if measured else means)  # one pass over each
-        norm = float(torch.linalg.vector_norm(torch.stack(norms[:len(means)])))
-        own = float(torch.linalg.vector_norm(torch.stack(norms[len(means):]))) if measured else self._own[k]
+        measured, read = self._own is None, [whole] if whole is not None else means
+        norms = torch._foreach_norm([*read, *contribution] if measured else read)  # one pass over each
+        norm = float(torch.linalg.vector_norm(torch.stack(norms[:len(read)])))
+        own = float(torch.linalg.vector_norm(torch.stack(norms[len(read):]))) if measured else self._own[k]
         if not self.judges:
             return True
         if not norm < float("inf"):
@@ -200,17 +187,25 @@ class MoveBound:
         if not own < float("inf") and not all_finite(contribution):
             return True  # its own values are not finite: it cannot judge (an inf norm may be finite values' overflow)
         allowed = self.allowed(k, own)
-        if kept is not None:  # the sample `keep` copied, against the result's
-            parts = [torch.linalg.vector_norm(mine.sub_(mean), dtype=torch.float32)
-                     for mine, mean in zip(kept[3], _sampled(kept[2], SAMPLE, kept[1]))]
-            move = float(torch.linalg.vector_norm(torch.stack(parts))) * SAMPLE ** 0.5
-        else:
-            every = 1 if sum(m.numel() for m in means) < EXACT_BELOW else SAMPLE
-            move = _move(means, contribution, every=every, offset=self._offsets.randrange(every))
+        every = 1 if sum(m.numel() for m in means) < EXACT_BELOW else SAMPLE
+        move = _distance(*self._sample(k, means, contribution, every), every)
         ok = abs(norm - own) <= allowed and move <= allowed  # |‖a‖ - ‖b‖| <= ‖a - b‖: exact, every element
         if ok and move > NEGLIGIBLE_MOVE * own:
             self._pending[k] = move / self.weight
         return ok
+
+    def _sample(self, k: int, means: list[torch.Tensor], contribution: list[torch.Tensor],
+                every: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The views of bucket k's blocks at an offset drawn for this sync (`_blocks`), built once per bucket and
+        offset while the bucket's segment lists stay the same (a sync's buffer views are reused from one sync to
+        the next); all of a bucket's are dropped when they change."""
+        offset = self._offsets.randrange(every)
+        known = self._samples.get(k)
+        if known is None or known[0] is not means or known[1] is not contribution:
+            known = self._samples[k] = (means, contribution, {})
+        if offset not in known[2]:
+            known[2][offset] = _blocks(means, contribution, every=every, offset=offset)
+        return known[2][offset]
 
     def within(self, k: int, candidate: list[torch.Tensor], contribution: list[torch.Tensor],
                own_norm: float) -> bool:

@@ -287,8 +287,6 @@ class ShardSync(OuterState):
             torch._foreach_copy_(buffer_segments, shard_segments)
             if joins and admissions[c] is None:
                 continue  # nobody of this channel may contribute: it keeps everyone's values and is rejected
-            if joins and c not in bad:
-                self.bound.keep(k, flat)  # the result's norm and move are then read from `flat`
             if joins and self.rule.linear:
                 nbytes += self.reduce_bucket(k, flat, self.share(k, admissions))
             elif joins:
@@ -298,7 +296,7 @@ class ShardSync(OuterState):
                 admitted = [(m, w) for m, w in zip(members, weights) if w > 0]
                 self._apply(k, flat, lambda g, st: self.rule.aggregate(g, admitted, st))
                 nbytes += flat.numel() * flat.element_size()
-            if joins and c not in bad and not self.accepts(k, buffer_segments, shard_segments):
+            if joins and c not in bad and not self.accepts(k, buffer_segments, shard_segments, flat):
                 bad[c] = k
             if c not in bad:
                 self.finish_bucket(k, flat, shard_segments, buffer_segments,
@@ -323,10 +321,14 @@ class ShardSync(OuterState):
         norms = bucket_norms(buckets) if self.bound.enabled else None
         return healthy([seg for bucket in buckets for seg in bucket], weight, self.max_weight, norms), norms
 
-    def accepts(self, k: int, means: list[torch.Tensor], contribution: list[torch.Tensor]) -> bool:
-        """Whether bucket k's reduced values (`means`, laid out as `contribution`, this rank's values of it) are
-        finite, and plausible when the move is bounded (`flwr_sharded.parallel.plausibility`), on this rank."""
-        return self.bound.plausible(k, means, contribution) if self.bound.enabled else all_finite(means)
+    def accepts(self, k: int, means: list[torch.Tensor], contribution: list[torch.Tensor],
+                whole: torch.Tensor | None = None) -> bool:
+        """Whether bucket k's reduced values (`means`, laid out as `contribution`, this rank's values of it; `whole`:
+        the flat bucket holding them) are finite, and plausible when the move is bounded
+        (`flwr_sharded.parallel.plausibility`), on this rank."""
+        if self.bound.enabled:
+            return self.bound.plausible(k, means, contribution, whole)
+        return all_finite(means)
 
     def conclude(self, bad: dict[int, int], admissions: list[Admission | None], device: torch.device,
                  contribution: Callable[[int], tuple[torch.Tensor, bool]]) -> None:

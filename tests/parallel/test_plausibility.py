@@ -60,24 +60,28 @@ def test_the_norms_measured_before_the_reduction_judge_as_the_ones_measured_afte
         assert fresh._pending == pytest.approx(given._pending)
 
 
-def test_the_blocking_syncs_kept_sample_measures_the_move_its_segments_would():
+def test_the_sampled_move_reads_views_built_once_per_bucket_and_offset():
     import random
 
     g = torch.Generator().manual_seed(3)
     sizes = [plausibility.EXACT_BELOW // 3 + extra for extra in (0, 5, 4099)]  # a sampled bucket of 3 segments
     mine = [torch.randn(n, generator=g) for n in sizes]
-    result = torch.cat(mine) + 0.01 * torch.randn(sum(sizes), generator=g)
+    flat = torch.cat(mine) + 0.01 * torch.randn(sum(sizes), generator=g)  # the result's buffer
+    means = list(flat.split(sizes))
     bound = MoveBound(10.0)
-    bound.begin(1.0, own_norms=plausibility.bucket_norms([mine]))
     bound._offsets = random.Random(5)
-    flat = torch.cat(mine)
-    bound.keep(0, flat)  # before the reduction: this rank's values, flat, in the buffer the result will fill
-    flat.copy_(result)
-    assert bound.plausible(0, list(flat.split(sizes)), mine)
-    offset = random.Random(5).randrange(SAMPLE)
-    expected = plausibility._move(list(result.split(sizes)), mine, every=SAMPLE, offset=offset)
-    assert bound._pending[0] == pytest.approx(expected, rel=1e-5)
-    assert bound._kept is None  # used once
+    draws = random.Random(5)
+    for _ in range(3):
+        bound.begin(1.0, own_norms=plausibility.bucket_norms([mine]))
+        assert bound.plausible(0, means, mine)
+        expected = plausibility._move(means, mine, every=SAMPLE, offset=draws.randrange(SAMPLE))
+        assert bound._pending[0] == pytest.approx(expected, rel=1e-5)
+        flat.add_(0.001)  # the next sync's result, in the same buffer: the cached views see it
+    views = bound._samples[0][2]
+    assert 1 <= len(views) <= 3 and all(v[0][0].data_ptr() >= flat.data_ptr() for v in views.values())
+    other = [m.clone() for m in means]  # the bucket's views were rebuilt: its cached blocks are dropped
+    bound.begin(1.0)
+    assert bound.plausible(0, other, mine) and bound._samples[0][0] is other and len(bound._samples[0][2]) == 1
 
 
 def test_measured_norms_serve_as_the_finiteness_verdict_and_an_overflowed_one_is_looked_at_again():
