@@ -19,7 +19,6 @@ import argparse
 import json
 import math
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,8 +28,7 @@ from pathlib import Path
 from flwr_sharded import schema, tool_options
 from flwr_sharded.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from flwr_sharded.flower.run import FederationConfig
-from flwr_sharded.perf.local_flower import (Procs, base_env, free_port, round_records, run_config_args,
-                                            start_groups, write_flwr_home)
+from flwr_sharded.perf.local_flower import Procs, deployment_rounds
 from flwr_sharded.schema import same_as
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,41 +51,24 @@ class RunOptions:
 
 def deploy(name: str, args: argparse.Namespace, work: Path, *, group_steps: str, delay: float,
            rounds: int) -> list[dict]:
-    """One run of `rounds` rounds; returns its round records."""
+    """One run of `rounds` rounds; returns its round records (also written to `work/<name>.jsonl`)."""
     procs = Procs(work / name)
     procs.workdir.mkdir(parents=True)
+    slowed = ["--debug-step-delay", str(delay)] if delay else []
+    config = {"model": args.model, "shards": args.shards, "seq-len": args.seq_len, "batch-size": args.batch_size,
+              "aggregate-every": args.aggregate_every, "syncs-per-round": args.syncs_per_round,
+              "num-server-rounds": rounds, "eval-blocks": 64, "group-steps": group_steps, "num-groups": 2,
+              "data-dir": args.data_dir, "save-model": False}
     try:
-        port = free_port()
-        home = write_flwr_home(procs.workdir / "flwr_home", "bench", f"127.0.0.1:{port}", insecure=True)
-        env = base_env(FLWR_HOME=str(home))
-        procs.start("superlink", ["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port),
-                                  "--database", str(procs.workdir / "state.db")], env=env)
-        slowed = ["--debug-step-delay", str(delay)] if delay else []
-        groups = start_groups(procs, [("group0", {"shards": args.shards}),
-                                      ("group1", {"shards": args.shards, "extra": slowed})])
-        for i, (_, address, key) in enumerate(groups):
-            procs.start(f"supernode{i}", [
-                "flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}", "--port", str(free_port()),
-                "--node-config", f'group-address="{address}" group-authkey-file="{key}" partition-id={i} '
-                                 f'num-partitions=2'], env=env)
-        metrics = procs.workdir / "run" / "metrics.jsonl"
-        config = {"model": args.model, "shards": args.shards, "seq-len": args.seq_len, "batch-size": args.batch_size,
-                  "aggregate-every": args.aggregate_every, "syncs-per-round": args.syncs_per_round,
-                  "num-server-rounds": rounds, "eval-blocks": 64, "group-steps": group_steps,
-                  "num-groups": 2, "data-dir": args.data_dir, "run-dir": str(metrics.parent), "save-model": False}
-        run = procs.start("flwr-run", ["flwr", "run", str(APP), "bench", "--stream", *run_config_args(config)],
-                          env=env)
-        try:
-            run.popen.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            sys.exit(f"{name}: the run did not finish within {args.timeout} s:\n{run.text()[-3000:]}")
-        records = round_records(metrics)
-        (work / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-        if run.popen.returncode != 0 or len(records) != rounds:
-            sys.exit(f"{name}: the run failed ({run.popen.returncode}, {len(records)} rounds):\n{run.text()[-3000:]}")
-        return records
+        records = deployment_rounds(procs, APP, [("group0", {"shards": args.shards}),
+                                                 ("group1", {"shards": args.shards, "extra": slowed})], config,
+                                    timeout=args.timeout)
+    except RuntimeError as exc:
+        sys.exit(f"{name}: {exc}")
     finally:
         procs.close()
+    (work / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return records
 
 
 def pace(rounds: list[dict]) -> dict:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,8 +26,7 @@ from pathlib import Path
 from flwr_sharded import schema, tool_options
 from flwr_sharded.config import DataConfig, ModelConfig, ParallelConfig
 from flwr_sharded.flower.run import FederationConfig
-from flwr_sharded.perf.local_flower import (Procs, base_env, free_port, round_records, run_config_args,
-                                            start_groups, write_flwr_home)
+from flwr_sharded.perf.local_flower import Procs, deployment_rounds
 from flwr_sharded.schema import same_as
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,36 +48,16 @@ class RunOptions:
 def measure(F: int, args: argparse.Namespace, work: Path) -> list[dict]:
     (work / f"F{F}").mkdir(parents=True)
     procs = Procs(work / f"F{F}")
+    node_env = {"FLWR_SUPEREXEC_TASK_POLL_INTERVAL": str(args.task_poll_interval)} if args.task_poll_interval else {}
+    config = {"model": args.model, "shards": args.shards, "seq-len": args.seq_len, "batch-size": 1,
+              "aggregate-every": 1, "syncs-per-round": 1, "num-server-rounds": args.rounds, "eval-blocks": 4,
+              "evaluate-in-train": False, "aggregation": "server", "server-buffer-mb": args.server_buffer_mb,
+              "num-groups": F, "data-dir": args.data_dir, "save-model": False}
     try:
-        port = free_port()
-        home = write_flwr_home(procs.workdir / "flwr_home", "bench", f"127.0.0.1:{port}", insecure=True)
-        env = base_env(FLWR_HOME=str(home))
-        procs.start("superlink", ["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port),
-                                  "--database", str(procs.workdir / "state.db")], env=env)
-        groups = start_groups(procs, [(f"group{i}", {"shards": args.shards}) for i in range(F)])
-        node_env = {**env, "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": str(args.task_poll_interval)} \
-            if args.task_poll_interval else env
-        for i, (_, address, key) in enumerate(groups):
-            procs.start(f"supernode{i}", [
-                "flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}", "--port", str(free_port()),
-                "--node-config", f'group-address="{address}" group-authkey-file="{key}" partition-id={i} '
-                                 f'num-partitions={F}'], env=node_env)
-        metrics = procs.workdir / "run" / "metrics.jsonl"
-        config = {"model": args.model, "shards": args.shards, "seq-len": args.seq_len, "batch-size": 1,
-                  "aggregate-every": 1, "syncs-per-round": 1, "num-server-rounds": args.rounds, "eval-blocks": 4,
-                  "evaluate-in-train": False, "aggregation": "server", "server-buffer-mb": args.server_buffer_mb,
-                  "num-groups": F, "data-dir": args.data_dir, "run-dir": str(metrics.parent),
-                  "save-model": False}
-        run = procs.start("flwr-run", ["flwr", "run", str(APP), "bench", "--stream", *run_config_args(config)],
-                          env=env)
-        try:
-            run.popen.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            sys.exit(f"F = {F}: the run did not finish within {args.timeout} s:\n{run.text()[-3000:]}")
-        rounds = round_records(metrics)
-        if run.popen.returncode != 0 or len(rounds) != args.rounds:
-            sys.exit(f"F = {F}: the run failed ({run.popen.returncode}, {len(rounds)} rounds):\n{run.text()[-3000:]}")
-        return rounds
+        return deployment_rounds(procs, APP, [(f"group{i}", {"shards": args.shards}) for i in range(F)], config,
+                                 timeout=args.timeout, node_env=node_env)
+    except RuntimeError as exc:
+        sys.exit(f"F = {F}: {exc}")
     finally:
         procs.close()
 

@@ -137,8 +137,8 @@ def main() -> None:
 
     def timed_checks(name: str, instance: ShardSync) -> None:
         into = check_s.setdefault(name, [])
-        for owner, method in ((instance, "own_verdict"), (instance, "accepts")):
-            def timed(*a, _call=getattr(owner, method), _opens=method == "own_verdict"):
+        for method in ("own_verdict", "accepts"):
+            def timed(*a, _call=getattr(instance, method), _opens=method == "own_verdict"):
                 t0 = time.perf_counter()
                 out = _call(*a)
                 if _opens or not into:
@@ -146,7 +146,7 @@ def main() -> None:
                 into[-1] += time.perf_counter() - t0
                 return out
 
-            setattr(owner, method, timed)
+            setattr(instance, method, timed)
 
     timed_checks("sync", sync)
     timed_checks("sync-unchecked", unchecked)

@@ -248,6 +248,37 @@ def group_pids(address: str, key: Path) -> list[int]:
     return [int(p) for p in GroupClient(address, read_authkey(key)).call("status", timeout=30)["pids"]]
 
 
+def deployment_rounds(procs: Procs, app: Path, groups: Sequence[tuple[str, dict]], config: dict, *,
+                      timeout: float, node_env: dict[str, str] | None = None) -> list[dict]:
+    """`flwr run app` on a loopback deployment started in `procs`: a SuperLink, the group jobs `groups` (as
+    `start_groups`) and one SuperNode per group (partition id = its place); `config` is the run config (its run-dir is
+    set here); `node_env`: variables added to the SuperNodes' environment. Returns the run's round records;
+    RuntimeError when it does not finish within `timeout` seconds, fails, or records another number of rounds than
+    its num-server-rounds. The caller closes `procs`."""
+    port = free_port()
+    home = write_flwr_home(procs.workdir / "flwr_home", "bench", f"127.0.0.1:{port}", insecure=True)
+    env = base_env(FLWR_HOME=str(home))
+    procs.start("superlink", ["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port),
+                              "--database", str(procs.workdir / "state.db")], env=env)
+    started = start_groups(procs, groups)
+    for i, (_, address, key) in enumerate(started):
+        procs.start(f"supernode{i}", [
+            "flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}", "--port", str(free_port()),
+            "--node-config", f'group-address="{address}" group-authkey-file="{key}" partition-id={i} '
+                             f'num-partitions={len(started)}'], env={**env, **(node_env or {})})
+    metrics = procs.workdir / "run" / "metrics.jsonl"
+    run = procs.start("flwr-run", ["flwr", "run", str(app), "bench", "--stream",
+                                   *run_config_args({**config, "run-dir": str(metrics.parent)})], env=env)
+    try:
+        run.popen.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"the run did not finish within {timeout} s:\n{run.text()[-3000:]}") from None
+    rounds = round_records(metrics)
+    if run.popen.returncode != 0 or len(rounds) != config["num-server-rounds"]:
+        raise RuntimeError(f"the run failed ({run.popen.returncode}, {len(rounds)} rounds):\n{run.text()[-3000:]}")
+    return rounds
+
+
 def round_records(path: Path, kind: str = "round") -> list[dict]:
     if not path.is_file():
         return []
