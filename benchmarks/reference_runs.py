@@ -50,7 +50,7 @@ STATIC: dict[str, tuple[int, list[str]]] = {
 FLOWER = ["num-server-rounds=2", "syncs-per-round=2", "aggregate-every=3", "eval-blocks=8", "log-every=3"]
 """The Flower simulations' run config: 2 groups x 2 ranks, 2 rounds of 2 syncs of 3 steps."""
 FLOWER_RUNS = {"flower": [], "flower-server-path": ['aggregation="server"', "syncs-per-round=1"],
-               "flower-overlap-int8": ['sync-dtype="int8"', "sync-fragments=2", "sync-delay=1"]}
+               "flower-overlap-int8": ['sync-dtype="int8"', "aggregate-every=4", "sync-fragments=2", "sync-delay=1"]}
 """name -> run-config keys of each Flower simulation, over `FLOWER`."""
 
 
@@ -92,7 +92,8 @@ def run_flower(name: str, work: Path, data_dir: str) -> dict:
     run_dir = work / name
     shutil.rmtree(run_dir, ignore_errors=True)
     script = Path(__file__).resolve().parents[1] / "apps" / "llama_fl_hsdp" / "run_simulation.sh"
-    config = " ".join([*FLOWER, *FLOWER_RUNS[name], f'run-dir="{run_dir}"'])
+    keys = dict(kv.split("=", 1) for kv in [*FLOWER, *FLOWER_RUNS[name], f'run-dir="{run_dir}"'])
+    config = " ".join(f"{k}={v}" for k, v in keys.items())
     started = time.perf_counter()
     result = subprocess.run([str(script), "--run-config", config],
                             env={**os.environ, "FLWR_SHARDED_DATA": data_dir, "OMP_NUM_THREADS": "1"},

@@ -37,12 +37,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--measure-traffic", metavar="DIR", default=None,
                         help="count each rank's collectives and interface bytes during optimizer steps and syncs; "
                              "write DIR/rank<N>.json (see flwr_sharded.perf.traffic_report)")
-    # fault injection for tests, counted in sync attempts on rank 0: the N-th fails after its reduction succeeded
-    # everywhere (the commit vote); rank 0 brings NaN shards and moments to the N-th (admission and healing)
-    parser.add_argument("--debug-fail-sync", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--debug-nan-sync", type=int, default=0, help=argparse.SUPPRESS)
-    # G:SECONDS: every rank of federation group G sleeps that long after each inner step (a slower group)
-    parser.add_argument("--debug-slow-group", default="", help=argparse.SUPPRESS)
     schema.add_arguments(parser, TrainConfig)
     return parser
 
@@ -76,31 +70,17 @@ def join_world(cfg: TrainConfig, argv: Sequence[str]) -> None:
                       MASTER_PORT=str(port))
 
 
-def slow_group(text: str) -> tuple[int, float] | None:
-    """`--debug-slow-group G:SECONDS` as (G, SECONDS); ConfigError if malformed."""
-    if not text:
-        return None
-    group, _, seconds = text.partition(":")
-    try:
-        out = int(group), float(seconds)
-    except ValueError:
-        out = (-1, -1.0)
-    if out[0] < 0 or not out[1] >= 0:
-        raise ConfigError(f"--debug-slow-group takes GROUP:SECONDS (e.g. 1:0.2), got {text!r}")
-    return out
-
-
-def run(cfg: TrainConfig, measure_traffic: str | None = None, faults: Any = None,
-        slow: tuple[int, float] | None = None) -> dict[str, Any]:
+def run(cfg: TrainConfig, measure_traffic: str | None = None) -> dict[str, Any]:
     """Train in the current torchrun world, write the run directory, and return rank 0's final metrics.
 
     `measure_traffic`: a directory where every rank writes the bytes it sent during steps and syncs.
-    `faults`: test-only `FaultInjection` of rank 0. `slow`: (group, seconds) a group sleeps after each step.
     """
     import torch.distributed as dist
 
     from flwr_sharded.parallel.topology import init_topology
     from flwr_sharded.run_dir import RunDir, default_run_dir
+    from flwr_sharded.training.static_run import StaticRun
+    from flwr_sharded.training.sync_loop import SyncLoop
     from flwr_sharded.training.trainer import Trainer, effective_batch
 
     topo = init_topology(cfg.parallel, cfg.timeout_s)
@@ -111,12 +91,9 @@ def run(cfg: TrainConfig, measure_traffic: str | None = None, faults: Any = None
         dist.broadcast_object_list(box, src=0)  # every rank writes its part of the model there
         cfg.output.run_dir = box[0]
         trainer = Trainer(cfg, topo)
+        loop = SyncLoop(trainer)
         memory_release.after_load()  # the load's transient buffers
-        resumed = trainer.resume() if cfg.checkpoint.resume else None  # before the run directory continues
-        if slow is not None and topo.fed_index == slow[0]:
-            trainer.step_delay = slow[1]
-        if leader and faults is not None and trainer.outer is not None:
-            trainer.outer.faults = faults
+        resumed = loop.resume() if cfg.checkpoint.resume else None  # before the run directory continues
         if leader:
             recorder = RunDir(cfg.output.run_dir, config=config_to_dict(cfg), tensorboard=cfg.output.tensorboard,
                               wandb_project=cfg.output.wandb_project)
@@ -137,8 +114,8 @@ def run(cfg: TrainConfig, measure_traffic: str | None = None, faults: Any = None
             from flwr_sharded.perf.traffic_report import TrafficProbe
 
             probe = TrafficProbe.from_env()
-            probe.attach(trainer)
-        final = trainer.run(recorder)
+            probe.attach(trainer, loop)
+        final = StaticRun(loop, recorder).run()
         if probe is not None:
             probe.finish()
             probe.write(measure_traffic)
@@ -169,7 +146,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = resolve_config(args)
         validate(cfg)
         validate_static(cfg)
-        slow = slow_group(args.debug_slow_group)
         if args.print_config:
             print(json.dumps(config_to_dict(cfg), indent=2))
             return 0
@@ -180,11 +156,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"flwr-sharded: error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    from flwr_sharded.training.outer_loop import FaultInjection, SyncFailed
+    from flwr_sharded.training.sync_loop import SyncFailed
 
     try:
-        final = run(cfg, measure_traffic=args.measure_traffic,
-                    faults=FaultInjection(fail_sync=args.debug_fail_sync, nan_sync=args.debug_nan_sync), slow=slow)
+        final = run(cfg, measure_traffic=args.measure_traffic)
     except ConfigError as exc:  # found once the data is opened (e.g. a hub dataset that needs a loading script)
         if leader:
             print(f"flwr-sharded: error: {exc}", file=sys.stderr)

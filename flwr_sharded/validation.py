@@ -11,13 +11,13 @@ from typing import Any
 from flwr_sharded import schema
 from flwr_sharded.config import ParallelConfig, TrainConfig, label_of, labeler
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.parallel.outer import LINEAR_RULES, RULES, make_rule, rule_options
+from flwr_sharded.parallel.rules import LINEAR_RULES, RULES, make_rule, rule_options
 from flwr_sharded.parallel.wire import QUANTIZED
 from flwr_sharded.schema import CLI, Surface
 
 
 def outer_rule(p: ParallelConfig, surface: Surface = CLI):
-    """The shard rule the sync applies (`flwr_sharded.parallel.outer`); ConfigError for a bad name or option.
+    """The shard rule the sync applies (`flwr_sharded.parallel.rules`); ConfigError for a bad name or option.
 
     For the built-in rules, an option the rule does not take is an error naming the option (custom rules check
     their own keyword arguments).

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.parallel.outer import RULES
+from flwr_sharded.parallel.rules import RULES
 
 ALLOW_RULES = "allow-custom-rules"
 CHECKPOINT_ROOT = "allowed-checkpoint-root"

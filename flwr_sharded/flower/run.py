@@ -24,7 +24,7 @@ from flwr_sharded import schema
 from flwr_sharded.config import METHODS, QUANTIZED, OptimConfig, ParallelConfig, TrainConfig
 from flwr_sharded.validation import outer_rule, validate
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.parallel.outer import LINEAR_RULES
+from flwr_sharded.parallel.rules import LINEAR_RULES
 from flwr_sharded.schema import Surface, option, same_as
 
 Aggregation = Literal["decentralized", "server"]

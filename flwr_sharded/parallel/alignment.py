@@ -26,36 +26,22 @@ def _descriptor(name: str, param: torch.Tensor) -> str:
     return f"{name}|{tuple(param.shape)}|{param.dtype}|{tuple(local.shape)}|{placements}"
 
 
+def describe(names: list[str], params: list[torch.Tensor]) -> list[str]:
+    """One descriptor per parameter: name, global shape, dtype, local shard shape and placements."""
+    return [_descriptor(n, p) for n, p in zip(names, params)]
+
+
 def fingerprint(names: list[str], params: list[torch.Tensor]) -> str:
     """Digest of parameter names, global shapes, dtypes, local shard shapes and placements."""
-    digest = hashlib.sha256()
-    for name, p in zip(names, params):
-        digest.update(_descriptor(name, p).encode())
-    return digest.hexdigest()
+    return hashlib.sha256("".join(describe(names, params)).encode()).hexdigest()
 
 
-def check_alignment(names: list[str], params: list[torch.Tensor], fed_group: dist.ProcessGroup | None,
-                    rep_group: dist.ProcessGroup | None) -> None:
-    """Compare fingerprints across `fed_group`; raise `ShardAlignmentError` naming the first mismatch. With a
-    replication group, replica 0 checks and tells the other replicas the verdict, so all of them raise."""
-    descriptors = [_descriptor(n, p) for n, p in zip(names, params)]
-    check_descriptors([(descriptors, fed_group)] if fed_group is not None else [], rep_group,
-                      local_shard(params[0]).device)
-
-
-def check_descriptors(channels: list[tuple[list[str], dist.ProcessGroup]], rep_group: dist.ProcessGroup | None,
-                      device: torch.device) -> None:
+def check_descriptors(channels: list[tuple[list[str], dist.ProcessGroup]], device: torch.device) -> None:
     """Compare each channel's descriptors (what its members sync, in order) across its group, channel by channel;
-    raise `ShardAlignmentError` naming the first mismatch, on the replicas too (told by replica 0)."""
+    raise `ShardAlignmentError` naming the first mismatch."""
     message = ""
     for descriptors, group in channels:
-        found = _mismatch(descriptors, group, device)
-        message = message or found
-    if rep_group is not None:
-        verdict = torch.tensor([1 if message else 0], dtype=torch.int64, device=device)
-        dist.broadcast(verdict, group=rep_group, group_src=0)
-        if verdict.item() and not message:
-            message = "replica 0 of this group found shards misaligned with other groups (see its error)"
+        message = message or _mismatch(descriptors, group, device)
     if message:
         raise ShardAlignmentError(message)
 
@@ -93,4 +79,4 @@ def _explain(descriptor: str) -> str:
     return f"'{name}' shape {shape} {dtype} local shard {local} placements {placements}"
 
 
-__all__ = ["ShardAlignmentError", "check_alignment", "check_descriptors", "fingerprint", "local_shard"]
+__all__ = ["ShardAlignmentError", "check_descriptors", "describe", "fingerprint", "local_shard"]

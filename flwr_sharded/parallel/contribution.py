@@ -1,6 +1,6 @@
 """What a contribution to a sync should weigh, and whether a reported weight is that.
 
-A sync's weights are tokens (`Trainer.sync`): a group of `world` ranks, each reading batches of `batch_size` blocks
+A sync's weights are tokens (`tokens`): a group of `world` ranks, each reading batches of `batch_size` blocks
 of `seq_len` tokens with `grad_accum` micro-batches per optimizer step, weighs
 
     steps x batch_size x grad_accum x seq_len x world
@@ -26,6 +26,17 @@ WEIGHT_RTOL = 1e-9
 counts summed in float64, exact far beyond any run's size; the margin only absorbs a float round trip."""
 
 
+def tokens(*, steps: int, batch_size: int, grad_accum: int, seq_len: int, ranks: int) -> int:
+    """The tokens `ranks` ranks train on in `steps` optimizer steps (the data stream always yields full batches)."""
+    return steps * batch_size * grad_accum * seq_len * ranks
+
+
+def tokens_of(train: Any, *, steps: int, ranks: int = 1) -> int:
+    """`tokens` with the batch, gradient accumulation and sequence length of a `TrainConfig`."""
+    return tokens(steps=steps, batch_size=train.batch_size, grad_accum=train.grad_accum, seq_len=train.data.seq_len,
+                  ranks=ranks)
+
+
 def expected_weight(*, steps: int, batch_size: int, grad_accum: int, seq_len: int, worlds: Iterable[int]) -> float:
     """The tokens a set of groups trained on in `steps` optimizer steps: `worlds` holds each group's ranks (one
     entry for a group's own sync, one per member for a facility)."""
@@ -37,11 +48,11 @@ def expected_weight(*, steps: int, batch_size: int, grad_accum: int, seq_len: in
     if steps < 0 or min(batch_size, grad_accum, seq_len) < 1 or ranks < 1:
         raise ValueError(f"no tokens: steps {steps}, batch {batch_size}, grad-accum {grad_accum}, seq {seq_len}, "
                          f"{ranks} ranks")
-    return float(steps * batch_size * grad_accum * seq_len * ranks)
+    return float(tokens(steps=steps, batch_size=batch_size, grad_accum=grad_accum, seq_len=seq_len, ranks=ranks))
 
 
 def expected_weight_of(train: Any, *, steps: int, worlds: Iterable[int]) -> float:
-    """`expected_weight` with the batch, gradient accumulation and sequence length of a `TrainConfig`."""
+    """`expected_weight` with the batches of a `TrainConfig`."""
     return expected_weight(steps=steps, batch_size=train.batch_size, grad_accum=train.grad_accum,
                            seq_len=train.data.seq_len, worlds=worlds)
 
@@ -73,4 +84,5 @@ def check_weight(weight: Any, expected: float | None = None, rtol: float = WEIGH
     return verdict.reason if verdict is not None else None
 
 
-__all__ = ["WEIGHT_RTOL", "check_weight", "expected_weight", "expected_weight_of", "weight_verdict"]
+__all__ = ["WEIGHT_RTOL", "check_weight", "expected_weight", "expected_weight_of", "tokens", "tokens_of",
+           "weight_verdict"]

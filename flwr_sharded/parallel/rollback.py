@@ -17,7 +17,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from flwr_sharded.parallel.sync import ShardSync, local_shard
+from flwr_sharded.parallel.alignment import local_shard
+from flwr_sharded.parallel.global_state import GlobalState
 
 
 class RollbackPoint:
@@ -25,13 +26,13 @@ class RollbackPoint:
     last `commit`.
 
     Args:
-        parts: per sync fragment, its parameters and its `ShardSync` (None: parameters without outer state).
+        parts: per sync fragment, its parameters and its sync's global state (None: parameters without one).
         optimizer: the inner optimizer whose state of those parameters is kept.
         clock: returns the trainer's step and learning-rate schedule (a state dict), taken at each commit.
         set_clock: puts such a state back.
     """
 
-    def __init__(self, parts: Sequence[tuple[Sequence[torch.Tensor], ShardSync | None]],
+    def __init__(self, parts: Sequence[tuple[Sequence[torch.Tensor], GlobalState | None]],
                  optimizer: torch.optim.Optimizer, *, clock: Callable[[], dict[str, Any]],
                  set_clock: Callable[[dict[str, Any]], None]) -> None:
         self.optimizer, self._clock_of, self._set_clock = optimizer, clock, set_clock
@@ -57,8 +58,8 @@ class RollbackPoint:
             for j, (param, copy) in enumerate(zip(params, saved)):
                 copy.copy_(local_shard(param))
                 self._moments[i][j] = self._save_state(self.optimizer.state.get(param), self._moments[i][j])
-            if sync is not None and sync.keeps_global and sync.has_outer_state:
-                self._outer[i] = _to(sync.outer_state_dict(), "cpu")
+            if sync is not None and sync.keeps and sync.captured:
+                self._outer[i] = _to(sync.state_dict(), "cpu")
         self._clock = self._clock_of()
 
     @torch.no_grad()
@@ -70,7 +71,7 @@ class RollbackPoint:
                 local_shard(param).copy_(copy)
             self.restore_optimizer(i)
             if outer is not None and sync is not None:
-                sync.load_outer_state_dict(_to(outer, local_shard(params[0]).device))
+                sync.load_state_dict(_to(outer, local_shard(params[0]).device))
         if self._clock:
             self._set_clock(self._clock)
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from flwr_sharded.parallel.sync import local_shard
+from flwr_sharded.parallel.alignment import local_shard
 
 _BITS_VIEW = {torch.bfloat16: torch.int16}
 """dtypes NumPy cannot hold, sent as a same-width integer view of their bits."""

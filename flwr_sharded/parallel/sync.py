@@ -1,40 +1,40 @@
 """Shard-to-shard federated averaging: every rank averages its local shards with the same shards of the other groups
 (or, when the groups shard differently, each piece of them with its owners in the other groups: `sync_plan`).
 
-The model is never gathered. Local shards are packed into one reusable flat bucket (scaled by this group's FedAvg
-weight on the way in), each bucket is all-reduced (SUM) over the federation process group, and the result is copied
-back. In FL+HSDP only replica 0 of each group joins the cross-group all-reduce and then broadcasts each bucket over
-its replication group, so every replica of every group ends bit-identical.
-
-With a reduced wire dtype (e.g. bfloat16, as DiLoCo-style systems send), the all-reduce carries the weighted delta
-from the global model (the outer gradient) instead of the shards, so precision is lost only on that delta; every
-participating rank keeps the global shards in fp32 and adds the reduced delta back in fp32.
-
-The process groups are arguments: a static torchrun world passes its mesh's groups, a Flower round passes the
-groups it formed for that round's members.
+The model is never gathered. A sync packs this rank's shards into flat buckets (`buckets.BucketLayout`), admits the
+members (`admission`), reduces each bucket over its channel's process group through the wire (`wire`: the weighted
+shards, or weighted deltas from the global shards in a narrower dtype), checks each result (`plausibility`), has the
+members vote on it, and merges it into the shards, stepping the rule (`rules`) on the way. One path for both kinds:
+a blocking sync copies, reduces and merges bucket by bucket through one reusable buffer; an overlapped one copies
+every bucket out when it starts (`Snapshot`), reduces them in a background thread (a side CUDA stream on GPUs)
+while training goes on, and merges them later, between two optimizer steps.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
 
-from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.admission import Admission, SyncRejected, admit, all_finite, healthy, vote
-from flwr_sharded.parallel.alignment import check_alignment, check_descriptors, fingerprint, local_shard
-from flwr_sharded.parallel.buckets import itemsize, plan_buckets
+from flwr_sharded.parallel.alignment import check_descriptors, describe, fingerprint, local_shard
+from flwr_sharded.parallel.buckets import BucketLayout
+from flwr_sharded.parallel.global_state import GlobalState
 from flwr_sharded.parallel.offender import identify
-from flwr_sharded.parallel.outer import FedAvg, ShardRule
 from flwr_sharded.parallel.plausibility import DEFAULT_MAX_MOVE, MoveBound, bucket_norms
 from flwr_sharded.parallel.quantize import ErrorFeedback, Workspace
+from flwr_sharded.parallel.rules import FedAvg, ShardRule
 from flwr_sharded.parallel.sparse import SparseWire
-from flwr_sharded.parallel.sync_plan import Owners, Seat, SyncPlan
-from flwr_sharded.parallel.sync_state import OuterState
+from flwr_sharded.parallel.sync_plan import Owners, Seat
 from flwr_sharded.parallel.wire import QUANTIZED, WIRES, wire_of
+
+Groups = dist.ProcessGroup | Mapping[Owners, dist.ProcessGroup] | None
+"""What a sync runs over: one process group (groups shard alike), each channel's keyed by its owners, or none."""
 
 
 @dataclass
@@ -42,331 +42,352 @@ class SyncStats:
     """What one sync did on this rank."""
 
     seconds: float
-    """Wall time of the sync on this rank."""
+    """Wall time from its start to its merge."""
     buckets: int
-    """Collectives issued over the federation group (0 for ranks that only receive the broadcast)."""
+    """Collectives issued over the federation's groups."""
     bytes: int
-    """Payload bytes this rank all-reduced over the federation group."""
+    """Payload bytes this rank sent over them."""
     total_weight: float
-    """Sum of the weights of the groups that took part (0 when unknown on this rank)."""
+    """Sum of the admitted members' weights."""
 
 
-class ShardSync(OuterState):
-    """Weighted FedAvg of this rank's local parameter shards over a federation process group.
+class Snapshot:
+    """One reusable byte buffer for copies of buckets that are never held at the same time (the fragments of one
+    model: at most one is in flight), sized to the largest."""
+
+    def __init__(self) -> None:
+        self._storage: torch.Tensor | None = None
+
+    def views(self, like: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Tensors shaped and typed as `like`, laid out one after the other in the buffer (grown if needed)."""
+        sizes = [t.numel() * t.element_size() for t in like]
+        if self._storage is None or self._storage.numel() < sum(sizes) or self._storage.device != like[0].device:
+            self._storage = torch.empty(sum(sizes), dtype=torch.uint8, device=like[0].device)
+        out, offset = [], 0
+        for t, size in zip(like, sizes):
+            out.append(self._storage[offset:offset + size].view(t.dtype).view(t.shape))
+            offset += size
+        return out
+
+
+@dataclass
+class _Flight:
+    """One sync from its start to its merge."""
+
+    weight: float
+    ok: bool
+    """This member's own verdict on what it sends."""
+    norms: list[float] | None
+    sends: list[torch.Tensor] | None
+    """The buckets as copied out at the start (overlapped); None: copied in one by one (blocking)."""
+    origins: list[torch.Tensor] | None
+    """The shards at the start (overlapped, when the move is bounded or the merge carries)."""
+    started: float
+    alpha: float = 0.0
+    apply_rule: bool = True
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+    bytes: int = 0
+    total: float = 0.0
+
+
+class ShardSync:
+    """Weighted averaging of this rank's local shards (one fragment of the model) with the other members'.
 
     Args:
-        named_params: the (name, parameter) pairs to average, in the same order on every group.
-        fed_group: process group of the ranks holding the same shard in each participating group; None on ranks that
-            do not join the cross-group all-reduce (FL+HSDP replicas other than 0, or a single group).
-        rep_group: replication group to broadcast the result over (FL+HSDP), with this group's replica 0 as source.
-        bucket_bytes: capacity of the one flat buffer reused for every collective.
-        rule: how shards are combined (`flwr_sharded.parallel.outer`); FedAvg by default. Stateful rules (outer
-            optimizers) keep the global shards and their state per bucket (fp32, on this rank's device); rules that
-            are not linear all-gather each bucket from every group (F buckets in memory).
-        wire_dtype: dtype of the cross-group all-reduce; None: the shards' own. A dtype other than the shards' (which
-            must then be fp32) sends the weighted delta from the global shards through that wire
-            (`flwr_sharded.parallel.wire.WIRES`: a second buffer of a narrower float, or blockwise quantized and
-            summed in fp32); the global shards are then kept for every rule (FedAvg too). Linear rules only.
-        error_feedback: with a quantized or top-k wire, carry each rank's rounding errors (and what top-k left out)
-            into its next sync of the same bucket (`quantize.ErrorFeedback`); part of the outer state.
-        topk: send only this fraction of each chunk's delta entries, largest first, all-gathered as (index, value)
-            rows in `wire_dtype` (`flwr_sharded.parallel.sparse`; fp32 shards, needs `error_feedback`); None: dense.
-        max_move: a result is adopted only if it moves no bucket of any rank's shards by more than this many times
-            the bucket's recent moves (`flwr_sharded.parallel.plausibility`); a rejected one names its offender
-            where one member alone explains it (`flwr_sharded.parallel.offender`). 0: finiteness only.
-        seat: where this rank sits among groups that shard differently (`flwr_sharded.parallel.sync_plan`): the
-            sync then runs piece by piece over channels, and `fed_group` maps each channel's owners to its process
-            group; None: every group shards alike, and `fed_group` is one group of the same shard index.
+        named_params: the (name, parameter) pairs to average, in the same order on every member.
+        fed_group: the federation's process group(s) (`Groups`); None until bound (`bind`), or on ranks that never
+            join the reduction (FL+HSDP replicas other than 0: they receive the result by `broadcast`).
+        bucket_bytes: the size of the one flat buffer reused for every collective.
+        rule: how shards combine (`flwr_sharded.parallel.rules`); FedAvg by default. Rules that are not linear
+            all-gather each bucket (F buckets in memory) and cannot overlap or use a reduced wire.
+        wire_dtype: the reduction's dtype (`flwr_sharded.parallel.wire.WIRES`); None: the shards' own. Another one
+            sends weighted deltas from the global shards (fp32 shards, a linear rule), which are then kept.
+        error_feedback: carry each rank's rounding errors (and what top-k left out) into its next sync.
+        max_move: a result is adopted only if it moves no bucket by more than this many times its recent moves
+            (`flwr_sharded.parallel.plausibility`); 0: finiteness only.
+        topk: send only this fraction of each chunk's delta entries (`flwr_sharded.parallel.sparse`); None: dense.
+        seat: where this rank sits among groups that shard differently; None: every group shards alike.
+        snapshot, origin: the buffers an overlapped sync copies its buckets and its shards into (shared by the
+            fragments of one model); None: its own.
+        carry: an overlapped merge keeps the local steps taken since the sync started.
     """
 
-    def __init__(self, named_params: Iterable[tuple[str, torch.Tensor]], *, fed_group: dist.ProcessGroup | None,
-                 rep_group: dist.ProcessGroup | None = None, bucket_bytes: int = 64 << 20,
-                 rule: ShardRule | None = None, wire_dtype: torch.dtype | None = None,
+    def __init__(self, named_params: Iterable[tuple[str, torch.Tensor]], *, fed_group: Groups,
+                 bucket_bytes: int = 64 << 20, rule: ShardRule | None = None, wire_dtype: torch.dtype | None = None,
                  error_feedback: bool = False, max_move: float = DEFAULT_MAX_MOVE, topk: float | None = None,
-                 seat: Seat | None = None) -> None:
+                 seat: Seat | None = None, snapshot: Snapshot | None = None, origin: Snapshot | None = None,
+                 carry: bool = False) -> None:
         named = list(named_params)
         if not named:
             raise ValueError("ShardSync needs at least one parameter")
-        rule = rule or FedAvg()
-        self.names = [n for n, _ in named]
-        self.params = [p for _, p in named]
-        self.seat = seat
-        """Where this rank sits among groups that shard differently; None: every group shards alike."""
-        self.bucket_bytes = bucket_bytes
-        self.groups: list[dist.ProcessGroup | None] = []
-        """Each channel's process group (None on ranks that do not join the cross-group reduction)."""
-        self._plan()
-        self.rebind(fed_group, rep_group)
-        self._buffer: torch.Tensor | None = None
-        self._views: list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]] | None = None
-        self._pointers: list[int] = []
-        self.rule = rule
-        self.wire_dtype = wire_dtype
+        self.names, self.params = [n for n, _ in named], [p for _, p in named]
+        self.rule = rule or FedAvg()
+        self.layout = BucketLayout(self.names, self.params, seat, bucket_bytes)
+        buckets = self.layout.buckets
         # a reduced (or top-k) wire: the reduction sends weighted deltas from the global shards, in `wire_dtype`
-        self.delta = topk is not None or wire_dtype is not None and any(b.dtype != wire_dtype for b in self._buckets)
-        if self.delta and not rule.linear:
-            raise ValueError(f"{type(rule).__name__} is not linear: it all-gathers every member's shards, which a "
-                             f"reduced wire dtype ({wire_dtype}) cannot carry as one delta; use a linear rule or "
+        self.delta = topk is not None or wire_dtype is not None and any(b.dtype != wire_dtype for b in buckets)
+        if self.delta and not self.rule.linear:
+            raise ValueError(f"{type(self.rule).__name__} is not linear: it all-gathers every member's shards, which "
+                             f"a reduced wire dtype ({wire_dtype}) cannot carry as one delta; use a linear rule or "
                              f"the shards' dtype")
-        if self.delta and any(b.dtype != torch.float32 for b in self._buckets):
+        if self.delta and any(b.dtype != torch.float32 for b in buckets):
             raise ValueError(f"a wire dtype ({wire_dtype}) other than the shards' needs fp32 shards, got "
-                             f"{sorted({str(b.dtype) for b in self._buckets})}")
+                             f"{sorted({str(b.dtype) for b in buckets})}")
         values = wire_of(wire_dtype or torch.float32) if self.delta else WIRES["float32"]
         self.wire = SparseWire(values, topk) if topk is not None else values
-        """How a bucket travels (`flwr_sharded.parallel.wire`): the shards as they are, or deltas in `wire_dtype`
-        (all of them, or their top-k rows: `flwr_sharded.parallel.sparse`)."""
         if error_feedback and not self.wire.error_feedback:
             raise ValueError(f"error feedback needs a quantized wire dtype ({', '.join(QUANTIZED)}) or top-k, not "
                              f"{wire_dtype}")
         if topk is not None and not error_feedback:
             raise ValueError("a top-k sync needs error feedback")
-        self.feedback = ErrorFeedback() if error_feedback else None
-        self._workspace = Workspace() if self.delta else None
-        self._global: list[torch.Tensor] | None = None
-        self._rule_state: list[dict[str, torch.Tensor]] | None = None
-        self.max_weight: float | None = None
-        """The largest weight a member may bring to a sync (`flwr_sharded.parallel.admission`); None: unchecked."""
-        self._refused: dict[int, SyncRejected] = {}
-        self.left_out: list[int] = []
-        """The members (indices in the federation group) the last sync's admission left out."""
+        self.state = GlobalState(self.rule, self.rule.stateful or self.delta,
+                                 ErrorFeedback() if error_feedback else None)
         self.bound = MoveBound(max_move)
         """How far a result may move this rank's buckets, and the moves adopted so far."""
+        self.max_weight: float | None = None
+        """The largest weight a member may bring (`flwr_sharded.parallel.admission`); None: unchecked."""
+        self.left_out: list[int] = []
+        """The members (indices in the federation group) the last sync's admission left out."""
+        self.snapshot, self.origin, self.carry = snapshot or Snapshot(), origin, carry
+        self._workspace = Workspace() if self.delta else None
+        self._reserved = False
+        self._refused: dict[int, SyncRejected] = {}
+        self._flight: _Flight | None = None
+        self._stream = None
+        self.bind(fed_group)
 
-    # ----- planning -------------------------------------------------------------------------------------------
-    def _plan(self) -> None:
-        """This rank's channels (`_plan_channels`) and their buckets, each channel cut alike on all its members."""
-        self.channels, ranges = self._plan_channels()
-        self._buckets = plan_buckets(ranges, [local_shard(p).dtype for p in self.params], self.bucket_bytes)
-        self._channel_buckets = [[k for k, b in enumerate(self._buckets) if b.channel == c]
-                                 for c in range(len(self.channels))]
-
-    def reseat(self, seat: Seat | None, fed_group: dist.ProcessGroup | Mapping[Owners, dist.ProcessGroup] | None,
-               rep_group: dist.ProcessGroup | None = None) -> None:
-        """Sync as `seat` from now on (a round whose members shard differently, or alike: None) over `fed_group`
-        (`rebind`): the buckets are planned anew, the outer state carried over element by element (`relayout`) and
-        the move history restarted (its buckets are other ones)."""
-        if seat != self.seat:
-            old, self.seat = self._buckets, seat
-            self._plan()
-            self.relayout(old, [local_shard(p).numel() for p in self.params])
-            self._buffer, self._views = None, None
-            self.bound = MoveBound(self.bound.max_move)
-        self.rebind(fed_group, rep_group)
-
-    def _plan_channels(self) -> tuple[list[Owners], list[list[tuple[int, int, int]]]]:
-        """This rank's channels and, per channel, the (shard, start, end) element ranges it syncs there: every
-        shard whole in one channel when the groups shard alike, else its pieces (`flwr_sharded.parallel.sync_plan`)."""
-        if self.seat is None:
-            return [()], [[(i, 0, local_shard(p).numel()) for i, p in enumerate(self.params)]]
-        plan = self.plan()
-        for i, (name, p) in enumerate(zip(self.names, self.params)):
-            expected = plan.expected_numel(i, self.seat.group, self.seat.shard)
-            if local_shard(p).numel() != expected:
-                raise ConfigError(f"'{name}' holds {local_shard(p).numel()} elements on shard {self.seat.shard} of "
-                                  f"group {self.seat.group}, but the sync plan of groups S={list(self.seat.layouts)} "
-                                  f"expects {expected} (FSDP2's row chunking on dim 0)")
-        ranges = plan.local_ranges(self.seat.group, self.seat.shard)
-        if not ranges:
-            raise ConfigError(f"shard {self.seat.shard} of group {self.seat.group} (S={self.seat.layouts[self.seat.group]}"
-                              f") holds no row of any parameter: no sync plan of groups S={list(self.seat.layouts)} "
-                              f"can serve it; give that group a smaller S (group-shards)")
-        return list(ranges), list(ranges.values())
-
-    def plan(self) -> SyncPlan:
-        """The pieces of these parameters under the groups' layouts (`seat`)."""
-        return SyncPlan(self.seat.layouts, tuple(tuple(p.shape) for p in self.params))
+    # ----- where it runs --------------------------------------------------------------------------------------
+    @property
+    def seat(self) -> Seat | None:
+        return self.layout.seat
 
     @property
-    def num_buckets(self) -> int:
-        return len(self._buckets)
+    def fed_group(self) -> dist.ProcessGroup | None:
+        """The process group of this rank's (first) channel; None where it does not join the reduction."""
+        return self.groups[0]
 
-    def bucket_views(self) -> list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]]:
-        """Per bucket: (flat buffer view, views of the shard segments, matching views into the buffer).
+    def bind(self, fed_group: Groups) -> None:
+        """Sync over these groups from now on (a round's members), keeping buckets, buffer and global state; the
+        alignment with the new peers is checked before the next sync."""
+        channels = self.layout.channels
+        if fed_group is None:
+            self.groups: list[dist.ProcessGroup | None] = [None] * len(channels)
+        elif self.seat is None:
+            self.groups = [fed_group]
+        else:
+            missing = [key for key in channels if key not in fed_group]
+            if missing:
+                raise ValueError(f"no process group for channel(s) {missing} of shard {self.seat.shard} of group "
+                                 f"{self.seat.group}")
+            self.groups = [fed_group[key] for key in channels]
+        self._aligned = False
 
-        Built on the first sync, when the one reusable buffer is allocated, and rebuilt if a shard was reallocated.
-        """
-        pointers = [local_shard(p).data_ptr() for p in self.params]
-        if self._views is not None and pointers == self._pointers:
-            return self._views
-        if self._buffer is None:
-            largest = max(b.numel * itemsize(b.dtype) for b in self._buckets)
-            self._buffer = torch.empty(largest, dtype=torch.uint8, device=local_shard(self.params[0]).device)
-            if self.delta:
-                self.wire.reserve(self._workspace, max(b.numel for b in self._buckets), self._buffer.device)
-        shards = [local_shard(p).view(-1) for p in self.params]
-        self._views = []
-        for bucket in self._buckets:
-            flat = self._buffer[:bucket.numel * itemsize(bucket.dtype)].view(bucket.dtype)
-            self._views.append((flat, [shards[s.shard][s.start:s.end] for s in bucket.segments],
-                                [flat[s.offset:s.offset + s.end - s.start] for s in bucket.segments]))
-        self._pointers = pointers
-        return self._views
+    def reseat(self, seat: Seat | None, fed_group: Groups) -> None:
+        """Sync as `seat` (a round whose members shard differently, or alike: None) over `fed_group`: the buckets are
+        planned anew, the global state re-cut element by element and the move history restarted."""
+        if seat != self.seat:
+            old = self.layout.buckets
+            self.layout = BucketLayout(self.names, self.params, seat, self.layout.bucket_bytes)
+            self.state.relayout(old, self.layout)
+            self.bound = MoveBound(self.bound.max_move)
+            self._reserved = False
+        self.bind(fed_group)
 
-    # ----- alignment ------------------------------------------------------------------------------------------
     def fingerprint(self) -> str:
         """Digest of parameter names, global shapes, dtypes, local shard shapes and placements."""
         return fingerprint(self.names, self.params)
 
     def check_alignment(self) -> None:
-        """Compare fingerprints across the federation group (each channel's pieces across its group, when the groups
-        shard differently); raise `ShardAlignmentError` naming the first mismatch (on the other replicas too, told
-        by replica 0). Changes nothing."""
+        """Compare what each channel's members sync, across its group; raise `ShardAlignmentError` naming the first
+        mismatch. Changes nothing."""
         if self.seat is None:
-            check_alignment(self.names, self.params, self.fed_group, self.rep_group)
+            described = [(describe(self.names, self.params), self.groups[0])]
         else:
-            plan, dtypes = self.plan(), [str(p.dtype) for p in self.params]
-            described = [(plan.describe(key, self.names, dtypes), group) for key, group in zip(self.channels, self.groups)]
-            check_descriptors(described if self.fed_group is not None else [], self.rep_group,
-                              local_shard(self.params[0]).device)
+            plan, dtypes = self.layout.plan(), [str(p.dtype) for p in self.params]
+            described = [(plan.describe(key, self.names, dtypes), group)
+                         for key, group in zip(self.layout.channels, self.groups)]
+        check_descriptors(described, local_shard(self.params[0]).device)
         self._aligned = True
 
+    # ----- the global state ---------------------------------------------------------------------------------
     @property
-    def aligned(self) -> bool:
-        """Whether the alignment with the current peers was checked (`check_alignment`)."""
-        return self._aligned
+    def keeps_global(self) -> bool:
+        """Whether this sync keeps global shards (and rule state), which then belong in checkpoints."""
+        return self.state.keeps
 
+    def capture_global(self) -> None:
+        """The current shards become the global model (the start of a sync period), when kept."""
+        self.state.capture(self.layout)
+
+    def broadcast_global(self, group: dist.ProcessGroup | None, source: int = 0) -> None:
+        """Copy the global state of rank `source` of `group` to its other ranks (None: over each bucket's channel)."""
+        self.state.broadcast([group if group is not None else self.groups[self.layout.channel_of(k)]
+                              for k in range(len(self.layout.buckets))], source)
+
+    # ----- a sync: start, then finish ---------------------------------------------------------------------------
     @property
-    def fed_group(self) -> dist.ProcessGroup | None:
-        """The process group of this rank's (first) channel; None on ranks that do not join the reduction."""
-        return self.groups[0] if self.groups else None
+    def in_flight(self) -> bool:
+        return self._flight is not None
 
-    def rebind(self, fed_group: dist.ProcessGroup | Mapping[Owners, dist.ProcessGroup] | None,
-               rep_group: dist.ProcessGroup | None = None) -> None:
-        """Sync over other groups from now on (a new round's members), keeping buckets, buffer and rule state:
-        one process group, or, when the groups shard differently, every channel's (keyed by its owners).
+    def sync(self, weight: float, *, alpha: float = 0.0, apply_rule: bool = True) -> SyncStats:
+        """A blocking sync: `start` and `finish` at once."""
+        self.start(weight, overlap=False)
+        return self.finish(alpha=alpha, apply_rule=apply_rule)
 
-        The alignment with the new peers is checked again before the next sync.
-        """
-        if fed_group is None:
-            self.groups = [None] * len(self.channels)
-        elif self.seat is None:
-            self.groups = [fed_group]
-        else:
-            missing = [key for key in self.channels if key not in fed_group]
-            if missing:
-                raise ValueError(f"no process group for channel(s) {missing} of shard {self.seat.shard} of group "
-                                 f"{self.seat.group}")
-            self.groups = [fed_group[key] for key in self.channels]
-        self.rep_group = rep_group
-        self._aligned = False
-
-    # ----- the sync -------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def sync(self, weight: float, *, apply_rule: bool = True, alpha: float = 0.0) -> SyncStats:
-        """Replace every local shard by the rule's aggregate (by default the `weight`-weighted mean) over all groups;
-        with `alpha` > 0, by alpha * local + (1 - alpha) * aggregate.
-
-        `weight` is this federation group's weight (e.g. tokens it processed since the last sync); every rank of
-        the group passes the same value. Weights are normalised by their sum over the participating groups.
-        `apply_rule=False` (a linear rule only) stops at the weighted mean: the lower level of a hierarchical
-        federation, whose top level (`step_rule`) runs the outer optimizer. Members that are not finite or whose
-        weight exceeds `max_weight` are left out (`flwr_sharded.parallel.admission`); raises `SyncRejected` on every
-        member if none is left or the result is not finite or not plausible on some member (`max_move`; the shards are
-        then to be rolled back), naming the offender where its search finds one (`SyncRejected.offenders`).
-        """
-        if not apply_rule and not self.rule.linear:
-            raise ValueError(f"{type(self.rule).__name__} is not linear: it has no plain-mean level to stop at")
+    def start(self, weight: float, *, overlap: bool) -> None:
+        """Begin a sync of this member's `weight` (its tokens since the last one; the same on every rank of the
+        group). `overlap`: copy the buckets out now and reduce them in the background (linear rules only)."""
         if not weight > 0:
             raise ValueError(f"FedAvg weight must be > 0, got {weight}")
+        if self._flight is not None:
+            raise RuntimeError("a sync of this fragment is already in flight")
+        if self.groups[0] is None:
+            raise RuntimeError("this sync is not bound to a federation's process groups")
+        if overlap and not self.rule.linear:
+            raise ValueError(f"{type(self.rule).__name__} is not linear: an overlapped sync reduces one mean")
+        if self.state.keeps and not self.state.captured:
+            why = (f"{type(self.rule).__name__} steps from the global model" if self.rule.stateful else
+                   f"a {self.wire.name} wire sends deltas from the global model")
+            raise RuntimeError(f"{why}: call capture_global() before training starts")
         if not self._aligned:
-            self.check_alignment()
-        if self.fed_group is not None and self.keeps_global and self._global is None:
-            raise RuntimeError(f"{self._needs_global()}: call capture_global() before training starts")
-        start = time.perf_counter()
-        nbytes = 0
-        views = self.bucket_views()
-        joins = self.fed_group is not None
-        admissions: list[Admission | None] = []
-        bad: dict[int, int] = {}  # channel -> its first bucket rejected here; it and its later ones keep our values
-        if joins:
-            ok, norms = self.own_verdict([shard_segments for _, shard_segments, _ in views], weight)
-            admissions = self.admit(weight, ok)
-            self.bound.begin(weight, ok, norms)
-        for k, (flat, shard_segments, buffer_segments) in enumerate(views):
-            c = self.channel_of(k)
-            torch._foreach_copy_(buffer_segments, shard_segments)
-            if joins and admissions[c] is None:
-                continue  # nobody of this channel may contribute: it keeps everyone's values and is rejected
-            if joins and self.rule.linear:
-                nbytes += self.reduce_bucket(k, flat, self.share(k, admissions))
-            elif joins:
-                weights = admissions[c].weights
-                members = [torch.empty_like(flat) for _ in weights]
-                dist.all_gather(members, flat, group=self.groups[c])
-                admitted = [(m, w) for m, w in zip(members, weights) if w > 0]
-                self._apply(k, flat, lambda g, st: self.rule.aggregate(g, admitted, st))
-                nbytes += flat.numel() * flat.element_size()
-            if joins and c not in bad and not self.accepts(k, buffer_segments, shard_segments, flat):
-                bad[c] = k
-            if c not in bad:
-                self.finish_bucket(k, flat, shard_segments, buffer_segments,
-                                   apply_rule=apply_rule and self.rule.linear, alpha=alpha)
-        if joins:
+            self.check_alignment()  # collective over the federation's groups
+        views = self.layout.views()
+        if self.delta and not self._reserved:
+            self.wire.reserve(self._workspace, self.layout.largest(), views[0][0].device)
+            self._reserved = True
+        flight = _Flight(weight, True, None, None, None, time.perf_counter())
+        if overlap:
+            flight.sends = self.snapshot.views([flat for flat, _, _ in views])
+            for k, (send, (_, shard_segments, _)) in enumerate(zip(flight.sends, views)):
+                torch._foreach_copy_(self.layout.segments_of(k, send), shard_segments)
+            if self.carry or self.bound.enabled:
+                self.origin = self.origin or Snapshot()
+                flight.origins = self.origin.views(flight.sends)
+                torch._foreach_copy_(flight.origins, flight.sends)
+        sent = [[send] for send in flight.sends] if overlap else [shard_segments for _, shard_segments, _ in views]
+        flight.norms = bucket_norms(sent) if self.bound.enabled else None
+        flight.ok = healthy([seg for bucket in sent for seg in bucket], weight, self.max_weight, flight.norms)
+        self._flight = flight
+        if overlap:
+            device = views[0][0].device
+            if device.type == "cuda":  # the copies above run on the current stream
+                self._stream = self._stream or torch.cuda.Stream(device=device)
+                self._stream.wait_stream(torch.cuda.current_stream(device))
+            flight.thread = threading.Thread(target=self._reduce_in_background, args=(flight,),
+                                             name="flwr-sharded-sync", daemon=True)
+            flight.thread.start()
 
-            def contribution(k: int) -> tuple[torch.Tensor, bool]:
-                flat, shard_segments, buffer_segments = views[k]
+    @torch.no_grad()
+    def finish(self, *, alpha: float = 0.0, apply_rule: bool = True, timeout: float | None = None) -> SyncStats:
+        """Complete the sync and write the result into the shards: every shard becomes alpha * local + (1 - alpha) *
+        global (with `carry`: local + (1 - alpha) * (global - its value at the start)). `apply_rule=False` (a linear
+        rule) stops at the weighted mean (a facility's sync on the server path). Raises `SyncRejected` (nothing was
+        merged; a blocking sync's merged buckets are then to be rolled back), `TimeoutError` (the sync is still in
+        flight: `abandon` it) or the reduction's error."""
+        flight = self._flight
+        if flight is None:
+            raise RuntimeError("no sync of this fragment was started")
+        if not apply_rule and not self.rule.linear:
+            raise ValueError(f"{type(self.rule).__name__} is not linear: it has no plain-mean level to stop at")
+        flight.alpha, flight.apply_rule = alpha, apply_rule
+        if flight.thread is not None:
+            flight.thread.join(timeout)
+            if flight.thread.is_alive():
+                raise TimeoutError(f"the overlapped sync did not complete within {timeout} s")
+        self._flight = None
+        if flight.thread is None:
+            self._reduce(flight)
+        elif flight.error is not None:
+            raise flight.error
+        else:
+            for k, (send, (_, shard_segments, _)) in enumerate(zip(flight.sends, self.layout.views())):
+                self._merge_bucket(k, send, shard_segments, self.layout.segments_of(k, send), flight)
+        return SyncStats(seconds=time.perf_counter() - flight.started, buckets=len(self.layout.buckets),
+                         bytes=flight.bytes, total_weight=flight.total)
+
+    def abandon(self, timeout: float = 5.0) -> None:
+        """Drop a sync in flight (its round failed, or training ended): wait a little for its thread."""
+        if self._flight is not None and self._flight.thread is not None:
+            self._flight.thread.join(timeout)
+        self._flight = None
+
+    def _reduce_in_background(self, flight: _Flight) -> None:
+        try:
+            stream = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+            with torch.no_grad(), stream:
+                self._reduce(flight)
+                if self._stream is not None:
+                    self._stream.synchronize()
+        except BaseException as exc:  # noqa: BLE001 - raised by finish() on the main thread
+            flight.error = exc
+
+    def _reduce(self, flight: _Flight) -> None:
+        """Admission, each bucket's reduction and check, then the members' vote. A blocking sync copies each bucket
+        into the buffer first and merges it at once."""
+        admissions = self._admit(flight.weight, flight.ok)
+        self.bound.begin(flight.weight, flight.ok, flight.norms)
+        flight.total = admissions[0].total if admissions[0] is not None else 0.0
+        staged, bad = flight.sends is not None, {}  # bad: channel -> its first bucket rejected here
+        for k, (flat, shard_segments, buffer_segments) in enumerate(self.layout.views()):
+            c = self.layout.channel_of(k)
+            if not staged:
                 torch._foreach_copy_(buffer_segments, shard_segments)
-                return flat, bad.get(self._buckets[k].channel) == k  # not written: still this rank's values
-
-            self.conclude(bad, admissions, flat.device, contribution)  # raises on every member unless adopted
-        if joins and self.delta and isinstance(self.rule, FedAvg):
-            self.store_global()  # after every bucket succeeded: a failed sync leaves the global shards as they were
-        total = admissions[0].total if joins else 0.0
-        return SyncStats(seconds=time.perf_counter() - start, buckets=len(views) if joins else 0, bytes=nbytes,
-                         total_weight=total)
-
-    def own_verdict(self, buckets: list[list[torch.Tensor]], weight: float) -> tuple[bool, list[float] | None]:
-        """This member's verdict on what it sends (`buckets`: their segments) and, when the move is bounded, each
-        bucket's norm from the same pass (for `MoveBound.begin`)."""
-        norms = bucket_norms(buckets) if self.bound.enabled else None
-        return healthy([seg for bucket in buckets for seg in bucket], weight, self.max_weight, norms), norms
-
-    def accepts(self, k: int, means: list[torch.Tensor], contribution: list[torch.Tensor],
-                whole: torch.Tensor | None = None) -> bool:
-        """Whether bucket k's reduced values (`means`, laid out as `contribution`, this rank's values of it; `whole`:
-        the flat bucket holding them) are finite, and plausible when the move is bounded
-        (`flwr_sharded.parallel.plausibility`), on this rank."""
-        if self.bound.enabled:
-            return self.bound.plausible(k, means, contribution, whole)
-        return all_finite(means)
-
-    def conclude(self, bad: dict[int, int], admissions: list[Admission | None], device: torch.device,
-                 contribution: Callable[[int], tuple[torch.Tensor, bool]]) -> None:
-        """The members' vote on this sync's result, channel by channel (`bad`: each channel's first bucket this rank
-        rejected; `admissions`: each channel's, None where nobody could contribute); adopted everywhere: its moves
-        join the history. Rejected: the members of a rejecting channel search the first bucket any of them rejected
-        for its offender (`contribution(k)`: a flat tensor of bucket k and whether it holds this rank's values),
-        then `SyncRejected` is raised on every member of it, naming the offenders found."""
-        rejected: SyncRejected | None = None
-        offenders: set[int] = set()
-        for c, group in enumerate(self.groups):
             if admissions[c] is None:
-                rejected = rejected or self._refused[c]
-                continue
-            mine = self._channel_buckets[c].index(bad[c]) if c in bad else None
-            try:
-                vote(c not in bad, group, device, first_bad=mine)
-            except SyncRejected as exc:
-                rejected = rejected or exc
-                if exc.bucket is not None and self.bound.enabled and self.rule.linear:
-                    k = self._channel_buckets[c][exc.bucket]
-                    flat, intact = contribution(k)
-                    offenders.update(identify(flat, intact, admissions[c].weights, self.bound, k, group))
-        if rejected is None:
-            self.bound.record()
-            return
-        self.bound.discard()
-        if offenders:
-            rejected.offenders = sorted(offenders)
-            rejected.args = (f"{rejected.args[0]}; member(s) {rejected.offenders} of the federation group sent it "
-                             f"(their contributions alone explain it)",)
-        raise rejected
+                continue  # nobody of this channel may contribute: it keeps everyone's values and is rejected
+            send = flight.sends[k] if staged else flat
+            flight.bytes += self._reduce_bucket(k, send, admissions[c])
+            if staged:
+                mine = flight.origins[k] if flight.origins is not None else send
+                ok = self.bound.plausible(k, [send], [mine]) if self.bound.enabled else all_finite([send])
+            else:
+                ok = (self.bound.plausible(k, buffer_segments, shard_segments, flat) if self.bound.enabled
+                      else all_finite(buffer_segments))
+            if c not in bad and not ok:
+                bad[c] = k
+            if not staged and c not in bad:
+                self._merge_bucket(k, flat, shard_segments, buffer_segments, flight)
+        self._conclude(bad, admissions, flight)
 
-    # ----- the steps of a sync, bucket by bucket (shared with the overlapped sync, `parallel/streaming.py`) -----
-    def admit(self, weight: float, ok: bool) -> list[Admission | None]:
-        """Each channel's admitted weights (`flwr_sharded.parallel.admission.admit`; one all-gather each), None for a
-        channel where no member may contribute (its `SyncRejected` is raised when the sync concludes, after the
-        other channels' collectives); the members left out anywhere are kept in `left_out`."""
+    def _reduce_bucket(self, k: int, flat: torch.Tensor, admission: Admission) -> int:
+        """`flat` holds this rank's values of bucket k; on return the members' weighted mean (a non-linear rule's
+        result). Returns the bytes sent."""
+        group = self.groups[self.layout.channel_of(k)]
+        if not self.rule.linear:
+            members = [torch.empty_like(flat) for _ in admission.weights]
+            dist.all_gather(members, flat, group=group)
+            admitted = [(m, w) for m, w in zip(members, admission.weights) if w > 0]
+            self.state.step(k, flat, lambda g, st: self.rule.aggregate(g, admitted, st))
+            return flat.numel() * flat.element_size()
+        scale = admission.mine / admission.total
+        if scale == 0.0:
+            flat.zero_()  # left out: it sends zeros (NaN * 0 is NaN)
+        residual = self.state.feedback.residual(k, flat) if self.state.feedback is not None and scale else None
+        return self.wire.reduce(flat, self.state.shards[k] if self.delta else None, scale, group, self._workspace,
+                                residual)
+
+    def _merge_bucket(self, k: int, mean: torch.Tensor, shard_segments: list[torch.Tensor],
+                      mean_segments: list[torch.Tensor], flight: _Flight) -> None:
+        """Bucket k's mean: the rule steps on it, the global state keeps it, the shards take it in."""
+        if flight.apply_rule and self.rule.linear and not isinstance(self.rule, FedAvg):
+            self.state.step(k, mean, lambda g, st: self.rule.apply_mean(g, mean, st))
+        elif self.delta and isinstance(self.rule, FedAvg):
+            self.state.shards[k].copy_(mean)  # the mean is the next sync's global model
+        alpha = flight.alpha
+        if self.carry and flight.origins is not None:  # origins are scratch from here: global - origin
+            for shard, new, origin in zip(shard_segments, mean_segments,
+                                          self.layout.segments_of(k, flight.origins[k])):
+                shard.add_(torch.sub(new, origin, out=origin), alpha=1.0 - alpha)
+        elif alpha == 0.0:
+            torch._foreach_copy_(shard_segments, mean_segments)
+        else:
+            for shard, new in zip(shard_segments, mean_segments):
+                shard.mul_(alpha).add_(new, alpha=1.0 - alpha)
+
+    def _admit(self, weight: float, ok: bool) -> list[Admission | None]:
+        """Each channel's admitted weights (one all-gather each), None for a channel where no member may contribute
+        (its `SyncRejected` is raised when the sync concludes, after the other channels' collectives)."""
         device = local_shard(self.params[0]).device
         admissions: list[Admission | None] = []
         self._refused = {}
@@ -379,90 +400,74 @@ class ShardSync(OuterState):
         self.left_out = sorted({j for a in admissions if a is not None for j in a.left_out})
         return admissions
 
-    def channel_of(self, k: int) -> int:
-        """The index of bucket k's channel among this rank's."""
-        return self._buckets[k].channel
+    def _conclude(self, bad: dict[int, int], admissions: list[Admission | None], flight: _Flight) -> None:
+        """The members' vote, channel by channel. Adopted everywhere: its moves join the history. Rejected: the
+        members of a rejecting channel search the first bucket any of them rejected for its offender, then
+        `SyncRejected` is raised on every member of it, naming the offenders found."""
+        rejected: SyncRejected | None = None
+        offenders: set[int] = set()
+        device = local_shard(self.params[0]).device
+        for c, group in enumerate(self.groups):
+            if admissions[c] is None:
+                rejected = rejected or self._refused[c]
+                continue
+            buckets = self.layout.channel_buckets[c]
+            try:
+                vote(c not in bad, group, device, first_bad=buckets.index(bad[c]) if c in bad else None)
+            except SyncRejected as exc:
+                rejected = rejected or exc
+                if exc.bucket is not None and self.bound.enabled and self.rule.linear:
+                    k = buckets[exc.bucket]
+                    if flight.sends is not None:  # the origin holds this rank's contribution (the move is bounded)
+                        flat, intact = flight.origins[k], True
+                    else:  # copied in again: its values, unless this rank wrote the result (found it plausible)
+                        flat, shard_segments, buffer_segments = self.layout.views()[k]
+                        torch._foreach_copy_(buffer_segments, shard_segments)
+                        intact = bad.get(c) == k
+                    offenders.update(identify(flat, intact, admissions[c].weights, self.bound, k, group))
+        if rejected is None:
+            self.bound.record()
+            return
+        self.bound.discard()
+        if offenders:
+            rejected.offenders = sorted(offenders)
+            rejected.args = (f"{rejected.args[0]}; member(s) {rejected.offenders} of the federation group sent it "
+                             f"(their contributions alone explain it)",)
+        raise rejected
 
-    def share(self, k: int, admissions: list[Admission | None]) -> float:
-        """This member's share of bucket k's mean: its admitted weight over its channel's total."""
-        admission = admissions[self._buckets[k].channel]
-        return admission.mine / admission.total
-
-    def reduce_bucket(self, k: int, flat: torch.Tensor, scale: float) -> int:
-        """`flat` holds this rank's values of bucket k; on return it holds the groups' weighted mean (a linear rule's
-        input). One all-reduce through the wire (`Wire.reduce`: a quantized one with an 8-bit wire); returns the
-        bytes sent. `scale` 0: this member is left out of the sync and sends zeros."""
-        if scale == 0.0:
-            flat.zero_()  # NaN * 0 is NaN; with a delta wire, flat then holds the zero delta
-        residual = self.feedback.residual(k, flat) if self.feedback is not None and scale else None
-        return self.wire.reduce(flat, self._global[k] if self.delta else None, scale,
-                                self.groups[self._buckets[k].channel], self._workspace, residual)
-
-    def finish_bucket(self, k: int, flat: torch.Tensor, shard_segments: list[torch.Tensor],
-                      buffer_segments: list[torch.Tensor], *, apply_rule: bool, alpha: float = 0.0,
-                      origin_segments: list[torch.Tensor] | None = None) -> None:
-        """Bucket k's groups' mean is in `flat` (replica 0): step the rule on it, broadcast the result to the
-        replicas, and write it into the shards, mixed with their current values as alpha * local + (1 - alpha) *
-        global (alpha 0: replaced). `origin_segments` (the shards when an overlapped sync started; used as scratch):
-        keep the local steps since, local + (1 - alpha) * (global - origin)."""
-        if self.fed_group is not None and apply_rule and not isinstance(self.rule, FedAvg):
-            self._apply(k, flat, lambda g, st: self.rule.apply_mean(g, flat, st))
-        if self.rep_group is not None:
-            dist.broadcast(flat, group=self.rep_group, group_src=0)
-        if origin_segments is not None:
-            for shard_segment, new, origin in zip(shard_segments, buffer_segments, origin_segments):
-                shard_segment.add_(torch.sub(new, origin, out=origin), alpha=1.0 - alpha)  # origin := global - origin
-        elif alpha == 0.0:
-            torch._foreach_copy_(shard_segments, buffer_segments)
-        else:
-            for shard_segment, new in zip(shard_segments, buffer_segments):
-                shard_segment.mul_(alpha).add_(new, alpha=1.0 - alpha)
-
+    # ----- outside a sync -----------------------------------------------------------------------------------
     @torch.no_grad()
     def step_rule(self) -> None:
-        """Treat the current shards as the members' weighted mean and run the (linear) rule on them, locally.
-
-        The server path's last step: the server sends back the mean, each rank steps its own outer state. A no-op
-        for FedAvg.
-        """
+        """Treat the current shards as the members' weighted mean and step the (linear) rule on them, locally: the
+        server path's last step, once the server's mean arrived."""
         if not self.rule.linear:
             raise ValueError(f"{type(self.rule).__name__} is not linear: it needs every member's shards, not a mean")
+        views = self.layout.views()
         if isinstance(self.rule, FedAvg):
-            if self._global is not None:
-                self.store_global()  # the mean is the new global model (a reduced wire sends deltas from it)
+            if self.state.shards is not None:  # the mean is the next sync's global model
+                for k, (global_k, (_, shard_segments, _)) in enumerate(zip(self.state.shards, views)):
+                    torch._foreach_copy_(self.layout.segments_of(k, global_k), shard_segments)
             return
-        if self._global is None:
-            raise RuntimeError(f"{self._needs_global()}: call capture_global() before training starts")
-        for k, (flat, shard_segments, buffer_segments) in enumerate(self.bucket_views()):
+        if not self.state.captured:
+            raise RuntimeError(f"{type(self.rule).__name__} steps from the global model: call capture_global() "
+                               f"before training starts")
+        for k, (flat, shard_segments, buffer_segments) in enumerate(views):
             torch._foreach_copy_(buffer_segments, shard_segments)
-            self._apply(k, flat, lambda g, st: self.rule.apply_mean(g, flat, st))
+            self.state.step(k, flat, lambda g, st: self.rule.apply_mean(g, flat, st))
             torch._foreach_copy_(shard_segments, buffer_segments)
 
     @torch.no_grad()
-    def broadcast(self, rep_group: dist.ProcessGroup | None, source: int = 0) -> None:
-        """Copy the shards of rank `source` of `rep_group` to its other ranks, one broadcast per bucket (FL+HSDP:
-        replica 0 to the other replicas; a rejoining group: a member's shards to the newcomer). None: over each
-        bucket's channel, from member `source` (a newcomer of another layout, after `reseat`)."""
-        for k, (flat, shard_segments, buffer_segments) in enumerate(self.bucket_views()):
-            group = rep_group if rep_group is not None else self.groups[self.channel_of(k)]
-            sends = dist.get_rank(group) == source
+    def broadcast(self, group: dist.ProcessGroup | None, source: int = 0) -> None:
+        """Copy the shards of rank `source` of `group` to its other ranks, one broadcast per bucket (FL+HSDP's
+        replicas; a member's shards to a newcomer). None: over each bucket's channel, from member `source`."""
+        for k, (flat, shard_segments, buffer_segments) in enumerate(self.layout.views()):
+            over = group if group is not None else self.groups[self.layout.channel_of(k)]
+            sends = dist.get_rank(over) == source
             if sends:
                 torch._foreach_copy_(buffer_segments, shard_segments)
-            dist.broadcast(flat, group=group, group_src=source)
+            dist.broadcast(flat, group=over, group_src=source)
             if not sends:
                 torch._foreach_copy_(shard_segments, buffer_segments)
 
-    def segments_of(self, k: int, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Views of a flat tensor of bucket k's size, laid out as bucket k's shard segments."""
-        return [flat[seg.offset:seg.offset + seg.end - seg.start] for seg in self._buckets[k].segments]
 
-    def _apply(self, k: int, flat: torch.Tensor, step: Any) -> None:
-        """Run the rule on bucket k: write the new global values into `flat`, keep them (and the state)."""
-        global_k = self._global[k] if self._global is not None else None
-        state_k = self._rule_state[k] if self._rule_state is not None else {}
-        new, state = step(global_k, state_k)
-        flat.copy_(new)
-        if self.keeps_global:
-            self._global[k].copy_(new)
-            self._rule_state[k] = state
-
+__all__ = ["Groups", "ShardSync", "Snapshot", "SyncStats", "local_shard"]

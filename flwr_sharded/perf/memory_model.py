@@ -217,8 +217,8 @@ def largest_fragment(shape: ModelShape, fragments: int) -> float:
 
 @lru_cache(maxsize=None)
 def _rule(outer: str):
-    """The outer rule's class (`flwr_sharded.parallel.outer`; its declared traits, without running it)."""
-    from flwr_sharded.parallel.outer import make_rule
+    """The outer rule's class (`flwr_sharded.parallel.rules`; its declared traits, without running it)."""
+    from flwr_sharded.parallel.rules import make_rule
 
     return type(make_rule(outer))
 

@@ -11,7 +11,7 @@ from typing import Any
 from flwr_sharded import schema, tool_options
 from flwr_sharded.config import METHODS
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.parallel.outer import RULES
+from flwr_sharded.parallel.rules import RULES
 from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES
 from flwr_sharded.perf.cluster import Cluster, Federation, load_description
 from flwr_sharded.perf.memory_model import StepOptions

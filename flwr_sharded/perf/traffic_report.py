@@ -169,14 +169,13 @@ class TrafficProbe:
 
         return wrapped
 
-    def attach(self, trainer: Any) -> None:
-        """Measure `trainer.step` (one optimizer step) and the shard syncs from now on: a window per fragment sync
-        on every rank (`OuterLoop.merge`: the reduction, the commit, the replicas' broadcast), and the collectives of
-        starting an overlapped one (`OuterLoop.start`) and of its communication thread under "sync" too."""
+    def attach(self, trainer: Any, loop: Any) -> None:
+        """Measure `trainer.step` (one optimizer step) and the shard syncs of its `SyncLoop` from now on: a window
+        per fragment sync on every rank (the merge: the reduction, the commit, the replicas' broadcast), and the
+        collectives of starting an overlapped one and of its communication thread under "sync" too."""
         trainer.step = self.wrap("step", trainer.step)
-        if trainer.outer is not None:
-            trainer.outer.merge = self.wrap("sync", trainer.outer.merge)
-            trainer.outer.start = self.wrap("sync", trainer.outer.start, count=False)
+        loop._merge = self.wrap("sync", loop._merge)
+        loop._start = self.wrap("sync", loop._start, count=False)
 
     def to_dict(self) -> dict[str, Any]:
         self.finish()

@@ -21,16 +21,16 @@ from flwr_sharded.perf.memory_model import MemoryBreakdown, StepOptions, memory_
 from flwr_sharded.perf.model_shape import ModelShape
 from flwr_sharded.perf.planner import Candidate, _wire_ratio, evaluate, layouts
 from flwr_sharded.perf.unequal import UnequalSync, model_shapes, unequal_sync
-from flwr_sharded.training import pace
+from flwr_sharded.parallel import schedule
 
 GiB = 1024**3
 
 
 def local_steps(A: int, step_times: Sequence[float]) -> tuple[int, ...]:
-    """`flwr_sharded.training.pace.local_steps` (what `--group-steps speed` trains), ConfigError on bad input."""
+    """`flwr_sharded.parallel.schedule.local_steps` (what `--group-steps speed` trains), ConfigError on bad input."""
     _check_steps(A)
     try:
-        return pace.local_steps(A, step_times)
+        return schedule.local_steps(A, step_times)
     except ValueError as exc:  # step times that are not all positive
         raise ConfigError(str(exc)) from None
 
@@ -40,7 +40,7 @@ def _check_steps(A: int) -> None:
         raise ConfigError(f"--aggregate-every: values must be integers >= 1, got {A!r}")
 
 
-idle_times = pace.idle_times
+idle_times = schedule.idle_times
 
 
 @dataclass(frozen=True)

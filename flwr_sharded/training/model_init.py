@@ -26,7 +26,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from flwr_sharded.parallel.shard_transport import row_offset
 from flwr_sharded.parallel.sharding import apply_activation_checkpointing, apply_fsdp
-from flwr_sharded.parallel.sync import local_shard
+from flwr_sharded.parallel.alignment import local_shard
 from flwr_sharded.training import pretrained as pretrained_lib
 from flwr_sharded.training.model_params import owned_parameters
 from flwr_sharded.training.models import build_meta_model, is_preset, model_config, transformer_blocks

@@ -21,7 +21,7 @@ from torch import nn
 
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.shard_transport import row_offset
-from flwr_sharded.parallel.sync import local_shard
+from flwr_sharded.parallel.alignment import local_shard
 from flwr_sharded.training.model_params import canonical_name, owned_parameters
 from flwr_sharded.training.models import build_meta_model
 from flwr_sharded.training.safetensors_writer import INDEX_FILE, SINGLE_FILE

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from flwr_sharded.parallel.sync import local_shard
+from flwr_sharded.parallel.alignment import local_shard
 
 
 class ProximalTerm:

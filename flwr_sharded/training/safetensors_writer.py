@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from flwr_sharded.parallel.shard_transport import row_offset
 from flwr_sharded.parallel.sharding import reshard_all
-from flwr_sharded.parallel.sync import local_shard
+from flwr_sharded.parallel.alignment import local_shard
 from flwr_sharded.training.model_params import canonical_name, owned_parameters
 
 INDEX_FILE = "model.safetensors.index.json"

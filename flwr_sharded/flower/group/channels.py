@@ -5,7 +5,7 @@ The round's train config names every member's S (`TrainArgs.member_shards`); eac
 `SyncPlan` from those and from its own parameter shapes (the same in every member: the hello checked the model). In
 every member, replica 0 of shard s joins each channel whose owners[member_index] == s, in the plan's one order, on the
 port member 0 serves for shard owners[0], under the scope `<round prefix>/c<owners joined by '-'>`; its shard sync then
-runs piece by piece over those groups (`ShardSync.reseat`). Every rank of the group (FL+HSDP replicas too, which
+runs piece by piece over those groups (`SyncLoop.configure` seats it). Every rank of the group (FL+HSDP replicas too, which
 receive each bucket from replica 0) syncs as its seat `Seat(member_shards, member_index, shard)`. The commit vote and
 the catch-up's step count travel on the channel (0, ..., 0), which holds shard 0 of every member.
 
@@ -14,6 +14,7 @@ Members that shard alike keep the plain path: one federation group per shard ind
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -22,7 +23,9 @@ from flwr_sharded.flower import rendezvous as rdv
 from flwr_sharded.flower.group.server_side import InstructionError
 from flwr_sharded.flower.messages import TrainArgs
 from flwr_sharded.flower.store_server import MAX_SCOPES, round_scopes
+from flwr_sharded.parallel.schedule import Schedule
 from flwr_sharded.parallel.sync_plan import Owners, Seat, SyncPlan, rows_of
+from flwr_sharded.training.sync_loop import PeriodPlan
 
 
 def model_shapes(model: Any) -> tuple[tuple[int, ...], ...]:
@@ -83,45 +86,41 @@ def join(args: TrainArgs, plan: SyncPlan, shard: int, *, backend: str,
 
 
 def prepare(runtime: Any, args: TrainArgs) -> None:
-    """Before a round trains, on every rank: check the round's layouts against this group, seat the shard sync for
-    them (every rank alike: FL+HSDP replicas take each bucket from replica 0) and bound the members' weights by the
-    largest member. InstructionError on every rank (nothing trained) if this group cannot take part."""
-    own = runtime.args.shards
+    """Before a round trains, on every rank: check the round's layouts against this group and configure its sync
+    loop for the round (`SyncLoop.configure`: steps, weight bound, seat among its members, learning rate, FedProx);
+    every rank alike (FL+HSDP replicas take each bucket from replica 0). InstructionError on every rank (nothing
+    trained) if this group cannot take part."""
+    own, loop, p = runtime.args.shards, runtime.loop, runtime.run.train.parallel
     if args.member_shards and args.member_shards[args.member_index] != own:
         raise InstructionError(f"the round gives member {args.member_index} S={args.member_shards[args.member_index]}"
                                f", but this group runs S={own}")
     host = args.member_shards[0] if args.member_shards else own
     if len(args.rendezvous_ports) != host:
         raise InstructionError(f"{len(args.rendezvous_ports)} rendezvous ports for member 0's {host} shard indices")
-    t = runtime.trainer
-    scopes = host_scopes(args, own, model_shapes(t.model))
+    scopes = host_scopes(args, own, model_shapes(loop.trainer.model))
     if len(scopes) > MAX_SCOPES:
         raise InstructionError(f"members of S={args.member_shards} make {len(scopes)} channels, more than the "
                                f"{MAX_SCOPES} rendezvous scopes member 0's store holds")
-    seat = seat_of(args, runtime.topo.shard_index)
-    if t.shard_sync.fragments[0].seat == seat:  # the same layouts as the last round (members alike: as always)
-        return
+    options = args.round.for_run(runtime.run)
+    steps = args.local_steps(options.aggregate_every)
+    try:
+        Schedule(steps, p.sync_fragments, p.sync_delay)
+    except ValueError as exc:
+        raise InstructionError(f"aggregate-every {steps} of this round does not fit sync-fragments "
+                               f"{p.sync_fragments} and sync-delay {p.sync_delay}: {exc}") from None
+    # a member's weight is bounded by what the round's largest member trains in a period: every member runs the
+    # run's R (the hello refuses another), the most local steps any member takes
+    plan = PeriodPlan(aggregate_every=options.aggregate_every, steps=steps, most_steps=max(args.member_steps, default=0),
+                      weight_world=runtime.args.replicas * max(args.member_shards or [own]),
+                      seat=seat_of(args, runtime.topo.shard_index), lr=float(options.lr),
+                      proximal_mu=float(options.proximal_mu))
     error = ""
     try:
-        t.shard_sync.reseat(seat, None)
+        loop.configure(plan)
     except ValueError as exc:  # a shard of this group holds no row, or not the rows the plan expects
         error = str(exc)
     errors = sorted({e for e in runtime.gather(error) if e})  # every rank agrees before any trains
     if errors:
-        seat = None
-        t.shard_sync.reseat(None, None)  # every rank, every fragment back to whole shards (always plannable)
-    if t.shard_sync.keeps_global:
-        t.outer.commit()  # the rollback point holds the outer state in the new seat's buckets
-    _bound_weights(t, runtime.args.replicas * max(args.member_shards if seat is not None else [own]))
-    if errors:
+        loop.configure(dataclasses.replace(plan, seat=None, weight_world=runtime.args.replicas * own))
         raise InstructionError(f"this group (R={runtime.args.replicas} x S={own}) cannot sync with members of "
                                f"S={args.member_shards}: {'; '.join(errors)}")
-
-
-def _bound_weights(trainer: Any, world: int) -> None:
-    """A member may weigh at most what the round's largest member (`world` ranks: every member runs the run's R, the
-    hello refuses another) can train in a period (of the most local steps any member takes: `OuterLoop.most_steps`)."""
-    from flwr_sharded.parallel.contribution import expected_weight_of
-
-    cfg = trainer.cfg
-    trainer.outer.bound_weights(lambda steps: expected_weight_of(cfg, steps=steps, worlds=[world]))

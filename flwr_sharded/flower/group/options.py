@@ -49,14 +49,6 @@ class GroupOptions:
     """Timeout of the group's own collectives (FSDP, evaluation), in seconds."""
     sync_backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Backend of the cross-group shard sync: auto (NCCL for CUDA shards, else gloo), gloo or nccl."""
-    debug_exit_after_syncs: int = option(0, ge=0, hidden=True)
-    """Tests: exit after this many syncs (0: never)."""
-    debug_fail_sync: int = option(0, ge=0, hidden=True)
-    """Tests: the N-th sync attempt fails on rank 0 after the reduction succeeded everywhere (the commit vote)."""
-    debug_nan_sync: int = option(0, ge=0, hidden=True)
-    """Tests: rank 0 brings NaN shards and moments to the N-th sync attempt (admission and healing)."""
-    debug_step_delay: float = option(0.0, ge=0, hidden=True)
-    """Tests: every rank sleeps this many seconds after each inner step (a slower group)."""
 
 
 def build_parser(description: str | None = None) -> argparse.ArgumentParser:

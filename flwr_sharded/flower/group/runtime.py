@@ -70,6 +70,8 @@ class GroupRuntime:
         self.ctrl = dist.new_group(backend="gloo", timeout=timedelta(seconds=wait_s))
         self.pids = self.gather(os.getpid())
         self.trainer = None
+        self.loop = None
+        """The trainer's sync loop (`flwr_sharded.training.sync_loop.SyncLoop`), built with it at hello."""
         self.run = None  # the FlowerRun of the current trainer (this group's S)
         self.policy = NodePolicy()  # what the last hello's node config allowed (nothing until a hello)
         self.resumed_round = 0
@@ -283,7 +285,7 @@ class GroupRuntime:
             self._build(cfg, partition, key)
             self.run = run
         self.run_idle_s = max(0.0, float(args.get("idle_timeout", 0.0) or 0.0))
-        fingerprints = self.gather(self.trainer.shard_sync.fingerprint())
+        fingerprints = self.gather(self.loop.fingerprint())
         out.update(compatible=True, fingerprint=hashlib.sha256("|".join(fingerprints).encode()).hexdigest()[:32],
                    tokens=self.tokens, steps=self.trainer.step_count, resumed_round=self.resumed_round,
                    partition_id=partition[0], num_partitions=partition[1], **channels.model_facts(self.trainer.model))
@@ -309,24 +311,21 @@ class GroupRuntime:
             raise respelled(exc, RUN_CONFIG) from None
 
     def _build(self, cfg: Any, partition: tuple[int, int], key: str) -> None:
-        from flwr_sharded.training.outer_loop import FaultInjection
+        from flwr_sharded.training.sync_loop import SyncLoop
         from flwr_sharded.training.trainer import Trainer
 
         self._drop_trainer()
         start = time.perf_counter()
-        self.trainer = Trainer(cfg, self.topo, static_sync=False, partition=partition)
+        self.trainer = Trainer(cfg, self.topo, partition=partition)
+        self.loop = SyncLoop(self.trainer)
         memory_release.after_load()  # the load's transient buffers
         self.key, self.tokens, self.syncs, self.resumed_round = key, 0, 0, 0
-        self.trainer.step_delay = self.args.debug_step_delay
-        if self.rank == 0:  # test-only faults, counted in the outer loop's sync attempts
-            self.trainer.outer.faults = FaultInjection(fail_sync=self.args.debug_fail_sync,
-                                                       nan_sync=self.args.debug_nan_sync)
         if cfg.checkpoint.resume:
-            meta = self.trainer.resume()
+            meta = self.loop.resume()
             self.resumed_round = int(meta.get("round", 0))
             logger.info("resumed from %s: round %d, step %d", cfg.checkpoint.dir, self.resumed_round,
                         self.trainer.step_count)
-        self.trainer.outer.keep_rollback_point()
+        self.loop.keep_rollback_point()
         logger.info("built the trainer for partition %d/%d in %.1f s", *partition, time.perf_counter() - start)
 
     def _need_trainer(self):
@@ -341,14 +340,7 @@ class GroupRuntime:
         server_path = self.run.federation.aggregation == "server"
         if a.export and not server_path:
             raise InstructionError("export asks for the server path, but this run's aggregation is decentralized")
-        channels.prepare(self, a)  # the round's layouts: this group's seat among its members
-        p, steps = self.run.train.parallel, a.local_steps(a.round.for_run(self.run).aggregate_every)
-        t.outer.most_steps = max(a.member_steps, default=0)  # a faster member's weight: its steps' tokens
-        try:
-            t.outer.set_aggregate_every(steps)
-        except ValueError as exc:
-            raise InstructionError(f"aggregate-every {steps} of this round does not fit sync-fragments "
-                                   f"{p.sync_fragments} and sync-delay {p.sync_delay}: {exc}") from None
+        channels.prepare(self, a)  # the round's steps, weight bound and layouts, its learning rate and FedProx mu
         with self._hosting(a):
             result = GroupRound(self, a).run(apply_rule=not server_path)
         failed = result["sync_failed"]
@@ -400,7 +392,7 @@ class GroupRuntime:
         if t.checkpointer is None:
             raise InstructionError("checkpoint asked for, but the run config has no checkpoint-dir")
         start = time.perf_counter()
-        error = t.checkpoint_or_report(lambda: t.save_checkpoint({"round": server_round}))
+        error = t.checkpoint_or_report(lambda: self.loop.save_checkpoint({"round": server_round}))
         out: dict[str, Any] = {"checkpoint_s": time.perf_counter() - start}
         if error:
             out["checkpoint_error"] = error
@@ -450,7 +442,7 @@ class GroupRuntime:
     def _drop_trainer(self) -> None:
         if self.trainer is None:
             return
-        self.trainer, self.run, self.key = None, None, ""
+        self.trainer, self.loop, self.run, self.key = None, None, None, ""
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

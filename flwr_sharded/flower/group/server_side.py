@@ -90,10 +90,5 @@ def apply(rt: Any, paths: list[str]) -> float:
     with torch.no_grad():
         for piece, local in pairs:
             local.copy_(piece.data)
-    if rt.topo.replica_index == 0:
-        t.shard_sync.step_rule()  # the outer optimizer, on this rank's own shards and state
-    if rt.topo.rep_group is not None:
-        t.shard_sync.broadcast(rt.topo.rep_group)
-    t.outer.after_sync()
-    t.outer.commit()
+    rt.loop.adopt_mean()
     return time.perf_counter() - start

@@ -53,7 +53,7 @@ from flwr_sharded.flower import handoff
 from flwr_sharded.flower.server.robust import (ROBUST_RULES, SUM_LIMIT, ChunkStack, min_contributors,
                                                out_of_bounds_verdicts)
 from flwr_sharded.parallel.contribution import weight_verdict
-from flwr_sharded.parallel.outer import FedAvg, ShardRule, State
+from flwr_sharded.parallel.rules import FedAvg, ShardRule, State
 from flwr_sharded.parallel.shard_transport import PieceLayout, ShardPiece
 from flwr_sharded.parallel.verdict import NOT_FINITE, Verdict, reasons
 

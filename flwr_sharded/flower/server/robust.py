@@ -13,7 +13,7 @@ matter:
   weight x |value| is excluded, then the next, until the rest fit. This is always on.
 
 Robust rules (`combine`): the coordinate-wise median or trimmed mean of the contributions (unweighted, as Flower's
-FedMedian and FedTrimmedAvg; `flwr_sharded.parallel.outer.trimmed_mean` and `median_trim`, the math of the
+FedMedian and FedTrimmedAvg; `flwr_sharded.parallel.rules.trimmed_mean` and `median_trim`, the math of the
 decentralised path's `trimmed-mean` and `median` rules, so an even number of facilities averages the two middle
 values on both paths). They need every contribution's rows of a chunk at once: `ChunkStack` holds them, F x the chunk,
 in the wire dtype.
@@ -26,7 +26,7 @@ from typing import Mapping
 
 import torch
 
-from flwr_sharded.parallel.outer import median_trim, trimmed_mean
+from flwr_sharded.parallel.rules import median_trim, trimmed_mean
 from flwr_sharded.parallel.verdict import MAGNITUDE, OVERFLOW, Verdict, reasons
 
 SUM_LIMIT = torch.finfo(torch.float32).max / 2
@@ -43,7 +43,7 @@ def min_contributors(rule: str, trim: int) -> int:
 
 def trim_of(rule: str, trim: int, n: int) -> int:
     """Values dropped from each side of each coordinate when `rule` combines `n` contributions (the median's:
-    `flwr_sharded.parallel.outer.median_trim`, as the decentralised path's `median` rule)."""
+    `flwr_sharded.parallel.rules.median_trim`, as the decentralised path's `median` rule)."""
     return median_trim(n) if rule == "median" else trim
 
 

@@ -16,7 +16,7 @@ from typing import Any
 from flwr.supercore import log
 
 from flwr_sharded.parallel.sync_plan import shard_rows
-from flwr_sharded.training.pace import local_steps
+from flwr_sharded.parallel.schedule import local_steps
 
 
 def member_shards(groups: dict[int, Any], members: list[int]) -> list[int]:
@@ -27,7 +27,7 @@ def member_shards(groups: dict[int, Any], members: list[int]) -> list[int]:
 
 def member_steps(groups: dict[int, Any], members: list[int], round_steps: int, group_steps: str) -> list[int]:
     """Every member's local steps per sync of a round of A = `round_steps`, in member order, with `group-steps speed`:
-    from each one's step time in its last round (`pace.local_steps`: the fastest trains A). [] (every member A) with
+    from each one's step time in its last round (`schedule.local_steps`: the fastest trains A). [] (every member A) with
     `equal`, while a member has no step time yet (its first round, or a rejoin), or when all come out alike."""
     times = [groups[n].step_s for n in members]
     if group_steps != "speed" or len(members) < 2 or min(times) <= 0:

@@ -94,7 +94,7 @@ def _validate(args: argparse.Namespace) -> None:
     """Everything that can be checked before touching the network: cluster files, layouts, model, data, host."""
     from flwr_sharded.config import DataConfig, ParallelConfig
     from flwr_sharded.validation import validate_sync
-    from flwr_sharded.parallel.outer import FedAvg
+    from flwr_sharded.parallel.rules import FedAvg
     from flwr_sharded.presets import PRESETS
     from flwr_sharded.training.data import check_data
 

@@ -1,0 +1,123 @@
+"""The static engine's run: `SyncLoop.run` until the run's last step over the static world's federation, with the
+records around it (train windows, evaluations and checkpoints at the run's ticks, failed syncs and their retries)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+import torch
+
+from flwr_sharded.parallel.contribution import tokens_of
+from flwr_sharded.run_dir import perplexity
+from flwr_sharded.training.metrics import progress_bar, train_line
+from flwr_sharded.training.sync_loop import StaticFederation, SyncFailed, SyncLoop
+
+logger = logging.getLogger(__name__)
+
+
+class StaticRun:
+    """The static engine's records around `SyncLoop.run`: train windows, evaluations and checkpoints at the run's
+    ticks, failed syncs and their retries, the progress bar. `run_dir`: the `RunDir` rank 0 writes (None
+    elsewhere)."""
+
+    def __init__(self, loop: SyncLoop, run_dir: Any) -> None:
+        self.loop, self.t, self.run_dir = loop, loop.trainer, run_dir
+        self.cfg = cfg = self.t.cfg
+        self.bar = progress_bar(cfg.steps, enabled=self.t.is_logger and cfg.output.progress,
+                                initial=self.t.step_count)
+        self.started = self.window_start = time.perf_counter()
+        self.loss_sum = torch.zeros((), device=self.t.device)
+        self.window_steps, self.last_tick, self.last = 0, 0, {}
+
+    def run(self) -> dict[str, Any]:
+        """Train `steps` steps with syncs every A steps, logging and evaluating; returns the final metrics."""
+        cfg, p, t = self.cfg, self.cfg.parallel, self.t
+        federation = None
+        if p.federated and p.sync:
+            federation = StaticFederation(t.topo, [tuple(q.shape) for q in t.model.parameters()], cfg.timeout_s)
+            if p.sync_retries:
+                self.loop.keep_rollback_point()
+        try:
+            self.loop.run(federation, until=cfg.steps, on_step=self.on_step, on_period=self.on_period,
+                          on_failure=self.on_failure)
+            if t.checkpointer is not None:
+                t.checkpoint_or_report(t.checkpointer.wait)
+        finally:
+            self.bar.close()
+        return self.last
+
+    def stamp(self, record: dict[str, Any]) -> dict[str, Any]:
+        p = self.cfg.parallel
+        seen = (self.loop.tokens_trained if self.loop.adapt else  # each group its own steps
+                tokens_of(self.cfg, steps=self.t.step_count, ranks=p.world_size))
+        record.update(elapsed_s=time.perf_counter() - self.started, tokens_seen=seen)
+        if self.run_dir is not None:
+            self.run_dir.log(record)
+        return record
+
+    def on_step(self, loss: torch.Tensor, tick: int | None) -> None:
+        """After a step (and its syncs): the window's loss, and at a tick the records due."""
+        cfg, t, out = self.cfg, self.t, self.cfg.output
+        self.loss_sum += loss
+        self.window_steps += 1
+        self.bar.update(1)
+        if tick is None:
+            return
+        end = tick >= cfg.steps
+        if tick // out.log_every > self.last_tick // out.log_every or end:
+            self.last = self.stamp(self.train_record(time.perf_counter() - self.window_start))
+            self.show(self.last)
+            self.loss_sum.zero_()
+            self.window_start, self.window_steps = time.perf_counter(), 0
+        if (cfg.eval_every and tick // cfg.eval_every > self.last_tick // cfg.eval_every) or end:
+            evaluated = time.perf_counter()
+            self.last.update(self.stamp({"kind": "eval", "step": t.step_count, **t.evaluate()}))
+            self.window_start += time.perf_counter() - evaluated  # evaluation is not training time
+        every = cfg.checkpoint.every
+        if t.checkpointer is not None and ((every and tick // every > self.last_tick // every) or end):
+            t.checkpoint_or_report(self.loop.save_checkpoint)
+        self.last_tick = tick
+
+    def on_period(self, times: dict[str, Any] | None) -> None:
+        """The groups' step and sync times after a period (rank 0 logs them)."""
+        if times is not None and self.run_dir is not None:
+            self.run_dir.log({"kind": "sync_groups", "step": self.t.step_count, **times})
+
+    def on_failure(self, outcome: Any, failures: int, failed_at: int) -> None:
+        """A sync failed at step `failed_at` and every rank is back at the last adopted one: its record, or
+        `SyncFailed` once `sync-retries` failures in a row are spent."""
+        retries, t = self.cfg.parallel.sync_retries, self.t
+        where = f"the sync of fragment {outcome.fragment} after step {failed_at} failed: {outcome.error}"
+        if failures > retries:
+            raise SyncFailed(f"{where}; {failures} failed sync(s) in a row, --sync-retries {retries}: stopping")
+        if t.is_logger:
+            logger.warning("%s; every rank is back at step %d (the last adopted sync), retry %d of %d "
+                           "(--sync-retries)", where, t.step_count, failures, retries)
+        self.stamp({"kind": "sync_failed", "step": failed_at, "restored_step": t.step_count,
+                    "fragment": outcome.fragment, "error": outcome.error, "blame": outcome.blame, "retry": failures})
+        self.last_tick = math.floor(self.loop.reference())  # its steps are logged again
+        self.loss_sum.zero_()
+        self.window_start, self.window_steps, self.bar.n = time.perf_counter(), 0, t.step_count
+
+    def show(self, record: dict[str, Any]) -> None:
+        """A train record on the progress bar, or in the log without one (rank 0)."""
+        if self.t.is_logger and self.cfg.output.progress:
+            self.bar.write(train_line(record, self.cfg.steps))
+        elif self.t.is_logger:
+            logger.info("%s", train_line(record, self.cfg.steps))
+        self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+
+    def train_record(self, seconds: float) -> dict[str, Any]:
+        """Training loss averaged over all ranks, throughput, memory and phase times of the window's steps."""
+        cfg, t, steps = self.cfg, self.t, self.window_steps
+        loss, peak_mib = t.window_stats(self.loss_sum, steps)
+        phases = t.timer.collect()
+        tokens_per_s = tokens_of(cfg, steps=steps, ranks=cfg.parallel.world_size) / max(seconds, 1e-9)
+        return {"kind": "train", "step": t.step_count, "loss": loss, "ppl": perplexity(loss),
+                "lr": t.scheduler.get_last_lr()[0], "tokens_per_s": tokens_per_s, "step_s": seconds / steps,
+                "syncs": self.loop.report.syncs, "peak_memory_mib": peak_mib,
+                **t.throughput.utilisation(tokens_per_s / cfg.parallel.world_size),
+                **{f"{name}_s": value / steps for name, value in phases.items()}}
