@@ -110,3 +110,14 @@ def torchrun(nproc: int, args: Sequence[str], *, timeout: float = 300.0, env: di
             pass
         kill_tree_by_env(TREE_MARKER, marker)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+FAULTS = REPO / "tests" / "faults"
+"""The test-only fault hooks (`tests/faults/sitecustomize.py`), loaded by a process that has them on its path."""
+
+
+def faults_env(**faults: object) -> dict[str, str]:
+    """The environment that makes a launched world's (or group's) ranks inject `faults` (e.g. `fail_sync=2`,
+    `step_delay="1:0.4"`, `lie="1e30@2"`): see `tests/faults/sitecustomize.py`."""
+    return {"FLWR_SHARDED_TEST_FAULTS": " ".join(f"{k}={v}" for k, v in faults.items()),
+            "PYTHONPATH": os.pathsep.join([str(FAULTS), str(REPO), os.environ.get("PYTHONPATH", "")])}

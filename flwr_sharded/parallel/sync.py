@@ -279,7 +279,6 @@ class ShardSync:
                                              name="flwr-sharded-sync", daemon=True)
             flight.thread.start()
 
-    @torch.no_grad()
     def finish(self, *, alpha: float = 0.0, apply_rule: bool = True, timeout: float | None = None) -> SyncStats:
         """Complete the sync and write the result into the shards: every shard becomes alpha * local + (1 - alpha) *
         global (with `carry`: local + (1 - alpha) * (global - its value at the start)). `apply_rule=False` (a linear
@@ -297,13 +296,14 @@ class ShardSync:
             if flight.thread.is_alive():
                 raise TimeoutError(f"the overlapped sync did not complete within {timeout} s")
         self._flight = None
-        if flight.thread is None:
-            self._reduce(flight)
-        elif flight.error is not None:
-            raise flight.error
-        else:
-            for k, (send, (_, shard_segments, _)) in enumerate(zip(flight.sends, self.layout.views())):
-                self._merge_bucket(k, send, shard_segments, self.layout.segments_of(k, send), flight)
+        with torch.no_grad():
+            if flight.thread is None:
+                self._reduce(flight)
+            elif flight.error is not None:
+                raise flight.error
+            else:
+                for k, (send, (_, shard_segments, _)) in enumerate(zip(flight.sends, self.layout.views())):
+                    self._merge_bucket(k, send, shard_segments, self.layout.segments_of(k, send), flight)
         return SyncStats(seconds=time.perf_counter() - flight.started, buckets=len(self.layout.buckets),
                          bytes=flight.bytes, total_weight=flight.total)
 
@@ -324,8 +324,9 @@ class ShardSync:
             flight.error = exc
 
     def _reduce(self, flight: _Flight) -> None:
-        """Admission, each bucket's reduction and check, then the members' vote. A blocking sync copies each bucket
-        into the buffer first and merges it at once."""
+        """Admission, each bucket's reduction (`flat` holds this rank's values of it, then the members' mean or the
+        rule's result) and check, then the members' vote. A blocking sync copies each bucket into the buffer first and
+        merges it at once."""
         admissions = self._admit(flight.weight, flight.ok)
         self.bound.begin(flight.weight, flight.ok, flight.norms)
         flight.total = admissions[0].total if admissions[0] is not None else 0.0
@@ -336,8 +337,20 @@ class ShardSync:
                 torch._foreach_copy_(buffer_segments, shard_segments)
             if admissions[c] is None:
                 continue  # nobody of this channel may contribute: it keeps everyone's values and is rejected
-            send = flight.sends[k] if staged else flat
-            flight.bytes += self._reduce_bucket(k, send, admissions[c])
+            send, admission, group = flight.sends[k] if staged else flat, admissions[c], self.groups[c]
+            if self.rule.linear:  # the members' weighted mean, through the wire
+                scale = admission.mine / admission.total
+                if scale == 0.0:
+                    send.zero_()  # left out: it sends zeros (NaN * 0 is NaN)
+                residual = self.state.feedback.residual(k, send) if self.state.feedback is not None and scale else None
+                flight.bytes += self.wire.reduce(send, self.state.shards[k] if self.delta else None, scale, group,
+                                                 self._workspace, residual)
+            else:  # every member's values, and the rule's result of them
+                members = [torch.empty_like(send) for _ in admission.weights]
+                dist.all_gather(members, send, group=group)
+                admitted = [(m, w) for m, w in zip(members, admission.weights) if w > 0]
+                self.state.step(k, send, lambda g, st: self.rule.aggregate(g, admitted, st))
+                flight.bytes += send.numel() * send.element_size()
             if staged:
                 mine = flight.origins[k] if flight.origins is not None else send
                 ok = self.bound.plausible(k, [send], [mine]) if self.bound.enabled else all_finite([send])
@@ -349,23 +362,6 @@ class ShardSync:
             if not staged and c not in bad:
                 self._merge_bucket(k, flat, shard_segments, buffer_segments, flight)
         self._conclude(bad, admissions, flight)
-
-    def _reduce_bucket(self, k: int, flat: torch.Tensor, admission: Admission) -> int:
-        """`flat` holds this rank's values of bucket k; on return the members' weighted mean (a non-linear rule's
-        result). Returns the bytes sent."""
-        group = self.groups[self.layout.channel_of(k)]
-        if not self.rule.linear:
-            members = [torch.empty_like(flat) for _ in admission.weights]
-            dist.all_gather(members, flat, group=group)
-            admitted = [(m, w) for m, w in zip(members, admission.weights) if w > 0]
-            self.state.step(k, flat, lambda g, st: self.rule.aggregate(g, admitted, st))
-            return flat.numel() * flat.element_size()
-        scale = admission.mine / admission.total
-        if scale == 0.0:
-            flat.zero_()  # left out: it sends zeros (NaN * 0 is NaN)
-        residual = self.state.feedback.residual(k, flat) if self.state.feedback is not None and scale else None
-        return self.wire.reduce(flat, self.state.shards[k] if self.delta else None, scale, group, self._workspace,
-                                residual)
 
     def _merge_bucket(self, k: int, mean: torch.Tensor, shard_segments: list[torch.Tensor],
                       mean_segments: list[torch.Tensor], flight: _Flight) -> None:

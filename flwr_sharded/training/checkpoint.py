@@ -23,9 +23,6 @@ or precision differ from the checkpoint's: the checkpoint's would otherwise sile
 extend a run (or end it earlier, but not before the checkpoint's step): the learning-rate schedule stays the one the
 series started with (warm-up and cosine over its first run's steps), so the steps it had planned are taken as they
 would have been, and the steps beyond it run at the schedule's final rate (`min-lr-ratio` x `lr`).
-
-Fault injection (tests only): `$FLWR_SHARDED_FAULT_COMMIT_DELAY_S` seconds of sleep on every rank between writing a
-checkpoint and committing it, so a test can kill the job while `step-N.tmp/` is complete but not yet renamed.
 """
 
 from __future__ import annotations
@@ -33,7 +30,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import time
 import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -56,8 +52,6 @@ logger = logging.getLogger(__name__)
 LATEST = "latest"
 TMP, OLD = ".tmp", ".old"
 META_PART = META + ".part"
-FAULT_COMMIT_DELAY_ENV = "FLWR_SHARDED_FAULT_COMMIT_DELAY_S"
-"""Fault-injection hook for tests: seconds to sleep between writing a checkpoint and committing it (unset: none)."""
 
 MUST_MATCH = ("parallel.method", "parallel.federations", "parallel.replicas", "parallel.shards", "parallel.group_shards", "parallel.outer",
               "model.name", "data.dataset", "data.seq_len", "data.partition", "batch_size", "grad_accum", "seed",
@@ -320,7 +314,6 @@ class Checkpointer:
                 durable.write_json(pending.tmp / META_PART, {**pending.meta, "files": files})
 
         self._phase("recording its files", pending.tmp, record)
-        _fault_commit_delay()
         self._phase("committing", pending.tmp, lambda: self._commit(pending) if self.group_rank == 0 else None)
 
     def _commit(self, pending: _Pending) -> None:
@@ -389,13 +382,6 @@ class Checkpointer:
             skipped.append(f"{path.name} ({errors[0]})")
         raise RuntimeError(f"no usable checkpoint in {self.directory}"
                            + (f" (skipped {'; '.join(skipped)})" if skipped else ""))
-
-
-def _fault_commit_delay() -> None:
-    """The test-only fault-injection hook (`FAULT_COMMIT_DELAY_ENV`); a no-op unless the variable is set."""
-    delay = float(os.environ.get(FAULT_COMMIT_DELAY_ENV) or 0)
-    if delay > 0:
-        time.sleep(delay)
 
 
 def export_pretrained(checkpoint: str | Path, out: str | Path, *, dtype: torch.dtype | None = None,

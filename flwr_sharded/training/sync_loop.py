@@ -256,7 +256,7 @@ class SyncLoop:
         """Run the periods to come as `plan` says (a Flower round). ValueError (nothing else changed) if its steps
         do not fit the fragments and delay; ConfigError if this rank's shards cannot sit at its seat."""
         schedule = dataclasses.replace(self.schedule, aggregate_every=plan.steps)
-        if plan.seat != self.syncs[0].seat:
+        if self.syncs and plan.seat != self.syncs[0].seat:
             for s in self.syncs:
                 s.reseat(plan.seat, None)
             if self.syncs[0].keeps_global:

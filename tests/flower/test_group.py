@@ -18,7 +18,7 @@ from flwr_sharded.flower.endpoint import GroupClient, GroupError, GroupUnavailab
 from flwr_sharded.flower.node_policy import NodePolicy
 from flwr_sharded.flower.run import FlowerRun, RoundOptions
 from tests.flower.procs import free_port, group_pids, pid_alive, start_group, start_groups, wait_until
-from tests.multiproc import run_ranks, torchrun
+from tests.multiproc import faults_env, run_ranks, torchrun
 
 
 ROUND_SECRET = "0123456789abcdef" * 4
@@ -224,7 +224,7 @@ def test_a_dead_group_makes_the_sync_fail_and_the_survivors_roll_back(procs, dat
     and nothing changes. Round 3 (A, B) syncs again.
     """
     s = spec(data_dir, shards=1, syncs_per_round=2, aggregate_every=2, rounds=3)
-    groups = start_groups(procs, [(f"g{i}", dict(shards=1, extra=["--debug-exit-after-syncs", "1"] if i == 2 else []))
+    groups = start_groups(procs, [(f"g{i}", dict(shards=1, env=faults_env(exit_after_syncs=1) if i == 2 else None))
                                   for i in range(3)])
     clients = [client(a, k) for _, a, k in groups]
     hellos = [hello(c, s, i, 3) for i, c in enumerate(clients)]
@@ -269,8 +269,8 @@ def test_a_sync_that_fails_for_one_member_after_the_others_finished_is_rolled_ba
     shards, optimizer moments, step and learning rate are those of the first sync on both, both name B, and the
     next round syncs them again."""
     s = spec(data_dir, shards=1, aggregate_every=2, syncs_per_round=1, rounds=3)
-    faults = ["--debug-nan-sync", "1", "--debug-fail-sync", "2"]
-    groups = start_groups(procs, [("a", dict(shards=1)), ("b", dict(shards=1, extra=faults))])
+    faults = faults_env(nan_sync=1, fail_sync=2)
+    groups = start_groups(procs, [("a", dict(shards=1)), ("b", dict(shards=1, env=faults))])
     clients = [client(a, k) for _, a, k in groups]
     offer = hello(clients[0], s, 0, 2)
     hello(clients[1], s, 1, 2)
@@ -285,7 +285,7 @@ def test_a_sync_that_fails_for_one_member_after_the_others_finished_is_rolled_ba
         assert (o["syncs"], o["sync_failed"], o["sync_blame"]) == (0, True, [1]), o.get("sync_error")
         assert o["sync_s"] < 10  # told by B's vote, not by the 20 s sync timeout
     assert "member(s) [1] did not complete the sync" in out[0]["sync_error"]
-    assert "--debug-fail-sync 2" in out[1]["sync_error"]
+    assert "injected fault: sync attempt 2 fails" in out[1]["sync_error"]
     for c, before in zip(clients, committed):
         now = c.call(P.STATUS, timeout=30)
         for key in ("checksums", "optimizer_checksums", "steps", "lr"):
@@ -403,7 +403,7 @@ def test_a_dead_group_during_an_overlapped_int8_sync_makes_the_survivors_roll_ba
     within the sync timeout; both restore the shards and outer state of sync 1, and the next round syncs again."""
     s = spec(data_dir, shards=1, syncs_per_round=2, aggregate_every=2, rounds=2, sync_delay=1, sync_dtype="int8",
              sync_error_feedback=True, sync_carry=False)  # no carry: the groups hold the same shards after a merge
-    groups = start_groups(procs, [(f"g{i}", dict(shards=1, extra=["--debug-exit-after-syncs", "1"] if i == 2 else []))
+    groups = start_groups(procs, [(f"g{i}", dict(shards=1, env=faults_env(exit_after_syncs=1) if i == 2 else None))
                                   for i in range(3)])
     clients = [client(a, k) for _, a, k in groups]
     hellos = [hello(c, s, i, 3) for i, c in enumerate(clients)]
@@ -427,12 +427,12 @@ def test_a_dead_group_during_an_overlapped_int8_sync_makes_the_survivors_roll_ba
 
 @pytest.mark.timeout(420)
 def test_an_injected_failed_sync_ends_the_same_in_a_flower_group_and_in_the_static_engine(procs, data_dir, tmp_path):
-    """Two groups of one rank; member 0 fails its second sync after the reduction (`--debug-fail-sync 2`). Through
+    """Two groups of one rank; member 0 fails its second sync after the reduction (`fail_sync=2`, `tests/faults`). Through
     the group runtime (4 rounds of one sync of A = 2 steps: round 2 fails and rolls back) and in the static engine
     (the same failure, rolled back and retried), every step's loss and the held-out loss after every adopted sync
     agree within 1e-5: the same outer loop, the same rollback (shards, optimizer, step and schedule)."""
     s = spec(data_dir, shards=1, aggregate_every=2, syncs_per_round=1, rounds=4)
-    groups = start_groups(procs, [("a", dict(shards=1, extra=["--debug-fail-sync", "2"])), ("b", dict(shards=1))])
+    groups = start_groups(procs, [("a", dict(shards=1, env=faults_env(fail_sync=2))), ("b", dict(shards=1))])
     clients = [client(a, k) for _, a, k in groups]
     offer = hello(clients[0], s, 0, 2)
     hello(clients[1], s, 1, 2)
@@ -448,8 +448,8 @@ def test_an_injected_failed_sync_ends_the_same_in_a_flower_group_and_in_the_stat
                           "--data-dir", str(data_dir), "--seq-len", "32", "--batch-size", "2", "--eval-blocks", "8",
                           "--steps", str(s.total_steps), "--aggregate-every", "2", "--lr", str(s.train.optim.lr),
                           "--seed", str(s.train.seed), "--log-every", "1", "--eval-every", "2",
-                          "--debug-fail-sync", "2", "--run-dir", str(tmp_path / "static"), "--no-save-model",
-                          "--no-progress"], timeout=300)
+                          "--run-dir", str(tmp_path / "static"), "--no-save-model", "--no-progress"], timeout=300,
+                      env=faults_env(fail_sync=2))
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "static" / "metrics.jsonl").read_text().splitlines()]
     static = [r["loss"] for r in records if r["kind"] == "train"]

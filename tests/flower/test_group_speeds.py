@@ -12,6 +12,7 @@ from flwr_sharded.flower.run import FlowerRun
 from flwr_sharded.flower.server import records
 from tests.flower.procs import start_groups
 from tests.flower.test_group import client, hello, round_args, spec
+from tests.multiproc import faults_env
 from tests.flower.test_strategy import task_identity  # noqa: F401  (a fixture: Flower messages outside a run)
 
 
@@ -73,7 +74,7 @@ def test_groups_train_their_own_steps_and_end_the_round_on_one_model_and_one_clo
     one's clock. A second round with a catch-up leaves both on member 0's clock."""
     s = spec(data_dir, shards=1, aggregate_every=4, group_steps="speed", partition="iid-groups")
     (_, a_addr, a_key), (_, b_addr, b_key) = start_groups(procs, [
-        ("a", dict(shards=1)), ("b", dict(shards=1, extra=["--debug-step-delay", "0.2"]))])
+        ("a", dict(shards=1)), ("b", dict(shards=1, env=faults_env(step_delay=0.2)))])
     a, b = client(a_addr, a_key), client(b_addr, b_key)
     offer, _ = hello(a, s, 0, 2), hello(b, s, 1, 2)
 

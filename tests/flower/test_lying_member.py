@@ -1,6 +1,6 @@
 """A group that lies about its own verdict, on the decentralised path (three groups of one rank, no Flower).
 
-Group C's ranks carry the test-only hook `tests/lying_member` (nothing in the package can lie): before chosen sync
+Group C's ranks carry the test-only hook `tests/faults` (nothing in the package can lie): before chosen sync
 attempts it overwrites its shards with 1e30 or NaN and reports itself healthy. Each such sync must be rejected by
 every member, the honest groups must end it exactly at their last commit, both must name C (`sync_blame`, which the
 ServerApp's strikes count: `tests/flower/test_strategy.py` shows a member named by the others benched after
@@ -10,21 +10,18 @@ ServerApp's strikes count: `tests/flower/test_strategy.py` shows a member named 
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 
 from flwr_sharded.flower import messages as P
-from tests.flower.procs import REPO, start_groups
+from tests.flower.procs import start_groups
 from tests.flower.test_group import client, hello, spec, train_all
-
-LIAR_PATH = REPO / "tests" / "lying_member"
+from tests.multiproc import faults_env
 
 
 @pytest.mark.timeout(420)
 def test_a_lying_member_is_never_adopted_and_is_named_in_every_round_it_lies(procs, data_dir):
-    lie = {"FLWR_SHARDED_TEST_LIE": "1e30@2;nan@3,4",
-           "PYTHONPATH": os.pathsep.join([str(LIAR_PATH), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    lie = faults_env(lie="1e30@2;nan@3,4")
     groups = start_groups(procs, [("a", dict(shards=1)), ("b", dict(shards=1)), ("c", dict(shards=1, env=lie))])
     clients = [client(a, k) for _, a, k in groups]
     run = spec(data_dir, shards=1, aggregate_every=2, syncs_per_round=1, rounds=5)

@@ -119,7 +119,7 @@ from pathlib import Path
 
 Path(os.environ["FLWR_SHARDED_TEST_IMPORTED"]).write_text("imported")
 
-from flwr_sharded.parallel.outer import FedAvg
+from flwr_sharded.parallel.rules import FedAvg
 
 
 class Rule(FedAvg):

@@ -19,7 +19,7 @@ SIDE_EFFECT = '''
 import os
 open(os.environ["H21_IMPORTED"], "a").write(__name__ + "\\n")
 from flwr_sharded.flower.server.strategy import DecentralizedFedAvg
-from flwr_sharded.parallel.outer import FedAvg
+from flwr_sharded.parallel.rules import FedAvg
 
 
 class Strategy(DecentralizedFedAvg):

@@ -12,7 +12,7 @@ from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower.server.aggregation import (ExcludedContributions, ShardReply, StreamingShardAggregator,
                                                     plan_ranges, requests_for, spec_of)
 from flwr_sharded.flower.server.robust import SUM_LIMIT, out_of_bounds
-from flwr_sharded.parallel import outer
+from flwr_sharded.parallel import rules
 from flwr_sharded.parallel.contribution import check_weight, expected_weight, expected_weight_of
 from flwr_sharded.parallel.shard_transport import ShardPiece
 from tests.flower.test_server_path import SHAPES, _chunks, _expected, _group_reply, _model

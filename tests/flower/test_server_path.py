@@ -13,7 +13,7 @@ import torch
 
 from flwr_sharded.flower import handoff
 from flwr_sharded.flower.server.aggregation import ShardReply, StreamingShardAggregator, spec_of
-from flwr_sharded.parallel.outer import FedAdam, FedAvg, Nesterov, TrimmedMean, weighted_mean
+from flwr_sharded.parallel.rules import FedAdam, FedAvg, Nesterov, TrimmedMean, weighted_mean
 from flwr_sharded.parallel.shard_transport import (ShardPiece, ShardPieceError, apply_pieces, decode_pieces,
                                                    encode_pieces, shard_pieces)
 from tests.multiproc import run_ranks
@@ -272,7 +272,8 @@ def test_a_window_rejects_rows_outside_it_and_needs_a_plain_mean():
 def _server_path_worker(rank: int, world: int):
     import torch.distributed as dist
 
-    from flwr_sharded.parallel.sync import ShardSync, local_shard
+    from flwr_sharded.parallel.alignment import local_shard
+    from flwr_sharded.parallel.sync import ShardSync
     from tests.parallel.test_sync import WEIGHTS, _perturb, _sharded_tiny_model
 
     topo, model = _sharded_tiny_model("fl-fsdp", 2, 1, 2)

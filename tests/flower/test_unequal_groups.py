@@ -95,36 +95,33 @@ def test_the_round_names_its_channels_and_the_records_compare_groups_of_one_layo
     assert record["checksums_equal"] == 1 and record["layouts"] == {"1": "1x1", "2": "1x2"}
 
 
-class _RefusingSync:
-    """A shard sync whose seat no plan can serve (as `ShardSync.reseat` refuses a shard without rows)."""
-
-    keeps_global = False
+class _RefusingLoop:
+    """A sync loop whose seat no plan can serve (as `ShardSync.reseat` refuses a shard without rows)."""
 
     def __init__(self) -> None:
-        self.fragments, self.calls = [SimpleNamespace(seat=None)], []
+        import torch
 
-    def reseat(self, seat, fed_group) -> None:
-        self.calls.append(seat)
-        if seat is not None:
+        self.trainer, self.plans = SimpleNamespace(model=torch.nn.Linear(4, 1)), []
+
+    def configure(self, plan) -> None:
+        self.plans.append(plan)
+        if plan.seat is not None:
             raise ValueError("shard 1 of group 1 (S=2) holds no row of any parameter")
 
 
 def test_a_group_no_plan_can_serve_refuses_the_round_on_every_rank_before_training():
-    import torch
+    from flwr_sharded.flower.run import FlowerRun
 
-    outer = SimpleNamespace()
-    outer.bound_weights = lambda bound: setattr(outer, "max_weight", bound)
-    trainer = SimpleNamespace(shard_sync=_RefusingSync(), model=torch.nn.Linear(4, 1), outer=outer,
-                              cfg=SimpleNamespace(batch_size=2, grad_accum=1, data=SimpleNamespace(seq_len=8)))
-    runtime = SimpleNamespace(args=SimpleNamespace(shards=2, replicas=1), trainer=trainer,
+    loop = _RefusingLoop()
+    runtime = SimpleNamespace(args=SimpleNamespace(shards=2, replicas=1), loop=loop, run=FlowerRun(),
                               topo=SimpleNamespace(shard_index=1), gather=lambda x: [x, ""])
     args = P.TrainArgs(server_round=1, job="j", members=["a", "b"], member_index=1, rendezvous_host="h",
                        rendezvous_ports=[1], prefix="p", rendezvous_timeout=1, sync_timeout=1, secret="s" * 32,
                        member_shards=[1, 2])
     with pytest.raises(InstructionError, match=r"R=1 x S=2\) cannot sync with members of S=\[1, 2\]: shard 1"):
         channels.prepare(runtime, args)
-    assert trainer.shard_sync.calls[-1] is None  # back to whole shards, the same on every rank
-    assert trainer.outer.max_weight(1) == 1 * 2 * 8 * 2  # bounded by this group's own world again
+    assert loop.plans[-1].seat is None  # back to whole shards, the same on every rank
+    assert loop.plans[-1].weight_world == 1 * 2  # weights bounded by this group's own world again
     args.member_shards = [1, 1]
     with pytest.raises(InstructionError, match="gives member 1 S=1, but this group runs S=2"):
         channels.prepare(runtime, args)

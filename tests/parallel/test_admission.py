@@ -25,7 +25,6 @@ def _admission_worker(rank: int, world: int):
 
     import flwr_sharded.parallel.sync as sync_module
     from flwr_sharded.parallel.admission import SyncRejected, commit_vote
-    from flwr_sharded.parallel.streaming import OverlappedSync
     from flwr_sharded.parallel.sync import ShardSync
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
@@ -57,10 +56,8 @@ def _admission_worker(rank: int, world: int):
         before = [p.detach().clone() for p in params]
         try:
             if overlapped:
-                flight = OverlappedSync(sync)
-                flight.start(weight)
-                flight.wait(30)
-                stats = flight.merge()
+                sync.start(weight, overlap=True)
+                stats = sync.finish(timeout=30)
             else:
                 stats = sync.sync(weight)
         except SyncRejected as exc:

@@ -145,7 +145,6 @@ def _lying_worker(rank: int, world: int) -> dict:
 
     from flwr_sharded.parallel import sync
     from flwr_sharded.parallel.admission import SyncRejected
-    from flwr_sharded.parallel.streaming import OverlappedSync, Snapshot
     from flwr_sharded.parallel.sync import ShardSync
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
@@ -164,7 +163,6 @@ def _lying_worker(rank: int, world: int) -> dict:
         s = ShardSync([("a", params[0]), ("b", params[1])], fed_group=group, bucket_bytes=4000, wire_dtype=wire,
                       max_move=max_move)
         s.capture_global()
-        flight = OverlappedSync(s, origin=Snapshot()) if overlapped else None
         out = []
         for step in range(3):
             mine = values(step, rank)
@@ -175,13 +173,12 @@ def _lying_worker(rank: int, world: int) -> dict:
                 params[0].copy_(mine[:2000])
                 params[1].copy_(mine[2000:])
             try:
-                if flight is None:
+                if not overlapped:
                     s.sync(weight=weights[rank])
                 else:
-                    flight.start(weights[rank])
+                    s.start(weights[rank], overlap=True)
                     lying[0] = False
-                    flight.wait(60)
-                    flight.merge()
+                    s.finish(timeout=60)
                 out.append(("adopted", torch.cat([p.detach() for p in params])))
             except SyncRejected as exc:
                 now = torch.cat([p.detach() for p in params])

@@ -19,7 +19,7 @@ def _doc(field: str) -> str:
 
 
 def test_the_option_docstrings_name_exactly_the_registered_rules_and_their_defaults():
-    from flwr_sharded.parallel.outer import RULES, rule_options
+    from flwr_sharded.parallel.rules import RULES, rule_options
 
     named = re.findall(r"\b([a-z]+(?:-[a-z]+)?)\b(?: \(DiLoCo\))?(?:,| or)", _doc("outer"))
     assert named == list(RULES), named
@@ -32,7 +32,7 @@ def test_the_option_docstrings_name_exactly_the_registered_rules_and_their_defau
 
 
 def test_each_rule_declares_the_state_its_init_state_makes():
-    from flwr_sharded.parallel.outer import RULES
+    from flwr_sharded.parallel.rules import RULES
 
     for name, cls in RULES.items():
         state = cls().init_state(torch.zeros(7))
@@ -43,7 +43,7 @@ def test_each_rule_declares_the_state_its_init_state_makes():
 
 
 def test_the_rules_load_without_torch():
-    code = ("import sys; import flwr_sharded.parallel.outer as o, flwr_sharded.flower.node_policy; "
+    code = ("import sys; import flwr_sharded.parallel.rules as o, flwr_sharded.flower.node_policy; "
             "print(len(o.RULES), 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
                          env={"PYTHONPATH": str(REPO), "PATH": ""})

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from flwr_sharded.parallel.outer import (FedAdam, FedAvg, FedAvgM, FedYogi, Median, Nesterov, TrimmedMean,
+from flwr_sharded.parallel.rules import (FedAdam, FedAvg, FedAvgM, FedYogi, Median, Nesterov, TrimmedMean,
                                          make_rule, weighted_mean)
 from tests.multiproc import run_ranks
 
@@ -146,9 +146,9 @@ def test_make_rule_errors():
         make_rule("adagrad")
     with pytest.raises(ConfigError, match="fedadam"):
         make_rule("fedadam", momentum=0.9)
-    assert isinstance(make_rule("flwr_sharded.parallel.outer:TrimmedMean", trim=2), TrimmedMean)
+    assert isinstance(make_rule("flwr_sharded.parallel.rules:TrimmedMean", trim=2), TrimmedMean)
     with pytest.raises(ConfigError, match="not a ShardRule"):
-        make_rule("flwr_sharded.parallel.outer:weighted_mean")
+        make_rule("flwr_sharded.parallel.rules:weighted_mean")
     with pytest.raises(ConfigError, match="cannot import"):
         make_rule("no_such_module:Rule")
 
@@ -161,7 +161,8 @@ def _decentralised_rule_worker(rank: int, world: int, rule_name: str, F: int, S:
     from flwr_sharded.config import ParallelConfig
     from flwr_sharded.parallel.sharding import apply_fsdp, mixed_precision_policy
     from flwr_sharded.training.models import transformer_blocks
-    from flwr_sharded.parallel.sync import ShardSync, local_shard
+    from flwr_sharded.parallel.alignment import local_shard
+    from flwr_sharded.parallel.sync import ShardSync
     from flwr_sharded.parallel.topology import init_topology
 
     topo = init_topology(ParallelConfig(method="fl-fsdp", federations=F, shards=S))

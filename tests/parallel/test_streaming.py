@@ -26,7 +26,7 @@ def test_schedule_staggers_fragments_and_bounds_the_delay():
 
 def _step(model, fed: int, step: int, scale: float = 0.05) -> None:
     """Stand-in for a local optimizer step: a group- and step-specific change of every shard (replicas alike)."""
-    from flwr_sharded.parallel.sync import local_shard
+    from flwr_sharded.parallel.alignment import local_shard
 
     gen = torch.Generator().manual_seed(1000 * step + fed)
     with torch.no_grad():
@@ -37,48 +37,49 @@ def _step(model, fed: int, step: int, scale: float = 0.05) -> None:
 
 def _fragmented(topo, model, *, fragments: int, delay: int, wire: str | None, feedback: bool = False,
                 period: int = 4, rule: str = "fedavg", carry: bool = False):
-    from flwr_sharded.parallel.outer import make_rule
-    from flwr_sharded.parallel.schedule import Schedule
-    from flwr_sharded.parallel.streaming import FragmentedSync, fragment_parameters
-    from flwr_sharded.parallel.sync import ShardSync
+    """One shard sync per fragment, sharing their snapshot buffers as a sync loop's do, and their schedule."""
+    from flwr_sharded.parallel.rules import make_rule
+    from flwr_sharded.parallel.schedule import Schedule, fragment_parameters
+    from flwr_sharded.parallel.sync import ShardSync, Snapshot
     from flwr_sharded.training.models import transformer_blocks
 
     parts = fragment_parameters(model, transformer_blocks(model), fragments)
     fed = topo.fed_group if topo.replica_index == 0 else None
-    syncs = [ShardSync(part, fed_group=fed, rep_group=topo.rep_group, bucket_bytes=4096, rule=make_rule(rule),
-                       wire_dtype=getattr(torch, wire) if wire else None, error_feedback=feedback) for part in parts]
-    sync = FragmentedSync(syncs, Schedule(period, fragments, delay), carry=carry)
+    snapshot, origin = Snapshot(), Snapshot()
+    syncs = [ShardSync(part, fed_group=fed, bucket_bytes=4096, rule=make_rule(rule),
+                       wire_dtype=getattr(torch, wire) if wire else None, error_feedback=feedback,
+                       snapshot=snapshot, origin=origin, carry=carry) for part in parts]
     if topo.replica_index == 0:
-        sync.capture_global()
-    return sync
+        for s in syncs:
+            s.capture_global()
+    return syncs, Schedule(period, fragments, delay)
 
 
 def _overlap_matches_central(rank: int, world: int, wire: str | None, alpha: float, carry: bool) -> list[float]:
     """Two periods of a 2-fragment schedule with tau = 1: each merge must equal alpha * local + (1 - alpha) * the
     weighted mean of the groups' snapshots taken tau steps earlier (fp64, computed from every rank's copies); with
     `carry`, local + (1 - alpha) * (that mean - this rank's snapshot)."""
-    from flwr_sharded.parallel.sync import local_shard
+    from flwr_sharded.parallel.alignment import local_shard
 
     topo, model = _sharded_tiny_model("fl-fsdp", 2, 1, 2)
-    sync = _fragmented(topo, model, fragments=2, delay=1, wire=wire, carry=carry)
+    syncs, schedule = _fragmented(topo, model, fragments=2, delay=1, wire=wire, carry=carry)
     weight = WEIGHTS[topo.fed_index]
     snapshots: dict[int, list[torch.Tensor]] = {}
     errors = []
     for step in range(1, 9):
         _step(model, topo.fed_index, step)
         period_step = (step - 1) % 4 + 1
-        for i in sync.schedule.merges(period_step):
-            local = [local_shard(p).double().clone() for p in sync.params(i)]
-            sync.wait(i, timeout=60)
-            sync.merge(i, alpha=alpha)
+        for i in schedule.merges(period_step):
+            local = [local_shard(p).double().clone() for p in syncs[i].params]
+            syncs[i].finish(alpha=alpha, timeout=60)
             mine = snapshots.pop(i)
             mean, sources = central_mean(topo, mine, WEIGHTS)
-            for got, loc, ref, snap in zip(sync.params(i), local, mean, mine):
+            for got, loc, ref, snap in zip(syncs[i].params, local, mean, mine):
                 expected = loc + (1 - alpha) * (ref - snap.double()) if carry else alpha * loc + (1 - alpha) * ref
                 errors.append(float((local_shard(got).double() - expected).abs().max()))
-        for i in sync.schedule.starts(period_step):
-            snapshots[i] = [local_shard(p).detach().clone() for p in sync.params(i)]
-            sync.start(i, weight)
+        for i in schedule.starts(period_step):
+            snapshots[i] = [local_shard(p).detach().clone() for p in syncs[i].params]
+            syncs[i].start(weight, overlap=True)
     return errors
 
 
@@ -92,30 +93,32 @@ def test_overlapped_sync_equals_the_delayed_alpha_mixed_central_update(wire, alp
 
 
 def _replicas_after_every_merge(rank: int, world: int, wire: str | None, delay: int) -> list[bool]:
-    """FL+HSDP (F=2, R=2, S=1): after every merge every replica of a group holds bit-identical shards."""
+    """FL+HSDP (F=2, R=2, S=1): replica 0 merges, then the replicas receive its shards, as the sync loop has them:
+    after every merge every replica of a group holds bit-identical shards."""
     import torch.distributed as dist
 
-    from flwr_sharded.parallel.sync import local_shard
+    from flwr_sharded.parallel.alignment import local_shard
 
     topo, model = _sharded_tiny_model("fl-hsdp", 2, 2, 1)
-    sync = _fragmented(topo, model, fragments=2, delay=delay, wire=wire, feedback=wire is not None)
+    syncs, schedule = _fragmented(topo, model, fragments=2, delay=delay, wire=wire, feedback=wire is not None)
+    replica0 = topo.replica_index == 0
     identical = []
     for step in range(1, 9):
         _step(model, topo.fed_index, step)  # replicas of a group take the same steps, as HSDP's do
         period_step = (step - 1) % 4 + 1
-        for i in sync.schedule.merges(period_step):
-            if delay == 0:
-                sync.sync_fragment(i, WEIGHTS[topo.fed_index], alpha=0.5)
-            else:
-                if sync.flights[i].in_flight:
-                    sync.wait(i, timeout=60)
-                sync.merge(i, alpha=0.5)
+        for i in schedule.merges(period_step):
+            if replica0 and delay == 0:
+                syncs[i].sync(WEIGHTS[topo.fed_index], alpha=0.5)
+            elif replica0:
+                syncs[i].finish(alpha=0.5, timeout=60)
+            syncs[i].broadcast(topo.rep_group)
             flat = torch.cat([local_shard(p).reshape(-1) for p in model.parameters()])
             gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size(topo.rep_group))]
             dist.all_gather(gathered, flat, group=topo.rep_group)
             identical.append(all(torch.equal(g, gathered[0]) for g in gathered))
-        for i in sync.schedule.starts(period_step):
-            sync.start(i, WEIGHTS[topo.fed_index])
+        for i in schedule.starts(period_step):
+            if replica0:
+                syncs[i].start(WEIGHTS[topo.fed_index], overlap=True)
     return identical
 
 
@@ -127,14 +130,20 @@ def test_fl_hsdp_replicas_bit_identical_after_every_merge(wire, delay):
     assert all(len(r) == 4 for r in results) and all(all(r) for r in results), results
 
 
-def _trainer_equals_todays_loop(rank: int, world: int, data_dir: str) -> bool:
-    """The trainer's fragment schedule with N = 1 and tau = 0 against today's loop written out: A steps, then one
-    blocking `ShardSync.sync` weighted by the group's tokens. Same seed, same data: bit-identical shards."""
+def _trainer_equals_todays_loop(rank: int, world: int, data_dir: str) -> tuple[bool, set[int]]:
+    """`SyncLoop.run` with N = 1 and tau = 0 against the loop written out: A steps, then one blocking
+    `ShardSync.sync` weighted by the group's tokens. Same seed, same data: bit-identical shards. Also returns the
+    frames from `SyncLoop.run` to each bucket's all-reduce, both counted."""
+    import inspect
+
+    import torch.distributed as dist
+
     from flwr_sharded.config import TrainConfig
-    from flwr_sharded.parallel.outer import make_rule
-    from flwr_sharded.parallel.sync import ShardSync, local_shard
+    from flwr_sharded.parallel.rules import make_rule
+    from flwr_sharded.parallel.alignment import local_shard
+    from flwr_sharded.parallel.sync import ShardSync
     from flwr_sharded.parallel.topology import init_topology
-    from flwr_sharded.training.outer_loop import StaticFederation
+    from flwr_sharded.training.sync_loop import StaticFederation, SyncLoop
     from flwr_sharded.training.trainer import Trainer
 
     cfg = TrainConfig()
@@ -142,23 +151,35 @@ def _trainer_equals_todays_loop(rank: int, world: int, data_dir: str) -> bool:
     cfg.parallel.aggregate_every, cfg.parallel.outer = 2, "nesterov"
     cfg.model.name, cfg.data.data_dir, cfg.data.seq_len, cfg.batch_size, cfg.steps = "tiny", data_dir, 32, 2, 6
     topo = init_topology(cfg.parallel)
-    ours, ref = Trainer(cfg, topo), Trainer(cfg, topo)
+    ours, ref = SyncLoop(Trainer(cfg, topo)), Trainer(cfg, topo)
     todays = ShardSync(ref.model.named_parameters(), fed_group=topo.fed_group, rule=make_rule("nesterov"))
     todays.capture_global()
-    federation = StaticFederation(topo, 60.0)
+    model = ours.trainer.model
+    depths, all_reduce = set(), dist.all_reduce
+
+    def counted(*args, **kwargs):
+        frames = [f.function for f in inspect.stack()]
+        if "run" in frames and frames[1] == "reduce":  # a bucket's, issued by its wire below SyncLoop.run
+            depths.add(frames.index("run") + 1)
+        return all_reduce(*args, **kwargs)
+
+    dist.all_reduce = counted
+    report = ours.run(StaticFederation(topo, [tuple(p.shape) for p in model.parameters()], 60.0), until=cfg.steps)
+    dist.all_reduce = all_reduce
+    assert (report.syncs, report.periods, report.error) == (3, 3, "")
     for step in range(1, cfg.steps + 1):
-        ours.step()
-        assert all(o.adopted for o in ours.outer_step((step - 1) % 2 + 1, federation))
         ref.step()
         if step % 2 == 0:
             todays.sync(float(2 * 32 * 2 * topo.group_world))
-    return all(torch.equal(local_shard(a), local_shard(b)) for a, b in zip(ours.model.parameters(),
-                                                                           ref.model.parameters()))
+    return all(torch.equal(local_shard(a), local_shard(b)) for a, b in zip(model.parameters(),
+                                                                           ref.model.parameters())), depths
 
 
 @pytest.mark.timeout(300)
-def test_one_fragment_without_delay_is_the_blocking_sync(data_dir):
-    assert all(run_ranks(_trainer_equals_todays_loop, 2, str(data_dir), timeout=240))
+def test_one_fragment_without_delay_is_the_blocking_sync_six_frames_below_the_loop(data_dir):
+    for equal, depths in run_ranks(_trainer_equals_todays_loop, 2, str(data_dir), timeout=240):
+        assert equal
+        assert depths and max(depths) <= 6, depths  # run -> _merge -> finish -> _reduce -> Wire.reduce -> all_reduce
 
 
 @pytest.mark.parametrize("options,message", [

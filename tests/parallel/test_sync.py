@@ -30,7 +30,7 @@ def _sharded_tiny_model(method: str, F: int, R: int, S: int, intermediate_size: 
 
 
 def _perturb(model, seed: int) -> None:
-    from flwr_sharded.parallel.sync import local_shard
+    from flwr_sharded.parallel.alignment import local_shard
 
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -57,11 +57,11 @@ def _make_sync(topo, model, bucket_bytes: int):
     from flwr_sharded.parallel.sync import ShardSync
 
     fed = topo.fed_group if topo.replica_index == 0 else None
-    return ShardSync(model.named_parameters(), fed_group=fed, rep_group=topo.rep_group, bucket_bytes=bucket_bytes)
+    return ShardSync(model.named_parameters(), fed_group=fed, bucket_bytes=bucket_bytes)
 
 
 def _weighted_average_worker(rank: int, world: int, method: str, F: int, R: int, S: int, bucket_bytes: int):
-    from flwr_sharded.parallel.sync import local_shard
+    from flwr_sharded.parallel.alignment import local_shard
     from flwr_sharded.parallel.traffic import TrafficMeter
 
     topo, model = _sharded_tiny_model(method, F, R, S)
@@ -70,16 +70,19 @@ def _weighted_average_worker(rank: int, world: int, method: str, F: int, R: int,
     expected, _ = central_mean(topo, before, WEIGHTS)
 
     sync = _make_sync(topo, model, bucket_bytes)
-    sync.check_alignment()  # once, before the first sync; excluded from the traffic of one sync
+    if topo.replica_index == 0:
+        sync.check_alignment()  # once, before the first sync; excluded from the traffic of one sync
     with TrafficMeter() as meter:
-        stats = sync.sync(weight=WEIGHTS[topo.fed_index])
+        stats = sync.sync(weight=WEIGHTS[topo.fed_index]) if topo.replica_index == 0 else None
+        if topo.rep_group is not None:  # FL+HSDP: replica 0 sends its result to the others
+            sync.broadcast(topo.rep_group)
     after = [local_shard(p).clone() for p in model.parameters()]
     max_err = max(float((a.double() - e).abs().max()) for a, e in zip(after, expected))
     group_of = {r: r // (R * S) for r in range(world)}
     cross_group = sum(rec.nbytes for rec in meter.records if len({group_of[x] for x in rec.ranks}) > 1)
     return {"max_err": max_err, "after": after, "coords": (topo.fed_index, topo.replica_index, topo.shard_index),
             "cross_group_bytes": cross_group, "shard_bytes": sum(t.numel() * t.element_size() for t in before),
-            "buckets": stats.buckets, "planned_buckets": sync.num_buckets,
+            "buckets": stats.buckets if stats else 0, "planned_buckets": len(sync.layout.buckets),
             "all_reduces": meter.count("all_reduce"), "broadcasts": meter.count("broadcast")}
 
 
@@ -126,8 +129,9 @@ def test_fl_hsdp_replica0_syncs_then_broadcasts():
 
 def _hostile_median_worker(rank: int, world: int, F: int):
     """FL+FSDP F x 1 x 1 with the `median` rule; the last group sends 1e30 in every value."""
-    from flwr_sharded.parallel.outer import make_rule
-    from flwr_sharded.parallel.sync import ShardSync, local_shard
+    from flwr_sharded.parallel.rules import make_rule
+    from flwr_sharded.parallel.alignment import local_shard
+    from flwr_sharded.parallel.sync import ShardSync
     from flwr_sharded.parallel.traffic import TrafficMeter
 
     topo, model = _sharded_tiny_model("fl-fsdp", F, 1, 1)
@@ -145,7 +149,7 @@ def _hostile_median_worker(rank: int, world: int, F: int):
         sync.sync(weight=float(topo.fed_index + 1))
     after = [local_shard(p) for p in model.parameters()]
     return {"equal": all(torch.equal(a, e) for a, e in zip(after, expected)),
-            "largest": max(float(a.abs().max()) for a in after), "buckets": sync.num_buckets,
+            "largest": max(float(a.abs().max()) for a in after), "buckets": len(sync.layout.buckets),
             "all_gathers": meter.count("all_gather"), "all_reduces": meter.count("all_reduce")}
 
 
@@ -160,18 +164,26 @@ def test_the_median_rule_keeps_a_hostile_member_out():
 
 
 def _misaligned_worker(rank: int, world: int, method: str, F: int, R: int, S: int):
+    """Replica 0 syncs; the group's ranks then learn each other's outcome, as the sync loop's commit has them."""
+    import torch.distributed as dist
+
     from flwr_sharded.parallel.alignment import ShardAlignmentError, local_shard
 
     group = rank // (R * S)
     topo, model = _sharded_tiny_model(method, F, R, S, intermediate_size=64 if group == 0 else 96)
     before = [local_shard(p).clone() for p in model.parameters()]
     sync = _make_sync(topo, model, 64 << 20)
-    try:
-        sync.sync(weight=1.0)
-    except ShardAlignmentError as exc:
-        unchanged = all(torch.equal(b, local_shard(p)) for b, p in zip(before, model.parameters()))
-        return {"error": str(exc), "unchanged": unchanged}
-    return {"error": None}
+    error = None
+    if topo.replica_index == 0:
+        try:
+            sync.sync(weight=1.0)
+        except ShardAlignmentError as exc:
+            error = str(exc)
+    everyone: list = [None] * topo.group_world
+    dist.all_gather_object(everyone, error, group=topo.group_pg)
+    error = error or next((e for e in everyone if e), None)
+    unchanged = all(torch.equal(b, local_shard(p)) for b, p in zip(before, model.parameters()))
+    return {"error": error, "unchanged": unchanged}
 
 
 @pytest.mark.timeout(180)
@@ -192,11 +204,11 @@ def test_bucket_plan_splits_and_covers_every_element():
     params = [("a", torch.zeros(10)), ("b", torch.zeros(7, 3)), ("c", torch.zeros(5, dtype=torch.float64))]
     sync = ShardSync(params, fed_group=None, bucket_bytes=32)  # 8 fp32 or 4 fp64 elements per bucket
     covered: dict[int, int] = {}
-    for bucket in sync._buckets:
+    for bucket in sync.layout.buckets:
         dtype, segments = bucket.dtype, bucket.segments
         size = sum(s.end - s.start for s in segments)
         assert size * torch.empty((), dtype=dtype).element_size() <= 32
         for s in segments:
             covered[s.shard] = covered.get(s.shard, 0) + s.end - s.start
     assert covered == {0: 10, 1: 21, 2: 5}
-    assert sync.num_buckets == 4 + 2  # 10+21 = 31 fp32 -> 4 buckets of <= 8; 5 fp64 -> 2 of <= 4
+    assert len(sync.layout.buckets) == 4 + 2  # 10+21 = 31 fp32 -> 4 buckets of <= 8; 5 fp64 -> 2 of <= 4

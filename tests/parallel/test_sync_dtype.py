@@ -16,7 +16,7 @@ BF16_EPS = 2.0**-8  # relative rounding error of one bfloat16 rounding (8 signif
 
 
 def _perturb(model, seed: int, scale: float) -> None:
-    from flwr_sharded.parallel.sync import local_shard
+    from flwr_sharded.parallel.alignment import local_shard
 
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -27,16 +27,17 @@ def _perturb(model, seed: int, scale: float) -> None:
 
 def _fedavg_worker(rank: int, world: int, method: str, F: int, R: int, S: int):
     """Two bf16-wire FedAvg syncs, each against the weighted mean of the groups' shards computed centrally."""
-    from flwr_sharded.parallel.sync import ShardSync, local_shard
+    from flwr_sharded.parallel.alignment import local_shard
+    from flwr_sharded.parallel.sync import ShardSync
     from flwr_sharded.parallel.traffic import TrafficMeter
 
     topo, model = _sharded_tiny_model(method, F, R, S)
     replica0 = topo.replica_index == 0
-    sync = ShardSync(model.named_parameters(), fed_group=topo.fed_group if replica0 else None,
-                     rep_group=topo.rep_group, bucket_bytes=4096, wire_dtype=torch.bfloat16)
+    sync = ShardSync(model.named_parameters(), fed_group=topo.fed_group if replica0 else None, bucket_bytes=4096,
+                     wire_dtype=torch.bfloat16)
     if replica0:
         sync.capture_global()
-    sync.check_alignment()
+        sync.check_alignment()
     rounds = []
     # Round 2's deltas are 1000x smaller than the shards: rounding the shards (a naive bf16 all-reduce) or deltas
     # from a stale global model (round 1's) would miss its tolerance by far.
@@ -47,15 +48,17 @@ def _fedavg_worker(rank: int, world: int, method: str, F: int, R: int, S: int):
         expected, sources = central_mean(topo, before, WEIGHTS)
         global_is_mean = None
         with TrafficMeter() as meter:
-            stats = sync.sync(weight=WEIGHTS[topo.fed_index])
+            stats = sync.sync(weight=WEIGHTS[topo.fed_index]) if replica0 else None
+            if topo.rep_group is not None:  # FL+HSDP: replica 0 sends the result to the other replicas
+                sync.broadcast(topo.rep_group)
         after = [local_shard(p).clone() for p in model.parameters()]
         if replica0:  # the kept global model is the new mean, bit for bit
             global_is_mean = all(torch.equal(g, torch.cat([s.float() for s in segs]))
-                           for g, (_, segs, _) in zip(sync._global, sync.bucket_views()))
+                           for g, (_, segs, _) in zip(sync.state.shards, sync.layout.views()))
         rounds.append({
             "max_err": max(float((a.double() - e).abs().max()) for a, e in zip(after, expected)),
             "max_delta": max(float((b[i] - g).abs().max()) for _, b in sources for i, g in enumerate(global_)),
-            "after": after, "bytes": stats.bytes, "global_is_mean": global_is_mean,
+            "after": after, "bytes": stats.bytes if stats else 0, "global_is_mean": global_is_mean,
             "all_reduce_bytes": sum(r.nbytes for r in meter.records if r.op == "all_reduce"),
             "shard_bytes": sum(t.numel() * t.element_size() for t in before)})
     return {"coords": (topo.fed_index, topo.replica_index, topo.shard_index), "rounds": rounds}
@@ -89,8 +92,9 @@ def test_bf16_wire_fedavg_equals_the_weighted_mean_within_bf16_rounding_of_the_d
 
 def _nesterov_worker(rank: int, world: int, F: int, S: int):
     """The same two Nesterov (DiLoCo) syncs over an fp32 wire and over a bf16 wire, on two copies of one model."""
-    from flwr_sharded.parallel.outer import Nesterov
-    from flwr_sharded.parallel.sync import ShardSync, local_shard
+    from flwr_sharded.parallel.rules import Nesterov
+    from flwr_sharded.parallel.alignment import local_shard
+    from flwr_sharded.parallel.sync import ShardSync
 
     runs = {}
     for wire in (None, torch.bfloat16):
@@ -102,7 +106,7 @@ def _nesterov_worker(rank: int, world: int, F: int, S: int):
         for round_ in range(2):
             _perturb(model, seed=100 * round_ + rank, scale=0.1)  # the same noise in both runs
             deltas.append(max(float((torch.cat([s.float() for s in segs]) - g).abs().max())
-                              for g, (_, segs, _) in zip(sync._global, sync.bucket_views())))
+                              for g, (_, segs, _) in zip(sync.state.shards, sync.layout.views())))
             nbytes.append(sync.sync(weight=WEIGHTS[topo.fed_index]).bytes)
         runs[str(wire)] = {"after": [local_shard(p).clone() for p in model.parameters()], "bytes": nbytes,
                            "max_delta": max(deltas)}
@@ -130,7 +134,7 @@ def test_nesterov_with_a_bf16_wire_stays_close_to_the_fp32_wire_over_two_syncs()
 
 
 def test_trimmed_mean_with_a_reduced_wire_is_refused():
-    from flwr_sharded.parallel.outer import TrimmedMean
+    from flwr_sharded.parallel.rules import TrimmedMean
     from flwr_sharded.parallel.sync import ShardSync
 
     with pytest.raises(ValueError, match="TrimmedMean is not linear.*bfloat16"):
@@ -141,7 +145,7 @@ def test_trimmed_mean_with_a_reduced_wire_is_refused():
 
 
 def test_bf16_wire_keeps_the_global_model_for_fedavg_and_its_outer_state_round_trips():
-    from flwr_sharded.parallel.outer import Nesterov
+    from flwr_sharded.parallel.rules import Nesterov
     from flwr_sharded.parallel.sync import ShardSync
 
     def params(seed: int) -> list[tuple[str, torch.Tensor]]:
@@ -154,15 +158,15 @@ def test_bf16_wire_keeps_the_global_model_for_fedavg_and_its_outer_state_round_t
         sync = ShardSync(named, fed_group=None, bucket_bytes=32, rule=rule, wire_dtype=torch.bfloat16)
         assert sync.keeps_global and sync.delta
         sync.capture_global()
-        assert sync._global is not None and sync.num_buckets == 4
+        assert sync.state.shards is not None and len(sync.layout.buckets) == 4
         buffer = io.BytesIO()
-        torch.save(sync.outer_state_dict(), buffer)  # as a checkpoint holds it
+        torch.save(sync.state.state_dict(), buffer)  # as a checkpoint holds it
         buffer.seek(0)
         other = ShardSync(params(1), fed_group=None, bucket_bytes=32, rule=rule, wire_dtype=torch.bfloat16)
-        other.load_outer_state_dict(torch.load(buffer))
+        other.state.load_state_dict(torch.load(buffer))
         flat = torch.cat([t.reshape(-1) for _, t in named])
-        assert torch.equal(torch.cat(other._global), flat)
-        assert [sorted(s) for s in other._rule_state] == [sorted(s) for s in sync._rule_state]
+        assert torch.equal(torch.cat(other.state.shards), flat)
+        assert [sorted(s) for s in other.state.rule_state] == [sorted(s) for s in sync.state.rule_state]
     # the server path's last step makes the mean (the current shards) the new global model, for FedAvg too
     named = params(0)
     sync = ShardSync(named, fed_group=None, bucket_bytes=32, wire_dtype=torch.bfloat16)
@@ -171,4 +175,4 @@ def test_bf16_wire_keeps_the_global_model_for_fedavg_and_its_outer_state_round_t
         for _, t in named:
             t.add_(1.0)
     sync.step_rule()
-    assert torch.equal(torch.cat(sync._global), torch.cat([t.reshape(-1) for _, t in named]))
+    assert torch.equal(torch.cat(sync.state.shards), torch.cat([t.reshape(-1) for _, t in named]))

@@ -55,7 +55,7 @@ def _tiny_model(layouts: tuple[int, ...], R: int, intermediate_size: int = 64):
 
 
 def _perturb(model, seed: int, scale: float = 1.0) -> None:
-    from flwr_sharded.parallel.sync import local_shard
+    from flwr_sharded.parallel.alignment import local_shard
 
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -79,17 +79,16 @@ def _everyone_full(topo, model) -> list[tuple[int, int, list[torch.Tensor]]]:
 
 def _sync_worker(rank: int, world: int, layouts: tuple[int, ...], R: int, wire: str, overlapped: bool,
                  rule: str = "fedavg", poison: bool = False):
-    from flwr_sharded.parallel.outer import make_rule
-    from flwr_sharded.parallel.streaming import FragmentedSync
-    from flwr_sharded.parallel.schedule import Schedule
-    from flwr_sharded.parallel.sync import ShardSync, local_shard
+    from flwr_sharded.parallel.rules import make_rule
+    from flwr_sharded.parallel.alignment import local_shard
+    from flwr_sharded.parallel.sync import ShardSync
     from flwr_sharded.parallel.traffic import TrafficMeter
     from flwr_sharded.parallel.wire import WIRES
 
     topo, model = _tiny_model(layouts, R)
     groups = topo.sync_groups([tuple(p.shape) for p in model.parameters()])
     sync = ShardSync(model.named_parameters(), fed_group=groups if topo.replica_index == 0 else None,
-                     rep_group=topo.rep_group, bucket_bytes=4000, seat=topo.seat,
+                     bucket_bytes=4000, seat=topo.seat,
                      wire_dtype=WIRES[wire].torch_dtype(), max_move=0, rule=make_rule(rule))
     start = _full(model)
     sync.capture_global()  # the global model the reduced wires (and outer optimizers) step from
@@ -99,19 +98,18 @@ def _sync_worker(rank: int, world: int, layouts: tuple[int, ...], R: int, wire: 
             local_shard(next(model.parameters())).view(-1)[0] = float("nan")
     before = _everyone_full(topo, model)
     weight = WEIGHTS[topo.fed_index]
-    if overlapped:
-        fragmented = FragmentedSync([sync], Schedule(2, 1, 1))
-        fragmented.start(0, weight)
-        if topo.replica_index == 0:
-            fragmented.wait(0, timeout=60)
-        fragmented.merge(0, alpha=0.0)
-    else:
+    if overlapped and topo.replica_index == 0:
+        sync.start(weight, overlap=True)
+        sync.finish(alpha=0.0, timeout=60)
+    elif topo.replica_index == 0:
         sync.check_alignment()  # once, before the first sync; not part of one sync's traffic
         with TrafficMeter() as meter:
             sync.sync(weight)
+    if topo.rep_group is not None:  # FL+HSDP: replica 0 sends the result to the other replicas
+        sync.broadcast(topo.rep_group)
     after = _everyone_full(topo, model)
     group_of = {r: f for f in range(len(layouts)) for r in topo.group_ranks(f)}
-    cross = 0 if overlapped else sum(rec.nbytes for rec in meter.records if len({group_of[x] for x in rec.ranks}) > 1)
+    cross = 0 if overlapped or topo.replica_index else sum(rec.nbytes for rec in meter.records if len({group_of[x] for x in rec.ranks}) > 1)
     total = sum(WEIGHTS[f] for f, _, _ in before)
     expected = [sum(WEIGHTS[f] * t[i].double() for f, _, t in before) / total for i in range(len(before[0][2]))]
     central = make_rule(rule)  # element-wise: the central rule on whole tensors is the reference
@@ -136,9 +134,9 @@ def _sync_worker(rank: int, world: int, layouts: tuple[int, ...], R: int, wire: 
     moved = max(float((b.double() - e).abs().max()) for _, _, full in before for b, e in zip(full, expected))
     shards = [local_shard(p).clone() for p in model.parameters()]
     return {"errors": errors, "moved": moved, "coords": (topo.fed_index, topo.replica_index, topo.shard_index),
-            "cross_group_bytes": cross, "buffer_bytes": sync._buffer.numel(),
+            "cross_group_bytes": cross, "buffer_bytes": sync.layout.views()[0][0].untyped_storage().nbytes(),
             "shapes": [tuple(p.shape) for p in model.parameters()],
-            "shards": shards, "channels": len(sync.channels), "same": [all(torch.equal(a, b) for a, b in
+            "shards": shards, "channels": len(sync.layout.channels), "same": [all(torch.equal(a, b) for a, b in
                                                                           zip(after[0][2], full))
                                                                       for _, _, full in after]}
 
@@ -203,22 +201,22 @@ def test_unequal_groups_step_an_outer_optimizer_as_the_central_rule_on_whole_ten
 def test_reseat_carries_the_outer_state_element_by_element():
     """A sync re-planned for another seat (a round whose members shard differently) keeps every element's global
     value and rule state, and the rule's per-bucket scalars."""
-    from flwr_sharded.parallel.outer import make_rule
+    from flwr_sharded.parallel.rules import make_rule
     from flwr_sharded.parallel.sync import ShardSync
     from flwr_sharded.parallel.sync_plan import Seat
 
     params = [(f"p{i}", torch.randn(rows, 3)) for i, rows in enumerate((8, 5, 1))]
     sync = ShardSync(params, fed_group=None, bucket_bytes=40, rule=make_rule("fedadam"),
                      seat=Seat((1, 2), group=0, shard=0))  # S = 1 next to S = 2: two channels, whole tensors here
-    assert len(sync.channels) == 2
+    assert len(sync.layout.channels) == 2
     sync.capture_global()
-    for state, g in zip(sync._rule_state, sync._global):
+    for state, g in zip(sync.state.rule_state, sync.state.shards):
         state["m"].copy_(2 * g)
         state["t"].fill_(7)
-    old = [b.segments for b in sync._buckets]
+    old = [b.segments for b in sync.layout.buckets]
     sync.reseat(None, None)
-    assert [b.segments for b in sync._buckets] != old and len(sync.channels) == 1
-    for bucket, g, state in zip(sync._buckets, sync._global, sync._rule_state):
+    assert [b.segments for b in sync.layout.buckets] != old and len(sync.layout.channels) == 1
+    for bucket, g, state in zip(sync.layout.buckets, sync.state.shards, sync.state.rule_state):
         for seg in bucket.segments:
             expected = params[seg.shard][1].view(-1)[seg.start:seg.end]
             assert torch.equal(g[seg.offset:seg.offset + seg.end - seg.start], expected)

@@ -82,7 +82,7 @@ def _sync_worker(rank: int, world: int, n: int):
     sent = sync.sync(weight=WEIGHTS[rank]).bytes
     return {"before": before, "after": param.detach().clone(), "sent": sent,
             "expected_sent": all_reduce_bytes(n, world, E5M2),
-            "residual_finite": all(bool(torch.isfinite(r).all()) for r in sync.feedback.residuals.values())}
+            "residual_finite": all(bool(torch.isfinite(r).all()) for r in sync.state.feedback.residuals.values())}
 
 
 @pytest.mark.timeout(120)

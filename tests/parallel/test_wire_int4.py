@@ -39,7 +39,8 @@ def test_float4_e2m1_shares_int4s_bytes_and_is_found_by_torchs_dtype():
 
 def _sync_worker(rank: int, world: int):
     from flwr_sharded.parallel.quantize import all_reduce_bytes
-    from flwr_sharded.parallel.sync import ShardSync, local_shard
+    from flwr_sharded.parallel.alignment import local_shard
+    from flwr_sharded.parallel.sync import ShardSync
 
     topo, model = _sharded_tiny_model("fl-fsdp", 2, 1, 1)
     sync = ShardSync(model.named_parameters(), fed_group=topo.fed_group, bucket_bytes=4096, wire_dtype=INT4,
@@ -57,14 +58,14 @@ def _sync_worker(rank: int, world: int):
         sent = sync.sync(weight=WEIGHTS[topo.fed_index]).bytes
         after = [local_shard(p).clone() for p in model.parameters()]
         residual = [torch.zeros(t.numel(), dtype=torch.float64) for t in after]  # the residuals, per shard
-        for k, segments in enumerate(b.segments for b in sync._buckets):
-            res = sync.feedback.residuals[str(k)]
+        for k, segments in enumerate(b.segments for b in sync.layout.buckets):
+            res = sync.state.feedback.residuals[str(k)]
             for s in segments:
                 residual[s.shard][s.start:s.end] = res[s.offset:s.offset + s.end - s.start].double()
         deltas = [max(float((b[i].double() - g).abs().max()) for _, b in sources) for i, g in enumerate(global_)]
         rounds.append({"after": after, "expected": expected, "residual": residual, "sent": sent, "max_delta": max(deltas),
                        "expected_sent": sum(all_reduce_bytes(sum(s.end - s.start for s in segs), world, INT4)
-                                            for segs in (b.segments for b in sync._buckets))})
+                                            for segs in (b.segments for b in sync.layout.buckets))})
     return rounds
 
 

@@ -118,7 +118,7 @@ def test_rule_state_comes_from_the_rules():
     assert rule_state_bytes("fedavg") == rule_state_bytes("trimmed-mean") == rule_state_bytes("median") == 0
     assert rule_state_bytes("nesterov") == rule_state_bytes("fedavgm") == 4
     assert rule_state_bytes("fedadam") == rule_state_bytes("fedyogi") == 8  # m and v; the step count is a scalar
-    from flwr_sharded.parallel.outer import RULES
+    from flwr_sharded.parallel.rules import RULES
 
     for name, cls in RULES.items():  # declared (torch-free) == measured from the rule's init_state (its import path)
         assert rule_state_bytes(name) == rule_state_bytes(f"{cls.__module__}:{cls.__name__}"), name

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from flwr_sharded.flower.processes import pid_alive
-from flwr_sharded.training.checkpoint import FAULT_COMMIT_DELAY_ENV, LATEST, export_pretrained, latest_checkpoint, \
+from flwr_sharded.training.checkpoint import LATEST, export_pretrained, latest_checkpoint, \
     read_meta
-from tests.multiproc import REPO, free_port, torchrun
+from tests.multiproc import REPO, faults_env, free_port, torchrun
 
 ARGS = ["--method", "fl-hsdp", "--federations", "2", "--replicas", "1", "--shards", "2", "--model", "tiny",
         "--seq-len", "32", "--batch-size", "2", "--steps", "12", "--aggregate-every", "3", "--log-every", "1",
@@ -150,7 +150,7 @@ def _wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen, log:
 
 @pytest.mark.timeout(300)
 def test_a_job_killed_while_writing_a_checkpoint_resumes_from_the_last_committed_one(data_dir, tmp_path):
-    """fsdp S=2, 12 steps, a checkpoint every 4. The fault-injection hook (`FAULT_COMMIT_DELAY_ENV`) holds every
+    """fsdp S=2, 12 steps, a checkpoint every 4. The test-only fault hook (`tests/faults`, `commit_delay`) holds every
     commit for 8 s; once step 8's files are all written into `step-00000008.tmp/` (its `meta.json.part` exists), the
     whole job (both ranks and the launcher) gets SIGKILL.
 
@@ -166,7 +166,7 @@ def test_a_job_killed_while_writing_a_checkpoint_resumes_from_the_last_committed
     killed_run, resumed_run = tmp_path / "killed", tmp_path / "resumed"
     resumed_metrics = resumed_run / "metrics.jsonl"
     job = _start_torchrun(2, [*common, "--run-dir", str(killed_run)], tmp_path / "killed.log",
-                          **{FAULT_COMMIT_DELAY_ENV: "8"})
+                          **faults_env(commit_delay=8))
     workers: list[int] = []
     try:
         _wait_for(lambda: (series / LATEST).is_file(), 180, "the commit of step 4", job, tmp_path / "killed.log")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.multiproc import torchrun
+from tests.multiproc import faults_env, torchrun
 
 LAYOUTS = {
     "fsdp": ["--method", "fsdp", "--shards", "4"],
@@ -33,8 +33,8 @@ def _state(directory: Path) -> dict[str, torch.Tensor]:
     return AutoModelForCausalLM.from_pretrained(directory).state_dict()
 
 
-def _run(nproc: int, args: list[str], timeout: float = 300) -> None:
-    result = torchrun(nproc, args, timeout=timeout)
+def _run(nproc: int, args: list[str], timeout: float = 300, env: dict[str, str] | None = None) -> None:
+    result = torchrun(nproc, args, timeout=timeout, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
 
 
@@ -100,16 +100,16 @@ def test_a_sync_that_fails_on_one_member_is_rolled_back_everywhere_and_training_
     """Member 0 fails its second sync after the reduction succeeded everywhere (injected): both members roll back
     to the first sync (step 2), train steps 3-4 again on fresh batches and adopt the next syncs; the run completes
     with the failure in its metrics. With --sync-retries 0 the same failure stops every rank with the error."""
-    _run(2, [*FAILED_SYNC, "--debug-fail-sync", "2", *_common(data_dir, tmp_path, "retry")])
+    _run(2, [*FAILED_SYNC, *_common(data_dir, tmp_path, "retry")], env=faults_env(fail_sync=2))
     failed = _records(tmp_path / "retry", "sync_failed")
     assert [(r["step"], r["restored_step"], r["retry"]) for r in failed] == [(4, 2, 1)]
-    assert "--debug-fail-sync 2" in failed[0]["error"]
+    assert "injected fault: sync attempt 2 fails" in failed[0]["error"]
     train = _records(tmp_path / "retry", "train")
     assert [r["step"] for r in train] == [1, 2, 3, 3, 4, 5, 6]  # step 4's window undone, steps 3-4 trained again
     assert train[-1]["syncs"] == 3 and train[3]["loss"] != train[2]["loss"]  # fresh batches after the rollback
 
-    result = torchrun(2, [*FAILED_SYNC, "--debug-fail-sync", "2", "--sync-retries", "0",
-                          *_common(data_dir, tmp_path, "stop")], timeout=200)
+    result = torchrun(2, [*FAILED_SYNC, "--sync-retries", "0", *_common(data_dir, tmp_path, "stop")], timeout=200,
+                      env=faults_env(fail_sync=2))
     assert result.returncode != 0
     assert "the sync of fragment 0 after step 4 failed" in result.stderr and "--sync-retries 0: stopping" in \
         result.stderr, result.stderr[-3000:]
@@ -119,13 +119,10 @@ def test_a_sync_that_fails_on_one_member_is_rolled_back_everywhere_and_training_
 @pytest.mark.timeout(300)
 def test_a_member_lying_about_its_values_is_rolled_back_everywhere_named_and_training_goes_on(data_dir, tmp_path):
     """Member 2 of three sends 1e30 to its second sync and reports itself healthy (the test-only hook of
-    `tests/lying_member`): every rank rejects the result, names member 2, returns to the first sync (step 2) and
+    `tests/faults`): every rank rejects the result, names member 2, returns to the first sync (step 2) and
     trains on; the run completes with a finite loss."""
-    from tests.multiproc import REPO
-
-    lie = {"FLWR_SHARDED_TEST_LIE": "1e30@2@2", "PYTHONPATH": f"{REPO / 'tests' / 'lying_member'}:{REPO}"}
     args = [*FAILED_SYNC, "--federations", "3", *_common(data_dir, tmp_path, "lie")]
-    result = torchrun(3, args, timeout=250, env=lie)
+    result = torchrun(3, args, timeout=250, env=faults_env(lie="1e30@2@2"))
     assert result.returncode == 0, result.stderr[-4000:]
     failed = _records(tmp_path / "lie", "sync_failed")
     assert [(r["step"], r["restored_step"], r["blame"]) for r in failed] == [(4, 2, [2])], failed

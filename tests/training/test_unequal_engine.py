@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.multiproc import free_port
+from tests.multiproc import faults_env, free_port
 from tests.training.test_engine import FAILED_SYNC, SGD, _common, _records, _run, _state
 
 
@@ -34,7 +34,8 @@ def test_a_sync_that_fails_on_the_member_with_the_larger_s_is_rolled_back_everyw
     """Group 0 (S = 2, ranks 0-1) fails its second sync after the reduction succeeded everywhere (injected on rank 0):
     both groups roll back to the first sync and go on; the run completes with the failure in its metrics."""
     assert FAILED_SYNC[:6] == ["--method", "fl-fsdp", "--federations", "2", "--shards", "1"]
-    _run(3, ["--method", "fl-fsdp", *FAILED_SYNC[6:], "--group-shards", "2,1", "--debug-fail-sync", "2", *_common(data_dir, tmp_path, "retry")])
+    _run(3, ["--method", "fl-fsdp", *FAILED_SYNC[6:], "--group-shards", "2,1", *_common(data_dir, tmp_path, "retry")],
+         env=faults_env(fail_sync=2))
     failed = _records(tmp_path / "retry", "sync_failed")
     assert [(r["step"], r["restored_step"], r["retry"]) for r in failed] == [(4, 2, 1)]
     train = _records(tmp_path / "retry", "train")
@@ -66,9 +67,10 @@ def test_group_steps_speed_gives_a_slower_group_fewer_steps_and_the_faster_one_l
     about A x 0.4 s per sync; with --group-steps speed group 1 trains fewer steps from the second period on, and the
     faster group's idle time drops (medians; the exchange's records give both)."""
     common = ["--method", "fl-fsdp", "--group-shards", "1,2", "--aggregate-every", "4", "--steps", "16",
-              "--debug-slow-group", "1:0.4", "--eval-every", "0", "--no-save-model"]
-    _run(3, [*common, *_common(data_dir, tmp_path, "equal")])
-    _run(3, [*common, "--group-steps", "speed", *_common(data_dir, tmp_path, "speed")])
+              "--eval-every", "0", "--no-save-model"]
+    slow = faults_env(step_delay="1:0.4")
+    _run(3, [*common, *_common(data_dir, tmp_path, "equal")], env=slow)
+    _run(3, [*common, "--group-steps", "speed", *_common(data_dir, tmp_path, "speed")], env=slow)
     equal, speed = _records(tmp_path / "equal", "sync_groups"), _records(tmp_path / "speed", "sync_groups")
     assert [r["reference_step"] for r in speed] == [4, 8, 12, 16] == [r["step"] for r in equal]
     assert all(r["steps"] == [4, 4] for r in equal)

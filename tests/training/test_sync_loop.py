@@ -1,0 +1,105 @@
+"""The sync loop's periods: each group's local steps per sync (`group-steps`), the run's clock, the refusals, and the
+depth of its calls down to a bucket's collective."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from flwr_sharded.config import TrainConfig
+from flwr_sharded.validation import validate, validate_static
+from flwr_sharded.errors import ConfigError
+from flwr_sharded.parallel.schedule import idle_times, local_steps
+
+
+def test_local_steps_let_groups_of_different_speeds_arrive_together():
+    assert local_steps(8, [0.1, 0.2, 0.4]) == (8, 4, 2)
+    assert local_steps(8, [0.3, 0.1]) == (3, 8)  # the fastest need not be group 0
+    assert local_steps(4, [0.1, 10.0]) == (4, 1)  # at least one step
+    assert idle_times((8, 4), (0.1, 0.2)) == pytest.approx((0.0, 0.0))
+    assert idle_times((8, 8), (0.1, 0.2)) == pytest.approx((0.8, 0.0))  # today's: the fast group waits 8 x 0.1 s
+    with pytest.raises(ValueError):
+        local_steps(8, [0.1, 0.0])
+
+
+class _Trainer:
+    """What `SyncLoop.run` drives, without a model: a step counter and the learning-rate schedule."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        import torch
+
+        from flwr_sharded.training.metrics import PhaseTimer
+        from flwr_sharded.training.trainer import Trainer, lr_lambda
+
+        self.cfg, self.device, self.timer, self.step_count = cfg, torch.device("cpu"), PhaseTimer("cpu"), 0
+        self.topo = SimpleNamespace(group_worlds=[1], replica_index=0, group_world=1)
+        self.optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.optim.lr)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
+        self.move_schedule = Trainer.move_schedule.__get__(self)
+
+    @property
+    def schedule_step(self) -> int:
+        return int(self.scheduler.last_epoch)
+
+    def step(self):
+        import torch
+
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step_count += 1
+        return torch.zeros(())
+
+
+def _ticks(group_steps: str, steps: int) -> list[tuple[int, int | None, int]]:
+    """(step count, tick, the schedule's step) after every step of a run of 8 clock steps, A = 4, when this group
+    takes `steps` steps per period."""
+    import dataclasses
+
+    from flwr_sharded.training.sync_loop import SyncLoop
+
+    cfg = TrainConfig(steps=8)
+    cfg.parallel.method, cfg.parallel.aggregate_every, cfg.parallel.group_steps = "fsdp", 4, group_steps
+    t = _Trainer(cfg)
+    loop = SyncLoop(t)
+    loop.schedule = dataclasses.replace(loop.schedule, aggregate_every=steps)  # what an exchange of step times sets
+    out = []
+    loop.run(None, until=cfg.steps, on_step=lambda loss, tick: out.append((t.step_count, tick, t.schedule_step)))
+    return out
+
+
+def test_the_runs_clock_is_the_fastest_groups_step_count():
+    """A group half as fast takes two steps per period: its schedule moves two steps per step, the world acts together
+    (logs, evaluates) at the periods' ends only, on the clock's step, and the run ends when the clock reaches its
+    steps; with equal steps every step is a tick."""
+    assert _ticks("speed", 2) == [(1, None, 2), (2, 4, 4), (3, None, 6), (4, 8, 8)]
+    assert _ticks("equal", 4) == [(s, s, s) for s in range(1, 9)]
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(sync_delay=1), "use one fragment and no delay"),
+    (dict(outer="median"), "ignores the weights"),
+    (dict(method="fsdp", federations=1), "needs an FL method"),
+])
+def test_group_steps_refuses_what_needs_equal_steps(options, message):
+    cfg = TrainConfig(steps=16)
+    cfg.parallel.method, cfg.parallel.federations, cfg.parallel.aggregate_every = "fl-fsdp", 2, 4
+    cfg.parallel.group_steps = "speed"
+    for key, value in options.items():
+        setattr(cfg.parallel, key, value)
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg)
+
+
+def test_group_steps_needs_whole_periods_and_no_periodic_checkpoints():
+    cfg = TrainConfig(steps=10)
+    cfg.parallel.method, cfg.parallel.federations, cfg.parallel.aggregate_every = "fl-fsdp", 2, 4
+    cfg.parallel.group_steps = "speed"
+    validate(cfg)  # a Flower run trains whole rounds: only the static engine counts steps
+    with pytest.raises(ConfigError, match="must be a multiple of --aggregate-every"):
+        validate_static(cfg)
+    cfg.steps = 16
+    validate_static(cfg)
+    cfg.checkpoint.dir, cfg.checkpoint.resume = "ckpt", True
+    with pytest.raises(ConfigError, match="without --checkpoint-every or --resume"):
+        validate_static(cfg)
