@@ -93,7 +93,8 @@ def main() -> None:
     from flwr_sharded.config import ParallelConfig
     from flwr_sharded.parallel.sharding import apply_fsdp, mixed_precision_policy
     from flwr_sharded.training.models import transformer_blocks
-    from flwr_sharded.parallel.sync import ShardSync, local_shard
+    from flwr_sharded.parallel.alignment import local_shard
+    from flwr_sharded.parallel.sync import ShardSync
     from flwr_sharded.parallel.wire import WIRES
     from flwr_sharded.parallel.topology import init_topology
 
@@ -169,7 +170,7 @@ def main() -> None:
         if name in ("sync-int8", "sync-int8-unchecked"):
             timed_checks(name, wired)
         runs[name] = (lambda w: lambda: w.sync(weight=1.0 + topo.fed_index))(wired)
-    from flwr_sharded.parallel.outer import make_rule
+    from flwr_sharded.parallel.rules import make_rule
 
     robust = {"sync-median": lambda: make_rule("median")}
     if args.federations >= 3:
