@@ -361,16 +361,3 @@ def model_units(model_name: str, vocab_size: int, bytes_per_param: float = 4.0) 
 
     return model_from_preset(model_name, vocab_size).units(bytes_per_param)
 
-
-def format_table(cmp: TierComparison, label: str = "") -> str:
-    """Rows per tier: predicted MB, measured collectives MB and error, wire MB and wire / collectives."""
-    pred, meas, allm = cmp.predicted_total(), cmp.measured_total(), cmp.measured_total(ALL_PHASES)
-    lines = [f"{label:<10} {'tier':<12} {'predicted MB':>12} {'collectives MB':>14} {'error':>7} "
-             f"{'all coll. MB':>12} {'wire MB':>9} {'wire/coll.':>10}"]
-    for tier in TIERS:
-        err, ratio = cmp.error(tier), cmp.wire_ratio(tier)
-        wire = f"{cmp.wire[tier] / 1e6:9.2f}" if cmp.wire else f"{'-':>9}"
-        lines.append(f"{'':<10} {tier:<12} {pred[tier] / 1e6:12.2f} {meas[tier] / 1e6:14.2f} "
-                     f"{'-' if err is None else f'{err:+.1%}':>7} {allm[tier] / 1e6:12.2f} {wire} "
-                     f"{'-' if ratio is None else f'{ratio:.3f}':>10}")
-    return "\n".join(lines)

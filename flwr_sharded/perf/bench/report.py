@@ -1,16 +1,13 @@
-"""The results against the issue's targets, the planner's agreement with the measurements, and the Markdown report
-(`render`; `rerender` redoes all three, and the plots, from a saved bench.json)."""
+"""The results against the issue's targets, the planner's agreement with the measurements, and the Markdown report."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 from flwr_sharded.perf.bench.common import LABELS, REPO
 from flwr_sharded.perf.bench.layouts import VARIANT_RUNS, WIRE_BYTES_TARGETS, variant_wire
-from flwr_sharded.perf.bench.plots import plot
 from flwr_sharded.perf.bench.unequal_report import render_unequal, unequal_checks
 from flwr_sharded.perf.placement import TIERS
 
@@ -165,21 +162,6 @@ def agreement(scen: dict[str, Any]) -> dict[str, Any] | None:
         text += f"; the planner's {margin:.0%} FL margin applied to the measured times picks {name(by_rule)}"
     return {**out, "planner": choice, "measured_fastest": fastest, "measured_by_rule": by_rule, "gap": gap,
             "ok": choice == fastest, "ok_by_rule": choice == by_rule, "global": True, "text": text}
-
-
-def rerender(out_dir: str | Path) -> str:
-    """Recompute checks and agreement of a saved `bench.json` and rewrite `bench.md` and the plots."""
-    out_dir = Path(out_dir)
-    results = json.loads((out_dir / "bench.json").read_text())
-    for name, scen in results["scenarios"].items():
-        if name != "unequal":
-            scen["agreement"] = agreement(scen)
-    results["checks"] = checks(results)
-    report = render(results)
-    (out_dir / "bench.json").write_text(json.dumps(results, indent=1, default=_json_default))
-    (out_dir / "bench.md").write_text(report + "\n")
-    plot(results, out_dir)
-    return report
 
 
 def _fmt(value: float | None, spec: str = ".3f") -> str:

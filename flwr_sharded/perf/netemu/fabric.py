@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -246,30 +245,12 @@ class Fabric:
             if tmp is not None:
                 tmp.cleanup()
 
-    # ----- counters ---------------------------------------------------------------------------------------------
-    def counters(self) -> dict[str, dict[str, dict[str, int]]]:
-        """Interface counters: {"fabric": {...}, "node<k>": {...}} from `ip -s -j link`."""
-        out = {"fabric": _ip_stats([])}
-        for k in range(self.topology.nodes):
-            out[f"node{k}"] = _ip_stats(["-n", self.topology.netns(k)])
-        return out
-
 
 _REACH = ("import socket, sys\n"
           "s = socket.socket(); s.settimeout(0.5)\n"
           "try:\n    s.connect((sys.argv[1], 9))\nexcept ConnectionRefusedError:\n    sys.exit(0)\n"
           "except OSError:\n    sys.exit(1)\n")
 """Reachability probe without ping: a refused TCP connection means the peer answered."""
-
-
-def _ip_stats(prefix: list[str]) -> dict[str, dict[str, int]]:
-    result = subprocess.run(["ip", *prefix, "-s", "-j", "link", "show"], capture_output=True, text=True)
-    out = {}
-    for link in json.loads(result.stdout or "[]"):
-        stats = link.get("stats64") or link.get("stats") or {}
-        out[link["ifname"]] = {"tx_bytes": stats.get("tx", {}).get("bytes", 0),
-                               "rx_bytes": stats.get("rx", {}).get("bytes", 0)}
-    return out
 
 
 def _tail(path: Path, chars: int = 3000) -> str:
