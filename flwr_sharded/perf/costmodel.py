@@ -1,13 +1,5 @@
-"""The paper's communication model (Section 4): Table 1's collective costs, Eqs. 1-5 and their sums per kind.
-
-- Table 1 collective costs and Eqs. 1-5, literally (`comm_time`, `fl_comm_time`): one message size M for every
-  collective, in bits, bandwidths in bits/s.
-- `comm_terms`: the same sums of Table 1 costs, but either literally (`sizes="paper"`) or with each collective's own
-  message (`sizes="exact"`): FSDP2's all-gathers/reduce-scatters move a whole unit (NCCL's D for these is the gathered
-  buffer), HSDP's all-reduce and the shard sync move one shard of it (the unit / S).
-
-Bytes per network tier are in `placement`, compute and memory in `model_shape`. No latency, overlap or contention
-unless stated; see docs/cost-model.md.
+"""The paper's communication model (Section 4): Table 1's collective costs and their sums per kind (`comm_terms`),
+with Eqs. 1-5's one message size or each collective's own; bytes per tier are in `placement`, compute in `model_shape`.
 """
 
 from __future__ import annotations
@@ -60,7 +52,7 @@ def broadcast_time(D: float, n: int, B: float | None) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Eqs. 1-5.
+# Layout and bandwidth checks.
 
 
 def _positive_int(name: str, value: int) -> None:
@@ -101,39 +93,6 @@ def _check_bandwidths(method: str, S: int, R: int, F: int, B_S: float | None, B_
     _check_bandwidth("B_F", B_F, F > 1 and method.startswith("fl-"), f"by {method} with F={F} > 1")
 
 
-def comm_time(method: str, *, M: float, L: int, S: int, R: int = 1, F: int = 1, A: int = 1, B_S: float | None,
-              B_R: float | None = None, B_F: float | None = None) -> float:
-    """Seconds of communication per batch, the paper's Eqs. 1 (fsdp), 2 (hsdp), 4 (fl-fsdp) and 5 (fl-hsdp).
-
-    M is the message size of every collective in bits (the paper's "layer shard size"), L the number of sharded
-    layers, B_S / B_R / B_F the bottleneck bandwidths (bits/s) inside a sharding, replication and federation group.
-    With F = 1 nothing is aggregated, so the FL terms vanish (as does the broadcast of Eq. 5 for R = 1).
-    """
-    check_layout(method, S=S, R=R, F=F, A=A)
-    _check_bandwidths(method, S, R, F, B_S, B_R, B_F)
-    _positive_int("L", L)
-    if not M > 0:
-        raise ConfigError(f"M (bits) must be positive, got {M!r}")
-    t = (2 * all_gather_time(M, S, B_S) + reduce_scatter_time(M, S, B_S)) * L  # Eq. 1
-    if method in ("hsdp", "fl-hsdp"):
-        t += all_reduce_time(M, R, B_R) * L  # Eq. 2
-    if method.startswith("fl-") and F > 1:
-        t += all_reduce_time(M, F, B_F) * L / A  # Eq. 4
-        if method == "fl-hsdp":
-            t += broadcast_time(M, R, B_R) * L / A  # Eq. 5
-    return t
-
-
-def fl_comm_time(*, M: float, L: int, F: int, A: int = 1, B_F: float | None) -> float:
-    """Eq. 3: plain decentralised FedAvg, one all-reduce per layer every A batches: C_AR(M, F) L / A."""
-    for name, value in (("L", L), ("F", F), ("A", A)):
-        _positive_int(name, value)
-    if not M > 0:
-        raise ConfigError(f"M (bits) must be positive, got {M!r}")
-    _check_bandwidth("B_F", B_F, F > 1, f"for F={F} > 1")
-    return all_reduce_time(M, F, B_F) * L / A
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Model units and per-collective message sizes.
 
@@ -150,12 +109,6 @@ class Units:
     def __post_init__(self) -> None:
         if not self.blocks or any(b <= 0 for b in self.blocks) or self.root < 0:
             raise ConfigError(f"units need at least one block, positive block sizes and root >= 0, got {self}")
-
-    @classmethod
-    def even(cls, total_bytes: float, n: int, root: float = 0.0) -> Units:
-        """`n` equal blocks holding `total_bytes`, plus a root unit of `root` bytes."""
-        _positive_int("number of units", n)
-        return cls(blocks=(total_bytes / n,) * n, root=root)
 
     @property
     def total(self) -> float:
@@ -221,7 +174,7 @@ def comm_terms(method: str, units: Units, *, S: int, R: int = 1, F: int = 1, A: 
     """Communication time per optimizer step, split by kind, from Table 1's collective costs.
 
     `sizes="paper"`: Eqs. 1-5 literally, with L = `units.count` and M = the model's bits / L for every collective
-    (so `comm_terms(...).total == comm_time(...)`; backend and resharding options are ignored).
+    (backend and resharding options are ignored).
     `sizes="exact"`: each collective with its own message: all-gathers and reduce-scatters of a whole unit over S
     (two all-gathers per block if `reshard_after_forward`, one for the root unless `reshard_root`, as FSDP2 keeps the
     root gathered from forward to backward), all-reduces and broadcasts of the unit's 1/S shard over R and F;

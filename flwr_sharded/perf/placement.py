@@ -142,10 +142,6 @@ class Traffic:
     A: int = 1
     """Optimizer steps between two syncs."""
 
-    def per_step(self) -> dict[str, float]:
-        """Bytes per optimizer step with the sync amortised: step + sync / A, by tier."""
-        return {t: self.step[t] + self.sync[t] / self.A for t in TIERS}
-
 
 def rank_traffic(method: str, placement: Placement, units: Units, *, rank: int, A: int = 1,
                  backend: Backend = "nccl", reshard_after_forward: bool = True, reshard_root: bool = False,

@@ -9,13 +9,12 @@ from flwr_sharded.perf.costmodel import (
     all_reduce_time,
     broadcast_time,
     comm_terms,
-    comm_time,
-    fl_comm_time,
     reduce_scatter_time,
 )
 from flwr_sharded.perf.memory_model import memory_per_gpu
 from flwr_sharded.perf.model_shape import ModelShape, compute_time
 from flwr_sharded.perf.placement import Placement, rank_traffic, traffic
+from tests.perf.paper_equations import comm_time, even_units, fl_comm_time, per_step
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Table 1
@@ -192,7 +191,7 @@ def test_fl_fsdp_two_by_two_bytes():
         assert t.step == {"intra_node": 3000, "inter_node": 0, "inter_group": 0}
         # sync: all-reduce of the shard (P / S = 1000) over F = 2: 2 * 1000 * (1/2) = 1000 bytes, to the other group
         assert t.sync == {"intra_node": 0, "inter_node": 0, "inter_group": 1000}
-        assert t.per_step() == {"intra_node": 3000, "inter_node": 0, "inter_group": 250}
+        assert per_step(t) == {"intra_node": 3000, "inter_node": 0, "inter_group": 250}
     one_group = Placement(F=2, R=1, S=2, gpus_per_node=2)
     assert rank_traffic("fl-fsdp", one_group, units, rank=0, A=4).sync["inter_node"] == 1000
 
@@ -276,7 +275,7 @@ def test_traffic_rejects_inconsistent_layout():
 
 
 def test_even_units():
-    u = Units.even(1000.0, 4, root=200.0)
+    u = even_units(1000.0, 4, root=200.0)
     assert u.blocks == (250.0,) * 4 and u.total == 1200 and u.count == 5
 
 

@@ -13,12 +13,13 @@ from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES, sync_wire_ratio
 from flwr_sharded.parallel.sync_plan import shard_rows
 from flwr_sharded.perf import plan_cli
 from flwr_sharded.perf.cluster import Federation, federation_from_dict, load_cluster, load_description
-from flwr_sharded.perf.costmodel import Units, comm_terms
+from flwr_sharded.perf.costmodel import comm_terms
 from flwr_sharded.perf.memory_model import StepOptions
 from flwr_sharded.perf.model_shape import ModelShape
 from flwr_sharded.perf.placement import Placement, rank_traffic
 from flwr_sharded.perf.unequal import unequal_sync
 from flwr_sharded.perf.unequal_plan import idle_times, local_steps, plan_federation
+from tests.perf.paper_equations import even_units
 
 CLUSTERS = Path(__file__).resolve().parents[2] / "examples" / "clusters"
 SHAPES = ((10, 3), (7,), (), (33, 2, 2), (5, 8))  # uneven rows, a scalar, a 3-D tensor
@@ -54,7 +55,7 @@ def test_equal_layouts_reduce_to_the_equal_formulas(F, R, S):
     shapes = ((64, 16), (32,), (128, 4))  # rows divisible by S: shards of exactly P/S
     bpp, wire, A, B_F, B_R = 2.0, 0.5, 8, 25e9, 400e9
     sync = unequal_sync([(R, S)] * F, shapes, bytes_per_param=bpp, wire_ratio=wire, B_F=B_F, B_R=[B_R] * F)
-    units = Units.even(sum(prod(s) for s in shapes) * bpp, 4)
+    units = even_units(sum(prod(s) for s in shapes) * bpp, 4)
     placement = Placement(F=F, R=R, S=S, gpus_per_node=R * S, nodes_per_group=1)
     method = "fl-hsdp" if R > 1 else "fl-fsdp"
     for s in range(S):
