@@ -12,7 +12,7 @@ import yaml
 
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.perf.costmodel import BACKENDS
-from flwr_sharded.perf.fabric import Calibration, calibration_from_dict
+from flwr_sharded.perf.calibration import Calibration, calibration_from_dict
 from flwr_sharded.perf.placement import TIERS, Placement
 
 
@@ -43,7 +43,7 @@ class Cluster:
     """Tiers whose bandwidth is one uplink per node (inter_node) or per node group (inter_group), divided among the
     flows leaving it at once (e.g. tbf-shaped links); other tiers give every flow their full bandwidth."""
     calibration: Calibration | None = None
-    """The calibrated model's parameters (`fabric.Calibration`; with it the latency per step always counts); None:
+    """The calibrated model's parameters (`calibration.Calibration`; with it the latency per step always counts); None:
     the paper's bandwidth-only model."""
 
     @property
@@ -192,7 +192,7 @@ def cluster_from_dict(data: Any, where: str = "cluster") -> Cluster:
 
 
 @dataclass(frozen=True)
-class Federation:
+class FacilityFederation:
     """Facilities of their own sizes and GPUs (one `Cluster` each, a single node group), joined by one network."""
 
     name: str
@@ -215,7 +215,7 @@ _FEDERATION_KEYS = {"name", "description", "facilities", "bandwidth", "latency",
 _FACILITY_KEYS = _CLUSTER_KEYS - {"nodes_per_group", "shared"}
 
 
-def federation_from_dict(data: dict, where: str = "cluster") -> Federation:
+def federation_from_dict(data: dict, where: str = "cluster") -> FacilityFederation:
     """Validate a federation (`facilities:` a list of facility mappings; the top level's `bandwidth.inter_group`
     between them, its other fields every facility's defaults); ConfigError names the facility and field."""
     unknown = sorted(set(data) - _FEDERATION_KEYS)
@@ -254,12 +254,12 @@ def federation_from_dict(data: dict, where: str = "cluster") -> Federation:
         if "inter_group" in merged["bandwidth"]:
             raise ConfigError(f"{here}: bandwidth.inter_group is the federation's (top level), not a facility's")
         facilities.append(cluster_from_dict(merged, where=here))
-    return Federation(name=str(data.get("name", where)), facilities=tuple(facilities), inter_group=inter_group,
+    return FacilityFederation(name=str(data.get("name", where)), facilities=tuple(facilities), inter_group=inter_group,
                       shared=bool(shared))
 
 
-def load_description(path: str | Path) -> Cluster | Federation:
-    """Read and validate a cluster YAML file (see examples/clusters/): a `Federation` if it lists `facilities`."""
+def load_description(path: str | Path) -> Cluster | FacilityFederation:
+    """Read and validate a cluster YAML file (see examples/clusters/): a `FacilityFederation` if it lists `facilities`."""
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text())
@@ -277,7 +277,7 @@ def load_description(path: str | Path) -> Cluster | Federation:
 def load_cluster(path: str | Path) -> Cluster:
     """Read and validate a cluster YAML file of one cluster (not a federation of facilities)."""
     found = load_description(path)
-    if isinstance(found, Federation):
+    if isinstance(found, FacilityFederation):
         raise ConfigError(f"--cluster: {path} describes a federation of facilities; only `flwr-sharded plan` "
                           f"plans one")
     return found

@@ -52,7 +52,7 @@ def broadcast_time(D: float, n: int, B: float | None) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Layout and bandwidth checks.
+# BenchLayout and bandwidth checks.
 
 
 def _positive_int(name: str, value: int) -> None:
@@ -184,8 +184,8 @@ def comm_terms(method: str, units: Units, *, S: int, R: int = 1, F: int = 1, A: 
     `wire_ratio` scales the sync's cross-group all-reduce (in both modes): its wire bytes per parameter over the
     units' (0.5 for a bfloat16 sync of 4-byte units); fl-hsdp's broadcast keeps the units' size.
     `steps_R` / `steps_F`: sequential steps of one all-reduce over R / F for the alpha term (None: the ring's
-    2 (n-1); NCCL's tree takes fewer, `fabric.allreduce_steps`). `forward` and `sync_latency` split out the
-    forward's all-gathers and the sync's latency (for the phases of `fabric.Phases`).
+    2 (n-1); NCCL's tree takes fewer, `calibration.allreduce_steps`). `forward` and `sync_latency` split out the
+    forward's all-gathers and the sync's latency (for the phases of `calibration.Phases`).
     """
     check_layout(method, S=S, R=R, F=F, A=A)
     _check_bandwidths(method, S, R, F, B_S, B_R, B_F)

@@ -13,12 +13,12 @@ from flwr_sharded.config import METHODS
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.outer import RULES
 from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES
-from flwr_sharded.perf.cluster import Cluster, Federation, load_description
+from flwr_sharded.perf.cluster import Cluster, FacilityFederation, load_description
 from flwr_sharded.perf.memory_model import StepOptions
 from flwr_sharded.perf.model_shape import ModelShape, model_from_name
 from flwr_sharded.perf.plan_options import PlanOptions
 from flwr_sharded.perf.planner import Candidate, PaperRow, evaluate, explain, paper_layouts, plan
-from flwr_sharded.perf.unequal_plan import FederationCandidate, plan_federation
+from flwr_sharded.perf.facility_planner import FederationCandidate, plan_federation
 
 GiB = 1024**3
 
@@ -147,7 +147,7 @@ def run(parsed: argparse.Namespace) -> int:
     try:
         cluster = load_description(args.cluster)
         model = _model_from_args(args)
-        if isinstance(cluster, Federation):
+        if isinstance(cluster, FacilityFederation):
             return _run_federation(cluster, model, args)
         if args.layouts == "paper":
             rows = paper_layouts(cluster, model, tokens_per_gpu_batch=args.tokens_per_gpu,
@@ -203,7 +203,7 @@ def _federation_options(args: argparse.Namespace) -> dict[str, Any]:
                 state_bytes_per_param=args.state_bytes_per_param)
 
 
-def _run_federation(federation: Federation, model: ModelShape | None, args: argparse.Namespace) -> int:
+def _run_federation(federation: FacilityFederation, model: ModelShape | None, args: argparse.Namespace) -> int:
     """`plan` on a federation of facilities: each facility's (R, S), its A_g and idle time, the ranked table."""
     if args.layouts == "paper":
         raise ConfigError(f"--layouts paper: {federation.name} is a federation of facilities, the paper's layouts "

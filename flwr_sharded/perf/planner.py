@@ -17,7 +17,7 @@ from flwr_sharded.parallel.sparse import over_dense
 from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES
 from flwr_sharded.perf.cluster import Cluster
 from flwr_sharded.perf.costmodel import CommTerms, check_layout, comm_terms, overlapped
-from flwr_sharded.perf.fabric import (ADAMW_BYTES_PER_PARAM, SGD_BYTES_PER_PARAM, Phases, allreduce_steps,
+from flwr_sharded.perf.calibration import (ADAMW_BYTES_PER_PARAM, SGD_BYTES_PER_PARAM, Phases, allreduce_steps,
                                       flow_bandwidth, optimizer_time, phase_time)
 from flwr_sharded.perf.memory_model import MemoryBreakdown, StepOptions, memory_per_gpu
 from flwr_sharded.perf.model_shape import ModelShape, compute_time, model_from_preset
@@ -58,7 +58,7 @@ class Candidate:
     phases: Phases | None = None
     """Seconds by phase (forward, backward, optimizer, aggregation); None: not split."""
     calibrated: bool = False
-    """Predicted with the cluster's calibrated model (`fabric`): then the step is the sum of `phases`."""
+    """Predicted with the cluster's calibrated model (`calibration`): then the step is the sum of `phases`."""
 
     @property
     def step_time(self) -> float:
@@ -166,7 +166,7 @@ def evaluate(cluster: Cluster, model: ModelShape, method: str, *, F: int = 1, R:
 
 def _dimension_links(cluster: Cluster, placement, method: str, calibrated: bool) -> tuple[dict, dict, dict]:
     """Per mesh dimension: the slowest tier its groups span, the bits/s one flow of its collectives gets (its tier's,
-    divided among the flows on a shared uplink; calibrated: `fabric.flow_bandwidth`), and (calibrated with a tree
+    divided among the flows on a shared uplink; calibrated: `calibration.flow_bandwidth`), and (calibrated with a tree
     all-reduce) the sequential steps of its all-reduce (None: the ring's)."""
     cal = cluster.calibration if calibrated else None
     shared = set(cluster.shared) | (set(cal.uplink) if cal else set())

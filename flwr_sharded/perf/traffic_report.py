@@ -208,7 +208,7 @@ _GATHER_LIKE = {"all_gather_single", "all_gather_into_tensor"}
 _REDUCE_SCATTER = {"reduce_scatter_single", "reduce_scatter_tensor"}
 
 
-def sent_bytes(op: str, payload: float, n: int, backend: str = "gloo") -> float:
+def ring_bytes_sent(op: str, payload: float, n: int, backend: str = "gloo") -> float:
     """Bytes one rank sends for one ring collective of `payload` bytes (the meter's payload) over n ranks."""
     if n < 2:
         return 0.0
@@ -247,7 +247,7 @@ def collective_tiers(probes: list[dict[str, Any]], placement: Placement,
             if op == "broadcast" and i == n - 1:
                 continue
             try:
-                nbytes = sent_bytes(op, rec["bytes"], n, backend)  # linear in the payload: all calls at once
+                nbytes = ring_bytes_sent(op, rec["bytes"], n, backend)  # linear in the payload: all calls at once
             except ValueError:
                 out[phase]["unmapped"] += rec["bytes"]
                 continue

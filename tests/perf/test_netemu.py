@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from flwr_sharded.perf.cluster import cluster_from_dict
-from flwr_sharded.perf.netemu.fabric import Fabric
+from flwr_sharded.perf.netemu.network import Fabric
 from flwr_sharded.perf.netemu.isolation import check_host, host_leftovers
 from flwr_sharded.perf.netemu.topology import EmulationError, EmuTopology
 

@@ -12,13 +12,14 @@ from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES, sync_wire_ratio
 from flwr_sharded.parallel.sync_plan import shard_rows
 from flwr_sharded.perf import plan_cli
-from flwr_sharded.perf.cluster import Federation, federation_from_dict, load_cluster, load_description
+from flwr_sharded.perf.cluster import FacilityFederation, federation_from_dict, load_cluster, load_description
 from flwr_sharded.perf.costmodel import comm_terms
 from flwr_sharded.perf.memory_model import StepOptions
 from flwr_sharded.perf.model_shape import ModelShape
 from flwr_sharded.perf.placement import Placement, rank_traffic
-from flwr_sharded.perf.unequal import unequal_sync
-from flwr_sharded.perf.unequal_plan import idle_times, local_steps, plan_federation
+from flwr_sharded.perf.unequal_sync_cost import unequal_sync
+from flwr_sharded.perf.facility_planner import plan_federation
+from flwr_sharded.training.pace import idle_times, local_steps
 from tests.perf.paper_equations import even_units
 
 CLUSTERS = Path(__file__).resolve().parents[2] / "examples" / "clusters"
@@ -104,7 +105,7 @@ def test_local_steps_and_idle_times():
     assert idle_times([8] * 3, times) == pytest.approx((12.0, 0.0, 16.0))  # equal A: arrivals 8, 20, 4 s
     assert local_steps(1, [1.0, 9.0]) == (1, 1)  # at least one step
     with pytest.raises(ConfigError, match="aggregate-every"):
-        local_steps(0, times)
+        plan_federation(federation_from_dict(FEDERATION), MODEL, aggregate_every=(0,))
 
 
 FEDERATION = {"name": "tiny-fed", "bandwidth": {"inter_group": "1Gbit"}, "gpu_memory": "16GB",
@@ -117,7 +118,7 @@ MODEL = ModelShape.from_counts(50_000_000, 4)
 
 def test_plan_federation_on_a_tiny_federation():
     fed = federation_from_dict(FEDERATION)
-    assert isinstance(fed, Federation) and fed.gpus == 6 and fed.inter_group == 1e9
+    assert isinstance(fed, FacilityFederation) and fed.gpus == 6 and fed.inter_group == 1e9
     ranked = plan_federation(fed, MODEL, tokens_per_gpu_batch=1024, aggregate_every=(4, 16), bytes_per_param=4.0)
     assert len(ranked) == 2 * 3 * 2  # S in (1, 2) for slow, (1, 2, 4) for fast, two A
     assert [c.tokens_per_second for c in ranked] == sorted((c.tokens_per_second for c in ranked), reverse=True)

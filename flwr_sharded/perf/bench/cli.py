@@ -26,10 +26,10 @@ from flwr_sharded import schema
 from flwr_sharded.config import DataConfig, data_dir_of
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.perf.bench.layouts import parse_layouts
-from flwr_sharded.perf.bench.options import BenchOptions, CheckOptions, ExecOptions, SyncOptions, resolve
+from flwr_sharded.perf.bench.options import BenchOptions, LinkCheckOptions, ExecOptions, SyncOptions, resolve
 from flwr_sharded.perf.bench.scenarios import _inner_main
 from flwr_sharded.perf.bench.subcommands import _inner_check, _inner_exec, _inner_sync, sync_topologies
-from flwr_sharded.perf.netemu.fabric import RankFailure
+from flwr_sharded.perf.netemu.network import RankFailure
 from flwr_sharded.perf.netemu.isolation import check_host, host_leftovers, inside, run_isolated
 from flwr_sharded.perf.netemu.topology import EmulationError, load_topology
 
@@ -54,7 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
     c = sub.add_parser("check", help="measure the emulated links' throughput against the description",
                        formatter_class=schema.HelpFormatter)
-    schema.add_arguments(c, CheckOptions)
+    schema.add_arguments(c, LinkCheckOptions)
     c.set_defaults(func=run_check)
 
     s = sub.add_parser("sync", help="benchmarks/sync_bench.py on loopback and across shaped inter-group links",
@@ -117,7 +117,7 @@ def _validate(args: argparse.Namespace) -> None:
             raise ConfigError(f"--cluster {path}: a single node has no FL+FSDP layout to benchmark; describe at "
                               f"least 2 nodes")
     if args.unequal is not None:
-        from flwr_sharded.perf.bench.unequal import parse_group_shards, unequal_layouts
+        from flwr_sharded.perf.bench.unequal_scenario import parse_group_shards, unequal_layouts
 
         unequal_layouts(parse_group_shards(args.unequal_groups), load_topology(args.unequal), args.slow_group)
         if "unequal-slow-speed" in args.unequal_run_list and args.steps % args.aggregate_every:
@@ -175,7 +175,7 @@ def run_exec(parsed: argparse.Namespace) -> int:
 
 def run_check(parsed: argparse.Namespace) -> int:
     """Handler of `flwr-sharded bench check`."""
-    args = _resolve(parsed, CheckOptions, "bench check")
+    args = _resolve(parsed, LinkCheckOptions, "bench check")
     if args is None:
         return 2
     if inside():

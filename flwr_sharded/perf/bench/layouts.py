@@ -13,7 +13,7 @@ from flwr_sharded.perf.netemu.topology import EmuTopology
 
 
 @dataclass(frozen=True)
-class Layout:
+class BenchLayout:
     """One method's (F, R, S) on the emulated cluster; `group_shards`: each FL group's own S instead (an unequal
     federation, `--group-shards`; F is their number and S is 0)."""
 
@@ -24,7 +24,7 @@ class Layout:
     group_shards: tuple[int, ...] = ()
 
     @classmethod
-    def unequal(cls, method: str, R: int, group_shards: tuple[int, ...]) -> Layout:
+    def unequal(cls, method: str, R: int, group_shards: tuple[int, ...]) -> BenchLayout:
         """F groups of R x S_g ranks, one S_g per group."""
         return cls(method, len(group_shards), R, 0, tuple(group_shards))
 
@@ -113,22 +113,22 @@ def sync_variant(key: str, opts) -> SyncVariant:
     return SyncVariant(dtype=opts.sync_dtype, **overlap)
 
 
-def default_layouts(topo: EmuTopology) -> dict[str, Layout]:
+def default_layouts(topo: EmuTopology) -> dict[str, BenchLayout]:
     """The paper's pattern: shard inside a node; HSDP replicates over nodes; FL+FSDP federates nodes; FL+HSDP
     replicates over the nodes of a group and federates groups (or halves of the nodes with a single group)."""
     P, N, W = topo.ranks_per_node, topo.nodes, topo.world_size
-    out = {"fsdp": Layout("fsdp", 1, 1, W)}
+    out = {"fsdp": BenchLayout("fsdp", 1, 1, W)}
     if N > 1:
-        out["hsdp"] = Layout("hsdp", 1, N, P)
-        out["fl-fsdp"] = Layout("fl-fsdp", N, 1, P)
+        out["hsdp"] = BenchLayout("hsdp", 1, N, P)
+        out["fl-fsdp"] = BenchLayout("fl-fsdp", N, 1, P)
     if topo.groups > 1 and topo.nodes_per_group > 1:
-        out["fl-hsdp"] = Layout("fl-hsdp", topo.groups, topo.nodes_per_group, P)
+        out["fl-hsdp"] = BenchLayout("fl-hsdp", topo.groups, topo.nodes_per_group, P)
     elif N >= 4 and N % 2 == 0:
-        out["fl-hsdp"] = Layout("fl-hsdp", 2, N // 2, P)
+        out["fl-hsdp"] = BenchLayout("fl-hsdp", 2, N // 2, P)
     return out
 
 
-def parse_layouts(text: str | None, topo: EmuTopology) -> dict[str, Layout]:
+def parse_layouts(text: str | None, topo: EmuTopology) -> dict[str, BenchLayout]:
     """`fsdp=1x1x8,fl-fsdp=4x1x2`: overrides of the default layouts (F x R x S)."""
     layouts = default_layouts(topo)
     if not text:
@@ -146,7 +146,7 @@ def parse_layouts(text: str | None, topo: EmuTopology) -> dict[str, Layout]:
             raise ConfigError(f"--layouts: {item} is not a {method} layout (needs "
                               f"{'R > 1' if 'hsdp' in method else ''}{' and ' if method == 'fl-hsdp' else ''}"
                               f"{'F > 1' if method.startswith('fl-') else ''})")
-        layouts[method] = Layout(method, F, R, S)
+        layouts[method] = BenchLayout(method, F, R, S)
     for layout in layouts.values():
         if layout.world != topo.world_size:
             raise ConfigError(f"--layouts: {layout.method} {layout.text()} has {layout.world} ranks, the emulated "

@@ -25,7 +25,7 @@ RUN_KEYS = ("fsdp", "hsdp", "fl-fsdp", "fl-hsdp", "no-sync", *VARIANT_RUNS)
 
 
 @dataclass
-class OverlappedSync:
+class OverlapOptions:
     """The trainer's sync options as the overlapped runs (fl-fsdp-overlap, fl-fsdp-overlap-int8) set them."""
 
     sync_fragments: int = same_as(ParallelConfig, "sync_fragments", default=2)
@@ -81,7 +81,7 @@ class BenchOptions:
     sync_topk: float = same_as(ParallelConfig, "sync_topk", default=0.02)
     """The fraction of each chunk's delta the top-k runs send (fl-fsdp-topk, fl-fsdp-overlap-topk; int8 values, error
     feedback)."""
-    overlap: OverlappedSync = field(default_factory=OverlappedSync)
+    overlap: OverlapOptions = field(default_factory=OverlapOptions)
     """The trainer's sync options as the overlapped runs set them (the other FL runs sync in one fragment, blocking)."""
     sweep: str = "1,2,4,8,16,32"
     """Values of A for the FL+FSDP sweep, comma-separated; `none` skips the sweep."""
@@ -124,7 +124,7 @@ class ExecOptions:
 
 
 @dataclass
-class CheckOptions:
+class LinkCheckOptions:
     """`flwr-sharded bench check`: the emulated links' throughput against their description."""
 
     cluster: str | None = option(None, required=True)

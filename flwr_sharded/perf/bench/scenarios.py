@@ -14,13 +14,13 @@ from typing import Any
 
 from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES
 from flwr_sharded.perf.bench.common import LABELS, _say
-from flwr_sharded.perf.bench.layouts import (VARIANT_RUNS, Layout, SyncVariant, model_units, parse_layouts,
+from flwr_sharded.perf.bench.layouts import (VARIANT_RUNS, BenchLayout, SyncVariant, model_units, parse_layouts,
                                               sync_variant, vocab_size_of)
 from flwr_sharded.perf.bench.plots import plot
 from flwr_sharded.perf.bench.report import _json_default, agreement, checks, render
 from flwr_sharded.perf.bench.training_run import step_stats, run_training
 from flwr_sharded.perf.costmodel import Units
-from flwr_sharded.perf.netemu.fabric import Fabric
+from flwr_sharded.perf.netemu.network import Fabric
 from flwr_sharded.perf.netemu.isolation import enter_private_run
 from flwr_sharded.perf.netemu.topology import _mem_available, load_topology, topology_dict
 
@@ -28,7 +28,7 @@ from flwr_sharded.perf.netemu.topology import _mem_available, load_topology, top
 # Planner agreement.
 
 
-def planner_view(cluster_path: Path, layouts: dict[str, Layout], opts: argparse.Namespace, vocab: int,
+def planner_view(cluster_path: Path, layouts: dict[str, BenchLayout], opts: argparse.Namespace, vocab: int,
                  A: int) -> dict[str, Any]:
     """The planner on the same cluster YAML: its first choice, and its prediction and ranking of the measured
     layouts (ranked as `plan` ranks: FL candidates count `fl_margin` slower)."""
@@ -109,7 +109,7 @@ def _scenario(name: str, cluster_path: Path, opts: argparse.Namespace, work: Pat
     plan = planner_view(cluster_path, layouts, opts, vocab, A)
     result["planner"] = plan
     # what to run: the methods, the no-sync limit, the planner's first choice if it is none of them
-    jobs: dict[str, tuple[Layout, int, bool, SyncVariant | None]] = {}
+    jobs: dict[str, tuple[BenchLayout, int, bool, SyncVariant | None]] = {}
     for key, lay in layouts.items():
         if key in opts.method_list:
             jobs[key] = (lay, A if key.startswith("fl-") else 1, True, None)
@@ -120,7 +120,7 @@ def _scenario(name: str, cluster_path: Path, opts: argparse.Namespace, work: Pat
             jobs[key] = (layouts["fl-fsdp"], A, True, sync_variant(key, opts))
     first = plan["first_choice"]
     if opts.measure_planner_choice and first:
-        lay = Layout(first["method"], first["F"], first["R"], first["S"])
+        lay = BenchLayout(first["method"], first["F"], first["R"], first["S"])
         if not any(j == (lay, first["A"], True, None) for j in jobs.values()):
             jobs["planner-choice"] = (lay, first["A"], True, None)
     _say(f"\n== scenario {name}: {topo.describe()}; {steps} steps per run, {repeats} repeat(s)")
@@ -185,7 +185,7 @@ def _inner_main(opts: argparse.Namespace) -> int:
                                                          repeats=opts.contrast_repeats,
                                                          batch_size=opts.contrast_batch_size)
         if opts.unequal:
-            from flwr_sharded.perf.bench.unequal import unequal_scenario
+            from flwr_sharded.perf.bench.unequal_scenario import unequal_scenario
 
             results["scenarios"]["unequal"] = unequal_scenario(Path(opts.unequal), opts, work, vocab)
         results["elapsed_s"] = time.perf_counter() - started

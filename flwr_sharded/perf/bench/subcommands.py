@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 from flwr_sharded.perf.bench.common import REPO, _say
 from flwr_sharded.perf.bench.report import _fmt
-from flwr_sharded.perf.netemu.fabric import Fabric, RankFailure
+from flwr_sharded.perf.netemu.network import Fabric, RankFailure
 from flwr_sharded.perf.netemu.isolation import enter_private_run
 from flwr_sharded.perf.netemu.probe import measure_transfer
 from flwr_sharded.perf.netemu.topology import EmuTopology, _rate, load_topology, topology_dict

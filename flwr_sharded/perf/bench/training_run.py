@@ -16,9 +16,9 @@ from typing import Any, Sequence
 
 from flwr_sharded.parallel.wire import sync_wire_ratio
 from flwr_sharded.perf.bench.common import _say
-from flwr_sharded.perf.bench.layouts import Layout, SyncVariant
+from flwr_sharded.perf.bench.layouts import BenchLayout, SyncVariant
 from flwr_sharded.perf.costmodel import Units
-from flwr_sharded.perf.netemu.fabric import Fabric, RankFailure
+from flwr_sharded.perf.netemu.network import Fabric, RankFailure
 from flwr_sharded.perf.placement import Placement
 
 
@@ -70,7 +70,7 @@ def step_stats(repeats: list[list[dict[str, Any]]]) -> dict[str, Any]:
                            for k in PHASE_NAMES}}
 
 
-def run_training(fab: Fabric, layout: Layout, opts: argparse.Namespace, *, A: int, steps: int,
+def run_training(fab: Fabric, layout: BenchLayout, opts: argparse.Namespace, *, A: int, steps: int,
                  sync: bool = True, label: str | None = None, log_every: int | None = None,
                  units: Units | None = None, work: Path, variant: SyncVariant | None = None,
                  extra_args: Sequence[str] = ()) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """An unequal federation's runs against their targets: cross-group bytes per sync from the traffic meter against the
-equal federation's and `perf.unequal`'s, each sync's per-group timings (`sync_groups` records of metrics.jsonl: the
+equal federation's and `perf.unequal_sync_cost`'s, each sync's per-group timings (`sync_groups` records of metrics.jsonl: the
 fastest group's idle time per sync), and eval perplexity at equal tokens against the equal-speed federation."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from flwr_sharded.perf.bench.common import REPO
-from flwr_sharded.perf.traffic_report import sent_bytes
+from flwr_sharded.perf.traffic_report import ring_bytes_sent
 
 UNEQUAL_RUNS = ("equal", "unequal", "unequal-slow", "unequal-slow-speed")
 """The runs of the unequal scenario: the equal federation (as many groups of their mean S), the unequal one, and the
@@ -22,7 +22,7 @@ UNEQUAL_LABELS = {"equal": "equal federation", "unequal": "unequal federation",
 BYTES_TARGET = 1.10
 """The most cross-group bytes per sync of the unequal federation, as a multiple of the equal federation's."""
 MODEL_TARGET = 0.05
-"""The largest relative difference of the measured cross-group bytes per sync from `perf.unequal`'s."""
+"""The largest relative difference of the measured cross-group bytes per sync from `perf.unequal_sync_cost`'s."""
 IDLE_TARGET = 0.10
 """The most idle time of the fastest group per sync, as a fraction of its sync period, with `--group-steps speed`."""
 PPL_TARGET = 0.02
@@ -51,7 +51,7 @@ def cross_group_traffic(probes: list[dict[str, Any]], groups: Sequence[Sequence[
                 continue
             if rec["op"] == "broadcast" and ranks.index(rank) == n - 1:
                 continue
-            nbytes = sent_bytes(rec["op"], rec["bytes"], n, backend)
+            nbytes = ring_bytes_sent(rec["op"], rec["bytes"], n, backend)
             per_group[group_of[rank]] += nbytes
             per_rank[rank] += nbytes
     syncs = probes[0]["windows"]["sync"] if probes else 0
@@ -65,9 +65,9 @@ def cross_group_traffic(probes: list[dict[str, Any]], groups: Sequence[Sequence[
 
 def predicted_sync(shards_per_group: Sequence[int], R: int, shapes: Sequence[Sequence[int]], *,
                    bandwidth_bps: float | None, wire_ratio: float = 1.0) -> dict[str, Any]:
-    """`perf.unequal.unequal_sync` for the run's groups: cross-group bytes per sync (summed over ranks and per
+    """`perf.unequal_sync_cost.unequal_sync` for the run's groups: cross-group bytes per sync (summed over ranks and per
     group) and the sync's seconds with one flow of `bandwidth_bps` per channel (None: no time)."""
-    from flwr_sharded.perf.unequal import unequal_sync
+    from flwr_sharded.perf.unequal_sync_cost import unequal_sync
 
     layouts = [(R, S) for S in shards_per_group]
     sync = unequal_sync(layouts, shapes, wire_ratio=wire_ratio, B_F=bandwidth_bps or 1.0,
@@ -178,7 +178,7 @@ def unequal_checks(scen: dict[str, Any]) -> list[dict[str, Any]]:
     for key in ("equal", "unequal"):
         err = model_error(runs.get(key))
         if err is not None:
-            add(f"{UNEQUAL_LABELS[key]}: cross-group bytes per sync against perf.unequal", err, "delta",
+            add(f"{UNEQUAL_LABELS[key]}: cross-group bytes per sync against perf.unequal_sync_cost", err, "delta",
                 f"within +-{MODEL_TARGET:.0%}", abs(err) <= MODEL_TARGET)
     for key in ("unequal-slow", "unequal-slow-speed"):
         timing = (runs.get(key) or {}).get("group_timing")
@@ -232,7 +232,7 @@ def render_unequal(scen: dict[str, Any]) -> list[str]:
                 f"({slow['why']})." if slow else ""),
              "", "### Cross-group bytes and time per sync",
              "Bytes every sync sends across groups (traffic meter, summed over ranks) against the equal federation "
-             "and the cost model (`perf.unequal`); sync time: the ranks' mean sync window, least and most over ranks "
+             "and the cost model (`perf.unequal_sync_cost`); sync time: the ranks' mean sync window, least and most over ranks "
              "(the most includes waiting for the last rank to arrive), and the model's.",
              "", "| run | layout | s/step | MB per sync | vs equal | model MB | vs model | per group MB | "
              "busiest rank MB (model) | sync s (ranks) | model sync s |",

@@ -19,6 +19,6 @@ network inside and launches ranks (`RANK`, `WORLD_SIZE`, `MASTER_ADDR` = rank 0'
 Latency is not emulated (the kernel has no netem); `latency` in the description is ignored here.
 
 Modules: `topology` (what gets built, from a cluster description, and whether it fits this machine), `isolation`
-(the host's preconditions and the re-execution in fresh namespaces), `fabric` (the network and the ranks inside) and
+(the host's preconditions and the re-execution in fresh namespaces), `network` (the network and the ranks inside) and
 `probe` (a TCP throughput measurement between two nodes).
 """

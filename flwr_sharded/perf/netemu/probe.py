@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from flwr_sharded.perf.netemu.fabric import Fabric
+from flwr_sharded.perf.netemu.network import Fabric
 from flwr_sharded.perf.netemu.topology import EmulationError
 
 _THROUGHPUT = r"""

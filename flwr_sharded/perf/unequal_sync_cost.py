@@ -3,7 +3,7 @@
 Group g trains on R_g x S_g ranks; `parallel.sync_plan.SyncPlan` cuts every parameter into the pieces of the groups'
 common refinement, and each channel (the pieces with the same owner in every group) is one ring all-reduce over F
 ranks, replica 0 of its owner shard in each group. So a rank sends, per sync, the ring's 2 (F-1)/F x the bytes of each
-of its channels (`traffic_report.sent_bytes`, the meter's own accounting) on the inter-group tier, and fl-hsdp's
+of its channels (`traffic_report.ring_bytes_sent`, the meter's own accounting) on the inter-group tier, and fl-hsdp's
 broadcast forwards its shard along the group's R replicas. Every piece is in one channel of each group, so a group
 sends 2 (F-1)/F x the model's bytes whatever its S; a rank of a group with small S sends more.
 
@@ -24,7 +24,7 @@ from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.sync_plan import Owners, SyncPlan, row_numel
 from flwr_sharded.perf.costmodel import all_reduce_time, broadcast_time
 from flwr_sharded.perf.model_shape import ModelShape
-from flwr_sharded.perf.traffic_report import sent_bytes
+from flwr_sharded.perf.traffic_report import ring_bytes_sent
 
 Shapes = tuple[tuple[int, ...], ...]
 
@@ -72,7 +72,7 @@ class UnequalSync:
         return out
 
 
-def check_layouts(layouts: Sequence[tuple[int, int]],
+def _checked_layouts(layouts: Sequence[tuple[int, int]],
                   names: Sequence[str] | None = None) -> tuple[tuple[int, int], ...]:
     """The groups' (R, S) as a tuple; ConfigError naming the group unless each is a pair of integers >= 1."""
     if not layouts:
@@ -104,7 +104,7 @@ def _check_bandwidths(layouts: tuple[tuple[int, int], ...], B_F: float | None, B
             raise ConfigError(f"{name}: a positive bandwidth in bits/s is required {why}, got {value!r}")
 
 
-def model_shapes(model: ModelShape) -> Shapes:
+def coarse_shapes(model: ModelShape) -> Shapes:
     """A model's parameters as FSDP2 cuts them, coarsely: each block and the root as one 1-D tensor of its elements
     (cuts fall on elements instead of rows; exact for shards of whole rows when S divides the rows)."""
     block = (model.num_params - model.root_params) // model.num_layers
@@ -132,7 +132,7 @@ def unequal_sync(layouts: Sequence[tuple[int, int]], shapes: Sequence[Sequence[i
     rows). `B_F`: bits/s one flow between groups gets; `B_R[g]`: bits/s of group g's replication groups (needed for
     R_g > 1); `shared_uplink`: each group's flows share one uplink of B_F. `names`: the groups', for errors.
     """
-    layouts = check_layouts(layouts, names)
+    layouts = _checked_layouts(layouts, names)
     if (shapes is None) == (elements is None):
         raise ConfigError("give the model's parameter shapes or its element count, one of them")
     if elements is not None:
@@ -156,7 +156,7 @@ def unequal_sync(layouts: Sequence[tuple[int, int]], shapes: Sequence[Sequence[i
         seconds = all_reduce_time(size * 8, F, B_F) if F > 1 else 0.0
         start = max(ready[g][s] for g, s in enumerate(owners))
         for g, s in enumerate(owners):
-            rank_bytes[g][s] += sent_bytes("all_reduce", size, F)
+            rank_bytes[g][s] += ring_bytes_sent("all_reduce", size, F)
             ready[g][s] = start + seconds
             serial[g][s] += seconds
     broadcast_bytes, busiest, rank_time = [], 0.0, []
@@ -173,5 +173,3 @@ def unequal_sync(layouts: Sequence[tuple[int, int]], shapes: Sequence[Sequence[i
                        broadcast_bytes=tuple(broadcast_bytes), rank_time=tuple(rank_time), busiest=busiest,
                        time=time)
 
-
-__all__ = ["Shapes", "UnequalSync", "channel_elements", "check_layouts", "model_shapes", "unequal_sync"]

@@ -4,8 +4,8 @@ Every facility is one FL group on all its GPUs. For each facility the planner's 
 step of every (R, S) with R x S = its GPUs (S dividing a node or made of whole nodes, as `planner.layouts`) on its own
 GPUs and tiers, and `memory_model` its memory in a federation of F groups. For every combination of the facilities'
 fitting layouts and every A, the fastest facility runs A local steps per sync and facility g runs
-A_g = max(1, round(A t_fastest / t_g)) (`local_steps`), so that all arrive at the sync together; each waits for the
-last (`idle_times`), then the sync (`unequal.unequal_sync`) runs. Combinations rank by tokens per second over the
+A_g = max(1, round(A t_fastest / t_g)) (`training.pace.local_steps`), so that all arrive at the sync together; each waits for the
+last (`idle_times`), then the sync (`unequal_sync_cost.unequal_sync`) runs. Combinations rank by tokens per second over the
 federation: sum_g A_g x GPUs_g x tokens per GPU, over the period max_g (A_g t_g) + the sync's time.
 """
 
@@ -13,34 +13,21 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Sequence
 
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.perf.cluster import Cluster, Federation
+from flwr_sharded.perf.cluster import Cluster, FacilityFederation
 from flwr_sharded.perf.memory_model import MemoryBreakdown, StepOptions, memory_per_gpu
 from flwr_sharded.perf.model_shape import ModelShape
 from flwr_sharded.perf.planner import Candidate, _wire_ratio, evaluate, layouts
-from flwr_sharded.perf.unequal import UnequalSync, model_shapes, unequal_sync
-from flwr_sharded.training import pace
+from flwr_sharded.perf.unequal_sync_cost import UnequalSync, coarse_shapes, unequal_sync
+from flwr_sharded.training.pace import idle_times, local_steps
 
 GiB = 1024**3
-
-
-def local_steps(A: int, step_times: Sequence[float]) -> tuple[int, ...]:
-    """`flwr_sharded.training.pace.local_steps` (what `--group-steps speed` trains), ConfigError on bad input."""
-    _check_steps(A)
-    try:
-        return pace.local_steps(A, step_times)
-    except ValueError as exc:  # step times that are not all positive
-        raise ConfigError(str(exc)) from None
 
 
 def _check_steps(A: int) -> None:
     if isinstance(A, bool) or not isinstance(A, int) or A < 1:
         raise ConfigError(f"--aggregate-every: values must be integers >= 1, got {A!r}")
-
-
-idle_times = pace.idle_times
 
 
 @dataclass(frozen=True)
@@ -54,7 +41,7 @@ class FacilityPlan:
     memory: MemoryBreakdown
     """Bytes per GPU in the federation (F groups)."""
     A: int
-    """Local steps per sync (`local_steps`)."""
+    """Local steps per sync (`training.pace.local_steps`)."""
     idle: float
     """Seconds it waits per sync for the others, with its own A."""
     idle_equal: float
@@ -127,7 +114,7 @@ def _replica_bandwidth(facility: Cluster, R: int, S: int) -> float | None:
     return facility.bandwidth[tier] if tier else None
 
 
-def plan_federation(federation: Federation, model: ModelShape, *, tokens_per_gpu_batch: int = 4096,
+def plan_federation(federation: FacilityFederation, model: ModelShape, *, tokens_per_gpu_batch: int = 4096,
                     aggregate_every: tuple[int, ...] = (1, 2, 4, 8, 16, 32), bytes_per_param: float = 2.0,
                     sync_bytes_per_param: float | None = None, memory_fraction: float = 0.9,
                     step: StepOptions | None = None, **options) -> list[FederationCandidate]:
@@ -147,7 +134,7 @@ def plan_federation(federation: Federation, model: ModelShape, *, tokens_per_gpu
                                      **options) for f in federation.facilities]
     sync_bytes = sync_bytes_per_param or bytes_per_param
     wire = _wire_ratio(sync_bytes, bytes_per_param, F, step)
-    shapes = model_shapes(model)
+    shapes = coarse_shapes(model)
     names = [f.name for f in federation.facilities]
     out = []
     for combo in itertools.product(*per_facility):
@@ -165,6 +152,3 @@ def plan_federation(federation: Federation, model: ModelShape, *, tokens_per_gpu
             out.append(FederationCandidate(facilities=plans, A=A, sync=sync, tokens_per_gpu=tokens_per_gpu_batch))
     return sorted(out, key=lambda c: (-c.tokens_per_second, c.A))
 
-
-__all__ = ["FacilityPlan", "FederationCandidate", "facility_layouts", "idle_times", "local_steps",
-           "plan_federation"]

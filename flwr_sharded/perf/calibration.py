@@ -1,4 +1,4 @@
-"""The calibrated fabric model: what a real cluster adds to the paper's bandwidth-only costs.
+"""The calibrated model: what a real cluster adds to the paper's bandwidth-only costs.
 
 A cluster YAML's optional `calibration` block (`Calibration`) switches the planner from the paper's model (every
 collective at its bottleneck bandwidth, nothing else) to one that also counts, with the same parameters for every

@@ -11,12 +11,12 @@ from typing import Any
 
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.perf.bench.common import _say
-from flwr_sharded.perf.bench.layouts import Layout, SyncVariant
+from flwr_sharded.perf.bench.layouts import BenchLayout, SyncVariant
 from flwr_sharded.perf.bench.training_run import run_training
 from flwr_sharded.perf.bench.unequal_report import (UNEQUAL_LABELS, UNEQUAL_RUNS, at_equal_tokens,
                                                     cross_group_traffic, eval_tokens, group_timing, predicted_sync,
                                                     sync_group_records)
-from flwr_sharded.perf.netemu.fabric import Fabric
+from flwr_sharded.perf.netemu.network import Fabric
 from flwr_sharded.perf.netemu.topology import EmuTopology, load_topology, topology_dict
 from flwr_sharded.perf.traffic_report import load_probes
 
@@ -41,7 +41,7 @@ def parse_group_shards(text: str) -> tuple[int, ...]:
     return shards
 
 
-def unequal_layouts(shards: tuple[int, ...], topo: EmuTopology, slow_group: int) -> dict[str, Layout]:
+def unequal_layouts(shards: tuple[int, ...], topo: EmuTopology, slow_group: int) -> dict[str, BenchLayout]:
     """The scenario's layouts (R = 1): the equal federation of F groups of the mean S, and the unequal one."""
     F = len(shards)
     if sum(shards) != topo.world_size:
@@ -49,17 +49,17 @@ def unequal_layouts(shards: tuple[int, ...], topo: EmuTopology, slow_group: int)
                           f"--unequal {topo.world_size}")
     if not 0 <= slow_group < F:
         raise ConfigError(f"--slow-group {slow_group}: the unequal federation has groups 0 to {F - 1}")
-    return {"equal": Layout("fl-fsdp", F, 1, sum(shards) // F), "unequal": Layout.unequal("fl-fsdp", 1, shards)}
+    return {"equal": BenchLayout("fl-fsdp", F, 1, sum(shards) // F), "unequal": BenchLayout.unequal("fl-fsdp", 1, shards)}
 
 
-def model_shapes(model: str, vocab: int, seq_len: int) -> list[tuple[int, ...]]:
+def param_shapes(model: str, vocab: int, seq_len: int) -> list[tuple[int, ...]]:
     """Global shapes of the parameters the engine builds (what the sync plan cuts)."""
     from flwr_sharded.training.models import build_model
 
     return [tuple(p.shape) for p in build_model(model, vocab_size=vocab, max_seq_len=seq_len).parameters()]
 
 
-def _inspect(run: dict[str, Any], layout: Layout, shapes: list[tuple[int, ...]], bps: float | None,
+def _inspect(run: dict[str, Any], layout: BenchLayout, shapes: list[tuple[int, ...]], bps: float | None,
              variant: SyncVariant) -> None:
     """Add the run's cross-group traffic, the cost model's, the groups' timings and its eval curve in tokens."""
     from flwr_sharded.parallel.wire import sync_wire_ratio
@@ -94,7 +94,7 @@ def unequal_scenario(cluster_path: Path, opts: argparse.Namespace, work: Path, v
     A = opts.aggregate_every
     opts = argparse.Namespace(**{**vars(opts), "eval_every": min(opts.eval_every, A)})
     bps = topo.inter_group_bps if topo.groups > 1 else topo.inter_node_bps
-    shapes = model_shapes(opts.model, vocab, opts.seq_len)
+    shapes = param_shapes(opts.model, vocab, opts.seq_len)
     variant = SyncVariant(dtype=opts.sync_dtype)
     result: dict[str, Any] = {"name": "unequal", "cluster_file": str(cluster_path), "topology": topology_dict(topo),
                               "description": topo.describe(), "notes": list(topo.notes), "steps": opts.steps,
@@ -103,7 +103,7 @@ def unequal_scenario(cluster_path: Path, opts: argparse.Namespace, work: Path, v
     _say(f"\n== scenario unequal: {topo.describe()}; groups {layouts['equal'].text()} and "
          f"{layouts['unequal'].text()}; {opts.steps} steps per run")
     with Fabric(topo) as fab:
-        def train(key: str, layout: Layout, extra: list[str], eval_every: int | None = None) -> None:
+        def train(key: str, layout: BenchLayout, extra: list[str], eval_every: int | None = None) -> None:
             _say(f"-- {UNEQUAL_LABELS[key]} {layout.text()} A={A} {' '.join(extra)} ...")
             run_opts = argparse.Namespace(**{**vars(opts), "eval_every": eval_every or opts.eval_every})
             # a training window never spans an evaluation (the trainer's windows restart after one)
