@@ -14,9 +14,6 @@ Backend = Literal["nccl", "gloo"]
 Sizes = Literal["exact", "paper"]
 BACKENDS = ("nccl", "gloo")
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Table 1: cost of one collective among n processes, message size D bits, bottleneck bandwidth B bits/s.
-
 
 def _check_collective(D: float, n: int, B: float | None) -> None:
     if D < 0:
@@ -34,9 +31,8 @@ def all_gather_time(D: float, n: int, B: float | None) -> float:
 
 
 def reduce_scatter_time(D: float, n: int, B: float | None) -> float:
-    """C_RS(D, n) = D (n-1) / (n B); 0 for n = 1."""
-    _check_collective(D, n, B)
-    return 0.0 if n == 1 else D * (n - 1) / (n * B)
+    """C_RS(D, n) = C_AG(D, n)."""
+    return all_gather_time(D, n, B)
 
 
 def all_reduce_time(D: float, n: int, B: float | None) -> float:
@@ -51,11 +47,8 @@ def broadcast_time(D: float, n: int, B: float | None) -> float:
     return 0.0 if n == 1 else D / B
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# BenchLayout and bandwidth checks.
-
-
-def _positive_int(name: str, value: int) -> None:
+def positive_int(name: str, value: int) -> None:
+    """ConfigError naming `name` unless `value` is an integer >= 1."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
 
@@ -74,7 +67,7 @@ def check_layout(method: str, *, S: int, R: int = 1, F: int = 1, A: int = 1) -> 
     if method not in METHODS:
         raise ConfigError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     for name, value in (("S", S), ("R", R), ("F", F), ("A", A)):
-        _positive_int(name, value)
+        positive_int(name, value)
     if method == "fsdp" and (R > 1 or F > 1):
         raise ConfigError(f"fsdp needs R=1 and F=1 (got R={R}, F={F}); use hsdp, fl-fsdp or fl-hsdp")
     if method == "hsdp" and F > 1:
@@ -85,16 +78,17 @@ def check_layout(method: str, *, S: int, R: int = 1, F: int = 1, A: int = 1) -> 
         raise ConfigError(f"A (aggregate every) applies to FL methods only; {method} needs A=1, got {A}")
 
 
+def check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+
+
 def _check_bandwidths(method: str, S: int, R: int, F: int, B_S: float | None, B_R: float | None,
                       B_F: float | None) -> None:
     """Raise ConfigError for a missing bandwidth the layout needs or a non-positive one."""
     _check_bandwidth("B_S", B_S, S > 1, f"for S={S} > 1")
     _check_bandwidth("B_R", B_R, R > 1 and method in ("hsdp", "fl-hsdp"), f"by {method} with R={R} > 1")
     _check_bandwidth("B_F", B_F, F > 1 and method.startswith("fl-"), f"by {method} with F={F} > 1")
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Model units and per-collective message sizes.
 
 
 @dataclass(frozen=True)
@@ -127,7 +121,7 @@ class Units:
 
 @dataclass(frozen=True)
 class CommTerms:
-    """Seconds per optimizer step spent in each kind of collective (summed: no overlap, as in the paper)."""
+    """Seconds per optimizer step in each kind of collective (summed: no overlap, as in the paper)."""
 
     shard: float
     """All-gathers and reduce-scatters over the sharding group (B_S)."""
@@ -150,13 +144,11 @@ class CommTerms:
 
 
 def overlapped(terms: CommTerms, *, A: int, fragments: int = 1, delay: int = 0, local_step: float) -> CommTerms:
-    """The sync of `terms` overlapped with local steps (Streaming DiLoCo; `--sync-fragments`, `--sync-delay`):
-    each of a period's N fragment syncs carries 1/N of the sync's bytes and runs while `delay` local steps of
-    `local_step` seconds compute, so only what exceeds them is exposed: sync per step = N max(0, sync A / N -
-    tau local_step) / A; the rest goes to `hidden`. tau = 0: the blocking sync, unchanged (fragments alone change
-    the number of collectives, not the bytes)."""
+    """`terms` with an overlapped sync (`--sync-fragments` N, `--sync-delay` tau): only the part of each fragment's
+    sync that tau local steps do not cover is exposed, sync = N max(0, sync A / N - tau local_step) / A, the rest
+    `hidden`; tau = 0 leaves `terms` as they are."""
     for name, value in (("A", A), ("fragments", fragments)):
-        _positive_int(name, value)
+        positive_int(name, value)
     if delay < 0 or not local_step >= 0:
         raise ConfigError(f"delay and local_step must be >= 0, got {delay!r} and {local_step!r}")
     if delay == 0:
@@ -171,28 +163,16 @@ def comm_terms(method: str, units: Units, *, S: int, R: int = 1, F: int = 1, A: 
                reshard_after_forward: bool = True, reshard_root: bool = False, alpha_S: float = 0.0,
                alpha_R: float = 0.0, alpha_F: float = 0.0, wire_ratio: float = 1.0, steps_R: int | None = None,
                steps_F: int | None = None) -> CommTerms:
-    """Communication time per optimizer step, split by kind, from Table 1's collective costs.
-
-    `sizes="paper"`: Eqs. 1-5 literally, with L = `units.count` and M = the model's bits / L for every collective
-    (backend and resharding options are ignored).
-    `sizes="exact"`: each collective with its own message: all-gathers and reduce-scatters of a whole unit over S
-    (two all-gathers per block if `reshard_after_forward`, one for the root unless `reshard_root`, as FSDP2 keeps the
-    root gathered from forward to backward), all-reduces and broadcasts of the unit's 1/S shard over R and F;
-    with `backend="gloo"` a reduce-scatter costs an all-reduce (gloo implements it as one).
-    `alpha_*` (seconds) add, per collective, alpha times its sequential ring steps: n-1 for an all-gather,
-    reduce-scatter or chained broadcast, 2 (n-1) for an all-reduce; the sync issues one collective per unit.
-    `wire_ratio` scales the sync's cross-group all-reduce (in both modes): its wire bytes per parameter over the
-    units' (0.5 for a bfloat16 sync of 4-byte units); fl-hsdp's broadcast keeps the units' size.
-    `steps_R` / `steps_F`: sequential steps of one all-reduce over R / F for the alpha term (None: the ring's
-    2 (n-1); NCCL's tree takes fewer, `calibration.allreduce_steps`). `forward` and `sync_latency` split out the
-    forward's all-gathers and the sync's latency (for the phases of `calibration.Phases`).
-    """
+    """Communication seconds per optimizer step by kind (docs/cost-model.md). `sizes="paper"`: Eqs. 1-5, one
+    M = model bits / units for every collective; `sizes="exact"`: a unit over S (gathered again in backward with
+    `reshard_after_forward`, the root only with `reshard_root`; gloo's reduce-scatter costs an all-reduce), its 1/S
+    shard over R and F. `alpha_*`: seconds per sequential step of a collective, `steps_R` / `steps_F` an
+    all-reduce's steps (None: the ring's 2 (n-1)); `wire_ratio`: the sync's wire bytes per parameter over the units'."""
     check_layout(method, S=S, R=R, F=F, A=A)
     _check_bandwidths(method, S, R, F, B_S, B_R, B_F)
     if sizes not in ("exact", "paper"):
         raise ConfigError(f"sizes must be 'exact' or 'paper', got {sizes!r}")
-    if backend not in BACKENDS:
-        raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    check_backend(backend)
     if not wire_ratio > 0:
         raise ConfigError(f"wire_ratio must be positive, got {wire_ratio!r}")
     hsdp = method in ("hsdp", "fl-hsdp")
@@ -200,9 +180,7 @@ def comm_terms(method: str, units: Units, *, S: int, R: int = 1, F: int = 1, A: 
     if sizes == "paper":
         L = units.count
         M = units.total * 8 / L
-        gathers = [(2, M)] * L
-        reduces = [(1.0, M)] * L
-        shard_msgs = [M] * L
+        gathers, reduces, shard_msgs = [(2, M)] * L, [(1.0, M)] * L, [M] * L
     else:
         rs_factor = 2.0 if backend == "gloo" else 1.0
         gathers = [(2 if reshard_after_forward else 1, b * 8) for b in units.blocks]
@@ -225,9 +203,7 @@ def comm_terms(method: str, units: Units, *, S: int, R: int = 1, F: int = 1, A: 
     latency = (sum(k for k, _ in gathers) + len(reduces)) * (S - 1) * alpha_S
     if hsdp:
         latency += n_units * steps_R * alpha_R
-    sync_latency = 0.0
-    if syncs:
-        sync_latency = n_units * (steps_F * alpha_F + (R - 1 if method == "fl-hsdp" else 0) * alpha_R) / A
+    sync_latency = n_units * (steps_F * alpha_F + (R - 1 if method == "fl-hsdp" else 0) * alpha_R) / A if syncs else 0.0
     # the forward gathers every unit once: its share of the all-gathers' time and steps
     forward = sum(all_gather_time(D, S, B_S) for _, D in gathers) + len(gathers) * (S - 1) * alpha_S
     return CommTerms(shard=shard, replicate=replicate, sync=sync, latency=latency + sync_latency, forward=forward,

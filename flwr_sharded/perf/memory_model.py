@@ -1,15 +1,5 @@
-"""What one rank of the trainer holds in memory during a step, term by term, from the trainer's own facts.
-
-The trainer (`training/trainer.py`) keeps FSDP2-sharded fp32 parameters (bf16 is a compute copy made by the
-all-gather, `parallel/sharding.py`), fp32 sharded gradients, the optimizer's state, and for FL the shard sync's state
-(`parallel/sync.py`). HSDP replicates over R and shards over S, so only S divides the per-rank state. During a step
-a rank also holds the all-gathered blocks in flight, unsharded gradients before their reduce-scatter, the saved
-activations of one micro-batch and the logits. Not every term lives at the same time: the peak is the largest of
-the `phases` of a step, each a sum of the terms alive then; `total` is that peak.
-
-Activation coefficients (bytes per token) were counted with saved-tensor hooks on Hugging Face's LlamaForCausalLM
-(transformers 5, sdpa attention, no dropout) and the phases checked against the CPU allocator's peak (torch profiler);
-`benchmarks/memory_model_check.py` compares the total with the measured peak RSS of the trainer on CPU.
+"""What one rank of the trainer holds in memory during a step, term by term, from the trainer's own facts; the peak
+is the largest of the step's phases, each the sum of the terms alive then (docs/cost-model.md, "Memory per GPU").
 """
 
 from __future__ import annotations
@@ -23,12 +13,13 @@ from flwr_sharded.config import ModelConfig, OptimConfig, ParallelConfig, TrainC
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.sparse import RowLayout
 from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES, WIRES, SyncDtype
-from flwr_sharded.schema import Surface, same_as
+from flwr_sharded.perf.costmodel import positive_int
 from flwr_sharded.perf.model_shape import ModelShape
+from flwr_sharded.schema import Surface, same_as
 
-# ---------------------------------------------------------------------------------------------------------------------
+GiB = 1024**3
+
 # The trainer's facts: bytes per parameter (or per element) of everything it allocates, one declaration each.
-
 MASTER_BYTES = 4
 """Sharded parameters: FSDP2 keeps the model's dtype (fp32); bf16 compute is a copy made by the all-gather."""
 GRAD_BYTES = 4
@@ -51,11 +42,10 @@ GLOBAL_BYTES = 4
 """The sync's copy of the global shards (fp32), kept by outer optimizers and by a reduced wire dtype."""
 RULE_STATE_BYTES = 4
 """Each of an outer rule's state buffers (`ShardRule.state_buffers`: fp32, the shard's size); its temporaries
-(`temp_buckets`, `temp_buckets_per_member`) are fp32 buckets. FedAvg writes into the sync's buffers and has none."""
+(`temp_buckets`, `temp_buckets_per_member`) are fp32 buckets."""
 SNAPSHOT_BYTES = 4
 """An overlapped sync's snapshot of the fragment in flight (fp32; `parallel/streaming.py`), and its copy of that
-fragment at its start (kept to carry the local steps, or to check the result's move): one buffer each, sized for the
-largest fragment."""
+fragment at its start (to carry the local steps, or to check the result's move), sized for the largest fragment."""
 FEEDBACK_BYTES = 4
 """Error feedback of a quantized wire: an fp32 residual per value of every bucket of the shard
 (`parallel/quantize.py`), or of a top-k wire (`parallel/sparse.py`: what it did not send)."""
@@ -104,8 +94,7 @@ class StepOptions:
     sync_topk: float | None = same_as(ParallelConfig, "sync_topk")
     sync_max_move: float = same_as(ParallelConfig, "sync_max_move")
     rollback: bool = False
-    """The rollback copy of the shards, their optimizer state and the outer state (host memory) that a Flower group,
-    and the static engine with `sync-retries` > 0, keep."""
+    """The rollback copy (host memory) a Flower group, and the static engine with `sync-retries` > 0, keep."""
     device: str = "cuda"
     """cuda (foreach optimizer kernels) or cpu (one parameter at a time)."""
 
@@ -173,13 +162,9 @@ class MemoryBreakdown:
     logits: float
     """batch x seq x vocab in fp32 at the loss (3 copies)."""
     host: float
-    """Host memory, not on the GPU: a Flower group's rollback copy of the shards, their optimizer state (and outer
-    state)."""
+    """Host memory, not on the GPU: the rollback copy of the shards, their optimizer state (and outer state)."""
     phases: dict[str, float] = field(default_factory=dict)
     """Bytes at each moment of a step that can be the peak."""
-
-    TERMS = ("parameters", "gradients", "optimizer", "optimizer_temp", "sync", "sync_temp", "anchor",
-             "accumulated_grads", "gathered_params", "gathered_grads", "activations", "backward_working", "logits")
 
     @property
     def total(self) -> float:
@@ -195,14 +180,9 @@ class MemoryBreakdown:
         """Parameters, gradients, optimizer and FL state: what stays between steps (and the gradients)."""
         return self.parameters + self.gradients + self.optimizer + self.sync + self.anchor
 
-    @property
-    def gathered(self) -> float:
-        """Unsharded FSDP2 buffers: gathered parameters and gradients."""
-        return self.gathered_params + self.gathered_grads
-
     def terms(self) -> dict[str, float]:
         """Every term by name (GPU memory), then `host`."""
-        return {**{name: getattr(self, name) for name in self.TERMS}, "host": self.host}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "phases"}
 
 
 def largest_fragment(shape: ModelShape, fragments: int) -> float:
@@ -259,15 +239,11 @@ def _sync_terms(shape: ModelShape, o: StepOptions, *, S: int, F: int) -> tuple[f
 def trainer_memory(shape: ModelShape, *, S: int, tokens: int, R: int = 1, F: int = 1,
                    options: StepOptions = StepOptions(),
                    state_bytes_per_param: float | None = None) -> MemoryBreakdown:
-    """What one rank of an (F, R, S) run holds, with `tokens` per micro-batch (batch x seq) on that rank.
-
-    R does not change a rank's memory (HSDP all-reduces the sharded gradients in place); F > 1 adds the sync.
-    `state_bytes_per_param` overrides the bytes per parameter of parameters + gradients + optimizer state together
-    (the trainer's: 16 with AdamW), for another trainer; the three keep their proportions.
-    """
+    """What one rank of an (F, R, S) run holds with `tokens` per micro-batch (R changes nothing: HSDP all-reduces the
+    sharded gradients in place). `state_bytes_per_param` overrides the bytes per parameter of parameters, gradients
+    and optimizer state together (the trainer's: 16 with AdamW), in their proportions."""
     for name, value in (("S", S), ("R", R), ("F", F), ("tokens", tokens)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        positive_int(name, value)
     o = options
     cb = COMPUTE_BYTES[o.precision]
     h, i, L, V = shape.hidden_size, shape.intermediate_size, shape.num_layers, shape.vocab_size
@@ -331,11 +307,8 @@ def trainer_memory(shape: ModelShape, *, S: int, tokens: int, R: int = 1, F: int
 def memory_per_gpu(shape: ModelShape, *, S: int, tokens: int, bytes_per_param: float = 2.0,
                    state_bytes_per_param: float | None = None, activation_checkpointing: bool = False,
                    R: int = 1, F: int = 1, options: StepOptions | None = None) -> MemoryBreakdown:
-    """`trainer_memory` for `tokens` per GPU per optimizer step, in the planner's terms.
-
-    `bytes_per_param`: the compute dtype (2 bf16, 4 fp32); it and `activation_checkpointing` override `options`.
-    `tokens` is split over `options.grad_accum` micro-batches.
-    """
+    """`trainer_memory` for `tokens` per GPU per optimizer step, split over `options.grad_accum` micro-batches;
+    `bytes_per_param` (the compute dtype: 2 bf16, 4 fp32) and `activation_checkpointing` override `options`."""
     precision = {2.0: "bf16", 4.0: "fp32"}.get(float(bytes_per_param))
     if precision is None:
         raise ConfigError(f"--bytes-per-param: the memory estimate knows 2 (bf16) and 4 (fp32), got {bytes_per_param}")

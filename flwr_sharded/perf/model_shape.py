@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.perf.costmodel import Units, _positive_int
+from flwr_sharded.perf.costmodel import Units, positive_int
 from flwr_sharded.presets import PRESETS, Preset
 
 
@@ -37,18 +37,18 @@ class ModelShape:
 
     def __post_init__(self) -> None:
         for name in ("num_params", "num_layers", "hidden_size", "intermediate_size", "vocab_size"):
-            _positive_int(name, getattr(self, name))
+            positive_int(name, getattr(self, name))
         if not 0 <= self.root_params < self.num_params:
             raise ConfigError(f"root_params must be in [0, num_params), got {self.root_params}")
         if self.kv_size is not None:
-            _positive_int("kv_size", self.kv_size)
+            positive_int("kv_size", self.kv_size)
 
     @classmethod
     def from_counts(cls, num_params: int, num_layers: int, *, hidden_size: int | None = None,
                     vocab_size: int = 32000, name: str = "custom") -> ModelShape:
         """A model known only by its size: all parameters in the blocks; h from 12 h^2 params per block if not given."""
-        _positive_int("num_params", num_params)
-        _positive_int("num_layers", num_layers)
+        positive_int("num_params", num_params)
+        positive_int("num_layers", num_layers)
         h = hidden_size or max(1, round(math.sqrt(num_params / (12 * num_layers))))
         return cls(num_params=num_params, num_layers=num_layers, root_params=0, hidden_size=h,
                    intermediate_size=4 * h, vocab_size=vocab_size, name=name)

@@ -1,30 +1,22 @@
-"""Rank (method, F, R, S, A) layouts for a cluster description with the cost model.
-
-Every candidate uses all GPUs of the cluster (F x R x S = GPUs), places ranks shard-innermost (rank = f*R*S + r*S +
-s, nodes filled in order, node groups filled in order), takes for each mesh dimension the bandwidth of the slowest
-tier its groups span, and predicts one optimizer step as compute + communication (no overlap, as the paper's model).
-The `plan` sub-command is in `plan_cli`.
-"""
+"""Rank the (method, F, R, S, A) layouts of a cluster with the cost model: every layout on all of its GPUs, each mesh
+dimension at the bandwidth of the slowest tier its groups span, a step predicted as compute + communication (or,
+calibrated, the sum of its phases). Its command line is `plan_cli`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
 
 from flwr_sharded.config import METHODS
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.sparse import over_dense
 from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES
-from flwr_sharded.perf.cluster import Cluster
-from flwr_sharded.perf.costmodel import CommTerms, check_layout, comm_terms, overlapped
 from flwr_sharded.perf.calibration import (ADAMW_BYTES_PER_PARAM, SGD_BYTES_PER_PARAM, Phases, allreduce_steps,
-                                      flow_bandwidth, optimizer_time, phase_time)
+                                           flow_bandwidth, optimizer_time, phase_time)
+from flwr_sharded.perf.cluster import Cluster
+from flwr_sharded.perf.costmodel import CommTerms, check_layout, comm_terms, overlapped, positive_int
 from flwr_sharded.perf.memory_model import MemoryBreakdown, StepOptions, memory_per_gpu
 from flwr_sharded.perf.model_shape import ModelShape, compute_time, model_from_preset
 from flwr_sharded.perf.placement import DIMENSIONS
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Candidates.
 
 
 @dataclass(frozen=True)
@@ -32,13 +24,9 @@ class Candidate:
     """One layout with its predicted cost per optimizer step."""
 
     method: str
-    """fsdp, hsdp, fl-fsdp or fl-hsdp."""
     F: int
-    """Federation groups."""
     R: int
-    """Replication groups per federation group."""
     S: int
-    """Ranks per sharding group."""
     A: int
     """Optimizer steps between shard syncs (1 for fsdp/hsdp)."""
     tiers: dict[str, str | None]
@@ -46,7 +34,6 @@ class Candidate:
     bandwidth: dict[str, float | None]
     """Bits/s one flow of each dimension's collectives gets: its tier's, divided among flows on a shared uplink."""
     comm: CommTerms
-    """Communication seconds per step, by kind."""
     compute: float
     """Compute seconds per step."""
     memory: MemoryBreakdown
@@ -56,14 +43,13 @@ class Candidate:
     fits: bool
     """Whether `memory` fits the usable GPU memory."""
     phases: Phases | None = None
-    """Seconds by phase (forward, backward, optimizer, aggregation); None: not split."""
     calibrated: bool = False
-    """Predicted with the cluster's calibrated model (`calibration`): then the step is the sum of `phases`."""
+    """Predicted with the cluster's calibrated model: then the step is the sum of `phases`."""
 
     @property
     def step_time(self) -> float:
-        """Predicted seconds per optimizer step: compute + communication (of an overlapped sync, what is not
-        hidden); with the calibrated model the sum of the phases (overlap and optimizer step included)."""
+        """Predicted seconds per optimizer step: compute + communication (an overlapped sync's exposed part), or
+        calibrated, the sum of the phases."""
         if self.calibrated and self.phases is not None:
             return self.phases.total
         return self.compute + self.comm.total
@@ -76,29 +62,25 @@ class Candidate:
         return f"{self.method} F={self.F} R={self.R} S={self.S} A={self.A}"
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def layouts(gpus: int, gpus_per_node: int, methods: tuple[str, ...] = METHODS,
             aggregate_every: tuple[int, ...] = (1, 2, 4, 8, 16, 32)) -> list[tuple[str, int, int, int, int]]:
-    """All (method, F, R, S, A) with F*R*S = gpus and S dividing a node or made of whole nodes.
-
-    hsdp needs R > 1, fl-fsdp F > 1, fl-hsdp F > 1 and R > 1 (otherwise they are another method).
-    """
+    """All (method, F, R, S, A) with F*R*S = gpus and S dividing a node or made of whole nodes (hsdp: R > 1, fl-fsdp:
+    F > 1, fl-hsdp: both)."""
     out = []
-    for S in _divisors(gpus):
-        if gpus_per_node % S and S % gpus_per_node:
-            continue
+    for S in (d for d in range(1, gpus + 1) if gpus % d == 0 and not (gpus_per_node % d and d % gpus_per_node)):
         rest = gpus // S
-        for F in _divisors(rest):
-            R = rest // F
-            method = ("fl-" if F > 1 else "") + ("hsdp" if R > 1 else "fsdp")
-            if method not in methods:
-                continue
-            for A in (aggregate_every if F > 1 else (1,)):
-                out.append((method, F, R, S, A))
+        for F in (d for d in range(1, rest + 1) if rest % d == 0):
+            method = ("fl-" if F > 1 else "") + ("hsdp" if rest // F > 1 else "fsdp")
+            if method in methods:
+                out += [(method, F, rest // F, S, A) for A in (aggregate_every if F > 1 else (1,))]
     return out
+
+
+def check_aggregate_every(values: tuple[int, ...]) -> None:
+    """ConfigError naming `--aggregate-every` unless every value is an integer >= 1."""
+    for A in values:
+        if isinstance(A, bool) or not isinstance(A, int) or A < 1:
+            raise ConfigError(f"--aggregate-every: values must be integers >= 1, got {A!r}")
 
 
 def _wire_ratio(sync_bytes: float, bytes_per_param: float, F: int, step: StepOptions | None) -> float:
@@ -113,17 +95,21 @@ def evaluate(cluster: Cluster, model: ModelShape, method: str, *, F: int = 1, R:
              state_bytes_per_param: float | None = None, sizes: str = "exact", latency: bool = False,
              activation_checkpointing: bool = False, memory_fraction: float = 0.9,
              sync_bytes_per_param: float | None = None, step: StepOptions | None = None) -> Candidate:
-    """Predict one layout's step on `cluster` (see `plan` for the options; `step.sync_fragments` and
-    `step.sync_delay`: an overlapped sync, whose step time counts only what does not hide behind the local steps,
-    and whose snapshot the memory estimate counts)."""
+    """Predict one layout's step on `cluster`. `sizes`: "exact" or "paper" message sizes (`costmodel.comm_terms`);
+    `latency`: count the cluster's per-tier latencies; `memory_fraction`: the share of GPU memory a layout may use;
+    `sync_bytes_per_param`: the FL sync's bytes per parameter (`--sync-dtype`; None: `bytes_per_param`, and the
+    memory of the trainer's float32 sync); `step`: the trainer options the memory estimate follows, and an
+    overlapped sync (`sync_fragments`, `sync_delay`) whose step counts only what its local steps do not hide."""
     check_layout(method, S=S, R=R, F=F, A=A)
+    positive_int("tokens_per_gpu_batch", tokens_per_gpu_batch)
+    if not 0 < memory_fraction <= 1:
+        raise ConfigError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
     if sync_bytes_per_param is not None and not sync_bytes_per_param > 0:
         raise ConfigError(f"sync_bytes_per_param must be positive, got {sync_bytes_per_param!r}")
     if F * R * S != cluster.gpus:
         raise ConfigError(f"layout F={F} x R={R} x S={S} = {F * R * S} ranks, but the cluster has {cluster.gpus} GPUs")
-    placement = cluster.placement(F, R, S)
     calibrated = cluster.calibration is not None and sizes == "exact"
-    tiers, bw, steps = _dimension_links(cluster, placement, method, calibrated)
+    tiers, bw, steps = _dimension_links(cluster, cluster.placement(F, R, S), method, calibrated)
     alpha = {dim: (cluster.latency[t] if t and (latency or calibrated) else 0.0) for dim, t in tiers.items()}
     comm = comm_terms(method, model.units(bytes_per_param), S=S, R=R, F=F, A=A, B_S=bw["shard"],
                       B_R=bw["replica"], B_F=bw["federation"], sizes=sizes, backend=cluster.backend,
@@ -165,9 +151,8 @@ def evaluate(cluster: Cluster, model: ModelShape, method: str, *, F: int = 1, R:
 
 
 def _dimension_links(cluster: Cluster, placement, method: str, calibrated: bool) -> tuple[dict, dict, dict]:
-    """Per mesh dimension: the slowest tier its groups span, the bits/s one flow of its collectives gets (its tier's,
-    divided among the flows on a shared uplink; calibrated: `calibration.flow_bandwidth`), and (calibrated with a tree
-    all-reduce) the sequential steps of its all-reduce (None: the ring's)."""
+    """Per mesh dimension: the slowest tier its groups span, the bits/s one flow gets (on a shared uplink its share;
+    calibrated: `flow_bandwidth`), and, calibrated with a tree all-reduce, its all-reduce's steps (None: the ring's)."""
     cal = cluster.calibration if calibrated else None
     shared = set(cluster.shared) | (set(cal.uplink) if cal else set())
     tiers: dict[str, str | None] = {}
@@ -175,7 +160,7 @@ def _dimension_links(cluster: Cluster, placement, method: str, calibrated: bool)
     steps: dict[str, int | None] = {}
     for dim in DIMENSIONS:
         # fl-hsdp: only replica r = 0 joins the cross-group all-reduce
-        ranks = [placement.rank(0, 0, s) for s in range(placement.S)] if dim == "federation" and method == "fl-hsdp" \
+        ranks = [placement.rank(0, 0, s) for s in range(placement.S)] if (dim, method) == ("federation", "fl-hsdp") \
             else None
         tier = tiers[dim] = placement.dim_tier(dim, ranks)
         bw[dim] = cluster.bandwidth[tier] if tier else None
@@ -196,51 +181,21 @@ def _dimension_links(cluster: Cluster, placement, method: str, calibrated: bool)
     return tiers, bw, steps
 
 
-def plan(cluster: Cluster, model: ModelShape, *, tokens_per_gpu_batch: int = 4096,
-         aggregate_every: tuple[int, ...] = (1, 2, 4, 8, 16, 32), methods: tuple[str, ...] = METHODS,
-         bytes_per_param: float = 2.0, state_bytes_per_param: float | None = None, sizes: str = "exact",
-         latency: bool = False, activation_checkpointing: bool = False, memory_fraction: float = 0.9,
-         fl_margin: float = 0.1, sync_bytes_per_param: float | None = None,
-         step: StepOptions | None = None) -> list[Candidate]:
-    """Every valid layout that fits in memory, best first.
-
-    Ranked by predicted step time, except that an FL candidate ranks as if its step took (1 + `fl_margin`) times
-    longer: a synchronous method (exact gradient averaging, no drift, no A to tune) is preferred unless FL saves
-    more than that fraction. `sizes`: "exact" or "paper" message sizes (see `costmodel.comm_terms`); `latency`: add
-    the cluster's per-tier latencies as an alpha term per ring step; `memory_fraction`: share of GPU memory a layout
-    may use (the rest: CUDA context, NCCL buffers, fragmentation). An empty list means nothing fits.
-    `sync_bytes_per_param`: bytes per parameter of the FL sync's cross-group all-reduce (4 float32, 2 bfloat16:
-    `--sync-dtype`); None: `bytes_per_param`, like every other collective (the memory estimate then assumes the
-    trainer's default float32 sync, which keeps no global copy). `step`: the trainer options the memory estimate
-    follows (optimizer, outer rule, bucket, grad-accum, reshard-after-forward, ...); `bytes_per_param` sets its
-    compute dtype and `activation_checkpointing` its checkpointing.
-    """
+def plan(cluster: Cluster, model: ModelShape, *, aggregate_every: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
+         methods: tuple[str, ...] = METHODS, fl_margin: float = 0.1, **options) -> list[Candidate]:
+    """Every layout that fits in memory (`options`: `evaluate`'s), best first: by predicted step time, an FL layout's
+    counted (1 + `fl_margin`) times longer, so that exact gradient averaging (no drift, no A to tune) wins unless FL
+    saves more than that; an empty list when nothing fits."""
     unknown = sorted(set(methods) - set(METHODS))
     if unknown or not methods:
         raise ConfigError(f"--methods: choose among {', '.join(METHODS)}, got {', '.join(methods) or 'nothing'}")
-    for A in aggregate_every:
-        if isinstance(A, bool) or not isinstance(A, int) or A < 1:
-            raise ConfigError(f"--aggregate-every: values must be integers >= 1, got {A!r}")
-    _positive_int_option("--tokens-per-gpu", tokens_per_gpu_batch)
-    if not 0 < memory_fraction <= 1:
-        raise ConfigError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+    check_aggregate_every(aggregate_every)
     if fl_margin < 0:
         raise ConfigError(f"--fl-margin must be >= 0, got {fl_margin}")
-    candidates = [
-        evaluate(cluster, model, method, F=F, R=R, S=S, A=A, tokens_per_gpu_batch=tokens_per_gpu_batch,
-                 bytes_per_param=bytes_per_param, state_bytes_per_param=state_bytes_per_param, sizes=sizes,
-                 latency=latency, activation_checkpointing=activation_checkpointing, memory_fraction=memory_fraction,
-                 sync_bytes_per_param=sync_bytes_per_param, step=step)
-        for method, F, R, S, A in layouts(cluster.gpus, cluster.gpus_per_node, tuple(methods),
-                                          tuple(aggregate_every))
-    ]
+    candidates = [evaluate(cluster, model, method, F=F, R=R, S=S, A=A, **options) for method, F, R, S, A in
+                  layouts(cluster.gpus, cluster.gpus_per_node, tuple(methods), tuple(aggregate_every))]
     fitting = [c for c in candidates if c.fits]
     return sorted(fitting, key=lambda c: (c.step_time * (1 + fl_margin if c.federated else 1), c.A, c.F, c.R))
-
-
-def _positive_int_option(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name}: expected an integer >= 1, got {value!r}")
 
 
 _TERM_NAMES = {"shard": "all-gathers/reduce-scatters over the sharding group",
@@ -278,9 +233,6 @@ def explain(best: Candidate, reference: Candidate | None, fastest: Candidate, fl
     return text
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# The paper's four 512-GPU layouts and its measured times.
-
 PAPER_LAYOUTS: tuple[tuple[str, str, int, int, int], ...] = (
     ("FSDP", "fsdp", 1, 1, 512),
     ("HSDP", "hsdp", 1, 128, 4),
@@ -299,8 +251,8 @@ PAPER_TABLE4: dict[str, dict[str, tuple[float, float]]] = {
     "FL+HSDP": {"forward": (0.38, 0.02), "backward": (0.99, 0.01), "optimizer": (0.03, 0.00),
                 "aggregation": (0.14, 0.54), "overall": (1.53, 0.54)},
 }
-"""Reference figures, measured (not predicted): the paper's Table 4, seconds per batch (mean, std) by phase, for
-Llama-3.1-8B on 512 A100 GPUs of Leonardo, batch 2 x 2048 tokens per GPU, aggregation every 8 steps."""
+"""The paper's Table 4, measured: seconds per batch (mean, std) by phase, Llama-3.1-8B on 512 A100 GPUs of Leonardo,
+2 x 2048 tokens per GPU, aggregation every 8 steps."""
 
 
 @dataclass(frozen=True)
@@ -308,7 +260,6 @@ class PaperRow:
     """One of the paper's layouts: predicted step time next to the paper's measurement."""
 
     label: str
-    """FSDP, HSDP, FL+FSDP or FL+HSDP."""
     predicted: Candidate
     """The cost model's prediction with exact message sizes."""
     paper_eq_comm: float
@@ -317,23 +268,18 @@ class PaperRow:
     """The paper's Table 4 row (mean, std) by phase."""
 
 
-def paper_layouts(cluster: Cluster, model: ModelShape | None = None, *, A: int = 8, tokens_per_gpu_batch: int = 4096,
-                  bytes_per_param: float = 2.0, latency: bool = False, activation_checkpointing: bool = False,
-                  memory_fraction: float = 0.9, sync_bytes_per_param: float | None = None,
-                  step: StepOptions | None = None) -> list[PaperRow]:
-    """Predictions for the paper's four layouts (needs a 512-GPU cluster) next to Table 4, with their memory."""
+def paper_layouts(cluster: Cluster, model: ModelShape | None = None, *, A: int = 8, **options) -> list[PaperRow]:
+    """Predictions for the paper's four layouts (needs a 512-GPU cluster) next to Table 4, with their memory
+    (`options`: `evaluate`'s)."""
     if cluster.gpus != 512:
         raise ConfigError(f"--layouts paper: the paper's layouts use 512 GPUs, cluster {cluster.name} has "
                           f"{cluster.gpus}")
     model = model or model_from_preset("llama3.1-8b")
     rows = []
     for label, method, F, R, S in PAPER_LAYOUTS:
-        a = A if F > 1 else 1
-        kwargs = dict(F=F, R=R, S=S, A=a, tokens_per_gpu_batch=tokens_per_gpu_batch, bytes_per_param=bytes_per_param,
-                      activation_checkpointing=activation_checkpointing, memory_fraction=memory_fraction,
-                      sync_bytes_per_param=sync_bytes_per_param, step=step)
-        exact = evaluate(cluster, model, method, latency=latency, **kwargs)
-        literal = evaluate(cluster, model, method, sizes="paper", **kwargs)
+        layout = dict(F=F, R=R, S=S, A=A if F > 1 else 1)
+        exact = evaluate(cluster, model, method, **layout, **{**options, "sizes": "exact"})
+        literal = evaluate(cluster, model, method, **layout, **{**options, "sizes": "paper", "latency": False})
         rows.append(PaperRow(label=label, predicted=exact, paper_eq_comm=literal.comm.total,
                              measured=PAPER_TABLE4[label]))
     return rows

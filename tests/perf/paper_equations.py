@@ -4,8 +4,8 @@ for `flwr_sharded.perf.costmodel` and `placement`."""
 from __future__ import annotations
 
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.perf.costmodel import (Units, _check_bandwidth, _check_bandwidths, _positive_int, all_gather_time,
-                                         all_reduce_time, broadcast_time, check_layout, reduce_scatter_time)
+from flwr_sharded.perf.costmodel import (Units, _check_bandwidth, _check_bandwidths, all_gather_time, all_reduce_time,
+                                         broadcast_time, check_layout, positive_int, reduce_scatter_time)
 from flwr_sharded.perf.placement import TIERS, Traffic
 
 
@@ -16,7 +16,7 @@ def comm_time(method: str, *, M: float, L: int, S: int, R: int = 1, F: int = 1, 
     groups. With F = 1 the FL terms vanish (as does Eq. 5's broadcast for R = 1)."""
     check_layout(method, S=S, R=R, F=F, A=A)
     _check_bandwidths(method, S, R, F, B_S, B_R, B_F)
-    _positive_int("L", L)
+    positive_int("L", L)
     if not M > 0:
         raise ConfigError(f"M (bits) must be positive, got {M!r}")
     t = (2 * all_gather_time(M, S, B_S) + reduce_scatter_time(M, S, B_S)) * L  # Eq. 1
@@ -32,7 +32,7 @@ def comm_time(method: str, *, M: float, L: int, S: int, R: int = 1, F: int = 1, 
 def fl_comm_time(*, M: float, L: int, F: int, A: int = 1, B_F: float | None) -> float:
     """Eq. 3: plain decentralised FedAvg, one all-reduce per layer every A batches: C_AR(M, F) L / A."""
     for name, value in (("L", L), ("F", F), ("A", A)):
-        _positive_int(name, value)
+        positive_int(name, value)
     if not M > 0:
         raise ConfigError(f"M (bits) must be positive, got {M!r}")
     _check_bandwidth("B_F", B_F, F > 1, f"for F={F} > 1")
@@ -41,7 +41,7 @@ def fl_comm_time(*, M: float, L: int, F: int, A: int = 1, B_F: float | None) -> 
 
 def even_units(total_bytes: float, n: int, root: float = 0.0) -> Units:
     """`n` equal blocks holding `total_bytes`, plus a root unit of `root` bytes."""
-    _positive_int("number of units", n)
+    positive_int("number of units", n)
     return Units(blocks=(total_bytes / n,) * n, root=root)
 
 
