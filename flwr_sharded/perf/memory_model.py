@@ -18,6 +18,7 @@ from flwr_sharded.perf.model_shape import ModelShape
 from flwr_sharded.schema import Surface, same_as
 
 GiB = 1024**3
+"""Bytes per GiB, for reports."""
 
 # The trainer's facts: bytes per parameter (or per element) of everything it allocates, one declaration each.
 MASTER_BYTES = 4

@@ -1,5 +1,4 @@
-"""What one GPU's training step costs besides communication: the model's shape and compute time (memory:
-`memory_model`)."""
+"""The model's shape as the cost model sees it (from a preset, a config.json or counts), and one GPU's compute time."""
 
 from __future__ import annotations
 
@@ -19,19 +18,14 @@ class ModelShape:
     """What the cost model needs to know about a decoder-only (Llama-like) transformer."""
 
     num_params: int
-    """Total parameters."""
     num_layers: int
     """Transformer blocks: one FSDP2 unit each."""
     root_params: int
     """Parameters outside the blocks (embeddings, head, final norm): the root unit."""
     hidden_size: int
-    """Model width h."""
     intermediate_size: int
-    """MLP width i."""
     vocab_size: int
-    """Vocabulary size (logits memory)."""
     name: str = "custom"
-    """Label for reports."""
     kv_size: int | None = None
     """Width of the k and v projections (key/value heads x head size; activations); None: `hidden_size` (MHA)."""
 
@@ -66,11 +60,8 @@ class ModelShape:
 
 def compute_time(num_params: float, tokens: float, flops_per_gpu: float, *,
                  flops_per_param_token: float = 6.0) -> float:
-    """Seconds of compute for one GPU's batch: flops_per_param_token * params * tokens / achievable FLOP/s.
-
-    6 = forward (2) + backward (4); 8 with activation checkpointing (forward recomputed). Ignores attention's
-    quadratic term and counts the embedding lookup as a matmul (small, conservative).
-    """
+    """Seconds of compute for one GPU's batch: flops_per_param_token (6 = forward 2 + backward 4; 8 with activation
+    checkpointing) x params x tokens / achievable FLOP/s; attention's quadratic term ignored."""
     if not flops_per_gpu > 0:
         raise ConfigError(f"flops_per_gpu must be positive, got {flops_per_gpu!r}")
     return flops_per_param_token * num_params * tokens / flops_per_gpu

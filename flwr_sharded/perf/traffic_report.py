@@ -1,18 +1,6 @@
-"""Measured traffic next to the cost model's prediction, per network tier.
-
-Two measurements of one training run (`train.py --measure-traffic DIR` attaches a `TrafficProbe` to the trainer):
-
-- **collectives**: a `TrafficMeter` records every collective a rank issues over its training loop (op, process-group
-  ranks, payload bytes), each filed under the optimizer step, the shard sync or the rest (evaluation, logging) it
-  ran in. `collective_tiers` turns the records into bytes sent per tier with the same ring rules as
-  `placement.rank_traffic`: a rank sends its share of a ring collective to the next rank of the group; an all-gather
-  or reduce-scatter of D bytes over n ranks sends D (n-1)/n, an all-reduce 2 D (n-1)/n, and gloo's reduce-scatter,
-  which runs an all-reduce, 2 D (n-1)/n as well; a broadcast is a chain.
-- **wire** (`wire_tiers`): the interface byte counters of the emulated network (`/proc/<pid>/net/dev`) at the start
-  and end of the loop: `lo` of each node namespace (intra-node), `eth0` of each node (everything leaving the node)
-  and the group uplinks (everything leaving a node group). They include TCP/IP headers and acknowledgements.
-
-`compare` puts both next to `placement.traffic` for the same placement, model units and number of steps and syncs.
+"""Measured traffic of a training run (`train --measure-traffic DIR` attaches a `TrafficProbe`) next to the cost
+model's, per tier: the collectives each rank issued, with the ring rules of `placement.rank_traffic`
+(`collective_tiers`), and the emulated network's interface counters (`wire_tiers`) (docs/benchmarking.md).
 """
 
 from __future__ import annotations
@@ -31,20 +19,12 @@ from flwr_sharded.perf.placement import TIERS, Placement, traffic
 PHASES = ("step", "sync")
 ALL_PHASES = (*PHASES, "other")
 NETDEV_ENV = "FLWR_SHARDED_NETDEV"
-"""Extra `net/dev` files rank 0 snapshots around each window, as `label=path,label=path` (the emulator sets it to
-the fabric namespace's `/proc/<pid>/net/dev`)."""
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Interface counters.
+"""Extra `net/dev` files rank 0 snapshots, as `label=path,label=path` (the emulator's fabric namespace's)."""
 
 
 def read_netdev(path: str | os.PathLike = "/proc/self/net/dev") -> dict[str, dict[str, int]]:
-    """{interface: {"rx_bytes", "tx_bytes", "rx_packets", "tx_packets"}} from a `/proc/.../net/dev` file.
-
-    `/proc/<pid>/net/dev` shows the network namespace of process `pid`, so one process can read the counters of
-    another namespace through a process living in it.
-    """
+    """{interface: {"rx_bytes", "tx_bytes", "rx_packets", "tx_packets"}} from a `/proc/<pid>/net/dev` file (the
+    network namespace of process `pid`)."""
     out: dict[str, dict[str, int]] = {}
     with open(path) as fh:
         lines = fh.read().splitlines()[2:]
@@ -62,28 +42,11 @@ def _subtract(after: dict[str, dict[str, int]], before: dict[str, dict[str, int]
     return {name: {k: v - before.get(name, {}).get(k, 0) for k, v in values.items()} for name, values in after.items()}
 
 
-def _accumulate(total: dict[str, dict[str, int]], delta: dict[str, dict[str, int]]) -> None:
-    for name, values in delta.items():
-        slot = total.setdefault(name, {})
-        for k, v in values.items():
-            slot[k] = slot.get(k, 0) + v
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The probe inside a training run.
-
-
 @dataclass
 class TrafficProbe:
-    """Counts one rank's collectives and interface bytes over its training loop, split into optimizer steps,
-    shard syncs and the rest (evaluation, logging).
-
-    `attach(trainer)` wraps the trainer's `step` and `sync` methods: the first step starts the count; `finish()`
-    (after the loop) stops it; `write(directory)` saves `rank<N>.json`. Interface counters are snapshotted at both
-    ends, not per step: a node's ranks do not finish a collective at the same instant, so per-step deltas would
-    lose bytes still in flight. The first local rank of a node (LOCAL_RANK 0) reads its namespace's counters
-    (`/proc/self/net/dev`), rank 0 also the files named in `$FLWR_SHARDED_NETDEV`.
-    """
+    """Counts one rank's collectives over its training loop, filed under optimizer steps, shard syncs and the rest,
+    and its interface counters at both ends of the loop (LOCAL_RANK 0: its namespace's; rank 0 also `NETDEV_ENV`'s).
+    `attach(trainer)` starts it, `finish()` stops it, `write(directory)` saves `rank<N>.json`."""
 
     rank: int
     world_size: int
@@ -95,7 +58,6 @@ class TrafficProbe:
     _start: dict[str, dict[str, dict[str, int]]] | None = None
     _netdev: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
     _collectives: dict[tuple[str, str, tuple[int, ...]], list[int]] | None = None
-    _phase: str | None = None
 
     @classmethod
     def from_env(cls) -> TrafficProbe:
@@ -201,9 +163,6 @@ def load_probes(directory: str | os.PathLike) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in files]
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# From records to bytes per tier.
-
 _GATHER_LIKE = {"all_gather_single", "all_gather_into_tensor"}
 _REDUCE_SCATTER = {"reduce_scatter_single", "reduce_scatter_tensor"}
 
@@ -227,42 +186,35 @@ def ring_bytes_sent(op: str, payload: float, n: int, backend: str = "gloo") -> f
     raise ValueError(f"no ring accounting for collective {op!r}")
 
 
-def collective_tiers(probes: list[dict[str, Any]], placement: Placement,
-                     backend: str = "gloo") -> dict[str, dict[str, float]]:
-    """Bytes sent per phase ("step", "sync", "other") and tier, summed over ranks, from the probes' records.
-
-    Each collective's bytes go to the tier of the link from the rank to the next one in its group (rank order).
-    A broadcast counts for every rank but the last of its chain. Ops without a ring rule are reported under the
-    pseudo-tier "unmapped" (payload bytes).
-    """
-    out = {p: dict.fromkeys((*TIERS, "unmapped"), 0.0) for p in ALL_PHASES}
+def sending_records(probes: list[dict[str, Any]]) -> Iterator[tuple[int, dict[str, Any], int]]:
+    """(rank, record, the next rank of its group) of every record in which the probe's rank sends (in a ring, to the
+    next rank in rank order; a broadcast's last rank sends nothing)."""
     for probe in probes:
         rank = probe["rank"]
         for rec in probe["collectives"]:
-            ranks, op, phase = rec["ranks"], rec["op"], rec["phase"]
-            n = len(ranks)
-            if rank not in ranks or n < 2:
-                continue
-            i = ranks.index(rank)
-            if op == "broadcast" and i == n - 1:
-                continue
-            try:
-                nbytes = ring_bytes_sent(op, rec["bytes"], n, backend)  # linear in the payload: all calls at once
-            except ValueError:
-                out[phase]["unmapped"] += rec["bytes"]
-                continue
-            out[phase][placement.link_tier(rank, ranks[(i + 1) % n])] += nbytes
+            ranks, n = rec["ranks"], len(rec["ranks"])
+            if rank in ranks and n >= 2 and not (rec["op"] == "broadcast" and ranks.index(rank) == n - 1):
+                yield rank, rec, ranks[(ranks.index(rank) + 1) % n]
+
+
+def collective_tiers(probes: list[dict[str, Any]], placement: Placement,
+                     backend: str = "gloo") -> dict[str, dict[str, float]]:
+    """Bytes sent per phase ("step", "sync", "other") and tier, summed over ranks, from the probes' records; ops
+    without a ring rule under the pseudo-tier "unmapped" (payload bytes)."""
+    out = {p: dict.fromkeys((*TIERS, "unmapped"), 0.0) for p in ALL_PHASES}
+    for rank, rec, peer in sending_records(probes):
+        try:  # linear in the payload: all calls at once
+            out[rec["phase"]][placement.link_tier(rank, peer)] += ring_bytes_sent(rec["op"], rec["bytes"],
+                                                                                   len(rec["ranks"]), backend)
+        except ValueError:
+            out[rec["phase"]]["unmapped"] += rec["bytes"]
     return out
 
 
 def wire_tiers(probes: list[dict[str, Any]], ranks_per_node: int, uplinks: list[str],
                fabric_label: str = "fabric", node_iface: str = "eth0") -> dict[str, float]:
-    """Bytes on the emulated wire per tier over the training loop, from the interface counters the probes took.
-
-    intra_node: tx of `lo` of every node; inter_group: tx of the group uplinks (`uplinks`, in the fabric namespace,
-    read by rank 0); inter_node: tx of every node's `node_iface` minus inter_group. A node's counters are read by
-    its first rank. Wire bytes include TCP/IP headers, acknowledgements and connection set-up.
-    """
+    """Bytes on the emulated wire per tier over the training loop (headers and acknowledgements included): tx of each
+    node's `lo` (intra_node), of the group `uplinks` (inter_group), of each node's `node_iface` less inter_group."""
     out = dict.fromkeys(TIERS, 0.0)
     for probe in probes:
         if probe["rank"] % ranks_per_node:
@@ -280,10 +232,7 @@ def wire_tiers(probes: list[dict[str, Any]], ranks_per_node: int, uplinks: list[
 def predicted_tiers(method: str, placement: Placement, units: Units, *, A: int, steps: int, syncs: float,
                     backend: str = "gloo", reshard_root: bool = True,
                     wire_ratio: float = 1.0) -> dict[str, dict[str, float]]:
-    """`placement.traffic` summed over ranks: step bytes x steps and sync bytes x syncs, per tier.
-
-    `wire_ratio`: the sync all-reduce's bytes per parameter over the units' (0.5 for a bfloat16 sync of fp32 units).
-    """
+    """`placement.traffic` summed over ranks, per phase and tier: step bytes x steps, sync bytes x syncs."""
     out = {p: dict.fromkeys(TIERS, 0.0) for p in PHASES}
     for t in traffic(method, placement, units, A=A, backend=backend, reshard_root=reshard_root,
                      wire_ratio=wire_ratio):
@@ -339,11 +288,8 @@ class TierComparison:
 def compare(probes: list[dict[str, Any]], method: str, placement: Placement, units: Units, *, A: int,
             backend: str = "gloo", reshard_root: bool = True, ranks_per_node: int | None = None,
             uplinks: list[str] | None = None, wire_ratio: float = 1.0, fragments: int = 1) -> TierComparison:
-    """Measured (collectives, and wire when counters were taken) against predicted bytes per tier for one run.
-
-    `wire_ratio`: as in `predicted_tiers` (the run's `--sync-dtype` bytes over the units' bytes per parameter).
-    `fragments`: the run's `--sync-fragments` (each fragment's sync carries its share of the model).
-    """
+    """Measured (collectives, and wire when counters were taken) against predicted bytes per tier for one run;
+    `wire_ratio`: the sync's wire bytes over the units', `fragments`: the run's `--sync-fragments`."""
     steps = probes[0]["windows"]["step"]
     syncs = probes[0]["windows"]["sync"] / fragments  # whole-model syncs: one per fragment's sync of each
     predicted = predicted_tiers(method, placement, units, A=A, steps=steps, syncs=syncs, backend=backend,
@@ -353,11 +299,4 @@ def compare(probes: list[dict[str, Any]], method: str, placement: Placement, uni
         wire = wire_tiers(probes, ranks_per_node, uplinks or [])
     return TierComparison(predicted=predicted, collectives=collective_tiers(probes, placement, backend), wire=wire,
                           steps=steps, syncs=syncs)
-
-
-def model_units(model_name: str, vocab_size: int, bytes_per_param: float = 4.0) -> Units:
-    """FSDP2 units (blocks and root) of a preset, in bytes on the wire (fp32 on CPU: 4 bytes per parameter)."""
-    from flwr_sharded.perf.model_shape import model_from_preset
-
-    return model_from_preset(model_name, vocab_size).units(bytes_per_param)
 

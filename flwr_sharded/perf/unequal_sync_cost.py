@@ -1,18 +1,6 @@
-"""The shard sync of a federation whose groups shard differently: bytes per rank, group and tier, and its time.
-
-Group g trains on R_g x S_g ranks; `parallel.sync_plan.SyncPlan` cuts every parameter into the pieces of the groups'
-common refinement, and each channel (the pieces with the same owner in every group) is one ring all-reduce over F
-ranks, replica 0 of its owner shard in each group. So a rank sends, per sync, the ring's 2 (F-1)/F x the bytes of each
-of its channels (`traffic_report.ring_bytes_sent`, the meter's own accounting) on the inter-group tier, and fl-hsdp's
-broadcast forwards its shard along the group's R replicas. Every piece is in one channel of each group, so a group
-sends 2 (F-1)/F x the model's bytes whatever its S; a rank of a group with small S sends more.
-
-Time: a channel's all-reduce costs C_AR(D, F) (`costmodel.all_reduce_time`, one flow of bandwidth B_F); a rank runs
-its channels one after another in the plan's common order, and a channel starts when all its owners are done with
-their earlier ones. The sync ends when the last rank has run its channels and then broadcast its shard over R_g
-(C_BC). When the groups' cuts nest (every S_g divides the next, as powers of two do) no channel waits, and the time is
-that of the busiest rank: the sum of its channels plus its broadcast. With equal groups it is `costmodel.comm_terms`'
-sync. Bandwidth only (no latency); see docs/cost-model.md, "Unequal federations".
+"""The shard sync of a federation whose groups shard differently, from `parallel.sync_plan.SyncPlan`'s channels (one
+ring all-reduce over F ranks each, then fl-hsdp's broadcast over R_g): bytes per rank and group, and its time with
+the channels in the plan's order (docs/cost-model.md, "Unequal federations"). Bandwidth only, no latency.
 """
 
 from __future__ import annotations
@@ -50,10 +38,6 @@ class UnequalSync:
     each group's bytes over it)."""
 
     @property
-    def groups(self) -> int:
-        return len(self.layouts)
-
-    @property
     def group_bytes(self) -> tuple[float, ...]:
         """Per group: bytes its ranks send across groups per sync (2 (F-1)/F x the model's wire bytes)."""
         return tuple(sum(row) for row in self.rank_bytes)
@@ -72,8 +56,7 @@ class UnequalSync:
         return out
 
 
-def _checked_layouts(layouts: Sequence[tuple[int, int]],
-                  names: Sequence[str] | None = None) -> tuple[tuple[int, int], ...]:
+def _checked_layouts(layouts: Sequence[tuple[int, int]], names: Sequence[str] | None) -> tuple[tuple[int, int], ...]:
     """The groups' (R, S) as a tuple; ConfigError naming the group unless each is a pair of integers >= 1."""
     if not layouts:
         raise ConfigError("layouts: a federation needs at least one group, got none")
@@ -91,8 +74,8 @@ def _checked_layouts(layouts: Sequence[tuple[int, int]],
     return tuple(out)
 
 
-def _check_bandwidths(layouts: tuple[tuple[int, int], ...], B_F: float | None, B_R: list[float | None],
-                      names: Sequence[str] | None) -> None:
+def _check_group_bandwidths(layouts: tuple[tuple[int, int], ...], B_F: float | None, B_R: list[float | None],
+                            names: Sequence[str] | None) -> None:
     """ConfigError naming the bandwidth a sync of these groups needs but lacks (or gets not positive)."""
     if len(layouts) < 2:
         return
@@ -112,7 +95,7 @@ def coarse_shapes(model: ModelShape) -> Shapes:
 
 
 def channel_elements(plan: SyncPlan) -> dict[Owners, int]:
-    """Elements of each channel: the sum of its pieces' elements, every parameter's pieces counted once."""
+    """Elements of each channel (its pieces'), in the plan's order."""
     out: dict[Owners, int] = {}
     for p in plan.pieces():
         numel = (p.end - p.start) * row_numel(plan.shapes[p.param])
@@ -124,14 +107,10 @@ def unequal_sync(layouts: Sequence[tuple[int, int]], shapes: Sequence[Sequence[i
                  elements: int | None = None, bytes_per_param: float = 4.0, wire_ratio: float = 1.0,
                  B_F: float | None = None, B_R: Sequence[float | None] | None = None, shared_uplink: bool = False,
                  names: Sequence[str] | None = None) -> UnequalSync:
-    """Bytes and seconds of one shard sync of groups with `layouts` (R_g, S_g) each.
-
-    The model: its parameters' global `shapes` (FSDP2 cuts each on its first dimension), or `elements` (one flat
-    parameter). `bytes_per_param`: the shards' bytes per value (the broadcast's); `wire_ratio`: the all-reduce's wire
-    bytes over them (`planner._wire_ratio`, `parallel.wire.sync_wire_ratio`: 0.5 for bfloat16 over fp32, top-k's
-    rows). `B_F`: bits/s one flow between groups gets; `B_R[g]`: bits/s of group g's replication groups (needed for
-    R_g > 1); `shared_uplink`: each group's flows share one uplink of B_F. `names`: the groups', for errors.
-    """
+    """Bytes and seconds of one shard sync of groups with `layouts` (R_g, S_g) each, of a model given by its
+    parameters' global `shapes` or `elements` (one flat parameter). `bytes_per_param`: the shards' (the broadcast's);
+    `wire_ratio`: the all-reduce's wire bytes over them; `B_F`: bits/s one flow between groups gets; `B_R[g]`: group
+    g's replication bandwidth (for R_g > 1); `shared_uplink`: a group's flows share one uplink of B_F."""
     layouts = _checked_layouts(layouts, names)
     if (shapes is None) == (elements is None):
         raise ConfigError("give the model's parameter shapes or its element count, one of them")
@@ -146,12 +125,10 @@ def unequal_sync(layouts: Sequence[tuple[int, int]], shapes: Sequence[Sequence[i
     B_R = list(B_R) if B_R is not None else [None] * F
     if len(B_R) != F:
         raise ConfigError(f"B_R: one bandwidth per group ({F}), got {len(B_R)}")
-    _check_bandwidths(layouts, B_F, B_R, names)
+    _check_group_bandwidths(layouts, B_F, B_R, names)
     plan = SyncPlan(layouts=tuple(S for _, S in layouts), shapes=tuple(tuple(int(d) for d in s) for s in shapes))
     channels = {c: n * bytes_per_param * wire_ratio for c, n in channel_elements(plan).items()}
-    rank_bytes = [[0.0] * S for _, S in layouts]
-    ready = [[0.0] * S for _, S in layouts]
-    serial = [[0.0] * S for _, S in layouts]
+    rank_bytes, ready, serial = ([[0.0] * S for _, S in layouts] for _ in range(3))
     for owners, size in channels.items():
         seconds = all_reduce_time(size * 8, F, B_F) if F > 1 else 0.0
         start = max(ready[g][s] for g, s in enumerate(owners))

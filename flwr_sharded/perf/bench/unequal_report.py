@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from flwr_sharded.perf.bench.common import REPO
-from flwr_sharded.perf.traffic_report import ring_bytes_sent
+from flwr_sharded.perf.traffic_report import ring_bytes_sent, sending_records
 
 UNEQUAL_RUNS = ("equal", "unequal", "unequal-slow", "unequal-slow-speed")
 """The runs of the unequal scenario: the equal federation (as many groups of their mean S), the unequal one, and the
@@ -36,22 +36,13 @@ PPL_TARGET = 0.02
 def cross_group_traffic(probes: list[dict[str, Any]], groups: Sequence[Sequence[int]],
                         backend: str = "gloo") -> dict[str, Any]:
     """Bytes the syncs sent across FL groups (summed over ranks; per sync and per sending group) and each rank's
-    seconds per sync, from the probes of a `--measure-traffic` run whose groups hold the ranks `groups`.
-
-    A sync collective is cross-group when its process group has ranks of more than one FL group (the channels'
-    all-reduces, and their small set-up and vote messages); a rank's share follows the meter's ring rules."""
+    seconds per sync, from the probes of a `--measure-traffic` run whose groups hold the ranks `groups`: every sync
+    collective whose process group spans FL groups (the channels' all-reduces, their set-up and votes)."""
     group_of = {r: g for g, ranks in enumerate(groups) for r in ranks}
-    per_group, per_rank = [0.0] * len(groups), {}
-    for probe in probes:
-        rank = probe["rank"]
-        per_rank[rank] = 0.0
-        for rec in probe["collectives"]:
-            ranks, n = rec["ranks"], len(rec["ranks"])
-            if rec["phase"] != "sync" or rank not in ranks or n < 2 or len({group_of[r] for r in ranks}) < 2:
-                continue
-            if rec["op"] == "broadcast" and ranks.index(rank) == n - 1:
-                continue
-            nbytes = ring_bytes_sent(rec["op"], rec["bytes"], n, backend)
+    per_group, per_rank = [0.0] * len(groups), {p["rank"]: 0.0 for p in probes}
+    for rank, rec, _ in sending_records(probes):
+        if rec["phase"] == "sync" and len({group_of[r] for r in rec["ranks"]}) > 1:
+            nbytes = ring_bytes_sent(rec["op"], rec["bytes"], len(rec["ranks"]), backend)
             per_group[group_of[rank]] += nbytes
             per_rank[rank] += nbytes
     syncs = probes[0]["windows"]["sync"] if probes else 0
