@@ -1,9 +1,8 @@
-"""`flwr-sharded bench`: the four methods side by side on an emulated tiered cluster (see `flwr_sharded.perf.netemu`).
+"""`flwr-sharded bench`: the four methods side by side on an emulated tiered cluster (`flwr_sharded.perf.netemu`).
 
-Modules: `layouts` (each method's F x R x S, the model's FSDP2 units), `scenarios` (training runs inside the emulated
-fabric, the planner's view, repeats merged), `report` (the targets' checks, the planner's agreement, Markdown),
-`plots`, `subcommands` (what `bench exec`, `check` and `sync` do inside the namespaces) and `cli` (the command line and
-the re-execution into fresh namespaces, whose inner entry point is `python -m flwr_sharded.perf.bench`).
+Modules: `options`, `cli` (the command line and the re-execution into fresh namespaces, `python -m
+flwr_sharded.perf.bench`), `layouts` (the runs), `training_run`, `scenarios` and `unequal_scenario` (inside the
+namespaces), `report`, `plots` and `subcommands` (`bench exec`, `check` and `sync`).
 """
 
 from flwr_sharded.perf.bench.cli import register

@@ -26,11 +26,11 @@ from flwr_sharded import schema
 from flwr_sharded.config import DataConfig, data_dir_of
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.perf.bench.layouts import parse_layouts
-from flwr_sharded.perf.bench.options import BenchOptions, LinkCheckOptions, ExecOptions, SyncOptions, resolve
+from flwr_sharded.perf.bench.options import BenchOptions, ExecOptions, LinkCheckOptions, SyncOptions, resolve
 from flwr_sharded.perf.bench.scenarios import _inner_main
 from flwr_sharded.perf.bench.subcommands import _inner_check, _inner_exec, _inner_sync, sync_topologies
-from flwr_sharded.perf.netemu.network import RankFailure
 from flwr_sharded.perf.netemu.isolation import check_host, host_leftovers, inside, run_isolated
+from flwr_sharded.perf.netemu.network import RankFailure
 from flwr_sharded.perf.netemu.topology import EmulationError, load_topology
 
 ARGS_ENV = "FLWR_SHARDED_BENCH_ARGS"
@@ -82,21 +82,20 @@ def _apply_quick(args: argparse.Namespace) -> None:
     if args.quick:
         args.model, args.seq_len, args.batch_size, args.steps = "tiny", 32, 1, 8
         args.aggregate_every, args.eval_every, args.eval_blocks = 2, 4, 8
-        args.sync_fragments, args.sync_delay = 1, 1
+        args.sync_fragments, args.sync_delay, args.repeats, args.sweep_windows = 1, 1, 1, 1
         args.sweep_values, args.contrast, args.measure_planner_choice = [], None, False
         if args.method_list:  # the unequal scenario only when it is all there is to run
             args.unequal = None
-        args.repeats = 1
-        args.sweep_windows = 1
 
 
 def _validate(args: argparse.Namespace) -> None:
-    """Everything that can be checked before touching the network: cluster files, layouts, model, data, host."""
-    from flwr_sharded.config import DataConfig, ParallelConfig
-    from flwr_sharded.validation import validate_sync
+    """Everything that can be checked before touching the network (cluster files, layouts, model, data), then the
+    paths made absolute for the runner."""
+    from flwr_sharded.config import ParallelConfig
     from flwr_sharded.parallel.outer import FedAvg
     from flwr_sharded.presets import PRESETS
     from flwr_sharded.training.data import check_data
+    from flwr_sharded.validation import validate_sync
 
     if any("overlap" in key for key in args.method_list):
         cfg = ParallelConfig(aggregate_every=args.aggregate_every, sync_fragments=args.sync_fragments,
@@ -126,87 +125,76 @@ def _validate(args: argparse.Namespace) -> None:
     if not args.method_list and args.unequal is None:
         raise ConfigError("--methods none and --unequal none: nothing to run")
     check_data(DataConfig(data_dir=args.data_dir))
-    check_host()
-
-
-def run(parsed: argparse.Namespace) -> int:
-    """Handler of `flwr-sharded bench`."""
-    args = _resolve(parsed, None, "bench")
-    if args is None:
-        return 2
-    _apply_quick(args)
-    if inside():
-        return _inner_main(args)
-    try:
-        _validate(args)
-    except ConfigError as exc:
-        print(f"flwr-sharded bench: error: {exc}", file=sys.stderr)
-        return 2
     args.out = str(Path(args.out).resolve())
     args.data_dir = str(data_dir_of(DataConfig(data_dir=args.data_dir)).resolve())
     for name in ("cluster", "contrast", "unequal", "keep_runs"):
         if getattr(args, name):
             setattr(args, name, str(Path(getattr(args, name)).resolve()))
-    return _reexec(args, "main")
+
+
+def _run_mode(parsed: argparse.Namespace, mode: str, sub: type | None, prepare, check) -> int:
+    """Handler of `flwr-sharded bench` (mode "main") or `bench MODE` (`sub`: its options): `prepare(args)`, then
+    outside the namespaces `check(args)` and the host's tools, and the re-execution."""
+    command = "bench" if mode == "main" else f"bench {mode}"
+    args = _resolve(parsed, sub, command)
+    if args is None:
+        return 2
+    prepare(args)
+    if inside():
+        return INNER[mode](args)
+    try:
+        check(args)
+        check_host()
+    except ConfigError as exc:
+        print(f"flwr-sharded {command}: error: {exc}", file=sys.stderr)
+        return 2
+    return _reexec(args, mode)
+
+
+def run(parsed: argparse.Namespace) -> int:
+    """Handler of `flwr-sharded bench`."""
+    return _run_mode(parsed, "main", None, _apply_quick, _validate)
 
 
 def run_exec(parsed: argparse.Namespace) -> int:
     """Handler of `flwr-sharded bench exec`."""
-    args = _resolve(parsed, ExecOptions, "bench exec")
-    if args is None:
-        return 2
-    if args.cmd and args.cmd[0] == "--":
-        args.cmd = args.cmd[1:]
-    if inside():
-        return _inner_exec(args)
-    try:
+
+    def prepare(args: argparse.Namespace) -> None:
+        args.cmd = args.cmd[1:] if args.cmd and args.cmd[0] == "--" else args.cmd
+
+    def check(args: argparse.Namespace) -> None:
         if not args.cmd:
             raise ConfigError("bench exec: give a command after --, e.g. -- python script.py")
         topo = load_topology(args.cluster)
         if args.nproc is not None and not 1 <= args.nproc <= topo.world_size:
             raise ConfigError(f"--nproc {args.nproc}: the cluster has {topo.world_size} ranks")
-        check_host()
-    except ConfigError as exc:
-        print(f"flwr-sharded bench exec: error: {exc}", file=sys.stderr)
-        return 2
-    args.cluster = str(Path(args.cluster).resolve())
-    return _reexec(args, "exec")
+        args.cluster = str(Path(args.cluster).resolve())
+
+    return _run_mode(parsed, "exec", ExecOptions, prepare, check)
 
 
 def run_check(parsed: argparse.Namespace) -> int:
     """Handler of `flwr-sharded bench check`."""
-    args = _resolve(parsed, LinkCheckOptions, "bench check")
-    if args is None:
-        return 2
-    if inside():
-        return _inner_check(args)
-    try:
+
+    def check(args: argparse.Namespace) -> None:
         load_topology(args.cluster)
-        check_host()
-    except ConfigError as exc:
-        print(f"flwr-sharded bench check: error: {exc}", file=sys.stderr)
-        return 2
-    args.cluster = str(Path(args.cluster).resolve())
-    return _reexec(args, "check")
+        args.cluster = str(Path(args.cluster).resolve())
+
+    return _run_mode(parsed, "check", LinkCheckOptions, lambda args: None, check)
 
 
 def run_sync(parsed: argparse.Namespace) -> int:
     """Handler of `flwr-sharded bench sync`."""
-    args = _resolve(parsed, SyncOptions, "bench sync")
-    if args is None:
-        return 2
-    args.extra = args.extra[1:] if args.extra and args.extra[0] == "--" else args.extra
-    args.out = str(Path(args.sync_out).resolve())
-    if inside():
-        return _inner_sync(args)
-    try:
-        for name, topo in sync_topologies(args.federations, args.shards, args.bandwidth_values):
+
+    def prepare(args: argparse.Namespace) -> None:
+        args.extra = args.extra[1:] if args.extra and args.extra[0] == "--" else args.extra
+        args.out = str(Path(args.sync_out).resolve())
+
+    def check(args: argparse.Namespace) -> None:
+        for _, topo in sync_topologies(args.federations, args.shards, args.bandwidth_values):
             topo.check_fits()
-        check_host()
-    except ConfigError as exc:
-        print(f"flwr-sharded bench sync: error: {exc}", file=sys.stderr)
-        return 2
-    return _reexec(args, "sync")
+
+    return _run_mode(parsed, "sync", SyncOptions, prepare, check)
 
 
 def _reexec(args: argparse.Namespace, mode: str) -> int:
@@ -228,20 +216,17 @@ def _reexec(args: argparse.Namespace, mode: str) -> int:
     return result.returncode
 
 
+INNER = {"main": _inner_main, "exec": _inner_exec, "check": _inner_check, "sync": _inner_sync}
+"""What each mode runs inside the namespaces."""
+
+
 def _inner_entry() -> int:
     """`python -m flwr_sharded.perf.bench`, started by `_reexec` inside the namespaces."""
+    sys.stdout.reconfigure(line_buffering=True)  # progress lines as they come
     payload = json.loads(os.environ[ARGS_ENV])
     mode = payload.pop("mode")
-    args = argparse.Namespace(**payload)
     try:
-        if mode == "main":
-            return _inner_main(args)
-        if mode == "exec":
-            return _inner_exec(args)
-        if mode == "check":
-            return _inner_check(args)
-        return _inner_sync(args)
+        return INNER[mode](argparse.Namespace(**payload))
     except (ConfigError, RankFailure) as exc:
         print(f"flwr-sharded bench: error: {exc}", file=sys.stderr)
         return 1
-

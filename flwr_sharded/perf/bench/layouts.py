@@ -1,4 +1,5 @@
-"""Each method's (F, R, S) on the emulated cluster, and the bytes of the model's FSDP2 units."""
+"""The benchmark's runs: each method's (F, R, S) on the emulated cluster, how an FL run syncs, their labels, and the
+bytes of the model's FSDP2 units."""
 
 from __future__ import annotations
 
@@ -10,6 +11,18 @@ from flwr_sharded.config import METHODS
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.perf.costmodel import Units, check_layout
 from flwr_sharded.perf.netemu.topology import EmuTopology
+
+VARIANT_RUNS = ("fl-fsdp-overlap", "fl-fsdp-int8", "fl-fsdp-overlap-int8", "fl-fsdp-int4", "fl-fsdp-overlap-int4",
+                "fl-fsdp-topk", "fl-fsdp-overlap-topk")
+"""Runs of the FL+FSDP layout with another sync: overlapped (the run's dtype); the int8 and int4 wires and the top-k
+sync (int8 values), all with error feedback; each of them overlapped too."""
+WIRE_BYTES_TARGETS = {"int8": 0.27, "int4": 0.14, "topk": 0.04}
+"""The most cross-group bytes per sync each variant's wire may send, as a fraction of the fp32 sync's."""
+LABELS = {"fsdp": "FSDP", "hsdp": "HSDP", "fl-fsdp": "FL+FSDP", "fl-hsdp": "FL+HSDP", "no-sync": "FL+FSDP no-sync",
+          "fl-fsdp-overlap": "FL+FSDP overlapped", "fl-fsdp-int8": "FL+FSDP int8",
+          "fl-fsdp-overlap-int8": "FL+FSDP overlapped int8", "fl-fsdp-int4": "FL+FSDP int4",
+          "fl-fsdp-overlap-int4": "FL+FSDP overlapped int4", "fl-fsdp-topk": "FL+FSDP top-k",
+          "fl-fsdp-overlap-topk": "FL+FSDP overlapped top-k"}
 
 
 @dataclass(frozen=True)
@@ -30,7 +43,6 @@ class BenchLayout:
 
     @property
     def shards_per_group(self) -> tuple[int, ...]:
-        """Every group's S, in group order."""
         return self.group_shards or (self.S,) * self.F
 
     @property
@@ -38,12 +50,9 @@ class BenchLayout:
         return self.R * sum(self.shards_per_group)
 
     def group_ranks(self) -> list[range]:
-        """Each FL group's global ranks (groups are consecutive blocks of R x S_g ranks)."""
-        out, base = [], 0
-        for S in self.shards_per_group:
-            out.append(range(base, base + self.R * S))
-            base += self.R * S
-        return out
+        """Each FL group's global ranks (consecutive blocks of R x S_g ranks)."""
+        ends = [self.R * sum(self.shards_per_group[:g + 1]) for g in range(self.F)]
+        return [range(end - self.R * S, end) for end, S in zip(ends, self.shards_per_group)]
 
     def text(self) -> str:
         if self.group_shards:
@@ -74,24 +83,16 @@ class SyncVariant:
 
     def train_args(self) -> list[str]:
         return ["--sync-dtype", self.dtype, "--sync-fragments", str(self.fragments), "--sync-delay", str(self.delay),
-                "--sync-alpha", str(self.alpha), *([f"--{'' if self.carry else 'no-'}sync-carry"] if self.delay or self.carry else []),
+                "--sync-alpha", str(self.alpha),
+                *([f"--{'' if self.carry else 'no-'}sync-carry"] if self.delay or self.carry else []),
                 *(["--sync-error-feedback"] if self.error_feedback else []),
                 *(["--sync-topk", f"{self.topk:g}"] if self.topk else [])]
 
     def text(self) -> str:
-        parts = [(f"top-{self.topk * 100:g}% " if self.topk else "") + self.dtype
-                 + (" + error feedback" if self.error_feedback else "")]
-        if self.fragments > 1 or self.delay:
-            parts.append(f"N={self.fragments} tau={self.delay} alpha={self.alpha:g}" + (" carry" if self.carry else ""))
-        return ", ".join(parts)
-
-
-VARIANT_RUNS = ("fl-fsdp-overlap", "fl-fsdp-int8", "fl-fsdp-overlap-int8", "fl-fsdp-int4", "fl-fsdp-overlap-int4",
-                "fl-fsdp-topk", "fl-fsdp-overlap-topk")
-"""Runs of the FL+FSDP layout with another sync: overlapped (the run's dtype); the int8 and int4 wires and the top-k
-sync (int8 values), all with error feedback; each of them overlapped too."""
-WIRE_BYTES_TARGETS = {"int8": 0.27, "int4": 0.14, "topk": 0.04}
-"""The most cross-group bytes per sync each variant's wire may send, as a fraction of the fp32 sync's."""
+        wire = (f"top-{self.topk * 100:g}% " if self.topk else "") + self.dtype + " + EF" * self.error_feedback
+        if not (self.fragments > 1 or self.delay):
+            return f"{wire}, blocking"
+        return f"{wire}, N={self.fragments} tau={self.delay} alpha={self.alpha:g}" + " carry" * self.carry
 
 
 def variant_wire(key: str) -> str | None:
@@ -101,16 +102,15 @@ def variant_wire(key: str) -> str | None:
 
 
 def sync_variant(key: str, opts) -> SyncVariant:
-    """The sync of run `key` under the benchmark's options (`--sync-dtype`; the overlapped runs' `--sync-fragments`,
-    `--sync-delay`, `--sync-alpha` and `--sync-carry`; the top-k runs' `--sync-topk`)."""
+    """The sync of run `key` under the benchmark's options: `--sync-dtype`, the overlapped runs' `--sync-fragments`,
+    `--sync-delay`, `--sync-alpha` and `--sync-carry`, the top-k runs' `--sync-topk`."""
     overlap = dict(fragments=opts.sync_fragments, delay=opts.sync_delay, alpha=opts.sync_alpha,
                    carry=opts.sync_carry) if "overlap" in key else {}
     wire = variant_wire(key)
     if wire == "topk":
         return SyncVariant(dtype="int8", error_feedback=True, topk=opts.sync_topk, **overlap)
-    if wire:
-        return SyncVariant(dtype=wire, error_feedback=True, **overlap)
-    return SyncVariant(dtype=opts.sync_dtype, **overlap)
+    return SyncVariant(dtype=wire, error_feedback=True, **overlap) if wire else SyncVariant(dtype=opts.sync_dtype,
+                                                                                           **overlap)
 
 
 def default_layouts(topo: EmuTopology) -> dict[str, BenchLayout]:
@@ -131,9 +131,7 @@ def default_layouts(topo: EmuTopology) -> dict[str, BenchLayout]:
 def parse_layouts(text: str | None, topo: EmuTopology) -> dict[str, BenchLayout]:
     """`fsdp=1x1x8,fl-fsdp=4x1x2`: overrides of the default layouts (F x R x S)."""
     layouts = default_layouts(topo)
-    if not text:
-        return layouts
-    for item in text.split(","):
+    for item in text.split(",") if text else ():
         method, _, dims = item.strip().partition("=")
         if method not in METHODS:
             raise ConfigError(f"--layouts: unknown method {method!r} in {item!r}; use {', '.join(METHODS)}")
@@ -154,10 +152,6 @@ def parse_layouts(text: str | None, topo: EmuTopology) -> dict[str, BenchLayout]
     return layouts
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Model units (bytes of each FSDP2 unit, padded as FSDP2 pads shards).
-
-
 def model_units(model_name: str, vocab_size: int, seq_len: int, S: int, bytes_per_param: int = 4) -> Units:
     """Units of the model the engine builds, each parameter's dim 0 padded to a multiple of S (as FSDP2 does)."""
     from flwr_sharded.training.models import build_model, transformer_blocks
@@ -168,14 +162,13 @@ def model_units(model_name: str, vocab_size: int, seq_len: int, S: int, bytes_pe
         total = 0
         for p in params:
             rows = p.shape[0] if p.dim() else 1
-            rest = p.numel() // max(rows, 1)
-            total += math.ceil(rows / S) * S * rest
+            total += math.ceil(rows / S) * S * (p.numel() // max(rows, 1))
         return float(total * bytes_per_param)
 
     blocks = transformer_blocks(model)
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
-    root = padded(p for p in model.parameters() if id(p) not in in_blocks)
-    return Units(blocks=tuple(padded(b.parameters()) for b in blocks), root=root)
+    return Units(blocks=tuple(padded(b.parameters()) for b in blocks),
+                 root=padded(p for p in model.parameters() if id(p) not in in_blocks))
 
 
 def vocab_size_of(data_dir: str) -> int:

@@ -1,25 +1,22 @@
-"""The options of `flwr-sharded bench` and its `exec`, `check` and `sync` sub-commands, one field each.
-
-A training option of the benchmark's runs is the trainer's own (`same_as` a field of `flwr_sharded.config`): the
-same flag, docstring and bounds, with the default sized for the benchmark where it differs. `resolve` turns a parsed
-command line into the flat namespace the benchmark's modules read (lists parsed, `none` turned into unset).
-"""
+"""The options of `flwr-sharded bench` and its `exec`, `check` and `sync` sub-commands, one field each; a training
+option of the runs is the trainer's own (`same_as`), with the benchmark's default where it differs."""
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from flwr_sharded import schema, tool_options
 from flwr_sharded.config import DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from flwr_sharded.parallel.wire import SyncDtype
-from flwr_sharded.perf.bench.common import REPO
 from flwr_sharded.perf.bench.layouts import VARIANT_RUNS
-from flwr_sharded.perf.bench.unequal_report import UNEQUAL_RUNS
+from flwr_sharded.perf.bench.unequal_scenario import UNEQUAL_RUNS
 from flwr_sharded.perf.plan_options import PlanOptions
 from flwr_sharded.schema import option, same_as
 
+REPO = Path(__file__).resolve().parents[3]
 RUN_KEYS = ("fsdp", "hsdp", "fl-fsdp", "fl-hsdp", "no-sync", *VARIANT_RUNS)
 """The runs the benchmark can do: the four methods, the no-sync limit and FL+FSDP with the other syncs."""
 
@@ -159,8 +156,8 @@ def _leaves(obj: Any) -> dict[str, Any]:
 
 
 def resolve(parsed: argparse.Namespace, sub: type | None = None) -> argparse.Namespace:
-    """The benchmark's options from a parsed command line (`sub`: a sub-command's options, which win over the
-    benchmark's of the same name); ConfigError naming the flag for a bad value."""
+    """The flat namespace the benchmark's modules read, from a parsed command line (lists parsed, `none` unset;
+    `sub`: a sub-command's options, which win over the benchmark's); ConfigError naming the flag."""
     bench = schema.apply_arguments(BenchOptions(), parsed)
     values = _leaves(bench)
     skip_sweep = bench.sweep.lower() in ("none", "")

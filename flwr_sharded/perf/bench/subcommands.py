@@ -5,18 +5,44 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from flwr_sharded.perf.bench.common import REPO, _say
+from flwr_sharded.perf.bench.options import REPO
 from flwr_sharded.perf.bench.report import _fmt
-from flwr_sharded.perf.netemu.network import Fabric, RankFailure
 from flwr_sharded.perf.netemu.isolation import enter_private_run
-from flwr_sharded.perf.netemu.probe import measure_transfer
-from flwr_sharded.perf.netemu.topology import EmuTopology, _rate, load_topology, topology_dict
+from flwr_sharded.perf.netemu.network import Fabric, RankFailure
+from flwr_sharded.perf.netemu.topology import EmulationError, EmuTopology, _rate, load_topology, topology_dict
 
 SYNC_BENCH = REPO / "benchmarks" / "sync_bench.py"
+_THROUGHPUT = r"""
+import socket, sys, time
+mode, host, port, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+if mode == "recv":
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((host, port)); s.listen(1)
+    print("ready", flush=True)
+    c, _ = s.accept(); got = 0
+    while True:
+        b = c.recv(1 << 20)
+        if not b:
+            break
+        got += len(b)
+    c.sendall(b"k"); print(got, flush=True)
+else:
+    for _ in range(100):
+        try:
+            c = socket.create_connection((host, port)); break
+        except OSError:
+            time.sleep(0.05)
+    buf = b"x" * (1 << 16); sent = 0; t = time.perf_counter()
+    while sent < n:
+        c.sendall(buf[: min(len(buf), n - sent)]); sent += min(len(buf), n - sent)
+    c.shutdown(socket.SHUT_WR); c.recv(1)
+    print(time.perf_counter() - t, flush=True)
+"""
+"""A TCP throughput probe: `recv HOST PORT N` prints "ready", then the bytes it got; `send HOST PORT N` the seconds."""
 
 
 def _inner_exec(opts: argparse.Namespace) -> int:
@@ -44,6 +70,22 @@ def link_checks(topo: EmuTopology) -> list[tuple[str, int, int, float | None]]:
     if topo.groups > 1:
         out.append(("inter_group", 0, topo.nodes_per_group, topo.inter_group_bps))
     return out
+
+
+def measure_transfer(fab: Fabric, src_node: int, dst_node: int, nbytes: int, port: int = 5201) -> float:
+    """Seconds to send `nbytes` over TCP from one node to another through the emulated links."""
+    argv = [sys.executable, "-c", _THROUGHPUT]
+    target = [fab.topology.node_ip(dst_node), str(port), str(nbytes)]
+    recv = fab.spawn(dst_node, [*argv, "recv", *target], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        recv.stdout.readline()  # "ready"
+        send = fab.spawn(src_node, [*argv, "send", *target], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, err = send.communicate(timeout=max(60.0, nbytes * 8 / 1e6))
+        if send.returncode != 0:
+            raise EmulationError(f"transfer node {src_node} -> {dst_node} failed: {err.decode()[-500:]}")
+        return float(out.decode().strip().splitlines()[-1])
+    finally:
+        fab.kill_all()
 
 
 def check_links(fab: Fabric, seconds: float = 0.5) -> list[dict[str, Any]]:
@@ -99,7 +141,7 @@ def _inner_sync(opts: argparse.Namespace) -> int:
         argv = [sys.executable, str(SYNC_BENCH), "--federations", str(opts.federations), "--shards", str(opts.shards),
                 "--layers", str(opts.layers), "--hidden", str(opts.hidden), "--repeats", str(opts.repeats),
                 "--out", str(path), *opts.extra]
-        _say(f"-- sync_bench on {topo.describe()} ...")
+        print(f"-- sync_bench on {topo.describe()} ...")
         with Fabric(topo) as fab:
             fab.run_ranks(argv, timeout=opts.run_timeout)
         res = json.loads(path.read_text())
@@ -107,7 +149,7 @@ def _inner_sync(opts: argparse.Namespace) -> int:
         res["topology"] = topology_dict(topo)
         path.write_text(json.dumps(res, indent=2))
         rows.append(res)
-        _say(f"   sync/flat {res['sync_over_flat']:.3f}")
+        print(f"   sync/flat {res['sync_over_flat']:.3f}")
     print("\n| network | shard bytes/rank | sync s | flat s | per-param s | sync / flat | per-param / sync |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

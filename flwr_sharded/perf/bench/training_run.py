@@ -1,5 +1,5 @@
-"""One training run on the emulated cluster: the trainer launched on the fabric's ranks, and what its metrics say
-(windows of steps, loss and perplexity curves, step-time statistics)."""
+"""One training run on the emulated cluster: the trainer on the fabric's ranks, and what its metrics say (windows of
+steps, loss and perplexity curves, step-time statistics)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from flwr_sharded.parallel.wire import sync_wire_ratio
-from flwr_sharded.perf.bench.common import _say
 from flwr_sharded.perf.bench.layouts import BenchLayout, SyncVariant
 from flwr_sharded.perf.costmodel import Units
 from flwr_sharded.perf.netemu.network import Fabric, RankFailure
@@ -74,30 +73,24 @@ def run_training(fab: Fabric, layout: BenchLayout, opts: argparse.Namespace, *, 
                  sync: bool = True, label: str | None = None, log_every: int | None = None,
                  units: Units | None = None, work: Path, variant: SyncVariant | None = None,
                  extra_args: Sequence[str] = ()) -> dict[str, Any]:
-    """Train one layout on the fabric; return its summary with measured and predicted traffic per tier (`units`:
-    the model's, for a layout of equal groups). `variant`: how an FL layout syncs (default: the benchmark's
-    `--sync-dtype`, blocking, one fragment); `extra_args`: more trainer flags. The run's metrics and traffic stay in
-    its `run_dir` (under `work`)."""
+    """Train one layout on the fabric (its metrics, traffic and logs in `run_dir` under `work`); its summary, with
+    measured and predicted traffic per tier given the model's `units` (a layout of equal groups). `variant`: how an
+    FL layout syncs (default: `--sync-dtype`, blocking); `extra_args`: more trainer flags."""
     from flwr_sharded.perf.traffic_report import compare, load_probes
 
-    topo = fab.topology
-    label = label or layout.method
+    topo, label = fab.topology, label or layout.method
     run_dir = work / f"{label}-A{A}-{steps}"
     outputs, traffic_dir = run_dir / "run", run_dir / "traffic"
-    metrics = outputs / "metrics.jsonl"
     run_dir.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(outputs, ignore_errors=True)
-    log_every = log_every or A
     variant = variant or SyncVariant(dtype=opts.sync_dtype)
     argv = [sys.executable, "-m", "flwr_sharded.train", *layout.train_args(A, variant), "--model", opts.model,
             "--seq-len", str(opts.seq_len), "--batch-size", str(opts.batch_size), "--steps", str(steps),
-            "--lr", str(opts.lr), "--seed", str(opts.seed), "--log-every", str(log_every),
+            "--lr", str(opts.lr), "--seed", str(opts.seed), "--log-every", str(log_every or A),
             "--eval-every", str(opts.eval_every), "--eval-blocks", str(opts.eval_blocks),
             "--data-dir", opts.data_dir, "--no-progress", "--run-dir", str(outputs), "--no-save-model",
-            "--measure-traffic", str(traffic_dir), "--timeout", str(opts.collective_timeout)]
-    if not sync:
-        argv.append("--no-sync")
-    argv += list(extra_args)
+            "--measure-traffic", str(traffic_dir), "--timeout", str(opts.collective_timeout),
+            *([] if sync else ["--no-sync"]), *extra_args]
     for attempt in (1, 2):
         start, load_before = time.perf_counter(), os.getloadavg()[0]
         try:
@@ -106,24 +99,22 @@ def run_training(fab: Fabric, layout: BenchLayout, opts: argparse.Namespace, *, 
         except RankFailure as exc:  # a native abort (a signal) is run again once, and said; anything else stops
             if attempt == 2 or exc.code is None or exc.code >= 0:
                 raise
-            _say(f"   {label}: {str(exc).splitlines()[0]}; running it again once")
+            print(f"   {label}: {str(exc).splitlines()[0]}; running it again once")
             shutil.rmtree(outputs, ignore_errors=True)
             shutil.rmtree(traffic_dir, ignore_errors=True)
-    wall = time.perf_counter() - start
-    summary = summarize_metrics(metrics)
+    wall, fl = time.perf_counter() - start, layout.method.startswith("fl-")
+    summary = summarize_metrics(outputs / "metrics.jsonl")
     out = {"label": label, "method": layout.method, "layout": layout.text(), "F": layout.F, "R": layout.R,
-           "S": layout.S, "A": A if layout.method.startswith("fl-") else 1, "sync": sync, "steps": steps,
-           "sync_variant": dataclasses.asdict(variant) if layout.method.startswith("fl-") else None,
-           "wall_s": wall, "attempts": attempt, "run_dir": str(run_dir), "load_avg": [load_before, os.getloadavg()[0]], **summary,
+           "S": layout.S, "A": A if fl else 1, "sync": sync, "steps": steps,
+           "sync_variant": dataclasses.asdict(variant) if fl else None, "wall_s": wall,
+           "attempts": attempt, "run_dir": str(run_dir), "load_avg": [load_before, os.getloadavg()[0]], **summary,
            **step_stats([summary["windows"]]), "repeats": 1}
     if units is not None:
         placement = Placement(F=layout.F, R=layout.R, S=layout.S, gpus_per_node=topo.ranks_per_node,
                               nodes_per_group=topo.nodes_per_group)
         cmp = compare(load_probes(traffic_dir), layout.method, placement, units, A=out["A"], backend="gloo",
                       reshard_root=True, ranks_per_node=topo.ranks_per_node, uplinks=topo.uplinks(),
-                      # the units are fp32 (4 bytes per parameter)
-                      wire_ratio=sync_wire_ratio(variant.dtype, variant.topk, layout.F),
+                      wire_ratio=sync_wire_ratio(variant.dtype, variant.topk, layout.F),  # over the fp32 units
                       fragments=variant.fragments)
-        out["traffic"] = cmp.to_dict()
-        out["traffic_max_error"] = cmp.max_error()
+        out.update(traffic=cmp.to_dict(), traffic_max_error=cmp.max_error())
     return out

@@ -15,6 +15,8 @@ from flwr_sharded.perf.netemu.topology import EmulationError
 
 INSIDE_ENV = "FLWR_SHARDED_NETEMU_INSIDE"
 """Set (to the outer process id) in the re-executed runner: it runs in the private namespaces."""
+RANK_ENV = "FLWR_SHARDED_NETEMU_RANK"
+"""Set in every rank an emulated network starts (to its rank)."""
 TOOLS = {"unshare": "util-linux", "ip": "iproute2", "tc": "iproute2"}
 """Commands the emulator needs, and the package that provides each."""
 
@@ -46,12 +48,9 @@ def inside() -> bool:
 
 def run_isolated(argv: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float | None = None,
                  capture: bool = False) -> subprocess.CompletedProcess:
-    """Run `argv` as pid 1 of fresh network, mount and pid namespaces (needs root; see `check_host`).
-
-    The command sees `inside()` true and should call `enter_private_run()` first. When it exits, or this process is
-    killed, the kernel tears down everything made inside. Returns the completed process (output captured if
-    `capture`); a timeout kills it and raises TimeoutError.
-    """
+    """Run `argv` as pid 1 of fresh network, mount and pid namespaces (needs root), where `inside()` is true and it
+    calls `enter_private_run()` first; when it exits, or this process is killed, the kernel tears down everything
+    made inside. A timeout kills it and raises TimeoutError."""
     tools = check_host()
     cmd = [tools["unshare"], "--net", "--mount", "--pid", "--fork", "--kill-child", "--", *argv]
     full_env = {**os.environ, **(env or {}), INSIDE_ENV: str(os.getpid())}
@@ -80,15 +79,9 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-_libc = None
-
-
 def _mount(source: str, target: str, fstype: str, flags: int = 0, data: str = "") -> None:
     """mount(2) directly: the `mount` command would create /run/mount (libmount's utab) on the host first."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    if _libc.mount(source.encode(), target.encode(), fstype.encode(), ctypes.c_ulong(flags),
+    if ctypes.CDLL(None, use_errno=True).mount(source.encode(), target.encode(), fstype.encode(), ctypes.c_ulong(flags),
                    data.encode() if data else None) != 0:
         err = ctypes.get_errno()
         raise EmulationError(f"mount {fstype} on {target} failed: {os.strerror(err)}")
@@ -134,7 +127,7 @@ def host_leftovers() -> dict[str, list[str]]:
             environ = (proc / "environ").read_bytes()
         except OSError:
             continue
-        if INSIDE_ENV.encode() in environ or b"FLWR_SHARDED_NETEMU_RANK=" in environ:
+        if INSIDE_ENV.encode() in environ or f"{RANK_ENV}=".encode() in environ:
             out["processes"].append(proc.name)
     return out
 

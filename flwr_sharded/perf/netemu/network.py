@@ -12,23 +12,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from flwr_sharded.perf.netemu.isolation import _die_with_parent, inside
+from flwr_sharded.perf.netemu.isolation import RANK_ENV, _die_with_parent, inside
 from flwr_sharded.perf.netemu.topology import EmulationError, EmuTopology
+from flwr_sharded.perf.traffic_report import NETDEV_ENV
 
 NODE_IFACE = "eth0"
 
 
 def _tbf(dev: str, bps: float, netns: str | None = None) -> list[str]:
-    """tc command adding a tbf root qdisc: burst of 2 ms of traffic, at least 96 KiB, and 100 ms of queue.
-
-    The burst must exceed a 64 KiB GSO packet (veths pass them unsegmented); with a smaller one tbf splits them
-    into MTU-sized packets, and the interface counters of that link then carry more header bytes than the others.
-    """
+    """tc command adding a tbf root qdisc with 100 ms of queue and a burst of 2 ms of traffic, at least 96 KiB: more
+    than a 64 KiB GSO packet, which a smaller burst would split (adding header bytes to that link's counters)."""
     burst = max(96 * 1024, int(bps / 8 * 0.002))
-    cmd = ["tc"] + (["-n", netns] if netns else []) + ["qdisc", "add", "dev", dev, "root", "tbf",
-                                                       "rate", f"{int(bps)}bit", "burst", str(burst),
-                                                       "latency", "100ms"]
-    return cmd
+    return ["tc", *(["-n", netns] if netns else []), "qdisc", "add", "dev", dev, "root", "tbf", "rate",
+            f"{int(bps)}bit", "burst", str(burst), "latency", "100ms"]
 
 
 @dataclass
@@ -72,11 +68,7 @@ class Fabric:
     def __exit__(self, *exc: object) -> None:
         self.teardown()
 
-    # ----- building ---------------------------------------------------------------------------------------------
-    def _ip(self, *args: str) -> None:
-        self._run(["ip", *args])
-
-    def _run(self, cmd: list[str]) -> None:
+    def _run(self, *cmd: str) -> None:
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             message = result.stderr.strip()
@@ -85,38 +77,37 @@ class Fabric:
                 hint = " (this kernel lacks the tbf qdisc, sch_tbf)"
             raise EmulationError(f"`{' '.join(cmd)}` failed: {message}{hint}")
 
+    def _veth(self, name: str, peer: str, *peer_args: str) -> None:
+        self._run("ip", "link", "add", name, "mtu", str(self.mtu), "type", "veth", "peer", "name", peer, "mtu",
+                  str(self.mtu), *peer_args)
+
     def build(self) -> None:
         t = self.topology
-        self._ip("link", "set", "lo", "up")
-        multi_group = t.groups > 1
-        if multi_group:
-            self._ip("link", "add", "fbtop", "type", "bridge")
-            self._ip("link", "set", "fbtop", "up")
+        self._run("ip", "link", "set", "lo", "up")
+        if t.groups > 1:
+            self._run("ip", "link", "add", "fbtop", "type", "bridge")
+            self._run("ip", "link", "set", "fbtop", "up")
         for g in range(t.groups):
-            br = f"fbg{g}"
-            self._ip("link", "add", br, "type", "bridge")
-            self._ip("link", "set", br, "mtu", str(self.mtu), "up")
-            if multi_group:
-                self._ip("link", "add", f"up{g}", "mtu", str(self.mtu), "type", "veth", "peer", "name", f"dn{g}",
-                         "mtu", str(self.mtu))
-                self._ip("link", "set", f"up{g}", "master", br, "up")
-                self._ip("link", "set", f"dn{g}", "master", "fbtop", "up")
-                if t.inter_group_bps:
-                    self._run(_tbf(f"up{g}", t.inter_group_bps))
-                    self._run(_tbf(f"dn{g}", t.inter_group_bps))
+            self._run("ip", "link", "add", f"fbg{g}", "type", "bridge")
+            self._run("ip", "link", "set", f"fbg{g}", "mtu", str(self.mtu), "up")
+            if t.groups > 1:
+                self._veth(f"up{g}", f"dn{g}")
+                self._run("ip", "link", "set", f"up{g}", "master", f"fbg{g}", "up")
+                self._run("ip", "link", "set", f"dn{g}", "master", "fbtop", "up")
+                for dev in ((f"up{g}", f"dn{g}") if t.inter_group_bps else ()):
+                    self._run(*_tbf(dev, t.inter_group_bps))
         for k in range(t.nodes):
-            ns, g = t.netns(k), t.group_of_node(k)
-            self._ip("netns", "add", ns)
+            ns = t.netns(k)
+            self._run("ip", "netns", "add", ns)
             self.built.append(ns)
-            self._ip("link", "add", f"vn{k}", "mtu", str(self.mtu), "type", "veth", "peer", "name", NODE_IFACE,
-                     "mtu", str(self.mtu), "netns", ns)
-            self._ip("link", "set", f"vn{k}", "master", f"fbg{g}", "up")
-            self._ip("-n", ns, "link", "set", "lo", "up")
-            self._ip("-n", ns, "addr", "add", f"{t.node_ip(k)}/16", "dev", NODE_IFACE)
-            self._ip("-n", ns, "link", "set", NODE_IFACE, "up")
+            self._veth(f"vn{k}", NODE_IFACE, "netns", ns)
+            self._run("ip", "link", "set", f"vn{k}", "master", f"fbg{t.group_of_node(k)}", "up")
+            self._run("ip", "-n", ns, "link", "set", "lo", "up")
+            self._run("ip", "-n", ns, "addr", "add", f"{t.node_ip(k)}/16", "dev", NODE_IFACE)
+            self._run("ip", "-n", ns, "link", "set", NODE_IFACE, "up")
             if t.inter_node_bps:
-                self._run(_tbf(f"vn{k}", t.inter_node_bps))
-                self._run(_tbf(NODE_IFACE, t.inter_node_bps, netns=ns))
+                self._run(*_tbf(f"vn{k}", t.inter_node_bps))
+                self._run(*_tbf(NODE_IFACE, t.inter_node_bps, netns=ns))
         self._wait_bridges()
 
     def _wait_bridges(self, timeout: float = 10.0) -> None:
@@ -124,11 +115,8 @@ class Fabric:
         t = self.topology
         deadline = time.monotonic() + timeout
         for k in range(1, t.nodes):
-            while True:
-                ok = subprocess.run(["ip", "netns", "exec", t.netns(0), sys.executable, "-c",
-                                     _REACH, t.node_ip(k)], capture_output=True).returncode == 0
-                if ok:
-                    break
+            while subprocess.run(["ip", "netns", "exec", t.netns(0), sys.executable, "-c", _REACH, t.node_ip(k)],
+                                 capture_output=True).returncode != 0:
                 if time.monotonic() > deadline:
                     raise EmulationError(f"node 0 cannot reach node {k} ({t.node_ip(k)}) through the emulated "
                                          f"bridges after {timeout} s")
@@ -137,15 +125,11 @@ class Fabric:
     def teardown(self) -> None:
         """Kill launched processes and delete namespaces and bridges (the kernel would do it at exit anyway)."""
         self.kill_all()
-        for ns in reversed(self.built):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        links = [f"{name}{g}" for g in range(self.topology.groups) for name in ("fbg", "up")] + ["fbtop"]
+        for cmd in [["netns", "del", ns] for ns in reversed(self.built)] + [["link", "del", x] for x in links]:
+            subprocess.run(["ip", *cmd], capture_output=True)
         self.built.clear()
-        for g in range(self.topology.groups):
-            subprocess.run(["ip", "link", "del", f"fbg{g}"], capture_output=True)
-            subprocess.run(["ip", "link", "del", f"up{g}"], capture_output=True)
-        subprocess.run(["ip", "link", "del", "fbtop"], capture_output=True)
 
-    # ----- processes --------------------------------------------------------------------------------------------
     def spawn(self, node: int, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
               stdout: Any = None, stderr: Any = None) -> subprocess.Popen:
         """Start `argv` in node `node`'s namespace, in its own session, killed with its parent."""
@@ -171,53 +155,38 @@ class Fabric:
 
     def rank_env(self, rank: int, world: int | None = None, port: int | None = None) -> dict[str, str]:
         t = self.topology
-        world = world or t.world_size
-        return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % t.ranks_per_node),
+        return {"RANK": str(rank), "WORLD_SIZE": str(world or t.world_size), "LOCAL_RANK": str(rank % t.ranks_per_node),
                 "LOCAL_WORLD_SIZE": str(t.ranks_per_node), "GROUP_RANK": str(t.node_of(rank)),
                 "MASTER_ADDR": t.node_ip(0), "MASTER_PORT": str(port or self._port),
-                "GLOO_SOCKET_IFNAME": NODE_IFACE, "OMP_NUM_THREADS": "1", "FLWR_SHARDED_NETEMU_RANK": str(rank),
-                "FLWR_SHARDED_NETDEV": f"fabric=/proc/{os.getpid()}/net/dev"}
+                "GLOO_SOCKET_IFNAME": NODE_IFACE, "OMP_NUM_THREADS": "1", RANK_ENV: str(rank),
+                NETDEV_ENV: f"fabric=/proc/{os.getpid()}/net/dev"}
 
     def run_ranks(self, argv: Callable[[int], Sequence[str]] | Sequence[str], *, world: int | None = None,
                   env: Mapping[str, str] | None = None, timeout: float = 600.0,
                   log_dir: str | os.PathLike | None = None) -> list[RankResult]:
-        """Run one process per rank (rank r on node r // ranks_per_node) and wait for all of them.
-
-        If a rank exits non-zero or the timeout passes, every rank is killed and RankFailure names the first failing
-        rank with the end of its stderr. Output goes to files in `log_dir` (a temporary directory if None).
-        """
+        """Run one process per rank (rank r on node r // ranks_per_node), output in `log_dir` (default: a temporary
+        one), and wait for all; a rank's failure or the timeout kills every rank and raises RankFailure naming the
+        first failing rank with the end of its stderr."""
         t = self.topology
         world = world or t.world_size
         if world > t.world_size:
             raise EmulationError(f"{world} ranks do not fit {t.describe()}")
         self._port += 1
-        port = self._port
-        tmp = None
-        if log_dir is None:
-            tmp = tempfile.TemporaryDirectory(prefix="flwr-netemu-")
-            log_dir = tmp.name
-        log_dir = Path(log_dir)
+        tmp = tempfile.TemporaryDirectory(prefix="flwr-netemu-") if log_dir is None else None
+        log_dir = Path(tmp.name if tmp else log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
         procs: list[tuple[int, subprocess.Popen, Any, Any]] = []
         try:
             for rank in range(world):
-                cmd = argv(rank) if callable(argv) else argv
-                out = open(log_dir / f"rank{rank}.out", "w")
-                err = open(log_dir / f"rank{rank}.err", "w")
-                proc = self.spawn(t.node_of(rank), cmd, env={**(env or {}), **self.rank_env(rank, world, port)},
-                                  stdout=out, stderr=err)
+                out, err = open(log_dir / f"rank{rank}.out", "w"), open(log_dir / f"rank{rank}.err", "w")
+                proc = self.spawn(t.node_of(rank), argv(rank) if callable(argv) else argv, stdout=out, stderr=err,
+                                  env={**(env or {}), **self.rank_env(rank, world, self._port)})
                 procs.append((rank, proc, out, err))
             deadline = time.monotonic() + timeout
-            failed: tuple[int, int] | None = None
             while True:
                 codes = [p.poll() for _, p, _, _ in procs]
-                bad = [(r, c) for (r, *_), c in zip(procs, codes) if c not in (None, 0)]
-                if bad:
-                    failed = bad[0]
-                    break
-                if all(c == 0 for c in codes):
-                    break
-                if time.monotonic() > deadline:
+                failed = next(((r, c) for (r, *_), c in zip(procs, codes) if c not in (None, 0)), None)
+                if failed or all(c == 0 for c in codes) or time.monotonic() > deadline:
                     break
                 time.sleep(0.05)
             if failed is None and any(p.poll() is None for _, p, _, _ in procs):
@@ -230,13 +199,11 @@ class Fabric:
                 rank, code = failed
                 raise RankFailure(f"rank {rank} (node {t.node_of(rank)}) exited with code {code}; all ranks killed"
                                   + _tail(log_dir / f"rank{rank}.err"), code=code)
-            results = []
-            for rank, proc, out, err in procs:
+            for _, _, out, err in procs:
                 out.close()
                 err.close()
-                results.append(RankResult(rank, proc.returncode, (log_dir / f"rank{rank}.out").read_text(),
-                                          (log_dir / f"rank{rank}.err").read_text()))
-            return results
+            return [RankResult(rank, proc.returncode, (log_dir / f"rank{rank}.out").read_text(),
+                               (log_dir / f"rank{rank}.err").read_text()) for rank, proc, _, _ in procs]
         finally:
             self.kill_all()
             for _, _, out, err in procs:

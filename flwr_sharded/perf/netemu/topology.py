@@ -88,8 +88,6 @@ class EmuTopology:
         groups = cluster.nodes // nodes_per_group
         inter_node = cluster.bandwidth.get("inter_node") if nodes_per_group > 1 or groups > 1 else None
         inter_group = cluster.bandwidth.get("inter_group") if groups > 1 else None
-        if groups > 1 and inter_node is None:
-            inter_node = None  # node links unshaped: only the group uplinks limit
         notes = []
         if any(cluster.latency.values()):
             notes.append("latency is not emulated (no netem in this kernel): only bandwidth is")
