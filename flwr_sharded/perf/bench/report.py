@@ -212,6 +212,11 @@ def _fmt(value: float | None, spec: str = ".3f") -> str:
     return format(value, spec)
 
 
+def _mb(value: float | None, spec: str) -> str:
+    """Bytes as MB (`_fmt`)."""
+    return _fmt(None if value is None else value / 1e6, spec)
+
+
 def _ratio(a: float | None, b: float) -> str:
     return f"{a / b:.2f}x" if a else "-"
 
@@ -221,6 +226,12 @@ def _rel(path: str) -> str:
         return str(Path(path).relative_to(REPO))
     except ValueError:
         return path
+
+
+def _section(title: str, text: str, columns: str) -> list[str]:
+    """A Markdown section: its title, text and a table's header (`columns`: "a | b | c")."""
+    return ["", f"### {title}", *([text] if text else []), "", f"| {columns} |",
+            "|" + "---|" * (columns.count("|") + 1)]
 
 
 def _label(key: str, r: dict[str, Any]) -> str:
@@ -273,11 +284,9 @@ def _scenario(name: str, scen: dict[str, Any], settings: dict[str, Any]) -> list
 def _step_times(scen: dict[str, Any], table: dict[str, Any]) -> list[str]:
     runs, pl = scen["runs"], scen.get("planner", {})
     base, hsdp = runs.get("fsdp", {}).get("step_s"), runs.get("hsdp", {}).get("step_s")
-    lines = ["", "### Step time and speedups",
-             "Seconds per optimizer step over windows of A steps (each holds one sync of the FL methods), the first "
-             "window of each run left out; std over windows.", "",
-             "| method | F x R x S | A | median | mean | std | vs FSDP | vs HSDP | planner predicts |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = _section("Step time and speedups", "Seconds per optimizer step over windows of A steps (each holds one "
+                     "sync of the FL methods), the first window of each run left out; std over windows.",
+                     "method | F x R x S | A | median | mean | std | vs FSDP | vs HSDP | planner predicts")
     for key, r in table.items():
         pred = pl.get("measured_layouts", {}).get(r["method"], {}).get("predicted_step_s") \
             if r["sync"] and key in pl.get("measured_layouts", {}) else None
@@ -292,10 +301,9 @@ def _step_times(scen: dict[str, Any], table: dict[str, Any]) -> list[str]:
 
 
 def _phases(runs: dict[str, Any], table: dict[str, Any]) -> list[str]:
-    lines = ["", "### Phase breakdown (like the paper's Table 4)",
-             "Seconds per step, medians over windows; sync amortised over A steps, and per sync.", "",
-             "| method | forward | backward | optimizer | sync | sync per sync | overall |",
-             "|---|---|---|---|---|---|---|"]
+    lines = _section("Phase breakdown (like the paper's Table 4)", "Seconds per step, medians over windows; sync "
+                     "amortised over A steps, and per sync.",
+                     "method | forward | backward | optimizer | sync | sync per sync | overall")
     for key, r in table.items():
         ph = r["phases"]
         per_sync = ph["sync"] * r["A"] if r["sync"] and r["method"].startswith("fl-") else 0.0
@@ -318,31 +326,29 @@ def _sync_variants(runs: dict[str, Any]) -> list[str]:
         return []
     ref = runs.get("no-sync", {}).get("step_s_mean")
     base = runs.get("fsdp", {}).get("step_s")
-    lines = ["", "### Overlapped, quantized and sparse syncs (FL+FSDP, same layout, samples and seed)",
-             "Sync per step: what the step waits for (an overlapped sync's communication runs during the next "
-             "steps). Cross-group: bytes the syncs sent over the inter-group tier per whole-model sync "
-             "(collectives, all ranks).", "",
-             "| run | sync | s/step median | mean | vs no-sync (means) | vs FSDP | sync s per step | cross-group MB "
-             "per sync | eval ppl |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = _section("Overlapped, quantized and sparse syncs (FL+FSDP, same layout, samples and seed)",
+                     "Sync per step: what the step waits for (an overlapped sync's communication runs during the next "
+                     "steps). Cross-group: bytes the syncs sent over the inter-group tier per whole-model sync "
+                     "(collectives, all ranks).", "run | sync | s/step median | mean | vs no-sync (means) | vs FSDP | "
+                     "sync s per step | cross-group MB per sync | eval ppl")
     for key in variants:
-        r, cross = runs[key], cross_group_bytes_per_sync(runs[key])
-        lines.append(f"| {_label(key, r)} | {SyncVariant(**r['sync_variant']).text()} | {r['step_s']:.3f} | {r['step_s_mean']:.3f} | "
-                     f"{_fmt(r['step_s_mean'] / ref - 1 if ref else None, '+.1%')} | {_ratio(base, r['step_s'])} | "
-                     f"{r['sync_s_mean']:.3f} | {_fmt(cross / 1e6 if cross is not None else None, '.2f')} | "
-                     f"{_fmt(r['final']['eval_ppl'], '.1f')} |")
+        r = runs[key]
+        lines.append(f"| {_label(key, r)} | {SyncVariant(**r['sync_variant']).text()} | {r['step_s']:.3f} | "
+                     f"{r['step_s_mean']:.3f} | {_fmt(r['step_s_mean'] / ref - 1 if ref else None, '+.1%')} | "
+                     f"{_ratio(base, r['step_s'])} | {r['sync_s_mean']:.3f} | "
+                     f"{_mb(cross_group_bytes_per_sync(r), '.2f')} | {_fmt(r['final']['eval_ppl'], '.1f')} |")
     return lines
 
 
 def _tier_bytes(scen: dict[str, Any], table: dict[str, Any]) -> list[str]:
-    lines = ["", "### Bytes per tier: predicted vs measured (MB, summed over ranks)",
-             "*Predicted*: `placement.traffic` for the run's steps and syncs (gloo: a reduce-scatter sends what an "
-             "all-reduce sends; FSDP2 reshards the root after forward, so it is all-gathered twice per step). "
-             "*Collectives*: the TrafficMeter's records of those steps and syncs with the same ring rules. "
-             "*Wire*: interface counters (node `lo`, node `eth0`, group uplinks) over the whole training loop, which "
-             "also holds evaluation and logging; *all* = every collective of that span. Wire bytes include TCP/IP "
-             "headers and ACKs (per 64 KiB GSO packet on veths).", "",
-             "| run | tier | predicted | collectives | error | all collectives | wire | wire / all |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = _section("Bytes per tier: predicted vs measured (MB, summed over ranks)",
+                     "*Predicted*: `placement.traffic` for the run's steps and syncs (gloo: a reduce-scatter sends what "
+                     "an all-reduce sends; FSDP2 reshards the root after forward, so it is all-gathered twice per "
+                     "step). *Collectives*: the TrafficMeter's records of those steps and syncs with the same ring "
+                     "rules. *Wire*: interface counters (node `lo`, node `eth0`, group uplinks) over the whole "
+                     "training loop, which also holds evaluation and logging; *all* = every collective of that span. "
+                     "Wire bytes include TCP/IP headers and ACKs (per 64 KiB GSO packet on veths).",
+                     "run | tier | predicted | collectives | error | all collectives | wire | wire / all")
     rows = list(table.items()) + [(f"sweep A={x['A']}", x) for x in scen.get("sweep", []) if not x.get("reused")]
     for key, r in rows:
         t = r.get("traffic")
@@ -357,7 +363,7 @@ def _tier_bytes(scen: dict[str, Any], table: dict[str, Any]) -> list[str]:
                 continue
             lines.append(f"| {_label(key, r)} | {tier} | {pred / 1e6:.2f} | {meas / 1e6:.2f} | "
                          f"{_fmt(t['error'][tier], '+.2%')} | {allm / 1e6:.2f} | "
-                         f"{_fmt(wire / 1e6 if wire is not None else None, '.2f')} | "
+                         f"{_mb(wire, '.2f')} | "
                          f"{_fmt(t['wire_ratio'][tier] if allm >= 1e6 else None, '.3f')} |")
     return lines
 
@@ -367,11 +373,9 @@ def _sweep(scen: dict[str, Any]) -> list[str]:
         return []
     runs = scen["runs"]
     ref = runs.get("no-sync", {}).get("step_s_mean")
-    lines = ["", "### Sweep of A (FL+FSDP): sync overhead against A",
-             "Mean seconds per step after the first window (windows of max(A, 8) steps); overhead against the "
-             "no-sync limit.", "",
-             "| A | steps | s/step | sync s per sync | sync s per step | overhead vs no-sync run | "
-             "overhead vs own non-sync time |", "|---|---|---|---|---|---|---|"]
+    lines = _section("Sweep of A (FL+FSDP): sync overhead against A", "Mean seconds per step after the first window "
+                     "(windows of max(A, 8) steps); overhead against the no-sync limit.", "A | steps | s/step | "
+                     "sync s per sync | sync s per step | overhead vs no-sync run | overhead vs own non-sync time")
     for r in scen["sweep"]:
         over = r["step_s_mean"] / ref - 1 if ref else None
         sync_step = r["sync_s_mean"]
@@ -384,12 +388,12 @@ def _sweep(scen: dict[str, Any]) -> list[str]:
 
 
 def _quality(scen: dict[str, Any], table: dict[str, Any], eval_blocks: int) -> list[str]:
-    lines = ["", "### Learning quality with equal samples (like the paper's Table 3)",
-             "Every method trains the same number of steps on the same blocks (same seed, batch, ranks: iid "
-             "partition by data-parallel rank). Train ppl: last logging window, mean over ranks; eval ppl: "
-             f"{eval_blocks} held-out blocks at the end; time: training time (the sum of window times).", "",
-             "| method | effective batch (sequences / tokens per optimizer step) | samples seen | train ppl | "
-             "eval ppl | time s |", "|---|---|---|---|---|---|"]
+    lines = _section("Learning quality with equal samples (like the paper's Table 3)",
+                     "Every method trains the same number of steps on the same blocks (same seed, batch, ranks: iid "
+                     "partition by data-parallel rank). Train ppl: last logging window, mean over ranks; eval ppl: "
+                     f"{eval_blocks} held-out blocks at the end; time: training time (the sum of window times).",
+                     "method | effective batch (sequences / tokens per optimizer step) | samples seen | train ppl | "
+                     "eval ppl | time s")
     for key, r in table.items():
         samples = r["steps"] * scen["batch_size"] * (r["F"] * r["R"] * r["S"])
         lines.append(f"| {_label(key, r)} | {r['effective_batch']} / {r['effective_batch_tokens']} | {samples} | "
@@ -430,35 +434,30 @@ def render_unequal(scen: dict[str, Any]) -> list[str]:
     runs = scen["runs"]
     slow = scen.get("slow")
     lines = ["", f"## Scenario `unequal`: {scen['description']}", "",
-             f"Cluster file `{_rel(scen['cluster_file'])}`; {scen['batch_size']} x {scen['seq_len']} tokens per rank per "
-             f"step, {scen['steps']} steps per run, A = {scen['A']}. The equal federation has the unequal one's "
+             f"Cluster file `{_rel(scen['cluster_file'])}`; {scen['batch_size']} x {scen['seq_len']} tokens per rank "
+             f"per step, {scen['steps']} steps per run, A = {scen['A']}. The equal federation has the unequal one's "
              f"model, F and ranks (F groups of their mean S)."
              + (f" Slow runs: group {slow['group']} sleeps {slow['seconds']:.3f} s after each optimizer step "
                 f"({slow['why']})." if slow else ""),
-             "", "### Cross-group bytes and time per sync",
-             "Bytes every sync sends across groups (traffic meter, summed over ranks) against the equal federation "
-             "and the cost model (`perf.unequal_sync_cost`); sync time: the ranks' mean sync window, least and most over ranks "
-             "(the most includes waiting for the last rank to arrive), and the model's.",
-             "", "| run | layout | s/step | MB per sync | vs equal | model MB | vs model | per group MB | "
-             "busiest rank MB (model) | sync s (ranks) | model sync s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             *_section("Cross-group bytes and time per sync", "Bytes every sync sends across groups (traffic meter, "
+                       "summed over ranks) against the equal federation and the cost model (`perf.unequal_sync_cost`); "
+                       "sync time: the ranks' mean sync window, least and most over ranks (the most includes waiting "
+                       "for the last rank to arrive), and the model's.", "run | layout | s/step | MB per sync | "
+                       "vs equal | model MB | vs model | per group MB | busiest rank MB (model) | sync s (ranks) | "
+                       "model sync s")]
     for key, r in runs.items():
         cg, pred = r.get("cross_group") or {}, r.get("predicted_sync") or {}
-        mb = cg.get("bytes_per_sync")
         lines.append(f"| {UNEQUAL_LABELS.get(key, key)} | {r['layout']} | {r['step_s']:.3f} | "
-                     f"{_fmt(mb and mb / 1e6, '.3f')} | {_fmt(bytes_ratio(r, runs.get('equal')), '.3f')}x | "
-                     f"{_fmt(pred.get('bytes_per_sync') and pred['bytes_per_sync'] / 1e6, '.3f')} | "
-                     f"{_fmt(model_error(r), '+.2%')} | "
+                     f"{_mb(cg.get('bytes_per_sync'), '.3f')} | {_fmt(bytes_ratio(r, runs.get('equal')), '.3f')}x | "
+                     f"{_mb(pred.get('bytes_per_sync'), '.3f')} | {_fmt(model_error(r), '+.2%')} | "
                      f"{' / '.join(f'{b / 1e6:.2f}' for b in cg.get('group_bytes_per_sync') or [])} | "
-                     f"{_fmt(cg.get('max_rank_bytes') and cg['max_rank_bytes'] / 1e6, '.2f')} "
-                     f"({_fmt(pred.get('max_rank_bytes') and pred['max_rank_bytes'] / 1e6, '.2f')}) | "
+                     f"{_mb(cg.get('max_rank_bytes'), '.2f')} ({_mb(pred.get('max_rank_bytes'), '.2f')}) | "
                      f"{_fmt(cg.get('sync_s_min'), '.3f')}-{_fmt(cg.get('sync_s'), '.3f')} | "
                      f"{_fmt(pred.get('sync_s'), '.3f')} |")
     timed = {k: r for k, r in runs.items() if r.get("group_timing")}
     if timed:
-        lines += ["", "### The groups' timings per sync (rank 0's `sync_groups` records, the first sync left out)", "",
-                  "| run | group | local steps | step time s | idle s | sync s | period s | idle / period |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += _section("The groups' timings per sync (rank 0's `sync_groups` records, the first sync left out)",
+                          "", "run | group | local steps | step time s | idle s | sync s | period s | idle / period")
         for key, r in timed.items():
             t = r["group_timing"]
             for g, row in enumerate(t["groups"]):
@@ -467,9 +466,8 @@ def render_unequal(scen: dict[str, Any]) -> list[str]:
                 lines.append(f"| {UNEQUAL_LABELS.get(key, key)} | {g}{' (fastest)' if g == t['fastest'] else ''} | "
                              f"{row['steps']:.1f} | {row['step_time_s']:.3f} | {row['idle_s']:.3f} | "
                              f"{row['sync_s']:.3f} | {row['period_s']:.3f} | {_fmt(share, '.1%')} |")
-    lines += ["", "### Eval perplexity", "",
-              "| run | tokens seen | eval ppl (last) | at equal tokens: tokens | ppl | equal-speed ppl | delta |",
-              "|---|---|---|---|---|---|---|"]
+    lines += _section("Eval perplexity", "",
+                      "run | tokens seen | eval ppl (last) | at equal tokens: tokens | ppl | equal-speed ppl | delta")
     for key, r in runs.items():
         cmp = r.get("ppl_vs_equal_speed") or {}
         curve = r.get("eval_tokens") or []
