@@ -14,11 +14,11 @@ from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.outer import RULES
 from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES
 from flwr_sharded.perf.cluster import Cluster, FacilityFederation, load_description
-from flwr_sharded.perf.facility_planner import FederationCandidate, plan_federation
 from flwr_sharded.perf.memory_model import GiB, StepOptions
 from flwr_sharded.perf.model_shape import ModelShape, model_from_name
 from flwr_sharded.perf.plan_options import PlanOptions
-from flwr_sharded.perf.planner import Candidate, PaperRow, evaluate, explain, paper_layouts, plan
+from flwr_sharded.perf.planner import (Candidate, FederationCandidate, PaperRow, evaluate, explain, paper_layouts, plan,
+                                       plan_federation)
 
 PHASES = ("forward", "backward", "optimizer", "aggregation", "overall")
 

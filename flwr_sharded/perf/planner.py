@@ -1,9 +1,11 @@
 """Rank the (method, F, R, S, A) layouts of a cluster with the cost model: every layout on all of its GPUs, each mesh
 dimension at the bandwidth of the slowest tier its groups span, a step predicted as compute + communication (or,
-calibrated, the sum of its phases). Its command line is `plan_cli`."""
+calibrated, the sum of its phases); and a federation of facilities' layouts, local steps and sync
+(docs/cost-model.md, "Planning a federation"). Its command line is `plan_cli`."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 
 from flwr_sharded.config import METHODS
@@ -12,11 +14,13 @@ from flwr_sharded.parallel.sparse import over_dense
 from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES
 from flwr_sharded.perf.calibration import (ADAMW_BYTES_PER_PARAM, SGD_BYTES_PER_PARAM, Phases, allreduce_steps,
                                            flow_bandwidth, optimizer_time, phase_time)
-from flwr_sharded.perf.cluster import Cluster
+from flwr_sharded.perf.cluster import Cluster, FacilityFederation
 from flwr_sharded.perf.costmodel import CommTerms, check_layout, comm_terms, overlapped, positive_int
-from flwr_sharded.perf.memory_model import MemoryBreakdown, StepOptions, memory_per_gpu
+from flwr_sharded.perf.memory_model import GiB, MemoryBreakdown, StepOptions, memory_per_gpu
 from flwr_sharded.perf.model_shape import ModelShape, compute_time, model_from_preset
 from flwr_sharded.perf.placement import DIMENSIONS
+from flwr_sharded.perf.unequal_sync_cost import UnequalSync, coarse_shapes, unequal_sync
+from flwr_sharded.training.pace import idle_times, local_steps
 
 
 @dataclass(frozen=True)
@@ -283,3 +287,115 @@ def paper_layouts(cluster: Cluster, model: ModelShape | None = None, *, A: int =
         rows.append(PaperRow(label=label, predicted=exact, paper_eq_comm=literal.comm.total,
                              measured=PAPER_TABLE4[label]))
     return rows
+
+
+@dataclass(frozen=True)
+class FacilityPlan:
+    """One facility's group in a federation plan."""
+
+    name: str
+    gpus: int
+    local: Candidate
+    """Its local step (fsdp or hsdp on its own GPUs, F = 1: compute, shard and replica communication)."""
+    memory: MemoryBreakdown
+    """Bytes per GPU in the federation (F groups)."""
+    A: int
+    """Local steps per sync."""
+    idle: float
+    """Seconds it waits per sync for the others, with its own A."""
+    idle_equal: float
+    """Seconds it would wait per sync if every facility ran the fastest one's A."""
+
+    @property
+    def R(self) -> int:
+        return self.local.R
+
+    @property
+    def S(self) -> int:
+        return self.local.S
+
+
+@dataclass(frozen=True)
+class FederationCandidate:
+    """A federation's layouts, local steps and sync, with its predicted throughput."""
+
+    facilities: tuple[FacilityPlan, ...]
+    A: int
+    """Local steps per sync of the fastest facility."""
+    sync: UnequalSync
+    tokens_per_gpu: int
+
+    @property
+    def compute_period(self) -> float:
+        """Seconds from one sync until the last facility arrives at the next: max_g A_g t_g."""
+        return max(f.A * f.local.step_time for f in self.facilities)
+
+    @property
+    def period(self) -> float:
+        """Seconds per sync period: the last facility's local steps, then the sync."""
+        return self.compute_period + self.sync.time
+
+    @property
+    def tokens_per_second(self) -> float:
+        """sum_g A_g GPUs_g tokens per GPU over the period."""
+        return sum(f.A * f.gpus for f in self.facilities) * self.tokens_per_gpu / self.period
+
+    def label(self) -> str:
+        return ", ".join(f"{f.name} R={f.R} S={f.S} A={f.A}" for f in self.facilities)
+
+
+def facility_layouts(facility: Cluster, model: ModelShape, F: int, *, tokens_per_gpu_batch: int,
+                     bytes_per_param: float, memory_fraction: float, step: StepOptions | None,
+                     **options) -> list[tuple[Candidate, MemoryBreakdown]]:
+    """Every (R, S) of one facility that fits in memory in a federation of F groups, with its local step."""
+    out, smallest = [], None
+    for method, _, R, S, _ in layouts(facility.gpus, facility.gpus_per_node, ("fsdp", "hsdp")):
+        local = evaluate(facility, model, method, R=R, S=S, tokens_per_gpu_batch=tokens_per_gpu_batch,
+                         bytes_per_param=bytes_per_param, memory_fraction=memory_fraction, step=step, **options)
+        memory = memory_per_gpu(model, S=S, R=R, F=F, tokens=tokens_per_gpu_batch, bytes_per_param=bytes_per_param,
+                                state_bytes_per_param=options.get("state_bytes_per_param"),
+                                activation_checkpointing=options.get("activation_checkpointing", False),
+                                options=step)
+        if memory.total <= memory_fraction * facility.gpu_memory:
+            out.append((local, memory))
+        elif smallest is None or memory.total < smallest[1]:
+            smallest = (S, memory.total)
+    if not out:
+        raise ConfigError(f"facility {facility.name}: no sharding degree S of its {facility.gpus} GPUs fits "
+                          f"{memory_fraction:.0%} of {facility.gpu_memory / GiB:.1f} GiB per GPU (S={smallest[0]} "
+                          f"needs {smallest[1] / GiB:.1f} GiB); try --activation-checkpointing, fewer "
+                          f"--tokens-per-gpu or more GPUs there")
+    return out
+
+
+def plan_federation(federation: FacilityFederation, model: ModelShape, *, tokens_per_gpu_batch: int = 4096,
+                    aggregate_every: tuple[int, ...] = (1, 2, 4, 8, 16, 32), bytes_per_param: float = 2.0,
+                    sync_bytes_per_param: float | None = None, memory_fraction: float = 0.9,
+                    step: StepOptions | None = None, **options) -> list[FederationCandidate]:
+    """Every combination of the facilities' fitting layouts, for every A, most tokens per second first (`options`:
+    `evaluate`'s); the sync moves `sync_bytes_per_param` (None: `bytes_per_param`) through `step`'s wire."""
+    F = len(federation.facilities)
+    if not aggregate_every:
+        raise ConfigError("--aggregate-every: give at least one value")
+    check_aggregate_every(aggregate_every)
+    per_facility = [facility_layouts(f, model, F, tokens_per_gpu_batch=tokens_per_gpu_batch,
+                                     bytes_per_param=bytes_per_param, memory_fraction=memory_fraction, step=step,
+                                     **options) for f in federation.facilities]
+    wire = _wire_ratio(sync_bytes_per_param or bytes_per_param, bytes_per_param, F, step)
+    out = []
+    for combo in itertools.product(*per_facility):
+        B_R = []
+        for f, (c, _) in zip(federation.facilities, combo):
+            tier = f.placement(1, c.R, c.S).dim_tier("replica")
+            B_R.append(f.bandwidth[tier] if tier else None)
+        sync = unequal_sync([(c.R, c.S) for c, _ in combo], coarse_shapes(model), bytes_per_param=bytes_per_param,
+                            wire_ratio=wire, B_F=federation.inter_group, B_R=B_R, shared_uplink=federation.shared,
+                            names=[f.name for f in federation.facilities])
+        times = [c.step_time for c, _ in combo]
+        for A in aggregate_every:
+            steps = local_steps(A, times)
+            plans = tuple(FacilityPlan(name=f.name, gpus=f.gpus, local=c, memory=m, A=a, idle=i, idle_equal=e)
+                          for f, (c, m), a, i, e in zip(federation.facilities, combo, steps, idle_times(steps, times),
+                                                         idle_times([A] * F, times)))
+            out.append(FederationCandidate(facilities=plans, A=A, sync=sync, tokens_per_gpu=tokens_per_gpu_batch))
+    return sorted(out, key=lambda c: (-c.tokens_per_second, c.A))

@@ -17,8 +17,8 @@ from flwr_sharded.perf.costmodel import comm_terms
 from flwr_sharded.perf.memory_model import StepOptions
 from flwr_sharded.perf.model_shape import ModelShape
 from flwr_sharded.perf.placement import Placement, rank_traffic
+from flwr_sharded.perf.planner import plan_federation
 from flwr_sharded.perf.unequal_sync_cost import unequal_sync
-from flwr_sharded.perf.facility_planner import plan_federation
 from flwr_sharded.training.pace import idle_times, local_steps
 from tests.perf.paper_equations import even_units
 
