@@ -11,8 +11,7 @@ from typing import Any
 import yaml
 
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.perf.calibration import Calibration
-from flwr_sharded.perf.costmodel import BACKENDS
+from flwr_sharded.perf.costmodel import BACKENDS, Calibration
 from flwr_sharded.perf.placement import TIERS, Placement
 
 

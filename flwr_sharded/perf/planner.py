@@ -12,10 +12,10 @@ from flwr_sharded.config import METHODS
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.sparse import over_dense
 from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES
-from flwr_sharded.perf.calibration import (ADAMW_BYTES_PER_PARAM, SGD_BYTES_PER_PARAM, Phases, allreduce_steps,
-                                           flow_bandwidth, optimizer_time, phase_time)
 from flwr_sharded.perf.cluster import Cluster, FacilityFederation
-from flwr_sharded.perf.costmodel import CommTerms, check_layout, comm_terms, overlapped, positive_int
+from flwr_sharded.perf.costmodel import (ADAMW_BYTES_PER_PARAM, SGD_BYTES_PER_PARAM, CommTerms, Phases, allreduce_steps,
+                                         check_layout, comm_terms, flow_bandwidth, optimizer_time, overlapped,
+                                         phase_time, positive_int)
 from flwr_sharded.perf.memory_model import GiB, MemoryBreakdown, StepOptions, memory_per_gpu
 from flwr_sharded.perf.model_shape import ModelShape, compute_time, model_from_preset
 from flwr_sharded.perf.placement import DIMENSIONS

@@ -24,36 +24,27 @@ class UnequalSync:
     layouts: tuple[tuple[int, int], ...]
     """(R_g, S_g) of every group, in member order."""
     channel_bytes: dict[Owners, float]
-    """Wire bytes of each channel's buffer (its pieces' bytes x the wire ratio), in the plan's order."""
+    """Wire bytes of each channel, in the plan's order."""
     rank_bytes: tuple[tuple[float, ...], ...]
-    """[g][s]: bytes replica 0 of shard s of group g sends across groups per sync (its channels' ring all-reduces)."""
+    """[g][s]: bytes replica 0 of shard s of group g sends across groups per sync (its channels' all-reduces)."""
     broadcast_bytes: tuple[float, ...]
-    """Per group: bytes its broadcast over R_g sends per sync, all replicas together (fl-hsdp; 0 for R_g = 1)."""
+    """Per group: bytes its broadcast over R_g sends per sync, all replicas together (0 for R_g = 1)."""
     rank_time: tuple[tuple[float, ...], ...]
     """[g][s]: seconds from the sync's start until that shard's replicas hold the averaged shard."""
     busiest: float
     """Seconds of the busiest rank alone: its channels' all-reduces one after another, then its broadcast."""
     time: float
-    """Seconds of the whole sync: the last rank's `rank_time` (at least `busiest`; on a shared uplink at least
-    each group's bytes over it)."""
+    """Seconds of the whole sync: the last rank's `rank_time` (on a shared uplink at least a group's bytes over it)."""
 
     @property
     def group_bytes(self) -> tuple[float, ...]:
-        """Per group: bytes its ranks send across groups per sync (2 (F-1)/F x the model's wire bytes)."""
+        """Per group: bytes its ranks send across groups per sync."""
         return tuple(sum(row) for row in self.rank_bytes)
 
     @property
     def max_rank_bytes(self) -> float:
         """The most bytes one rank sends across groups per sync."""
         return max((b for row in self.rank_bytes for b in row), default=0.0)
-
-    def tiers(self, group: int, replica_tier: str | None) -> dict[str, float]:
-        """Group `group`'s bytes per sync by tier: inter_group for the all-reduces, `replica_tier` (the tier its
-        replication groups span) for the broadcast."""
-        out = {"inter_group": self.group_bytes[group]}
-        if replica_tier is not None and self.broadcast_bytes[group]:
-            out[replica_tier] = out.get(replica_tier, 0.0) + self.broadcast_bytes[group]
-        return out
 
 
 def _checked_layouts(layouts: Sequence[tuple[int, int]], names: Sequence[str] | None) -> tuple[tuple[int, int], ...]:

@@ -1,4 +1,4 @@
-"""The calibrated model (`flwr_sharded.perf.calibration`): each term against hand-computed cases, the paper's Table 4 and
+"""The calibrated model (`flwr_sharded.perf.costmodel`): each term against hand-computed cases, the paper's Table 4 and
 the planner's agreement with the emulated bench's recorded results."""
 
 import json
@@ -9,9 +9,8 @@ import pytest
 
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.perf.cluster import cluster_from_dict, load_cluster
-from flwr_sharded.perf.costmodel import comm_terms
-from flwr_sharded.perf.calibration import (ADAMW_BYTES_PER_PARAM, Phases, allreduce_steps, flow_bandwidth,
-                                      optimizer_time, phase_time, tree_allreduce_steps)
+from flwr_sharded.perf.costmodel import (ADAMW_BYTES_PER_PARAM, Phases, allreduce_steps, comm_terms, flow_bandwidth,
+                                         optimizer_time, phase_time, tree_allreduce_steps)
 from flwr_sharded.perf.model_shape import model_from_preset
 from flwr_sharded.perf.placement import traffic
 from flwr_sharded.perf.planner import evaluate, paper_layouts
