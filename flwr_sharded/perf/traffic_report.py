@@ -26,15 +26,12 @@ def read_netdev(path: str | os.PathLike = "/proc/self/net/dev") -> dict[str, dic
     """{interface: {"rx_bytes", "tx_bytes", "rx_packets", "tx_packets"}} from a `/proc/<pid>/net/dev` file (the
     network namespace of process `pid`)."""
     out: dict[str, dict[str, int]] = {}
-    with open(path) as fh:
-        lines = fh.read().splitlines()[2:]
-    for line in lines:
+    for line in Path(path).read_text().splitlines()[2:]:
         name, _, rest = line.partition(":")
         values = [int(v) for v in rest.split()]
-        if len(values) < 16:
-            continue
-        out[name.strip()] = {"rx_bytes": values[0], "rx_packets": values[1], "tx_bytes": values[8],
-                             "tx_packets": values[9]}
+        if len(values) >= 16:
+            out[name.strip()] = {"rx_bytes": values[0], "rx_packets": values[1], "tx_bytes": values[8],
+                                 "tx_packets": values[9]}
     return out
 
 
@@ -64,19 +61,13 @@ class TrafficProbe:
         return cls(rank=int(os.environ.get("RANK", "0")), world_size=int(os.environ.get("WORLD_SIZE", "1")),
                    local_rank=int(os.environ.get("LOCAL_RANK", "0")))
 
-    def _sources(self) -> dict[str, str]:
-        sources: dict[str, str] = {}
-        if self.local_rank == 0:
-            sources["self"] = "/proc/self/net/dev"
-        if self.rank == 0:
-            for item in filter(None, os.environ.get(NETDEV_ENV, "").split(",")):
-                label, _, path = item.partition("=")
-                sources[label] = path
-        return sources
-
     def _snapshot(self) -> dict[str, dict[str, dict[str, int]]]:
+        """The interface counters this rank reads: its namespace's on LOCAL_RANK 0, `NETDEV_ENV`'s on rank 0."""
+        sources = {"self": "/proc/self/net/dev"} if self.local_rank == 0 else {}
+        if self.rank == 0:
+            sources.update(item.partition("=")[::2] for item in os.environ.get(NETDEV_ENV, "").split(",") if item)
         out = {}
-        for label, path in self._sources().items():
+        for label, path in sources.items():
             try:
                 out[label] = read_netdev(path)
             except OSError:
@@ -100,8 +91,7 @@ class TrafficProbe:
         records, self._meter = self._meter.records, None
         phase_of = ["other"] * len(records)
         for phase, i0, i1 in self._spans:
-            for i in range(i0, i1):
-                phase_of[i] = phase
+            phase_of[i0:i1] = [phase] * (i1 - i0)
         self._collectives = {}
         for phase, rec in zip(phase_of, records):
             phase = "sync" if rec.background else phase  # an overlapped sync's thread, while steps run
@@ -216,9 +206,7 @@ def wire_tiers(probes: list[dict[str, Any]], ranks_per_node: int, uplinks: list[
     """Bytes on the emulated wire per tier over the training loop (headers and acknowledgements included): tx of each
     node's `lo` (intra_node), of the group `uplinks` (inter_group), of each node's `node_iface` less inter_group."""
     out = dict.fromkeys(TIERS, 0.0)
-    for probe in probes:
-        if probe["rank"] % ranks_per_node:
-            continue
+    for probe in (p for p in probes if p["rank"] % ranks_per_node == 0):
         node = probe["netdev"].get("self", {})
         out["intra_node"] += node.get("lo", {}).get("tx_bytes", 0)
         out["inter_node"] += node.get(node_iface, {}).get("tx_bytes", 0)
@@ -264,20 +252,15 @@ class TierComparison:
     def error(self, tier: str) -> float | None:
         """(measured - predicted) / predicted over steps and syncs; None when both are 0."""
         pred, meas = self.predicted_total()[tier], self.measured_total()[tier]
-        if pred == 0:
-            return None if meas == 0 else float("inf")
-        return (meas - pred) / pred
+        return (meas - pred) / pred if pred else None if meas == 0 else float("inf")
 
     def max_error(self) -> float:
-        errors = [abs(e) for t in TIERS if (e := self.error(t)) is not None]
-        return max(errors, default=0.0)
+        return max((abs(e) for t in TIERS if (e := self.error(t)) is not None), default=0.0)
 
     def wire_ratio(self, tier: str) -> float | None:
         """Wire bytes / collective bytes over the same span (steps, syncs and the rest); None without data."""
-        if self.wire is None:
-            return None
         meas = self.measured_total(ALL_PHASES)[tier]
-        return self.wire[tier] / meas if meas > 0 else None
+        return self.wire[tier] / meas if self.wire is not None and meas > 0 else None
 
     def to_dict(self) -> dict[str, Any]:
         return {"steps": self.steps, "syncs": self.syncs, "predicted": self.predicted,

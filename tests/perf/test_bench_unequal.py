@@ -15,7 +15,7 @@ from flwr_sharded.perf.bench.report import render_unequal, unequal_checks
 from flwr_sharded.perf.bench.unequal_scenario import (at_equal_tokens, cross_group_traffic, eval_tokens, group_timing,
                                                       parse_group_shards, ppl_at, predicted_sync, slow_seconds,
                                                       unequal_layouts)
-from flwr_sharded.perf.netemu.topology import EmuTopology
+from flwr_sharded.perf.netemu.network import EmuTopology
 from tests.perf.test_bench import REPO, _cli, needs_root
 
 FLAT6 = EmuTopology(name="flat", ranks_per_node=1, nodes=6, nodes_per_group=6, inter_node_bps=1e9,

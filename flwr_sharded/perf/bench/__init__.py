@@ -2,7 +2,7 @@
 
 Modules: `options`, `cli` (the command line, the re-execution into fresh namespaces as `python -m
 flwr_sharded.perf.bench`, and `bench exec`, `check` and `sync`), `layouts` (the runs), `training_run`, `scenarios` and
-`unequal_scenario` (inside the namespaces), `report` and `plots`.
+`unequal_scenario` (inside the namespaces), `report`.
 """
 
 from flwr_sharded.perf.bench.cli import register

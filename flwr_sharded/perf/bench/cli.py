@@ -31,9 +31,9 @@ from flwr_sharded.perf.bench.layouts import parse_layouts
 from flwr_sharded.perf.bench.options import REPO, BenchOptions, ExecOptions, LinkCheckOptions, SyncOptions, resolve
 from flwr_sharded.perf.bench.report import _fmt
 from flwr_sharded.perf.bench.scenarios import _inner_main
-from flwr_sharded.perf.netemu.isolation import check_host, enter_private_run, host_leftovers, inside, run_isolated
-from flwr_sharded.perf.netemu.network import Fabric, RankFailure
-from flwr_sharded.perf.netemu.topology import EmulationError, EmuTopology, _rate, load_topology, topology_dict
+from flwr_sharded.perf.netemu.isolation import (EmulationError, check_host, enter_private_run, host_leftovers, inside,
+                                                run_isolated)
+from flwr_sharded.perf.netemu.network import EmuTopology, Fabric, RankFailure, _rate, load_topology, topology_dict
 
 ARGS_ENV = "FLWR_SHARDED_BENCH_ARGS"
 SYNC_BENCH = REPO / "benchmarks" / "sync_bench.py"

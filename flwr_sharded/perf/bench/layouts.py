@@ -10,7 +10,7 @@ from pathlib import Path
 from flwr_sharded.config import METHODS
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.perf.costmodel import Units, check_layout
-from flwr_sharded.perf.netemu.topology import EmuTopology
+from flwr_sharded.perf.netemu.network import EmuTopology
 
 VARIANT_RUNS = ("fl-fsdp-overlap", "fl-fsdp-int8", "fl-fsdp-overlap-int8", "fl-fsdp-int4", "fl-fsdp-overlap-int4",
                 "fl-fsdp-topk", "fl-fsdp-overlap-topk")

@@ -1,5 +1,5 @@
 """The benchmark inside the emulator: each scenario's training runs on its fabric next to the planner's view of the
-same cluster, repeats merged, and the whole benchmark written out."""
+same cluster, repeats merged, and the whole benchmark written out (bench.json, bench.md and the plots)."""
 
 from __future__ import annotations
 
@@ -15,14 +15,12 @@ from typing import Any
 from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES
 from flwr_sharded.perf.bench.layouts import (LABELS, VARIANT_RUNS, BenchLayout, SyncVariant, model_units,
                                               parse_layouts, sync_variant, vocab_size_of)
-from flwr_sharded.perf.bench.plots import plot
 from flwr_sharded.perf.bench.report import _json_default, agreement, checks, render
 from flwr_sharded.perf.bench.training_run import run_training, step_stats
 from flwr_sharded.perf.bench.unequal_scenario import unequal_scenario
 from flwr_sharded.perf.costmodel import Units
 from flwr_sharded.perf.netemu.isolation import enter_private_run
-from flwr_sharded.perf.netemu.network import Fabric
-from flwr_sharded.perf.netemu.topology import _mem_available, load_topology, topology_dict
+from flwr_sharded.perf.netemu.network import Fabric, _mem_available, load_topology, topology_dict
 
 
 def planner_view(cluster_path: Path, layouts: dict[str, BenchLayout], opts: argparse.Namespace, vocab: int,
@@ -175,6 +173,60 @@ def _inner_main(opts: argparse.Namespace) -> int:
             print(f"wrote {name}")
         print(f"wrote {out_dir / 'bench.json'} and {out_dir / 'bench.md'} ({results['elapsed_s'] / 60:.1f} min)")
     return 0
+
+
+def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
+    """time_to_ppl.png (training perplexity against training time, like the paper's Figure 2) and a_sweep.png."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plots (pip install 'flwr_sharded[plot]')")
+        return []
+    main = results["scenarios"].get("main")
+    if main is None:
+        return []
+    written: list[Path] = []
+
+    def save(fig: Any, ax: Any, name: str) -> None:
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out_dir / name, dpi=110)
+        plt.close(fig)
+        written.append(out_dir / name)
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for key, r in main["runs"].items():
+        line, = ax.plot([p["time_s"] for p in r["train"]], [p["ppl"] for p in r["train"]],
+                        "--" if key == "no-sync" else "-", label=LABELS[key], marker=".")
+        if r["eval"]:
+            ax.plot([e["time_s"] for e in r["eval"]], [e["eval_ppl"] for e in r["eval"]], "x", color=line.get_color(),
+                    markersize=8)
+    ax.set_yscale("log")
+    ax.set_xlabel("training time (s)")
+    ax.set_ylabel("training perplexity (x: evaluation)")
+    ax.set_title(f"{main['topology']['name']}: {results['settings']['model']}, same samples, "
+                 f"A={results['settings']['aggregate_every']}")
+    save(fig, ax, "time_to_ppl.png")
+    if main.get("sweep"):
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        As = [r["A"] for r in main["sweep"]]
+        ax.plot(As, [r["step_s_mean"] for r in main["sweep"]], "o-", label="FL+FSDP s/step")
+        ax.plot(As, [max(r["sync_s_mean"], 1e-4) for r in main["sweep"]], "s--", label="of which sync (s/step)")
+        if "no-sync" in main["runs"]:
+            ax.axhline(main["runs"]["no-sync"]["step_s_mean"], linestyle="--", color="gray", label="no-sync limit")
+        if "fsdp" in main["runs"]:
+            ax.axhline(main["runs"]["fsdp"]["step_s_mean"], linestyle=":", color="red", label="FSDP")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(As, [str(a) for a in As])
+        ax.set_xlabel("A (steps between syncs)")
+        ax.set_ylabel("seconds per step")
+        save(fig, ax, "a_sweep.png")
+    return written
 
 
 def _machine() -> dict[str, Any]:

@@ -14,8 +14,7 @@ from typing import Any, Sequence
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.perf.bench.layouts import BenchLayout, SyncVariant
 from flwr_sharded.perf.bench.training_run import run_training
-from flwr_sharded.perf.netemu.network import Fabric
-from flwr_sharded.perf.netemu.topology import EmuTopology, load_topology, topology_dict
+from flwr_sharded.perf.netemu.network import EmuTopology, Fabric, load_topology, topology_dict
 from flwr_sharded.perf.traffic_report import load_probes, ring_bytes_sent, sending_records
 
 UNEQUAL_RUNS = ("equal", "unequal", "unequal-slow", "unequal-slow-speed")

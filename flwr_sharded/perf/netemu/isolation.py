@@ -11,7 +11,11 @@ import subprocess
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from flwr_sharded.perf.netemu.topology import EmulationError
+from flwr_sharded.errors import ConfigError
+
+class EmulationError(ConfigError):
+    """The emulated cluster cannot be built or run here; the message names the problem."""
+
 
 INSIDE_ENV = "FLWR_SHARDED_NETEMU_INSIDE"
 """Set (to the outer process id) in the re-executed runner: it runs in the private namespaces."""
