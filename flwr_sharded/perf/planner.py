@@ -138,9 +138,7 @@ def evaluate(cluster: Cluster, model: ModelShape, method: str, *, F: int = 1, R:
     phases = Phases(forward=forward, backward=backward, optimizer=optimizer,
                     aggregation=comm.sync + comm.sync_latency)
     if sync_bytes_per_param is not None and step.sync_dtype == "float32":
-        dtypes: dict[float, str] = {}
-        for dtype, size in SYNC_DTYPE_BYTES.items():
-            dtypes.setdefault(size, dtype)  # int8 for fp8's size too: the same buffers
+        dtypes = {size: dtype for dtype, size in reversed(SYNC_DTYPE_BYTES.items())}  # int8 for fp8's size too
         if sync_bytes_per_param not in dtypes:
             raise ConfigError(f"sync_bytes_per_param: the trainer's sync dtypes have {sorted(dtypes)} bytes, "
                               f"got {sync_bytes_per_param!r}")
@@ -161,14 +159,13 @@ def _dimension_links(cluster: Cluster, placement, method: str, calibrated: bool)
     shared = set(cluster.shared) | (set(cal.uplink) if cal else set())
     tiers: dict[str, str | None] = {}
     bw: dict[str, float | None] = {}
-    steps: dict[str, int | None] = {}
+    steps: dict[str, int | None] = dict.fromkeys(DIMENSIONS)
     for dim in DIMENSIONS:
         # fl-hsdp: only replica r = 0 joins the cross-group all-reduce
         ranks = [placement.rank(0, 0, s) for s in range(placement.S)] if (dim, method) == ("federation", "fl-hsdp") \
             else None
         tier = tiers[dim] = placement.dim_tier(dim, ranks)
         bw[dim] = cluster.bandwidth[tier] if tier else None
-        steps[dim] = None
         if not tier:
             continue
         flows = placement.flows(dim, ranks) if shared else {}
@@ -209,12 +206,10 @@ _TERM_NAMES = {"shard": "all-gathers/reduce-scatters over the sharding group",
 
 def explain(best: Candidate, reference: Candidate | None, fastest: Candidate, fl_margin: float) -> str:
     """Why `best` is recommended: step time, dominant term, speedup over plain FSDP."""
-    terms = {"shard": best.comm.shard, "replicate": best.comm.replicate, "sync": best.comm.sync,
-             "latency": best.comm.latency}
-    dominant = max(terms, key=terms.get)
-    tier = {"shard": best.tiers["shard"], "replicate": best.tiers["replica"],
-            "sync": best.tiers["federation"], "latency": None}[dominant]
-    where = f" ({tier})" if tier else ""
+    terms = {"shard": (best.comm.shard, best.tiers["shard"]), "replicate": (best.comm.replicate, best.tiers["replica"]),
+             "sync": (best.comm.sync, best.tiers["federation"]), "latency": (best.comm.latency, None)}
+    dominant = max(terms, key=lambda k: terms[k][0])
+    where = f" ({terms[dominant][1]})" if terms[dominant][1] else ""
     bound = "compute" if best.compute >= best.comm.total else "communication"
     mostly = f", mostly {_TERM_NAMES[dominant]}{where}" if best.comm.total > 0 else ""
     if best.calibrated and best.phases is not None:
