@@ -14,9 +14,8 @@ import pytest
 import yaml
 
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.perf.bench.layouts import default_layouts, model_units, parse_layouts, vocab_size_of
 from flwr_sharded.perf.bench.report import agreement
-from flwr_sharded.perf.bench.training_run import step_stats
+from flwr_sharded.perf.bench.runs import default_layouts, model_units, parse_layouts, step_stats, vocab_size_of
 from flwr_sharded.perf.netemu.network import EmuTopology
 from flwr_sharded.perf.placement import TIERS, Placement
 from flwr_sharded.perf.traffic_report import compare, load_probes, ring_bytes_sent

@@ -4,14 +4,11 @@
     flwr-sharded bench exec --cluster FILE [--nproc N] -- CMD ARGS...              # any command, one per rank
     flwr-sharded bench sync [--bandwidths 100Mbit,1Gbit] [--federations 2]          # benchmarks/sync_bench.py
 
-The full benchmark builds the cluster of `--cluster` with network namespaces, bridges and tbf (inside
-`unshare --net --mount --pid`: needs root, leaves nothing behind), then trains FSDP, HSDP, FL+FSDP, FL+HSDP and
-the no-sync limit (FL+FSDP with syncing off) on the same model, samples and seed, one after the other, with
-`train.py --measure-traffic`. It reports per-method step times (median over windows of A steps, each holding one
-sync), a phase breakdown like the paper's Table 4, speedups, the no-sync gap, bytes per tier measured (collectives
-and wire) against the cost model, a sweep of A, an equal-samples learning comparison like Table 3, the planner's
-choice next to the measured-fastest method (also on the `--contrast` cluster), a JSON file and time-to-perplexity
-and A-sweep plots.
+The full benchmark builds the cluster of `--cluster` with network namespaces, bridges and tbf (needs root, leaves
+nothing behind) and trains FSDP, HSDP, FL+FSDP, FL+HSDP and the no-sync limit on the same model, samples and seed. It
+reports step times, phases (the paper's Table 4), speedups, bytes per tier measured against the cost model, a sweep of
+A, learning at equal samples (Table 3), the planner's choice against the measured fastest (also on `--contrast`), a
+JSON file and plots.
 """
 
 from __future__ import annotations
@@ -27,7 +24,7 @@ from typing import Any, Sequence
 from flwr_sharded import schema
 from flwr_sharded.config import DataConfig, data_dir_of
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.perf.bench.layouts import parse_layouts
+from flwr_sharded.perf.bench.runs import parse_layouts
 from flwr_sharded.perf.bench.options import REPO, BenchOptions, ExecOptions, LinkCheckOptions, SyncOptions, resolve
 from flwr_sharded.perf.bench.report import _fmt
 from flwr_sharded.perf.bench.scenarios import _inner_main
@@ -202,17 +199,13 @@ def run_sync(parsed: argparse.Namespace) -> int:
 
 def _reexec(args: argparse.Namespace, mode: str) -> int:
     """Run this sub-command again inside fresh namespaces; check that nothing is left on the host afterwards."""
-    payload = {k: v for k, v in vars(args).items() if k != "func"}
-    payload["mode"] = mode
+    payload = {**{k: v for k, v in vars(args).items() if k != "func"}, "mode": mode}
     try:
         result = run_isolated([sys.executable, "-m", "flwr_sharded.perf.bench"],
                               env={ARGS_ENV: json.dumps(payload)}, timeout=args.timeout)
-    except TimeoutError as exc:
+    except (TimeoutError, EmulationError) as exc:
         print(f"flwr-sharded bench: error: {exc}", file=sys.stderr)
-        return 1
-    except EmulationError as exc:
-        print(f"flwr-sharded bench: error: {exc}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(exc, TimeoutError) else 2
     left = host_leftovers()
     if any(left.values()):
         print(f"flwr-sharded bench: warning: left on the host: {left}", file=sys.stderr)
@@ -225,12 +218,7 @@ mode, host, port, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4
 if mode == "recv":
     s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((host, port)); s.listen(1)
     print("ready", flush=True)
-    c, _ = s.accept(); got = 0
-    while True:
-        b = c.recv(1 << 20)
-        if not b:
-            break
-        got += len(b)
+    c, _ = s.accept(); got = sum(iter(lambda: len(c.recv(1 << 20)), 0))
     c.sendall(b"k"); print(got, flush=True)
 else:
     for _ in range(100):
@@ -238,11 +226,10 @@ else:
             c = socket.create_connection((host, port)); break
         except OSError:
             time.sleep(0.05)
-    buf = b"x" * (1 << 16); sent = 0; t = time.perf_counter()
+    buf, sent, t = b"x" * (1 << 16), 0, time.perf_counter()
     while sent < n:
-        c.sendall(buf[: min(len(buf), n - sent)]); sent += min(len(buf), n - sent)
-    c.shutdown(socket.SHUT_WR); c.recv(1)
-    print(time.perf_counter() - t, flush=True)
+        c.sendall(buf[: n - sent]); sent += min(len(buf), n - sent)
+    c.shutdown(socket.SHUT_WR); c.recv(1); print(time.perf_counter() - t, flush=True)
 """
 """A TCP throughput probe: `recv HOST PORT N` prints "ready", then the bytes it got; `send HOST PORT N` the seconds."""
 
@@ -260,18 +247,6 @@ def _inner_exec(opts: argparse.Namespace) -> int:
     sys.stdout.write(results[0].stdout)
     sys.stderr.write(results[0].stderr[-4000:])
     return 0
-
-
-def link_checks(topo: EmuTopology) -> list[tuple[str, int, int, float | None]]:
-    """(tier, source node, destination node, configured bits/s) for one transfer on each tier."""
-    out: list[tuple[str, int, int, float | None]] = []
-    if topo.ranks_per_node > 1:
-        out.append(("intra_node", 0, 0, None))
-    if topo.nodes_per_group > 1:
-        out.append(("inter_node", 0, 1, topo.inter_node_bps))
-    if topo.groups > 1:
-        out.append(("inter_group", 0, topo.nodes_per_group, topo.inter_group_bps))
-    return out
 
 
 def measure_transfer(fab: Fabric, src_node: int, dst_node: int, nbytes: int, port: int = 5201) -> float:
@@ -292,8 +267,10 @@ def measure_transfer(fab: Fabric, src_node: int, dst_node: int, nbytes: int, por
 
 def check_links(fab: Fabric, seconds: float = 0.5) -> list[dict[str, Any]]:
     """Time one TCP transfer per tier; shaped tiers should come out a little under their tbf rate."""
-    rows = []
-    for i, (tier, a, b, bps) in enumerate(link_checks(fab.topology)):
+    t, rows = fab.topology, []
+    links = [("intra_node", 0, 0, None, t.ranks_per_node > 1), ("inter_node", 0, 1, t.inter_node_bps,
+             t.nodes_per_group > 1), ("inter_group", 0, t.nodes_per_group, t.inter_group_bps, t.groups > 1)]
+    for i, (tier, a, b, bps) in enumerate(link[:4] for link in links if link[4]):
         nbytes = max(1 << 20, int((bps or 4e9) / 8 * seconds))
         secs = measure_transfer(fab, a, b, nbytes, port=5201 + i)
         measured = nbytes * 8 / secs

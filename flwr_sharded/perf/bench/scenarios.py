@@ -13,10 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES
-from flwr_sharded.perf.bench.layouts import (LABELS, VARIANT_RUNS, BenchLayout, SyncVariant, model_units,
-                                              parse_layouts, sync_variant, vocab_size_of)
 from flwr_sharded.perf.bench.report import _json_default, agreement, checks, render
-from flwr_sharded.perf.bench.training_run import run_training, step_stats
+from flwr_sharded.perf.bench.runs import (LABELS, VARIANT_RUNS, BenchLayout, SyncVariant, model_units, parse_layouts,
+                                          run_training, step_stats, sync_variant, vocab_size_of)
 from flwr_sharded.perf.bench.unequal_scenario import unequal_scenario
 from flwr_sharded.perf.costmodel import Units
 from flwr_sharded.perf.netemu.isolation import enter_private_run

@@ -12,8 +12,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.perf.bench.layouts import BenchLayout, SyncVariant
-from flwr_sharded.perf.bench.training_run import run_training
+from flwr_sharded.perf.bench.runs import BenchLayout, SyncVariant, run_training
 from flwr_sharded.perf.netemu.network import EmuTopology, Fabric, load_topology, topology_dict
 from flwr_sharded.perf.traffic_report import load_probes, ring_bytes_sent, sending_records
 

@@ -1,7 +1,3 @@
-"""An emulated tiered cluster on one Linux machine (docs/benchmarking.md): a network namespace per node (its ranks on
-its unshaped loopback), a bridge per node group and a top bridge, tbf-shaped veths at the inter-node and inter-group
-rates; all of it inside `unshare --net --mount --pid`, so that the kernel removes it whatever happens to the runner.
-
-Modules: `isolation` (the host's preconditions and the re-execution in fresh namespaces) and `network` (what gets
-built, whether it fits this machine, the network and the ranks run on it).
-"""
+"""An emulated tiered cluster on one Linux machine (docs/benchmarking.md): `network` (the topology from a cluster
+description, its namespaces, bridges and tbf-shaped veths, the ranks run on it) inside the fresh namespaces that
+`isolation` re-executes a command in, so that the kernel removes everything whatever happens to the runner."""
