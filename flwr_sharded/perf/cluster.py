@@ -20,11 +20,8 @@ class Cluster:
     """A GPU cluster with a three-tier network: inside a node, between nodes of a group, between groups."""
 
     name: str
-    """Label for reports."""
     gpus_per_node: int
-    """GPUs (ranks) per node."""
     nodes: int
-    """Nodes used."""
     nodes_per_group: int | None
     """Nodes per rack / cell / facility; None: all nodes in one group (no inter-group tier)."""
     bandwidth: dict[str, float]
@@ -33,7 +30,6 @@ class Cluster:
     """Start-up latency of one sequential step of a collective per tier, seconds (0 if not given): the alpha term,
     always with a `calibration`, else only with `plan --latency`."""
     gpu_memory: float
-    """Bytes of memory per GPU."""
     flops_per_gpu: float
     """Achievable (not peak) FLOP/s per GPU for training."""
     backend: str = "nccl"
@@ -145,9 +141,7 @@ def cluster_from_dict(data: Any, where: str = "cluster") -> Cluster:
               "inter_group": nodes_per_group is not None and nodes_per_group < nodes}
     tables: dict[str, dict[str, float]] = {}
     for key, parse, required in (("bandwidth", parse_bandwidth, True), ("latency", parse_latency, False)):
-        table = data.get(key)
-        if table is None and not required:
-            table = {}
+        table = data.get(key) if required else data.get(key) or {}
         if not isinstance(table, dict):
             raise ConfigError(f"{where}: field '{key}' must be a mapping of tiers ({', '.join(TIERS)}), "
                               f"got {table!r}")
@@ -209,7 +203,6 @@ class FacilityFederation:
     """Facilities of their own sizes and GPUs (one `Cluster` each, a single node group), joined by one network."""
 
     name: str
-    """Label for reports."""
     facilities: tuple[Cluster, ...]
     """Each facility's nodes, GPUs and inner tiers, named (its `name`), in member order."""
     inter_group: float

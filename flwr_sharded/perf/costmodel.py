@@ -212,8 +212,7 @@ def comm_terms(method: str, units: Units, *, S: int, R: int = 1, F: int = 1, A: 
 
 
 ADAMW_BYTES_PER_PARAM = 28.0
-"""Bytes the trainer's AdamW step reads (fp32 weight, gradient, both moments: 16) and writes (weight, moments: 12) per
-parameter."""
+"""Bytes the trainer's AdamW step reads (weight, gradient, moments: 16) and writes (12) per parameter (fp32)."""
 SGD_BYTES_PER_PARAM = 12.0
 """Bytes the trainer's momentum-free SGD step reads (weight, gradient) and writes (weight) per parameter."""
 
@@ -223,17 +222,14 @@ class Calibration:
     """The calibrated model's parameters of one cluster (the YAML's `calibration` block); one declaration each."""
 
     tree_allreduce: bool = False
-    """All-reduces across nodes run as NCCL's double binary tree: 2 (floor(log2 nodes) + ranks per node - 1)
-    sequential steps instead of the ring's 2 (n-1) when fewer (NCCL's tuning model, src/graph/tuning.cc;
-    all-gathers and reduce-scatters only have the ring). Off for gloo."""
+    """All-reduces across nodes run as NCCL's tree when it takes fewer steps than the ring (`allreduce_steps`)."""
     uplink: dict[str, float] = field(default_factory=dict)
     """Bits/s of the uplink of one node ("inter_node") or node group ("inter_group") that all flows leaving it at once
     share (a node's NICs together); a tier listed here is shared. Unset for a shared tier: its bandwidth."""
     efficiency: dict[str, float] = field(default_factory=dict)
     """Share (0, 1] of a shared uplink's capacity that the flows of a tier get under the fabric's load; unset: 1."""
     overlap: bool = False
-    """A forward or backward takes max(compute, its collectives) instead of their sum (FSDP2 prefetches all-gathers and
-    reduces on its own stream); the shard sync stays blocking. Off where collectives and compute share CPU cores."""
+    """A forward or backward takes max(compute, its collectives) instead of their sum; the shard sync stays blocking."""
     memory_bandwidth: float = 0.0
     """Bytes/s of a GPU's memory for the optimizer step (memory-bound: `optimizer_time`); 0: not counted."""
 

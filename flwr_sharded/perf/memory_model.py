@@ -42,21 +42,17 @@ OPTIMIZER_LOOP_TEMP_PARAMS = {"adamw": 2, "sgd": 1}
 GLOBAL_BYTES = 4
 """The sync's copy of the global shards (fp32), kept by outer optimizers and by a reduced wire dtype."""
 RULE_STATE_BYTES = 4
-"""Each of an outer rule's state buffers (`ShardRule.state_buffers`: fp32, the shard's size); its temporaries
-(`temp_buckets`, `temp_buckets_per_member`) are fp32 buckets."""
+"""Each of an outer rule's state buffers (`ShardRule.state_buffers`, the shard's size) and temporaries (buckets)."""
 SNAPSHOT_BYTES = 4
-"""An overlapped sync's snapshot of the fragment in flight (fp32; `parallel/streaming.py`), and its copy of that
-fragment at its start (to carry the local steps, or to check the result's move), sized for the largest fragment."""
+"""An overlapped sync's snapshot of the fragment in flight, and its copy at the start (carry, move check)."""
 FEEDBACK_BYTES = 4
-"""Error feedback of a quantized wire: an fp32 residual per value of every bucket of the shard
-(`parallel/quantize.py`), or of a top-k wire (`parallel/sparse.py`: what it did not send)."""
+"""Error feedback of a quantized or top-k wire: an fp32 residual per value of the shard."""
 SPARSE_MAGNITUDE_BYTES = 4
 """A top-k wire's |delta| of the bucket (fp32), from which each chunk's largest entries are chosen."""
 
 # Activations, in elements of the compute dtype per token (h: hidden, kv: k/v width, i: MLP width).
 BLOCK_ACTIVATIONS = {"h": 8, "kv": 2, "i": 4}
-"""Saved by one block: 2 RMSNorms (input, normalised, output: 3h each), rotated q, attention output (2h), k and v
-(2kv), the MLP's gate, up, SiLU and product (4i)."""
+"""Saved by one block: 2 RMSNorms (3h each), rotated q and attention output (2h), k and v (2kv), the MLP's 4i."""
 NORM_UPCASTS_PER_BLOCK = 2
 """RMSNorms per block; each saves its input upcast to fp32 when the compute dtype is narrower (+ (4 - cb) h bytes)."""
 OUTSIDE_ACTIVATIONS_H = 3
@@ -73,12 +69,11 @@ FIELD_NAMES = Surface(lambda o: o.path[-1])
 
 @dataclass(frozen=True)
 class StepOptions:
-    """The trainer options that decide what a rank holds. A training option is the config's own (`same_as`), with
-    its default and checks; `from_config` reads a whole `TrainConfig`."""
+    """The trainer options that decide what a rank holds, each the config's own (`same_as`); `from_config` reads a
+    whole `TrainConfig`."""
 
     precision: Literal["auto", "fp32", "bf16"] = same_as(ModelConfig, "precision")
-    """Compute dtype: fp32, bf16, or auto, which becomes the trainer's choice on `device` (bf16 on cuda, fp32 on cpu)
-    when the options are made."""
+    """Compute dtype; auto becomes the trainer's choice on `device` (bf16 on cuda, fp32 on cpu)."""
     optimizer: Literal["adamw", "sgd"] = same_as(OptimConfig, "optimizer")
     outer: str = same_as(ParallelConfig, "outer")
     sync_dtype: SyncDtype = same_as(ParallelConfig, "sync_dtype")
@@ -176,11 +171,6 @@ class MemoryBreakdown:
     def peak_phase(self) -> str:
         return max(self.phases, key=self.phases.get)
 
-    @property
-    def states(self) -> float:
-        """Parameters, gradients, optimizer and FL state: what stays between steps (and the gradients)."""
-        return self.parameters + self.gradients + self.optimizer + self.sync + self.anchor
-
     def terms(self) -> dict[str, float]:
         """Every term by name (GPU memory), then `host`."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "phases"}
@@ -211,7 +201,7 @@ def rule_state_bytes(outer: str) -> float:
 
 def _sync_terms(shape: ModelShape, o: StepOptions, *, S: int, F: int) -> tuple[float, float, float]:
     """(sync, sync_temp, outer_state) of one rank: the FL sync's buffers (F > 1), the rule's temporaries during a
-    sync, and the outer rule's state (global copy included), which a rollback copy holds too."""
+    sync, and the outer rule's state with the global copy (a rollback copy holds it too)."""
     shard = shape.num_params / S
     sync = sync_temp = 0.0
     rule = _rule(o.outer) if F > 1 or o.rollback else None

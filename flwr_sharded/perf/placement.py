@@ -24,11 +24,8 @@ class Placement:
     """Where the ranks of an F x R x S mesh run: rank = f*R*S + r*S + s, filling nodes, then node groups, in order."""
 
     F: int
-    """Federation groups."""
     R: int
-    """Replication groups per federation group."""
     S: int
-    """Ranks per sharding group (innermost)."""
     gpus_per_node: int
     """Ranks (GPUs) per node: node = rank // gpus_per_node."""
     nodes_per_group: int | None = None

@@ -39,7 +39,6 @@ class Candidate:
     """Bits/s one flow of each dimension's collectives gets: its tier's, divided among flows on a shared uplink."""
     comm: CommTerms
     compute: float
-    """Compute seconds per step."""
     memory: MemoryBreakdown
     """Bytes per GPU (the trainer's, `memory_model`); `memory.total` is the step's peak."""
     batch_tokens: int
@@ -260,7 +259,6 @@ class PaperRow:
 
     label: str
     predicted: Candidate
-    """The cost model's prediction with exact message sizes."""
     paper_eq_comm: float
     """Communication seconds per step from Eqs. 1-5 literally (M = model bits / number of units)."""
     measured: dict[str, tuple[float, float]]
@@ -291,11 +289,10 @@ class FacilityPlan:
     name: str
     gpus: int
     local: Candidate
-    """Its local step (fsdp or hsdp on its own GPUs, F = 1: compute, shard and replica communication)."""
+    """Its local step (fsdp or hsdp on its own GPUs, F = 1)."""
     memory: MemoryBreakdown
     """Bytes per GPU in the federation (F groups)."""
     A: int
-    """Local steps per sync."""
     idle: float
     """Seconds it waits per sync for the others, with its own A."""
     idle_equal: float

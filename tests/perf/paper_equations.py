@@ -1,11 +1,12 @@
-"""The paper's Eqs. 1-5 literally (one message size M for every collective), and small builders: the tests' oracles
-for `flwr_sharded.perf.costmodel` and `placement`."""
+"""The paper's Eqs. 1-5 literally (one message size M for every collective), and small builders and sums: the tests'
+oracles for `flwr_sharded.perf.costmodel`, `placement` and `memory_model`."""
 
 from __future__ import annotations
 
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.perf.costmodel import (Units, _check_bandwidth, _check_bandwidths, all_gather_time, all_reduce_time,
                                          broadcast_time, check_layout, positive_int, reduce_scatter_time)
+from flwr_sharded.perf.memory_model import MemoryBreakdown
 from flwr_sharded.perf.placement import TIERS, Traffic
 
 
@@ -48,3 +49,8 @@ def even_units(total_bytes: float, n: int, root: float = 0.0) -> Units:
 def per_step(t: Traffic) -> dict[str, float]:
     """A rank's bytes per optimizer step with the sync amortised: step + sync / A, by tier."""
     return {tier: t.step[tier] + t.sync[tier] / t.A for tier in TIERS}
+
+
+def states(m: MemoryBreakdown) -> float:
+    """Parameters, gradients, optimizer and FL state: what stays between steps (and the gradients)."""
+    return m.parameters + m.gradients + m.optimizer + m.sync + m.anchor

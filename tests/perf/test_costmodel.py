@@ -14,7 +14,7 @@ from flwr_sharded.perf.costmodel import (
 from flwr_sharded.perf.memory_model import memory_per_gpu
 from flwr_sharded.perf.model_shape import ModelShape, compute_time
 from flwr_sharded.perf.placement import Placement, rank_traffic, traffic
-from tests.perf.paper_equations import comm_time, even_units, fl_comm_time, per_step
+from tests.perf.paper_equations import comm_time, even_units, fl_comm_time, per_step, states
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Table 1
@@ -297,7 +297,7 @@ def test_memory_by_hand():
     m = memory_per_gpu(shape, S=4, tokens=3, bytes_per_param=2)
     # Was 8 bytes per parameter (4 x the 2-byte compute dtype). The trainer keeps fp32 master weights (FSDP2 shards
     # keep the model's dtype; bf16 is the all-gather's compute copy), fp32 gradients and AdamW's two fp32 moments.
-    assert m.states == pytest.approx(16 * 1100 / 4)
+    assert states(m) == pytest.approx(16 * 1100 / 4)
     # root + 2 blocks gathered in bf16; unsharded gradients: the root's (bf16) and one block's in bf16 + its fp32
     # reduce-scatter input (was "one unit of full gradients" in the compute dtype)
     assert m.gathered_params == pytest.approx(2 * (100 + 2 * 500))
@@ -308,9 +308,9 @@ def test_memory_by_hand():
     assert m.logits == pytest.approx(3 * 3 * 4 * 50)
     ckpt = memory_per_gpu(shape, S=1, tokens=3, bytes_per_param=2, activation_checkpointing=True)
     # FSDP2 copies a unit into its compute buffer even with S = 1 (was 0): the root and the block computing
-    assert ckpt.gathered_params == pytest.approx(2 * (100 + 500)) and ckpt.states == pytest.approx(16 * 1100)
+    assert ckpt.gathered_params == pytest.approx(2 * (100 + 500)) and states(ckpt) == pytest.approx(16 * 1100)
     assert ckpt.activations == pytest.approx(3 * (2 * 2 * 10 + 80))  # each block keeps only its input
-    assert memory_per_gpu(shape, S=4, tokens=3, state_bytes_per_param=8).states == pytest.approx(8 * 1100 / 4)
+    assert states(memory_per_gpu(shape, S=4, tokens=3, state_bytes_per_param=8)) == pytest.approx(8 * 1100 / 4)
 
 
 def test_model_shape_units():

@@ -141,6 +141,7 @@ def _run_mode(parsed: argparse.Namespace, mode: str, sub: type | None, prepare, 
         return 2
     prepare(args)
     if inside():
+        enter_private_run()
         return INNER[mode](args)
     try:
         check(args)
@@ -235,7 +236,6 @@ else:
 
 
 def _inner_exec(opts: argparse.Namespace) -> int:
-    enter_private_run()
     topo = load_topology(opts.cluster)
     nproc = opts.nproc or topo.world_size
     with Fabric(topo) as fab:
@@ -275,14 +275,12 @@ def check_links(fab: Fabric, seconds: float = 0.5) -> list[dict[str, Any]]:
         secs = measure_transfer(fab, a, b, nbytes, port=5201 + i)
         measured = nbytes * 8 / secs
         rows.append({"tier": tier, "from_node": a, "to_node": b, "bytes": nbytes, "seconds": secs,
-                     "measured_bps": measured, "configured_bps": bps,
-                     "ratio": measured / bps if bps else None,
+                     "measured_bps": measured, "configured_bps": bps, "ratio": measured / bps if bps else None,
                      "ok": None if not bps else 0.7 <= measured / bps <= 1.05})
     return rows
 
 
 def _inner_check(opts: argparse.Namespace) -> int:
-    enter_private_run()
     topo = load_topology(opts.cluster)
     with Fabric(topo) as fab:
         rows = check_links(fab, opts.seconds)
@@ -301,17 +299,14 @@ def _inner_check(opts: argparse.Namespace) -> int:
 
 def sync_topologies(F: int, S: int, bandwidths: Sequence[float]) -> list[tuple[str, EmuTopology]]:
     """Loopback (all ranks on one node) and F nodes in F groups, the group uplinks at each bandwidth."""
-    out = [("loopback", EmuTopology(name="loopback", ranks_per_node=F * S, nodes=1, nodes_per_group=1,
-                                    inter_node_bps=None, inter_group_bps=None))]
-    for bw in bandwidths:
-        name = _rate(bw).replace(" ", "").replace("/s", "")
-        out.append((name, EmuTopology(name=name, ranks_per_node=S, nodes=F, nodes_per_group=1,
-                                      inter_node_bps=None, inter_group_bps=bw)))
-    return out
+    names = [_rate(bw).replace(" ", "").replace("/s", "") for bw in bandwidths]
+    return [("loopback", EmuTopology(name="loopback", ranks_per_node=F * S, nodes=1, nodes_per_group=1,
+                                     inter_node_bps=None, inter_group_bps=None))] + [
+        (name, EmuTopology(name=name, ranks_per_node=S, nodes=F, nodes_per_group=1, inter_node_bps=None,
+                           inter_group_bps=bw)) for name, bw in zip(names, bandwidths)]
 
 
 def _inner_sync(opts: argparse.Namespace) -> int:
-    enter_private_run()
     out_dir = Path(opts.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -323,9 +318,7 @@ def _inner_sync(opts: argparse.Namespace) -> int:
         print(f"-- sync_bench on {topo.describe()} ...")
         with Fabric(topo) as fab:
             fab.run_ranks(argv, timeout=opts.run_timeout)
-        res = json.loads(path.read_text())
-        res["network"] = name
-        res["topology"] = topology_dict(topo)
+        res = {**json.loads(path.read_text()), "network": name, "topology": topology_dict(topo)}
         path.write_text(json.dumps(res, indent=2))
         rows.append(res)
         print(f"   sync/flat {res['sync_over_flat']:.3f}")
@@ -348,6 +341,7 @@ def _inner_entry() -> int:
     payload = json.loads(os.environ[ARGS_ENV])
     mode = payload.pop("mode")
     try:
+        enter_private_run()
         return INNER[mode](argparse.Namespace(**payload))
     except (ConfigError, RankFailure) as exc:
         print(f"flwr-sharded bench: error: {exc}", file=sys.stderr)

@@ -13,7 +13,7 @@ from flwr_sharded.config import DataConfig, ModelConfig, OptimConfig, ParallelCo
 from flwr_sharded.parallel.wire import SyncDtype
 from flwr_sharded.perf.bench.runs import VARIANT_RUNS
 from flwr_sharded.perf.bench.unequal_scenario import UNEQUAL_RUNS
-from flwr_sharded.perf.plan_options import PlanOptions
+from flwr_sharded.perf.plan_cli import PlanOptions
 from flwr_sharded.schema import option, same_as
 
 REPO = Path(__file__).resolve().parents[3]

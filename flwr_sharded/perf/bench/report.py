@@ -151,42 +151,29 @@ def model_error(run: dict[str, Any] | None) -> float | None:
 
 
 def agreement(scen: dict[str, Any]) -> dict[str, Any] | None:
-    """The planner's first choice against the measurements.
-
-    Over all layouts: the planner's first choice (measured too when it is none of the methods' layouts) against the
-    fastest measured layout. Among the methods' layouts: the planner's ranking of the measured ones against theirs.
-    The planner ranks FL layouts as if `fl_margin` slower (a policy: prefer exact gradient averaging unless FL saves
-    more); the text also says which layout that rule picks from the measured times when it differs.
-    """
+    """The planner's first choice (measured too when it is none of the methods' layouts) against the fastest measured
+    layout, and its ranking of the methods' measured layouts against theirs; the text also names the layout its FL
+    margin picks from the measured times when that differs."""
     plan = scen.get("planner")
-    if not plan:
-        return None
-    margin = plan["fl_margin"]
     measured = {k: r for k, r in scen["runs"].items() if r["sync"] and k not in VARIANT_RUNS}
     if "planner_choice_run" in scen:
         measured["planner-choice"] = scen["planner_choice_run"]
-    if not measured:
+    if not plan or not measured:
         return None
+    margin, first = plan["fl_margin"], plan["first_choice"]
+    keys = ("method", "F", "R", "S", "A")
 
     def name(k: str) -> str:
-        r = measured[k]
-        return f"{r['method']} {r['layout']} A={r['A']}"
+        return f"{measured[k]['method']} {measured[k]['layout']} A={measured[k]['A']}"
 
-    def rule(keys: list[str]) -> str:
-        return min(keys, key=lambda k: measured[k]["step_s"] * (1 + margin if measured[k]["method"].startswith("fl-")
-                                                                 else 1))
+    def step(k: str) -> float:
+        return measured[k]["step_s"]
 
-    fastest = min(measured, key=lambda k: measured[k]["step_s"])
-    first = plan["first_choice"]
-    choice = None
-    if "planner-choice" in measured:
-        choice = "planner-choice"
-    elif first is not None:
-        choice = next((k for k, r in measured.items() if (r["method"], r["F"], r["R"], r["S"], r["A"]) ==
-                       (first["method"], first["F"], first["R"], first["S"], first["A"])), None)
+    fastest = min(measured, key=step)
+    choice = "planner-choice" if "planner-choice" in measured else None if first is None else next(
+        (k for k, r in measured.items() if [r[x] for x in keys] == [first[x] for x in keys]), None)
     methods = [k for k in plan["predicted_order"] if k in measured]
-    restricted = methods[0] if methods else None
-    restricted_fastest = min(methods, key=lambda k: measured[k]["step_s"]) if methods else None
+    restricted, restricted_fastest = (methods[0], min(methods, key=step)) if methods else (None, None)
     out: dict[str, Any] = {"methods_only": {"planner": restricted, "measured_fastest": restricted_fastest,
                                             "ok": restricted is not None and restricted == restricted_fastest}}
     if choice is None:
@@ -199,7 +186,7 @@ def agreement(scen: dict[str, Any]) -> dict[str, Any] | None:
     text = f"planner: {name(choice)}; measured fastest: {name(fastest)}"
     if choice != fastest:
         text += f" ({gap:+.1%} against the choice)"
-    by_rule = rule(list(measured))
+    by_rule = min(measured, key=lambda k: step(k) * (1 + margin if measured[k]["method"].startswith("fl-") else 1))
     if by_rule != fastest:
         text += f"; the planner's {margin:.0%} FL margin applied to the measured times picks {name(by_rule)}"
     return {**out, "planner": choice, "measured_fastest": fastest, "measured_by_rule": by_rule, "gap": gap,
@@ -207,9 +194,7 @@ def agreement(scen: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _fmt(value: float | None, spec: str = ".3f") -> str:
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
-        return "-"
-    return format(value, spec)
+    return "-" if value is None or (isinstance(value, float) and not math.isfinite(value)) else format(value, spec)
 
 
 def _mb(value: float | None, spec: str) -> str:

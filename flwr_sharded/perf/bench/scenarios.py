@@ -18,7 +18,6 @@ from flwr_sharded.perf.bench.runs import (LABELS, VARIANT_RUNS, BenchLayout, Syn
                                           run_training, step_stats, sync_variant, vocab_size_of)
 from flwr_sharded.perf.bench.unequal_scenario import unequal_scenario
 from flwr_sharded.perf.costmodel import Units
-from flwr_sharded.perf.netemu.isolation import enter_private_run
 from flwr_sharded.perf.netemu.network import Fabric, _mem_available, load_topology, topology_dict
 
 
@@ -141,7 +140,6 @@ def _scenario(name: str, cluster_path: Path, opts: argparse.Namespace, work: Pat
 
 def _inner_main(opts: argparse.Namespace) -> int:
     """Runs inside `run_isolated`: builds each scenario's fabric, runs everything, reports."""
-    enter_private_run()
     out_dir = Path(opts.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     vocab = vocab_size_of(opts.data_dir)
