@@ -27,7 +27,7 @@ from flwr_sharded.errors import ConfigError
 from flwr_sharded.perf.bench.runs import parse_layouts
 from flwr_sharded.perf.bench.options import REPO, BenchOptions, ExecOptions, LinkCheckOptions, SyncOptions, resolve
 from flwr_sharded.perf.bench.report import _fmt
-from flwr_sharded.perf.bench.scenarios import _inner_main
+from flwr_sharded.perf.bench.scenarios import _inner_main, parse_group_shards, unequal_layouts
 from flwr_sharded.perf.netemu.isolation import (EmulationError, check_host, enter_private_run, host_leftovers, inside,
                                                 run_isolated)
 from flwr_sharded.perf.netemu.network import EmuTopology, Fabric, RankFailure, _rate, load_topology, topology_dict
@@ -116,8 +116,6 @@ def _validate(args: argparse.Namespace) -> None:
             raise ConfigError(f"--cluster {path}: a single node has no FL+FSDP layout to benchmark; describe at "
                               f"least 2 nodes")
     if args.unequal is not None:
-        from flwr_sharded.perf.bench.unequal_scenario import parse_group_shards, unequal_layouts
-
         unequal_layouts(parse_group_shards(args.unequal_groups), load_topology(args.unequal), args.slow_group)
         if "unequal-slow-speed" in args.unequal_run_list and args.steps % args.aggregate_every:
             raise ConfigError(f"--steps {args.steps}: the run with --group-steps speed trains whole periods of "

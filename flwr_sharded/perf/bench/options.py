@@ -11,8 +11,7 @@ from typing import Any
 from flwr_sharded import schema, tool_options
 from flwr_sharded.config import DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from flwr_sharded.parallel.wire import SyncDtype
-from flwr_sharded.perf.bench.runs import VARIANT_RUNS
-from flwr_sharded.perf.bench.unequal_scenario import UNEQUAL_RUNS
+from flwr_sharded.perf.bench.runs import UNEQUAL_RUNS, VARIANT_RUNS
 from flwr_sharded.perf.plan_cli import PlanOptions
 from flwr_sharded.schema import option, same_as
 

@@ -6,9 +6,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from flwr_sharded.perf.bench.runs import LABELS, VARIANT_RUNS, WIRE_BYTES_TARGETS, SyncVariant, variant_wire
+from flwr_sharded.perf.bench.runs import (LABELS, UNEQUAL_LABELS, VARIANT_RUNS, WIRE_BYTES_TARGETS, SyncVariant,
+                                          variant_wire)
 from flwr_sharded.perf.bench.options import REPO
-from flwr_sharded.perf.bench.unequal_scenario import UNEQUAL_LABELS
 from flwr_sharded.perf.placement import TIERS
 
 BYTES_TARGET = 1.10

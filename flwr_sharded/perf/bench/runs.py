@@ -29,6 +29,12 @@ VARIANT_RUNS = ("fl-fsdp-overlap", "fl-fsdp-int8", "fl-fsdp-overlap-int8", "fl-f
 sync (int8 values), all with error feedback; each of them overlapped too."""
 WIRE_BYTES_TARGETS = {"int8": 0.27, "int4": 0.14, "topk": 0.04}
 """The most cross-group bytes per sync each variant's wire may send, as a fraction of the fp32 sync's."""
+UNEQUAL_RUNS = ("equal", "unequal", "unequal-slow", "unequal-slow-speed")
+"""The equal federation (as many groups of their mean S), the unequal one, and the unequal one with a slow group,
+with equal local steps per sync (`--group-steps equal`) and with `--group-steps speed`."""
+UNEQUAL_LABELS = {"equal": "equal federation", "unequal": "unequal federation",
+                  "unequal-slow": "unequal, slow group, equal A",
+                  "unequal-slow-speed": "unequal, slow group, --group-steps speed"}
 LABELS = {"fsdp": "FSDP", "hsdp": "HSDP", "fl-fsdp": "FL+FSDP", "fl-hsdp": "FL+HSDP", "no-sync": "FL+FSDP no-sync",
           "fl-fsdp-overlap": "FL+FSDP overlapped", "fl-fsdp-int8": "FL+FSDP int8",
           "fl-fsdp-overlap-int8": "FL+FSDP overlapped int8", "fl-fsdp-int4": "FL+FSDP int4",
