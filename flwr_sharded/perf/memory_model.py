@@ -188,7 +188,7 @@ def largest_fragment(shape: ModelShape, fragments: int) -> float:
 
 @lru_cache(maxsize=None)
 def _rule(outer: str):
-    """The outer rule's class (`flwr_sharded.parallel.outer`; its declared traits, without running it)."""
+    """The outer rule's class (its declared traits)."""
     from flwr_sharded.parallel.outer import make_rule
 
     return type(make_rule(outer))
@@ -235,15 +235,10 @@ def trainer_memory(shape: ModelShape, *, S: int, tokens: int, R: int = 1, F: int
     and optimizer state together (the trainer's: 16 with AdamW), in their proportions."""
     for name, value in (("S", S), ("R", R), ("F", F), ("tokens", tokens)):
         positive_int(name, value)
-    o = options
-    cb = COMPUTE_BYTES[o.precision]
+    o, cb = options, COMPUTE_BYTES[options.precision]
     h, i, L, V = shape.hidden_size, shape.intermediate_size, shape.num_layers, shape.vocab_size
-    kv = shape.kv_size or h
-    P, root = shape.num_params, shape.root_params
-    block = (P - root) / L
-    shard = P / S
-
-    scale = 1.0
+    kv, P, root = shape.kv_size or h, shape.num_params, shape.root_params
+    block, shard, scale = (P - root) / L, P / S, 1.0
     if state_bytes_per_param is not None:
         if not state_bytes_per_param > 0:
             raise ConfigError(f"state_bytes_per_param must be positive, got {state_bytes_per_param!r}")
@@ -251,11 +246,8 @@ def trainer_memory(shape: ModelShape, *, S: int, tokens: int, R: int = 1, F: int
     grad_bytes = GRAD_BYTES * scale
     parameters, gradients = MASTER_BYTES * scale * shard, grad_bytes * shard
     optimizer = OPTIMIZER_STATE_BYTES[o.optimizer] * scale * shard
-    if o.device == "cuda":
-        optimizer_temp = OPTIMIZER_FOREACH_TEMP_BYTES[o.optimizer] * shard
-    else:
-        optimizer_temp = OPTIMIZER_LOOP_TEMP_PARAMS[o.optimizer] * MASTER_BYTES * shape.largest_param() / S
-
+    optimizer_temp = OPTIMIZER_FOREACH_TEMP_BYTES[o.optimizer] * shard if o.device == "cuda" else \
+        OPTIMIZER_LOOP_TEMP_PARAMS[o.optimizer] * MASTER_BYTES * shape.largest_param() / S
     sync, sync_temp, outer_state = _sync_terms(shape, o, S=S, F=F)
     host = MASTER_BYTES * shard + optimizer + outer_state if o.rollback else 0.0
     anchor = MASTER_BYTES * shard if o.proximal else 0.0

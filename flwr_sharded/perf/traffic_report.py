@@ -153,27 +153,17 @@ def load_probes(directory: str | os.PathLike) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in files]
 
 
-_GATHER_LIKE = {"all_gather_single", "all_gather_into_tensor"}
-_REDUCE_SCATTER = {"reduce_scatter_single", "reduce_scatter_tensor"}
-
-
 def ring_bytes_sent(op: str, payload: float, n: int, backend: str = "gloo") -> float:
-    """Bytes one rank sends for one ring collective of `payload` bytes (the meter's payload) over n ranks."""
-    if n < 2:
-        return 0.0
-    if op in _GATHER_LIKE:
-        return payload * (n - 1) / n
-    if op == "all_gather":  # the list form (the sync's robust rules): the meter's payload is this rank's input
-        return payload * (n - 1)
-    if op in _REDUCE_SCATTER:
-        return payload * (n - 1) / n * (2.0 if backend == "gloo" else 1.0)
-    if op == "all_reduce":
-        return 2.0 * payload * (n - 1) / n
-    if op == "broadcast":
-        return payload  # pipelined chain: every rank but the last forwards it once (the caller drops the last)
-    if op == "send":
-        return payload  # point to point: its record's ranks are (sender, receiver)
-    raise ValueError(f"no ring accounting for collective {op!r}")
+    """Bytes one rank sends for one ring collective of `payload` bytes (the meter's payload) over n ranks: a list
+    all-gather's payload is the rank's own part, a broadcast (a pipelined chain) and a send forward it once."""
+    share = (n - 1) / max(n, 1)
+    factors = {"all_gather_single": share, "all_gather_into_tensor": share, "all_gather": n - 1,
+               "reduce_scatter_single": share * (2.0 if backend == "gloo" else 1.0), "all_reduce": 2.0 * share,
+               "broadcast": 1.0, "send": 1.0}
+    factors["reduce_scatter_tensor"] = factors["reduce_scatter_single"]
+    if op not in factors:
+        raise ValueError(f"no ring accounting for collective {op!r}")
+    return payload * factors[op] if n >= 2 else 0.0
 
 
 def sending_records(probes: list[dict[str, Any]]) -> Iterator[tuple[int, dict[str, Any], int]]:
@@ -214,19 +204,6 @@ def wire_tiers(probes: list[dict[str, Any]], ranks_per_node: int, uplinks: list[
         if fabric is not None:
             out["inter_group"] += sum(fabric.get(u, {}).get("tx_bytes", 0) for u in uplinks)
     out["inter_node"] -= out["inter_group"]
-    return out
-
-
-def predicted_tiers(method: str, placement: Placement, units: Units, *, A: int, steps: int, syncs: float,
-                    backend: str = "gloo", reshard_root: bool = True,
-                    wire_ratio: float = 1.0) -> dict[str, dict[str, float]]:
-    """`placement.traffic` summed over ranks, per phase and tier: step bytes x steps, sync bytes x syncs."""
-    out = {p: dict.fromkeys(TIERS, 0.0) for p in PHASES}
-    for t in traffic(method, placement, units, A=A, backend=backend, reshard_root=reshard_root,
-                     wire_ratio=wire_ratio):
-        for tier in TIERS:
-            out["step"][tier] += t.step[tier] * steps
-            out["sync"][tier] += t.sync[tier] * syncs
     return out
 
 
@@ -275,11 +252,11 @@ def compare(probes: list[dict[str, Any]], method: str, placement: Placement, uni
     `wire_ratio`: the sync's wire bytes over the units', `fragments`: the run's `--sync-fragments`."""
     steps = probes[0]["windows"]["step"]
     syncs = probes[0]["windows"]["sync"] / fragments  # whole-model syncs: one per fragment's sync of each
-    predicted = predicted_tiers(method, placement, units, A=A, steps=steps, syncs=syncs, backend=backend,
-                                reshard_root=reshard_root, wire_ratio=wire_ratio)
-    wire = None
-    if ranks_per_node and any(p["netdev"] for p in probes):
-        wire = wire_tiers(probes, ranks_per_node, uplinks or [])
+    per_rank = traffic(method, placement, units, A=A, backend=backend, reshard_root=reshard_root, wire_ratio=wire_ratio)
+    predicted = {phase: {tier: sum(getattr(t, phase)[tier] for t in per_rank) * count for tier in TIERS}
+                 for phase, count in (("step", steps), ("sync", syncs))}  # placement.traffic summed over ranks
+    wire = wire_tiers(probes, ranks_per_node, uplinks or []) if ranks_per_node and any(p["netdev"] for p in probes) \
+        else None
     return TierComparison(predicted=predicted, collectives=collective_tiers(probes, placement, backend), wire=wire,
                           steps=steps, syncs=syncs)
 

@@ -10,7 +10,7 @@ from typing import Sequence
 
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.sync_plan import Owners, SyncPlan, row_numel
-from flwr_sharded.perf.costmodel import all_reduce_time, broadcast_time
+from flwr_sharded.perf.costmodel import all_reduce_time, broadcast_time, positive_int
 from flwr_sharded.perf.model_shape import ModelShape
 from flwr_sharded.perf.traffic_report import ring_bytes_sent
 
@@ -59,8 +59,7 @@ def _checked_layouts(layouts: Sequence[tuple[int, int]], names: Sequence[str] | 
         except (TypeError, ValueError):
             raise ConfigError(f"{who}: expected (R, S), got {layout!r}") from None
         for name, value in (("R", R), ("S", S)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{who}: {name} must be an integer >= 1 (shards and replicas), got {value!r}")
+            positive_int(f"{who}: {name}", value)
         out.append((R, S))
     return tuple(out)
 
@@ -89,8 +88,7 @@ def channel_elements(plan: SyncPlan) -> dict[Owners, int]:
     """Elements of each channel (its pieces'), in the plan's order."""
     out: dict[Owners, int] = {}
     for p in plan.pieces():
-        numel = (p.end - p.start) * row_numel(plan.shapes[p.param])
-        out[p.owners] = out.get(p.owners, 0) + numel
+        out[p.owners] = out.get(p.owners, 0) + (p.end - p.start) * row_numel(plan.shapes[p.param])
     return {c: out[c] for c in plan.channels() if c in out}
 
 
@@ -106,8 +104,7 @@ def unequal_sync(layouts: Sequence[tuple[int, int]], shapes: Sequence[Sequence[i
     if (shapes is None) == (elements is None):
         raise ConfigError("give the model's parameter shapes or its element count, one of them")
     if elements is not None:
-        if isinstance(elements, bool) or not isinstance(elements, int) or elements < 1:
-            raise ConfigError(f"elements must be an integer >= 1, got {elements!r}")
+        positive_int("elements", elements)
         shapes = ((elements,),)
     for name, value in (("bytes_per_param", bytes_per_param), ("wire_ratio", wire_ratio)):
         if not value > 0:

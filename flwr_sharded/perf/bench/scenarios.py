@@ -418,10 +418,8 @@ def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
         if r["eval"]:
             ax.plot([e["time_s"] for e in r["eval"]], [e["eval_ppl"] for e in r["eval"]], "x", color=line.get_color(),
                     markersize=8)
-    ax.set_yscale("log")
-    ax.set_xlabel("training time (s)")
-    ax.set_ylabel("training perplexity (x: evaluation)")
-    ax.set_title(f"{main['topology']['name']}: {results['settings']['model']}, same samples, "
+    ax.set(yscale="log", xlabel="training time (s)", ylabel="training perplexity (x: evaluation)",
+           title=f"{main['topology']['name']}: {results['settings']['model']}, same samples, "
                  f"A={results['settings']['aggregate_every']}")
     save(fig, ax, "time_to_ppl.png")
     if main.get("sweep"):
@@ -434,10 +432,8 @@ def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
         if "fsdp" in main["runs"]:
             ax.axhline(main["runs"]["fsdp"]["step_s_mean"], linestyle=":", color="red", label="FSDP")
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
         ax.set_xticks(As, [str(a) for a in As])
-        ax.set_xlabel("A (steps between syncs)")
-        ax.set_ylabel("seconds per step")
+        ax.set(yscale="log", xlabel="A (steps between syncs)", ylabel="seconds per step")
         save(fig, ax, "a_sweep.png")
     return written
 

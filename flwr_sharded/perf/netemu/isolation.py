@@ -30,13 +30,8 @@ def check_host(tools: Sequence[str] = tuple(TOOLS)) -> dict[str, str]:
     if os.geteuid() != 0:
         raise EmulationError("the network emulation needs root (it creates network namespaces, bridges and tc "
                              f"qdiscs inside `unshare --net`); running as uid {os.geteuid()}: rerun with sudo")
-    found, missing = {}, []
-    for tool in tools:
-        path = shutil.which(tool)
-        if path is None:
-            missing.append(f"`{tool}` (package {TOOLS.get(tool, tool)})")
-        else:
-            found[tool] = path
+    found = {tool: shutil.which(tool) for tool in tools}
+    missing = [f"`{tool}` (package {TOOLS.get(tool, tool)})" for tool, path in found.items() if path is None]
     if missing:
         raise EmulationError(f"the network emulation needs {', '.join(missing)}, not found on PATH "
                              f"({os.environ.get('PATH', '')})")
@@ -120,13 +115,10 @@ def host_leftovers() -> dict[str, list[str]]:
     except (OSError, subprocess.SubprocessError):
         links = ""
     for line in links.splitlines():
-        parts = line.split(":")
-        name = parts[1].strip().split("@")[0] if len(parts) > 1 else ""
+        name = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
         if name.startswith(("fbg", "fbtop")) or (name[:2] in ("vn", "up", "dn") and name[2:].isdigit()):
             out["links"].append(name)
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
+    for proc in (p for p in Path("/proc").iterdir() if p.name.isdigit()):
         try:
             environ = (proc / "environ").read_bytes()
         except OSError:

@@ -68,11 +68,8 @@ class EmuTopology:
         return [f"up{g}" for g in range(self.groups)] if self.groups > 1 else []
 
     def describe(self) -> str:
-        shaped = []
-        if self.inter_node_bps:
-            shaped.append(f"node links {_rate(self.inter_node_bps)}")
-        if self.inter_group_bps:
-            shaped.append(f"group uplinks {_rate(self.inter_group_bps)}")
+        shaped = [f"{what} {_rate(bps)}" for what, bps in (("node links", self.inter_node_bps),
+                                                            ("group uplinks", self.inter_group_bps)) if bps]
         return (f"{self.name}: {self.groups} group(s) x {self.nodes_per_group} node(s) x {self.ranks_per_node} rank(s) "
                 f"= {self.world_size} ranks; {', '.join(shaped) or 'no shaping'}; intra-node: loopback")
 
@@ -290,12 +287,11 @@ class Fabric:
         return proc
 
     def kill_all(self) -> None:
-        for proc in self._procs:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+        for proc in (p for p in self._procs if p.poll() is None):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         for proc in self._procs:
             try:
                 proc.wait(timeout=10)
