@@ -192,18 +192,12 @@ def comm_terms(method: str, units: Units, *, S: int, R: int = 1, F: int = 1, A: 
     shard = sum(k * all_gather_time(D, S, B_S) for k, D in gathers)
     shard += sum(k * reduce_scatter_time(D, S, B_S) for k, D in reduces)
     replicate = sum(all_reduce_time(D, R, B_R) for D in shard_msgs) if hsdp else 0.0
-    sync = 0.0
-    if syncs:
-        sync = sum(all_reduce_time(D * wire_ratio, F, B_F) for D in shard_msgs)
-        if method == "fl-hsdp":
-            sync += sum(broadcast_time(D, R, B_R) for D in shard_msgs)
-        sync /= A
+    broadcast = sum(broadcast_time(D, R, B_R) for D in shard_msgs) if method == "fl-hsdp" and syncs else 0.0
+    sync = (sum(all_reduce_time(D * wire_ratio, F, B_F) for D in shard_msgs) + broadcast) / A if syncs else 0.0
     n_units = len(shard_msgs)
     steps_R = 2 * (R - 1) if steps_R is None else steps_R
     steps_F = 2 * (F - 1) if steps_F is None else steps_F
-    latency = (sum(k for k, _ in gathers) + len(reduces)) * (S - 1) * alpha_S
-    if hsdp:
-        latency += n_units * steps_R * alpha_R
+    latency = (sum(k for k, _ in gathers) + len(reduces)) * (S - 1) * alpha_S + n_units * steps_R * alpha_R * hsdp
     sync_latency = n_units * (steps_F * alpha_F + (R - 1 if method == "fl-hsdp" else 0) * alpha_R) / A if syncs else 0.0
     # the forward gathers every unit once: its share of the all-gathers' time and steps
     forward = sum(all_gather_time(D, S, B_S) for _, D in gathers) + len(gathers) * (S - 1) * alpha_S
