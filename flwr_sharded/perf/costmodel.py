@@ -1,6 +1,5 @@
-"""The communication cost model: the paper's (Section 4: Table 1's collective costs, their sums per kind with Eqs. 1-5's
-one message size or each collective's own, `comm_terms`) and the calibrated one (a cluster YAML's `calibration` block:
-what a real fabric adds, docs/cost-model.md "Calibrated model"). Bytes per tier are in `placement`."""
+"""The communication cost model (docs/cost-model.md): the paper's collective costs and their sums per kind
+(`comm_terms`), and the calibrated model (a cluster's `calibration`: what a real fabric adds)."""
 
 from __future__ import annotations
 
@@ -229,8 +228,7 @@ class Calibration:
 
 
 def flow_bandwidth(tier_bandwidth: float, uplinks: dict[str, tuple[float, int]], efficiency: float = 1.0) -> float:
-    """Bits/s one flow gets: min(its tier's bandwidth, each shared uplink's capacity x efficiency / its flows at
-    once). `uplinks`: tier -> (capacity bits/s, flows)."""
+    """Bits/s one flow gets: min(its tier's, each uplink's capacity x efficiency / its flows at once)."""
     return min([tier_bandwidth] + [capacity * efficiency / flows for capacity, flows in uplinks.values() if flows])
 
 
@@ -242,8 +240,7 @@ def tree_allreduce_steps(nodes: int, ranks_per_node: int) -> int:
 
 
 def allreduce_steps(n: int, nodes: int, tree: bool) -> int:
-    """Sequential steps of an all-reduce among n ranks on `nodes` nodes: the ring's 2 (n-1), or with `tree` the fewer
-    of the ring's and the tree's (NCCL picks the faster)."""
+    """Sequential steps of an all-reduce among n ranks on `nodes` nodes: the ring's, or with `tree` the fewer."""
     ring = 2 * (n - 1)
     return min(ring, tree_allreduce_steps(nodes, n // nodes)) if tree and n >= 2 else ring
 

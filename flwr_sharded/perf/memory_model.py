@@ -1,6 +1,5 @@
-"""What one rank of the trainer holds in memory during a step, term by term, from the trainer's own facts; the peak
-is the largest of the step's phases, each the sum of the terms alive then (docs/cost-model.md, "Memory per GPU").
-"""
+"""What one rank of the trainer holds in memory during a step, term by term from the trainer's facts, and its peak
+phase (docs/cost-model.md, "Memory per GPU")."""
 
 from __future__ import annotations
 
@@ -69,8 +68,7 @@ FIELD_NAMES = Surface(lambda o: o.path[-1])
 
 @dataclass(frozen=True)
 class StepOptions:
-    """The trainer options that decide what a rank holds, each the config's own (`same_as`); `from_config` reads a
-    whole `TrainConfig`."""
+    """The trainer options that decide what a rank holds, each the config's own (`same_as`)."""
 
     precision: Literal["auto", "fp32", "bf16"] = same_as(ModelConfig, "precision")
     """Compute dtype; auto becomes the trainer's choice on `device` (bf16 on cuda, fp32 on cpu)."""
@@ -177,8 +175,7 @@ class MemoryBreakdown:
 
 
 def largest_fragment(shape: ModelShape, fragments: int) -> float:
-    """Parameters of the largest of `fragments` sync fragments, at most: its share of blocks, rounded up, and every
-    parameter outside the blocks (embeddings go with the first fragment, the final norm and head with the last)."""
+    """Parameters of the largest of `fragments` sync fragments, at most: its blocks, rounded up, and the root's."""
     if not 1 <= fragments <= shape.num_layers:
         raise ConfigError(f"sync_fragments must be in [1, {shape.num_layers}] (one block at least each), "
                           f"got {fragments}")
@@ -200,8 +197,7 @@ def rule_state_bytes(outer: str) -> float:
 
 
 def _sync_terms(shape: ModelShape, o: StepOptions, *, S: int, F: int) -> tuple[float, float, float]:
-    """(sync, sync_temp, outer_state) of one rank: the FL sync's buffers (F > 1), the rule's temporaries during a
-    sync, and the outer rule's state with the global copy (a rollback copy holds it too)."""
+    """(sync, sync_temp, outer_state) of one rank: the sync's buffers, the rule's temporaries, its state and copy."""
     shard = shape.num_params / S
     sync = sync_temp = 0.0
     rule = _rule(o.outer) if F > 1 or o.rollback else None

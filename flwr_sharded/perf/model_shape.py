@@ -75,8 +75,7 @@ def model_from_preset(name: str, vocab_size: int = 32000) -> ModelShape:
 
 
 def model_from_name(name: str, vocab_size: int = 32000) -> ModelShape:
-    """Shape of any model `train --model` takes: a preset, or a Hugging Face model directory or hub id, whose
-    architecture is read from its config.json (nothing else is loaded; no torch)."""
+    """Shape of any model `train --model` takes: a preset, or a Hugging Face directory or hub id (its config.json)."""
     if name in PRESETS:
         return model_from_preset(name, vocab_size)
     return shape_of(preset_from_config(read_model_config(name), name), vocab_size, name=name)

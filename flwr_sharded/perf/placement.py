@@ -131,10 +131,8 @@ class Traffic:
 def rank_traffic(method: str, placement: Placement, units: Units, *, rank: int, A: int = 1,
                  backend: Backend = "nccl", reshard_after_forward: bool = True, reshard_root: bool = False,
                  grad_ratio: float = 1.0, sync_ratio: float = 1.0, wire_ratio: float = 1.0) -> Traffic:
-    """Bytes `rank` sends per optimizer step and per shard sync, by tier, with ring algorithms: all of a rank's bytes
-    for one collective go to the tier of its link to the next rank of the group (docs/cost-model.md, "Bytes per
-    tier"). `grad_ratio` / `sync_ratio` scale gradient and sync bytes against the units'; `wire_ratio` scales the
-    sync's cross-group all-reduce on top (its wire dtype), not fl-hsdp's broadcast."""
+    """Bytes `rank` sends per optimizer step and per shard sync, by tier (docs/cost-model.md, "Bytes per tier");
+    `grad_ratio` / `sync_ratio` scale gradient and sync bytes, `wire_ratio` the sync's all-reduce on top."""
     check_layout(method, S=placement.S, R=placement.R, F=placement.F, A=A)
     check_backend(backend)
     S, R, F = placement.S, placement.R, placement.F

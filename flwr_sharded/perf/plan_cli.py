@@ -95,8 +95,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def resolve(parsed: argparse.Namespace) -> argparse.Namespace:
-    """The plan's options from a parsed command line, lists parsed, and `evaluate`'s options (`evaluation`);
-    ConfigError naming the flag."""
+    """The plan's options from a parsed command line, with `evaluate`'s (`evaluation`); ConfigError naming the flag."""
     opts = schema.apply_arguments(PlanOptions(), parsed)
     if opts.outer not in RULES:
         raise ConfigError(f"--outer: choose one of {', '.join(RULES)}, got {opts.outer!r}")

@@ -1,7 +1,5 @@
-"""Rank the (method, F, R, S, A) layouts of a cluster with the cost model: every layout on all of its GPUs, each mesh
-dimension at the bandwidth of the slowest tier its groups span, a step predicted as compute + communication (or,
-calibrated, the sum of its phases); and a federation of facilities' layouts, local steps and sync
-(docs/cost-model.md, "Planning a federation"). Its command line is `plan_cli`."""
+"""Rank the (method, F, R, S, A) layouts of a cluster with the cost model, and plan a federation of facilities
+(docs/cost-model.md, "Planner" and "Planning a federation"); its command line is `plan_cli`."""
 
 from __future__ import annotations
 
@@ -51,8 +49,7 @@ class Candidate:
 
     @property
     def step_time(self) -> float:
-        """Predicted seconds per optimizer step: compute + communication (an overlapped sync's exposed part), or
-        calibrated, the sum of the phases."""
+        """Predicted seconds per optimizer step: compute + communication, or calibrated, the sum of the phases."""
         if self.calibrated and self.phases is not None:
             return self.phases.total
         return self.compute + self.comm.total
@@ -87,8 +84,7 @@ def check_aggregate_every(values: tuple[int, ...]) -> None:
 
 
 def _wire_ratio(sync_bytes: float, bytes_per_param: float, F: int, step: StepOptions | None) -> float:
-    """The sync's wire bytes per parameter over the units': a dense wire's own size, times a top-k sync's rows over
-    the dense all-reduce (`--sync-topk`, `flwr_sharded.parallel.sparse.over_dense`)."""
+    """The sync's wire bytes per parameter over the units' (a top-k sync's: times `parallel.sparse.over_dense`)."""
     ratio = sync_bytes / bytes_per_param
     return ratio if step is None or step.sync_topk is None else ratio * over_dense(step.sync_topk, sync_bytes, F)
 
@@ -152,8 +148,7 @@ def evaluate(cluster: Cluster, model: ModelShape, method: str, *, F: int = 1, R:
 
 
 def _dimension_links(cluster: Cluster, placement, method: str, calibrated: bool) -> tuple[dict, dict, dict]:
-    """Per mesh dimension: the slowest tier its groups span, the bits/s one flow gets (on a shared uplink its share;
-    calibrated: `flow_bandwidth`), and, calibrated with a tree all-reduce, its all-reduce's steps (None: the ring's)."""
+    """Per mesh dimension: the slowest tier its groups span, the bits/s one flow gets, an all-reduce's steps."""
     cal = cluster.calibration if calibrated else None
     shared = set(cluster.shared) | (set(cal.uplink) if cal else set())
     tiers: dict[str, str | None] = {}
@@ -266,8 +261,7 @@ class PaperRow:
 
 
 def paper_layouts(cluster: Cluster, model: ModelShape | None = None, *, A: int = 8, **options) -> list[PaperRow]:
-    """Predictions for the paper's four layouts (needs a 512-GPU cluster) next to Table 4, with their memory
-    (`options`: `evaluate`'s)."""
+    """Predictions for the paper's four layouts (on 512 GPUs) next to Table 4 (`options`: `evaluate`'s)."""
     if cluster.gpus != 512:
         raise ConfigError(f"--layouts paper: the paper's layouts use 512 GPUs, cluster {cluster.name} has "
                           f"{cluster.gpus}")

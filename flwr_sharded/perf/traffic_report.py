@@ -1,7 +1,5 @@
-"""Measured traffic of a training run (`train --measure-traffic DIR` attaches a `TrafficProbe`) next to the cost
-model's, per tier: the collectives each rank issued, with the ring rules of `placement.rank_traffic`
-(`collective_tiers`), and the emulated network's interface counters (`wire_tiers`) (docs/benchmarking.md).
-"""
+"""Measured traffic of a training run (`train --measure-traffic`: a `TrafficProbe`) next to the cost model's, per
+tier: its collectives with the ring rules (`collective_tiers`) and the interface counters (`wire_tiers`)."""
 
 from __future__ import annotations
 
@@ -23,8 +21,7 @@ NETDEV_ENV = "FLWR_SHARDED_NETDEV"
 
 
 def read_netdev(path: str | os.PathLike = "/proc/self/net/dev") -> dict[str, dict[str, int]]:
-    """{interface: {"rx_bytes", "tx_bytes", "rx_packets", "tx_packets"}} from a `/proc/<pid>/net/dev` file (the
-    network namespace of process `pid`)."""
+    """{interface: {"rx_bytes", "tx_bytes", "rx_packets", "tx_packets"}} from a `/proc/<pid>/net/dev` file."""
     out: dict[str, dict[str, int]] = {}
     for line in Path(path).read_text().splitlines()[2:]:
         name, _, rest = line.partition(":")
@@ -167,8 +164,7 @@ def ring_bytes_sent(op: str, payload: float, n: int, backend: str = "gloo") -> f
 
 
 def sending_records(probes: list[dict[str, Any]]) -> Iterator[tuple[int, dict[str, Any], int]]:
-    """(rank, record, the next rank of its group) of every record in which the probe's rank sends (in a ring, to the
-    next rank in rank order; a broadcast's last rank sends nothing)."""
+    """(rank, record, the next rank of its group) of every record in which the rank sends (not a broadcast's last)."""
     for probe in probes:
         rank = probe["rank"]
         for rec in probe["collectives"]:
@@ -179,8 +175,7 @@ def sending_records(probes: list[dict[str, Any]]) -> Iterator[tuple[int, dict[st
 
 def collective_tiers(probes: list[dict[str, Any]], placement: Placement,
                      backend: str = "gloo") -> dict[str, dict[str, float]]:
-    """Bytes sent per phase ("step", "sync", "other") and tier, summed over ranks, from the probes' records; ops
-    without a ring rule under the pseudo-tier "unmapped" (payload bytes)."""
+    """Bytes sent per phase and tier, summed over ranks; ops without a ring rule under "unmapped" (payload bytes)."""
     out = {p: dict.fromkeys((*TIERS, "unmapped"), 0.0) for p in ALL_PHASES}
     for rank, rec, peer in sending_records(probes):
         try:  # linear in the payload: all calls at once
@@ -248,8 +243,7 @@ class TierComparison:
 def compare(probes: list[dict[str, Any]], method: str, placement: Placement, units: Units, *, A: int,
             backend: str = "gloo", reshard_root: bool = True, ranks_per_node: int | None = None,
             uplinks: list[str] | None = None, wire_ratio: float = 1.0, fragments: int = 1) -> TierComparison:
-    """Measured (collectives, and wire when counters were taken) against predicted bytes per tier for one run;
-    `wire_ratio`: the sync's wire bytes over the units', `fragments`: the run's `--sync-fragments`."""
+    """Measured (collectives, and wire) against predicted bytes per tier for one run (`fragments`: its fragments)."""
     steps = probes[0]["windows"]["step"]
     syncs = probes[0]["windows"]["sync"] / fragments  # whole-model syncs: one per fragment's sync of each
     per_rank = traffic(method, placement, units, A=A, backend=backend, reshard_root=reshard_root, wire_ratio=wire_ratio)

@@ -1,7 +1,5 @@
-"""The shard sync of a federation whose groups shard differently, from `parallel.sync_plan.SyncPlan`'s channels (one
-ring all-reduce over F ranks each, then fl-hsdp's broadcast over R_g): bytes per rank and group, and its time with
-the channels in the plan's order (docs/cost-model.md, "Unequal federations"). Bandwidth only, no latency.
-"""
+"""The shard sync of a federation whose groups shard differently, from the sync plan's channels: bytes per rank and
+group, and its time (docs/cost-model.md, "Unequal federations"; bandwidth only)."""
 
 from __future__ import annotations
 
@@ -78,8 +76,7 @@ def _check_group_bandwidths(layouts: tuple[tuple[int, int], ...], B_F: float | N
 
 
 def coarse_shapes(model: ModelShape) -> Shapes:
-    """A model's parameters as FSDP2 cuts them, coarsely: each block and the root as one 1-D tensor of its elements
-    (cuts fall on elements instead of rows; exact for shards of whole rows when S divides the rows)."""
+    """A model's parameters coarsely: each block and the root as one 1-D tensor (cuts on elements, not rows)."""
     block = (model.num_params - model.root_params) // model.num_layers
     return ((block,),) * model.num_layers + (((model.root_params,),) if model.root_params else ())
 
@@ -96,10 +93,8 @@ def unequal_sync(layouts: Sequence[tuple[int, int]], shapes: Sequence[Sequence[i
                  elements: int | None = None, bytes_per_param: float = 4.0, wire_ratio: float = 1.0,
                  B_F: float | None = None, B_R: Sequence[float | None] | None = None, shared_uplink: bool = False,
                  names: Sequence[str] | None = None) -> UnequalSync:
-    """Bytes and seconds of one shard sync of groups with `layouts` (R_g, S_g) each, of a model given by its
-    parameters' global `shapes` or `elements` (one flat parameter). `bytes_per_param`: the shards' (the broadcast's);
-    `wire_ratio`: the all-reduce's wire bytes over them; `B_F`: bits/s one flow between groups gets; `B_R[g]`: group
-    g's replication bandwidth (for R_g > 1); `shared_uplink`: a group's flows share one uplink of B_F."""
+    """Bytes and seconds of one shard sync of groups with `layouts` (R_g, S_g), of a model's global `shapes` or
+    `elements`; `B_F`: bits/s one flow between groups gets, `B_R[g]`: group g's replica bandwidth (R_g > 1)."""
     layouts = _checked_layouts(layouts, names)
     if (shapes is None) == (elements is None):
         raise ConfigError("give the model's parameter shapes or its element count, one of them")

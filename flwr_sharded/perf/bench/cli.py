@@ -89,8 +89,7 @@ def _apply_quick(args: argparse.Namespace) -> None:
 
 
 def _validate(args: argparse.Namespace) -> None:
-    """Everything that can be checked before touching the network (cluster files, layouts, model, data), then the
-    paths made absolute for the runner."""
+    """Check what can be before touching the network (clusters, layouts, model, data); make paths absolute."""
     from flwr_sharded.config import ParallelConfig
     from flwr_sharded.parallel.outer import FedAvg
     from flwr_sharded.presets import PRESETS
@@ -131,8 +130,7 @@ def _validate(args: argparse.Namespace) -> None:
 
 
 def _run_mode(parsed: argparse.Namespace, mode: str, sub: type | None, prepare, check) -> int:
-    """Handler of `flwr-sharded bench` (mode "main") or `bench MODE` (`sub`: its options): `prepare(args)`, then
-    outside the namespaces `check(args)` and the host's tools, and the re-execution."""
+    """Handler of `flwr-sharded bench` (mode "main") or `bench MODE`: its checks, then the re-execution."""
     command = "bench" if mode == "main" else f"bench {mode}"
     args = _resolve(parsed, sub, command)
     if args is None:

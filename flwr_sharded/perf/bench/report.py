@@ -327,8 +327,8 @@ def _sync_variants(runs: dict[str, Any]) -> list[str]:
 
 def _tier_bytes(scen: dict[str, Any], table: dict[str, Any]) -> list[str]:
     lines = _section("Bytes per tier: predicted vs measured (MB, summed over ranks)",
-                     "*Predicted*: `placement.traffic` for the run's steps and syncs (gloo: a reduce-scatter sends what "
-                     "an all-reduce sends; FSDP2 reshards the root after forward, so it is all-gathered twice per "
+                     "*Predicted*: `placement.traffic` for the run's steps and syncs (gloo: a reduce-scatter sends "
+                     "what an all-reduce sends; FSDP2 reshards the root after forward, so it is all-gathered twice per "
                      "step). *Collectives*: the TrafficMeter's records of those steps and syncs with the same ring "
                      "rules. *Wire*: interface counters (node `lo`, node `eth0`, group uplinks) over the whole "
                      "training loop, which also holds evaluation and logging; *all* = every collective of that span. "

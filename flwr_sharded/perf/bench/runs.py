@@ -44,8 +44,7 @@ LABELS = {"fsdp": "FSDP", "hsdp": "HSDP", "fl-fsdp": "FL+FSDP", "fl-hsdp": "FL+H
 
 @dataclass(frozen=True)
 class BenchLayout:
-    """One method's (F, R, S) on the emulated cluster; `group_shards`: each FL group's own S instead (an unequal
-    federation, `--group-shards`; F is their number and S is 0)."""
+    """One method's (F, R, S) on the emulated cluster, or each FL group's own S (`group_shards`; S is then 0)."""
 
     method: str
     F: int
@@ -119,8 +118,7 @@ def variant_wire(key: str) -> str | None:
 
 
 def sync_variant(key: str, opts) -> SyncVariant:
-    """The sync of run `key` under the benchmark's options: `--sync-dtype`, the overlapped runs' `--sync-fragments`,
-    `--sync-delay`, `--sync-alpha` and `--sync-carry`, the top-k runs' `--sync-topk`."""
+    """The sync of run `key` under the benchmark's `--sync-*` options."""
     overlap = dict(fragments=opts.sync_fragments, delay=opts.sync_delay, alpha=opts.sync_alpha,
                    carry=opts.sync_carry) if "overlap" in key else {}
     wire = variant_wire(key)
@@ -229,8 +227,8 @@ def summarize_metrics(path: Path) -> dict[str, Any]:
 
 
 def step_stats(repeats: list[list[dict[str, Any]]]) -> dict[str, Any]:
-    """Step time over the windows of one or more repeats of a run, the first window of each left out (warm-up:
-    lazy initialisation, first connections): median, mean (time / steps), standard deviation, phase medians."""
+    """Step time over the windows of a run's repeats, the first (warm-up) window of each left out: median, mean,
+    standard deviation, phase medians."""
     steady = [w for windows in repeats for w in (windows[1:] or windows)]
     steps = sum(w["steps"] for w in steady)
     times = [w["step_s"] for w in steady]
@@ -246,9 +244,8 @@ def run_training(fab: Fabric, layout: BenchLayout, opts: argparse.Namespace, *, 
                  sync: bool = True, label: str | None = None, log_every: int | None = None,
                  units: Units | None = None, work: Path, variant: SyncVariant | None = None,
                  extra_args: Sequence[str] = ()) -> dict[str, Any]:
-    """Train one layout on the fabric (its metrics, traffic and logs in `run_dir` under `work`); its summary, with
-    measured and predicted traffic per tier given the model's `units` (a layout of equal groups). `variant`: how an
-    FL layout syncs (default: `--sync-dtype`, blocking); `extra_args`: more trainer flags."""
+    """Train one layout on the fabric (outputs under `work`); its summary, and with the model's `units` its measured
+    and predicted traffic per tier. `variant`: how an FL layout syncs (default `--sync-dtype`, blocking)."""
     from flwr_sharded.perf.traffic_report import compare, load_probes
 
     topo, label = fab.topology, label or layout.method

@@ -1,7 +1,5 @@
-"""The benchmark inside the emulator: each scenario's training runs on its fabric next to the planner's view of the
-same cluster, repeats merged; the unequal scenario (groups that shard differently, `--group-shards`, next to an equal
-federation, and with a slow group) and what its runs' probes and metrics say; the whole benchmark written out
-(bench.json, bench.md and the plots)."""
+"""The benchmark inside the emulator: each scenario's runs on its fabric next to the planner's view of the same
+cluster; the unequal scenario (`--group-shards`) and what its runs measure; bench.json, bench.md and the plots."""
 
 from __future__ import annotations
 
@@ -29,8 +27,7 @@ from flwr_sharded.perf.traffic_report import load_probes, ring_bytes_sent, sendi
 
 def planner_view(cluster_path: Path, layouts: dict[str, BenchLayout], opts: argparse.Namespace, vocab: int,
                  A: int) -> dict[str, Any]:
-    """The planner on the same cluster YAML: its first choice, its prediction and ranking of the measured layouts
-    (FL counted `fl_margin` slower, as `plan` ranks) and of the FL+FSDP layout's other syncs."""
+    """The planner on the same cluster: its first choice, its predictions and ranking of the measured layouts."""
     from flwr_sharded.perf.cluster import load_cluster
     from flwr_sharded.perf.memory_model import StepOptions
     from flwr_sharded.perf.model_shape import model_from_preset
@@ -73,8 +70,8 @@ def _merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _jobs(layouts: dict[str, BenchLayout], opts: argparse.Namespace, A: int, main: bool,
           first: dict[str, Any] | None) -> dict[str, tuple[BenchLayout, int, bool, SyncVariant | None]]:
-    """What a scenario runs, (layout, A, sync, variant) by key: the methods; on the main cluster the no-sync limit and
-    the FL+FSDP layout's other syncs; the planner's first choice if it is none of them."""
+    """What a scenario runs, (layout, A, sync, variant) by key: the methods, on the main cluster the no-sync limit and
+    the other syncs, and the planner's first choice if it is none of them."""
     jobs = {key: (lay, A if key.startswith("fl-") else 1, True, None) for key, lay in layouts.items()
             if key in opts.method_list}
     if main and "fl-fsdp" in layouts:
@@ -199,8 +196,7 @@ def cross_group_traffic(probes: list[dict[str, Any]], groups: Sequence[Sequence[
 
 def predicted_sync(shards_per_group: Sequence[int], R: int, shapes: Sequence[Sequence[int]], *,
                    bandwidth_bps: float | None, wire_ratio: float = 1.0) -> dict[str, Any]:
-    """`perf.unequal_sync_cost.unequal_sync` for the run's groups: cross-group bytes per sync (summed over ranks and
-    per group) and the sync's seconds with one flow of `bandwidth_bps` per channel (None: no time)."""
+    """`unequal_sync` for the run's groups: cross-group bytes per sync and seconds at `bandwidth_bps` per channel."""
     from flwr_sharded.perf.unequal_sync_cost import unequal_sync
 
     sync = unequal_sync([(R, S) for S in shards_per_group], shapes, wire_ratio=wire_ratio, B_F=bandwidth_bps or 1.0,
@@ -287,8 +283,7 @@ def _inspect(run: dict[str, Any], layout: BenchLayout, shapes: list[tuple[int, .
 
 
 def slow_seconds(run: dict[str, Any], group: int) -> tuple[float, str]:
-    """The sleep after each step that makes `group` about half as fast as in `run` (its mean step time there, else
-    the run's median step time), and where it came from."""
+    """The sleep after each step that halves `group`'s speed in `run` (its step time there), and its source."""
     timing = run.get("group_timing")
     if timing:
         return timing["groups"][group]["step_time_s"], f"group {group}'s mean step time in the unequal run"

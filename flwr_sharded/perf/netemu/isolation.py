@@ -1,5 +1,4 @@
-"""Running a command isolated from the host: root and tools checked, fresh network, mount and pid namespaces, a
-private /run, and what an emulation could have left on the host."""
+"""Running a command isolated from the host in fresh namespaces (root and tools checked), and what it could leave."""
 
 from __future__ import annotations
 

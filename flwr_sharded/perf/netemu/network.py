@@ -310,9 +310,8 @@ class Fabric:
     def run_ranks(self, argv: Callable[[int], Sequence[str]] | Sequence[str], *, world: int | None = None,
                   env: Mapping[str, str] | None = None, timeout: float = 600.0,
                   log_dir: str | os.PathLike | None = None) -> list[RankResult]:
-        """Run one process per rank (rank r on node r // ranks_per_node), output in `log_dir` (default: a temporary
-        one), and wait for all; a rank's failure or the timeout kills every rank and raises RankFailure naming the
-        first failing rank with the end of its stderr."""
+        """Run one process per rank (on node r // ranks_per_node), output in `log_dir`, and wait for all; a failure or
+        the timeout kills every rank and raises RankFailure naming the first failing rank, with its stderr's end."""
         t = self.topology
         world = world or t.world_size
         if world > t.world_size:
