@@ -1,5 +1,4 @@
-"""The communication cost model (docs/cost-model.md): the paper's collective costs and their sums per kind
-(`comm_terms`), and the calibrated model (a cluster's `calibration`: what a real fabric adds)."""
+"""The communication cost model (docs/cost-model.md): the paper's (`comm_terms`) and the calibrated one."""
 
 from __future__ import annotations
 
@@ -144,9 +143,8 @@ class CommTerms:
 
 
 def overlapped(terms: CommTerms, *, A: int, fragments: int = 1, delay: int = 0, local_step: float) -> CommTerms:
-    """`terms` with an overlapped sync (`--sync-fragments` N, `--sync-delay` tau): only the part of each fragment's
-    sync that tau local steps do not cover is exposed, sync = N max(0, sync A / N - tau local_step) / A, the rest
-    `hidden`; tau = 0 leaves `terms` as they are."""
+    """`terms` with an overlapped sync (`--sync-fragments` N, `--sync-delay` tau): exposed sync = N max(0, sync A / N
+    - tau local_step) / A, the rest `hidden`."""
     for name, value in (("A", A), ("fragments", fragments)):
         positive_int(name, value)
     if delay < 0 or not local_step >= 0:
@@ -163,11 +161,9 @@ def comm_terms(method: str, units: Units, *, S: int, R: int = 1, F: int = 1, A: 
                reshard_after_forward: bool = True, reshard_root: bool = False, alpha_S: float = 0.0,
                alpha_R: float = 0.0, alpha_F: float = 0.0, wire_ratio: float = 1.0, steps_R: int | None = None,
                steps_F: int | None = None) -> CommTerms:
-    """Communication seconds per optimizer step by kind (docs/cost-model.md). `sizes="paper"`: Eqs. 1-5, one
-    M = model bits / units for every collective; `sizes="exact"`: a unit over S (gathered again in backward with
-    `reshard_after_forward`, the root only with `reshard_root`; gloo's reduce-scatter costs an all-reduce), its 1/S
-    shard over R and F. `alpha_*`: seconds per sequential step of a collective, `steps_R` / `steps_F` an
-    all-reduce's steps (None: the ring's 2 (n-1)); `wire_ratio`: the sync's wire bytes per parameter over the units'."""
+    """Communication seconds per optimizer step by kind, with Eqs. 1-5's one message size (`sizes="paper"`) or each
+    collective's own (docs/cost-model.md); `alpha_*`: seconds per sequential step of a collective, `steps_R` /
+    `steps_F`: an all-reduce's steps (None: the ring's); `wire_ratio`: the sync's wire bytes over the units'."""
     check_layout(method, S=S, R=R, F=F, A=A)
     _check_bandwidths(method, S, R, F, B_S, B_R, B_F)
     if sizes not in ("exact", "paper"):

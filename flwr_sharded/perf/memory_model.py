@@ -1,5 +1,4 @@
-"""What one rank of the trainer holds in memory during a step, term by term from the trainer's facts, and its peak
-phase (docs/cost-model.md, "Memory per GPU")."""
+"""What one rank of the trainer holds in memory during a step, term by term and at its peak (docs/cost-model.md)."""
 
 from __future__ import annotations
 
@@ -226,9 +225,8 @@ def _sync_terms(shape: ModelShape, o: StepOptions, *, S: int, F: int) -> tuple[f
 def trainer_memory(shape: ModelShape, *, S: int, tokens: int, R: int = 1, F: int = 1,
                    options: StepOptions = StepOptions(),
                    state_bytes_per_param: float | None = None) -> MemoryBreakdown:
-    """What one rank of an (F, R, S) run holds with `tokens` per micro-batch (R changes nothing: HSDP all-reduces the
-    sharded gradients in place). `state_bytes_per_param` overrides the bytes per parameter of parameters, gradients
-    and optimizer state together (the trainer's: 16 with AdamW), in their proportions."""
+    """What one rank of an (F, R, S) run holds with `tokens` per micro-batch; `state_bytes_per_param` overrides the
+    bytes per parameter of parameters, gradients and optimizer state together (16 with AdamW)."""
     for name, value in (("S", S), ("R", R), ("F", F), ("tokens", tokens)):
         positive_int(name, value)
     o, cb = options, COMPUTE_BYTES[options.precision]

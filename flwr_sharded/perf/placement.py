@@ -1,5 +1,4 @@
-"""Where the ranks of an F x R x S mesh run on a tiered cluster (`Placement`), and the bytes each rank sends per tier
-for FSDP2's collectives and the shard sync (`rank_traffic`, `traffic`)."""
+"""Where the ranks of an F x R x S mesh run on a tiered cluster, and the bytes each rank sends per tier."""
 
 from __future__ import annotations
 

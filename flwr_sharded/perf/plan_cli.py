@@ -1,5 +1,4 @@
-"""`flwr-sharded plan`: the command line of the planner (its options, the ranked table, JSON, the paper's layouts);
-the options that decide a rank's memory are the trainer's own (`same_as`, read by `memory_model.StepOptions`)."""
+"""`flwr-sharded plan`: the planner's command line (its options, the ranked table, JSON, the paper's layouts)."""
 
 from __future__ import annotations
 

@@ -64,8 +64,7 @@ class Candidate:
 
 def layouts(gpus: int, gpus_per_node: int, methods: tuple[str, ...] = METHODS,
             aggregate_every: tuple[int, ...] = (1, 2, 4, 8, 16, 32)) -> list[tuple[str, int, int, int, int]]:
-    """All (method, F, R, S, A) with F*R*S = gpus and S dividing a node or made of whole nodes (hsdp: R > 1, fl-fsdp:
-    F > 1, fl-hsdp: both)."""
+    """All (method, F, R, S, A) with F*R*S = gpus and S dividing a node or made of whole nodes."""
     out = []
     for S in (d for d in range(1, gpus + 1) if gpus % d == 0 and not (gpus_per_node % d and d % gpus_per_node)):
         rest = gpus // S
@@ -94,11 +93,9 @@ def evaluate(cluster: Cluster, model: ModelShape, method: str, *, F: int = 1, R:
              state_bytes_per_param: float | None = None, sizes: str = "exact", latency: bool = False,
              activation_checkpointing: bool = False, memory_fraction: float = 0.9,
              sync_bytes_per_param: float | None = None, step: StepOptions | None = None) -> Candidate:
-    """Predict one layout's step on `cluster`. `sizes`: "exact" or "paper" message sizes (`costmodel.comm_terms`);
-    `latency`: count the cluster's per-tier latencies; `memory_fraction`: the share of GPU memory a layout may use;
-    `sync_bytes_per_param`: the FL sync's bytes per parameter (`--sync-dtype`; None: `bytes_per_param`, and the
-    memory of the trainer's float32 sync); `step`: the trainer options the memory estimate follows, and an
-    overlapped sync (`sync_fragments`, `sync_delay`) whose step counts only what its local steps do not hide."""
+    """Predict one layout's step on `cluster` (the options are `flwr-sharded plan`'s); `sync_bytes_per_param`: the FL
+    sync's (None: `bytes_per_param`, and the trainer's float32 sync); `step`: the trainer's options, an overlapped
+    sync's included."""
     check_layout(method, S=S, R=R, F=F, A=A)
     positive_int("tokens_per_gpu_batch", tokens_per_gpu_batch)
     if not 0 < memory_fraction <= 1:
@@ -178,9 +175,8 @@ def _dimension_links(cluster: Cluster, placement, method: str, calibrated: bool)
 
 def plan(cluster: Cluster, model: ModelShape, *, aggregate_every: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
          methods: tuple[str, ...] = METHODS, fl_margin: float = 0.1, **options) -> list[Candidate]:
-    """Every layout that fits in memory (`options`: `evaluate`'s), best first: by predicted step time, an FL layout's
-    counted (1 + `fl_margin`) times longer, so that exact gradient averaging (no drift, no A to tune) wins unless FL
-    saves more than that; an empty list when nothing fits."""
+    """Every layout that fits in memory (`options`: `evaluate`'s), fastest first, an FL layout's step counted
+    (1 + `fl_margin`) times longer (exact gradient averaging wins unless FL saves more)."""
     unknown = sorted(set(methods) - set(METHODS))
     if unknown or not methods:
         raise ConfigError(f"--methods: choose among {', '.join(METHODS)}, got {', '.join(methods) or 'nothing'}")
@@ -358,8 +354,7 @@ def plan_federation(federation: FacilityFederation, model: ModelShape, *, tokens
                     aggregate_every: tuple[int, ...] = (1, 2, 4, 8, 16, 32), bytes_per_param: float = 2.0,
                     sync_bytes_per_param: float | None = None, memory_fraction: float = 0.9,
                     step: StepOptions | None = None, **options) -> list[FederationCandidate]:
-    """Every combination of the facilities' fitting layouts, for every A, most tokens per second first (`options`:
-    `evaluate`'s); the sync moves `sync_bytes_per_param` (None: `bytes_per_param`) through `step`'s wire."""
+    """Every combination of the facilities' fitting layouts, for every A, most tokens per second first."""
     F = len(federation.facilities)
     if not aggregate_every:
         raise ConfigError("--aggregate-every: give at least one value")

@@ -1,5 +1,4 @@
-"""Measured traffic of a training run (`train --measure-traffic`: a `TrafficProbe`) next to the cost model's, per
-tier: its collectives with the ring rules (`collective_tiers`) and the interface counters (`wire_tiers`)."""
+"""Measured traffic of a training run (`train --measure-traffic`: a `TrafficProbe`) next to the cost model's."""
 
 from __future__ import annotations
 
@@ -38,9 +37,8 @@ def _subtract(after: dict[str, dict[str, int]], before: dict[str, dict[str, int]
 
 @dataclass
 class TrafficProbe:
-    """Counts one rank's collectives over its training loop, filed under optimizer steps, shard syncs and the rest,
-    and its interface counters at both ends of the loop (LOCAL_RANK 0: its namespace's; rank 0 also `NETDEV_ENV`'s).
-    `attach(trainer)` starts it, `finish()` stops it, `write(directory)` saves `rank<N>.json`."""
+    """One rank's collectives over its training loop (by optimizer steps, shard syncs and the rest) and interface
+    counters at both ends; `attach(trainer)`, `finish()`, `write(directory)` (`rank<N>.json`)."""
 
     rank: int
     world_size: int

@@ -1,5 +1,4 @@
-"""The shard sync of a federation whose groups shard differently, from the sync plan's channels: bytes per rank and
-group, and its time (docs/cost-model.md, "Unequal federations"; bandwidth only)."""
+"""The shard sync of groups that shard differently: bytes and time (docs/cost-model.md, "Unequal federations")."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""`flwr-sharded bench`: the four methods side by side on an emulated tiered cluster (`flwr_sharded.perf.netemu`).
-Modules: `options`, `cli` (the command line, `bench exec`, `check` and `sync`, the re-execution into fresh namespaces as
-`python -m flwr_sharded.perf.bench`), `runs`, `scenarios` (inside them), `report`."""
+"""`flwr-sharded bench`: the methods side by side on an emulated tiered cluster (docs/benchmarking.md)."""
 
 from flwr_sharded.perf.bench.cli import register
 

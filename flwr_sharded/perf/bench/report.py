@@ -151,9 +151,8 @@ def model_error(run: dict[str, Any] | None) -> float | None:
 
 
 def agreement(scen: dict[str, Any]) -> dict[str, Any] | None:
-    """The planner's first choice (measured too when it is none of the methods' layouts) against the fastest measured
-    layout, and its ranking of the methods' measured layouts against theirs; the text also names the layout its FL
-    margin picks from the measured times when that differs."""
+    """The planner's first choice against the fastest measured layout, its ranking of the methods' against theirs,
+    and the layout its FL margin picks from the measured times."""
     plan = scen.get("planner")
     measured = {k: r for k, r in scen["runs"].items() if r["sync"] and k not in VARIANT_RUNS}
     if "planner_choice_run" in scen:

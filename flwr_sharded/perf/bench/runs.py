@@ -1,5 +1,4 @@
-"""The benchmark's runs: each method's (F, R, S) on the emulated cluster, how an FL run syncs, their labels, the
-bytes of the model's FSDP2 units, and one run trained on the fabric's ranks with what its metrics say."""
+"""The benchmark's runs: their layouts, syncs, labels and model units, and one run trained on the emulated cluster."""
 
 from __future__ import annotations
 
@@ -227,8 +226,7 @@ def summarize_metrics(path: Path) -> dict[str, Any]:
 
 
 def step_stats(repeats: list[list[dict[str, Any]]]) -> dict[str, Any]:
-    """Step time over the windows of a run's repeats, the first (warm-up) window of each left out: median, mean,
-    standard deviation, phase medians."""
+    """Step time (median, mean, std, phase medians) over a run's repeats' windows, the warm-up windows left out."""
     steady = [w for windows in repeats for w in (windows[1:] or windows)]
     steps = sum(w["steps"] for w in steady)
     times = [w["step_s"] for w in steady]

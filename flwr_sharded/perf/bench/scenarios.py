@@ -1,5 +1,4 @@
-"""The benchmark inside the emulator: each scenario's runs on its fabric next to the planner's view of the same
-cluster; the unequal scenario (`--group-shards`) and what its runs measure; bench.json, bench.md and the plots."""
+"""The benchmark inside the emulator: each scenario's runs and the planner's view of them, and the results."""
 
 from __future__ import annotations
 
@@ -70,8 +69,7 @@ def _merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _jobs(layouts: dict[str, BenchLayout], opts: argparse.Namespace, A: int, main: bool,
           first: dict[str, Any] | None) -> dict[str, tuple[BenchLayout, int, bool, SyncVariant | None]]:
-    """What a scenario runs, (layout, A, sync, variant) by key: the methods, on the main cluster the no-sync limit and
-    the other syncs, and the planner's first choice if it is none of them."""
+    """What a scenario runs, (layout, A, sync, variant) by key: methods, no-sync, other syncs, the planner's choice."""
     jobs = {key: (lay, A if key.startswith("fl-") else 1, True, None) for key, lay in layouts.items()
             if key in opts.method_list}
     if main and "fl-fsdp" in layouts:
@@ -146,8 +144,7 @@ SLOW_FLAG, GROUP_STEPS_FLAG = "--debug-slow-group", "--group-steps"
 
 
 def parse_group_shards(text: str) -> tuple[int, ...]:
-    """`--unequal-groups` 2,4: at least two S >= 1, not all equal, whose sum F divides (the equal federation's
-    groups have their mean S); ConfigError naming the option otherwise."""
+    """`--unequal-groups` 2,4: at least two S >= 1, not all equal, whose sum F divides; else ConfigError."""
     try:
         shards = tuple(int(x) for x in text.split(","))
     except ValueError:
@@ -175,9 +172,8 @@ def unequal_layouts(shards: tuple[int, ...], topo: EmuTopology, slow_group: int)
 
 def cross_group_traffic(probes: list[dict[str, Any]], groups: Sequence[Sequence[int]],
                         backend: str = "gloo") -> dict[str, Any]:
-    """Bytes the syncs sent across FL groups (summed over ranks; per sync and per sending group) and each rank's
-    seconds per sync, from the probes of a `--measure-traffic` run whose groups hold the ranks `groups`: every sync
-    collective whose process group spans FL groups (the channels' all-reduces, their set-up and votes)."""
+    """Bytes the sync collectives spanning FL groups (ranks `groups`) sent, per sync and per sending group, and each
+    rank's seconds per sync, from a `--measure-traffic` run's probes."""
     group_of = {r: g for g, ranks in enumerate(groups) for r in ranks}
     per_group, per_rank = [0.0] * len(groups), {p["rank"]: 0.0 for p in probes}
     for rank, rec, _ in sending_records(probes):
@@ -211,9 +207,8 @@ def sync_group_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def group_timing(records: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """Per group over the syncs of a run's metrics (the first left out when there are more): mean step time, local
-    steps, idle and sync seconds per sync; the fastest group and its idle time per sync over its sync period (its
-    local steps' time + its sync's wall time, which holds the idle time). None without `sync_groups` records."""
+    """Per group over a run's syncs (the first left out): mean step time, local steps, idle and sync seconds; the
+    fastest group and its idle time per sync over its sync period. None without `sync_groups` records."""
     records = sync_group_records(records)
     if not records:
         return None
@@ -233,9 +228,8 @@ def group_timing(records: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def eval_tokens(records: list[dict[str, Any]], group_step_tokens: Sequence[float]) -> list[tuple[float, float]]:
-    """(tokens the groups trained, eval ppl) of every eval record of a run's metrics: the groups' steps of each sync
-    up to the eval's step times `group_step_tokens` (each group's tokens per step), or without a sync at that step
-    its `tokens_seen` (right while the groups take equal steps)."""
+    """(tokens the groups trained, eval ppl) of every eval of a run: the groups' steps up to it times their
+    `group_step_tokens`, or without a sync at its step its `tokens_seen`."""
     trained, total = {}, 0.0
     for r in sync_group_records(records):
         total += sum(n * t for n, t in zip(r["steps"], group_step_tokens))

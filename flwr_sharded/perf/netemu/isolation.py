@@ -46,9 +46,8 @@ def inside() -> bool:
 
 def run_isolated(argv: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float | None = None,
                  capture: bool = False) -> subprocess.CompletedProcess:
-    """Run `argv` as pid 1 of fresh network, mount and pid namespaces (needs root), where `inside()` is true and it
-    calls `enter_private_run()` first; when it exits, or this process is killed, the kernel tears down everything
-    made inside. A timeout kills it and raises TimeoutError."""
+    """Run `argv` as pid 1 of fresh network, mount and pid namespaces (`inside()` there), torn down by the kernel
+    when it exits or this process dies; a timeout kills it and raises TimeoutError."""
     tools = check_host()
     cmd = [tools["unshare"], "--net", "--mount", "--pid", "--fork", "--kill-child", "--", *argv]
     full_env = {**os.environ, **(env or {}), INSIDE_ENV: str(os.getpid())}

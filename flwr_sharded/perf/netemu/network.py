@@ -1,5 +1,5 @@
-"""The emulated network: what gets built from a cluster description (`EmuTopology`, checked against this machine),
-and, inside the isolated runner, its node namespaces, bridges and tbf-shaped veths, and ranks run on it (`Fabric`)."""
+"""The emulated network: what gets built from a cluster description (`EmuTopology`), and the network and its ranks
+inside the isolated runner (`Fabric`)."""
 
 from __future__ import annotations
 
