@@ -106,11 +106,9 @@ def parse_flops(value: Any, field: str = "flops_per_gpu") -> float:
 
 def _count(data: dict, key: str, where: str, required: bool = True) -> int | None:
     value = data.get(key)
-    if value is None:
-        if required:
-            raise ConfigError(f"{where}: missing field '{key}' (a positive integer)")
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if value is None and required:
+        raise ConfigError(f"{where}: missing field '{key}' (a positive integer)")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ConfigError(f"{where}: field '{key}' must be a positive integer, got {value!r}")
     return value
 

@@ -53,11 +53,9 @@ def positive_int(name: str, value: int) -> None:
 
 
 def _check_bandwidth(name: str, value: float | None, needed: bool, why: str) -> None:
-    if value is None:
-        if needed:
-            raise ConfigError(f"{name} (bits/s) is required {why}")
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+    if value is None and needed:
+        raise ConfigError(f"{name} (bits/s) is required {why}")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
         raise ConfigError(f"{name} must be a positive bandwidth in bits/s, got {value!r}")
 
 

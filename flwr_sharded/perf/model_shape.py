@@ -60,7 +60,7 @@ class ModelShape:
 
 def compute_time(num_params: float, tokens: float, flops_per_gpu: float, *,
                  flops_per_param_token: float = 6.0) -> float:
-    """Seconds of compute for one GPU's batch: flops_per_param_token (6; 8 with checkpointing) x params x tokens / FLOPs."""
+    """Seconds of compute for one GPU's batch: flops_per_param_token (6; 8 checkpointed) x params x tokens / FLOP/s."""
     if not flops_per_gpu > 0:
         raise ConfigError(f"flops_per_gpu must be positive, got {flops_per_gpu!r}")
     return flops_per_param_token * num_params * tokens / flops_per_gpu

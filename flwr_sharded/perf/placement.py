@@ -95,8 +95,7 @@ class Placement:
         return max(tiers, key=TIERS.index) if tiers else None
 
     def flows(self, dim: str, ranks: Sequence[int] | None = None) -> dict[str, int]:
-        """Most ring edges leaving one node ("inter_node") or one node group ("inter_group") when all groups of a
-        dimension (or the groups of `ranks`) run their ring collective at once: the flows sharing that uplink."""
+        """Most ring edges leaving one node or node group when all groups of a dimension (or of `ranks`) run at once."""
         leaving: dict[str, Counter] = {"inter_node": Counter(), "inter_group": Counter()}
         for group in self.groups(dim, ranks):
             if len(group) < 2:

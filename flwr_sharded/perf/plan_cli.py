@@ -135,10 +135,6 @@ def _candidate_dict(c: Candidate) -> dict[str, Any]:
             "memory_phases_gib": {k: v / GiB for k, v in c.memory.phases.items()}}
 
 
-def _ratio(predicted: float, measured: float) -> str:
-    return f"{predicted / measured:.2f}" if measured > 0 else "-"
-
-
 def _print_paper(cluster: Cluster, rows: list[PaperRow], args: argparse.Namespace) -> None:
     """The paper's layouts, predicted next to Table 4; per phase with the ratio; the speedups over FSDP."""
     if args.json:
@@ -162,7 +158,8 @@ def _print_paper(cluster: Cluster, rows: list[PaperRow], args: argparse.Namespac
     print(f"{'layout':<8} " + " ".join(f"{p:>20}" for p in PHASES))
     for r in rows:
         phases = r.predicted.phases.as_dict()
-        cells = [f"{phases[p]:.2f}/{r.measured[p][0]:.2f} ({_ratio(phases[p], r.measured[p][0])})" for p in PHASES]
+        cells = [f"{phases[p]:.2f}/{m:.2f} ({f'{phases[p] / m:.2f}' if m > 0 else '-'})"
+                 for p, m in ((p, r.measured[p][0]) for p in PHASES)]
         print(f"{r.label:<8} " + " ".join(f"{c:>20}" for c in cells))
     base, parts = rows[0], []
     for r in rows[1:]:

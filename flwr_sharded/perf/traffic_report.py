@@ -37,8 +37,7 @@ def _subtract(after: dict[str, dict[str, int]], before: dict[str, dict[str, int]
 
 @dataclass
 class TrafficProbe:
-    """One rank's collectives over its training loop (by optimizer steps, shard syncs and the rest) and interface
-    counters at both ends; `attach(trainer)`, `finish()`, `write(directory)` (`rank<N>.json`)."""
+    """One rank's collectives by optimizer steps, shard syncs and the rest, and interface counters, over its loop."""
 
     rank: int
     world_size: int
@@ -149,8 +148,7 @@ def load_probes(directory: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 def ring_bytes_sent(op: str, payload: float, n: int, backend: str = "gloo") -> float:
-    """Bytes one rank sends for one ring collective of `payload` bytes (the meter's payload) over n ranks: a list
-    all-gather's payload is the rank's own part, a broadcast (a pipelined chain) and a send forward it once."""
+    """Bytes one rank sends for one ring collective of `payload` bytes (the meter's) over n ranks."""
     share = (n - 1) / max(n, 1)
     factors = {"all_gather_single": share, "all_gather_into_tensor": share, "all_gather": n - 1,
                "reduce_scatter_single": share * (2.0 if backend == "gloo" else 1.0), "all_reduce": 2.0 * share,
@@ -186,8 +184,7 @@ def collective_tiers(probes: list[dict[str, Any]], placement: Placement,
 
 def wire_tiers(probes: list[dict[str, Any]], ranks_per_node: int, uplinks: list[str],
                fabric_label: str = "fabric", node_iface: str = "eth0") -> dict[str, float]:
-    """Bytes on the emulated wire per tier over the training loop (headers and acknowledgements included): tx of each
-    node's `lo` (intra_node), of the group `uplinks` (inter_group), of each node's `node_iface` less inter_group."""
+    """Bytes on the emulated wire per tier over the loop: tx of `lo`, of the `uplinks`, of `node_iface` less them."""
     out = dict.fromkeys(TIERS, 0.0)
     for probe in (p for p in probes if p["rank"] % ranks_per_node == 0):
         node = probe["netdev"].get("self", {})

@@ -44,19 +44,16 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     schema.add_arguments(p, BenchOptions)
     p.set_defaults(func=run, bench_command=None)
     sub = p.add_subparsers(dest="bench_command")
-
     e = sub.add_parser("exec", help="run a command once per rank on the emulated cluster (RANK, WORLD_SIZE, "
                                     "MASTER_ADDR, GLOO_SOCKET_IFNAME set), e.g. a torchrun-style script",
                        formatter_class=schema.HelpFormatter)
     schema.add_arguments(e, ExecOptions)
     e.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     e.set_defaults(func=run_exec)
-
     c = sub.add_parser("check", help="measure the emulated links' throughput against the description",
                        formatter_class=schema.HelpFormatter)
     schema.add_arguments(c, LinkCheckOptions)
     c.set_defaults(func=run_check)
-
     s = sub.add_parser("sync", help="benchmarks/sync_bench.py on loopback and across shaped inter-group links",
                        formatter_class=schema.HelpFormatter)
     schema.add_arguments(s, SyncOptions)

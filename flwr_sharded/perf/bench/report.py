@@ -151,8 +151,7 @@ def model_error(run: dict[str, Any] | None) -> float | None:
 
 
 def agreement(scen: dict[str, Any]) -> dict[str, Any] | None:
-    """The planner's first choice against the fastest measured layout, its ranking of the methods' against theirs,
-    and the layout its FL margin picks from the measured times."""
+    """The planner's first choice and ranking against the measured fastest, and what its FL margin picks of them."""
     plan = scen.get("planner")
     measured = {k: r for k, r in scen["runs"].items() if r["sync"] and k not in VARIANT_RUNS}
     if "planner_choice_run" in scen:
@@ -272,12 +271,10 @@ def _step_times(scen: dict[str, Any], table: dict[str, Any]) -> list[str]:
                      "sync of the FL methods), the first window of each run left out; std over windows.",
                      "method | F x R x S | A | median | mean | std | vs FSDP | vs HSDP | planner predicts")
     for key, r in table.items():
-        pred = pl.get("measured_layouts", {}).get(r["method"], {}).get("predicted_step_s") \
-            if r["sync"] and key in pl.get("measured_layouts", {}) else None
-        if key == "planner-choice":
-            pred = pl["first_choice"]["predicted_step_s"]
-        if key in pl.get("variants", {}):
-            pred = pl["variants"][key]["predicted_step_s"]
+        measured = pl.get("measured_layouts", {})
+        pred = pl["first_choice"]["predicted_step_s"] if key == "planner-choice" else \
+            pl["variants"][key]["predicted_step_s"] if key in pl.get("variants", {}) else \
+            measured[r["method"]]["predicted_step_s"] if r["sync"] and key in measured else None
         lines.append(f"| {_label(key, r)} | {r['layout']} | {r['A']} | {r['step_s']:.3f} | {r['step_s_mean']:.3f} | "
                      f"{r['step_s_std']:.3f} | {_ratio(base, r['step_s'])} | {_ratio(hsdp, r['step_s'])} | "
                      f"{_fmt(pred)} |")

@@ -70,9 +70,8 @@ class BenchLayout:
         return [range(end - self.R * S, end) for end, S in zip(ends, self.shards_per_group)]
 
     def text(self) -> str:
-        if self.group_shards:
-            return f"{self.F}x{self.R}x({','.join(map(str, self.group_shards))})"
-        return f"{self.F}x{self.R}x{self.S}"
+        shards = f"({','.join(map(str, self.group_shards))})" if self.group_shards else self.S
+        return f"{self.F}x{self.R}x{shards}"
 
     def train_args(self, A: int, sync: SyncVariant | None = None) -> list[str]:
         fl = self.method.startswith("fl-")
@@ -123,13 +122,11 @@ def sync_variant(key: str, opts) -> SyncVariant:
     wire = variant_wire(key)
     if wire == "topk":
         return SyncVariant(dtype="int8", error_feedback=True, topk=opts.sync_topk, **overlap)
-    return SyncVariant(dtype=wire, error_feedback=True, **overlap) if wire else SyncVariant(dtype=opts.sync_dtype,
-                                                                                           **overlap)
+    return SyncVariant(dtype=wire, error_feedback=True, **overlap) if wire else SyncVariant(opts.sync_dtype, **overlap)
 
 
 def default_layouts(topo: EmuTopology) -> dict[str, BenchLayout]:
-    """The paper's pattern: shard inside a node; HSDP replicates over nodes; FL+FSDP federates nodes; FL+HSDP
-    replicates over the nodes of a group and federates groups (or halves of the nodes with a single group)."""
+    """The paper's pattern: shard in a node, replicate or federate nodes, FL+HSDP federates groups (or node halves)."""
     P, N, W = topo.ranks_per_node, topo.nodes, topo.world_size
     out = {"fsdp": BenchLayout("fsdp", 1, 1, W)}
     if N > 1:
@@ -208,9 +205,8 @@ def summarize_metrics(path: Path) -> dict[str, Any]:
         raise RuntimeError(f"{path}: no training windows logged")
     elapsed, prev_step, curve, times, windows = 0.0, 0, [], {}, []
     for r in train:
-        n = r["step"] - prev_step
+        n, prev_step = r["step"] - prev_step, r["step"]
         elapsed += r["step_s"] * n
-        prev_step = r["step"]
         times[r["step"]] = elapsed
         curve.append({"step": r["step"], "time_s": elapsed, "loss": r["loss"], "ppl": r["ppl"]})
         windows.append({"steps": n, "step_s": r["step_s"], **{k: r.get(f"{k}_s", 0.0) for k in PHASE_NAMES}})

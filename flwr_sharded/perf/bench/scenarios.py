@@ -278,8 +278,7 @@ def _inspect(run: dict[str, Any], layout: BenchLayout, shapes: list[tuple[int, .
 
 def slow_seconds(run: dict[str, Any], group: int) -> tuple[float, str]:
     """The sleep after each step that halves `group`'s speed in `run` (its step time there), and its source."""
-    timing = run.get("group_timing")
-    if timing:
+    if timing := run.get("group_timing"):
         return timing["groups"][group]["step_time_s"], f"group {group}'s mean step time in the unequal run"
     return run["step_s"], "the unequal run's median step time"
 

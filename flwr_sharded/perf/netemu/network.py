@@ -139,12 +139,10 @@ def _rate(bps: float) -> str:
 
 def _mem_available() -> float:
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return float(line.split()[1]) * 1024
+        lines = Path("/proc/meminfo").read_text().splitlines()
     except OSError:
-        pass
-    return 0.0
+        return 0.0
+    return next((float(line.split()[1]) * 1024 for line in lines if line.startswith("MemAvailable:")), 0.0)
 
 
 def load_topology(path: str | os.PathLike) -> EmuTopology:
@@ -167,8 +165,7 @@ NODE_IFACE = "eth0"
 
 
 def _tbf(dev: str, bps: float, netns: str | None = None) -> list[str]:
-    """tc command adding a tbf root qdisc with 100 ms of queue and a burst of 2 ms of traffic, at least 96 KiB: more
-    than a 64 KiB GSO packet, which a smaller burst would split (adding header bytes to that link's counters)."""
+    """tc adding a tbf root qdisc: 100 ms of queue, a burst of 2 ms of traffic, at least 96 KiB (a GSO packet's)."""
     burst = max(96 * 1024, int(bps / 8 * 0.002))
     return ["tc", *(["-n", netns] if netns else []), "qdisc", "add", "dev", dev, "root", "tbf", "rate",
             f"{int(bps)}bit", "burst", str(burst), "latency", "100ms"]
