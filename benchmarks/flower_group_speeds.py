@@ -28,10 +28,14 @@ from pathlib import Path
 from flwr_sharded import schema, tool_options
 from flwr_sharded.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from flwr_sharded.flower.run import FederationConfig
-from flwr_sharded.perf.local_flower import Procs, deployment_rounds
 from flwr_sharded.schema import same_as
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # tests.local_flower: the loopback deployment
+
+from tests.local_flower import Procs, deployment_rounds  # noqa: E402
+from tests.multiproc import faults_env  # noqa: E402
+
 APP = REPO / "apps" / "llama_fl_hsdp"
 
 
@@ -54,14 +58,14 @@ def deploy(name: str, args: argparse.Namespace, work: Path, *, group_steps: str,
     """One run of `rounds` rounds; returns its round records (also written to `work/<name>.jsonl`)."""
     procs = Procs(work / name)
     procs.workdir.mkdir(parents=True)
-    slowed = ["--debug-step-delay", str(delay)] if delay else []
+    slowed = faults_env(step_delay=delay) if delay else None  # tests/faults: every rank of group 1 sleeps
     config = {"model": args.model, "shards": args.shards, "seq-len": args.seq_len, "batch-size": args.batch_size,
               "aggregate-every": args.aggregate_every, "syncs-per-round": args.syncs_per_round,
               "num-server-rounds": rounds, "eval-blocks": 64, "group-steps": group_steps, "num-groups": 2,
               "data-dir": args.data_dir, "save-model": False}
     try:
         records = deployment_rounds(procs, APP, [("group0", {"shards": args.shards}),
-                                                 ("group1", {"shards": args.shards, "extra": slowed})], config,
+                                                 ("group1", {"shards": args.shards, "env": slowed})], config,
                                     timeout=args.timeout)
     except RuntimeError as exc:
         sys.exit(f"{name}: {exc}")

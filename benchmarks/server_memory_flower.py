@@ -26,10 +26,13 @@ from pathlib import Path
 from flwr_sharded import schema, tool_options
 from flwr_sharded.config import DataConfig, ModelConfig, ParallelConfig
 from flwr_sharded.flower.run import FederationConfig
-from flwr_sharded.perf.local_flower import Procs, deployment_rounds
 from flwr_sharded.schema import same_as
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # tests.local_flower: the loopback deployment
+
+from tests.local_flower import Procs, deployment_rounds  # noqa: E402
+
 APP = REPO / "apps" / "llama_fl_hsdp"
 
 

@@ -88,7 +88,7 @@ def torchrun(nproc: int, args: Sequence[str], *, timeout: float = 300.0, env: di
              cwd: str | Path | None = None) -> subprocess.CompletedProcess:
     """Run `torchrun --nproc-per-node nproc -m flwr_sharded.train ARGS` in its own session; kill it all at the end,
     the ranks too (torchrun starts each in a process group of its own: they are found by an environment marker)."""
-    from flwr_sharded.perf.local_flower import kill_tree_by_env
+    from tests.local_flower import kill_tree_by_env
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
            str(free_port()), "-m", "flwr_sharded.train", *args]

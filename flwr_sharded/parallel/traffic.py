@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -118,14 +117,6 @@ class TrafficMeter:
             return original(ops)
 
         return wrapper
-
-    def bytes_by_group(self, op: str | None = None) -> dict[tuple[int, ...], int]:
-        """Payload bytes summed per process group, optionally for one op."""
-        out: dict[tuple[int, ...], int] = defaultdict(int)
-        for rec in self.records:
-            if op is None or rec.op == op:
-                out[rec.ranks] += rec.nbytes
-        return dict(out)
 
     def count(self, op: str | None = None) -> int:
         return sum(1 for rec in self.records if op is None or rec.op == op)

@@ -11,8 +11,7 @@ from typing import Any
 import yaml
 
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.perf.costmodel import BACKENDS
-from flwr_sharded.perf.fabric import Calibration, calibration_from_dict
+from flwr_sharded.perf.costmodel import BACKENDS, Calibration
 from flwr_sharded.perf.placement import TIERS, Placement
 
 
@@ -21,11 +20,8 @@ class Cluster:
     """A GPU cluster with a three-tier network: inside a node, between nodes of a group, between groups."""
 
     name: str
-    """Label for reports."""
     gpus_per_node: int
-    """GPUs (ranks) per node."""
     nodes: int
-    """Nodes used."""
     nodes_per_group: int | None
     """Nodes per rack / cell / facility; None: all nodes in one group (no inter-group tier)."""
     bandwidth: dict[str, float]
@@ -34,7 +30,6 @@ class Cluster:
     """Start-up latency of one sequential step of a collective per tier, seconds (0 if not given): the alpha term,
     always with a `calibration`, else only with `plan --latency`."""
     gpu_memory: float
-    """Bytes of memory per GPU."""
     flops_per_gpu: float
     """Achievable (not peak) FLOP/s per GPU for training."""
     backend: str = "nccl"
@@ -43,8 +38,7 @@ class Cluster:
     """Tiers whose bandwidth is one uplink per node (inter_node) or per node group (inter_group), divided among the
     flows leaving it at once (e.g. tbf-shaped links); other tiers give every flow their full bandwidth."""
     calibration: Calibration | None = None
-    """The calibrated model's parameters (`fabric.Calibration`; with it the latency per step always counts); None:
-    the paper's bandwidth-only model."""
+    """The calibrated model's parameters (with it the latency per step always counts); None: the paper's model."""
 
     @property
     def gpus(self) -> int:
@@ -66,16 +60,12 @@ _SECONDS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
 
 
 def _number(value: Any) -> float | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, (int, float)):
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return None
-    return None
+    try:
+        return float(value) if isinstance(value, str) else None
+    except ValueError:
+        return None
 
 
 def _parse(value: Any, field: str, pattern: re.Pattern, scale: Any, example: str, allow_zero: bool = False) -> float:
@@ -116,13 +106,18 @@ def parse_flops(value: Any, field: str = "flops_per_gpu") -> float:
 
 def _count(data: dict, key: str, where: str, required: bool = True) -> int | None:
     value = data.get(key)
-    if value is None:
-        if required:
-            raise ConfigError(f"{where}: missing field '{key}' (a positive integer)")
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if value is None and required:
+        raise ConfigError(f"{where}: missing field '{key}' (a positive integer)")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ConfigError(f"{where}: field '{key}' must be a positive integer, got {value!r}")
     return value
+
+
+def _check_known(data: dict, known: set[str], where: str, beside: str = "", hint: str = "") -> None:
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)}{beside}; known: {', '.join(sorted(known))}"
+                          f"{hint}")
 
 
 _CLUSTER_KEYS = {"name", "description", "gpus_per_node", "nodes", "nodes_per_group", "bandwidth", "latency",
@@ -134,9 +129,7 @@ def cluster_from_dict(data: Any, where: str = "cluster") -> Cluster:
     """Validate a cluster description (the YAML's mapping); ConfigError names the offending field."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping of cluster fields, got {type(data).__name__}")
-    unknown = sorted(set(data) - _CLUSTER_KEYS)
-    if unknown:
-        raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(_CLUSTER_KEYS))}")
+    _check_known(data, _CLUSTER_KEYS, where)
     gpus_per_node = _count(data, "gpus_per_node", where)
     nodes = _count(data, "nodes", where)
     nodes_per_group = _count(data, "nodes_per_group", where, required=False)
@@ -146,9 +139,7 @@ def cluster_from_dict(data: Any, where: str = "cluster") -> Cluster:
               "inter_group": nodes_per_group is not None and nodes_per_group < nodes}
     tables: dict[str, dict[str, float]] = {}
     for key, parse, required in (("bandwidth", parse_bandwidth, True), ("latency", parse_latency, False)):
-        table = data.get(key)
-        if table is None and not required:
-            table = {}
+        table = data.get(key) if required else data.get(key) or {}
         if not isinstance(table, dict):
             raise ConfigError(f"{where}: field '{key}' must be a mapping of tiers ({', '.join(TIERS)}), "
                               f"got {table!r}")
@@ -172,38 +163,50 @@ def cluster_from_dict(data: Any, where: str = "cluster") -> Cluster:
     for tier in shared:
         if tier not in tables["bandwidth"]:
             raise ConfigError(f"{where}: field 'shared' lists {tier} but 'bandwidth.{tier}' is not given")
-    calibration = None
-    if data.get("calibration") is not None:
-        calibration = calibration_from_dict(data["calibration"], f"{where}: calibration", parse_bandwidth, TIERS,
-                                            _SHAREABLE)
-    return Cluster(
-        name=str(data.get("name", where)),
-        gpus_per_node=gpus_per_node,
-        nodes=nodes,
-        nodes_per_group=nodes_per_group,
-        bandwidth=tables["bandwidth"],
-        latency={t: tables["latency"].get(t, 0.0) for t in TIERS},
-        gpu_memory=parse_memory(data["gpu_memory"], f"{where}: gpu_memory"),
-        flops_per_gpu=parse_flops(data["flops_per_gpu"], f"{where}: flops_per_gpu"),
-        backend=backend,
-        shared=tuple(shared),
-        calibration=calibration,
-    )
+    calibration = data.get("calibration")
+    return Cluster(name=str(data.get("name", where)), gpus_per_node=gpus_per_node, nodes=nodes,
+                   nodes_per_group=nodes_per_group, bandwidth=tables["bandwidth"],
+                   latency={t: tables["latency"].get(t, 0.0) for t in TIERS},
+                   gpu_memory=parse_memory(data["gpu_memory"], f"{where}: gpu_memory"),
+                   flops_per_gpu=parse_flops(data["flops_per_gpu"], f"{where}: flops_per_gpu"), backend=backend,
+                   shared=tuple(shared),
+                   calibration=None if calibration is None else _calibration(calibration, f"{where}: calibration"))
+
+
+def _calibration(data: Any, where: str) -> Calibration:
+    """Validate a `calibration` mapping; ConfigError names the field."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {data!r}")
+    _check_known(data, {"tree_allreduce", "uplink", "efficiency", "overlap", "memory_bandwidth"}, where)
+    for flag in ("tree_allreduce", "overlap"):
+        if not isinstance(data.get(flag, False), bool):
+            raise ConfigError(f"{where}.{flag}: expected true or false, got {data[flag]!r}")
+    for key, allowed in (("uplink", _SHAREABLE), ("efficiency", TIERS)):
+        table = data.get(key, {})
+        if not isinstance(table, dict) or any(t not in allowed for t in table):
+            raise ConfigError(f"{where}.{key}: expected a mapping of tiers among {', '.join(allowed)}, got {table!r}")
+    uplink = {t: parse_bandwidth(v, f"{where}.uplink.{t}") for t, v in data.get("uplink", {}).items()}
+    for tier, value in data.get("efficiency", {}).items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise ConfigError(f"{where}.efficiency.{tier}: expected a share in (0, 1], got {value!r}")
+    mem = data.get("memory_bandwidth", 0)
+    return Calibration(tree_allreduce=data.get("tree_allreduce", False), uplink=uplink,
+                       efficiency={t: float(v) for t, v in data.get("efficiency", {}).items()},
+                       overlap=data.get("overlap", False),
+                       memory_bandwidth=0.0 if mem == 0 else parse_bandwidth(mem, f"{where}.memory_bandwidth") / 8)
 
 
 @dataclass(frozen=True)
-class Federation:
+class FacilityFederation:
     """Facilities of their own sizes and GPUs (one `Cluster` each, a single node group), joined by one network."""
 
     name: str
-    """Label for reports."""
     facilities: tuple[Cluster, ...]
     """Each facility's nodes, GPUs and inner tiers, named (its `name`), in member order."""
     inter_group: float
     """Bits/s one flow between two facilities gets."""
     shared: bool = False
-    """Whether each facility's flows to the others share one uplink of `inter_group` (the `shared` tier list names
-    inter_group)."""
+    """Whether each facility's flows to the others share one uplink of `inter_group` (`shared: [inter_group]`)."""
 
     @property
     def gpus(self) -> int:
@@ -215,13 +218,10 @@ _FEDERATION_KEYS = {"name", "description", "facilities", "bandwidth", "latency",
 _FACILITY_KEYS = _CLUSTER_KEYS - {"nodes_per_group", "shared"}
 
 
-def federation_from_dict(data: dict, where: str = "cluster") -> Federation:
+def federation_from_dict(data: dict, where: str = "cluster") -> FacilityFederation:
     """Validate a federation (`facilities:` a list of facility mappings; the top level's `bandwidth.inter_group`
     between them, its other fields every facility's defaults); ConfigError names the facility and field."""
-    unknown = sorted(set(data) - _FEDERATION_KEYS)
-    if unknown:
-        raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)} beside 'facilities'; known: "
-                          f"{', '.join(sorted(_FEDERATION_KEYS))} (a facility's nodes go in its own entry)")
+    _check_known(data, _FEDERATION_KEYS, where, " beside 'facilities'", " (a facility's nodes go in its own entry)")
     entries = data["facilities"]
     if not isinstance(entries, list) or len(entries) < 2:
         raise ConfigError(f"{where}: field 'facilities' must list at least two facilities, got {entries!r}")
@@ -243,10 +243,7 @@ def federation_from_dict(data: dict, where: str = "cluster") -> Federation:
         if name in names:
             raise ConfigError(f"{here}: two facilities have this name")
         names.add(name)
-        extra = sorted(set(entry) - _FACILITY_KEYS)
-        if extra:
-            raise ConfigError(f"{here}: unknown field(s) {', '.join(extra)}; known: "
-                              f"{', '.join(sorted(_FACILITY_KEYS))}")
+        _check_known(entry, _FACILITY_KEYS, here)
         own = entry.get("bandwidth") or {}
         if not isinstance(own, dict):
             raise ConfigError(f"{here}: field 'bandwidth' must be a mapping of tiers, got {own!r}")
@@ -254,12 +251,12 @@ def federation_from_dict(data: dict, where: str = "cluster") -> Federation:
         if "inter_group" in merged["bandwidth"]:
             raise ConfigError(f"{here}: bandwidth.inter_group is the federation's (top level), not a facility's")
         facilities.append(cluster_from_dict(merged, where=here))
-    return Federation(name=str(data.get("name", where)), facilities=tuple(facilities), inter_group=inter_group,
-                      shared=bool(shared))
+    return FacilityFederation(name=str(data.get("name", where)), facilities=tuple(facilities),
+                              inter_group=inter_group, shared=bool(shared))
 
 
-def load_description(path: str | Path) -> Cluster | Federation:
-    """Read and validate a cluster YAML file (see examples/clusters/): a `Federation` if it lists `facilities`."""
+def load_description(path: str | Path) -> Cluster | FacilityFederation:
+    """Read and validate a cluster YAML file (examples/clusters/): a `FacilityFederation` if it lists `facilities`."""
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text())
@@ -277,7 +274,7 @@ def load_description(path: str | Path) -> Cluster | Federation:
 def load_cluster(path: str | Path) -> Cluster:
     """Read and validate a cluster YAML file of one cluster (not a federation of facilities)."""
     found = load_description(path)
-    if isinstance(found, Federation):
+    if isinstance(found, FacilityFederation):
         raise ConfigError(f"--cluster: {path} describes a federation of facilities; only `flwr-sharded plan` "
                           f"plans one")
     return found

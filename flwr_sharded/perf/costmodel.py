@@ -1,18 +1,9 @@
-"""The paper's communication model (Section 4): Table 1's collective costs, Eqs. 1-5 and their sums per kind.
-
-- Table 1 collective costs and Eqs. 1-5, literally (`comm_time`, `fl_comm_time`): one message size M for every
-  collective, in bits, bandwidths in bits/s.
-- `comm_terms`: the same sums of Table 1 costs, but either literally (`sizes="paper"`) or with each collective's own
-  message (`sizes="exact"`): FSDP2's all-gathers/reduce-scatters move a whole unit (NCCL's D for these is the gathered
-  buffer), HSDP's all-reduce and the shard sync move one shard of it (the unit / S).
-
-Bytes per network tier are in `placement`, compute and memory in `model_shape`. No latency, overlap or contention
-unless stated; see docs/cost-model.md.
-"""
+"""The communication cost model (docs/cost-model.md): the paper's (`comm_terms`) and the calibrated one."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import math
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from flwr_sharded.config import METHODS
@@ -21,9 +12,6 @@ from flwr_sharded.errors import ConfigError
 Backend = Literal["nccl", "gloo"]
 Sizes = Literal["exact", "paper"]
 BACKENDS = ("nccl", "gloo")
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Table 1: cost of one collective among n processes, message size D bits, bottleneck bandwidth B bits/s.
 
 
 def _check_collective(D: float, n: int, B: float | None) -> None:
@@ -42,9 +30,8 @@ def all_gather_time(D: float, n: int, B: float | None) -> float:
 
 
 def reduce_scatter_time(D: float, n: int, B: float | None) -> float:
-    """C_RS(D, n) = D (n-1) / (n B); 0 for n = 1."""
-    _check_collective(D, n, B)
-    return 0.0 if n == 1 else D * (n - 1) / (n * B)
+    """C_RS(D, n) = C_AG(D, n)."""
+    return all_gather_time(D, n, B)
 
 
 def all_reduce_time(D: float, n: int, B: float | None) -> float:
@@ -59,21 +46,16 @@ def broadcast_time(D: float, n: int, B: float | None) -> float:
     return 0.0 if n == 1 else D / B
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Eqs. 1-5.
-
-
-def _positive_int(name: str, value: int) -> None:
+def positive_int(name: str, value: int) -> None:
+    """ConfigError naming `name` unless `value` is an integer >= 1."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
 
 
 def _check_bandwidth(name: str, value: float | None, needed: bool, why: str) -> None:
-    if value is None:
-        if needed:
-            raise ConfigError(f"{name} (bits/s) is required {why}")
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+    if value is None and needed:
+        raise ConfigError(f"{name} (bits/s) is required {why}")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
         raise ConfigError(f"{name} must be a positive bandwidth in bits/s, got {value!r}")
 
 
@@ -82,7 +64,7 @@ def check_layout(method: str, *, S: int, R: int = 1, F: int = 1, A: int = 1) -> 
     if method not in METHODS:
         raise ConfigError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     for name, value in (("S", S), ("R", R), ("F", F), ("A", A)):
-        _positive_int(name, value)
+        positive_int(name, value)
     if method == "fsdp" and (R > 1 or F > 1):
         raise ConfigError(f"fsdp needs R=1 and F=1 (got R={R}, F={F}); use hsdp, fl-fsdp or fl-hsdp")
     if method == "hsdp" and F > 1:
@@ -93,49 +75,17 @@ def check_layout(method: str, *, S: int, R: int = 1, F: int = 1, A: int = 1) -> 
         raise ConfigError(f"A (aggregate every) applies to FL methods only; {method} needs A=1, got {A}")
 
 
+def check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+
+
 def _check_bandwidths(method: str, S: int, R: int, F: int, B_S: float | None, B_R: float | None,
                       B_F: float | None) -> None:
     """Raise ConfigError for a missing bandwidth the layout needs or a non-positive one."""
     _check_bandwidth("B_S", B_S, S > 1, f"for S={S} > 1")
     _check_bandwidth("B_R", B_R, R > 1 and method in ("hsdp", "fl-hsdp"), f"by {method} with R={R} > 1")
     _check_bandwidth("B_F", B_F, F > 1 and method.startswith("fl-"), f"by {method} with F={F} > 1")
-
-
-def comm_time(method: str, *, M: float, L: int, S: int, R: int = 1, F: int = 1, A: int = 1, B_S: float | None,
-              B_R: float | None = None, B_F: float | None = None) -> float:
-    """Seconds of communication per batch, the paper's Eqs. 1 (fsdp), 2 (hsdp), 4 (fl-fsdp) and 5 (fl-hsdp).
-
-    M is the message size of every collective in bits (the paper's "layer shard size"), L the number of sharded
-    layers, B_S / B_R / B_F the bottleneck bandwidths (bits/s) inside a sharding, replication and federation group.
-    With F = 1 nothing is aggregated, so the FL terms vanish (as does the broadcast of Eq. 5 for R = 1).
-    """
-    check_layout(method, S=S, R=R, F=F, A=A)
-    _check_bandwidths(method, S, R, F, B_S, B_R, B_F)
-    _positive_int("L", L)
-    if not M > 0:
-        raise ConfigError(f"M (bits) must be positive, got {M!r}")
-    t = (2 * all_gather_time(M, S, B_S) + reduce_scatter_time(M, S, B_S)) * L  # Eq. 1
-    if method in ("hsdp", "fl-hsdp"):
-        t += all_reduce_time(M, R, B_R) * L  # Eq. 2
-    if method.startswith("fl-") and F > 1:
-        t += all_reduce_time(M, F, B_F) * L / A  # Eq. 4
-        if method == "fl-hsdp":
-            t += broadcast_time(M, R, B_R) * L / A  # Eq. 5
-    return t
-
-
-def fl_comm_time(*, M: float, L: int, F: int, A: int = 1, B_F: float | None) -> float:
-    """Eq. 3: plain decentralised FedAvg, one all-reduce per layer every A batches: C_AR(M, F) L / A."""
-    for name, value in (("L", L), ("F", F), ("A", A)):
-        _positive_int(name, value)
-    if not M > 0:
-        raise ConfigError(f"M (bits) must be positive, got {M!r}")
-    _check_bandwidth("B_F", B_F, F > 1, f"for F={F} > 1")
-    return all_reduce_time(M, F, B_F) * L / A
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Model units and per-collective message sizes.
 
 
 @dataclass(frozen=True)
@@ -150,12 +100,6 @@ class Units:
     def __post_init__(self) -> None:
         if not self.blocks or any(b <= 0 for b in self.blocks) or self.root < 0:
             raise ConfigError(f"units need at least one block, positive block sizes and root >= 0, got {self}")
-
-    @classmethod
-    def even(cls, total_bytes: float, n: int, root: float = 0.0) -> Units:
-        """`n` equal blocks holding `total_bytes`, plus a root unit of `root` bytes."""
-        _positive_int("number of units", n)
-        return cls(blocks=(total_bytes / n,) * n, root=root)
 
     @property
     def total(self) -> float:
@@ -174,7 +118,7 @@ class Units:
 
 @dataclass(frozen=True)
 class CommTerms:
-    """Seconds per optimizer step spent in each kind of collective (summed: no overlap, as in the paper)."""
+    """Seconds per optimizer step in each kind of collective (summed: no overlap, as in the paper)."""
 
     shard: float
     """All-gathers and reduce-scatters over the sharding group (B_S)."""
@@ -197,13 +141,10 @@ class CommTerms:
 
 
 def overlapped(terms: CommTerms, *, A: int, fragments: int = 1, delay: int = 0, local_step: float) -> CommTerms:
-    """The sync of `terms` overlapped with local steps (Streaming DiLoCo; `--sync-fragments`, `--sync-delay`):
-    each of a period's N fragment syncs carries 1/N of the sync's bytes and runs while `delay` local steps of
-    `local_step` seconds compute, so only what exceeds them is exposed: sync per step = N max(0, sync A / N -
-    tau local_step) / A; the rest goes to `hidden`. tau = 0: the blocking sync, unchanged (fragments alone change
-    the number of collectives, not the bytes)."""
+    """`terms` with an overlapped sync (`--sync-fragments` N, `--sync-delay` tau): exposed sync = N max(0, sync A / N
+    - tau local_step) / A, the rest `hidden`."""
     for name, value in (("A", A), ("fragments", fragments)):
-        _positive_int(name, value)
+        positive_int(name, value)
     if delay < 0 or not local_step >= 0:
         raise ConfigError(f"delay and local_step must be >= 0, got {delay!r} and {local_step!r}")
     if delay == 0:
@@ -218,28 +159,14 @@ def comm_terms(method: str, units: Units, *, S: int, R: int = 1, F: int = 1, A: 
                reshard_after_forward: bool = True, reshard_root: bool = False, alpha_S: float = 0.0,
                alpha_R: float = 0.0, alpha_F: float = 0.0, wire_ratio: float = 1.0, steps_R: int | None = None,
                steps_F: int | None = None) -> CommTerms:
-    """Communication time per optimizer step, split by kind, from Table 1's collective costs.
-
-    `sizes="paper"`: Eqs. 1-5 literally, with L = `units.count` and M = the model's bits / L for every collective
-    (so `comm_terms(...).total == comm_time(...)`; backend and resharding options are ignored).
-    `sizes="exact"`: each collective with its own message: all-gathers and reduce-scatters of a whole unit over S
-    (two all-gathers per block if `reshard_after_forward`, one for the root unless `reshard_root`, as FSDP2 keeps the
-    root gathered from forward to backward), all-reduces and broadcasts of the unit's 1/S shard over R and F;
-    with `backend="gloo"` a reduce-scatter costs an all-reduce (gloo implements it as one).
-    `alpha_*` (seconds) add, per collective, alpha times its sequential ring steps: n-1 for an all-gather,
-    reduce-scatter or chained broadcast, 2 (n-1) for an all-reduce; the sync issues one collective per unit.
-    `wire_ratio` scales the sync's cross-group all-reduce (in both modes): its wire bytes per parameter over the
-    units' (0.5 for a bfloat16 sync of 4-byte units); fl-hsdp's broadcast keeps the units' size.
-    `steps_R` / `steps_F`: sequential steps of one all-reduce over R / F for the alpha term (None: the ring's
-    2 (n-1); NCCL's tree takes fewer, `fabric.allreduce_steps`). `forward` and `sync_latency` split out the
-    forward's all-gathers and the sync's latency (for the phases of `fabric.Phases`).
-    """
+    """Communication seconds per optimizer step by kind, with Eqs. 1-5's one message size (`sizes="paper"`) or each
+    collective's own (docs/cost-model.md); `alpha_*`: seconds per sequential step of a collective, `steps_R` /
+    `steps_F`: an all-reduce's steps (None: the ring's); `wire_ratio`: the sync's wire bytes over the units'."""
     check_layout(method, S=S, R=R, F=F, A=A)
     _check_bandwidths(method, S, R, F, B_S, B_R, B_F)
     if sizes not in ("exact", "paper"):
         raise ConfigError(f"sizes must be 'exact' or 'paper', got {sizes!r}")
-    if backend not in BACKENDS:
-        raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    check_backend(backend)
     if not wire_ratio > 0:
         raise ConfigError(f"wire_ratio must be positive, got {wire_ratio!r}")
     hsdp = method in ("hsdp", "fl-hsdp")
@@ -247,9 +174,7 @@ def comm_terms(method: str, units: Units, *, S: int, R: int = 1, F: int = 1, A: 
     if sizes == "paper":
         L = units.count
         M = units.total * 8 / L
-        gathers = [(2, M)] * L
-        reduces = [(1.0, M)] * L
-        shard_msgs = [M] * L
+        gathers, reduces, shard_msgs = [(2, M)] * L, [(1.0, M)] * L, [M] * L
     else:
         rs_factor = 2.0 if backend == "gloo" else 1.0
         gathers = [(2 if reshard_after_forward else 1, b * 8) for b in units.blocks]
@@ -260,22 +185,86 @@ def comm_terms(method: str, units: Units, *, S: int, R: int = 1, F: int = 1, A: 
     shard = sum(k * all_gather_time(D, S, B_S) for k, D in gathers)
     shard += sum(k * reduce_scatter_time(D, S, B_S) for k, D in reduces)
     replicate = sum(all_reduce_time(D, R, B_R) for D in shard_msgs) if hsdp else 0.0
-    sync = 0.0
-    if syncs:
-        sync = sum(all_reduce_time(D * wire_ratio, F, B_F) for D in shard_msgs)
-        if method == "fl-hsdp":
-            sync += sum(broadcast_time(D, R, B_R) for D in shard_msgs)
-        sync /= A
+    broadcast = sum(broadcast_time(D, R, B_R) for D in shard_msgs) if method == "fl-hsdp" and syncs else 0.0
+    sync = (sum(all_reduce_time(D * wire_ratio, F, B_F) for D in shard_msgs) + broadcast) / A if syncs else 0.0
     n_units = len(shard_msgs)
     steps_R = 2 * (R - 1) if steps_R is None else steps_R
     steps_F = 2 * (F - 1) if steps_F is None else steps_F
-    latency = (sum(k for k, _ in gathers) + len(reduces)) * (S - 1) * alpha_S
-    if hsdp:
-        latency += n_units * steps_R * alpha_R
-    sync_latency = 0.0
-    if syncs:
-        sync_latency = n_units * (steps_F * alpha_F + (R - 1 if method == "fl-hsdp" else 0) * alpha_R) / A
+    latency = (sum(k for k, _ in gathers) + len(reduces)) * (S - 1) * alpha_S + n_units * steps_R * alpha_R * hsdp
+    sync_latency = n_units * (steps_F * alpha_F + (R - 1 if method == "fl-hsdp" else 0) * alpha_R) / A if syncs else 0.0
     # the forward gathers every unit once: its share of the all-gathers' time and steps
     forward = sum(all_gather_time(D, S, B_S) for _, D in gathers) + len(gathers) * (S - 1) * alpha_S
     return CommTerms(shard=shard, replicate=replicate, sync=sync, latency=latency + sync_latency, forward=forward,
                      sync_latency=sync_latency)
+
+
+ADAMW_BYTES_PER_PARAM = 28.0
+"""Bytes the trainer's AdamW step reads (weight, gradient, moments: 16) and writes (12) per parameter (fp32)."""
+SGD_BYTES_PER_PARAM = 12.0
+"""Bytes the trainer's momentum-free SGD step reads (weight, gradient) and writes (weight) per parameter."""
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The calibrated model's parameters of one cluster (the YAML's `calibration` block); one declaration each."""
+
+    tree_allreduce: bool = False
+    """All-reduces across nodes run as NCCL's tree when it takes fewer steps than the ring (`allreduce_steps`)."""
+    uplink: dict[str, float] = field(default_factory=dict)
+    """Bits/s of the uplink of one node ("inter_node") or node group ("inter_group") that all flows leaving it at once
+    share (a node's NICs together); a tier listed here is shared. Unset for a shared tier: its bandwidth."""
+    efficiency: dict[str, float] = field(default_factory=dict)
+    """Share (0, 1] of a shared uplink's capacity that the flows of a tier get under the fabric's load; unset: 1."""
+    overlap: bool = False
+    """A forward or backward takes max(compute, its collectives) instead of their sum; the shard sync stays blocking."""
+    memory_bandwidth: float = 0.0
+    """Bytes/s of a GPU's memory for the optimizer step (memory-bound: `optimizer_time`); 0: not counted."""
+
+
+def flow_bandwidth(tier_bandwidth: float, uplinks: dict[str, tuple[float, int]], efficiency: float = 1.0) -> float:
+    """Bits/s one flow gets: min(its tier's, each uplink's capacity x efficiency / its flows at once)."""
+    return min([tier_bandwidth] + [capacity * efficiency / flows for capacity, flows in uplinks.values() if flows])
+
+
+def tree_allreduce_steps(nodes: int, ranks_per_node: int) -> int:
+    """Sequential steps of NCCL's tree all-reduce: 2 (floor(log2 nodes) + ranks_per_node - 1)."""
+    if nodes < 1 or ranks_per_node < 1:
+        raise ConfigError(f"nodes and ranks_per_node must be >= 1, got {nodes} and {ranks_per_node}")
+    return 2 * (int(math.floor(math.log2(nodes))) + ranks_per_node - 1)
+
+
+def allreduce_steps(n: int, nodes: int, tree: bool) -> int:
+    """Sequential steps of an all-reduce among n ranks on `nodes` nodes: the ring's, or with `tree` the fewer."""
+    ring = 2 * (n - 1)
+    return min(ring, tree_allreduce_steps(nodes, n // nodes)) if tree and n >= 2 else ring
+
+
+def optimizer_time(params_per_rank: float, bytes_per_param: float, memory_bandwidth: float) -> float:
+    """Seconds of a memory-bound optimizer step: parameters x bytes per parameter / memory bandwidth (0 without)."""
+    return params_per_rank * bytes_per_param / memory_bandwidth if memory_bandwidth > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Phases:
+    """Seconds per optimizer step by phase, as the paper's Table 4 splits them."""
+
+    forward: float
+    """Compute and the forward's all-gathers."""
+    backward: float
+    """Compute, the backward's all-gathers, reduce-scatters and HSDP's all-reduces."""
+    optimizer: float
+    aggregation: float
+    """The FL shard sync, amortised over A."""
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward + self.optimizer + self.aggregation
+
+    def as_dict(self) -> dict[str, float]:
+        return {"forward": self.forward, "backward": self.backward, "optimizer": self.optimizer,
+                "aggregation": self.aggregation, "overall": self.total}
+
+
+def phase_time(compute: float, comm: float, overlap: bool) -> float:
+    """A forward or backward: compute + its collectives, or with `overlap` the longer of the two."""
+    return max(compute, comm) if overlap else compute + comm

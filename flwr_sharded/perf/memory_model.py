@@ -1,16 +1,4 @@
-"""What one rank of the trainer holds in memory during a step, term by term, from the trainer's own facts.
-
-The trainer (`training/trainer.py`) keeps FSDP2-sharded fp32 parameters (bf16 is a compute copy made by the
-all-gather, `parallel/sharding.py`), fp32 sharded gradients, the optimizer's state, and for FL the shard sync's state
-(`parallel/sync.py`). HSDP replicates over R and shards over S, so only S divides the per-rank state. During a step
-a rank also holds the all-gathered blocks in flight, unsharded gradients before their reduce-scatter, the saved
-activations of one micro-batch and the logits. Not every term lives at the same time: the peak is the largest of
-the `phases` of a step, each a sum of the terms alive then; `total` is that peak.
-
-Activation coefficients (bytes per token) were counted with saved-tensor hooks on Hugging Face's LlamaForCausalLM
-(transformers 5, sdpa attention, no dropout) and the phases checked against the CPU allocator's peak (torch profiler);
-`benchmarks/memory_model_check.py` compares the total with the measured peak RSS of the trainer on CPU.
-"""
+"""What one rank of the trainer holds in memory during a step, term by term and at its peak (docs/cost-model.md)."""
 
 from __future__ import annotations
 
@@ -23,12 +11,14 @@ from flwr_sharded.config import ModelConfig, OptimConfig, ParallelConfig, TrainC
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.sparse import RowLayout
 from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES, WIRES, SyncDtype
-from flwr_sharded.schema import Surface, same_as
+from flwr_sharded.perf.costmodel import positive_int
 from flwr_sharded.perf.model_shape import ModelShape
+from flwr_sharded.schema import Surface, same_as
 
-# ---------------------------------------------------------------------------------------------------------------------
+GiB = 1024**3
+"""Bytes per GiB, for reports."""
+
 # The trainer's facts: bytes per parameter (or per element) of everything it allocates, one declaration each.
-
 MASTER_BYTES = 4
 """Sharded parameters: FSDP2 keeps the model's dtype (fp32); bf16 compute is a copy made by the all-gather."""
 GRAD_BYTES = 4
@@ -50,22 +40,17 @@ OPTIMIZER_LOOP_TEMP_PARAMS = {"adamw": 2, "sgd": 1}
 GLOBAL_BYTES = 4
 """The sync's copy of the global shards (fp32), kept by outer optimizers and by a reduced wire dtype."""
 RULE_STATE_BYTES = 4
-"""Each of an outer rule's state buffers (`ShardRule.state_buffers`: fp32, the shard's size); its temporaries
-(`temp_buckets`, `temp_buckets_per_member`) are fp32 buckets. FedAvg writes into the sync's buffers and has none."""
+"""Each of an outer rule's state buffers (`ShardRule.state_buffers`, the shard's size) and temporaries (buckets)."""
 SNAPSHOT_BYTES = 4
-"""An overlapped sync's snapshot of the fragment in flight (fp32; `parallel/streaming.py`), and its copy of that
-fragment at its start (kept to carry the local steps, or to check the result's move): one buffer each, sized for the
-largest fragment."""
+"""An overlapped sync's snapshot of the fragment in flight, and its copy at the start (carry, move check)."""
 FEEDBACK_BYTES = 4
-"""Error feedback of a quantized wire: an fp32 residual per value of every bucket of the shard
-(`parallel/quantize.py`), or of a top-k wire (`parallel/sparse.py`: what it did not send)."""
+"""Error feedback of a quantized or top-k wire: an fp32 residual per value of the shard."""
 SPARSE_MAGNITUDE_BYTES = 4
 """A top-k wire's |delta| of the bucket (fp32), from which each chunk's largest entries are chosen."""
 
 # Activations, in elements of the compute dtype per token (h: hidden, kv: k/v width, i: MLP width).
 BLOCK_ACTIVATIONS = {"h": 8, "kv": 2, "i": 4}
-"""Saved by one block: 2 RMSNorms (input, normalised, output: 3h each), rotated q, attention output (2h), k and v
-(2kv), the MLP's gate, up, SiLU and product (4i)."""
+"""Saved by one block: 2 RMSNorms (3h each), rotated q and attention output (2h), k and v (2kv), the MLP's 4i."""
 NORM_UPCASTS_PER_BLOCK = 2
 """RMSNorms per block; each saves its input upcast to fp32 when the compute dtype is narrower (+ (4 - cb) h bytes)."""
 OUTSIDE_ACTIVATIONS_H = 3
@@ -82,12 +67,10 @@ FIELD_NAMES = Surface(lambda o: o.path[-1])
 
 @dataclass(frozen=True)
 class StepOptions:
-    """The trainer options that decide what a rank holds. A training option is the config's own (`same_as`), with
-    its default and checks; `from_config` reads a whole `TrainConfig`."""
+    """The trainer options that decide what a rank holds, each the config's own (`same_as`)."""
 
     precision: Literal["auto", "fp32", "bf16"] = same_as(ModelConfig, "precision")
-    """Compute dtype: fp32, bf16, or auto, which becomes the trainer's choice on `device` (bf16 on cuda, fp32 on cpu)
-    when the options are made."""
+    """Compute dtype; auto becomes the trainer's choice on `device` (bf16 on cuda, fp32 on cpu)."""
     optimizer: Literal["adamw", "sgd"] = same_as(OptimConfig, "optimizer")
     outer: str = same_as(ParallelConfig, "outer")
     sync_dtype: SyncDtype = same_as(ParallelConfig, "sync_dtype")
@@ -104,8 +87,7 @@ class StepOptions:
     sync_topk: float | None = same_as(ParallelConfig, "sync_topk")
     sync_max_move: float = same_as(ParallelConfig, "sync_max_move")
     rollback: bool = False
-    """The rollback copy of the shards, their optimizer state and the outer state (host memory) that a Flower group,
-    and the static engine with `sync-retries` > 0, keep."""
+    """The rollback copy (host memory) a Flower group, and the static engine with `sync-retries` > 0, keep."""
     device: str = "cuda"
     """cuda (foreach optimizer kernels) or cpu (one parameter at a time)."""
 
@@ -173,13 +155,9 @@ class MemoryBreakdown:
     logits: float
     """batch x seq x vocab in fp32 at the loss (3 copies)."""
     host: float
-    """Host memory, not on the GPU: a Flower group's rollback copy of the shards, their optimizer state (and outer
-    state)."""
+    """Host memory, not on the GPU: the rollback copy of the shards, their optimizer state (and outer state)."""
     phases: dict[str, float] = field(default_factory=dict)
     """Bytes at each moment of a step that can be the peak."""
-
-    TERMS = ("parameters", "gradients", "optimizer", "optimizer_temp", "sync", "sync_temp", "anchor",
-             "accumulated_grads", "gathered_params", "gathered_grads", "activations", "backward_working", "logits")
 
     @property
     def total(self) -> float:
@@ -190,24 +168,13 @@ class MemoryBreakdown:
     def peak_phase(self) -> str:
         return max(self.phases, key=self.phases.get)
 
-    @property
-    def states(self) -> float:
-        """Parameters, gradients, optimizer and FL state: what stays between steps (and the gradients)."""
-        return self.parameters + self.gradients + self.optimizer + self.sync + self.anchor
-
-    @property
-    def gathered(self) -> float:
-        """Unsharded FSDP2 buffers: gathered parameters and gradients."""
-        return self.gathered_params + self.gathered_grads
-
     def terms(self) -> dict[str, float]:
         """Every term by name (GPU memory), then `host`."""
-        return {**{name: getattr(self, name) for name in self.TERMS}, "host": self.host}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "phases"}
 
 
 def largest_fragment(shape: ModelShape, fragments: int) -> float:
-    """Parameters of the largest of `fragments` sync fragments, at most: its share of blocks, rounded up, and every
-    parameter outside the blocks (embeddings go with the first fragment, the final norm and head with the last)."""
+    """Parameters of the largest of `fragments` sync fragments, at most: its blocks, rounded up, and the root's."""
     if not 1 <= fragments <= shape.num_layers:
         raise ConfigError(f"sync_fragments must be in [1, {shape.num_layers}] (one block at least each), "
                           f"got {fragments}")
@@ -217,7 +184,7 @@ def largest_fragment(shape: ModelShape, fragments: int) -> float:
 
 @lru_cache(maxsize=None)
 def _rule(outer: str):
-    """The outer rule's class (`flwr_sharded.parallel.rules`; its declared traits, without running it)."""
+    """The outer rule's class (its declared traits)."""
     from flwr_sharded.parallel.rules import make_rule
 
     return type(make_rule(outer))
@@ -229,8 +196,7 @@ def rule_state_bytes(outer: str) -> float:
 
 
 def _sync_terms(shape: ModelShape, o: StepOptions, *, S: int, F: int) -> tuple[float, float, float]:
-    """(sync, sync_temp, outer_state) of one rank: the FL sync's buffers (F > 1), the rule's temporaries during a
-    sync, and the outer rule's state (global copy included), which a rollback copy holds too."""
+    """(sync, sync_temp, outer_state) of one rank: the sync's buffers, the rule's temporaries, its state and copy."""
     shard = shape.num_params / S
     sync = sync_temp = 0.0
     rule = _rule(o.outer) if F > 1 or o.rollback else None
@@ -259,24 +225,14 @@ def _sync_terms(shape: ModelShape, o: StepOptions, *, S: int, F: int) -> tuple[f
 def trainer_memory(shape: ModelShape, *, S: int, tokens: int, R: int = 1, F: int = 1,
                    options: StepOptions = StepOptions(),
                    state_bytes_per_param: float | None = None) -> MemoryBreakdown:
-    """What one rank of an (F, R, S) run holds, with `tokens` per micro-batch (batch x seq) on that rank.
-
-    R does not change a rank's memory (HSDP all-reduces the sharded gradients in place); F > 1 adds the sync.
-    `state_bytes_per_param` overrides the bytes per parameter of parameters + gradients + optimizer state together
-    (the trainer's: 16 with AdamW), for another trainer; the three keep their proportions.
-    """
+    """What one rank of an (F, R, S) run holds with `tokens` per micro-batch; `state_bytes_per_param` overrides the
+    bytes per parameter of parameters, gradients and optimizer state together (16 with AdamW)."""
     for name, value in (("S", S), ("R", R), ("F", F), ("tokens", tokens)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
-    o = options
-    cb = COMPUTE_BYTES[o.precision]
+        positive_int(name, value)
+    o, cb = options, COMPUTE_BYTES[options.precision]
     h, i, L, V = shape.hidden_size, shape.intermediate_size, shape.num_layers, shape.vocab_size
-    kv = shape.kv_size or h
-    P, root = shape.num_params, shape.root_params
-    block = (P - root) / L
-    shard = P / S
-
-    scale = 1.0
+    kv, P, root = shape.kv_size or h, shape.num_params, shape.root_params
+    block, shard, scale = (P - root) / L, P / S, 1.0
     if state_bytes_per_param is not None:
         if not state_bytes_per_param > 0:
             raise ConfigError(f"state_bytes_per_param must be positive, got {state_bytes_per_param!r}")
@@ -284,11 +240,8 @@ def trainer_memory(shape: ModelShape, *, S: int, tokens: int, R: int = 1, F: int
     grad_bytes = GRAD_BYTES * scale
     parameters, gradients = MASTER_BYTES * scale * shard, grad_bytes * shard
     optimizer = OPTIMIZER_STATE_BYTES[o.optimizer] * scale * shard
-    if o.device == "cuda":
-        optimizer_temp = OPTIMIZER_FOREACH_TEMP_BYTES[o.optimizer] * shard
-    else:
-        optimizer_temp = OPTIMIZER_LOOP_TEMP_PARAMS[o.optimizer] * MASTER_BYTES * shape.largest_param() / S
-
+    optimizer_temp = OPTIMIZER_FOREACH_TEMP_BYTES[o.optimizer] * shard if o.device == "cuda" else \
+        OPTIMIZER_LOOP_TEMP_PARAMS[o.optimizer] * MASTER_BYTES * shape.largest_param() / S
     sync, sync_temp, outer_state = _sync_terms(shape, o, S=S, F=F)
     host = MASTER_BYTES * shard + optimizer + outer_state if o.rollback else 0.0
     anchor = MASTER_BYTES * shard if o.proximal else 0.0
@@ -331,11 +284,8 @@ def trainer_memory(shape: ModelShape, *, S: int, tokens: int, R: int = 1, F: int
 def memory_per_gpu(shape: ModelShape, *, S: int, tokens: int, bytes_per_param: float = 2.0,
                    state_bytes_per_param: float | None = None, activation_checkpointing: bool = False,
                    R: int = 1, F: int = 1, options: StepOptions | None = None) -> MemoryBreakdown:
-    """`trainer_memory` for `tokens` per GPU per optimizer step, in the planner's terms.
-
-    `bytes_per_param`: the compute dtype (2 bf16, 4 fp32); it and `activation_checkpointing` override `options`.
-    `tokens` is split over `options.grad_accum` micro-batches.
-    """
+    """`trainer_memory` for `tokens` per GPU per optimizer step, split over `options.grad_accum` micro-batches;
+    `bytes_per_param` (the compute dtype: 2 bf16, 4 fp32) and `activation_checkpointing` override `options`."""
     precision = {2.0: "bf16", 4.0: "fp32"}.get(float(bytes_per_param))
     if precision is None:
         raise ConfigError(f"--bytes-per-param: the memory estimate knows 2 (bf16) and 4 (fp32), got {bytes_per_param}")

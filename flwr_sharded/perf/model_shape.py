@@ -1,5 +1,4 @@
-"""What one GPU's training step costs besides communication: the model's shape and compute time (memory:
-`memory_model`)."""
+"""The model's shape as the cost model sees it (from a preset, a config.json or counts), and one GPU's compute time."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.perf.costmodel import Units, _positive_int
+from flwr_sharded.perf.costmodel import Units, positive_int
 from flwr_sharded.presets import PRESETS, Preset
 
 
@@ -19,36 +18,31 @@ class ModelShape:
     """What the cost model needs to know about a decoder-only (Llama-like) transformer."""
 
     num_params: int
-    """Total parameters."""
     num_layers: int
     """Transformer blocks: one FSDP2 unit each."""
     root_params: int
     """Parameters outside the blocks (embeddings, head, final norm): the root unit."""
     hidden_size: int
-    """Model width h."""
     intermediate_size: int
-    """MLP width i."""
     vocab_size: int
-    """Vocabulary size (logits memory)."""
     name: str = "custom"
-    """Label for reports."""
     kv_size: int | None = None
     """Width of the k and v projections (key/value heads x head size; activations); None: `hidden_size` (MHA)."""
 
     def __post_init__(self) -> None:
         for name in ("num_params", "num_layers", "hidden_size", "intermediate_size", "vocab_size"):
-            _positive_int(name, getattr(self, name))
+            positive_int(name, getattr(self, name))
         if not 0 <= self.root_params < self.num_params:
             raise ConfigError(f"root_params must be in [0, num_params), got {self.root_params}")
         if self.kv_size is not None:
-            _positive_int("kv_size", self.kv_size)
+            positive_int("kv_size", self.kv_size)
 
     @classmethod
     def from_counts(cls, num_params: int, num_layers: int, *, hidden_size: int | None = None,
                     vocab_size: int = 32000, name: str = "custom") -> ModelShape:
         """A model known only by its size: all parameters in the blocks; h from 12 h^2 params per block if not given."""
-        _positive_int("num_params", num_params)
-        _positive_int("num_layers", num_layers)
+        positive_int("num_params", num_params)
+        positive_int("num_layers", num_layers)
         h = hidden_size or max(1, round(math.sqrt(num_params / (12 * num_layers))))
         return cls(num_params=num_params, num_layers=num_layers, root_params=0, hidden_size=h,
                    intermediate_size=4 * h, vocab_size=vocab_size, name=name)
@@ -66,11 +60,7 @@ class ModelShape:
 
 def compute_time(num_params: float, tokens: float, flops_per_gpu: float, *,
                  flops_per_param_token: float = 6.0) -> float:
-    """Seconds of compute for one GPU's batch: flops_per_param_token * params * tokens / achievable FLOP/s.
-
-    6 = forward (2) + backward (4); 8 with activation checkpointing (forward recomputed). Ignores attention's
-    quadratic term and counts the embedding lookup as a matmul (small, conservative).
-    """
+    """Seconds of compute for one GPU's batch: flops_per_param_token (6; 8 checkpointed) x params x tokens / FLOP/s."""
     if not flops_per_gpu > 0:
         raise ConfigError(f"flops_per_gpu must be positive, got {flops_per_gpu!r}")
     return flops_per_param_token * num_params * tokens / flops_per_gpu
@@ -84,8 +74,7 @@ def model_from_preset(name: str, vocab_size: int = 32000) -> ModelShape:
 
 
 def model_from_name(name: str, vocab_size: int = 32000) -> ModelShape:
-    """Shape of any model `train --model` takes: a preset, or a Hugging Face model directory or hub id, whose
-    architecture is read from its config.json (nothing else is loaded; no torch)."""
+    """Shape of any model `train --model` takes: a preset, or a Hugging Face directory or hub id (its config.json)."""
     if name in PRESETS:
         return model_from_preset(name, vocab_size)
     return shape_of(preset_from_config(read_model_config(name), name), vocab_size, name=name)

@@ -1,9 +1,4 @@
-"""Where the ranks of an F x R x S mesh run on a tiered cluster, and the bytes each rank sends per tier.
-
-`Placement` puts rank f*R*S + r*S + s on nodes, then node groups, in order; `rank_traffic` / `traffic` give the bytes
-each rank sends per optimizer step on each tier (intra-node, inter-node, inter-group) for the collectives FSDP2 and
-the shard sync issue, with ring algorithms.
-"""
+"""Where the ranks of an F x R x S mesh run on a tiered cluster, and the bytes each rank sends per tier."""
 
 from __future__ import annotations
 
@@ -13,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.perf.costmodel import BACKENDS, Backend, Units, _positive_int, check_layout
+from flwr_sharded.perf.costmodel import Backend, Units, check_backend, check_layout, positive_int
 
 TIERS = ("intra_node", "inter_node", "inter_group")
 """Network tiers, fastest first: same node, same node group (rack, cell, facility), different groups."""
@@ -28,11 +23,8 @@ class Placement:
     """Where the ranks of an F x R x S mesh run: rank = f*R*S + r*S + s, filling nodes, then node groups, in order."""
 
     F: int
-    """Federation groups."""
     R: int
-    """Replication groups per federation group."""
     S: int
-    """Ranks per sharding group (innermost)."""
     gpus_per_node: int
     """Ranks (GPUs) per node: node = rank // gpus_per_node."""
     nodes_per_group: int | None = None
@@ -40,9 +32,9 @@ class Placement:
 
     def __post_init__(self) -> None:
         for name in ("F", "R", "S", "gpus_per_node"):
-            _positive_int(name, getattr(self, name))
+            positive_int(name, getattr(self, name))
         if self.nodes_per_group is not None:
-            _positive_int("nodes_per_group", self.nodes_per_group)
+            positive_int("nodes_per_group", self.nodes_per_group)
 
     @property
     def world_size(self) -> int:
@@ -84,12 +76,7 @@ class Placement:
 
     def span_tier(self, ranks: Sequence[int]) -> Tier | None:
         """Slowest tier among a set of ranks (their bottleneck); None for a single rank."""
-        if len(ranks) < 2:
-            return None
-        nodes = {self.node(x) for x in ranks}
-        if len(nodes) == 1:
-            return "intra_node"
-        return "inter_node" if len({self.node_group(x) for x in ranks}) == 1 else "inter_group"
+        return max((self.link_tier(ranks[0], x) for x in ranks[1:]), key=TIERS.index, default=None)
 
     def groups(self, dim: str, ranks: Sequence[int] | None = None) -> list[list[int]]:
         """Every group of a dimension, or only the groups of `ranks`, each once."""
@@ -102,17 +89,13 @@ class Placement:
         return [list(g) for g in sorted(unique)]
 
     def dim_tier(self, dim: str, ranks: Sequence[int] | None = None) -> Tier | None:
-        """Slowest tier the groups of a dimension span (the paper's B_S, B_R, B_F tier); None if its size is 1.
-
-        `ranks`: only the groups these ranks belong to (default: all).
-        """
+        """Slowest tier the groups of a dimension (or of `ranks`) span (the paper's B_S, B_R, B_F); None for size 1."""
         tiers = {self.span_tier(g) for g in self.groups(dim, ranks)}
         tiers.discard(None)
         return max(tiers, key=TIERS.index) if tiers else None
 
     def flows(self, dim: str, ranks: Sequence[int] | None = None) -> dict[str, int]:
-        """Most ring edges leaving one node ("inter_node") or one node group ("inter_group") when all groups of a
-        dimension (or the groups of `ranks`) run their ring collective at once: the flows sharing that uplink."""
+        """Most ring edges leaving one node or node group when all groups of a dimension (or of `ranks`) run at once."""
         leaving: dict[str, Counter] = {"inter_node": Counter(), "inter_group": Counter()}
         for group in self.groups(dim, ranks):
             if len(group) < 2:
@@ -142,31 +125,14 @@ class Traffic:
     A: int = 1
     """Optimizer steps between two syncs."""
 
-    def per_step(self) -> dict[str, float]:
-        """Bytes per optimizer step with the sync amortised: step + sync / A, by tier."""
-        return {t: self.step[t] + self.sync[t] / self.A for t in TIERS}
-
 
 def rank_traffic(method: str, placement: Placement, units: Units, *, rank: int, A: int = 1,
                  backend: Backend = "nccl", reshard_after_forward: bool = True, reshard_root: bool = False,
                  grad_ratio: float = 1.0, sync_ratio: float = 1.0, wire_ratio: float = 1.0) -> Traffic:
-    """Bytes `rank` sends per optimizer step and per shard sync, by tier, with ring algorithms.
-
-    Per unit and step: all-gather in forward and (blocks, if `reshard_after_forward`; root if `reshard_root`) in
-    backward, u (S-1)/S each; reduce-scatter of gradients, u (S-1)/S (2 u (S-1)/S with gloo, which runs an
-    all-reduce); hsdp/fl-hsdp: all-reduce of the gradient shard u/S over the replication group, 2 (u/S) (R-1)/R.
-    Shard sync every A steps (F > 1): all-reduce of the rank's shards P/S over its federation group, 2 (P/S) (F-1)/F
-    (fl-hsdp: replica r = 0 only), then fl-hsdp's broadcast from r = 0 along the chain r = 0, 1, ..., R-1 (pipelined:
-    every rank but the last forwards P/S once). A ring runs over the group's ranks in rank order and rank i sends to
-    the next one (the last to the first), so all of a rank's bytes for that collective go to that link's tier.
-    `grad_ratio` / `sync_ratio` scale gradient and sync bytes against parameter bytes (e.g. 2 for bf16 parameters
-    all-gathered but gradients reduced in fp32); `wire_ratio` scales the sync's cross-group all-reduce on top of
-    that (its wire dtype against the shards': 0.5 for a bfloat16 sync of fp32 shards), not fl-hsdp's broadcast,
-    which sends the shards' dtype.
-    """
+    """Bytes `rank` sends per optimizer step and per shard sync, by tier (docs/cost-model.md, "Bytes per tier");
+    `grad_ratio` / `sync_ratio` scale gradient and sync bytes, `wire_ratio` the sync's all-reduce on top."""
     check_layout(method, S=placement.S, R=placement.R, F=placement.F, A=A)
-    if backend not in BACKENDS:
-        raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    check_backend(backend)
     S, R, F = placement.S, placement.R, placement.F
     _, r, _ = placement.coords(rank)
 

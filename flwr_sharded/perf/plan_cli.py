@@ -1,26 +1,84 @@
-"""`flwr-sharded plan`: the command line of the planner (its options, the ranked table, JSON, the paper's layouts)."""
+"""`flwr-sharded plan`: the planner's command line (its options, the ranked table, JSON, the paper's layouts)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from dataclasses import asdict, fields
-from typing import Any
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Literal
 
 from flwr_sharded import schema, tool_options
-from flwr_sharded.config import METHODS
+from flwr_sharded.config import METHODS, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.rules import RULES
-from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES
-from flwr_sharded.perf.cluster import Cluster, Federation, load_description
-from flwr_sharded.perf.memory_model import StepOptions
+from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES, SyncDtype
+from flwr_sharded.perf.cluster import Cluster, FacilityFederation, load_description
+from flwr_sharded.perf.memory_model import GiB, StepOptions
 from flwr_sharded.perf.model_shape import ModelShape, model_from_name
-from flwr_sharded.perf.plan_options import PlanOptions
-from flwr_sharded.perf.planner import Candidate, PaperRow, evaluate, explain, paper_layouts, plan
-from flwr_sharded.perf.unequal_plan import FederationCandidate, plan_federation
+from flwr_sharded.perf.planner import (Candidate, FederationCandidate, PaperRow, evaluate, explain, paper_layouts, plan,
+                                       plan_federation)
+from flwr_sharded.schema import option, same_as
 
-GiB = 1024**3
+PHASES = ("forward", "backward", "optimizer", "aggregation", "overall")
+
+
+@dataclass
+class PlanOptions:
+    """`flwr-sharded plan`: rank every (method, F, R, S, A) layout of a cluster with the cost model."""
+
+    cluster: str | None = option(None, required=True)
+    """Cluster YAML (see examples/clusters/); one that lists `facilities` plans a federation of facilities of different
+    sizes: each facility's R and S, its local steps per sync and its idle time."""
+    model: str | None = None
+    """A model as `train --model` takes it: a preset (tiny, small, medium, llama-1b, llama-3b, llama3.1-8b), a Hugging
+    Face model directory or hub id (its architecture read from config.json); or a model without either: `params`
+    and `layers`."""
+    params: float | None = option(None, gt=0)
+    """Parameter count of a model without preset, e.g. 8e9 (with `layers`)."""
+    layers: int | None = option(None, ge=1)
+    """Transformer blocks of that model (with `params`)."""
+    hidden_size: int | None = option(None, ge=1)
+    """Width of that model, for the activation estimate (with `params`)."""
+    vocab_size: int = option(32000, ge=1)
+    """Vocabulary of a preset without one, and of a model without preset."""
+    bytes_per_param: float = option(2.0, gt=0)
+    """Bytes per parameter on the wire and in compute (2: bf16, 4: fp32)."""
+    sync_dtype: SyncDtype | None = same_as(ParallelConfig, "sync_dtype", default=None)
+    """Wire dtype of the FL shard sync's all-reduce (`flwr-sharded train --sync-dtype`): its bytes are parameters x
+    the dtype's size; unset: `bytes-per-param`, like the other collectives."""
+    sync_topk: float | None = same_as(ParallelConfig, "sync_topk")
+    """The FL shard sync's top-k fraction (`flwr-sharded train --sync-topk`): its rows, all-gathered, instead of the
+    all-reduce (their bytes grow with F); unset: dense."""
+    state_bytes_per_param: float | None = option(None, gt=0)
+    """Bytes per parameter of parameters + gradients + optimizer state together; unset: the trainer's (fp32 weights,
+    gradients and AdamW moments: 16)."""
+    optimizer: Literal["adamw", "sgd"] = same_as(OptimConfig, "optimizer")
+    outer: str = same_as(ParallelConfig, "outer")
+    bucket_mb: float = same_as(ParallelConfig, "bucket_mb")
+    grad_accum: int = same_as(TrainConfig, "grad_accum")
+    reshard_after_forward: bool = same_as(ModelConfig, "reshard_after_forward")
+    activation_checkpointing: bool = same_as(ModelConfig, "activation_checkpointing")
+    tokens_per_gpu: int = option(2 * 2048, ge=1)
+    """Tokens per GPU per optimizer step (the paper's 2 x 2048), split over `grad-accum` micro-batches."""
+    aggregate_every: str = "1,2,4,8,16,32"
+    """Values of A to try for FL methods, comma-separated (for a federation of facilities: the fastest one's)."""
+    methods: str = ",".join(METHODS)
+    """Methods to consider, comma-separated."""
+    top: int = option(10, ge=1)
+    """Rows to print."""
+    sizes: Literal["exact", "paper"] = "exact"
+    """Message sizes: each collective's own (exact) or one M for all, as the paper's Eqs. 1-5 (paper)."""
+    latency: bool = False
+    """Add the cluster's per-tier latency per ring step (a cluster with a `calibration` always counts it)."""
+    memory_fraction: float = option(0.9, gt=0, le=1)
+    """Usable share of a GPU's memory."""
+    fl_margin: float = option(0.1, ge=0)
+    """FL must be this fraction faster than a synchronous method to rank above it."""
+    layouts: Literal["paper"] | None = None
+    """`paper`: instead of planning, predict the paper's four 512-GPU layouts next to its Table 4."""
+    json: bool = False
+    """Print JSON instead of a table."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -36,22 +94,22 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def resolve(parsed: argparse.Namespace) -> argparse.Namespace:
-    """The plan's options from a parsed command line, lists parsed; ConfigError naming the flag."""
+    """The plan's options from a parsed command line, with `evaluate`'s (`evaluation`); ConfigError naming the flag."""
     opts = schema.apply_arguments(PlanOptions(), parsed)
     if opts.outer not in RULES:
         raise ConfigError(f"--outer: choose one of {', '.join(RULES)}, got {opts.outer!r}")
     values = {o.path[-1]: schema.get(opts, o.path) for o in schema.options(opts)}
+    names = {f.name for f in fields(StepOptions)} & set(values)  # the memory model's step: the trainer's options
+    step = StepOptions(**{**{n: values[n] for n in names}, "sync_dtype": opts.sync_dtype or "float32"})
     values.update(aggregate_every=tuple(tool_options.split_list(opts.aggregate_every, "--aggregate-every", int)),
                   methods=tool_options.split_list(opts.methods, "--methods", allowed=METHODS),
-                  params=None if opts.params is None else int(opts.params), step=step_options(opts))
+                  params=None if opts.params is None else int(opts.params), step=step)
+    values["evaluation"] = dict(
+        tokens_per_gpu_batch=opts.tokens_per_gpu, bytes_per_param=opts.bytes_per_param, sizes=opts.sizes,
+        state_bytes_per_param=opts.state_bytes_per_param, latency=opts.latency, memory_fraction=opts.memory_fraction,
+        activation_checkpointing=opts.activation_checkpointing, step=step,
+        sync_bytes_per_param=SYNC_DTYPE_BYTES.get(opts.sync_dtype))
     return argparse.Namespace(**values)
-
-
-def step_options(opts: PlanOptions) -> StepOptions:
-    """The memory model's step: every StepOptions field that is a plan option, the others their defaults."""
-    names = {f.name for f in fields(StepOptions)} & {f.name for f in fields(PlanOptions)}
-    values = {name: getattr(opts, name) for name in names}
-    return StepOptions(**{**values, "sync_dtype": opts.sync_dtype or "float32"})
 
 
 def _model_from_args(args: argparse.Namespace) -> ModelShape | None:
@@ -59,9 +117,9 @@ def _model_from_args(args: argparse.Namespace) -> ModelShape | None:
         raise ConfigError("--model and --params are exclusive: give a model or a parameter count with --layers")
     if args.model:
         return model_from_name(args.model, args.vocab_size)
+    if args.params and not args.layers:
+        raise ConfigError("--params needs --layers (number of transformer blocks)")
     if args.params:
-        if not args.layers:
-            raise ConfigError("--params needs --layers (number of transformer blocks)")
         return ModelShape.from_counts(args.params, args.layers, hidden_size=args.hidden_size,
                                       vocab_size=args.vocab_size)
     return None
@@ -77,16 +135,8 @@ def _candidate_dict(c: Candidate) -> dict[str, Any]:
             "memory_phases_gib": {k: v / GiB for k, v in c.memory.phases.items()}}
 
 
-def _header(cluster: Cluster, model: ModelShape, args: argparse.Namespace) -> str:
-    groups = f", node groups of {cluster.nodes_per_group} nodes" if cluster.nodes_per_group else ""
-    return (f"Cluster {cluster.name}: {cluster.nodes} x {cluster.gpus_per_node} GPUs = {cluster.gpus}{groups}; "
-            f"model {model.name} ({model.num_params / 1e9:.3g} B params, {args.bytes_per_param:g} bytes each); "
-            f"{args.tokens_per_gpu} tokens per GPU per step"
-            + (f"; FL sync in {args.sync_dtype}" if args.sync_dtype else "")
-            + (f", top-{args.sync_topk * 100:g}% of each chunk" if args.sync_topk else ""))
-
-
 def _print_paper(cluster: Cluster, rows: list[PaperRow], args: argparse.Namespace) -> None:
+    """The paper's layouts, predicted next to Table 4; per phase with the ratio; the speedups over FSDP."""
     if args.json:
         print(json.dumps([{"layout": r.label, **_candidate_dict(r.predicted), "paper_eq_comm_s": r.paper_eq_comm,
                            "table4_measured": r.measured} for r in rows], indent=2))
@@ -103,37 +153,25 @@ def _print_paper(cluster: Cluster, rows: list[PaperRow], args: argparse.Namespac
         print(f"{r.label:<8} {c.F:>4} {c.R:>4} {c.S:>4} {r.paper_eq_comm:>11.3f} {c.comm.total:>10.3f} "
               f"{c.compute:>8.3f} {c.step_time:>9.3f} {overall:>12} {m['forward'][0] + m['backward'][0]:>7.2f} "
               f"{m['aggregation'][0]:>5.2f} {c.memory.total / GiB:>11.1f} {'yes' if c.fits else 'NO':>4}")
-    _print_phases(rows)
-    if not all(r.predicted.fits for r in rows):
-        usable = args.memory_fraction * cluster.gpu_memory / GiB
-        print(f"NO: more than {args.memory_fraction:.0%} of the GPU's memory ({usable:.1f} GiB) at the step's peak "
-              f"({', '.join(sorted({r.predicted.memory.peak_phase for r in rows if not r.predicted.fits}))}); "
-              f"try --activation-checkpointing or fewer --tokens-per-gpu")
-
-
-PHASES = ("forward", "backward", "optimizer", "aggregation", "overall")
-
-
-def _ratio(predicted: float, measured: float) -> str:
-    return f"{predicted / measured:.2f}" if measured > 0 else "-"
-
-
-def _print_phases(rows: list[PaperRow]) -> None:
-    """Per phase: predicted / measured (the ratio), then the speedups over FSDP with their ratio."""
     model = "calibrated" if rows[0].predicted.calibrated else "paper's (no overlap, no optimizer step)"
     print(f"Per phase, s/step predicted ({model} model) / Table 4 measured (predicted/measured):")
     print(f"{'layout':<8} " + " ".join(f"{p:>20}" for p in PHASES))
     for r in rows:
         phases = r.predicted.phases.as_dict()
-        cells = [f"{phases[p]:.2f}/{r.measured[p][0]:.2f} ({_ratio(phases[p], r.measured[p][0])})" for p in PHASES]
+        cells = [f"{phases[p]:.2f}/{m:.2f} ({f'{phases[p] / m:.2f}' if m > 0 else '-'})"
+                 for p, m in ((p, r.measured[p][0]) for p in PHASES)]
         print(f"{r.label:<8} " + " ".join(f"{c:>20}" for c in cells))
-    base = rows[0]
-    parts = []
+    base, parts = rows[0], []
     for r in rows[1:]:
         predicted = base.predicted.step_time / r.predicted.step_time
         measured = base.measured["overall"][0] / r.measured["overall"][0]
         parts.append(f"{r.label} {predicted:.2f}x / {measured:.2f}x ({predicted / measured:.2f})")
     print("Speedup over FSDP, predicted / measured (ratio): " + ", ".join(parts))
+    if not all(r.predicted.fits for r in rows):
+        usable = args.memory_fraction * cluster.gpu_memory / GiB
+        print(f"NO: more than {args.memory_fraction:.0%} of the GPU's memory ({usable:.1f} GiB) at the step's peak "
+              f"({', '.join(sorted({r.predicted.memory.peak_phase for r in rows if not r.predicted.fits}))}); "
+              f"try --activation-checkpointing or fewer --tokens-per-gpu")
 
 
 def run(parsed: argparse.Namespace) -> int:
@@ -143,48 +181,41 @@ def run(parsed: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"flwr-sharded plan: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    step = args.step
+    options = args.evaluation
     try:
         cluster = load_description(args.cluster)
         model = _model_from_args(args)
-        if isinstance(cluster, Federation):
+        if isinstance(cluster, FacilityFederation):
             return _run_federation(cluster, model, args)
         if args.layouts == "paper":
-            rows = paper_layouts(cluster, model, tokens_per_gpu_batch=args.tokens_per_gpu,
-                                 bytes_per_param=args.bytes_per_param, latency=args.latency,
-                                 activation_checkpointing=args.activation_checkpointing,
-                                 memory_fraction=args.memory_fraction,
-                                 sync_bytes_per_param=SYNC_DTYPE_BYTES.get(args.sync_dtype), step=step)
-            _print_paper(cluster, rows, args)
+            _print_paper(cluster, paper_layouts(cluster, model, **options), args)
             return 0
         if model is None:
             raise ConfigError("give a model: --model PRESET|MODEL_DIR|ORG/NAME, or --params N --layers L")
-        options = dict(tokens_per_gpu_batch=args.tokens_per_gpu, bytes_per_param=args.bytes_per_param,
-                       state_bytes_per_param=args.state_bytes_per_param, sizes=args.sizes, latency=args.latency,
-                       activation_checkpointing=args.activation_checkpointing,
-                       memory_fraction=args.memory_fraction,
-                       sync_bytes_per_param=SYNC_DTYPE_BYTES.get(args.sync_dtype), step=step)
         candidates = plan(cluster, model, aggregate_every=tuple(args.aggregate_every),
                           methods=tuple(args.methods), fl_margin=args.fl_margin, **options)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    reference = evaluate(cluster, model, "fsdp", S=cluster.gpus, **options)
     if not candidates:
-        smallest = evaluate(cluster, model, "fsdp", S=cluster.gpus, **options)
         print(f"error: no layout fits in {args.memory_fraction:.0%} of {cluster.gpu_memory / GiB:.1f} GiB per GPU "
-              f"(fsdp over all {cluster.gpus} GPUs needs {smallest.memory.total / GiB:.1f} GiB); try "
+              f"(fsdp over all {cluster.gpus} GPUs needs {reference.memory.total / GiB:.1f} GiB); try "
               f"--activation-checkpointing, fewer --tokens-per-gpu or a bigger cluster", file=sys.stderr)
         return 1
-    reference = evaluate(cluster, model, "fsdp", S=cluster.gpus, **options)
-    fastest = min(candidates, key=lambda c: c.step_time)
     best = candidates[0]
-    reason = explain(best, reference, fastest, args.fl_margin)
+    reason = explain(best, reference, min(candidates, key=lambda c: c.step_time), args.fl_margin)
     if args.json:
         print(json.dumps({"cluster": cluster.name, "model": model.name,
                           "candidates": [_candidate_dict(c) for c in candidates[:args.top]],
                           "recommended": _candidate_dict(best), "reason": reason}, indent=2))
         return 0
-    print(_header(cluster, model, args))
+    groups = f", node groups of {cluster.nodes_per_group} nodes" if cluster.nodes_per_group else ""
+    print(f"Cluster {cluster.name}: {cluster.nodes} x {cluster.gpus_per_node} GPUs = {cluster.gpus}{groups}; "
+          f"model {model.name} ({model.num_params / 1e9:.3g} B params, {args.bytes_per_param:g} bytes each); "
+          f"{args.tokens_per_gpu} tokens per GPU per step"
+          + (f"; FL sync in {args.sync_dtype}" if args.sync_dtype else "")
+          + (f", top-{args.sync_topk * 100:g}% of each chunk" if args.sync_topk else ""))
     print(f"{'#':>3} {'method':<8} {'F':>4} {'R':>4} {'S':>4} {'A':>3} {'comm s/step':>11} {'total s/step':>12} "
           f"{'eff. batch tok':>14} {'mem/GPU GiB':>11}  tiers S/R/F")
     for i, c in enumerate(candidates[:args.top], 1):
@@ -195,22 +226,14 @@ def run(parsed: argparse.Namespace) -> int:
     return 0
 
 
-def _federation_options(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(tokens_per_gpu_batch=args.tokens_per_gpu, aggregate_every=tuple(args.aggregate_every),
-                bytes_per_param=args.bytes_per_param, sync_bytes_per_param=SYNC_DTYPE_BYTES.get(args.sync_dtype),
-                memory_fraction=args.memory_fraction, step=args.step, sizes=args.sizes, latency=args.latency,
-                activation_checkpointing=args.activation_checkpointing,
-                state_bytes_per_param=args.state_bytes_per_param)
-
-
-def _run_federation(federation: Federation, model: ModelShape | None, args: argparse.Namespace) -> int:
+def _run_federation(federation: FacilityFederation, model: ModelShape | None, args: argparse.Namespace) -> int:
     """`plan` on a federation of facilities: each facility's (R, S), its A_g and idle time, the ranked table."""
     if args.layouts == "paper":
         raise ConfigError(f"--layouts paper: {federation.name} is a federation of facilities, the paper's layouts "
                           f"need one 512-GPU cluster")
     if model is None:
         raise ConfigError("give a model: --model PRESET|MODEL_DIR|ORG/NAME, or --params N --layers L")
-    ranked = plan_federation(federation, model, **_federation_options(args))
+    ranked = plan_federation(federation, model, aggregate_every=tuple(args.aggregate_every), **args.evaluation)
     best = ranked[0]
     if args.json:
         print(json.dumps({"federation": federation.name, "model": model.name,
@@ -226,8 +249,7 @@ def _run_federation(federation: Federation, model: ModelShape | None, args: argp
     print(f"{'#':>3} {'R x S per facility':<24} {'A per facility':<16} {'sync s':>8} {'period s':>9} "
           f"{'tokens/s':>10} {'max MB/rank':>11}")
     for i, c in enumerate(ranked[:args.top], 1):
-        shapes = ", ".join(f"{f.R}x{f.S}" for f in c.facilities)
-        steps = ", ".join(str(f.A) for f in c.facilities)
+        shapes, steps = ", ".join(f"{f.R}x{f.S}" for f in c.facilities), ", ".join(str(f.A) for f in c.facilities)
         print(f"{i:>3} {shapes:<24} {steps:<16} {c.sync.time:>8.4g} {c.period:>9.4g} {c.tokens_per_second:>10,.0f} "
               f"{c.sync.max_rank_bytes / 1e6:>11.4g}")
     print(f"Recommended: {best.label()}: {best.tokens_per_second:,.0f} tokens/s; a sync every "

@@ -1,30 +1,24 @@
-"""Rank (method, F, R, S, A) layouts for a cluster description with the cost model.
-
-Every candidate uses all GPUs of the cluster (F x R x S = GPUs), places ranks shard-innermost (rank = f*R*S + r*S +
-s, nodes filled in order, node groups filled in order), takes for each mesh dimension the bandwidth of the slowest
-tier its groups span, and predicts one optimizer step as compute + communication (no overlap, as the paper's model).
-The `plan` sub-command is in `plan_cli`.
-"""
+"""Rank the (method, F, R, S, A) layouts of a cluster with the cost model, and plan a federation of facilities
+(docs/cost-model.md, "Planner" and "Planning a federation"); its command line is `plan_cli`."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
-from typing import Any
 
 from flwr_sharded.config import METHODS
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.sparse import over_dense
 from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES
-from flwr_sharded.perf.cluster import Cluster
-from flwr_sharded.perf.costmodel import CommTerms, check_layout, comm_terms, overlapped
-from flwr_sharded.perf.fabric import (ADAMW_BYTES_PER_PARAM, SGD_BYTES_PER_PARAM, Phases, allreduce_steps,
-                                      flow_bandwidth, optimizer_time, phase_time)
-from flwr_sharded.perf.memory_model import MemoryBreakdown, StepOptions, memory_per_gpu
+from flwr_sharded.perf.cluster import Cluster, FacilityFederation
+from flwr_sharded.perf.costmodel import (ADAMW_BYTES_PER_PARAM, SGD_BYTES_PER_PARAM, CommTerms, Phases, allreduce_steps,
+                                         check_layout, comm_terms, flow_bandwidth, optimizer_time, overlapped,
+                                         phase_time, positive_int)
+from flwr_sharded.perf.memory_model import GiB, MemoryBreakdown, StepOptions, memory_per_gpu
 from flwr_sharded.perf.model_shape import ModelShape, compute_time, model_from_preset
 from flwr_sharded.perf.placement import DIMENSIONS
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Candidates.
+from flwr_sharded.perf.unequal_sync_cost import UnequalSync, coarse_shapes, unequal_sync
+from flwr_sharded.parallel.schedule import idle_times, local_steps
 
 
 @dataclass(frozen=True)
@@ -32,13 +26,9 @@ class Candidate:
     """One layout with its predicted cost per optimizer step."""
 
     method: str
-    """fsdp, hsdp, fl-fsdp or fl-hsdp."""
     F: int
-    """Federation groups."""
     R: int
-    """Replication groups per federation group."""
     S: int
-    """Ranks per sharding group."""
     A: int
     """Optimizer steps between shard syncs (1 for fsdp/hsdp)."""
     tiers: dict[str, str | None]
@@ -46,9 +36,7 @@ class Candidate:
     bandwidth: dict[str, float | None]
     """Bits/s one flow of each dimension's collectives gets: its tier's, divided among flows on a shared uplink."""
     comm: CommTerms
-    """Communication seconds per step, by kind."""
     compute: float
-    """Compute seconds per step."""
     memory: MemoryBreakdown
     """Bytes per GPU (the trainer's, `memory_model`); `memory.total` is the step's peak."""
     batch_tokens: int
@@ -56,14 +44,12 @@ class Candidate:
     fits: bool
     """Whether `memory` fits the usable GPU memory."""
     phases: Phases | None = None
-    """Seconds by phase (forward, backward, optimizer, aggregation); None: not split."""
     calibrated: bool = False
-    """Predicted with the cluster's calibrated model (`fabric`): then the step is the sum of `phases`."""
+    """Predicted with the cluster's calibrated model: then the step is the sum of `phases`."""
 
     @property
     def step_time(self) -> float:
-        """Predicted seconds per optimizer step: compute + communication (of an overlapped sync, what is not
-        hidden); with the calibrated model the sum of the phases (overlap and optimizer step included)."""
+        """Predicted seconds per optimizer step: compute + communication, or calibrated, the sum of the phases."""
         if self.calibrated and self.phases is not None:
             return self.phases.total
         return self.compute + self.comm.total
@@ -76,34 +62,28 @@ class Candidate:
         return f"{self.method} F={self.F} R={self.R} S={self.S} A={self.A}"
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def layouts(gpus: int, gpus_per_node: int, methods: tuple[str, ...] = METHODS,
             aggregate_every: tuple[int, ...] = (1, 2, 4, 8, 16, 32)) -> list[tuple[str, int, int, int, int]]:
-    """All (method, F, R, S, A) with F*R*S = gpus and S dividing a node or made of whole nodes.
-
-    hsdp needs R > 1, fl-fsdp F > 1, fl-hsdp F > 1 and R > 1 (otherwise they are another method).
-    """
+    """All (method, F, R, S, A) with F*R*S = gpus and S dividing a node or made of whole nodes."""
     out = []
-    for S in _divisors(gpus):
-        if gpus_per_node % S and S % gpus_per_node:
-            continue
+    for S in (d for d in range(1, gpus + 1) if gpus % d == 0 and not (gpus_per_node % d and d % gpus_per_node)):
         rest = gpus // S
-        for F in _divisors(rest):
-            R = rest // F
-            method = ("fl-" if F > 1 else "") + ("hsdp" if R > 1 else "fsdp")
-            if method not in methods:
-                continue
-            for A in (aggregate_every if F > 1 else (1,)):
-                out.append((method, F, R, S, A))
+        for F in (d for d in range(1, rest + 1) if rest % d == 0):
+            method = ("fl-" if F > 1 else "") + ("hsdp" if rest // F > 1 else "fsdp")
+            if method in methods:
+                out += [(method, F, rest // F, S, A) for A in (aggregate_every if F > 1 else (1,))]
     return out
 
 
+def check_aggregate_every(values: tuple[int, ...]) -> None:
+    """ConfigError naming `--aggregate-every` unless every value is an integer >= 1."""
+    for A in values:
+        if isinstance(A, bool) or not isinstance(A, int) or A < 1:
+            raise ConfigError(f"--aggregate-every: values must be integers >= 1, got {A!r}")
+
+
 def _wire_ratio(sync_bytes: float, bytes_per_param: float, F: int, step: StepOptions | None) -> float:
-    """The sync's wire bytes per parameter over the units': a dense wire's own size, times a top-k sync's rows over
-    the dense all-reduce (`--sync-topk`, `flwr_sharded.parallel.sparse.over_dense`)."""
+    """The sync's wire bytes per parameter over the units' (a top-k sync's: times `parallel.sparse.over_dense`)."""
     ratio = sync_bytes / bytes_per_param
     return ratio if step is None or step.sync_topk is None else ratio * over_dense(step.sync_topk, sync_bytes, F)
 
@@ -113,17 +93,19 @@ def evaluate(cluster: Cluster, model: ModelShape, method: str, *, F: int = 1, R:
              state_bytes_per_param: float | None = None, sizes: str = "exact", latency: bool = False,
              activation_checkpointing: bool = False, memory_fraction: float = 0.9,
              sync_bytes_per_param: float | None = None, step: StepOptions | None = None) -> Candidate:
-    """Predict one layout's step on `cluster` (see `plan` for the options; `step.sync_fragments` and
-    `step.sync_delay`: an overlapped sync, whose step time counts only what does not hide behind the local steps,
-    and whose snapshot the memory estimate counts)."""
+    """Predict one layout's step on `cluster` (the options are `flwr-sharded plan`'s); `sync_bytes_per_param`: the FL
+    sync's (None: `bytes_per_param`, and the trainer's float32 sync); `step`: the trainer's options, an overlapped
+    sync's included."""
     check_layout(method, S=S, R=R, F=F, A=A)
+    positive_int("tokens_per_gpu_batch", tokens_per_gpu_batch)
+    if not 0 < memory_fraction <= 1:
+        raise ConfigError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
     if sync_bytes_per_param is not None and not sync_bytes_per_param > 0:
         raise ConfigError(f"sync_bytes_per_param must be positive, got {sync_bytes_per_param!r}")
     if F * R * S != cluster.gpus:
         raise ConfigError(f"layout F={F} x R={R} x S={S} = {F * R * S} ranks, but the cluster has {cluster.gpus} GPUs")
-    placement = cluster.placement(F, R, S)
     calibrated = cluster.calibration is not None and sizes == "exact"
-    tiers, bw, steps = _dimension_links(cluster, placement, method, calibrated)
+    tiers, bw, steps = _dimension_links(cluster, cluster.placement(F, R, S), method, calibrated)
     alpha = {dim: (cluster.latency[t] if t and (latency or calibrated) else 0.0) for dim, t in tiers.items()}
     comm = comm_terms(method, model.units(bytes_per_param), S=S, R=R, F=F, A=A, B_S=bw["shard"],
                       B_R=bw["replica"], B_F=bw["federation"], sizes=sizes, backend=cluster.backend,
@@ -148,9 +130,7 @@ def evaluate(cluster: Cluster, model: ModelShape, method: str, *, F: int = 1, R:
     phases = Phases(forward=forward, backward=backward, optimizer=optimizer,
                     aggregation=comm.sync + comm.sync_latency)
     if sync_bytes_per_param is not None and step.sync_dtype == "float32":
-        dtypes: dict[float, str] = {}
-        for dtype, size in SYNC_DTYPE_BYTES.items():
-            dtypes.setdefault(size, dtype)  # int8 for fp8's size too: the same buffers
+        dtypes = {size: dtype for dtype, size in reversed(SYNC_DTYPE_BYTES.items())}  # int8 for fp8's size too
         if sync_bytes_per_param not in dtypes:
             raise ConfigError(f"sync_bytes_per_param: the trainer's sync dtypes have {sorted(dtypes)} bytes, "
                               f"got {sync_bytes_per_param!r}")
@@ -165,21 +145,18 @@ def evaluate(cluster: Cluster, model: ModelShape, method: str, *, F: int = 1, R:
 
 
 def _dimension_links(cluster: Cluster, placement, method: str, calibrated: bool) -> tuple[dict, dict, dict]:
-    """Per mesh dimension: the slowest tier its groups span, the bits/s one flow of its collectives gets (its tier's,
-    divided among the flows on a shared uplink; calibrated: `fabric.flow_bandwidth`), and (calibrated with a tree
-    all-reduce) the sequential steps of its all-reduce (None: the ring's)."""
+    """Per mesh dimension: the slowest tier its groups span, the bits/s one flow gets, an all-reduce's steps."""
     cal = cluster.calibration if calibrated else None
     shared = set(cluster.shared) | (set(cal.uplink) if cal else set())
     tiers: dict[str, str | None] = {}
     bw: dict[str, float | None] = {}
-    steps: dict[str, int | None] = {}
+    steps: dict[str, int | None] = dict.fromkeys(DIMENSIONS)
     for dim in DIMENSIONS:
         # fl-hsdp: only replica r = 0 joins the cross-group all-reduce
-        ranks = [placement.rank(0, 0, s) for s in range(placement.S)] if dim == "federation" and method == "fl-hsdp" \
+        ranks = [placement.rank(0, 0, s) for s in range(placement.S)] if (dim, method) == ("federation", "fl-hsdp") \
             else None
         tier = tiers[dim] = placement.dim_tier(dim, ranks)
         bw[dim] = cluster.bandwidth[tier] if tier else None
-        steps[dim] = None
         if not tier:
             continue
         flows = placement.flows(dim, ranks) if shared else {}
@@ -196,51 +173,20 @@ def _dimension_links(cluster: Cluster, placement, method: str, calibrated: bool)
     return tiers, bw, steps
 
 
-def plan(cluster: Cluster, model: ModelShape, *, tokens_per_gpu_batch: int = 4096,
-         aggregate_every: tuple[int, ...] = (1, 2, 4, 8, 16, 32), methods: tuple[str, ...] = METHODS,
-         bytes_per_param: float = 2.0, state_bytes_per_param: float | None = None, sizes: str = "exact",
-         latency: bool = False, activation_checkpointing: bool = False, memory_fraction: float = 0.9,
-         fl_margin: float = 0.1, sync_bytes_per_param: float | None = None,
-         step: StepOptions | None = None) -> list[Candidate]:
-    """Every valid layout that fits in memory, best first.
-
-    Ranked by predicted step time, except that an FL candidate ranks as if its step took (1 + `fl_margin`) times
-    longer: a synchronous method (exact gradient averaging, no drift, no A to tune) is preferred unless FL saves
-    more than that fraction. `sizes`: "exact" or "paper" message sizes (see `costmodel.comm_terms`); `latency`: add
-    the cluster's per-tier latencies as an alpha term per ring step; `memory_fraction`: share of GPU memory a layout
-    may use (the rest: CUDA context, NCCL buffers, fragmentation). An empty list means nothing fits.
-    `sync_bytes_per_param`: bytes per parameter of the FL sync's cross-group all-reduce (4 float32, 2 bfloat16:
-    `--sync-dtype`); None: `bytes_per_param`, like every other collective (the memory estimate then assumes the
-    trainer's default float32 sync, which keeps no global copy). `step`: the trainer options the memory estimate
-    follows (optimizer, outer rule, bucket, grad-accum, reshard-after-forward, ...); `bytes_per_param` sets its
-    compute dtype and `activation_checkpointing` its checkpointing.
-    """
+def plan(cluster: Cluster, model: ModelShape, *, aggregate_every: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
+         methods: tuple[str, ...] = METHODS, fl_margin: float = 0.1, **options) -> list[Candidate]:
+    """Every layout that fits in memory (`options`: `evaluate`'s), fastest first, an FL layout's step counted
+    (1 + `fl_margin`) times longer (exact gradient averaging wins unless FL saves more)."""
     unknown = sorted(set(methods) - set(METHODS))
     if unknown or not methods:
         raise ConfigError(f"--methods: choose among {', '.join(METHODS)}, got {', '.join(methods) or 'nothing'}")
-    for A in aggregate_every:
-        if isinstance(A, bool) or not isinstance(A, int) or A < 1:
-            raise ConfigError(f"--aggregate-every: values must be integers >= 1, got {A!r}")
-    _positive_int_option("--tokens-per-gpu", tokens_per_gpu_batch)
-    if not 0 < memory_fraction <= 1:
-        raise ConfigError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+    check_aggregate_every(aggregate_every)
     if fl_margin < 0:
         raise ConfigError(f"--fl-margin must be >= 0, got {fl_margin}")
-    candidates = [
-        evaluate(cluster, model, method, F=F, R=R, S=S, A=A, tokens_per_gpu_batch=tokens_per_gpu_batch,
-                 bytes_per_param=bytes_per_param, state_bytes_per_param=state_bytes_per_param, sizes=sizes,
-                 latency=latency, activation_checkpointing=activation_checkpointing, memory_fraction=memory_fraction,
-                 sync_bytes_per_param=sync_bytes_per_param, step=step)
-        for method, F, R, S, A in layouts(cluster.gpus, cluster.gpus_per_node, tuple(methods),
-                                          tuple(aggregate_every))
-    ]
+    candidates = [evaluate(cluster, model, method, F=F, R=R, S=S, A=A, **options) for method, F, R, S, A in
+                  layouts(cluster.gpus, cluster.gpus_per_node, tuple(methods), tuple(aggregate_every))]
     fitting = [c for c in candidates if c.fits]
     return sorted(fitting, key=lambda c: (c.step_time * (1 + fl_margin if c.federated else 1), c.A, c.F, c.R))
-
-
-def _positive_int_option(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name}: expected an integer >= 1, got {value!r}")
 
 
 _TERM_NAMES = {"shard": "all-gathers/reduce-scatters over the sharding group",
@@ -250,12 +196,10 @@ _TERM_NAMES = {"shard": "all-gathers/reduce-scatters over the sharding group",
 
 def explain(best: Candidate, reference: Candidate | None, fastest: Candidate, fl_margin: float) -> str:
     """Why `best` is recommended: step time, dominant term, speedup over plain FSDP."""
-    terms = {"shard": best.comm.shard, "replicate": best.comm.replicate, "sync": best.comm.sync,
-             "latency": best.comm.latency}
-    dominant = max(terms, key=terms.get)
-    tier = {"shard": best.tiers["shard"], "replicate": best.tiers["replica"],
-            "sync": best.tiers["federation"], "latency": None}[dominant]
-    where = f" ({tier})" if tier else ""
+    terms = {"shard": (best.comm.shard, best.tiers["shard"]), "replicate": (best.comm.replicate, best.tiers["replica"]),
+             "sync": (best.comm.sync, best.tiers["federation"]), "latency": (best.comm.latency, None)}
+    dominant = max(terms, key=lambda k: terms[k][0])
+    where = f" ({terms[dominant][1]})" if terms[dominant][1] else ""
     bound = "compute" if best.compute >= best.comm.total else "communication"
     mostly = f", mostly {_TERM_NAMES[dominant]}{where}" if best.comm.total > 0 else ""
     if best.calibrated and best.phases is not None:
@@ -278,9 +222,6 @@ def explain(best: Candidate, reference: Candidate | None, fastest: Candidate, fl
     return text
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# The paper's four 512-GPU layouts and its measured times.
-
 PAPER_LAYOUTS: tuple[tuple[str, str, int, int, int], ...] = (
     ("FSDP", "fsdp", 1, 1, 512),
     ("HSDP", "hsdp", 1, 128, 4),
@@ -299,8 +240,8 @@ PAPER_TABLE4: dict[str, dict[str, tuple[float, float]]] = {
     "FL+HSDP": {"forward": (0.38, 0.02), "backward": (0.99, 0.01), "optimizer": (0.03, 0.00),
                 "aggregation": (0.14, 0.54), "overall": (1.53, 0.54)},
 }
-"""Reference figures, measured (not predicted): the paper's Table 4, seconds per batch (mean, std) by phase, for
-Llama-3.1-8B on 512 A100 GPUs of Leonardo, batch 2 x 2048 tokens per GPU, aggregation every 8 steps."""
+"""The paper's Table 4, measured: seconds per batch (mean, std) by phase, Llama-3.1-8B on 512 A100 GPUs of Leonardo,
+2 x 2048 tokens per GPU, aggregation every 8 steps."""
 
 
 @dataclass(frozen=True)
@@ -308,32 +249,134 @@ class PaperRow:
     """One of the paper's layouts: predicted step time next to the paper's measurement."""
 
     label: str
-    """FSDP, HSDP, FL+FSDP or FL+HSDP."""
     predicted: Candidate
-    """The cost model's prediction with exact message sizes."""
     paper_eq_comm: float
     """Communication seconds per step from Eqs. 1-5 literally (M = model bits / number of units)."""
     measured: dict[str, tuple[float, float]]
     """The paper's Table 4 row (mean, std) by phase."""
 
 
-def paper_layouts(cluster: Cluster, model: ModelShape | None = None, *, A: int = 8, tokens_per_gpu_batch: int = 4096,
-                  bytes_per_param: float = 2.0, latency: bool = False, activation_checkpointing: bool = False,
-                  memory_fraction: float = 0.9, sync_bytes_per_param: float | None = None,
-                  step: StepOptions | None = None) -> list[PaperRow]:
-    """Predictions for the paper's four layouts (needs a 512-GPU cluster) next to Table 4, with their memory."""
+def paper_layouts(cluster: Cluster, model: ModelShape | None = None, *, A: int = 8, **options) -> list[PaperRow]:
+    """Predictions for the paper's four layouts (on 512 GPUs) next to Table 4 (`options`: `evaluate`'s)."""
     if cluster.gpus != 512:
         raise ConfigError(f"--layouts paper: the paper's layouts use 512 GPUs, cluster {cluster.name} has "
                           f"{cluster.gpus}")
     model = model or model_from_preset("llama3.1-8b")
     rows = []
     for label, method, F, R, S in PAPER_LAYOUTS:
-        a = A if F > 1 else 1
-        kwargs = dict(F=F, R=R, S=S, A=a, tokens_per_gpu_batch=tokens_per_gpu_batch, bytes_per_param=bytes_per_param,
-                      activation_checkpointing=activation_checkpointing, memory_fraction=memory_fraction,
-                      sync_bytes_per_param=sync_bytes_per_param, step=step)
-        exact = evaluate(cluster, model, method, latency=latency, **kwargs)
-        literal = evaluate(cluster, model, method, sizes="paper", **kwargs)
+        layout = dict(F=F, R=R, S=S, A=A if F > 1 else 1)
+        exact = evaluate(cluster, model, method, **layout, **{**options, "sizes": "exact"})
+        literal = evaluate(cluster, model, method, **layout, **{**options, "sizes": "paper", "latency": False})
         rows.append(PaperRow(label=label, predicted=exact, paper_eq_comm=literal.comm.total,
                              measured=PAPER_TABLE4[label]))
     return rows
+
+
+@dataclass(frozen=True)
+class FacilityPlan:
+    """One facility's group in a federation plan."""
+
+    name: str
+    gpus: int
+    local: Candidate
+    """Its local step (fsdp or hsdp on its own GPUs, F = 1)."""
+    memory: MemoryBreakdown
+    """Bytes per GPU in the federation (F groups)."""
+    A: int
+    idle: float
+    """Seconds it waits per sync for the others, with its own A."""
+    idle_equal: float
+    """Seconds it would wait per sync if every facility ran the fastest one's A."""
+
+    @property
+    def R(self) -> int:
+        return self.local.R
+
+    @property
+    def S(self) -> int:
+        return self.local.S
+
+
+@dataclass(frozen=True)
+class FederationCandidate:
+    """A federation's layouts, local steps and sync, with its predicted throughput."""
+
+    facilities: tuple[FacilityPlan, ...]
+    A: int
+    """Local steps per sync of the fastest facility."""
+    sync: UnequalSync
+    tokens_per_gpu: int
+
+    @property
+    def compute_period(self) -> float:
+        """Seconds from one sync until the last facility arrives at the next: max_g A_g t_g."""
+        return max(f.A * f.local.step_time for f in self.facilities)
+
+    @property
+    def period(self) -> float:
+        """Seconds per sync period: the last facility's local steps, then the sync."""
+        return self.compute_period + self.sync.time
+
+    @property
+    def tokens_per_second(self) -> float:
+        """sum_g A_g GPUs_g tokens per GPU over the period."""
+        return sum(f.A * f.gpus for f in self.facilities) * self.tokens_per_gpu / self.period
+
+    def label(self) -> str:
+        return ", ".join(f"{f.name} R={f.R} S={f.S} A={f.A}" for f in self.facilities)
+
+
+def facility_layouts(facility: Cluster, model: ModelShape, F: int, *, tokens_per_gpu_batch: int,
+                     bytes_per_param: float, memory_fraction: float, step: StepOptions | None,
+                     **options) -> list[tuple[Candidate, MemoryBreakdown]]:
+    """Every (R, S) of one facility that fits in memory in a federation of F groups, with its local step."""
+    out, smallest = [], None
+    for method, _, R, S, _ in layouts(facility.gpus, facility.gpus_per_node, ("fsdp", "hsdp")):
+        local = evaluate(facility, model, method, R=R, S=S, tokens_per_gpu_batch=tokens_per_gpu_batch,
+                         bytes_per_param=bytes_per_param, memory_fraction=memory_fraction, step=step, **options)
+        memory = memory_per_gpu(model, S=S, R=R, F=F, tokens=tokens_per_gpu_batch, bytes_per_param=bytes_per_param,
+                                state_bytes_per_param=options.get("state_bytes_per_param"),
+                                activation_checkpointing=options.get("activation_checkpointing", False),
+                                options=step)
+        if memory.total <= memory_fraction * facility.gpu_memory:
+            out.append((local, memory))
+        elif smallest is None or memory.total < smallest[1]:
+            smallest = (S, memory.total)
+    if not out:
+        raise ConfigError(f"facility {facility.name}: no sharding degree S of its {facility.gpus} GPUs fits "
+                          f"{memory_fraction:.0%} of {facility.gpu_memory / GiB:.1f} GiB per GPU (S={smallest[0]} "
+                          f"needs {smallest[1] / GiB:.1f} GiB); try --activation-checkpointing, fewer "
+                          f"--tokens-per-gpu or more GPUs there")
+    return out
+
+
+def plan_federation(federation: FacilityFederation, model: ModelShape, *, tokens_per_gpu_batch: int = 4096,
+                    aggregate_every: tuple[int, ...] = (1, 2, 4, 8, 16, 32), bytes_per_param: float = 2.0,
+                    sync_bytes_per_param: float | None = None, memory_fraction: float = 0.9,
+                    step: StepOptions | None = None, **options) -> list[FederationCandidate]:
+    """Every combination of the facilities' fitting layouts, for every A, most tokens per second first."""
+    F = len(federation.facilities)
+    if not aggregate_every:
+        raise ConfigError("--aggregate-every: give at least one value")
+    check_aggregate_every(aggregate_every)
+    per_facility = [facility_layouts(f, model, F, tokens_per_gpu_batch=tokens_per_gpu_batch,
+                                     bytes_per_param=bytes_per_param, memory_fraction=memory_fraction, step=step,
+                                     **options) for f in federation.facilities]
+    wire = _wire_ratio(sync_bytes_per_param or bytes_per_param, bytes_per_param, F, step)
+    out = []
+    for combo in itertools.product(*per_facility):
+        B_R = []
+        for f, (c, _) in zip(federation.facilities, combo):
+            tier = f.placement(1, c.R, c.S).dim_tier("replica")
+            B_R.append(f.bandwidth[tier] if tier else None)
+        sync = unequal_sync([(c.R, c.S) for c, _ in combo], coarse_shapes(model), bytes_per_param=bytes_per_param,
+                            wire_ratio=wire, B_F=federation.inter_group, B_R=B_R, shared_uplink=federation.shared,
+                            names=[f.name for f in federation.facilities])
+        times = [c.step_time for c, _ in combo]
+        for A in aggregate_every:
+            steps = local_steps(A, times)
+            plans = tuple(FacilityPlan(name=f.name, gpus=f.gpus, local=c, memory=m, A=a, idle=i, idle_equal=e)
+                          for f, (c, m), a, i, e in zip(federation.facilities, combo, steps, idle_times(steps, times),
+                                                         idle_times([A] * F, times)))
+            out.append(FederationCandidate(facilities=plans, A=A, sync=sync, tokens_per_gpu=tokens_per_gpu_batch))
+    return sorted(out, key=lambda c: (-c.tokens_per_second, c.A))

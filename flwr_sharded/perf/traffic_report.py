@@ -1,19 +1,4 @@
-"""Measured traffic next to the cost model's prediction, per network tier.
-
-Two measurements of one training run (`train.py --measure-traffic DIR` attaches a `TrafficProbe` to the trainer):
-
-- **collectives**: a `TrafficMeter` records every collective a rank issues over its training loop (op, process-group
-  ranks, payload bytes), each filed under the optimizer step, the shard sync or the rest (evaluation, logging) it
-  ran in. `collective_tiers` turns the records into bytes sent per tier with the same ring rules as
-  `placement.rank_traffic`: a rank sends its share of a ring collective to the next rank of the group; an all-gather
-  or reduce-scatter of D bytes over n ranks sends D (n-1)/n, an all-reduce 2 D (n-1)/n, and gloo's reduce-scatter,
-  which runs an all-reduce, 2 D (n-1)/n as well; a broadcast is a chain.
-- **wire** (`wire_tiers`): the interface byte counters of the emulated network (`/proc/<pid>/net/dev`) at the start
-  and end of the loop: `lo` of each node namespace (intra-node), `eth0` of each node (everything leaving the node)
-  and the group uplinks (everything leaving a node group). They include TCP/IP headers and acknowledgements.
-
-`compare` puts both next to `placement.traffic` for the same placement, model units and number of steps and syncs.
-"""
+"""Measured traffic of a training run (`train --measure-traffic`: a `TrafficProbe`) next to the cost model's."""
 
 from __future__ import annotations
 
@@ -31,30 +16,18 @@ from flwr_sharded.perf.placement import TIERS, Placement, traffic
 PHASES = ("step", "sync")
 ALL_PHASES = (*PHASES, "other")
 NETDEV_ENV = "FLWR_SHARDED_NETDEV"
-"""Extra `net/dev` files rank 0 snapshots around each window, as `label=path,label=path` (the emulator sets it to
-the fabric namespace's `/proc/<pid>/net/dev`)."""
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Interface counters.
+"""Extra `net/dev` files rank 0 snapshots, as `label=path,label=path` (the emulator's fabric namespace's)."""
 
 
 def read_netdev(path: str | os.PathLike = "/proc/self/net/dev") -> dict[str, dict[str, int]]:
-    """{interface: {"rx_bytes", "tx_bytes", "rx_packets", "tx_packets"}} from a `/proc/.../net/dev` file.
-
-    `/proc/<pid>/net/dev` shows the network namespace of process `pid`, so one process can read the counters of
-    another namespace through a process living in it.
-    """
+    """{interface: {"rx_bytes", "tx_bytes", "rx_packets", "tx_packets"}} from a `/proc/<pid>/net/dev` file."""
     out: dict[str, dict[str, int]] = {}
-    with open(path) as fh:
-        lines = fh.read().splitlines()[2:]
-    for line in lines:
+    for line in Path(path).read_text().splitlines()[2:]:
         name, _, rest = line.partition(":")
         values = [int(v) for v in rest.split()]
-        if len(values) < 16:
-            continue
-        out[name.strip()] = {"rx_bytes": values[0], "rx_packets": values[1], "tx_bytes": values[8],
-                             "tx_packets": values[9]}
+        if len(values) >= 16:
+            out[name.strip()] = {"rx_bytes": values[0], "rx_packets": values[1], "tx_bytes": values[8],
+                                 "tx_packets": values[9]}
     return out
 
 
@@ -62,28 +35,9 @@ def _subtract(after: dict[str, dict[str, int]], before: dict[str, dict[str, int]
     return {name: {k: v - before.get(name, {}).get(k, 0) for k, v in values.items()} for name, values in after.items()}
 
 
-def _accumulate(total: dict[str, dict[str, int]], delta: dict[str, dict[str, int]]) -> None:
-    for name, values in delta.items():
-        slot = total.setdefault(name, {})
-        for k, v in values.items():
-            slot[k] = slot.get(k, 0) + v
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The probe inside a training run.
-
-
 @dataclass
 class TrafficProbe:
-    """Counts one rank's collectives and interface bytes over its training loop, split into optimizer steps,
-    shard syncs and the rest (evaluation, logging).
-
-    `attach(trainer)` wraps the trainer's `step` and `sync` methods: the first step starts the count; `finish()`
-    (after the loop) stops it; `write(directory)` saves `rank<N>.json`. Interface counters are snapshotted at both
-    ends, not per step: a node's ranks do not finish a collective at the same instant, so per-step deltas would
-    lose bytes still in flight. The first local rank of a node (LOCAL_RANK 0) reads its namespace's counters
-    (`/proc/self/net/dev`), rank 0 also the files named in `$FLWR_SHARDED_NETDEV`.
-    """
+    """One rank's collectives by optimizer steps, shard syncs and the rest, and interface counters, over its loop."""
 
     rank: int
     world_size: int
@@ -95,26 +49,19 @@ class TrafficProbe:
     _start: dict[str, dict[str, dict[str, int]]] | None = None
     _netdev: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
     _collectives: dict[tuple[str, str, tuple[int, ...]], list[int]] | None = None
-    _phase: str | None = None
 
     @classmethod
     def from_env(cls) -> TrafficProbe:
         return cls(rank=int(os.environ.get("RANK", "0")), world_size=int(os.environ.get("WORLD_SIZE", "1")),
                    local_rank=int(os.environ.get("LOCAL_RANK", "0")))
 
-    def _sources(self) -> dict[str, str]:
-        sources: dict[str, str] = {}
-        if self.local_rank == 0:
-            sources["self"] = "/proc/self/net/dev"
-        if self.rank == 0:
-            for item in filter(None, os.environ.get(NETDEV_ENV, "").split(",")):
-                label, _, path = item.partition("=")
-                sources[label] = path
-        return sources
-
     def _snapshot(self) -> dict[str, dict[str, dict[str, int]]]:
+        """The interface counters this rank reads: its namespace's on LOCAL_RANK 0, `NETDEV_ENV`'s on rank 0."""
+        sources = {"self": "/proc/self/net/dev"} if self.local_rank == 0 else {}
+        if self.rank == 0:
+            sources.update(item.partition("=")[::2] for item in os.environ.get(NETDEV_ENV, "").split(",") if item)
         out = {}
-        for label, path in self._sources().items():
+        for label, path in sources.items():
             try:
                 out[label] = read_netdev(path)
             except OSError:
@@ -138,8 +85,7 @@ class TrafficProbe:
         records, self._meter = self._meter.records, None
         phase_of = ["other"] * len(records)
         for phase, i0, i1 in self._spans:
-            for i in range(i0, i1):
-                phase_of[i] = phase
+            phase_of[i0:i1] = [phase] * (i1 - i0)
         self._collectives = {}
         for phase, rec in zip(phase_of, records):
             phase = "sync" if rec.background else phase  # an overlapped sync's thread, while steps run
@@ -200,72 +146,46 @@ def load_probes(directory: str | os.PathLike) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in files]
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# From records to bytes per tier.
+def ring_bytes_sent(op: str, payload: float, n: int, backend: str = "gloo") -> float:
+    """Bytes one rank sends for one ring collective of `payload` bytes (the meter's) over n ranks."""
+    share = (n - 1) / max(n, 1)
+    factors = {"all_gather_single": share, "all_gather_into_tensor": share, "all_gather": n - 1,
+               "reduce_scatter_single": share * (2.0 if backend == "gloo" else 1.0), "all_reduce": 2.0 * share,
+               "broadcast": 1.0, "send": 1.0}
+    factors["reduce_scatter_tensor"] = factors["reduce_scatter_single"]
+    if op not in factors:
+        raise ValueError(f"no ring accounting for collective {op!r}")
+    return payload * factors[op] if n >= 2 else 0.0
 
-_GATHER_LIKE = {"all_gather_single", "all_gather_into_tensor"}
-_REDUCE_SCATTER = {"reduce_scatter_single", "reduce_scatter_tensor"}
 
-
-def sent_bytes(op: str, payload: float, n: int, backend: str = "gloo") -> float:
-    """Bytes one rank sends for one ring collective of `payload` bytes (the meter's payload) over n ranks."""
-    if n < 2:
-        return 0.0
-    if op in _GATHER_LIKE:
-        return payload * (n - 1) / n
-    if op == "all_gather":  # the list form (the sync's robust rules): the meter's payload is this rank's input
-        return payload * (n - 1)
-    if op in _REDUCE_SCATTER:
-        return payload * (n - 1) / n * (2.0 if backend == "gloo" else 1.0)
-    if op == "all_reduce":
-        return 2.0 * payload * (n - 1) / n
-    if op == "broadcast":
-        return payload  # pipelined chain: every rank but the last forwards it once (the caller drops the last)
-    if op == "send":
-        return payload  # point to point: its record's ranks are (sender, receiver)
-    raise ValueError(f"no ring accounting for collective {op!r}")
+def sending_records(probes: list[dict[str, Any]]) -> Iterator[tuple[int, dict[str, Any], int]]:
+    """(rank, record, the next rank of its group) of every record in which the rank sends (not a broadcast's last)."""
+    for probe in probes:
+        rank = probe["rank"]
+        for rec in probe["collectives"]:
+            ranks, n = rec["ranks"], len(rec["ranks"])
+            if rank in ranks and n >= 2 and not (rec["op"] == "broadcast" and ranks.index(rank) == n - 1):
+                yield rank, rec, ranks[(ranks.index(rank) + 1) % n]
 
 
 def collective_tiers(probes: list[dict[str, Any]], placement: Placement,
                      backend: str = "gloo") -> dict[str, dict[str, float]]:
-    """Bytes sent per phase ("step", "sync", "other") and tier, summed over ranks, from the probes' records.
-
-    Each collective's bytes go to the tier of the link from the rank to the next one in its group (rank order).
-    A broadcast counts for every rank but the last of its chain. Ops without a ring rule are reported under the
-    pseudo-tier "unmapped" (payload bytes).
-    """
+    """Bytes sent per phase and tier, summed over ranks; ops without a ring rule under "unmapped" (payload bytes)."""
     out = {p: dict.fromkeys((*TIERS, "unmapped"), 0.0) for p in ALL_PHASES}
-    for probe in probes:
-        rank = probe["rank"]
-        for rec in probe["collectives"]:
-            ranks, op, phase = rec["ranks"], rec["op"], rec["phase"]
-            n = len(ranks)
-            if rank not in ranks or n < 2:
-                continue
-            i = ranks.index(rank)
-            if op == "broadcast" and i == n - 1:
-                continue
-            try:
-                nbytes = sent_bytes(op, rec["bytes"], n, backend)  # linear in the payload: all calls at once
-            except ValueError:
-                out[phase]["unmapped"] += rec["bytes"]
-                continue
-            out[phase][placement.link_tier(rank, ranks[(i + 1) % n])] += nbytes
+    for rank, rec, peer in sending_records(probes):
+        try:  # linear in the payload: all calls at once
+            out[rec["phase"]][placement.link_tier(rank, peer)] += ring_bytes_sent(rec["op"], rec["bytes"],
+                                                                                   len(rec["ranks"]), backend)
+        except ValueError:
+            out[rec["phase"]]["unmapped"] += rec["bytes"]
     return out
 
 
 def wire_tiers(probes: list[dict[str, Any]], ranks_per_node: int, uplinks: list[str],
                fabric_label: str = "fabric", node_iface: str = "eth0") -> dict[str, float]:
-    """Bytes on the emulated wire per tier over the training loop, from the interface counters the probes took.
-
-    intra_node: tx of `lo` of every node; inter_group: tx of the group uplinks (`uplinks`, in the fabric namespace,
-    read by rank 0); inter_node: tx of every node's `node_iface` minus inter_group. A node's counters are read by
-    its first rank. Wire bytes include TCP/IP headers, acknowledgements and connection set-up.
-    """
+    """Bytes on the emulated wire per tier over the loop: tx of `lo`, of the `uplinks`, of `node_iface` less them."""
     out = dict.fromkeys(TIERS, 0.0)
-    for probe in probes:
-        if probe["rank"] % ranks_per_node:
-            continue
+    for probe in (p for p in probes if p["rank"] % ranks_per_node == 0):
         node = probe["netdev"].get("self", {})
         out["intra_node"] += node.get("lo", {}).get("tx_bytes", 0)
         out["inter_node"] += node.get(node_iface, {}).get("tx_bytes", 0)
@@ -273,22 +193,6 @@ def wire_tiers(probes: list[dict[str, Any]], ranks_per_node: int, uplinks: list[
         if fabric is not None:
             out["inter_group"] += sum(fabric.get(u, {}).get("tx_bytes", 0) for u in uplinks)
     out["inter_node"] -= out["inter_group"]
-    return out
-
-
-def predicted_tiers(method: str, placement: Placement, units: Units, *, A: int, steps: int, syncs: float,
-                    backend: str = "gloo", reshard_root: bool = True,
-                    wire_ratio: float = 1.0) -> dict[str, dict[str, float]]:
-    """`placement.traffic` summed over ranks: step bytes x steps and sync bytes x syncs, per tier.
-
-    `wire_ratio`: the sync all-reduce's bytes per parameter over the units' (0.5 for a bfloat16 sync of fp32 units).
-    """
-    out = {p: dict.fromkeys(TIERS, 0.0) for p in PHASES}
-    for t in traffic(method, placement, units, A=A, backend=backend, reshard_root=reshard_root,
-                     wire_ratio=wire_ratio):
-        for tier in TIERS:
-            out["step"][tier] += t.step[tier] * steps
-            out["sync"][tier] += t.sync[tier] * syncs
     return out
 
 
@@ -314,20 +218,15 @@ class TierComparison:
     def error(self, tier: str) -> float | None:
         """(measured - predicted) / predicted over steps and syncs; None when both are 0."""
         pred, meas = self.predicted_total()[tier], self.measured_total()[tier]
-        if pred == 0:
-            return None if meas == 0 else float("inf")
-        return (meas - pred) / pred
+        return (meas - pred) / pred if pred else None if meas == 0 else float("inf")
 
     def max_error(self) -> float:
-        errors = [abs(e) for t in TIERS if (e := self.error(t)) is not None]
-        return max(errors, default=0.0)
+        return max((abs(e) for t in TIERS if (e := self.error(t)) is not None), default=0.0)
 
     def wire_ratio(self, tier: str) -> float | None:
         """Wire bytes / collective bytes over the same span (steps, syncs and the rest); None without data."""
-        if self.wire is None:
-            return None
         meas = self.measured_total(ALL_PHASES)[tier]
-        return self.wire[tier] / meas if meas > 0 else None
+        return self.wire[tier] / meas if self.wire is not None and meas > 0 else None
 
     def to_dict(self) -> dict[str, Any]:
         return {"steps": self.steps, "syncs": self.syncs, "predicted": self.predicted,
@@ -338,38 +237,14 @@ class TierComparison:
 def compare(probes: list[dict[str, Any]], method: str, placement: Placement, units: Units, *, A: int,
             backend: str = "gloo", reshard_root: bool = True, ranks_per_node: int | None = None,
             uplinks: list[str] | None = None, wire_ratio: float = 1.0, fragments: int = 1) -> TierComparison:
-    """Measured (collectives, and wire when counters were taken) against predicted bytes per tier for one run.
-
-    `wire_ratio`: as in `predicted_tiers` (the run's `--sync-dtype` bytes over the units' bytes per parameter).
-    `fragments`: the run's `--sync-fragments` (each fragment's sync carries its share of the model).
-    """
+    """Measured (collectives, and wire) against predicted bytes per tier for one run (`fragments`: its fragments)."""
     steps = probes[0]["windows"]["step"]
     syncs = probes[0]["windows"]["sync"] / fragments  # whole-model syncs: one per fragment's sync of each
-    predicted = predicted_tiers(method, placement, units, A=A, steps=steps, syncs=syncs, backend=backend,
-                                reshard_root=reshard_root, wire_ratio=wire_ratio)
-    wire = None
-    if ranks_per_node and any(p["netdev"] for p in probes):
-        wire = wire_tiers(probes, ranks_per_node, uplinks or [])
+    per_rank = traffic(method, placement, units, A=A, backend=backend, reshard_root=reshard_root, wire_ratio=wire_ratio)
+    predicted = {phase: {tier: sum(getattr(t, phase)[tier] for t in per_rank) * count for tier in TIERS}
+                 for phase, count in (("step", steps), ("sync", syncs))}  # placement.traffic summed over ranks
+    wire = wire_tiers(probes, ranks_per_node, uplinks or []) if ranks_per_node and any(p["netdev"] for p in probes) \
+        else None
     return TierComparison(predicted=predicted, collectives=collective_tiers(probes, placement, backend), wire=wire,
                           steps=steps, syncs=syncs)
 
-
-def model_units(model_name: str, vocab_size: int, bytes_per_param: float = 4.0) -> Units:
-    """FSDP2 units (blocks and root) of a preset, in bytes on the wire (fp32 on CPU: 4 bytes per parameter)."""
-    from flwr_sharded.perf.model_shape import model_from_preset
-
-    return model_from_preset(model_name, vocab_size).units(bytes_per_param)
-
-
-def format_table(cmp: TierComparison, label: str = "") -> str:
-    """Rows per tier: predicted MB, measured collectives MB and error, wire MB and wire / collectives."""
-    pred, meas, allm = cmp.predicted_total(), cmp.measured_total(), cmp.measured_total(ALL_PHASES)
-    lines = [f"{label:<10} {'tier':<12} {'predicted MB':>12} {'collectives MB':>14} {'error':>7} "
-             f"{'all coll. MB':>12} {'wire MB':>9} {'wire/coll.':>10}"]
-    for tier in TIERS:
-        err, ratio = cmp.error(tier), cmp.wire_ratio(tier)
-        wire = f"{cmp.wire[tier] / 1e6:9.2f}" if cmp.wire else f"{'-':>9}"
-        lines.append(f"{'':<10} {tier:<12} {pred[tier] / 1e6:12.2f} {meas[tier] / 1e6:14.2f} "
-                     f"{'-' if err is None else f'{err:+.1%}':>7} {allm[tier] / 1e6:12.2f} {wire} "
-                     f"{'-' if ratio is None else f'{ratio:.3f}':>10}")
-    return "\n".join(lines)

@@ -147,8 +147,8 @@ def test_unequal_groups_end_with_the_central_weighted_mean(layouts):
     """... and each rank sends across groups exactly the cost model's bytes (its channels' ring all-reduces, and per
     channel its weight, verdict and vote), holding no more than its shards and one bucket."""
     from flwr_sharded.parallel.admission import ADMISSION_BYTES, VOTE_BYTES
-    from flwr_sharded.perf.traffic_report import sent_bytes
-    from flwr_sharded.perf.unequal import unequal_sync
+    from flwr_sharded.perf.traffic_report import ring_bytes_sent
+    from flwr_sharded.perf.unequal_sync_cost import unequal_sync
 
     out = run_ranks(_sync_worker, sum(layouts), layouts, 1, "float32", False, timeout=240)
     model = unequal_sync([(1, S) for S in layouts], out[0]["shapes"], bytes_per_param=4, B_F=1e9)
@@ -157,7 +157,7 @@ def test_unequal_groups_end_with_the_central_weighted_mean(layouts):
         assert all(res["same"])  # every group holds bit-identical full models
         f, _, s = res["coords"]
         control = res["channels"] * (len(layouts) * ADMISSION_BYTES + VOTE_BYTES)
-        payload = model.rank_bytes[f][s] / sent_bytes("all_reduce", 1.0, len(layouts))  # the meter counts payload
+        payload = model.rank_bytes[f][s] / ring_bytes_sent("all_reduce", 1.0, len(layouts))  # the meter counts payload
         assert res["cross_group_bytes"] == pytest.approx(payload + control, abs=1e-6)
         assert res["buffer_bytes"] <= 4000
     assert out[0]["moved"] > 1e-2  # the groups did differ: the check could fail

@@ -14,12 +14,11 @@ import pytest
 import yaml
 
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.perf.bench.layouts import default_layouts, model_units, parse_layouts, vocab_size_of
 from flwr_sharded.perf.bench.report import agreement
-from flwr_sharded.perf.bench.training_run import step_stats
-from flwr_sharded.perf.netemu.topology import EmuTopology
+from flwr_sharded.perf.bench.runs import default_layouts, model_units, parse_layouts, step_stats, vocab_size_of
+from flwr_sharded.perf.netemu.network import EmuTopology
 from flwr_sharded.perf.placement import TIERS, Placement
-from flwr_sharded.perf.traffic_report import compare, load_probes, sent_bytes
+from flwr_sharded.perf.traffic_report import compare, load_probes, ring_bytes_sent
 from tests.multiproc import torchrun
 
 REPO = Path(__file__).resolve().parents[2]
@@ -79,15 +78,15 @@ def test_measured_collectives_match_the_cost_model(data_dir, tmp_path, method, l
 
 
 def test_sent_bytes_rules():
-    assert sent_bytes("all_gather_single", 800, 4) == 600
-    assert sent_bytes("all_gather", 200, 4) == 600  # the list form's payload: one rank's part
-    assert sent_bytes("reduce_scatter_single", 800, 4, "gloo") == 1200  # gloo runs an all-reduce
-    assert sent_bytes("reduce_scatter_single", 800, 4, "nccl") == 600
-    assert sent_bytes("all_reduce", 800, 4) == 1200
-    assert sent_bytes("broadcast", 800, 2) == 800
-    assert sent_bytes("all_reduce", 800, 1) == 0
+    assert ring_bytes_sent("all_gather_single", 800, 4) == 600
+    assert ring_bytes_sent("all_gather", 200, 4) == 600  # the list form's payload: one rank's part
+    assert ring_bytes_sent("reduce_scatter_single", 800, 4, "gloo") == 1200  # gloo runs an all-reduce
+    assert ring_bytes_sent("reduce_scatter_single", 800, 4, "nccl") == 600
+    assert ring_bytes_sent("all_reduce", 800, 4) == 1200
+    assert ring_bytes_sent("broadcast", 800, 2) == 800
+    assert ring_bytes_sent("all_reduce", 800, 1) == 0
     with pytest.raises(ValueError):
-        sent_bytes("all_to_all_single", 8, 2)
+        ring_bytes_sent("all_to_all_single", 8, 2)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

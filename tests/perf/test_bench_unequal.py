@@ -10,11 +10,11 @@ import math
 import pytest
 
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.perf.bench.layouts import Layout
-from flwr_sharded.perf.bench.unequal import parse_group_shards, slow_seconds, unequal_layouts
-from flwr_sharded.perf.bench.unequal_report import (at_equal_tokens, cross_group_traffic, eval_tokens, group_timing,
-                                                    ppl_at, predicted_sync, render_unequal, unequal_checks)
-from flwr_sharded.perf.netemu.topology import EmuTopology
+from flwr_sharded.perf.bench.report import render_unequal, unequal_checks
+from flwr_sharded.perf.bench.runs import BenchLayout
+from flwr_sharded.perf.bench.scenarios import (at_equal_tokens, cross_group_traffic, eval_tokens, group_timing,
+                                               parse_group_shards, ppl_at, predicted_sync, slow_seconds, unequal_layouts)
+from flwr_sharded.perf.netemu.network import EmuTopology
 from tests.perf.test_bench import REPO, _cli, needs_root
 
 FLAT6 = EmuTopology(name="flat", ranks_per_node=1, nodes=6, nodes_per_group=6, inter_node_bps=1e9,
@@ -22,19 +22,19 @@ FLAT6 = EmuTopology(name="flat", ranks_per_node=1, nodes=6, nodes_per_group=6, i
 
 
 def test_unequal_layout_passes_group_shards():
-    lay = Layout.unequal("fl-fsdp", 1, (2, 4))
+    lay = BenchLayout.unequal("fl-fsdp", 1, (2, 4))
     assert (lay.F, lay.world, lay.text()) == (2, 6, "2x1x(2,4)")
     assert [list(r) for r in lay.group_ranks()] == [[0, 1], [2, 3, 4, 5]]
     args = lay.train_args(8)
     assert args[args.index("--group-shards") + 1] == "2,4" and "--shards" not in args and "--federations" not in args
-    equal = Layout("fl-fsdp", 2, 1, 3)
+    equal = BenchLayout("fl-fsdp", 2, 1, 3)
     assert equal.shards_per_group == (3, 3) and [list(r) for r in equal.group_ranks()] == [[0, 1, 2], [3, 4, 5]]
     assert "--group-shards" not in equal.train_args(8)
 
 
 def test_unequal_layouts_and_their_errors():
     layouts = unequal_layouts(parse_group_shards("2,4"), FLAT6, 1)
-    assert layouts["equal"] == Layout("fl-fsdp", 2, 1, 3) and layouts["unequal"].group_shards == (2, 4)
+    assert layouts["equal"] == BenchLayout("fl-fsdp", 2, 1, 3) and layouts["unequal"].group_shards == (2, 4)
     for text, words in (("2,2", "not all equal"), ("4", "at least two"), ("2,x", "comma-separated"),
                         ("1,2", "multiple of 2")):
         with pytest.raises(ConfigError, match=words):
@@ -82,7 +82,7 @@ def _records(idle_fast: float) -> list[dict]:
 
 
 def test_group_timing_finds_the_fastest_group_and_its_idle_share():
-    from flwr_sharded.perf.bench.unequal_report import sync_group_records
+    from flwr_sharded.perf.bench.scenarios import sync_group_records
 
     records = sync_group_records(list(reversed(_records(0.8))))
     assert [r["step"] for r in records] == [8, 16, 24]
@@ -133,7 +133,7 @@ def test_unequal_checks_and_report():
     checks = {c["check"].split(": ", 1)[1]: c for c in unequal_checks(scen)}
     bytes_check = checks["cross-group bytes per sync over the equal federation's"]
     assert bytes_check["value"] == pytest.approx(1.15) and bytes_check["ok"] is False
-    assert checks["unequal federation: cross-group bytes per sync against perf.unequal"]["ok"] is True
+    assert checks["unequal federation: cross-group bytes per sync against perf.unequal_sync_cost"]["ok"] is True
     idle = [c for name, c in checks.items() if "idle" in name]
     assert [c["ok"] for c in idle] == [None, True]  # today's is reported, the speed run's is the target
     ppl = next(c for name, c in checks.items() if "eval ppl" in name)
@@ -158,7 +158,7 @@ def test_bench_options_for_the_unequal_scenario(data_dir, tmp_path):
 @pytest.mark.slow  # four emulated trainings (~1 min); the report's parts are tested above on recorded metrics
 def test_quick_unequal_bench_end_to_end(data_dir, tmp_path):
     """The equal and the unequal federation on the flat 6-rank cluster: the meter's cross-group bytes per sync are
-    the same for both (each group sends the model once) and perf.unequal's."""
+    the same for both (each group sends the model once) and perf.unequal_sync_cost's."""
     result = _cli("bench", "--quick", "--methods", "none", "--unequal-runs", "equal,unequal", "--data-dir",
                   str(data_dir), "--out", str(tmp_path / "out"), "--eval-blocks", "4",
                   "--unequal", str(REPO / "benchmarks" / "clusters" / "emulated-unequal.yaml"), timeout=280)

@@ -9,13 +9,12 @@ from flwr_sharded.perf.costmodel import (
     all_reduce_time,
     broadcast_time,
     comm_terms,
-    comm_time,
-    fl_comm_time,
     reduce_scatter_time,
 )
 from flwr_sharded.perf.memory_model import memory_per_gpu
 from flwr_sharded.perf.model_shape import ModelShape, compute_time
 from flwr_sharded.perf.placement import Placement, rank_traffic, traffic
+from tests.perf.paper_equations import comm_time, even_units, fl_comm_time, per_step, states
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Table 1
@@ -192,7 +191,7 @@ def test_fl_fsdp_two_by_two_bytes():
         assert t.step == {"intra_node": 3000, "inter_node": 0, "inter_group": 0}
         # sync: all-reduce of the shard (P / S = 1000) over F = 2: 2 * 1000 * (1/2) = 1000 bytes, to the other group
         assert t.sync == {"intra_node": 0, "inter_node": 0, "inter_group": 1000}
-        assert t.per_step() == {"intra_node": 3000, "inter_node": 0, "inter_group": 250}
+        assert per_step(t) == {"intra_node": 3000, "inter_node": 0, "inter_group": 250}
     one_group = Placement(F=2, R=1, S=2, gpus_per_node=2)
     assert rank_traffic("fl-fsdp", one_group, units, rank=0, A=4).sync["inter_node"] == 1000
 
@@ -276,7 +275,7 @@ def test_traffic_rejects_inconsistent_layout():
 
 
 def test_even_units():
-    u = Units.even(1000.0, 4, root=200.0)
+    u = even_units(1000.0, 4, root=200.0)
     assert u.blocks == (250.0,) * 4 and u.total == 1200 and u.count == 5
 
 
@@ -298,7 +297,7 @@ def test_memory_by_hand():
     m = memory_per_gpu(shape, S=4, tokens=3, bytes_per_param=2)
     # Was 8 bytes per parameter (4 x the 2-byte compute dtype). The trainer keeps fp32 master weights (FSDP2 shards
     # keep the model's dtype; bf16 is the all-gather's compute copy), fp32 gradients and AdamW's two fp32 moments.
-    assert m.states == pytest.approx(16 * 1100 / 4)
+    assert states(m) == pytest.approx(16 * 1100 / 4)
     # root + 2 blocks gathered in bf16; unsharded gradients: the root's (bf16) and one block's in bf16 + its fp32
     # reduce-scatter input (was "one unit of full gradients" in the compute dtype)
     assert m.gathered_params == pytest.approx(2 * (100 + 2 * 500))
@@ -309,9 +308,9 @@ def test_memory_by_hand():
     assert m.logits == pytest.approx(3 * 3 * 4 * 50)
     ckpt = memory_per_gpu(shape, S=1, tokens=3, bytes_per_param=2, activation_checkpointing=True)
     # FSDP2 copies a unit into its compute buffer even with S = 1 (was 0): the root and the block computing
-    assert ckpt.gathered_params == pytest.approx(2 * (100 + 500)) and ckpt.states == pytest.approx(16 * 1100)
+    assert ckpt.gathered_params == pytest.approx(2 * (100 + 500)) and states(ckpt) == pytest.approx(16 * 1100)
     assert ckpt.activations == pytest.approx(3 * (2 * 2 * 10 + 80))  # each block keeps only its input
-    assert memory_per_gpu(shape, S=4, tokens=3, state_bytes_per_param=8).states == pytest.approx(8 * 1100 / 4)
+    assert states(memory_per_gpu(shape, S=4, tokens=3, state_bytes_per_param=8)) == pytest.approx(8 * 1100 / 4)
 
 
 def test_model_shape_units():

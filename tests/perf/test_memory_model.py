@@ -9,6 +9,7 @@ from flwr_sharded.errors import ConfigError
 from flwr_sharded.perf import memory_model as mm
 from flwr_sharded.perf.memory_model import StepOptions, memory_per_gpu, rule_state_bytes, trainer_memory
 from flwr_sharded.perf.model_shape import ModelShape
+from tests.perf.paper_equations import states
 
 # P = 1100: a root of 100 (embedding, head, norm) and 2 blocks of 500; h 10, kv 5, i 20, vocab 50
 SHAPE = ModelShape(num_params=1100, num_layers=2, root_params=100, hidden_size=10, intermediate_size=20,
@@ -193,4 +194,4 @@ def test_one_declaration_per_fact():
     # the planner's bytes per parameter follow the declarations: change one and the estimate follows
     assert mm.MASTER_BYTES + mm.GRAD_BYTES + mm.OPTIMIZER_STATE_BYTES["adamw"] == 16
     m = trainer_memory(SHAPE, S=1, tokens=T)
-    assert m.states == 16 * 1100
+    assert states(m) == 16 * 1100

@@ -16,9 +16,8 @@ import pytest
 import yaml
 
 from flwr_sharded.perf.cluster import cluster_from_dict
-from flwr_sharded.perf.netemu.fabric import Fabric
-from flwr_sharded.perf.netemu.isolation import check_host, host_leftovers
-from flwr_sharded.perf.netemu.topology import EmulationError, EmuTopology
+from flwr_sharded.perf.netemu.isolation import EmulationError, check_host, host_leftovers
+from flwr_sharded.perf.netemu.network import EmuTopology, Fabric
 
 REPO = Path(__file__).resolve().parents[2]
 CAN_EMULATE = os.geteuid() == 0 and all(shutil.which(t) for t in ("unshare", "ip", "tc"))

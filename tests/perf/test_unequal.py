@@ -12,13 +12,15 @@ from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES, sync_wire_ratio
 from flwr_sharded.parallel.sync_plan import shard_rows
 from flwr_sharded.perf import plan_cli
-from flwr_sharded.perf.cluster import Federation, federation_from_dict, load_cluster, load_description
-from flwr_sharded.perf.costmodel import Units, comm_terms
+from flwr_sharded.perf.cluster import FacilityFederation, federation_from_dict, load_cluster, load_description
+from flwr_sharded.perf.costmodel import comm_terms
 from flwr_sharded.perf.memory_model import StepOptions
 from flwr_sharded.perf.model_shape import ModelShape
 from flwr_sharded.perf.placement import Placement, rank_traffic
-from flwr_sharded.perf.unequal import unequal_sync
-from flwr_sharded.perf.unequal_plan import idle_times, local_steps, plan_federation
+from flwr_sharded.perf.planner import plan_federation
+from flwr_sharded.perf.unequal_sync_cost import unequal_sync
+from flwr_sharded.parallel.schedule import idle_times, local_steps
+from tests.perf.paper_equations import even_units
 
 CLUSTERS = Path(__file__).resolve().parents[2] / "examples" / "clusters"
 SHAPES = ((10, 3), (7,), (), (33, 2, 2), (5, 8))  # uneven rows, a scalar, a 3-D tensor
@@ -54,7 +56,7 @@ def test_equal_layouts_reduce_to_the_equal_formulas(F, R, S):
     shapes = ((64, 16), (32,), (128, 4))  # rows divisible by S: shards of exactly P/S
     bpp, wire, A, B_F, B_R = 2.0, 0.5, 8, 25e9, 400e9
     sync = unequal_sync([(R, S)] * F, shapes, bytes_per_param=bpp, wire_ratio=wire, B_F=B_F, B_R=[B_R] * F)
-    units = Units.even(sum(prod(s) for s in shapes) * bpp, 4)
+    units = even_units(sum(prod(s) for s in shapes) * bpp, 4)
     placement = Placement(F=F, R=R, S=S, gpus_per_node=R * S, nodes_per_group=1)
     method = "fl-hsdp" if R > 1 else "fl-fsdp"
     for s in range(S):
@@ -63,7 +65,9 @@ def test_equal_layouts_reduce_to_the_equal_formulas(F, R, S):
     terms = comm_terms(method, units, S=S, R=R, F=F, A=A, B_S=1e12, B_R=B_R, B_F=B_F, wire_ratio=wire)
     assert sync.time == pytest.approx(terms.sync * A) and sync.busiest == pytest.approx(sync.time)
     assert sync.broadcast_bytes[0] == pytest.approx((R - 1) * units.total)
-    tiers = sync.tiers(0, placement.dim_tier("replica"))
+    tiers = {"inter_group": sync.group_bytes[0]}  # group 0's bytes per sync by tier
+    if sync.broadcast_bytes[0]:
+        tiers[placement.dim_tier("replica")] = sync.broadcast_bytes[0]
     assert tiers == ({"inter_group": pytest.approx(sync.group_bytes[0]), "intra_node": sync.broadcast_bytes[0]}
                      if R > 1 else {"inter_group": pytest.approx(sync.group_bytes[0])})
 
@@ -103,7 +107,7 @@ def test_local_steps_and_idle_times():
     assert idle_times([8] * 3, times) == pytest.approx((12.0, 0.0, 16.0))  # equal A: arrivals 8, 20, 4 s
     assert local_steps(1, [1.0, 9.0]) == (1, 1)  # at least one step
     with pytest.raises(ConfigError, match="aggregate-every"):
-        local_steps(0, times)
+        plan_federation(federation_from_dict(FEDERATION), MODEL, aggregate_every=(0,))
 
 
 FEDERATION = {"name": "tiny-fed", "bandwidth": {"inter_group": "1Gbit"}, "gpu_memory": "16GB",
@@ -116,7 +120,7 @@ MODEL = ModelShape.from_counts(50_000_000, 4)
 
 def test_plan_federation_on_a_tiny_federation():
     fed = federation_from_dict(FEDERATION)
-    assert isinstance(fed, Federation) and fed.gpus == 6 and fed.inter_group == 1e9
+    assert isinstance(fed, FacilityFederation) and fed.gpus == 6 and fed.inter_group == 1e9
     ranked = plan_federation(fed, MODEL, tokens_per_gpu_batch=1024, aggregate_every=(4, 16), bytes_per_param=4.0)
     assert len(ranked) == 2 * 3 * 2  # S in (1, 2) for slow, (1, 2, 4) for fast, two A
     assert [c.tokens_per_second for c in ranked] == sorted((c.tokens_per_second for c in ranked), reverse=True)

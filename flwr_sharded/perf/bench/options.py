@@ -1,31 +1,27 @@
-"""The options of `flwr-sharded bench` and its `exec`, `check` and `sync` sub-commands, one field each.
-
-A training option of the benchmark's runs is the trainer's own (`same_as` a field of `flwr_sharded.config`): the
-same flag, docstring and bounds, with the default sized for the benchmark where it differs. `resolve` turns a parsed
-command line into the flat namespace the benchmark's modules read (lists parsed, `none` turned into unset).
-"""
+"""The options of `flwr-sharded bench` and its `exec`, `check` and `sync` sub-commands, one field each; a training
+option of the runs is the trainer's own (`same_as`), with the benchmark's default where it differs."""
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from flwr_sharded import schema, tool_options
 from flwr_sharded.config import DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from flwr_sharded.parallel.wire import SyncDtype
-from flwr_sharded.perf.bench.common import REPO
-from flwr_sharded.perf.bench.layouts import VARIANT_RUNS
-from flwr_sharded.perf.bench.unequal_report import UNEQUAL_RUNS
-from flwr_sharded.perf.plan_options import PlanOptions
+from flwr_sharded.perf.bench.runs import UNEQUAL_RUNS, VARIANT_RUNS
+from flwr_sharded.perf.plan_cli import PlanOptions
 from flwr_sharded.schema import option, same_as
 
+REPO = Path(__file__).resolve().parents[3]
 RUN_KEYS = ("fsdp", "hsdp", "fl-fsdp", "fl-hsdp", "no-sync", *VARIANT_RUNS)
 """The runs the benchmark can do: the four methods, the no-sync limit and FL+FSDP with the other syncs."""
 
 
 @dataclass
-class OverlappedSync:
+class OverlapOptions:
     """The trainer's sync options as the overlapped runs (fl-fsdp-overlap, fl-fsdp-overlap-int8) set them."""
 
     sync_fragments: int = same_as(ParallelConfig, "sync_fragments", default=2)
@@ -72,7 +68,7 @@ class BenchOptions:
     """Runs of the unequal scenario, comma-separated, among equal, unequal, unequal-slow (one group slowed down,
     equal local steps per sync) and unequal-slow-speed (the same with the trainer's --group-steps speed)."""
     slow_group: int = option(1, ge=0)
-    """The group the slow runs slow down (the trainer's --debug-slow-group)."""
+    """The group the slow runs slow down (`flwr_sharded.perf.bench.slow_train`)."""
     slow_seconds: float | None = option(None, gt=0)
     """Seconds the slow group sleeps after each optimizer step; unset: that group's mean step time in the unequal run
     (it is then about half as fast)."""
@@ -81,7 +77,7 @@ class BenchOptions:
     sync_topk: float = same_as(ParallelConfig, "sync_topk", default=0.02)
     """The fraction of each chunk's delta the top-k runs send (fl-fsdp-topk, fl-fsdp-overlap-topk; int8 values, error
     feedback)."""
-    overlap: OverlappedSync = field(default_factory=OverlappedSync)
+    overlap: OverlapOptions = field(default_factory=OverlapOptions)
     """The trainer's sync options as the overlapped runs set them (the other FL runs sync in one fragment, blocking)."""
     sweep: str = "1,2,4,8,16,32"
     """Values of A for the FL+FSDP sweep, comma-separated; `none` skips the sweep."""
@@ -124,7 +120,7 @@ class ExecOptions:
 
 
 @dataclass
-class CheckOptions:
+class LinkCheckOptions:
     """`flwr-sharded bench check`: the emulated links' throughput against their description."""
 
     cluster: str | None = option(None, required=True)
@@ -159,8 +155,8 @@ def _leaves(obj: Any) -> dict[str, Any]:
 
 
 def resolve(parsed: argparse.Namespace, sub: type | None = None) -> argparse.Namespace:
-    """The benchmark's options from a parsed command line (`sub`: a sub-command's options, which win over the
-    benchmark's of the same name); ConfigError naming the flag for a bad value."""
+    """The flat namespace the benchmark's modules read, from a parsed command line (lists parsed, `none` unset;
+    `sub`: a sub-command's options, which win over the benchmark's); ConfigError naming the flag."""
     bench = schema.apply_arguments(BenchOptions(), parsed)
     values = _leaves(bench)
     skip_sweep = bench.sweep.lower() in ("none", "")

@@ -1,18 +1,24 @@
-"""The results against the issue's targets, the planner's agreement with the measurements, and the Markdown report
-(`render`; `rerender` redoes all three, and the plots, from a saved bench.json)."""
+"""The results against their targets, the planner's agreement with the measurements, and the Markdown report."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
-from flwr_sharded.perf.bench.common import LABELS, REPO
-from flwr_sharded.perf.bench.layouts import VARIANT_RUNS, WIRE_BYTES_TARGETS, variant_wire
-from flwr_sharded.perf.bench.plots import plot
-from flwr_sharded.perf.bench.unequal_report import render_unequal, unequal_checks
+from flwr_sharded.perf.bench.runs import (LABELS, UNEQUAL_LABELS, VARIANT_RUNS, WIRE_BYTES_TARGETS, SyncVariant,
+                                          variant_wire)
+from flwr_sharded.perf.bench.options import REPO
 from flwr_sharded.perf.placement import TIERS
+
+BYTES_TARGET = 1.10
+"""The most cross-group bytes per sync of the unequal federation, as a multiple of the equal federation's."""
+MODEL_TARGET = 0.05
+"""The largest relative difference of the measured cross-group bytes per sync from `perf.unequal_sync_cost`'s."""
+IDLE_TARGET = 0.10
+"""The most idle time of the fastest group per sync, as a fraction of its sync period, with `--group-steps speed`."""
+PPL_TARGET = 0.02
+"""The largest relative difference of eval perplexity at equal tokens from the equal-speed federation's."""
 
 
 def _json_default(value: Any) -> Any:
@@ -23,75 +29,64 @@ def _json_default(value: Any) -> Any:
     raise TypeError(type(value).__name__)
 
 
+def _check(name: str, value: float | None, kind: str, target: str, ok: bool | None) -> dict[str, Any]:
+    return {"check": name, "value": value, "kind": kind, "target": target, "ok": ok}
+
+
 def checks(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """The issue's targets, each with its measured value and whether it holds."""
-    out = []
-    main = results["scenarios"].get("main", {"runs": {}})
-    runs = main["runs"]
-
-    def add(name: str, value: float | None, kind: str, target: str, ok: bool | None) -> None:
-        out.append({"check": name, "value": value, "kind": kind, "target": target, "ok": ok})
-
+    """The targets, each with its measured value and whether it holds (None: not measured)."""
+    runs, out = results["scenarios"].get("main", {"runs": {}})["runs"], []
     if "fsdp" in runs and "fl-fsdp" in runs:
         v = runs["fsdp"]["step_s"] / runs["fl-fsdp"]["step_s"]
-        add("FL+FSDP speedup over FSDP (median step time)", v, "ratio", ">= 5x", v >= 5)
+        out.append(_check("FL+FSDP speedup over FSDP (median step time)", v, "ratio", ">= 5x", v >= 5))
     if "hsdp" in runs and "fl-hsdp" in runs:
         v = runs["hsdp"]["step_s"] / runs["fl-hsdp"]["step_s"]
-        add("FL+HSDP speedup over HSDP (median step time)", v, "ratio", "> 1x", v > 1)
+        out.append(_check("FL+HSDP speedup over HSDP (median step time)", v, "ratio", "> 1x", v > 1))
     if "no-sync" in runs and "fl-fsdp" in runs:
-        v = runs["fl-fsdp"]["step_s_mean"] / runs["no-sync"]["step_s_mean"] - 1
-        add("FL+FSDP above its no-sync limit (mean step time)", v, "delta", "<= +20%", v <= 0.20)
         a = runs["fl-fsdp"]
+        v = a["step_s_mean"] / runs["no-sync"]["step_s_mean"] - 1
+        out.append(_check("FL+FSDP above its no-sync limit (mean step time)", v, "delta", "<= +20%", v <= 0.20))
         v = a["sync_s_mean"] / (a["step_s_mean"] - a["sync_s_mean"])
-        add("(same, within the FL+FSDP run: sync time over the other phases)", v, "delta", "<= +20%", v <= 0.20)
-    out.extend(sync_variant_checks(runs))
+        out.append(_check("(same, within the FL+FSDP run: sync time over the other phases)", v, "delta", "<= +20%",
+                          v <= 0.20))
+    out += sync_variant_checks(runs)
     if "unequal" in results["scenarios"]:
-        out.extend(unequal_checks(results["scenarios"]["unequal"]))
-    for scen_name, scen in results["scenarios"].items():
-        if scen_name == "unequal":
+        out += unequal_checks(results["scenarios"]["unequal"])
+    for name, scen in results["scenarios"].items():
+        if name == "unequal":
             continue
-        errors = [r["traffic_max_error"] for r in scen["runs"].values() if "traffic_max_error" in r]
-        errors += [r["traffic_max_error"] for r in scen.get("sweep", []) if "traffic_max_error" in r]
+        errors = [r["traffic_max_error"] for r in [*scen["runs"].values(), *scen.get("sweep", [])]
+                  if "traffic_max_error" in r]
         if "planner_choice_run" in scen:
             errors.append(scen["planner_choice_run"].get("traffic_max_error", 0.0))
         if errors:
-            v = max(errors)
-            add(f"{scen_name}: collectives vs predicted bytes per tier, worst run and tier", v, "share", "<= 5%",
-                v <= 0.05)
+            out.append(_check(f"{name}: collectives vs predicted bytes per tier, worst run and tier", max(errors),
+                              "share", "<= 5%", max(errors) <= 0.05))
         agree = scen.get("agreement")
         if agree:
-            add(f"{scen_name}: planner's first choice = measured fastest" if agree.get("global") else
-                f"{scen_name}: planner's choice among the measured methods = measured fastest", None, "text",
-                agree["text"], agree["ok"])
+            out.append(_check(f"{name}: planner's first choice = measured fastest" if agree.get("global") else
+                              f"{name}: planner's choice among the measured methods = measured fastest", None, "text",
+                              agree["text"], agree["ok"]))
     return out
 
 
 def cross_group_bytes_per_sync(run: dict[str, Any]) -> float | None:
     """Bytes the run's syncs sent across groups, per whole-model sync (collectives, summed over ranks)."""
     t = run.get("traffic")
-    if not t or not t.get("syncs"):
-        return None
-    return t["collectives"]["sync"]["inter_group"] / t["syncs"]
+    return t["collectives"]["sync"]["inter_group"] / t["syncs"] if t and t.get("syncs") else None
 
 
 def sync_variant_checks(runs: dict[str, Any]) -> list[dict[str, Any]]:
-    """The overlapped, quantized and sparse syncs against today's FL+FSDP sync, FSDP and the no-sync limit of the same
-    run."""
+    """The overlapped, quantized and sparse syncs against the FL+FSDP run's sync, FSDP and the no-sync limit."""
     out = []
-
-    def add(name: str, value: float | None, kind: str, target: str, ok: bool | None) -> None:
-        out.append({"check": name, "value": value, "kind": kind, "target": target, "ok": ok})
-
-    for key in (k for k in VARIANT_RUNS if "overlap" in k):
-        if key not in runs:
-            continue
-        r = runs[key]
+    for key in (k for k in VARIANT_RUNS if "overlap" in k and k in runs):
         if "no-sync" in runs:
-            v = r["step_s_mean"] / runs["no-sync"]["step_s_mean"] - 1
-            add(f"{LABELS[key]} above the no-sync limit (mean step time)", v, "delta", "<= +5%", v <= 0.05)
+            v = runs[key]["step_s_mean"] / runs["no-sync"]["step_s_mean"] - 1
+            out.append(_check(f"{LABELS[key]} above the no-sync limit (mean step time)", v, "delta", "<= +5%",
+                              v <= 0.05))
         if "fsdp" in runs:
-            v = runs["fsdp"]["step_s"] / r["step_s"]
-            add(f"{LABELS[key]} speedup over FSDP (median step time)", v, "ratio", ">= 8x", v >= 8)
+            v = runs["fsdp"]["step_s"] / runs[key]["step_s"]
+            out.append(_check(f"{LABELS[key]} speedup over FSDP (median step time)", v, "ratio", ">= 8x", v >= 8))
     reference = runs.get("fl-fsdp")
     fp32 = reference and (reference.get("sync_variant") or {}).get("dtype", "float32") == "float32"
     for key in VARIANT_RUNS:
@@ -99,55 +94,84 @@ def sync_variant_checks(runs: dict[str, Any]) -> list[dict[str, Any]]:
         if key in runs and fp32 and target:
             mine, theirs = cross_group_bytes_per_sync(runs[key]), cross_group_bytes_per_sync(reference)
             if mine is not None and theirs:
-                add(f"{LABELS[key]}: cross-group bytes per sync over the fp32 sync's", mine / theirs, "ratio",
-                    f"<= {target:g}x", mine / theirs <= target)
+                out.append(_check(f"{LABELS[key]}: cross-group bytes per sync over the fp32 sync's", mine / theirs,
+                                  "ratio", f"<= {target:g}x", mine / theirs <= target))
     base = (reference or {}).get("final", {}).get("eval_ppl")
     for key in VARIANT_RUNS:
         ppl = runs.get(key, {}).get("final", {}).get("eval_ppl")
         if key in runs and base and ppl:
-            v = ppl / base - 1
-            add(f"{LABELS[key]}: eval perplexity against the blocking {reference['sync_variant']['dtype']} sync "
-                f"(same samples)", v, "delta", "within +-2%", abs(v) <= 0.02)
+            out.append(_check(f"{LABELS[key]}: eval perplexity against the blocking "
+                              f"{reference['sync_variant']['dtype']} sync (same samples)", ppl / base - 1, "delta",
+                              "within +-2%", abs(ppl / base - 1) <= 0.02))
     return out
 
 
-def agreement(scen: dict[str, Any]) -> dict[str, Any] | None:
-    """The planner's first choice against the measurements.
+def unequal_checks(scen: dict[str, Any]) -> list[dict[str, Any]]:
+    """The unequal scenario's targets, each with its measured value and whether it holds (None: not measured)."""
+    runs, out = scen["runs"], []
 
-    Over all layouts: the planner's first choice (measured too when it is none of the methods' layouts) against the
-    fastest measured layout. Among the methods' layouts: the planner's ranking of the measured ones against theirs.
-    The planner ranks FL layouts as if `fl_margin` slower (a policy: prefer exact gradient averaging unless FL saves
-    more); the text also says which layout that rule picks from the measured times when it differs.
-    """
+    def add(name: str, value: float | None, kind: str, target: str, ok: bool | None) -> None:
+        out.append(_check(f"unequal: {name}", value, kind, target, ok))
+
+    ratio = bytes_ratio(runs.get("unequal"), runs.get("equal"))
+    if ratio is not None:
+        add("cross-group bytes per sync over the equal federation's", ratio, "ratio", f"<= {BYTES_TARGET:g}x",
+            ratio <= BYTES_TARGET)
+    for key in ("equal", "unequal"):
+        err = model_error(runs.get(key))
+        if err is not None:
+            add(f"{UNEQUAL_LABELS[key]}: cross-group bytes per sync against perf.unequal_sync_cost", err, "delta",
+                f"within +-{MODEL_TARGET:.0%}", abs(err) <= MODEL_TARGET)
+    for key in ("unequal-slow", "unequal-slow-speed"):
+        timing, speed = (runs.get(key) or {}).get("group_timing"), key.endswith("speed")
+        if timing and timing["fastest_idle_fraction"] is not None:
+            v = timing["fastest_idle_fraction"]
+            add(f"{UNEQUAL_LABELS[key]}: fastest group's idle time per sync over its sync period", v, "share",
+                f"<= {IDLE_TARGET:.0%}" if speed else "(today's, for reference)", v <= IDLE_TARGET if speed else None)
+        cmp = (runs.get(key) or {}).get("ppl_vs_equal_speed")
+        if cmp and speed:
+            v = cmp["delta"]
+            add(f"{UNEQUAL_LABELS[key]}: eval ppl at equal tokens against the equal-speed federation", v, "delta",
+                f"within +-{PPL_TARGET:.0%}", v is not None and abs(v) <= PPL_TARGET)
+    return out
+
+
+def bytes_ratio(run: dict[str, Any] | None, ref: dict[str, Any] | None) -> float | None:
+    """A run's cross-group bytes per sync over the reference's."""
+    mine = ((run or {}).get("cross_group") or {}).get("bytes_per_sync")
+    theirs = ((ref or {}).get("cross_group") or {}).get("bytes_per_sync")
+    return mine / theirs if mine is not None and theirs else None
+
+
+def model_error(run: dict[str, Any] | None) -> float | None:
+    """(measured - predicted) / predicted cross-group bytes per sync of a run."""
+    mine = ((run or {}).get("cross_group") or {}).get("bytes_per_sync")
+    pred = ((run or {}).get("predicted_sync") or {}).get("bytes_per_sync")
+    return mine / pred - 1 if mine is not None and pred else None
+
+
+def agreement(scen: dict[str, Any]) -> dict[str, Any] | None:
+    """The planner's first choice and ranking against the measured fastest, and what its FL margin picks of them."""
     plan = scen.get("planner")
-    if not plan:
-        return None
-    margin = plan["fl_margin"]
     measured = {k: r for k, r in scen["runs"].items() if r["sync"] and k not in VARIANT_RUNS}
     if "planner_choice_run" in scen:
         measured["planner-choice"] = scen["planner_choice_run"]
-    if not measured:
+    if not plan or not measured:
         return None
+    margin, first = plan["fl_margin"], plan["first_choice"]
+    keys = ("method", "F", "R", "S", "A")
 
     def name(k: str) -> str:
-        r = measured[k]
-        return f"{r['method']} {r['layout']} A={r['A']}"
+        return f"{measured[k]['method']} {measured[k]['layout']} A={measured[k]['A']}"
 
-    def rule(keys: list[str]) -> str:
-        return min(keys, key=lambda k: measured[k]["step_s"] * (1 + margin if measured[k]["method"].startswith("fl-")
-                                                                 else 1))
+    def step(k: str) -> float:
+        return measured[k]["step_s"]
 
-    fastest = min(measured, key=lambda k: measured[k]["step_s"])
-    first = plan["first_choice"]
-    choice = None
-    if "planner-choice" in measured:
-        choice = "planner-choice"
-    elif first is not None:
-        choice = next((k for k, r in measured.items() if (r["method"], r["F"], r["R"], r["S"], r["A"]) ==
-                       (first["method"], first["F"], first["R"], first["S"], first["A"])), None)
+    fastest = min(measured, key=step)
+    choice = "planner-choice" if "planner-choice" in measured else None if first is None else next(
+        (k for k, r in measured.items() if [r[x] for x in keys] == [first[x] for x in keys]), None)
     methods = [k for k in plan["predicted_order"] if k in measured]
-    restricted = methods[0] if methods else None
-    restricted_fastest = min(methods, key=lambda k: measured[k]["step_s"]) if methods else None
+    restricted, restricted_fastest = (methods[0], min(methods, key=step)) if methods else (None, None)
     out: dict[str, Any] = {"methods_only": {"planner": restricted, "measured_fastest": restricted_fastest,
                                             "ok": restricted is not None and restricted == restricted_fastest}}
     if choice is None:
@@ -160,32 +184,20 @@ def agreement(scen: dict[str, Any]) -> dict[str, Any] | None:
     text = f"planner: {name(choice)}; measured fastest: {name(fastest)}"
     if choice != fastest:
         text += f" ({gap:+.1%} against the choice)"
-    by_rule = rule(list(measured))
+    by_rule = min(measured, key=lambda k: step(k) * (1 + margin if measured[k]["method"].startswith("fl-") else 1))
     if by_rule != fastest:
         text += f"; the planner's {margin:.0%} FL margin applied to the measured times picks {name(by_rule)}"
     return {**out, "planner": choice, "measured_fastest": fastest, "measured_by_rule": by_rule, "gap": gap,
             "ok": choice == fastest, "ok_by_rule": choice == by_rule, "global": True, "text": text}
 
 
-def rerender(out_dir: str | Path) -> str:
-    """Recompute checks and agreement of a saved `bench.json` and rewrite `bench.md` and the plots."""
-    out_dir = Path(out_dir)
-    results = json.loads((out_dir / "bench.json").read_text())
-    for name, scen in results["scenarios"].items():
-        if name != "unequal":
-            scen["agreement"] = agreement(scen)
-    results["checks"] = checks(results)
-    report = render(results)
-    (out_dir / "bench.json").write_text(json.dumps(results, indent=1, default=_json_default))
-    (out_dir / "bench.md").write_text(report + "\n")
-    plot(results, out_dir)
-    return report
-
-
 def _fmt(value: float | None, spec: str = ".3f") -> str:
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
-        return "-"
-    return format(value, spec)
+    return "-" if value is None or (isinstance(value, float) and not math.isfinite(value)) else format(value, spec)
+
+
+def _mb(value: float | None, spec: str) -> str:
+    """Bytes as MB (`_fmt`)."""
+    return _fmt(None if value is None else value / 1e6, spec)
 
 
 def _ratio(a: float | None, b: float) -> str:
@@ -197,6 +209,12 @@ def _rel(path: str) -> str:
         return str(Path(path).relative_to(REPO))
     except ValueError:
         return path
+
+
+def _section(title: str, text: str, columns: str) -> list[str]:
+    """A Markdown section: its title, text and a table's header (`columns`: "a | b | c")."""
+    return ["", f"### {title}", *([text] if text else []), "", f"| {columns} |",
+            "|" + "---|" * (columns.count("|") + 1)]
 
 
 def _label(key: str, r: dict[str, Any]) -> str:
@@ -249,18 +267,14 @@ def _scenario(name: str, scen: dict[str, Any], settings: dict[str, Any]) -> list
 def _step_times(scen: dict[str, Any], table: dict[str, Any]) -> list[str]:
     runs, pl = scen["runs"], scen.get("planner", {})
     base, hsdp = runs.get("fsdp", {}).get("step_s"), runs.get("hsdp", {}).get("step_s")
-    lines = ["", "### Step time and speedups",
-             "Seconds per optimizer step over windows of A steps (each holds one sync of the FL methods), the first "
-             "window of each run left out; std over windows.", "",
-             "| method | F x R x S | A | median | mean | std | vs FSDP | vs HSDP | planner predicts |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = _section("Step time and speedups", "Seconds per optimizer step over windows of A steps (each holds one "
+                     "sync of the FL methods), the first window of each run left out; std over windows.",
+                     "method | F x R x S | A | median | mean | std | vs FSDP | vs HSDP | planner predicts")
     for key, r in table.items():
-        pred = pl.get("measured_layouts", {}).get(r["method"], {}).get("predicted_step_s") \
-            if r["sync"] and key in pl.get("measured_layouts", {}) else None
-        if key == "planner-choice":
-            pred = pl["first_choice"]["predicted_step_s"]
-        if key in pl.get("variants", {}):
-            pred = pl["variants"][key]["predicted_step_s"]
+        measured = pl.get("measured_layouts", {})
+        pred = pl["first_choice"]["predicted_step_s"] if key == "planner-choice" else \
+            pl["variants"][key]["predicted_step_s"] if key in pl.get("variants", {}) else \
+            measured[r["method"]]["predicted_step_s"] if r["sync"] and key in measured else None
         lines.append(f"| {_label(key, r)} | {r['layout']} | {r['A']} | {r['step_s']:.3f} | {r['step_s_mean']:.3f} | "
                      f"{r['step_s_std']:.3f} | {_ratio(base, r['step_s'])} | {_ratio(hsdp, r['step_s'])} | "
                      f"{_fmt(pred)} |")
@@ -268,10 +282,9 @@ def _step_times(scen: dict[str, Any], table: dict[str, Any]) -> list[str]:
 
 
 def _phases(runs: dict[str, Any], table: dict[str, Any]) -> list[str]:
-    lines = ["", "### Phase breakdown (like the paper's Table 4)",
-             "Seconds per step, medians over windows; sync amortised over A steps, and per sync.", "",
-             "| method | forward | backward | optimizer | sync | sync per sync | overall |",
-             "|---|---|---|---|---|---|---|"]
+    lines = _section("Phase breakdown (like the paper's Table 4)", "Seconds per step, medians over windows; sync "
+                     "amortised over A steps, and per sync.",
+                     "method | forward | backward | optimizer | sync | sync per sync | overall")
     for key, r in table.items():
         ph = r["phases"]
         per_sync = ph["sync"] * r["A"] if r["sync"] and r["method"].startswith("fl-") else 0.0
@@ -294,36 +307,29 @@ def _sync_variants(runs: dict[str, Any]) -> list[str]:
         return []
     ref = runs.get("no-sync", {}).get("step_s_mean")
     base = runs.get("fsdp", {}).get("step_s")
-    lines = ["", "### Overlapped, quantized and sparse syncs (FL+FSDP, same layout, samples and seed)",
-             "Sync per step: what the step waits for (an overlapped sync's communication runs during the next "
-             "steps). Cross-group: bytes the syncs sent over the inter-group tier per whole-model sync "
-             "(collectives, all ranks).", "",
-             "| run | sync | s/step median | mean | vs no-sync (means) | vs FSDP | sync s per step | cross-group MB "
-             "per sync | eval ppl |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = _section("Overlapped, quantized and sparse syncs (FL+FSDP, same layout, samples and seed)",
+                     "Sync per step: what the step waits for (an overlapped sync's communication runs during the next "
+                     "steps). Cross-group: bytes the syncs sent over the inter-group tier per whole-model sync "
+                     "(collectives, all ranks).", "run | sync | s/step median | mean | vs no-sync (means) | vs FSDP | "
+                     "sync s per step | cross-group MB per sync | eval ppl")
     for key in variants:
-        r, v = runs[key], runs[key]["sync_variant"]
-        text = (f"top-{v['topk'] * 100:g}% " if v.get("topk") else "") + v["dtype"] + (
-            " + EF" if v["error_feedback"] else "") + (
-            f", N={v['fragments']} tau={v['delay']} alpha={v['alpha']:g}" + (" carry" if v.get("carry") else "")
-            if v["delay"] or v["fragments"] > 1 else ", blocking")
-        cross = cross_group_bytes_per_sync(r)
-        lines.append(f"| {_label(key, r)} | {text} | {r['step_s']:.3f} | {r['step_s_mean']:.3f} | "
-                     f"{_fmt(r['step_s_mean'] / ref - 1 if ref else None, '+.1%')} | {_ratio(base, r['step_s'])} | "
-                     f"{r['sync_s_mean']:.3f} | {_fmt(cross / 1e6 if cross is not None else None, '.2f')} | "
-                     f"{_fmt(r['final']['eval_ppl'], '.1f')} |")
+        r = runs[key]
+        lines.append(f"| {_label(key, r)} | {SyncVariant(**r['sync_variant']).text()} | {r['step_s']:.3f} | "
+                     f"{r['step_s_mean']:.3f} | {_fmt(r['step_s_mean'] / ref - 1 if ref else None, '+.1%')} | "
+                     f"{_ratio(base, r['step_s'])} | {r['sync_s_mean']:.3f} | "
+                     f"{_mb(cross_group_bytes_per_sync(r), '.2f')} | {_fmt(r['final']['eval_ppl'], '.1f')} |")
     return lines
 
 
 def _tier_bytes(scen: dict[str, Any], table: dict[str, Any]) -> list[str]:
-    lines = ["", "### Bytes per tier: predicted vs measured (MB, summed over ranks)",
-             "*Predicted*: `costmodel.traffic` for the run's steps and syncs (gloo: a reduce-scatter sends what an "
-             "all-reduce sends; FSDP2 reshards the root after forward, so it is all-gathered twice per step). "
-             "*Collectives*: the TrafficMeter's records of those steps and syncs with the same ring rules. "
-             "*Wire*: interface counters (node `lo`, node `eth0`, group uplinks) over the whole training loop, which "
-             "also holds evaluation and logging; *all* = every collective of that span. Wire bytes include TCP/IP "
-             "headers and ACKs (per 64 KiB GSO packet on veths).", "",
-             "| run | tier | predicted | collectives | error | all collectives | wire | wire / all |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = _section("Bytes per tier: predicted vs measured (MB, summed over ranks)",
+                     "*Predicted*: `placement.traffic` for the run's steps and syncs (gloo: a reduce-scatter sends "
+                     "what an all-reduce sends; FSDP2 reshards the root after forward, so it is all-gathered twice per "
+                     "step). *Collectives*: the TrafficMeter's records of those steps and syncs with the same ring "
+                     "rules. *Wire*: interface counters (node `lo`, node `eth0`, group uplinks) over the whole "
+                     "training loop, which also holds evaluation and logging; *all* = every collective of that span. "
+                     "Wire bytes include TCP/IP headers and ACKs (per 64 KiB GSO packet on veths).",
+                     "run | tier | predicted | collectives | error | all collectives | wire | wire / all")
     rows = list(table.items()) + [(f"sweep A={x['A']}", x) for x in scen.get("sweep", []) if not x.get("reused")]
     for key, r in rows:
         t = r.get("traffic")
@@ -338,7 +344,7 @@ def _tier_bytes(scen: dict[str, Any], table: dict[str, Any]) -> list[str]:
                 continue
             lines.append(f"| {_label(key, r)} | {tier} | {pred / 1e6:.2f} | {meas / 1e6:.2f} | "
                          f"{_fmt(t['error'][tier], '+.2%')} | {allm / 1e6:.2f} | "
-                         f"{_fmt(wire / 1e6 if wire is not None else None, '.2f')} | "
+                         f"{_mb(wire, '.2f')} | "
                          f"{_fmt(t['wire_ratio'][tier] if allm >= 1e6 else None, '.3f')} |")
     return lines
 
@@ -348,11 +354,9 @@ def _sweep(scen: dict[str, Any]) -> list[str]:
         return []
     runs = scen["runs"]
     ref = runs.get("no-sync", {}).get("step_s_mean")
-    lines = ["", "### Sweep of A (FL+FSDP): sync overhead against A",
-             "Mean seconds per step after the first window (windows of max(A, 8) steps); overhead against the "
-             "no-sync limit.", "",
-             "| A | steps | s/step | sync s per sync | sync s per step | overhead vs no-sync run | "
-             "overhead vs own non-sync time |", "|---|---|---|---|---|---|---|"]
+    lines = _section("Sweep of A (FL+FSDP): sync overhead against A", "Mean seconds per step after the first window "
+                     "(windows of max(A, 8) steps); overhead against the no-sync limit.", "A | steps | s/step | "
+                     "sync s per sync | sync s per step | overhead vs no-sync run | overhead vs own non-sync time")
     for r in scen["sweep"]:
         over = r["step_s_mean"] / ref - 1 if ref else None
         sync_step = r["sync_s_mean"]
@@ -365,12 +369,12 @@ def _sweep(scen: dict[str, Any]) -> list[str]:
 
 
 def _quality(scen: dict[str, Any], table: dict[str, Any], eval_blocks: int) -> list[str]:
-    lines = ["", "### Learning quality with equal samples (like the paper's Table 3)",
-             "Every method trains the same number of steps on the same blocks (same seed, batch, ranks: iid "
-             "partition by data-parallel rank). Train ppl: last logging window, mean over ranks; eval ppl: "
-             f"{eval_blocks} held-out blocks at the end; time: training time (the sum of window times).", "",
-             "| method | effective batch (sequences / tokens per optimizer step) | samples seen | train ppl | "
-             "eval ppl | time s |", "|---|---|---|---|---|---|"]
+    lines = _section("Learning quality with equal samples (like the paper's Table 3)",
+                     "Every method trains the same number of steps on the same blocks (same seed, batch, ranks: iid "
+                     "partition by data-parallel rank). Train ppl: last logging window, mean over ranks; eval ppl: "
+                     f"{eval_blocks} held-out blocks at the end; time: training time (the sum of window times).",
+                     "method | effective batch (sequences / tokens per optimizer step) | samples seen | train ppl | "
+                     "eval ppl | time s")
     for key, r in table.items():
         samples = r["steps"] * scen["batch_size"] * (r["F"] * r["R"] * r["S"])
         lines.append(f"| {_label(key, r)} | {r['effective_batch']} / {r['effective_batch_tokens']} | {samples} | "
@@ -403,4 +407,53 @@ def _planner(scen: dict[str, Any]) -> list[str]:
         if agree.get("global") and mo["planner"]:
             lines.append(f"- among the methods' layouts only: planner {LABELS[mo['planner']]}, measured fastest "
                          f"{LABELS[mo['measured_fastest']]}: {'agree' if mo['ok'] else 'disagree'}")
+    return lines
+
+
+def render_unequal(scen: dict[str, Any]) -> list[str]:
+    """Markdown sections of the unequal scenario: bytes and time of the syncs, the groups' timings, quality."""
+    runs = scen["runs"]
+    slow = scen.get("slow")
+    lines = ["", f"## Scenario `unequal`: {scen['description']}", "",
+             f"Cluster file `{_rel(scen['cluster_file'])}`; {scen['batch_size']} x {scen['seq_len']} tokens per rank "
+             f"per step, {scen['steps']} steps per run, A = {scen['A']}. The equal federation has the unequal one's "
+             f"model, F and ranks (F groups of their mean S)."
+             + (f" Slow runs: group {slow['group']} sleeps {slow['seconds']:.3f} s after each optimizer step "
+                f"({slow['why']})." if slow else ""),
+             *_section("Cross-group bytes and time per sync", "Bytes every sync sends across groups (traffic meter, "
+                       "summed over ranks) against the equal federation and the cost model (`perf.unequal_sync_cost`); "
+                       "sync time: the ranks' mean sync window, least and most over ranks (the most includes waiting "
+                       "for the last rank to arrive), and the model's.", "run | layout | s/step | MB per sync | "
+                       "vs equal | model MB | vs model | per group MB | busiest rank MB (model) | sync s (ranks) | "
+                       "model sync s")]
+    for key, r in runs.items():
+        cg, pred = r.get("cross_group") or {}, r.get("predicted_sync") or {}
+        lines.append(f"| {UNEQUAL_LABELS.get(key, key)} | {r['layout']} | {r['step_s']:.3f} | "
+                     f"{_mb(cg.get('bytes_per_sync'), '.3f')} | {_fmt(bytes_ratio(r, runs.get('equal')), '.3f')}x | "
+                     f"{_mb(pred.get('bytes_per_sync'), '.3f')} | {_fmt(model_error(r), '+.2%')} | "
+                     f"{' / '.join(f'{b / 1e6:.2f}' for b in cg.get('group_bytes_per_sync') or [])} | "
+                     f"{_mb(cg.get('max_rank_bytes'), '.2f')} ({_mb(pred.get('max_rank_bytes'), '.2f')}) | "
+                     f"{_fmt(cg.get('sync_s_min'), '.3f')}-{_fmt(cg.get('sync_s'), '.3f')} | "
+                     f"{_fmt(pred.get('sync_s'), '.3f')} |")
+    timed = {k: r for k, r in runs.items() if r.get("group_timing")}
+    if timed:
+        lines += _section("The groups' timings per sync (rank 0's `sync_groups` records, the first sync left out)",
+                          "", "run | group | local steps | step time s | idle s | sync s | period s | idle / period")
+        for key, r in timed.items():
+            t = r["group_timing"]
+            for g, row in enumerate(t["groups"]):
+                share = t["fastest_idle_fraction"] if g == t["fastest"] else row["idle_s"] / row["period_s"] \
+                    if row["period_s"] else None
+                lines.append(f"| {UNEQUAL_LABELS.get(key, key)} | {g}{' (fastest)' if g == t['fastest'] else ''} | "
+                             f"{row['steps']:.1f} | {row['step_time_s']:.3f} | {row['idle_s']:.3f} | "
+                             f"{row['sync_s']:.3f} | {row['period_s']:.3f} | {_fmt(share, '.1%')} |")
+    lines += _section("Eval perplexity", "",
+                      "run | tokens seen | eval ppl (last) | at equal tokens: tokens | ppl | equal-speed ppl | delta")
+    for key, r in runs.items():
+        cmp = r.get("ppl_vs_equal_speed") or {}
+        curve = r.get("eval_tokens") or []
+        lines.append(f"| {UNEQUAL_LABELS.get(key, key)} | {_fmt(curve[-1][0] if curve else None, '.0f')} | "
+                     f"{_fmt(r['final']['eval_ppl'], '.1f')} | {_fmt(cmp.get('tokens'), '.0f')} | "
+                     f"{_fmt(cmp.get('eval_ppl'), '.1f')} | {_fmt(cmp.get('ref_eval_ppl'), '.1f')} | "
+                     f"{_fmt(cmp.get('delta'), '+.2%')} |")
     return lines

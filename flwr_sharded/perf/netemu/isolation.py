@@ -1,5 +1,4 @@
-"""Running a command isolated from the host: root and tools checked, fresh network, mount and pid namespaces, a
-private /run, and what an emulation could have left on the host."""
+"""Running a command isolated from the host in fresh namespaces (root and tools checked), and what it could leave."""
 
 from __future__ import annotations
 
@@ -11,10 +10,16 @@ import subprocess
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from flwr_sharded.perf.netemu.topology import EmulationError
+from flwr_sharded.errors import ConfigError
+
+class EmulationError(ConfigError):
+    """The emulated cluster cannot be built or run here; the message names the problem."""
+
 
 INSIDE_ENV = "FLWR_SHARDED_NETEMU_INSIDE"
 """Set (to the outer process id) in the re-executed runner: it runs in the private namespaces."""
+RANK_ENV = "FLWR_SHARDED_NETEMU_RANK"
+"""Set in every rank an emulated network starts (to its rank)."""
 TOOLS = {"unshare": "util-linux", "ip": "iproute2", "tc": "iproute2"}
 """Commands the emulator needs, and the package that provides each."""
 
@@ -24,13 +29,8 @@ def check_host(tools: Sequence[str] = tuple(TOOLS)) -> dict[str, str]:
     if os.geteuid() != 0:
         raise EmulationError("the network emulation needs root (it creates network namespaces, bridges and tc "
                              f"qdiscs inside `unshare --net`); running as uid {os.geteuid()}: rerun with sudo")
-    found, missing = {}, []
-    for tool in tools:
-        path = shutil.which(tool)
-        if path is None:
-            missing.append(f"`{tool}` (package {TOOLS.get(tool, tool)})")
-        else:
-            found[tool] = path
+    found = {tool: shutil.which(tool) for tool in tools}
+    missing = [f"`{tool}` (package {TOOLS.get(tool, tool)})" for tool, path in found.items() if path is None]
     if missing:
         raise EmulationError(f"the network emulation needs {', '.join(missing)}, not found on PATH "
                              f"({os.environ.get('PATH', '')})")
@@ -46,12 +46,8 @@ def inside() -> bool:
 
 def run_isolated(argv: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float | None = None,
                  capture: bool = False) -> subprocess.CompletedProcess:
-    """Run `argv` as pid 1 of fresh network, mount and pid namespaces (needs root; see `check_host`).
-
-    The command sees `inside()` true and should call `enter_private_run()` first. When it exits, or this process is
-    killed, the kernel tears down everything made inside. Returns the completed process (output captured if
-    `capture`); a timeout kills it and raises TimeoutError.
-    """
+    """Run `argv` as pid 1 of fresh network, mount and pid namespaces (`inside()` there), torn down by the kernel
+    when it exits or this process dies; a timeout kills it and raises TimeoutError."""
     tools = check_host()
     cmd = [tools["unshare"], "--net", "--mount", "--pid", "--fork", "--kill-child", "--", *argv]
     full_env = {**os.environ, **(env or {}), INSIDE_ENV: str(os.getpid())}
@@ -80,15 +76,9 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-_libc = None
-
-
 def _mount(source: str, target: str, fstype: str, flags: int = 0, data: str = "") -> None:
     """mount(2) directly: the `mount` command would create /run/mount (libmount's utab) on the host first."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    if _libc.mount(source.encode(), target.encode(), fstype.encode(), ctypes.c_ulong(flags),
+    if ctypes.CDLL(None, use_errno=True).mount(source.encode(), target.encode(), fstype.encode(), ctypes.c_ulong(flags),
                    data.encode() if data else None) != 0:
         err = ctypes.get_errno()
         raise EmulationError(f"mount {fstype} on {target} failed: {os.strerror(err)}")
@@ -123,18 +113,15 @@ def host_leftovers() -> dict[str, list[str]]:
     except (OSError, subprocess.SubprocessError):
         links = ""
     for line in links.splitlines():
-        parts = line.split(":")
-        name = parts[1].strip().split("@")[0] if len(parts) > 1 else ""
+        name = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
         if name.startswith(("fbg", "fbtop")) or (name[:2] in ("vn", "up", "dn") and name[2:].isdigit()):
             out["links"].append(name)
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
+    for proc in (p for p in Path("/proc").iterdir() if p.name.isdigit()):
         try:
             environ = (proc / "environ").read_bytes()
         except OSError:
             continue
-        if INSIDE_ENV.encode() in environ or b"FLWR_SHARDED_NETEMU_RANK=" in environ:
+        if INSIDE_ENV.encode() in environ or f"{RANK_ENV}=".encode() in environ:
             out["processes"].append(proc.name)
     return out
 

@@ -1,4 +1,4 @@
-"""The calibrated model (`flwr_sharded.perf.fabric`): each term against hand-computed cases, the paper's Table 4 and
+"""The calibrated model (`flwr_sharded.perf.costmodel`): each term against hand-computed cases, the paper's Table 4 and
 the planner's agreement with the emulated bench's recorded results."""
 
 import json
@@ -9,12 +9,12 @@ import pytest
 
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.perf.cluster import cluster_from_dict, load_cluster
-from flwr_sharded.perf.costmodel import Units, comm_terms
-from flwr_sharded.perf.fabric import (ADAMW_BYTES_PER_PARAM, Phases, allreduce_steps, flow_bandwidth,
-                                      optimizer_time, phase_time, tree_allreduce_steps)
+from flwr_sharded.perf.costmodel import (ADAMW_BYTES_PER_PARAM, Phases, allreduce_steps, comm_terms, flow_bandwidth,
+                                         optimizer_time, phase_time, tree_allreduce_steps)
 from flwr_sharded.perf.model_shape import model_from_preset
 from flwr_sharded.perf.placement import traffic
 from flwr_sharded.perf.planner import evaluate, paper_layouts
+from tests.perf.paper_equations import even_units, per_step
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTERS = ROOT / "examples" / "clusters"
@@ -53,7 +53,7 @@ def test_optimizer_and_phases():
 
 
 def test_comm_terms_steps_and_split():
-    units = Units.even(400.0, 4)  # 4 blocks of 100 bytes = 800 bits, no root
+    units = even_units(400.0, 4)  # 4 blocks of 100 bytes = 800 bits, no root
     t = comm_terms("hsdp", units, S=2, R=128, B_S=100.0, B_R=100.0, alpha_S=1.0, alpha_R=0.5, steps_R=14)
     # shard: per block 2 all-gathers + 1 reduce-scatter, 1 step each (S = 2); replicate: 4 all-reduces x 14 steps
     assert t.latency == pytest.approx(4 * 3 * 1 * 1.0 + 4 * 14 * 0.5)
@@ -106,7 +106,7 @@ def test_bytes_per_tier_do_not_depend_on_the_calibration():
     units = model_from_preset("llama3.1-8b").units(2.0)
     for cluster in (leo, replace(leo, calibration=None)):
         per_rank = traffic("fl-hsdp", cluster.placement(16, 8, 4), units, A=8)
-        assert per_rank[0].per_step() == traffic("fl-hsdp", leo.placement(16, 8, 4), units, A=8)[0].per_step()
+        assert per_step(per_rank[0]) == per_step(traffic("fl-hsdp", leo.placement(16, 8, 4), units, A=8)[0])
 
 
 def test_table4_within_25_percent():

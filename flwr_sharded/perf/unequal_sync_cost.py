@@ -1,19 +1,4 @@
-"""The shard sync of a federation whose groups shard differently: bytes per rank, group and tier, and its time.
-
-Group g trains on R_g x S_g ranks; `parallel.sync_plan.SyncPlan` cuts every parameter into the pieces of the groups'
-common refinement, and each channel (the pieces with the same owner in every group) is one ring all-reduce over F
-ranks, replica 0 of its owner shard in each group. So a rank sends, per sync, the ring's 2 (F-1)/F x the bytes of each
-of its channels (`traffic_report.sent_bytes`, the meter's own accounting) on the inter-group tier, and fl-hsdp's
-broadcast forwards its shard along the group's R replicas. Every piece is in one channel of each group, so a group
-sends 2 (F-1)/F x the model's bytes whatever its S; a rank of a group with small S sends more.
-
-Time: a channel's all-reduce costs C_AR(D, F) (`costmodel.all_reduce_time`, one flow of bandwidth B_F); a rank runs
-its channels one after another in the plan's common order, and a channel starts when all its owners are done with
-their earlier ones. The sync ends when the last rank has run its channels and then broadcast its shard over R_g
-(C_BC). When the groups' cuts nest (every S_g divides the next, as powers of two do) no channel waits, and the time is
-that of the busiest rank: the sum of its channels plus its broadcast. With equal groups it is `costmodel.comm_terms`'
-sync. Bandwidth only (no latency); see docs/cost-model.md, "Unequal federations".
-"""
+"""The shard sync of groups that shard differently: bytes and time (docs/cost-model.md, "Unequal federations")."""
 
 from __future__ import annotations
 
@@ -22,9 +7,9 @@ from typing import Sequence
 
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.sync_plan import Owners, SyncPlan, row_numel
-from flwr_sharded.perf.costmodel import all_reduce_time, broadcast_time
+from flwr_sharded.perf.costmodel import all_reduce_time, broadcast_time, positive_int
 from flwr_sharded.perf.model_shape import ModelShape
-from flwr_sharded.perf.traffic_report import sent_bytes
+from flwr_sharded.perf.traffic_report import ring_bytes_sent
 
 Shapes = tuple[tuple[int, ...], ...]
 
@@ -36,26 +21,21 @@ class UnequalSync:
     layouts: tuple[tuple[int, int], ...]
     """(R_g, S_g) of every group, in member order."""
     channel_bytes: dict[Owners, float]
-    """Wire bytes of each channel's buffer (its pieces' bytes x the wire ratio), in the plan's order."""
+    """Wire bytes of each channel, in the plan's order."""
     rank_bytes: tuple[tuple[float, ...], ...]
-    """[g][s]: bytes replica 0 of shard s of group g sends across groups per sync (its channels' ring all-reduces)."""
+    """[g][s]: bytes replica 0 of shard s of group g sends across groups per sync (its channels' all-reduces)."""
     broadcast_bytes: tuple[float, ...]
-    """Per group: bytes its broadcast over R_g sends per sync, all replicas together (fl-hsdp; 0 for R_g = 1)."""
+    """Per group: bytes its broadcast over R_g sends per sync, all replicas together (0 for R_g = 1)."""
     rank_time: tuple[tuple[float, ...], ...]
     """[g][s]: seconds from the sync's start until that shard's replicas hold the averaged shard."""
     busiest: float
     """Seconds of the busiest rank alone: its channels' all-reduces one after another, then its broadcast."""
     time: float
-    """Seconds of the whole sync: the last rank's `rank_time` (at least `busiest`; on a shared uplink at least
-    each group's bytes over it)."""
-
-    @property
-    def groups(self) -> int:
-        return len(self.layouts)
+    """Seconds of the whole sync: the last rank's `rank_time` (on a shared uplink at least a group's bytes over it)."""
 
     @property
     def group_bytes(self) -> tuple[float, ...]:
-        """Per group: bytes its ranks send across groups per sync (2 (F-1)/F x the model's wire bytes)."""
+        """Per group: bytes its ranks send across groups per sync."""
         return tuple(sum(row) for row in self.rank_bytes)
 
     @property
@@ -63,17 +43,8 @@ class UnequalSync:
         """The most bytes one rank sends across groups per sync."""
         return max((b for row in self.rank_bytes for b in row), default=0.0)
 
-    def tiers(self, group: int, replica_tier: str | None) -> dict[str, float]:
-        """Group `group`'s bytes per sync by tier: inter_group for the all-reduces, `replica_tier` (the tier its
-        replication groups span) for the broadcast."""
-        out = {"inter_group": self.group_bytes[group]}
-        if replica_tier is not None and self.broadcast_bytes[group]:
-            out[replica_tier] = out.get(replica_tier, 0.0) + self.broadcast_bytes[group]
-        return out
 
-
-def check_layouts(layouts: Sequence[tuple[int, int]],
-                  names: Sequence[str] | None = None) -> tuple[tuple[int, int], ...]:
+def _checked_layouts(layouts: Sequence[tuple[int, int]], names: Sequence[str] | None) -> tuple[tuple[int, int], ...]:
     """The groups' (R, S) as a tuple; ConfigError naming the group unless each is a pair of integers >= 1."""
     if not layouts:
         raise ConfigError("layouts: a federation needs at least one group, got none")
@@ -85,14 +56,13 @@ def check_layouts(layouts: Sequence[tuple[int, int]],
         except (TypeError, ValueError):
             raise ConfigError(f"{who}: expected (R, S), got {layout!r}") from None
         for name, value in (("R", R), ("S", S)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{who}: {name} must be an integer >= 1 (shards and replicas), got {value!r}")
+            positive_int(f"{who}: {name}", value)
         out.append((R, S))
     return tuple(out)
 
 
-def _check_bandwidths(layouts: tuple[tuple[int, int], ...], B_F: float | None, B_R: list[float | None],
-                      names: Sequence[str] | None) -> None:
+def _check_group_bandwidths(layouts: tuple[tuple[int, int], ...], B_F: float | None, B_R: list[float | None],
+                            names: Sequence[str] | None) -> None:
     """ConfigError naming the bandwidth a sync of these groups needs but lacks (or gets not positive)."""
     if len(layouts) < 2:
         return
@@ -104,19 +74,17 @@ def _check_bandwidths(layouts: tuple[tuple[int, int], ...], B_F: float | None, B
             raise ConfigError(f"{name}: a positive bandwidth in bits/s is required {why}, got {value!r}")
 
 
-def model_shapes(model: ModelShape) -> Shapes:
-    """A model's parameters as FSDP2 cuts them, coarsely: each block and the root as one 1-D tensor of its elements
-    (cuts fall on elements instead of rows; exact for shards of whole rows when S divides the rows)."""
+def coarse_shapes(model: ModelShape) -> Shapes:
+    """A model's parameters coarsely: each block and the root as one 1-D tensor (cuts on elements, not rows)."""
     block = (model.num_params - model.root_params) // model.num_layers
     return ((block,),) * model.num_layers + (((model.root_params,),) if model.root_params else ())
 
 
 def channel_elements(plan: SyncPlan) -> dict[Owners, int]:
-    """Elements of each channel: the sum of its pieces' elements, every parameter's pieces counted once."""
+    """Elements of each channel (its pieces'), in the plan's order."""
     out: dict[Owners, int] = {}
     for p in plan.pieces():
-        numel = (p.end - p.start) * row_numel(plan.shapes[p.param])
-        out[p.owners] = out.get(p.owners, 0) + numel
+        out[p.owners] = out.get(p.owners, 0) + (p.end - p.start) * row_numel(plan.shapes[p.param])
     return {c: out[c] for c in plan.channels() if c in out}
 
 
@@ -124,20 +92,13 @@ def unequal_sync(layouts: Sequence[tuple[int, int]], shapes: Sequence[Sequence[i
                  elements: int | None = None, bytes_per_param: float = 4.0, wire_ratio: float = 1.0,
                  B_F: float | None = None, B_R: Sequence[float | None] | None = None, shared_uplink: bool = False,
                  names: Sequence[str] | None = None) -> UnequalSync:
-    """Bytes and seconds of one shard sync of groups with `layouts` (R_g, S_g) each.
-
-    The model: its parameters' global `shapes` (FSDP2 cuts each on its first dimension), or `elements` (one flat
-    parameter). `bytes_per_param`: the shards' bytes per value (the broadcast's); `wire_ratio`: the all-reduce's wire
-    bytes over them (`planner._wire_ratio`, `parallel.wire.sync_wire_ratio`: 0.5 for bfloat16 over fp32, top-k's
-    rows). `B_F`: bits/s one flow between groups gets; `B_R[g]`: bits/s of group g's replication groups (needed for
-    R_g > 1); `shared_uplink`: each group's flows share one uplink of B_F. `names`: the groups', for errors.
-    """
-    layouts = check_layouts(layouts, names)
+    """Bytes and seconds of one shard sync of groups with `layouts` (R_g, S_g), of a model's global `shapes` or
+    `elements`; `B_F`: bits/s one flow between groups gets, `B_R[g]`: group g's replica bandwidth (R_g > 1)."""
+    layouts = _checked_layouts(layouts, names)
     if (shapes is None) == (elements is None):
         raise ConfigError("give the model's parameter shapes or its element count, one of them")
     if elements is not None:
-        if isinstance(elements, bool) or not isinstance(elements, int) or elements < 1:
-            raise ConfigError(f"elements must be an integer >= 1, got {elements!r}")
+        positive_int("elements", elements)
         shapes = ((elements,),)
     for name, value in (("bytes_per_param", bytes_per_param), ("wire_ratio", wire_ratio)):
         if not value > 0:
@@ -146,17 +107,15 @@ def unequal_sync(layouts: Sequence[tuple[int, int]], shapes: Sequence[Sequence[i
     B_R = list(B_R) if B_R is not None else [None] * F
     if len(B_R) != F:
         raise ConfigError(f"B_R: one bandwidth per group ({F}), got {len(B_R)}")
-    _check_bandwidths(layouts, B_F, B_R, names)
+    _check_group_bandwidths(layouts, B_F, B_R, names)
     plan = SyncPlan(layouts=tuple(S for _, S in layouts), shapes=tuple(tuple(int(d) for d in s) for s in shapes))
     channels = {c: n * bytes_per_param * wire_ratio for c, n in channel_elements(plan).items()}
-    rank_bytes = [[0.0] * S for _, S in layouts]
-    ready = [[0.0] * S for _, S in layouts]
-    serial = [[0.0] * S for _, S in layouts]
+    rank_bytes, ready, serial = ([[0.0] * S for _, S in layouts] for _ in range(3))
     for owners, size in channels.items():
         seconds = all_reduce_time(size * 8, F, B_F) if F > 1 else 0.0
         start = max(ready[g][s] for g, s in enumerate(owners))
         for g, s in enumerate(owners):
-            rank_bytes[g][s] += sent_bytes("all_reduce", size, F)
+            rank_bytes[g][s] += ring_bytes_sent("all_reduce", size, F)
             ready[g][s] = start + seconds
             serial[g][s] += seconds
     broadcast_bytes, busiest, rank_time = [], 0.0, []
@@ -173,5 +132,3 @@ def unequal_sync(layouts: Sequence[tuple[int, int]], shapes: Sequence[Sequence[i
                        broadcast_bytes=tuple(broadcast_bytes), rank_time=tuple(rank_time), busiest=busiest,
                        time=time)
 
-
-__all__ = ["Shapes", "UnequalSync", "channel_elements", "check_layouts", "model_shapes", "unequal_sync"]
