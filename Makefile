@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 export FLWR_SHARDED_DATA := $(abspath $(DATA))
 
-.PHONY: setup data demo train-demo test test-slow plan clean
+.PHONY: setup data demo train-demo test test-fast test-slow plan clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,9 @@ train-demo: setup  ## the static engine: FL+FSDP on 4 local ranks, small Llama, 
 
 test: setup  ## the whole test suite (CPU, gloo)
 	$(BIN)/python -m pytest -q
+
+test-fast: setup  ## the tests that start no process (a first answer in under two minutes)
+	$(BIN)/python -m pytest -q -m "not dist and not slow"
 
 test-slow: setup  ## the tests kept out of `make test` for time (marked slow; CI runs them after `make test`)
 	FLWR_SHARDED_SLOW_TESTS=1 $(BIN)/python -m pytest -q -m slow

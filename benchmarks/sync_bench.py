@@ -136,18 +136,33 @@ def main() -> None:
     # (a verdict opens a sync, each bucket's check adds to it)
     check_s: dict[str, list[float]] = {}
 
-    def timed_checks(name: str, instance: ShardSync) -> None:
-        into = check_s.setdefault(name, [])
-        for method in ("own_verdict", "accepts"):
-            def timed(*a, _call=getattr(instance, method), _opens=method == "own_verdict"):
-                t0 = time.perf_counter()
-                out = _call(*a)
-                if _opens or not into:
-                    into.append(0.0)
-                into[-1] += time.perf_counter() - t0
-                return out
+    from flwr_sharded.parallel import sync as sync_module
+    from flwr_sharded.parallel.plausibility import MoveBound
 
-            setattr(instance, method, timed)
+    current: list[list[float] | None] = [None]  # the check times of the sync running now
+
+    def timed(fn):  # noqa: ANN001, ANN202 - a check's own arguments
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            if current[0] is not None:
+                current[0][-1] += time.perf_counter() - t0
+            return out
+        return wrapper
+
+    for name in ("bucket_norms", "healthy", "all_finite"):  # the verdict before the reduction, a result's finiteness
+        setattr(sync_module, name, timed(getattr(sync_module, name)))
+    MoveBound.plausible = timed(MoveBound.plausible)  # a bucket's result, against this rank's values
+
+    def timed_checks(name: str, instance: ShardSync) -> None:
+        into, start = check_s.setdefault(name, []), instance.start
+
+        def opening(*a, **k):  # noqa: ANN002, ANN003
+            into.append(0.0)
+            current[0] = into
+            return start(*a, **k)
+
+        instance.start = opening
 
     timed_checks("sync", sync)
     timed_checks("sync-unchecked", unchecked)
@@ -225,7 +240,7 @@ def main() -> None:
         med = {k: statistics.median(stacked[i].tolist()) for i, k in enumerate(runs)}
         result = {
             "layout": topo.describe(), "param_tensors": len(shards), "shard_bytes_per_rank": shard_bytes,
-            "buckets": sync.num_buckets, "repeats": args.repeats,
+            "buckets": len(sync.layout.buckets), "repeats": args.repeats,
             "median_s": med,
             "sync_over_flat": med["sync"] / med["flat"],
             "checked_over_unchecked": med["sync"] / med["sync-unchecked"],

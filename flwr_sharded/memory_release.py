@@ -1,15 +1,16 @@
 """Return freed host memory to the operating system (glibc's malloc), so a rank's resident memory follows its tensors.
 
-With its default dynamic mmap threshold, glibc raises the threshold to the size of each mapped chunk a process
-frees (up to 32 MiB), so after loading a model the transient tensors of the load (and later FSDP's gathered
-parameters and unsharded gradients) come from the heap, whose freed holes stay resident. Pinning the mmap and trim
-thresholds (`MALLOC_MMAP_THRESHOLD_` / `MALLOC_TRIM_THRESHOLD_`, which glibc reads only when the process starts) gives
-every buffer of 128 KiB or more a mapping of its own, returned when it is freed; `malloc_trim(0)` gives back the free
-pages of the heap at once. The entry points call `pin_thresholds` first thing and `after_load` once the model is
-loaded. The thresholds stay pinned through the steps, whose gathered parameters and gradients would otherwise stay
-resident in the heap (x 1.47-1.85 of a rank's state share against x 1.03, benchmarks/README.md); on a CPU, mapping
-every buffer costs 15-20% of a tiny model's step. On other C libraries both are no-ops (logged at debug level); a
-glibc call that fails is logged as a warning.
+With its default dynamic mmap threshold, glibc raises the threshold to the size of each mapped chunk a process frees
+(up to 32 MiB), so the transient tensors of a model's load and of the first step come from the heap, whose freed
+holes stay resident between the long-lived tensors placed among them. The entry points pin the mmap and trim
+thresholds at 128 KiB first thing (`pin_thresholds`: every buffer of that size gets a mapping of its own, returned
+when freed), give the heap's free pages back once the model is loaded (`after_load`), and after the first optimizer
+step (`after_first_step`: the optimizer's state and the step's long-lived buffers are in place) raise both to 32 MiB,
+glibc's own ceiling: the steps' transient buffers are then reused from the heap instead of being mapped, zeroed and
+unmapped every step (which cost 60-70% of a CPU step of the `small` model, benchmarks/README.md). On GPUs the steps'
+buffers are device memory, and the pin bounds the host memory of the load. `MALLOC_MMAP_THRESHOLD_` /
+`MALLOC_TRIM_THRESHOLD_` in the environment win over both settings. Off glibc all of this is a no-op (logged at
+debug level); a glibc call that fails is logged as a warning.
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ import os
 logger = logging.getLogger(__name__)
 
 THRESHOLD_BYTES = 128 << 10
-"""Buffers of this size or more are mappings of their own, unmapped when freed; the trim threshold is the same."""
+"""Through start-up and the first step: buffers of this size or more are mappings of their own, unmapped when freed;
+the trim threshold is the same."""
+STEP_THRESHOLD_BYTES = 32 << 20
+"""From the second step on: glibc's own ceiling of its dynamic threshold (64-bit), for both thresholds."""
 
 _PARAMETERS = {"M_TRIM_THRESHOLD": (-1, "MALLOC_TRIM_THRESHOLD_"), "M_MMAP_THRESHOLD": (-3, "MALLOC_MMAP_THRESHOLD_")}
 """mallopt parameter (malloc.h) -> (its number, the environment variable that sets it at process start)."""
@@ -81,3 +85,11 @@ def trim() -> bool:
 def after_load() -> None:
     """The model is loaded: give its transient buffers back to the OS (`trim`)."""
     trim()
+
+
+def after_first_step() -> dict[str, bool]:
+    """The first optimizer step is done: the steps' transient buffers come from the heap from now on
+    (`STEP_THRESHOLD_BYTES`), and the first step's go back to the OS. Returns what `pin_thresholds` returns."""
+    done = _set({"M_TRIM_THRESHOLD": STEP_THRESHOLD_BYTES, "M_MMAP_THRESHOLD": STEP_THRESHOLD_BYTES})
+    trim()
+    return done

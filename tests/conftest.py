@@ -1,4 +1,5 @@
-"""Shared fixtures: a prepared data directory (the embedded corpus and tokenizer), reused across the session."""
+"""Shared fixtures: a prepared data directory (the embedded corpus and tokenizer), reused across the session; and the
+tiers: a test that starts processes is marked `dist` (`make test-fast` runs the others), which is enforced."""
 
 from __future__ import annotations
 
@@ -20,6 +21,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _in_process_unless_marked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test not marked `dist` (or `slow`) runs in this process: starting one fails it, naming the marker."""
+    if request.node.get_closest_marker("dist") or request.node.get_closest_marker("slow"):
+        return
+    import multiprocessing.process
+    import subprocess
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(f"{request.node.nodeid} starts a process: mark it @pytest.mark.dist (the fast tier, "
+                           f"`make test-fast`, runs in-process tests only)")
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
 
 
 @pytest.fixture(scope="session")

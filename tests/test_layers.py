@@ -191,6 +191,7 @@ print(json.dumps([code, sorted(m for m in sys.modules if m == "torch" or m.start
 """
 
 
+@pytest.mark.dist
 def test_planner_runs_without_torch():
     """`flwr-sharded plan` (the planner's command) on the Leonardo example, in a fresh interpreter."""
     proc = subprocess.run([sys.executable, "-c", PLANNER_PROBE, str(ROOT / "examples/clusters/leonardo.yaml")],

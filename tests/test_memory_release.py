@@ -46,6 +46,7 @@ def _left_resident_mib(mode: str, **env: str) -> float:
     return float(done.stdout)
 
 
+@pytest.mark.dist
 @glibc_only
 def test_pinned_thresholds_and_trim_return_freed_buffers():
     assert _left_resident_mib("default") > 48  # what the entry points avoid: the freed 64 MiB stay resident
@@ -53,6 +54,7 @@ def test_pinned_thresholds_and_trim_return_freed_buffers():
     assert _left_resident_mib("trim") < 4
 
 
+@pytest.mark.dist
 @glibc_only
 def test_the_environment_wins_over_the_pinned_threshold():
     code = ("from flwr_sharded import memory_release; "
@@ -75,6 +77,7 @@ def test_other_c_libraries_are_left_alone(monkeypatch, caplog):
         memory_release._glibc.cache_clear()
 
 
+@pytest.mark.dist
 def test_the_entry_points_pin_the_thresholds(monkeypatch, tmp_path):
     from flwr_sharded import memory_release, train
 

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flwr_sharded import memory_release
 from flwr_sharded.config import TrainConfig, config_to_dict
 from flwr_sharded.parallel.alignment import local_shard
 from flwr_sharded.parallel.sharding import mixed_precision_policy
@@ -105,6 +106,7 @@ class Trainer:
         self.proximal = ProximalTerm(self.model)
         self.timer = PhaseTimer(topo.mesh.device_type)
         self.step_count = 0
+        self._stepped = False
         self.checkpointer = None
         if cfg.checkpoint.dir:
             self.checkpointer = Checkpointer(cfg.checkpoint.dir, fed_index=fed_index, group_rank=topo.group_rank,
@@ -134,6 +136,9 @@ class Trainer:
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1
+        if not self._stepped:  # the optimizer's state exists: the long-lived buffers are in place
+            self._stepped = True
+            memory_release.after_first_step()
         return total
 
     def set_anchor(self, params: list[nn.Parameter] | None = None) -> None:

@@ -22,12 +22,14 @@ def test_there_are_scripts():
     assert any(n.startswith("slurm/cross-facility/") for n in names)
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.relative_to(DEPLOY).as_posix())
 def test_bash_syntax(script):
     out = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
 
 
+@pytest.mark.dist
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed (apt-get install shellcheck)")
 def test_shellcheck():
     out = subprocess.run(["shellcheck", "-x", *map(str, SCRIPTS)], capture_output=True, text=True, timeout=120,
@@ -35,6 +37,7 @@ def test_shellcheck():
     assert out.returncode == 0, out.stdout[-6000:]
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("script", ["tls/make-certs.sh", "auth/make-supernode-keys.sh",
                                     "slurm/cross-facility/submit-groups.sh", "firewall/make-rules.sh",
                                     "local/run_deployment.sh"])
@@ -63,6 +66,7 @@ def test_the_docs_show_the_local_deployment_recipe_as_the_script_runs_it():
     assert "stop-groups=true" in recipe and "run-dir=" in recipe and "allowed-save-root=" in recipe
 
 
+@pytest.mark.dist
 def test_the_local_deployment_refuses_bad_options_before_starting_anything():
     script = str(DEPLOY / "local" / "run_deployment.sh")
     for args, message in ((["--groups", "0"], "--groups must be a positive integer"),
@@ -81,6 +85,7 @@ def test_sbatch_headers(script):
     assert 'source "$FLWR_SHARDED_REPO/deploy/env.sh"' in text
 
 
+@pytest.mark.dist
 def test_the_gpu_check_says_so_and_exits_cleanly_without_a_gpu():
     import sys
 
@@ -99,6 +104,7 @@ def _rules(fmt: str, shards: int, **env: str) -> subprocess.CompletedProcess:
                           text=True, timeout=30, env={**clean, "FLWR_SHARDED_SITE_ENV": "", **env})
 
 
+@pytest.mark.dist
 def test_firewall_rules_name_every_port_env_sh_defines():
     """Each `FLWR_*_PORT*` default of env.sh (a port base: S ports from it) is in the rendered rules, so a port
     added to the deployment cannot be left out of the firewall."""
@@ -113,6 +119,7 @@ def test_firewall_rules_name_every_port_env_sh_defines():
     assert "40000-50000" in nft.stdout
 
 
+@pytest.mark.dist
 def test_firewall_rules_restrict_the_unauthenticated_ports_to_the_federation(tmp_path):
     """The rules name env.sh's ports: the torchrun and S rendezvous ports and the ephemeral range only from the
     federation's nodes, the SuperLink only from its clients, the local ports never from outside; nft and

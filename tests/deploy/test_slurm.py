@@ -21,6 +21,8 @@ from tests.deploy.slurm import LocalSlurm, ShimSlurm, install_slurm, slurm_avail
 from tests.flower.procs import APP, REPO, Procs, base_env, free_port, round_records, run_config_args, strip_ansi, \
     wait_until
 
+pytestmark = pytest.mark.dist  # every test here starts processes
+
 FULL = os.environ.get("FLWR_SHARDED_SLURM_TESTS") == "1"
 SLURM_DIR = REPO / "deploy" / "slurm"
 TINY = """parallel: {method: fl-fsdp, federations: 2, replicas: 1, shards: 2, aggregate_every: 2}

@@ -15,7 +15,7 @@ from tests.flower.procs import REPO, Procs, base_env, free_port, strip_ansi, wai
 
 DEPLOY = REPO / "deploy"
 
-pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
+pytestmark = [pytest.mark.dist, pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")]
 
 
 def _nodes(env: dict[str, str]) -> list[dict]:

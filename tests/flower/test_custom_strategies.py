@@ -82,6 +82,7 @@ def test_unsupported_start_arguments_are_refused_not_ignored(kwargs, name):
     assert grid.pushed == []
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(600)
 def test_a_scheduled_strategy_drives_real_groups_in_simulation(data_dir, tmp_path):
     """The app's schedule strategy through `flwr run` (the ServerApp imports it from the shipped app, with nothing

@@ -20,6 +20,8 @@ from tests.flower.procs import APP, FAST_RUN_CONFIG, REPO, Proc, Procs, base_env
     kill_tree_by_env, launch_group, pids_with_env, round_records, run_config_args, start_groups, strip_ansi, \
     wait_group, wait_until, write_flwr_home
 
+pytestmark = pytest.mark.dist  # every test here starts processes
+
 CONNECTION = "loopback"
 RECIPE = REPO / "deploy" / "local" / "run_deployment.sh"
 TAG = "FLWR_SHARDED_TEST_TAG"  # in the environment of everything the recipe starts

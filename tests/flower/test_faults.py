@@ -19,6 +19,8 @@ from flwr_sharded.flower.endpoint import GroupClient, GroupError, GroupUnavailab
 from tests.flower.procs import Proc, pid_alive, start_groups, wait_until
 from tests.flower.test_group import ROUND_SECRET, all_gone, client, hello, round_args, spec, train, train_all
 
+pytestmark = pytest.mark.dist  # every test here starts processes
+
 RDV_TIMEOUT = 8.0
 SYNC_TIMEOUT = 8.0
 

@@ -15,6 +15,8 @@ import pytest
 from tests.flower.procs import APP, base_env, free_port, kill_tree_by_env, pids_matching, run_config_args, \
     strip_ansi
 
+pytestmark = pytest.mark.dist  # every test here starts processes
+
 SMALL = {"seq-len": 32, "batch-size": 2, "eval-blocks": 8, "aggregate-every": 4, "syncs-per-round": 2,
          "num-server-rounds": 2, "seed": 7}
 STRATEGY = "llama_fl_hsdp.strategies.fedprox:FedProxShards"

@@ -20,6 +20,8 @@ from flwr_sharded.flower.run import FlowerRun, RoundOptions
 from tests.flower.procs import free_port, group_pids, pid_alive, start_group, start_groups, wait_until
 from tests.multiproc import faults_env, run_ranks, torchrun
 
+pytestmark = pytest.mark.dist  # every test here starts processes
+
 
 ROUND_SECRET = "0123456789abcdef" * 4
 """The secret of every round these tests run (the ServerApp makes a fresh one per round)."""

@@ -66,6 +66,7 @@ def test_member_steps_must_name_every_member():
         P.TrainArgs.from_config(args)
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(600)
 def test_groups_train_their_own_steps_and_end_the_round_on_one_model_and_one_clock(procs, data_dir):
     """Two groups of one rank, the second sleeping 0.2 s after each step; a round of K = 2 syncs with member steps

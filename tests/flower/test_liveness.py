@@ -14,6 +14,8 @@ from tests.flower.procs import start_group, wait_until
 from tests.flower.test_faults import Round, arrived
 from tests.flower.test_group import client, hello, round_args, spec
 
+pytestmark = pytest.mark.dist  # every test here starts processes
+
 RDV_TIMEOUT = 30.0
 
 

@@ -18,6 +18,8 @@ from tests.flower.procs import start_groups
 from tests.flower.test_group import client, hello, spec, train_all
 from tests.multiproc import faults_env
 
+pytestmark = pytest.mark.dist  # every test here starts processes
+
 
 @pytest.mark.timeout(420)
 def test_a_lying_member_is_never_adopted_and_is_named_in_every_round_it_lies(procs, data_dir):

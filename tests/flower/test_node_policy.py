@@ -27,6 +27,7 @@ def _run(**flat) -> FlowerRun:
     return FlowerRun.from_run_config(flat)
 
 
+@pytest.mark.dist
 def test_a_deployment_node_allows_nothing_unless_its_config_says_so(tmp_path):
     strict = NodePolicy.from_node_config({"group-address": "127.0.0.1:7100"}, launched=False)
     assert strict == NodePolicy()
@@ -60,6 +61,7 @@ def test_a_deployment_node_allows_nothing_unless_its_config_says_so(tmp_path):
         os.chdir(cwd)
 
 
+@pytest.mark.dist
 def test_a_launched_group_allows_everything_unless_the_node_config_restricts_it(tmp_path):
     assert NodePolicy.from_node_config({"partition-id": 0, "num-partitions": 2}, launched=True) == NodePolicy.open()
     NodePolicy.open().check_run(_run(outer="evil:Rule", **{"checkpoint-dir": "/anywhere"}), save_dir="/any/model")
@@ -127,6 +129,7 @@ class Rule(FedAvg):
 '''
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_a_group_refuses_what_its_node_config_does_not_allow_before_importing_or_writing(procs, data_dir, tmp_path):
     modules, marker, allowed = tmp_path / "modules", tmp_path / "imported", tmp_path / "allowed"

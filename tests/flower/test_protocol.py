@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 APP = REPO / "apps" / "llama_fl_hsdp"
 
 
+@pytest.mark.dist
 def test_client_side_modules_do_not_import_torch():
     code = (f"import sys; sys.path.insert(0, {str(APP)!r}); import llama_fl_hsdp.client_app, "
             "llama_fl_hsdp.server_app, flwr_sharded.flower.clientapp, flwr_sharded.flower.run, "

@@ -127,6 +127,7 @@ def test_a_store_listens_on_the_rendezvous_host_only():
         server.close()
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(150)
 def test_a_stranger_flooding_the_store_changes_nothing_and_the_news_of_a_gone_member_ends_the_wait():
     """One store, four rounds (one spawn of two ranks, `_scenarios`), a stranger (`Stranger`) flooding every

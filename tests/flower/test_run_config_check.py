@@ -26,6 +26,7 @@ def _check(capsys, *run_config: str, app: str = str(APP)) -> tuple[int, str]:
     return code, out.out + out.err
 
 
+@pytest.mark.dist
 def test_a_typo_d_key_is_named_with_the_key_it_resembles():
     proc = subprocess.run([sys.executable, "-m", "flwr_sharded.cli", "check", "--run-config", "num-server-round=2"],
                           cwd=REPO, capture_output=True, text=True, timeout=60)  # the default --app, as documented
@@ -102,6 +103,7 @@ def test_the_model_and_the_data_are_checked_as_the_groups_would_before_any_start
     assert code == 2 and "'model': unknown model 'smal'" in text
 
 
+@pytest.mark.dist
 def test_the_server_app_checks_the_model_and_data_in_a_simulation_only(tmp_path):
     from flwr.superlink.grid.inmemory_grid import InMemoryGrid
 

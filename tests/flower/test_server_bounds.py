@@ -254,9 +254,9 @@ def test_a_robust_rule_needs_a_window_enough_slots_and_whole_windows():
 def test_trimmed_mean_blocks_give_the_same_result(monkeypatch):
     """`trimmed_mean` sorts a block of coordinates at a time; blocks of 7 coordinates change nothing."""
     stacked = torch.randn(5, 13, 11)
-    whole = outer.trimmed_mean(stacked, 1)
-    monkeypatch.setattr(outer, "TRIM_BLOCK", 35)
-    torch.testing.assert_close(outer.trimmed_mean(stacked, 1), whole, rtol=0, atol=0)
+    whole = rules.trimmed_mean(stacked, 1)
+    monkeypatch.setattr(rules, "TRIM_BLOCK", 35)
+    torch.testing.assert_close(rules.trimmed_mean(stacked, 1), whole, rtol=0, atol=0)
     torch.testing.assert_close(whole, stacked.sort(dim=0).values[1:4].mean(dim=0), rtol=0, atol=1e-6)
 
 

@@ -297,6 +297,7 @@ def _server_path_worker(rank: int, world: int):
             "offsets": {p.name: (p.row_offset, p.rows, p.global_shape[0]) for p in pre}}
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_server_path_equals_decentralised_sync_on_fsdp2_shards():
     out = run_ranks(_server_path_worker, 4, timeout=240)
@@ -316,6 +317,7 @@ def _hsdp_offsets_worker(rank: int, world: int):
     return topo.replica_index, topo.shard_index, {p.name: (p.row_offset, p.global_shape[0]) for p in pieces}
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_hsdp_replicas_send_the_same_row_ranges():
     out = run_ranks(_hsdp_offsets_worker, 4, timeout=240)
@@ -326,6 +328,7 @@ def test_hsdp_replicas_send_the_same_row_ranges():
     assert all(a == b for a, b in by_shard.values())
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("F", [2, 4])
 def test_server_memory_stays_near_one_fp32_model_whatever_F(F):
@@ -347,6 +350,7 @@ def test_server_memory_stays_near_one_fp32_model_whatever_F(F):
     assert figures["peak_x"] < 1.5 + 0.25, figures  # the accumulator + one rank's reply (half a model, S = 2)
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("F", [2, 4])
 def test_server_strategy_holds_less_than_one_fp32_model_whatever_F(F):

@@ -35,6 +35,7 @@ def _compare(server: list[dict], reference: list[dict]) -> None:
         assert _close(s_sums, r_sums, 1e-4), (s_sums, r_sums)
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(900)
 def test_server_path_equals_the_decentralised_sync(data_dir, tmp_path):
     """Two groups of S = 2: the same losses, evaluation and shards after every round, with an outer optimizer.
@@ -53,6 +54,7 @@ def test_server_path_equals_the_decentralised_sync(data_dir, tmp_path):
     assert server[-1]["eval_loss"] < server[0]["eval_loss"] + 0.5  # it trains (tiny run: no strict decrease)
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(900)
 def test_two_facilities_equal_a_flat_federation_of_their_groups(data_dir, tmp_path):
     """Facilities a = {0, 1}, b = {2}: all-reduce inside a, the server averages the two facility models (weighted
@@ -68,6 +70,7 @@ def test_two_facilities_equal_a_flat_federation_of_their_groups(data_dir, tmp_pa
     _compare(hierarchical, reference)
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(900)
 def test_facilities_with_different_shard_counts_federate_through_the_server(data_dir, tmp_path):
     """Facility a runs S = 2, facility b S = 1 (`facility-shards`): the server combines their rows, and each rank
@@ -110,6 +113,7 @@ def test_each_group_gets_the_shards_of_its_facility():
     assert shards == [2, 1, 1]
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(600)
 @pytest.mark.slow  # a killed and relaunched group in a 3-group simulation (~50 s); the decentralised rejoin runs by default
 def test_a_killed_group_rejoins_its_facility_with_a_catch_up(data_dir, tmp_path):
@@ -130,6 +134,7 @@ def test_a_killed_group_rejoins_its_facility_with_a_catch_up(data_dir, tmp_path)
         assert r["synced"] == 1 and r["checksums_equal"] == 1, r
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(900)
 @pytest.mark.slow  # a third 3-group simulation (~1 min); the same checks: test_server_strategy.py
 def test_a_hostile_facility_is_excluded_and_the_others_go_on(data_dir, tmp_path, monkeypatch):

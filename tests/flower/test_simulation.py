@@ -45,6 +45,7 @@ def test_demo_runs_end_to_end_and_leaves_no_process(simulation_run):
     assert "stopped the local SuperLink" in run.output
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(600)
 def test_simulation_loss_curve_matches_the_static_engine(simulation_run, data_dir, tmp_path):
     """Same seeds and samples as `torchrun -m flwr_sharded.train --method fl-fsdp --federations 2 --shards 2` for
@@ -70,6 +71,7 @@ def test_simulation_loss_curve_matches_the_static_engine(simulation_run, data_di
     assert [r["eval_loss"] for r in run.rounds] == pytest.approx(static_evals, abs=1e-5)
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(400)
 def test_bad_run_config_is_a_clear_error_before_any_training(data_dir, tmp_path):
     run = run_demo(tmp_path, data_dir, {**FAST_RUN_CONFIG, "method": "fl-bogus"}, timeout=300)
@@ -78,6 +80,7 @@ def test_bad_run_config_is_a_clear_error_before_any_training(data_dir, tmp_path)
     assert pids_matching("flower-superlink", str(run.flwr_home)) == []
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(900)
 def test_a_killed_run_resumes_after_its_last_checkpointed_round(data_dir, tmp_path):
     """Checkpoints after rounds 2 and 4; the whole run (SuperLink, ServerApp, Ray, groups) is killed -9 after round 3's
@@ -122,6 +125,7 @@ def test_a_killed_run_resumes_after_its_last_checkpointed_round(data_dir, tmp_pa
                                                                        rel=1e-6, abs=1e-6)
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(600)
 def test_a_killed_group_is_dropped_relaunched_and_rejoins_with_a_catch_up(data_dir, tmp_path):
     """Kill -9 one group's processes after round 1: its round fails and it is dropped (the survivor rolls back if

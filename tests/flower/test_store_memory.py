@@ -16,6 +16,8 @@ import pytest
 from tests.flower.test_group import ROUND_SECRET
 from tests.multiproc import REPO
 
+pytestmark = pytest.mark.dist  # every test here starts processes
+
 VALUES, VALUE_BYTES = 64, (8 << 20) - 64
 """64 values just under TCPStore's 8 MiB cap (what grew a TCPStore server by 528 MiB)."""
 BUDGET_BYTES = 64 << 20

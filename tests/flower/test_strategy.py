@@ -178,6 +178,7 @@ def config(m: Message) -> dict:
     return dict(m.content.config_records[P.CONFIG])
 
 
+@pytest.mark.dist
 def test_sampling_gives_up_at_its_deadline(caplog):
     grid = FakeGrid({1: group(1, 0)})
     strategy = make(spec(), fast(num_groups=2, min_groups=2, sample_timeout=2.0))

@@ -22,7 +22,7 @@ RUN = {**FAST_RUN_CONFIG, "num-groups": 1, "shards": 1, "round-timeout": 40.0, "
 
 
 # A whole second `flwr run` (about a minute on 2 cores): outside the default suite, which has to fit CI's time.
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 
 def _listens(port: int) -> bool:

@@ -3,6 +3,7 @@ another home's SuperLink running."""
 
 from __future__ import annotations
 
+import pytest
 import os
 import subprocess
 import sys
@@ -11,6 +12,8 @@ from pathlib import Path
 from flwr_sharded.cli import main
 from flwr_sharded.flower.processes import pid_alive
 from flwr_sharded.flower.superlink import stop_superlink, superexec_pids, superlink_pids
+
+pytestmark = pytest.mark.dist  # every test here starts processes
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
 

@@ -152,6 +152,7 @@ def _static_unequal(data_dir: Path, tmp: Path, run, layouts: str) -> tuple[list[
     return [r["loss"] for r in lines if r["kind"] == "train"], [r["eval_loss"] for r in lines if r["kind"] == "eval"]
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(600)
 def test_groups_of_one_and_two_ranks_match_the_static_engine_and_a_relaunched_group_of_another_s_catches_up(
         procs, data_dir, tmp_path):
@@ -196,6 +197,7 @@ def test_groups_of_one_and_two_ranks_match_the_static_engine_and_a_relaunched_gr
     assert sum(got_c["checksums"]) == pytest.approx(sum(got_a["checksums"]), rel=1e-9, abs=1e-9)
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(600)
 def test_fl_hsdp_groups_of_different_s_match_the_static_engine_replicas_alike(procs, data_dir, tmp_path):
     """R = 2 groups of S = 1 and 2 (6 ranks), one round of K = 2 syncs x A = 3 steps: the replicas, which take each
@@ -217,6 +219,7 @@ def test_fl_hsdp_groups_of_different_s_match_the_static_engine_replicas_alike(pr
     assert losses == pytest.approx(static_losses, abs=1e-5)
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(900)
 def test_a_flower_simulation_of_groups_of_two_and_one_ranks_matches_the_static_engine(data_dir, tmp_path):
     """`flwr run` in simulation, partition 0 with S = 2 and partition 1 with S = 1 (`facility-shards`): the

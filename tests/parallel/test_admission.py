@@ -82,6 +82,7 @@ def results():
     return run_ranks(_admission_worker, 3, timeout=120)
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("case", ["nan", "inflated", "absurd", "nan-overlapped"])
 def test_a_member_that_is_not_finite_or_out_of_bounds_is_left_out_and_healed(results, case):
     expected = [(WEIGHTS[0] * a + WEIGHTS[1] * b) / (WEIGHTS[0] + WEIGHTS[1])
@@ -94,6 +95,7 @@ def test_a_member_that_is_not_finite_or_out_of_bounds_is_left_out_and_healed(res
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.dist
 def test_an_8bit_overlapped_sync_leaves_a_nan_member_out(results):
     for rank in range(3):
         after = results[rank]["nan-int8-overlapped"]["after"]
@@ -101,6 +103,7 @@ def test_an_8bit_overlapped_sync_leaves_a_nan_member_out(results):
         torch.testing.assert_close(after, results[0]["nan-int8-overlapped"]["after"], rtol=0, atol=0)
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("case", ["liar", "nan-overlapped-liar", "all-nan"])
 def test_a_result_that_is_not_finite_somewhere_is_rejected_by_every_member(results, case):
     for rank in range(3):
@@ -108,6 +111,7 @@ def test_a_result_that_is_not_finite_somewhere_is_rejected_by_every_member(resul
     assert ("no member" in results[0][case]["rejected"]) == (case == "all-nan")
 
 
+@pytest.mark.dist
 def test_one_log_line_names_the_member_left_out(results):
     lines = results[0]["lines"]
     assert any("member 2" in line and "not finite" in line for line in lines)
@@ -117,6 +121,7 @@ def test_one_log_line_names_the_member_left_out(results):
     assert len(results[2]["lines"]) == len([line for line in lines if "member 2" in line])
 
 
+@pytest.mark.dist
 def test_the_commit_vote_names_the_members_that_failed_on_every_member(results):
     for rank in range(3):
         assert results[rank]["commit-vote"] == [[], [1]]

@@ -199,6 +199,7 @@ def _lying_worker(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(240)
 def test_a_lying_member_is_rejected_on_every_rank_and_named():
     results = run_ranks(_lying_worker, 3, timeout=200)

@@ -165,6 +165,7 @@ def ring_bound(xs: list[torch.Tensor], dtype: torch.dtype, block: int) -> torch.
     return errors + world * U * (magnitudes.sum(0) + errors)
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("world", [2, 3])
 def test_quantized_all_reduce_is_the_sum_within_its_roundings_bit_identical_and_sends_a_quarter(world):
@@ -252,6 +253,7 @@ def _feedback_worker(rank: int, world: int, n: int, dtype: torch.dtype):
     return {"errors": errors, "absmax": absmax, "rollback_equal": rollback_equal}
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("dtype", [INT8, INT4], ids=["int8", "int4"])
 def test_error_feedback_keeps_the_running_sum_within_one_rounds_error_and_without_it_the_error_grows(dtype):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import re
 import subprocess
 import sys
@@ -42,6 +43,7 @@ def test_each_rule_declares_the_state_its_init_state_makes():
         assert cls.linear == (cls.temp_buckets_per_member == 0), name
 
 
+@pytest.mark.dist
 def test_the_rules_load_without_torch():
     code = ("import sys; import flwr_sharded.parallel.rules as o, flwr_sharded.flower.node_policy; "
             "print(len(o.RULES), 'torch' in sys.modules)")

@@ -200,6 +200,7 @@ def _decentralised_rule_worker(rank: int, world: int, rule_name: str, F: int, S:
     return errors
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("rule_name,F,S", [("nesterov", 2, 2), ("fedyogi", 2, 2), ("trimmed-mean", 3, 1)])
 def test_decentralised_sync_with_a_rule_matches_the_whole_tensor_reference(rule_name, F, S):

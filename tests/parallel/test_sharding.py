@@ -44,6 +44,7 @@ def _reference_and_sharded(rank: int, world: int, arch: str, options: dict):
     return max(float((full[k] - ref[k]).abs().max()) for k in ref), len(model.state_dict())
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("arch,options", [
     ("llama", {}),

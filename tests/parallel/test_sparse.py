@@ -125,6 +125,7 @@ def _gloo_reduce(rank: int, world: int, values: str) -> tuple[torch.Tensor, torc
     return flat, residual, nbytes, sent_bytes(NUMEL, world, 0.02, WIRES[values])
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(120)
 def test_sparse_wire_reduce_on_two_gloo_ranks_equals_the_central_sum_on_both():
     from flwr_sharded.parallel.sparse import accumulate

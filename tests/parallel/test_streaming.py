@@ -83,6 +83,7 @@ def _overlap_matches_central(rank: int, world: int, wire: str | None, alpha: flo
     return errors
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("wire,alpha,carry,tolerance", [(None, 0.5, False, 1e-6), ("int8", 0.25, True, 2e-3)],
                          ids=["fp32-alpha0.5", "int8-alpha0.25-carry"])
@@ -122,6 +123,7 @@ def _replicas_after_every_merge(rank: int, world: int, wire: str | None, delay: 
     return identical
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("wire,delay", [("int8", 1), ("int4", 1), (None, 0)],
                          ids=["int8-overlapped", "int4-overlapped", "fp32-blocking"])
@@ -175,6 +177,7 @@ def _trainer_equals_todays_loop(rank: int, world: int, data_dir: str) -> tuple[b
                                                                            ref.model.parameters())), depths
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_one_fragment_without_delay_is_the_blocking_sync_six_frames_below_the_loop(data_dir):
     for equal, depths in run_ranks(_trainer_equals_todays_loop, 2, str(data_dir), timeout=240):

@@ -86,6 +86,7 @@ def _weighted_average_worker(rank: int, world: int, method: str, F: int, R: int,
             "all_reduces": meter.count("all_reduce"), "broadcasts": meter.count("broadcast")}
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("bucket_bytes", [64 << 20, 1000])
 def test_fl_fsdp_sync_is_token_weighted_average(bucket_bytes):
@@ -104,6 +105,7 @@ def test_fl_fsdp_sync_is_token_weighted_average(bucket_bytes):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(240)
 def test_fl_hsdp_replica0_syncs_then_broadcasts():
     F, R, S = 2, 2, 2
@@ -153,6 +155,7 @@ def _hostile_median_worker(rank: int, world: int, F: int):
             "all_gathers": meter.count("all_gather"), "all_reduces": meter.count("all_reduce")}
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(180)
 def test_the_median_rule_keeps_a_hostile_member_out():
     """Three groups, one sending 1e30: every member ends at the central median of the three groups' shards (the
@@ -186,6 +189,7 @@ def _misaligned_worker(rank: int, world: int, method: str, F: int, R: int, S: in
     return {"error": error, "unchanged": unchanged}
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("layout", [("fl-fsdp", 2, 1, 2), ("fl-hsdp", 2, 2, 1)])
 def test_misaligned_sharding_is_refused_before_any_change(layout):

@@ -64,6 +64,7 @@ def _fedavg_worker(rank: int, world: int, method: str, F: int, R: int, S: int):
     return {"coords": (topo.fed_index, topo.replica_index, topo.shard_index), "rounds": rounds}
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("layout", [("fl-fsdp", 3, 1, 1), ("fl-hsdp", 2, 2, 1)], ids=["fl-fsdp-F3", "fl-hsdp-R2"])
 def test_bf16_wire_fedavg_equals_the_weighted_mean_within_bf16_rounding_of_the_deltas(layout):
@@ -113,6 +114,7 @@ def _nesterov_worker(rank: int, world: int, F: int, S: int):
     return {"shard": topo.shard_index, "runs": runs}
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(240)
 def test_nesterov_with_a_bf16_wire_stays_close_to_the_fp32_wire_over_two_syncs():
     F, S = 2, 2

@@ -141,6 +141,7 @@ def _sync_worker(rank: int, world: int, layouts: tuple[int, ...], R: int, wire: 
                                                                       for _, _, full in after]}
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("layouts", [(1, 2), (2, 4), (2, 3, 4)], ids=["S=1,2", "S=2,4", "S=2,3,4"])
 def test_unequal_groups_end_with_the_central_weighted_mean(layouts):
@@ -164,6 +165,7 @@ def test_unequal_groups_end_with_the_central_weighted_mean(layouts):
     assert max(r["channels"] for r in out) > 1  # a rank of the smaller S averages with several of the larger
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("wire,overlapped,tolerance", [("int8", False, 2e-3), ("float32", True, 1e-6)],
                          ids=["int8", "overlapped"])
@@ -177,6 +179,7 @@ def test_unequal_groups_int8_and_overlapped_syncs_equal_the_central_mean(wire, o
     assert out[0]["moved"] > 20 * tolerance
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_unequal_fl_hsdp_replicas_end_bit_identical():
     out = run_ranks(_sync_worker, 6, (1, 2), 2, "float32", False, timeout=240)
@@ -190,6 +193,7 @@ def test_unequal_fl_hsdp_replicas_end_bit_identical():
         assert len(replicas) == 2 and all(torch.equal(a, b) for a, b in zip(*replicas))
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_unequal_groups_step_an_outer_optimizer_as_the_central_rule_on_whole_tensors():
     out = run_ranks(_sync_worker, 3, (1, 2), 1, "float32", False, "nesterov", timeout=240)
@@ -223,6 +227,7 @@ def test_reseat_carries_the_outer_state_element_by_element():
         assert torch.equal(state["m"], 2 * g) and float(state["t"]) == 7
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_unequal_groups_median_and_bf16_equal_the_central_computation():
     """The median all-gathers each channel's pieces from every group (F = 3: a value of each); bf16 sends the deltas
@@ -233,6 +238,7 @@ def test_unequal_groups_median_and_bf16_equal_the_central_computation():
         assert max(res["errors"]) < 1e-3 and all(res["same"]), res["errors"]
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_a_member_with_nan_in_one_piece_is_left_out_of_that_channel_only_and_healed():
     out = run_ranks(_sync_worker, 3, (1, 2), 1, "float32", False, "fedavg", True, timeout=240)
@@ -253,6 +259,7 @@ def _other_model_worker(rank: int, world: int):
     return ""
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(120)
 def test_a_group_with_another_model_is_refused_before_any_channel():
     out = run_ranks(_other_model_worker, 3)

@@ -35,6 +35,7 @@ def test_a_verdict_has_a_known_kind_and_the_first_verdict_on_a_member_is_its_rea
         1: "first", 2: "x"}
 
 
+@pytest.mark.dist
 def test_the_verdict_module_is_torch_free():
     import subprocess
     import sys

@@ -48,6 +48,7 @@ def test_a_wire_is_registered_once_and_unknown_dtypes_are_named():
         wire_of("float16")
 
 
+@pytest.mark.dist
 def test_the_registry_loads_without_torch():
     code = ("import sys; import flwr_sharded.parallel.wire as w, flwr_sharded.config; "
             "print(len(w.WIRES), 'torch' in sys.modules)")

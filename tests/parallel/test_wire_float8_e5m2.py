@@ -85,6 +85,7 @@ def _sync_worker(rank: int, world: int, n: int):
             "residual_finite": all(bool(torch.isfinite(r).all()) for r in sync.state.feedback.residuals.values())}
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(120)
 def test_a_two_rank_e5m2_sync_is_the_central_weighted_mean_within_the_rings_roundings():
     n = 3 * BLOCK + 77

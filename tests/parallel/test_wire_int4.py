@@ -69,6 +69,7 @@ def _sync_worker(rank: int, world: int):
     return rounds
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(150)
 def test_a_two_group_int4_sync_with_feedback_is_the_weighted_mean_within_the_rings_roundings():
     out = run_ranks(_sync_worker, 2, timeout=120)

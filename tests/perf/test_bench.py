@@ -40,6 +40,7 @@ def _cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
 # Measured traffic without emulation: torchrun on loopback, the engine's --measure-traffic switch.
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("method, layout, A", [("fl-hsdp", ["--federations", "2", "--replicas", "2"], 2),
                                                ("fl-hsdp", ["--federations", "2", "--replicas", "2",
@@ -151,6 +152,7 @@ def test_agreement_applies_the_planner_rule():
 # Emulated runs (root).
 
 
+@pytest.mark.dist
 @needs_root
 @pytest.mark.timeout(300)
 def test_quick_bench_end_to_end(data_dir, tmp_path):
@@ -194,6 +196,7 @@ def test_quick_bench_end_to_end(data_dir, tmp_path):
         assert heading in report
 
 
+@pytest.mark.dist
 @needs_root
 @pytest.mark.timeout(240)
 def test_sync_bench_under_shaping(tmp_path):
@@ -210,6 +213,7 @@ def test_sync_bench_under_shaping(tmp_path):
     assert "sync / flat" in result.stdout
 
 
+@pytest.mark.dist
 def test_bench_rejects_bad_options_before_building_anything(tmp_path, data_dir):
     cluster = tmp_path / "c.yaml"
     cluster.write_text(yaml.safe_dump(SMALL))

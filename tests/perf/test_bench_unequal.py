@@ -121,6 +121,7 @@ def _run(layout: str, mb: float, pred_mb: float, timing: dict | None = None, ppl
             "group_timing": timing, "ppl_vs_equal_speed": ppl, "eval_tokens": [(1000.0, 90.0)]}
 
 
+@pytest.mark.dist
 def test_unequal_checks_and_report():
     slow, speed = group_timing(_records(0.8)), group_timing(_records(0.05))
     scen = {"description": "flat", "cluster_file": "c.yaml", "batch_size": 1, "seq_len": 64, "steps": 32, "A": 8,
@@ -143,6 +144,7 @@ def test_unequal_checks_and_report():
         assert words in text, words
 
 
+@pytest.mark.dist
 def test_bench_options_for_the_unequal_scenario(data_dir, tmp_path):
     result = _cli("bench", "--methods", "none", "--unequal", "none", "--contrast", "none", "--data-dir",
                   str(data_dir), "--out", str(tmp_path))

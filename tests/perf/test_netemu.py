@@ -106,6 +106,7 @@ def test_backend_and_groups_must_suit_the_emulation():
         EmuTopology.from_cluster(cluster_from_dict({**BASE, "nodes": 5}))
 
 
+@pytest.mark.dist
 def test_not_root_is_a_clear_error(monkeypatch, tmp_path, capsys):
     from flwr_sharded.cli import main
 
@@ -131,6 +132,7 @@ def test_missing_tool_is_named(monkeypatch, tmp_path):
     assert "`tc`" not in str(err.value) and "`unshare`" not in str(err.value)
 
 
+@pytest.mark.dist
 def test_missing_tool_through_the_cli(tmp_path):
     before = host_state() if CAN_EMULATE else None
     result = cli("bench", "check", "--cluster", str(write_cluster(tmp_path)), env={"PATH": str(tmp_path)})
@@ -143,6 +145,7 @@ def test_missing_tool_through_the_cli(tmp_path):
         assert_clean(before)
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("content, words", [
     ("gpus_per_node: 2\nnodes: 2\n", ["'bandwidth'"]),
     ("nodes: [1\n", ["not valid YAML"]),
@@ -164,6 +167,7 @@ def test_bad_cluster_file_through_the_cli(tmp_path, content, words):
             assert word in result.stderr, result.stderr
 
 
+@pytest.mark.dist
 def test_missing_cluster_file(tmp_path):
     result = cli("bench", "check", "--cluster", str(tmp_path / "nope.yaml"))
     assert result.returncode == 2 and "cannot read" in result.stderr
@@ -173,6 +177,7 @@ def test_missing_cluster_file(tmp_path):
 # The emulation itself (root).
 
 
+@pytest.mark.dist
 @needs_root
 @pytest.mark.timeout(120)
 def test_shaping_is_real_and_nothing_is_left(tmp_path):
@@ -190,6 +195,7 @@ def test_shaping_is_real_and_nothing_is_left(tmp_path):
     assert_clean(before)
 
 
+@pytest.mark.dist
 @needs_root
 @pytest.mark.timeout(120)
 def test_failing_rank_kills_the_others_and_leaves_nothing(tmp_path):
@@ -205,6 +211,7 @@ def test_failing_rank_kills_the_others_and_leaves_nothing(tmp_path):
     assert_clean(before)
 
 
+@pytest.mark.dist
 @needs_root
 @pytest.mark.timeout(120)
 def test_ranks_see_their_node_and_rank_zero(tmp_path):
@@ -218,6 +225,7 @@ def test_ranks_see_their_node_and_rank_zero(tmp_path):
     assert "['eth0', 'lo']" in result.stdout
 
 
+@pytest.mark.dist
 @needs_root
 @pytest.mark.timeout(120)
 def test_killed_runner_leaves_nothing(tmp_path):
@@ -239,6 +247,7 @@ def test_killed_runner_leaves_nothing(tmp_path):
     assert_clean(before, timeout=20)
 
 
+@pytest.mark.dist
 @needs_root
 def test_fabric_refuses_to_build_outside_the_namespaces():
     topo = EmuTopology("x", ranks_per_node=1, nodes=2, nodes_per_group=1, inter_node_bps=None,

@@ -38,6 +38,7 @@ def _run(args: list[str]) -> None:
     assert result.returncode == 0, result.stderr[-4000:]
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(480)
 @pytest.mark.parametrize("mode", [[], ["--async-checkpoint", "--outer", "nesterov", "--sync-dtype", "bfloat16"]],
                          ids=["sync-write", "async-write+outer-state+bf16-sync-global-state"])
@@ -148,6 +149,7 @@ def _wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen, log:
         time.sleep(0.02)
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_a_job_killed_while_writing_a_checkpoint_resumes_from_the_last_committed_one(data_dir, tmp_path):
     """fsdp S=2, 12 steps, a checkpoint every 4. The test-only fault hook (`tests/faults`, `commit_delay`) holds every
@@ -212,6 +214,7 @@ def test_a_job_killed_while_writing_a_checkpoint_resumes_from_the_last_committed
           f"the relaunch, the 8 remaining steps and 2 checkpoints done {resumed_s:.1f} s after it")
 
 
+@pytest.mark.dist
 def test_resume_extends_a_run_in_its_run_directory(data_dir, tmp_path):
     """`flwr-sharded train --steps 30 --resume` after a 20-step run, as the docs type it (one process): the steps the
     schedule had planned are taken as before, the extra ones at its final rate, and the run directory's metrics go

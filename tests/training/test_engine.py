@@ -10,6 +10,8 @@ import torch
 
 from tests.multiproc import faults_env, torchrun
 
+pytestmark = pytest.mark.dist  # every test here starts processes
+
 LAYOUTS = {
     "fsdp": ["--method", "fsdp", "--shards", "4"],
     "hsdp": ["--method", "hsdp", "--replicas", "2", "--shards", "2"],

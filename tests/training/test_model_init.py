@@ -47,6 +47,7 @@ def _init_on_ranks(rank: int, world: int):
     return out if rank == 0 else None
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_initial_weights_depend_on_the_seed_alone():
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -108,6 +109,7 @@ def _padded(rank: int, world: int):
     return _full(model)
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(120)
 def test_an_untied_model_with_a_padding_row():
     full = run_ranks(_padded, 2, timeout=100)[0]

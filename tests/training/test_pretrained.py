@@ -88,6 +88,7 @@ def _check_saved(cases: list[dict]) -> None:
         assert json.loads((Path(case["out"]) / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_sharded_load_equals_from_pretrained_and_save_is_bit_exact_uneven_shards(tmp_path):
     """S = 3 (uneven rows): tied and untied, fp32 and bf16 files, a multi-file checkpoint with its index."""
@@ -108,6 +109,7 @@ def test_sharded_load_equals_from_pretrained_and_save_is_bit_exact_uneven_shards
     _check_saved(cases)
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_hsdp_load_and_save_writes_each_row_once(tmp_path):
     cases = _cases(tmp_path, "hsdp", [{"write": {"tied": False, "dtype": torch.bfloat16}},

@@ -7,6 +7,8 @@ import pytest
 
 from tests.multiproc import run_ranks
 
+pytestmark = pytest.mark.dist  # every test here starts processes
+
 MU = 0.3
 
 

@@ -3,11 +3,14 @@ any work with the torchrun command to type."""
 
 from __future__ import annotations
 
+import pytest
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+pytestmark = pytest.mark.dist  # every test here starts processes
 
 REPO = Path(__file__).resolve().parents[2]
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

@@ -11,6 +11,8 @@ import pytest
 from tests.multiproc import faults_env, free_port
 from tests.training.test_engine import FAILED_SYNC, SGD, _common, _records, _run, _state
 
+pytestmark = pytest.mark.dist  # every test here starts processes
+
 
 @pytest.mark.timeout(400)
 def test_fl_fsdp_of_groups_of_2_and_4_shards_with_sgd_and_a1_equals_fsdp_on_6_ranks(data_dir, tmp_path):

@@ -105,6 +105,7 @@ def test_a_preset_with_a_fixed_vocabulary_is_checked_too(tmp_path: Path, data_di
     check_vocab(cfg)  # sized from the tokenizer
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_training_a_local_model_uses_and_saves_its_tokenizer(tmp_path: Path, tokenizer) -> None:
     """One gloo rank, two steps of a local model directory on a local corpus: its own tokenizer is used."""

@@ -3,13 +3,13 @@ federation group slowed down, every rank of it sleeping SECONDS after each optim
 
 from __future__ import annotations
 
+import runpy
 import sys
 import time
 from typing import Sequence
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from flwr_sharded import train
     from flwr_sharded.training.trainer import Trainer
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -26,7 +26,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return loss
 
     Trainer.step = slow_step
-    return train.main(argv)
+    sys.argv = ["flwr_sharded.train", *argv]
+    runpy.run_module("flwr_sharded.train", run_name="__main__")  # the entry point as `python -m` runs it
+    return 0
 
 
 if __name__ == "__main__":
