@@ -1,31 +1,37 @@
-"""The code formats of the blockwise quantized wires: how a block's scaled values become codes and bytes, and back.
+"""The code formats of the blockwise quantized wires (values scaled into [-qmax, qmax] <-> codes <-> bytes), and the
+workspace their buffers come from.
 
-A format maps values scaled into [-qmax, qmax] (a block's absmax at qmax) to codes, `codes_per_byte` of them in
-each byte on the wire, and decodes those bytes to fp32 code values (to be multiplied by the block's scale):
-  - int8: symmetric integer codes in [-127, 127], rounded to nearest (half to even), one byte each;
-  - float8_e4m3fn, float8_e5m2: torch's fp8 casts (qmax 448, 57344), rounded to nearest by the cast, one byte each;
-  - int4: symmetric integer codes in [-7, 7], rounded to nearest (half to even), two to a byte: byte = (lo + 16 hi)
-    mod 256 for the pair (lo, hi) of consecutive codes, so a zero byte is two zero codes;
-  - float4_e2m1: the 4-bit float of OCP's MX formats (torch.float4_e2m1fn_x2 holds two), values 0, 0.5, 1, 1.5, 2,
-    3, 4, 6 and their negatives (qmax 6), rounded to nearest (a tie to the smaller magnitude: within 1/4 of each
-    value, or 1/4 of the scale below 1), two to a byte: byte = lo + 16 hi of their sign-magnitude nibbles.
+  - int8, int4: symmetric integer codes in [-127, 127] and [-7, 7], rounded half to even; int4 packs two to a byte,
+    byte = (lo + 16 hi) mod 256, so a zero byte is two zero codes;
+  - float8_e4m3fn, float8_e5m2: torch's fp8 casts (qmax 448, 57344), rounded to nearest by the cast;
+  - float4_e2m1: OCP's 4-bit float (torch.float4_e2m1fn_x2 holds two), values 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their
+    negatives (qmax 6), rounded to nearest with ties to the smaller magnitude, two to a byte: lo + 16 hi of their
+    sign-magnitude nibbles.
 Both 4-bit formats decode through a 256-entry table of code pairs.
-`code_format` resolves a torch dtype (torch.int4 and torch.float4_e2m1fn_x2 included), a wire name or a format to
-its format.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from flwr_sharded.parallel.quantize import Workspace
-
 _BYTES = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+
+
+class Workspace:
+    """Named byte buffers reused across reductions (first touching fresh memory costs more than quantizing)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < nbytes or buf.device != device:
+            buf = self._buffers[name] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return buf[:nbytes].view(dtype)
 
 
 class CodeFormat:
@@ -113,6 +119,14 @@ class _PairCodes(CodeFormat):
         """byte -> its (lo, hi) code values, (256, 2) fp32."""
         raise NotImplementedError
 
+    @staticmethod
+    def pack(codes: torch.Tensor, raw: torch.Tensor, ws: Workspace) -> None:
+        """raw = lo + 16 hi of each pair of consecutive `codes` (fp32 nibbles, exact in `raw`'s dtype)."""
+        pairs = codes.view(-1, 2)
+        packed = ws.get("pack", pairs.shape[0], torch.float32, codes.device)  # contiguous: 2x faster than in place
+        torch.add(pairs[:, 0], pairs[:, 1], alpha=16, out=packed)
+        raw.view(-1).copy_(packed)
+
     def decode(self, raw, out, ws) -> None:
         flat = out.view(-1)
         aligned = flat.storage_offset() % 2 == 0
@@ -130,10 +144,7 @@ class Int4Codes(_PairCodes):
 
     def encode(self, scaled, raw, ws, keep) -> None:
         scaled.round_()
-        pairs = scaled.view(-1, 2)
-        packed = ws.get("pack", pairs.shape[0], torch.float32, scaled.device)  # contiguous: 2x faster than in place
-        torch.add(pairs[:, 0], pairs[:, 1], alpha=16, out=packed)  # in [-119, 119]: exact, an int8's range
-        raw.view(torch.int8).view(-1).copy_(packed)
+        self.pack(scaled, raw.view(torch.int8), ws)  # in [-119, 119]: an int8's range
 
     def pairs(self) -> torch.Tensor:
         signed = _BYTES.view(torch.int8).int()
@@ -160,10 +171,7 @@ class Float4Codes(_PairCodes):
         if keep:
             torch.index_select(values, 0, index, out=flat)
         torch.index_select(nibbles, 0, index, out=quarters)
-        pairs = quarters.view(-1, 2)
-        packed = ws.get("pack", n // 2, torch.float32, dev)
-        torch.add(pairs[:, 0], pairs[:, 1], alpha=16, out=packed)  # in [0, 255]: exact
-        raw.view(-1).copy_(packed)
+        self.pack(quarters, raw, ws)  # in [0, 255]
 
     def nibbles(self) -> torch.Tensor:
         """nibble -> value, (16,) fp32: magnitudes, then their negatives."""

@@ -1,35 +1,14 @@
-"""A blockwise quantized all-reduce of a flat fp32 tensor: int8, fp8 (e4m3, e5m2), int4 or fp4 (e2m1) on the wire,
-the sum taken in fp32.
+"""Blockwise quantization and the quantized all-reduce of a flat fp32 tensor: int8, fp8 (e4m3, e5m2), int4 or fp4
+(e2m1) on the wire, the sum taken in fp32.
 
-Quantization: the tensor is cut into blocks of `block` elements (the last one may be partial, padded with zeros);
-each block has one fp32 scale, absmax / the format's largest code (`qmax`: 127 for int8 and 7 for int4, symmetric,
-rounded to nearest; 448 for float8_e4m3fn and 57344 for float8_e5m2, rounded to nearest by the cast; 6 for
-float4_e2m1, rounded to nearest), so a block's largest element maps to the largest code and an outlier only coarsens
-its own block. The formats (their codes, how many go in a byte, how bytes decode) are
-`flwr_sharded.parallel.quant_codes`; the 4-bit ones pack two codes per byte, so their block must be even.
-`wire_bytes(n, dtype, block)` = n (4-bit: ceil(n / 2)) + 4 ceil(n / block).
-
-`quantized_all_reduce` (a ring, as INTELLECT-1's int8 all-reduce; torchft's uses an all-to-all), on a group of W
-ranks:
-  1. cut the tensor into W equal chunks of whole blocks (bpr = ceil(ceil(N / block) / W) blocks, C = bpr * block
-     elements each; the end is zero-padded);
-  2. reduce-scatter around the ring in W - 1 steps: at step k rank r quantizes chunk r - k (its own values at
-     k = 0, else the partial sum it holds) and sends it to rank r + 1, and adds its own fp32 values to chunk
-     r - k - 1, dequantized as it arrives from rank r - 1 (codes and scales travel as one uint8 row of B(C) + 4 bpr
-     bytes, B(C) = C, or C / 2 for the 4-bit formats; gloo refuses float8 tensors, so every payload travels as raw bytes). The
-     sums are taken in fp32; each partial sum is rounded once, to travel;
-  3. rank r now holds the whole sum of chunk r + 1: it quantizes it once more and the W rows are all-gathered;
-     every rank dequantizes the same bytes, so all end bit-identical.
-Each rank sends (W - 1) rows in each phase, to its ring neighbour: 2 (W - 1) (B(C) + 4 bpr) bytes
-(`all_reduce_bytes`), about (1 + 4 / block) / 4 of a ring fp32 all-reduce's 2 (W - 1) / W * 4 N bytes once
-N >> W block ((1/2 + 4 / block) / 4 for 4 bits; the padding is at most W blocks: a tensor of a few blocks sends more
-than its fp32 ring would), over the same links as that ring, so a tiered network's slow links carry the same
-fraction. The result is the sum with W roundings: chunk c's element is off by at most sum_j s_j / 2 over the W - 1
-partial sums that travel and the final one (int8 and int4, s_j their block scales; e4m3: 1/16 of each rounded value,
-or scale / 1024 below the normal range, instead of half a step; e5m2: 1/8, or scale / 2^17; e2m1: 1/4, or
-scale / 4 below 1).
-
-Error feedback (`ErrorFeedback`) makes the running sum of repeated reductions exact up to one round's error.
+A block of `block` values has one fp32 scale, absmax / the format's largest code (`qmax`), so an outlier coarsens
+only its own block; the formats are `flwr_sharded.parallel.quant_codes`. `quantized_all_reduce` is a ring (as
+INTELLECT-1's): W chunks of whole blocks are reduce-scattered in W - 1 steps, each partial sum quantized to travel and
+added to in fp32, then each rank's whole sum is quantized once more and all-gathered, so every rank decodes the same
+bytes and ends bit-identical. Payloads travel as uint8 rows (gloo refuses float8 tensors). A rank sends
+2 (W - 1) rows of one chunk's codes and scales (`all_reduce_bytes`): about (1 + 4 / block) / 4 of a ring fp32
+all-reduce ((1/2 + 4 / block) / 4 at 4 bits), over the same links. The result carries W roundings per element;
+`ErrorFeedback` keeps the running sum of repeated reductions within one round's error.
 """
 
 from __future__ import annotations
@@ -41,8 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flwr_sharded.parallel.quant_codes import CodeFormat, code_format
-from flwr_sharded.parallel.quant_format import QUANT_BLOCK
+from flwr_sharded.parallel.quant_codes import CodeFormat, Workspace, code_format
+from flwr_sharded.parallel.wire_base import QUANT_BLOCK
 
 _TINY = torch.finfo(torch.float32).tiny  # smallest scale: an all-zero block quantizes to zeros, never divides by 0
 
@@ -134,11 +113,7 @@ def _format(dtype: WireFormat, block: int) -> CodeFormat:
 def _quantize(fmt: CodeFormat, src: torch.Tensor, raw: torch.Tensor, scales: torch.Tensor, scratch: torch.Tensor,
               error: bool, ws: Workspace) -> None:
     """Quantize `src` (..., block) into the bytes `raw` (..., payload per block) and `scales` (...), through
-    `scratch`.
-
-    `scratch` may be `src` itself unless `error`; with `error`, `src` ends holding its rounding error
-    (src - codes * scales, in fp32).
-    """
+    `scratch` (`src` itself unless `error`); with `error`, `src` ends holding its rounding error, in fp32."""
     absmax = torch.maximum(src.amax(-1), src.amin(-1).neg_())  # no |x| temporary (aminmax is slower on CPU)
     torch.div(absmax, fmt.qmax, out=scales).clamp_(min=_TINY)
     torch.mul(src, scales.reciprocal().unsqueeze(-1), out=scratch)  # |.| <= qmax (+ an ulp: rounds back to it)
@@ -153,30 +128,10 @@ def _dequantize(fmt: CodeFormat, raw: torch.Tensor, scales: torch.Tensor, out: t
     out.mul_(scales.unsqueeze(-1))
 
 
-class Workspace:
-    """Reusable byte buffers for `quantized_all_reduce` (first touching fresh memory costs more than quantizing)."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
-
-    def get(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        buf = self._buffers.get(name)
-        if buf is None or buf.numel() < nbytes or buf.device != device:
-            buf = self._buffers[name] = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return buf[:nbytes].view(dtype)
-
-
 class ErrorFeedback:
-    """One fp32 residual per buffer (key), carried from one quantized all-reduce of that buffer to the next.
-
-    What is fed back, on each rank r: the rounding errors rank r made in its reduction of x_r + residual_r, one per
-    chunk (of its own values, of each partial sum it passed on, of the whole sum it rounded for the gather). Every
-    error of the result is made by exactly one rank, so the sum of the residuals is exactly what this round's result
-    misses, and the running sum of the results stays within one round's error of the exact running sum (a rank that
-    leaves takes its residual along). Feeding back only the errors of one's own values would leave the others to
-    accumulate, round after round.
-    """
+    """One fp32 residual per buffer (key), carried from one quantized all-reduce of that buffer to the next: every
+    rounding error rank r made in its reduction (of its own values, of each partial sum it passed on, of the whole sum
+    it rounded for the gather), so the residuals sum to exactly what the result misses and no error accumulates."""
 
     def __init__(self) -> None:
         self.residuals: dict[str, torch.Tensor] = {}
