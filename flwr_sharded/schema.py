@@ -1,21 +1,11 @@
 """The option schema: every option is one dataclass field with a docstring under it, and nothing else declares it.
 
-Configuration dataclasses (`flwr_sharded.config.TrainConfig`, `flwr_sharded.flower.run.FlowerRun`) nest one level of
-sections. Each leaf field is an option with a flat, kebab-case name (the field name with '-', unless `option(name=...)`
-says otherwise) that is unique in its tree. From the fields come:
-
-- the command line (`add_arguments` / `apply_arguments`): `--<name>`, help from the docstring, choices from `Literal`
-  types, `--x/--no-x` for booleans;
-- YAML files (`from_nested` / `to_nested`): sections as mappings, fields under their own names;
-- flat key-value sources such as Flower's run config (`from_flat` / `to_flat`): the flat names, where an empty string
-  leaves an optional option unset (TOML has no null);
-- the docs' option tables (`options`, `Option.summary`).
-
-A field may declare the same option as a field of another tree (`same_as`): a tool's `--sync-fragments` is the
-trainer's, with its docstring, bounds and (unless the tool sizes it otherwise) its default.
-
-Values are checked on the way in (`Option.check`): the type, finiteness of floats and the bounds declared with
-`option(ge=..., gt=..., le=..., lt=...)`; every message names the option as the source spells it (a `Surface`).
+Configuration dataclasses nest one level of sections; each leaf field is an option with a flat kebab-case name,
+unique in its tree. From the fields come the command line (`add_arguments` / `apply_arguments`), YAML files
+(`from_nested` / `to_nested`), flat key-value sources such as Flower's run config (`from_flat`, where an empty string
+leaves an optional option unset) and the docs' tables (`options`). A field may declare the same option as a field of
+another tree (`same_as`). Values are checked on the way in (`Option.check`: type, finiteness, choices, bounds), and
+every message names the option as the source spells it (a `Surface`).
 """
 
 from __future__ import annotations
@@ -40,15 +30,17 @@ META = "flwr_sharded"
 
 def option(default: Any = MISSING, *, factory: Callable[[], Any] | None = None, name: str | None = None,
            ge: float | None = None, gt: float | None = None, le: float | None = None, lt: float | None = None,
-           not_flat: str | None = None, required: bool = False, hidden: bool = False) -> Any:
+           not_flat: str | None = None, required: bool = False, hidden: bool = False,
+           facts: Mapping[str, str] | None = None) -> Any:
     """A dataclass field that is an option: its default, flat name and numeric bounds.
 
     `not_flat`: why this option is not among the flat keys (the Flower run config); the docs show the reason.
     `required`: the command line must give it (its default, None, is only the unset value of the dataclass).
     `hidden`: left out of `--help` and the docs (test-only switches).
+    `facts`: the values of the docstring's `{name}` placeholders (what another module declares: the wires, the rules).
     """
     meta = {"name": name, "ge": ge, "gt": gt, "le": le, "lt": lt, "not_flat": not_flat, "required": required,
-            "hidden": hidden}
+            "hidden": hidden, "facts": facts}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata={META: meta})
     return dataclasses.field(default=default, metadata={META: meta})
@@ -134,6 +126,16 @@ class Option:
         return ".".join(self.path)
 
     @property
+    def dest(self) -> str:
+        """The argparse destination of its flag (`add_arguments`)."""
+        return "opt_" + self.name.replace("-", "_")
+
+    @property
+    def metavar(self) -> str:
+        return "{" + ",".join(map(str, self.choices)) + "}" if self.choices else {str: "TEXT"}.get(
+            self.kind, self.kind.__name__.upper())
+
+    @property
     def summary(self) -> str:
         """The docstring's first sentence."""
         text = " ".join(self.doc.split())
@@ -189,13 +191,6 @@ _OPS: dict[str, tuple[Callable[[Any, float], bool], str]] = {
     "le": (lambda v, b: v <= b, "<="), "lt": (lambda v, b: v < b, "<")}
 
 
-class _Raw:
-    """A command-line value that failed conversion, kept so the message can show it."""
-
-    def __init__(self, value: str) -> None:
-        self.value = value
-
-
 def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else str(x)
 
@@ -205,19 +200,11 @@ def _convert(value: Any, kind: type) -> Any:
     if isinstance(value, bool):
         return value if kind is bool else None
     if kind is bool:
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            return value.lower() == "true"
-        return None
+        return value.lower() == "true" if isinstance(value, str) and value.lower() in ("true", "false") else None
     if kind is int:
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        return None
+        return int(value) if isinstance(value, int) or (isinstance(value, float) and value.is_integer()) else None
     if kind is float:
-        if isinstance(value, (int, float)):
-            return float(value)
-        return None
+        return float(value) if isinstance(value, (int, float)) else None
     return value if isinstance(value, kind) else None
 
 
@@ -225,7 +212,8 @@ def _convert(value: Any, kind: type) -> Any:
 
 @functools.cache
 def field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each field of a dataclass (the string literal right after its annotation)."""
+    """The docstring under each field of a dataclass (the string literal right after its annotation), its `facts`
+    filled in."""
     docs: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
         if not dataclasses.is_dataclass(klass) or klass is object:
@@ -240,6 +228,10 @@ def field_docs(cls: type) -> dict[str, str]:
                     and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
                     and isinstance(following.value.value, str)):
                 docs[node.target.id] = inspect.cleandoc(following.value.value)
+    for f in dataclasses.fields(cls):
+        facts = f.metadata.get(META, {}).get("facts")
+        if facts and f.name in docs:
+            docs[f.name] = docs[f.name].format(**facts)
     return docs
 
 
@@ -390,16 +382,6 @@ def from_flat(root: Any, values: Mapping[str, Any], surface: Surface, *, empty_i
     return root
 
 
-def to_flat(obj: Any, *, unset: Any = None) -> dict[str, Any]:
-    """Flat name -> value of every flat option; unset optional options become `unset`."""
-    out = {}
-    for o in options(obj):
-        if o.flat:
-            value = get(obj, o.path)
-            out[o.name] = unset if value is None else value
-    return out
-
-
 # --------------------------------------------------------------------------------------------- command line
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -434,32 +416,21 @@ def add_arguments(parser: Any, root: Any, *, skip: Iterable[str] = ()) -> None:
         if section not in groups:
             groups[section] = parser.add_argument_group(
                 section[-1], field_docs(klass).get(section[0]) if len(section) == 1 else None) if section else parser
-        shown = argparse.SUPPRESS if o.hidden else help_text(o).replace("%", "%%")
-        dest = "opt_" + o.name.replace("-", "_")
+        kwargs: dict[str, Any] = dict(dest=o.dest, default=None, required=o.required,
+                                      help=argparse.SUPPRESS if o.hidden else help_text(o).replace("%", "%%"))
         if o.kind is bool:
-            action = groups[section].add_argument(f"--{o.name}", dest=dest, action=argparse.BooleanOptionalAction,
-                                                  default=None, help=shown, required=o.required)
+            action = groups[section].add_argument(f"--{o.name}", action=argparse.BooleanOptionalAction, **kwargs)
         else:
-            metavar = ("{" + ",".join(map(str, o.choices)) + "}" if o.choices
-                       else {str: "TEXT"}.get(o.kind, o.kind.__name__.upper()))
-            action = groups[section].add_argument(f"--{o.name}", dest=dest, default=None, metavar=metavar,
-                                                  help=shown, type=_cli_type(o.kind), required=o.required)
+            action = groups[section].add_argument(f"--{o.name}", metavar=o.metavar, type=_cli_type(o.kind), **kwargs)
         action.option = o
 
 
 def _cli_type(kind: type) -> Callable[[str], Any]:
     def parse(text: str) -> Any:
-        if kind is int:
-            try:
-                return int(text)
-            except ValueError:
-                return _Raw(text)
-        if kind is float:
-            try:
-                return float(text)
-            except ValueError:
-                return _Raw(text)
-        return text
+        try:
+            return kind(text) if kind in (int, float) else text
+        except ValueError:
+            return text  # `Option.check` refuses it, naming the option
 
     return parse
 
@@ -467,12 +438,8 @@ def _cli_type(kind: type) -> Callable[[str], Any]:
 def apply_arguments(obj: Any, namespace: Any, surface: Surface = CLI) -> Any:
     """Set the options given on the command line (see `add_arguments`) on `obj`, checked."""
     for o in options(obj):
-        dest = "opt_" + o.name.replace("-", "_")
-        value = getattr(namespace, dest, None)
-        if value is None:
-            continue
-        if isinstance(value, _Raw):
-            raise surface.error(f"{surface.label(o)} must be of type {o.kind.__name__}, got {value.value!r}")
-        put(obj, o.path, o.check(value, surface))
+        value = getattr(namespace, o.dest, None)
+        if value is not None:
+            put(obj, o.path, o.check(value, surface))
     return obj
 

@@ -44,7 +44,7 @@ def parse_args(parser: argparse.ArgumentParser, root: type, argv: Sequence[str] 
     except ConfigError as exc:
         parser.error(str(exc))
     for o in schema.options(obj):
-        vars(namespace).pop("opt_" + o.name.replace("-", "_"), None)
+        vars(namespace).pop(o.dest, None)
         setattr(namespace, o.path[-1], schema.get(obj, o.path))
     return namespace
 
@@ -72,8 +72,6 @@ def add_option(parser: Any, cls: type, field_name: str, *, default: Any = MISSIN
     if o.kind is bool:
         action = parser.add_argument(f"--{o.name}", action=argparse.BooleanOptionalAction, **kwargs)
     else:
-        metavar = "{" + ",".join(map(str, o.choices)) + "}" if o.choices else {str: "TEXT"}.get(
-            o.kind, o.kind.__name__.upper())
-        action = parser.add_argument(f"--{o.name}", type=parse, metavar=metavar, **kwargs)
+        action = parser.add_argument(f"--{o.name}", type=parse, metavar=o.metavar, **kwargs)
     action.option = o
     return action
