@@ -101,7 +101,7 @@ class Float32(PlainWire):
 
 @register
 class BFloat16(CastWire):
-    """the delta rounded once to bf16, as DiLoCo-style systems send it"""
+    """the delta rounded once to bf16"""
     name, order, bytes_per_value = "bfloat16", 10, 2.0
 
 
@@ -113,28 +113,28 @@ class Int8(BlockwiseWire):
 
 @register
 class Float8E4M3(BlockwiseWire):
-    """fp8 e4m3 codes, absmax / 448 per block: within 1/16 of each value"""
+    """fp8 e4m3 codes, absmax / 448 per block, within 1/16 of each value"""
     name, order, short, requirement = "float8_e4m3fn", 30, "e4m3", "CUDA compute capability >= 8.9"
     probe = (448.0, -1.125, 2.0**-9, 0.0)  # largest normal, a 3-bit mantissa, smallest subnormal
 
 
 @register
 class Float8E5M2(BlockwiseWire):
-    """fp8 e5m2 codes, absmax / 57344 per block: within 1/8 of each value, for a wider range inside a block"""
+    """fp8 e5m2 codes, absmax / 57344 per block, within 1/8 of each value for a wider range inside a block"""
     name, order, short, requirement = "float8_e5m2", 40, "e5m2", "CUDA compute capability >= 8.9"
     probe = (57344.0, -1.25, 2.0**-16, 0.0)  # largest normal, a 2-bit mantissa, smallest subnormal
 
 
 @register
 class Int4(BlockwiseWire):
-    """integer codes in [-7, 7], two to a byte: 18x int8's rounding step"""
+    """integer codes in [-7, 7], two to a byte, 18x int8's rounding step"""
     name, order, bytes_per_value = "int4", 50, 0.5 + SCALE_BYTES / QUANT_BLOCK
 
 
 @register
 class Float4E2M1(BlockwiseWire):
-    """OCP's 4-bit float (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives), two to a byte, decoded through a table on
-    any device: int4's bytes, a wider range inside a block"""
+    """OCP's 4-bit float, two to a byte, decoded through a table on any device, int4's bytes for a wider range
+    inside a block"""
     name, torch_name, order, bytes_per_value = "float4_e2m1", "float4_e2m1fn_x2", 60, 0.5 + SCALE_BYTES / QUANT_BLOCK
 
 
