@@ -48,8 +48,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from flwr_sharded.config import TrainConfig, config_to_dict
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.training import durable
-from flwr_sharded.training.durable import META, read_meta
+from flwr_sharded.training import checkpoint_files as durable
+from flwr_sharded.training.checkpoint_files import META, read_meta
 
 logger = logging.getLogger(__name__)
 

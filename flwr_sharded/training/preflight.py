@@ -27,7 +27,7 @@ def preflight(cfg: TrainConfig, world_size: int) -> None:
     check_model_and_data(cfg)
     if cfg.checkpoint.resume:
         from flwr_sharded.training.checkpoint import check_resumable
-        from flwr_sharded.training.durable import read_meta
+        from flwr_sharded.training.checkpoint_files import read_meta
 
         checkpoint = check_resumable(cfg, cfg.checkpoint.dir)
         previous = read_meta(checkpoint)["config"].get("output", {}).get("run_dir")
