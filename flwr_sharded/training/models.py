@@ -1,8 +1,9 @@
-"""Model presets (`flwr_sharded.presets`, built through `transformers.LlamaConfig`) and loading of any Hugging Face
-causal LM."""
+"""The model: presets (`flwr_sharded.presets`, built as `transformers.LlamaConfig`s) or any Hugging Face causal LM, its
+transformer blocks, and its parameters as checkpoints name them."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +13,10 @@ from torch import nn
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.presets import PRESETS, Preset
 
-__all__ = ["PRESETS", "Preset", "build_meta_model", "build_model", "check_hub_cache", "check_model_name", "is_preset",
-           "model_config", "transformer_blocks"]
+__all__ = ["PRESETS", "Preset", "build_meta_model", "build_model", "canonical_name", "check_hub_cache",
+           "check_model_name", "is_preset", "model_config", "owned_parameters", "transformer_blocks"]
+
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
 
 
 def is_preset(name: str) -> bool:
@@ -104,3 +107,22 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
         raise ValueError(f"cannot find the transformer blocks of {type(model).__name__}: no module is one of its "
                          f"_no_split_modules ({sorted(names) or 'none declared'})")
     return blocks
+
+
+def owned_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter, nn.Module]]:
+    """(name, parameter, owning module) once per parameter, named by its first occurrence (tied weights once) without
+    wrapper modules' segments."""
+    seen: set[int] = set()
+    for module_name, module in model.named_modules():
+        for local_name, param in module._parameters.items():
+            if param is None or id(param) in seen:
+                continue
+            seen.add(id(param))
+            yield canonical_name(f"{module_name}.{local_name}" if module_name else local_name), param, module
+
+
+def canonical_name(name: str) -> str:
+    """A parameter name without wrapper modules' segments (activation checkpointing, FSDP, torch.compile)."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name

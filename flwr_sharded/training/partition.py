@@ -10,7 +10,8 @@ import torch
 from flwr_sharded.training.data import TokenBlocks
 
 
-def _generator(*parts: object) -> torch.Generator:
+def seeded_generator(*parts: object) -> torch.Generator:
+    """A CPU generator seeded by a hash of `parts`: the same stream for the same parts, on any rank."""
     digest = hashlib.sha256(repr(parts).encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
@@ -39,9 +40,9 @@ def partition_indices(n_blocks: int, *, fed_index: int, num_feds: int, dp_index:
         raise ValueError(f"dp_index {dp_index} is not a rank of federation group {fed_index} "
                          f"({num_feds} groups, this one of {group_world}, in a world of {dp_world})")
     if partition == "iid":
-        indices = torch.randperm(n_blocks, generator=_generator("iid", seed, epoch))[dp_index::dp_world]
+        indices = torch.randperm(n_blocks, generator=seeded_generator("iid", seed, epoch))[dp_index::dp_world]
     elif partition == "iid-groups":
-        members_of_group = torch.randperm(n_blocks, generator=_generator("iid", seed, epoch))[fed_index::num_feds]
+        members_of_group = torch.randperm(n_blocks, generator=seeded_generator("iid", seed, epoch))[fed_index::num_feds]
         indices = members_of_group[rank::group_world]
     elif partition == "document":
         if doc_ids is None or len(doc_ids) != n_blocks:
@@ -49,7 +50,7 @@ def partition_indices(n_blocks: int, *, fed_index: int, num_feds: int, dp_index:
         # Every block of a document goes to the group its first block falls in, proportionally.
         first_block = torch.searchsorted(doc_ids, doc_ids, right=False)
         members = torch.nonzero(first_block * num_feds // n_blocks == fed_index).flatten()
-        order = torch.randperm(len(members), generator=_generator("document", seed, epoch, fed_index))
+        order = torch.randperm(len(members), generator=seeded_generator("document", seed, epoch, fed_index))
         indices = members[order][rank::group_world]
     else:
         raise ValueError(f"unknown partition {partition!r}; use iid, iid-groups or document")

@@ -1,16 +1,11 @@
-"""Pretrained Hugging Face safetensors checkpoints, read shard by shard: each rank reads only the rows it owns.
-
-A checkpoint is a directory with `config.json` and `model.safetensors`, or several safetensors files listed by
-`model.safetensors.index.json`; a hub id is first downloaded with `huggingface_hub.snapshot_download`. The
-safetensors headers (a length and a JSON table at the start of each file) tell every tensor's dtype and shape
-without reading any value, so `check_pretrained` can compare the checkpoint with the model its `config.json`
-describes before any process group exists. `load_local_shards` then reads, per parameter, the rows
-`[offset, offset + local rows)` with `safe_open(...).get_slice(name)` and converts them to the parameter's dtype.
-"""
+"""Pretrained Hugging Face safetensors checkpoints (`model.safetensors`, or the files of its index; a hub id is
+downloaded first), read shard by shard: `check_pretrained` compares the safetensors headers with the model of its
+`config.json` before any process group exists, and `load_local_shards` reads each rank's own rows of each tensor."""
 
 from __future__ import annotations
 
 import json
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,12 +17,8 @@ from torch import nn
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.shard_transport import row_offset
 from flwr_sharded.parallel.sync import local_shard
-from flwr_sharded.training.model_params import canonical_name, owned_parameters
-from flwr_sharded.training.models import build_meta_model
-from flwr_sharded.training.safetensors_writer import INDEX_FILE, SINGLE_FILE
-
-DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
-"""safetensors dtype names of the floating-point tensors a checkpoint may hold."""
+from flwr_sharded.training.models import build_meta_model, canonical_name, owned_parameters
+from flwr_sharded.training.safetensors_writer import DTYPE_NAMES, INDEX_FILE, SINGLE_FILE
 READ_CHUNK_BYTES = 64 << 20
 """Rows of one parameter are read in pieces of about this size (bounded transient memory)."""
 
@@ -107,18 +98,14 @@ def expected_tensors(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], dict
 
 def ignored(model: nn.Module, name: str) -> bool:
     """A checkpoint tensor that `from_pretrained` drops silently (old rotary buffers, the model's own patterns)."""
-    import re
-
     patterns = [r"rotary_emb\.inv_freq$", *(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
     return any(re.search(p, name) for p in patterns)
 
 
 def check_pretrained(name: str, config: Any = None) -> Path:
-    """Preflight: the checkpoint `name` (directory or hub id) holds every tensor of its model with the right shape.
-
-    `config`: the model to check against (default: the checkpoint's own config.json). Reads only config.json and the
-    safetensors headers; needs no process group. Returns the checkpoint directory. Raises ConfigError naming --model.
-    """
+    """The checkpoint directory of `name` (a directory or hub id), checked to hold every tensor of its model (of
+    `config`, default its config.json) with the right shape, from its config.json and safetensors headers alone;
+    ConfigError naming --model otherwise."""
     directory = resolve_pretrained(name)
     if config is None:
         from transformers import AutoConfig
@@ -133,28 +120,23 @@ def check_pretrained(name: str, config: Any = None) -> Path:
         raise ConfigError(f"--model: {directory}: its config.json describes no causal LM: {exc}") from exc
     need, optional = expected_tensors(model)
     stored = stored_tensors(directory)
-    arch = f"{type(model).__name__} ({getattr(config, 'model_type', '?')})"
+    mismatch = f"--model: the checkpoint in {directory} does not match its {type(model).__name__} " \
+               f"({getattr(config, 'model_type', '?')}) architecture"
     missing = sorted(set(need) - set(stored))
     if missing:
-        raise ConfigError(f"--model: the checkpoint in {directory} does not match its {arch} architecture: "
-                          f"{len(missing)} tensor(s) missing, e.g. {missing[:3]}")
-    wrong = [f"{k}: checkpoint {list(stored[k].shape)} != model {list(s)}" for k, s in need.items()
+        raise ConfigError(f"{mismatch}: {len(missing)} tensor(s) missing, e.g. {missing[:3]}")
+    shapes = {**{k: s for k, s in optional.items() if k in stored and s is not None}, **need}
+    wrong = [f"{k}: checkpoint {list(stored[k].shape)} != model {list(s)}" for k, s in shapes.items()
              if stored[k].shape != s]
     if wrong:
-        raise ConfigError(f"--model: the checkpoint in {directory} does not match its {arch} architecture: "
-                          f"{len(wrong)} shape mismatch(es), e.g. {'; '.join(wrong[:3])}")
-    wrong = [f"{k}: checkpoint {list(stored[k].shape)} != model {list(s)}" for k, s in optional.items()
-             if k in stored and s is not None and stored[k].shape != s]
-    if wrong:
-        raise ConfigError(f"--model: the checkpoint in {directory} does not match its {arch} architecture: "
-                          f"{'; '.join(wrong[:3])}")
+        raise ConfigError(f"{mismatch}: {len(wrong)} shape mismatch(es), e.g. {'; '.join(wrong[:3])}")
     unexpected = sorted(k for k in set(stored) - set(need) - set(optional) if not ignored(model, k))
     if unexpected:
-        raise ConfigError(f"--model: the checkpoint in {directory} holds tensors that its {arch} architecture does "
-                          f"not have, e.g. {unexpected[:3]}")
-    bad = sorted({stored[k].dtype for k in need if stored[k].dtype not in DTYPES})
+        raise ConfigError(f"{mismatch}: it holds tensors the model does not have, e.g. {unexpected[:3]}")
+    bad = sorted({stored[k].dtype for k in need if stored[k].dtype not in DTYPE_NAMES.values()})
     if bad:
-        raise ConfigError(f"--model: the checkpoint in {directory} holds {bad} tensors; only {sorted(DTYPES)} load")
+        raise ConfigError(f"--model: the checkpoint in {directory} holds {bad} tensors; only "
+                          f"{sorted(DTYPE_NAMES.values())} load")
     return directory
 
 
@@ -185,11 +167,8 @@ def load_local_shards(model: nn.Module, directory: str | Path) -> None:
 
 
 def read_rows(file: Path, name: str, local: torch.Tensor, start: int) -> None:
-    """Copy rows `[start, start + len(local))` of tensor `name` of a safetensors file into `local`.
-
-    In pieces of about `READ_CHUNK_BYTES`, each through its own `safe_open` (a memory map of the file): the pages a
-    piece touches are unmapped when it is copied, so no more than one piece of the file is ever resident here.
-    """
+    """Copy rows `[start, start + len(local))` of tensor `name` of a safetensors file into `local`, in pieces of about
+    `READ_CHUNK_BYTES`, each through its own `safe_open` (memory map), so at most one piece is ever resident."""
     from safetensors import safe_open
 
     rows = local.shape[0] if local.dim() else 1

@@ -1,15 +1,11 @@
-"""Writing a Hugging Face safetensors checkpoint row range by row range, without ever holding a whole tensor set.
+"""A Hugging Face safetensors checkpoint written row range by row range, so no rank gathers the model.
 
-A safetensors file is an 8-byte little-endian header length, a JSON header (each tensor's dtype, shape and byte
-range in the data section, padded with spaces to 8 bytes) and the tensors' bytes, contiguous and row-major. Every
-tensor's place is known from names, shapes and the dtype alone, so the layout (`plan_layout`) is computed the same
-way everywhere: one writer creates the files with their headers and sizes them (`create_files`), then any process
-writes any rows of any tensor at their offset (`write_rows`, `os.pwrite`), and the files are renamed into place
-(`commit`), with `model.safetensors.index.json` when the tensors are split over several files (HF's names
-`model-0000i-of-0000n.safetensors`).
-
-`save_sharded_pretrained` is the collective use of it: every rank of a model's FSDP mesh writes its own rows (one
-replica only under HSDP), so no rank gathers the model; the directory's file system must be shared by its ranks.
+A safetensors file is an 8-byte header length, a JSON header (each tensor's dtype, shape and byte range, padded to 8
+bytes) and the tensors' bytes, row-major. The layout follows from names, shapes and dtype alone (`plan_layout`), so
+one writer creates the files (`create_files`), any process writes any rows at their offset (`write_rows`), and the
+files are renamed into place (`commit`), with `model.safetensors.index.json` over several files.
+`save_sharded_pretrained` does it collectively: every rank of a group's FSDP mesh its own rows (one replica under
+HSDP), into a directory its ranks share.
 """
 
 from __future__ import annotations
@@ -31,7 +27,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from flwr_sharded.parallel.shard_transport import row_offset
 from flwr_sharded.parallel.sharding import reshard_all
 from flwr_sharded.parallel.sync import local_shard
-from flwr_sharded.training.model_params import canonical_name, owned_parameters
+from flwr_sharded.training.models import canonical_name, owned_parameters
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -39,7 +35,8 @@ MAX_FILE_BYTES = 50_000_000_000
 """Split the tensors into files of at most this many bytes (Hugging Face's default `max_shard_size`, "50GB")."""
 WRITE_CHUNK_BYTES = 64 << 20
 """Rows are converted and written in pieces of about this size (bounded transient memory)."""
-_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
+DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
+"""The floating-point dtypes a checkpoint holds, by their safetensors names."""
 _PART = ".part"
 _SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
@@ -77,8 +74,8 @@ class Layout:
 def plan_layout(shapes: Iterable[tuple[str, tuple[int, ...]]], dtype: torch.dtype, *,
                 max_file_bytes: int = MAX_FILE_BYTES, metadata: dict[str, str] | None = None) -> Layout:
     """Place the tensors, in the given order, into files of at most `max_file_bytes` (a bigger tensor alone)."""
-    if dtype not in _NAMES:
-        raise ValueError(f"cannot write {dtype} tensors to safetensors here; use one of {list(_NAMES)}")
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"cannot write {dtype} tensors to safetensors here; use one of {list(DTYPE_NAMES)}")
     element = torch.empty((), dtype=dtype).element_size()
     groups: list[list[tuple[str, tuple[int, ...], int]]] = [[]]
     used = 0
@@ -98,7 +95,7 @@ def plan_layout(shapes: Iterable[tuple[str, tuple[int, ...]]], dtype: torch.dtyp
         table: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
         begin = 0
         for name, shape, nbytes in group:
-            table[name] = {"dtype": _NAMES[dtype], "shape": list(shape), "data_offsets": [begin, begin + nbytes]}
+            table[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [begin, begin + nbytes]}
             begin += nbytes
         text = json.dumps(table, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)
