@@ -1,9 +1,5 @@
-"""Where a dataset's documents come from: the shape checks of a dataset name, and opening its splits with `datasets`.
-
-A `--dataset` is the embedded corpus, a local file, a local directory of files (flat: `train*` / `*validation*`
-name the splits), a local copy of a hub dataset repository (data files in sub-directories, handed to `datasets` as
-the Hub's are), or a hub id. Splits open as `datasets.Dataset`s, or as `IterableDataset`s with `streaming`.
-"""
+"""Where a dataset's documents come from (the embedded corpus, a local file, a flat directory of files, a copy of a
+hub repository, or a hub id): the checks of its name and layout, and its splits opened with `datasets`."""
 
 from __future__ import annotations
 
@@ -34,15 +30,11 @@ def suffix(path: Path) -> str:
     return double if double in BUILDERS else path.suffix
 
 
-def _looks_local(name: str) -> bool:
-    return name.startswith(("/", ".", "~")) or suffix(Path(name)) in BUILDERS or "\\" in name
-
-
 def check_source(name: str, option: str) -> None:
     """A dataset/tokenizer name must be an existing path, or else not path-like and shaped like a hub id."""
     if Path(name).expanduser().exists():
         return
-    if _looks_local(name):
+    if name.startswith(("/", ".", "~")) or suffix(Path(name)) in BUILDERS or "\\" in name:
         raise ConfigError(f"{option}: local path {name} does not exist")
     if not _HUB_ID.match(name):
         raise ConfigError(f"{option}: {name!r} is neither an existing path nor a Hugging Face id (org/name or name)")
@@ -71,13 +63,9 @@ class LocalFiles:
 
 
 def local_layout(path: Path, dataset: str) -> LocalFiles | None:
-    """How `datasets` reads a local dataset path: `LocalFiles`, or None for a hub-like repository directory.
-
-    In a flat directory, files named with the word `validation` form that split, and files whose names start
-    with `train` the training split; with no `train*` file, every other file is training data. A directory with no
-    data file at its top but some further down is a repository copy; one whose data needs its loading script
-    (`*.py`) is refused, as datasets >= 4 refuses it.
-    """
+    """How `datasets` reads a local dataset path: `LocalFiles`, or None for a repository copy (data files only below
+    its top). In a flat directory, files named with the word `validation` are that split and `train*` files (else
+    every other file) the training split; a dataset that needs its loading script is refused, as datasets >= 4 does."""
     if path.is_file():
         if path.suffix == ".py":
             raise script_error(dataset, path.name)
@@ -130,22 +118,17 @@ def check_dataset(cfg: DataConfig) -> None:
 
 @dataclass
 class Splits:
-    """The opened splits of a dataset."""
+    """The opened splits of a dataset (`datasets.Dataset`s, `IterableDataset`s when streaming; no validation: None)
+    and the column holding the text."""
 
     train: Any
-    """`datasets.Dataset`, or `IterableDataset` when streaming."""
     validation: Any | None
-    """The `validation` split, None if the dataset has none."""
     field: str
-    """The column holding the text."""
 
 
 def load_arguments(cfg: DataConfig, path: Path | None) -> dict[str, Any]:
-    """Keyword arguments of `datasets.load_dataset` for a hub id or a repository copy at `path`.
-
-    The Parquet conversion (and a copy of a repository without a README, such as a download of it) holds each
-    configuration in a directory: there `dataset-config` is the `data_dir`, elsewhere the configuration name.
-    """
+    """Keyword arguments of `datasets.load_dataset` for a hub id or a repository copy at `path`; `dataset-config` is
+    the `data_dir` where each configuration is a directory (the Parquet conversion, a copy without a README)."""
     kwargs: dict[str, Any] = {"path": str(path) if path is not None else cfg.dataset}
     as_directory = cfg.dataset_revision == PARQUET_REVISION if path is None else \
         not (path / "README.md").is_file() and bool(cfg.dataset_config) and (path / cfg.dataset_config).is_dir()
