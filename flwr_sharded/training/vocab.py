@@ -1,10 +1,5 @@
-"""Which tokenizer a run uses, and whether its vocabulary fits the model's embedding.
-
-`tokenizer` wins when set; else a Hugging Face id or local model directory brings its own tokenizer (the same id or
-directory), and a preset uses the one prepared in `data-dir`. `check_vocab` compares the tokenizer with the
-embedding the model will have (a preset's fixed `vocab_size`, or `vocab_size` in a hub/local model's config.json)
-without building the model; `preflight` calls it.
-"""
+"""Which tokenizer a run uses (`tokenizer`, else a hub or local model's own, else for presets the one prepared in
+`data-dir`), and whether its vocabulary fits the model's embedding, checked without building the model."""
 
 from __future__ import annotations
 
@@ -14,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from flwr_sharded.config import DataConfig, TrainConfig, data_dir_of
 from flwr_sharded.errors import ConfigError
+from flwr_sharded.presets import PRESETS
 from flwr_sharded.training.sources import check_source
 
 if TYPE_CHECKING:
@@ -22,9 +18,7 @@ if TYPE_CHECKING:
 
 def _own_tokenizer(model: str | None) -> bool:
     """A hub id or local model directory (not a preset): it brings its own tokenizer."""
-    from flwr_sharded.training.models import is_preset
-
-    return model is not None and not is_preset(model)
+    return model is not None and model not in PRESETS
 
 
 def tokenizer_name(data: DataConfig, model: str | None = None) -> str:
@@ -73,8 +67,6 @@ def tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> str:
 def model_vocab_size(model: str) -> int | None:
     """Rows of the model's embedding: a preset's fixed `vocab_size`, or `vocab_size` in a hub/local model's config
     (config.json only: the model is not built); None for presets that take the tokenizer's size."""
-    from flwr_sharded.presets import PRESETS
-
     if model in PRESETS:
         return PRESETS[model].vocab_size
     from transformers import AutoConfig
