@@ -14,7 +14,7 @@ from flwr_sharded.errors import ConfigError
 from flwr_sharded.presets import PRESETS, Preset
 
 __all__ = ["PRESETS", "Preset", "build_meta_model", "build_model", "canonical_name", "check_hub_cache",
-           "check_model_name", "is_preset", "model_config", "owned_parameters", "transformer_blocks"]
+           "check_model_name", "is_preset", "model_config", "owned_parameters", "saved_tensors", "transformer_blocks"]
 
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
 
@@ -119,6 +119,15 @@ def owned_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter, nn.M
                 continue
             seen.add(id(param))
             yield canonical_name(f"{module_name}.{local_name}" if module_name else local_name), param, module
+
+
+def saved_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """What a Hugging Face checkpoint of `model` holds: each parameter once (tied weights under their first name),
+    then the persistent buffers."""
+    out = [(name, param) for name, param, _ in owned_parameters(model)]
+    names = {n for n, _ in out} | {canonical_name(n) for n, _ in model.named_parameters(remove_duplicate=False)}
+    buffers = [(canonical_name(n), t) for n, t in model.state_dict(keep_vars=True).items()]
+    return out + [(n, t) for n, t in buffers if n not in names]
 
 
 def canonical_name(name: str) -> str:

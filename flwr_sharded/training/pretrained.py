@@ -17,7 +17,7 @@ from torch import nn
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.shard_transport import row_offset
 from flwr_sharded.parallel.sync import local_shard
-from flwr_sharded.training.models import build_meta_model, canonical_name, owned_parameters
+from flwr_sharded.training.models import build_meta_model, canonical_name, owned_parameters, saved_tensors
 from flwr_sharded.training.safetensors_writer import DTYPE_NAMES, INDEX_FILE, SINGLE_FILE
 READ_CHUNK_BYTES = 64 << 20
 """Rows of one parameter are read in pieces of about this size (bounded transient memory)."""
@@ -79,17 +79,12 @@ def stored_tensors(directory: Path) -> dict[str, StoredTensor]:
 
 
 def expected_tensors(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...] | None]]:
-    """(name -> full shape of every tensor a checkpoint must hold, name -> shape (None: any) of those it may hold).
-
-    May: a tied weight under its second name (`lm_head.weight`: ignored, as `from_pretrained` does), non-persistent
-    buffers, and the names the model's `_keys_to_ignore_on_load_unexpected` patterns match (checked by `ignored`).
-    """
-    need = {name: tuple(param.shape) for name, param, _ in owned_parameters(model)}
-    others = {canonical_name(n): tuple(b.shape) for n, b in model.state_dict(keep_vars=True).items()
-              if canonical_name(n) not in need}
-    params = {canonical_name(n) for n, _ in model.named_parameters(remove_duplicate=False)}
-    may: dict[str, tuple[int, ...] | None] = {n: s for n, s in others.items() if n in params}
-    need.update({n: s for n, s in others.items() if n not in params})  # persistent buffers
+    """(name -> full shape of every tensor a checkpoint must hold, name -> shape (None: any) of those it may hold: a
+    tied weight under its second name, ignored as `from_pretrained` does, and the non-persistent buffers)."""
+    need = {name: tuple(t.shape) for name, t in saved_tensors(model)}
+    may: dict[str, tuple[int, ...] | None] = {canonical_name(n): tuple(p.shape) for n, p in
+                                              model.named_parameters(remove_duplicate=False)
+                                              if canonical_name(n) not in need}
     for module_name, module in model.named_modules():
         for name in module._non_persistent_buffers_set:
             may[canonical_name(f"{module_name}.{name}" if module_name else name)] = None

@@ -11,7 +11,9 @@ HSDP), into a directory its ranks share.
 from __future__ import annotations
 
 import copy
+import itertools
 import json
+import math
 import os
 import re
 import struct
@@ -27,7 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from flwr_sharded.parallel.shard_transport import row_offset
 from flwr_sharded.parallel.sharding import reshard_all
 from flwr_sharded.parallel.sync import local_shard
-from flwr_sharded.training.models import canonical_name, owned_parameters
+from flwr_sharded.training.models import saved_tensors
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -52,10 +54,7 @@ class Placed:
 
     @property
     def row_bytes(self) -> int:
-        n = 1
-        for d in self.shape[1:]:
-            n *= d
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape[1:]) * self.dtype.itemsize
 
 
 @dataclass
@@ -76,37 +75,32 @@ def plan_layout(shapes: Iterable[tuple[str, tuple[int, ...]]], dtype: torch.dtyp
     """Place the tensors, in the given order, into files of at most `max_file_bytes` (a bigger tensor alone)."""
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"cannot write {dtype} tensors to safetensors here; use one of {list(DTYPE_NAMES)}")
-    element = torch.empty((), dtype=dtype).element_size()
     groups: list[list[tuple[str, tuple[int, ...], int]]] = [[]]
     used = 0
     for name, shape in shapes:
-        nbytes = element
-        for d in shape:
-            nbytes *= int(d)
+        shape = tuple(int(d) for d in shape)
+        nbytes = dtype.itemsize * math.prod(shape)
         if groups[-1] and used + nbytes > max_file_bytes:
             groups.append([])
             used = 0
-        groups[-1].append((name, tuple(int(d) for d in shape), nbytes))
+        groups[-1].append((name, shape, nbytes))
         used += nbytes
     names = [SINGLE_FILE] if len(groups) == 1 else \
         [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    tensors, headers, sizes, total, params = {}, {}, {}, 0, 0
+    tensors, headers, sizes = {}, {}, {}
     for file, group in zip(names, groups):
+        offsets = list(itertools.accumulate((nbytes for *_, nbytes in group), initial=0))
         table: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
-        begin = 0
-        for name, shape, nbytes in group:
-            table[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [begin, begin + nbytes]}
-            begin += nbytes
+        table.update({name: {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [begin, begin + n]}
+                      for (name, shape, n), begin in zip(group, offsets)})
         text = json.dumps(table, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)
         headers[file] = struct.pack("<Q", len(text)) + text
-        sizes[file] = len(headers[file]) + begin
-        for name, shape, nbytes in group:
-            start = table[name]["data_offsets"][0]
-            tensors[name] = Placed(file, len(headers[file]) + start, shape, dtype)
-            total += nbytes
-            params += nbytes // element
-    return Layout(tensors, headers, sizes, total, params)
+        sizes[file] = len(headers[file]) + offsets[-1]
+        tensors.update({name: Placed(file, len(headers[file]) + begin, shape, dtype)
+                        for (name, shape, _), begin in zip(group, offsets)})
+    total = sum(nbytes for group in groups for *_, nbytes in group)
+    return Layout(tensors, headers, sizes, total, total // dtype.itemsize)
 
 
 def create_files(directory: str | Path, layout: Layout) -> None:
@@ -172,15 +166,6 @@ def write_config(directory: str | Path, model: nn.Module, dtype: torch.dtype, to
         tokenizer.save_pretrained(directory)
 
 
-def saved_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """What a Hugging Face checkpoint of `model` holds: each parameter once (tied weights under their first name),
-    then the persistent buffers."""
-    out = [(name, param) for name, param, _ in owned_parameters(model)]
-    names = {n for n, _ in out} | {canonical_name(n) for n, _ in model.named_parameters(remove_duplicate=False)}
-    buffers = [(canonical_name(n), t) for n, t in model.state_dict(keep_vars=True).items()]
-    return out + [(n, t) for n, t in buffers if n not in names]
-
-
 def writes_rows(tensor: torch.Tensor, group_rank: int) -> bool:
     """Whether this rank writes its rows of `tensor`: replica 0 of a DTensor's mesh; group rank 0 for a plain one."""
     if not isinstance(tensor, DTensor):
@@ -194,11 +179,8 @@ def writes_rows(tensor: torch.Tensor, group_rank: int) -> bool:
 def save_sharded_pretrained(model: nn.Module, directory: str | Path, *, group: dist.ProcessGroup | None = None,
                             dtype: torch.dtype | None = None, tokenizer: Any = None,
                             max_file_bytes: int = MAX_FILE_BYTES) -> Path:
-    """Write `model` as a Hugging Face checkpoint, every rank its own rows (collective over `group`).
-
-    `group`: every rank holding a shard of the model (one federation group); its rank 0 writes the headers, the
-    config and the tokenizer. `dtype`: of the saved tensors (default: the parameters'). No rank gathers the model.
-    """
+    """Write `model` as a Hugging Face checkpoint in `dtype` (default: the parameters'), every rank of `group` (one
+    federation group) its own rows; its rank 0 writes the headers, the config and the tokenizer."""
     reshard_all(model)
     tensors = saved_tensors(model)
     dtype = dtype or tensors[0][1].dtype
