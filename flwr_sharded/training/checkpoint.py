@@ -408,7 +408,7 @@ def export_pretrained(checkpoint: str | Path, out: str | Path, *, dtype: torch.d
     number of ranks that wrote the checkpoint.
     """
     from flwr_sharded.config import config_from_dict
-    from flwr_sharded.training import safetensors_writer as writer
+    from flwr_sharded.training import hf_checkpoint as writer
     from flwr_sharded.training.data import load_tokenizer
     from flwr_sharded.training.models import build_meta_model, model_config
 

@@ -1,5 +1,5 @@
 """Sharded start-up: the model built on the meta device, sharded with FSDP2, then only each rank's local rows
-materialised and filled, from a pretrained checkpoint (`flwr_sharded.training.pretrained`) or by a seeded init.
+materialised and filled, from a pretrained checkpoint (`flwr_sharded.training.hf_checkpoint`) or by a seeded init.
 
 The seeded init draws each parameter in fixed blocks of `INIT_BLOCK_ROWS` rows of its full shape, each from its own
 generator seeded by (seed, name, block), so the full parameters are the same for any F, R, S and device. It follows
@@ -20,7 +20,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from flwr_sharded.parallel.shard_transport import row_offset
 from flwr_sharded.parallel.sharding import apply_activation_checkpointing, apply_fsdp
 from flwr_sharded.parallel.sync import local_shard
-from flwr_sharded.training import pretrained as pretrained_lib
+from flwr_sharded.training import hf_checkpoint
 from flwr_sharded.training.models import build_meta_model, is_preset, model_config, owned_parameters, transformer_blocks
 from flwr_sharded.training.partition import seeded_generator
 
@@ -36,7 +36,7 @@ def build_sharded_model(name: str, *, vocab_size: int, max_seq_len: int, mesh: D
     for presets that fix none."""
     directory: Path | None = None
     if pretrained and not is_preset(name):
-        directory = pretrained_lib.resolve_pretrained(name)
+        directory = hf_checkpoint.resolve_pretrained(name)
         config = model_config(str(directory), vocab_size=vocab_size, max_seq_len=max_seq_len)
     else:
         config = model_config(name, vocab_size=vocab_size, max_seq_len=max_seq_len)
@@ -47,7 +47,7 @@ def build_sharded_model(name: str, *, vocab_size: int, max_seq_len: int, mesh: D
                reshard_after_forward=reshard_after_forward)
     materialize(model, device)
     if directory is not None:
-        pretrained_lib.load_local_shards(model, directory)
+        hf_checkpoint.load_local_shards(model, directory)
     else:
         init_local_shards(model, seed)
     return model

@@ -37,7 +37,7 @@ from flwr_sharded.training.models import transformer_blocks
 from flwr_sharded.training.outer_loop import OuterLoop, StaticFederation, SyncFailed, SyncOutcome
 from flwr_sharded.training.pace import Pace
 from flwr_sharded.training.proximal import ProximalTerm
-from flwr_sharded.training.safetensors_writer import save_sharded_pretrained
+from flwr_sharded.training.hf_checkpoint import save_sharded_pretrained
 
 logger = logging.getLogger(__name__)
 
