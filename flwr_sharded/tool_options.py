@@ -1,9 +1,5 @@
-"""Command-line helpers of the tools and scripts that reuse the schema's options (`flwr_sharded.schema`).
-
-`add_option` adds one option of a configuration dataclass as a plain argparse argument (a script that takes a few
-training facts), `parse_args` parses a parser that mixes `schema.add_arguments` with plain arguments, and
-`split_list` reads a comma-separated option value.
-"""
+"""The schema's options (`flwr_sharded.schema`) in the plain argparse command lines of tools and scripts: one option
+as a plain argument (`add_option`), a parser mixing both (`parse_args`), a comma-separated value (`split_list`)."""
 
 from __future__ import annotations
 

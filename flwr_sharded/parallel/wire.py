@@ -181,7 +181,3 @@ def check_wire_dtype(dtype_name: str, device: Any) -> Any:
         raise ConfigError(f"--sync-dtype {dtype_name} {why}; quantized wire dtypes on {torch.device(device)}: "
                           f"{', '.join(allowed)}")
     return WIRES[dtype_name].torch_dtype()
-
-
-__all__ = ["QUANTIZED", "QUANT_BLOCK", "SYNC_DTYPE_BYTES", "WIRES", "BlockwiseWire", "CastWire", "PlainWire",
-           "SyncDtype", "Wire", "check_wire_dtype", "described", "register", "sync_wire_ratio", "wire_of"]

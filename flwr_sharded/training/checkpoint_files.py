@@ -7,6 +7,7 @@ caught only when the load fails (DCP keeps no checksums), which resume also trea
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -22,17 +23,14 @@ META = "meta.json"
 
 
 def fsync_dir(path: str | Path) -> None:
-    """Persist a directory's entries (files created, renamed or removed in it)."""
-    try:
+    """Persist a directory's entries (files created, renamed or removed in it) where the file system can (not all
+    have directory handles or sync directories)."""
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:  # a file system without directory handles: nothing more to do
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # e.g. EINVAL on file systems that do not sync directories
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def write_bytes(path: str | Path, write: Callable[[Any], None]) -> None:
