@@ -56,18 +56,16 @@ class ParallelConfig:
     """S: ranks one model replica is sharded over; innermost mesh dimension (keep it inside a node)."""
     group_shards: str = option("", not_flat="a Flower run's groups each start with their own S (--shards of the "
                                             "group, or facility-shards)")
-    """S of each federation group, comma-separated (e.g. 2,4): groups that shard differently (FL methods, static
-    engine), averaged piece by piece where their shards overlap; F is their number, R (`replicas`) every group's, the
-    world R x their sum. Unset: F groups of `shards`."""
+    """S of each federation group, comma-separated (e.g. 2,4): groups that shard differently (FL methods), averaged
+    piece by piece where their shards overlap; F is their number, the world R x their sum. Unset: F x `shards`."""
     aggregate_every: int = option(8, ge=1)
     """A: optimizer steps between two shard syncs (FL methods only)."""
     group_steps: Literal["equal", "speed"] = "equal"
     """Local steps each federation group trains per sync: equal (A each), or speed (the fastest group A, one k times
-    slower about A/k, at least 1), so that groups of different speeds arrive at the sync together. Step times come
-    from the last sync (static engine) or each member's last round reply (Flower; equal until every member has one).
-    Weights stay the tokens each group trained; each group's learning-rate schedule (and the static engine's logging,
-    evaluation and end of run) follows the fastest group's steps. Each group's idle time per sync is recorded either
-    way (`sync_groups` records; a Flower round's `idle_s_per_sync`)."""
+    slower about A/k, at least 1), so that groups of different speeds arrive at the sync together, by the step times
+    of the last sync (a Flower round: each member's last reply; equal until all have one). Weights stay the tokens
+    trained; schedules, logging, evaluation and the end of run follow the fastest group. Each group's idle time per
+    sync is recorded either way (`sync_groups` records; a Flower round's `idle_s_per_sync`)."""
     bucket_mb: float = option(64.0, gt=0)
     """Size of one flat buffer used by the shard sync, in MiB; one collective per bucket."""
     sync_dtype: SyncDtype = option("float32", facts={"wires": described(), "block": str(QUANT_BLOCK),
@@ -88,8 +86,8 @@ class ParallelConfig:
     fp32 copy of the shards for fedavg, as a reduced wire. Unset: dense."""
     sync_fragments: int = option(1, ge=1)
     """N: sync the model in N fragments of contiguous transformer blocks (Streaming DiLoCo), fragment i after step
-    round((i + 1) A / N) of each period of A steps, so the link carries about 1/N of the model at a time; each
-    fragment has its own outer-rule state. At most one fragment per block and per step of the period."""
+    round((i + 1) A / N) of each period, so the link carries about 1/N of the model at a time, each fragment with its
+    own outer-rule state; at most one fragment per block and per step of the period."""
     sync_delay: int = option(0, ge=0)
     """tau: start each fragment's sync tau steps before it is merged and reduce it in the background meanwhile
     (overlap); the arriving global values are then mixed into the local ones (`sync-alpha`). Smaller than the fewest
@@ -109,8 +107,7 @@ class ParallelConfig:
                                                  "the strategy's strikes decide what follows (max-strikes)")
     """Static engine: a sync that fails on any member (an error, a timeout, a rejected result) puts every rank back at
     the last adopted sync (shards, outer state, inner optimizer, step, schedule) and training goes on with fresh
-    batches, at most this many times in a row; then the run stops. 0: stop at the first and keep no rollback copy
-    (host memory: the shards and their inner optimizer state)."""
+    batches, at most this many times in a row. 0: stop at the first, keeping no rollback copy in host memory."""
     sync_max_move: float = option(DEFAULT_MAX_MOVE, ge=0)
     """Adopt a sync only if, on every rank, the result moves each bucket of its shards by at most this many times the
     median of that bucket's recent adopted moves, per token of the rank's weight (at first: this many times the
@@ -203,31 +200,27 @@ class DataConfig:
 
     dataset: str = "shakespeare"
     """`shakespeare` (embedded, offline), a Hugging Face dataset id, or a local path: a .txt/.json/.jsonl/.parquet
-    file (.json.gz, .jsonl.gz too), a directory of such files (`train*` / `*validation*` name the splits), or a copy
-    of a hub dataset repository (data files in sub-directories, laid out as on the Hub). Script-based hub datasets
-    do not load with datasets >= 4: use their Parquet conversion (`dataset-revision`) or a copy of their files."""
+    file (gzipped json too), a directory of them (`train*` / `*validation*` name the splits), or a copy of a hub
+    dataset repository. Script-based hub datasets: their Parquet conversion (`dataset-revision`) or their files."""
     data_dir: str | None = None
     """Directory holding the prepared corpus, tokenizer and token caches (`flwr-sharded prepare-data`); unset:
     `$FLWR_SHARDED_DATA`, else ~/.cache/flwr_sharded."""
     tokenizer: str | None = None
-    """Tokenizer id or path; unset: the model's own when `model` is a Hugging Face id or a local model directory,
-    else (presets) the byte-level BPE trained on the embedded corpus, in `data-dir`. It may not hold more tokens
-    than the model's embedding (checked before the run starts)."""
+    """Tokenizer id or path, with no more tokens than the model's embedding; unset: the model's own for a hub id or
+    local directory, else (presets) the byte-level BPE of the embedded corpus in `data-dir`."""
     dataset_config: str | None = None
-    """Configuration (subset) name of a hub dataset, e.g. `ita_Latn` for HuggingFaceFW/fineweb-2. With
-    `dataset-revision refs/convert/parquet`, and for a local repository copy without a README, it names the
-    configuration's directory."""
+    """Configuration (subset) of a hub dataset, e.g. `ita_Latn` for HuggingFaceFW/fineweb-2: its directory with
+    `dataset-revision refs/convert/parquet` or in a local repository copy without a README."""
     dataset_revision: str | None = None
     """Git revision (branch, tag or commit) of a hub dataset; pin a commit for reproducible runs, or use
     `refs/convert/parquet`, the Hub's Parquet conversion (of script-based datasets among others); unset: main."""
     streaming: bool = False
-    """Read the dataset as a stream (`datasets` streaming) instead of downloading it whole, for corpora that do not
-    fit on disk: documents are tokenized until `max-train-blocks` blocks are full (required). Validation comes from
-    the `validation` split if there is one, else the first documents are held out until `eval-blocks` blocks are
-    full; training starts at the next document."""
+    """Read the dataset as a stream instead of downloading it whole (corpora that do not fit on disk), until
+    `max-train-blocks` blocks are full (required). Validation: the `validation` split, else the first documents
+    until `eval-blocks` blocks are full, training starting at the next one."""
     tokenize_workers: int | None = option(None, ge=1)
-    """Processes that tokenize a map-style (non-streaming) dataset; unset: min(8, CPUs). The blocks are the same for
-    any number. One rank per data directory tokenizes (with a progress bar), the others wait for its cache."""
+    """Processes that tokenize a map-style dataset, with the same blocks for any number; unset: min(8, CPUs). One rank
+    per data directory tokenizes, the others wait for its cache."""
     text_field: str = "text"
     """Column holding the text, for json, parquet and hub datasets."""
     seq_len: int = option(256, ge=1)
@@ -263,8 +256,8 @@ class OptimConfig:
     grad_clip: float = option(1.0, ge=0)
     """Clip the global gradient norm (across all shards) to this value; 0 turns clipping off."""
     proximal_mu: float = option(0.0, ge=0)
-    """FedProx: add mu/2 * ||w - w_sync||^2 to each group's objective, w_sync being its shards after the last sync
-    (each rank adds the gradient mu * (w - w_sync) on its own shards); 0 turns it off. FL methods only."""
+    """FedProx: add mu/2 * ||w - w_sync||^2 to each group's objective, w_sync its shards after the last sync; 0 turns
+    it off. FL methods only."""
 
 
 @dataclass
@@ -282,8 +275,8 @@ class CheckpointConfig:
                                not_flat="a group commits its round's checkpoint before it replies")
     """Write checkpoints in a background thread; the commit (rename) happens at the next save or at the end."""
     resume: bool = False
-    """Continue from the newest complete checkpoint in `checkpoint-dir` (model, optimizer, schedule, data, RNG); a
-    damaged or incomplete newest one is skipped (logged) for the one before."""
+    """Continue from the newest complete checkpoint in `checkpoint-dir` (model, optimizer, schedule, data, RNG),
+    skipping (logged) a damaged or incomplete one."""
 
 
 @dataclass
@@ -291,12 +284,10 @@ class OutputConfig:
     """What a run leaves behind: one run directory with its configuration, metrics, summary and model."""
 
     run_dir: str | None = None
-    """The run directory; unset: `outputs/<date>_<time>` under the working directory (a Flower run: the ServerApp's,
-    which is the SuperLink's, and `-run<run id>` added). It holds config.json, metrics.jsonl, summary.json, model/
-    and tensorboard/."""
+    """The run directory (config.json, metrics.jsonl, summary.json, model/, tensorboard/); unset:
+    `outputs/<date>_<time>` under the working directory (a Flower run: the ServerApp's, with `-run<run id>`)."""
     save_model: bool = True
-    """Write the final model in Hugging Face format to `<run-dir>/model` (`from_pretrained` loads it); each rank
-    writes its own rows, no rank gathers the model."""
+    """Write the final model in Hugging Face format to `<run-dir>/model`, each rank its own rows."""
     save_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the saved model's tensors."""
     tensorboard: bool = False
@@ -308,8 +299,8 @@ class OutputConfig:
     progress: bool = option(True, not_flat="groups write progress lines to their log instead (log-every)")
     """Show a progress bar on rank 0."""
     peak_tflops: float | None = option(None, gt=0)
-    """Peak dense TFLOP/s of one device in the compute dtype, for the MFU estimate; unset: known GPUs' figures
-    (none for CPUs, whose MFU is then not reported)."""
+    """Peak dense TFLOP/s of one device in the compute dtype, for the MFU estimate; unset: known GPUs' (no MFU on
+    CPUs)."""
 
 
 @dataclass
