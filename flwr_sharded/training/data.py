@@ -1,8 +1,7 @@
 """Training data as token blocks: each document's tokens then an eos, concatenated and cut into (N, seq_len) blocks
 (the tail dropped), built once per data directory and cached; by several processes (`Dataset.map`) for a map-style
-dataset, in this process for a stream, the same blocks for the same documents. Where documents come from:
-`flwr_sharded.training.sources`; the tokenizer: `flwr_sharded.training.vocab`; who sees which blocks:
-`flwr_sharded.training.partition`.
+dataset, in this process for a stream, the same blocks for the same documents. Where documents and the tokenizer come
+from: `flwr_sharded.training.sources`; who sees which blocks: `flwr_sharded.training.partition`.
 """
 
 from __future__ import annotations
@@ -22,9 +21,10 @@ from filelock import FileLock
 
 from flwr_sharded.config import DataConfig, data_dir_of
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.training.corpus import EMBEDDED, atomic_write, embedded_prepared
-from flwr_sharded.training.sources import Splits, check_dataset, column_error, dataset_path, local_layout, open_splits
-from flwr_sharded.training.vocab import check_tokenizer, load_tokenizer, tokenizer_identity, tokenizer_rows
+from flwr_sharded.training.corpus import atomic_write
+from flwr_sharded.training.sources import (Splits, check_dataset, check_tokenizer, column_error, dataset_path,
+                                          load_tokenizer, local_layout, open_splits, tokenizer_identity,
+                                          tokenizer_rows)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -188,20 +188,8 @@ def pack_stream(splits: Splits, cfg: DataConfig,
 def check_data(cfg: DataConfig, model: str | None = None) -> None:
     """ConfigError if the data directory, dataset or tokenizer of `cfg` cannot be used (`model`, the run's `--model`,
     brings the tokenizer when `cfg.tokenizer` is unset and it is a hub id or directory)."""
-    _check_dataset(cfg)
+    check_dataset(cfg)
     check_tokenizer(cfg, model)
-
-
-def _check_dataset(cfg: DataConfig) -> None:
-    data_dir = data_dir_of(cfg)
-    prepare = f"run `flwr-sharded prepare-data --data-dir {data_dir}`"
-    if not data_dir.is_dir():
-        raise ConfigError(f"data directory {data_dir} (--data-dir) does not exist; {prepare}")
-    if cfg.dataset == EMBEDDED:
-        if not embedded_prepared(data_dir):
-            raise ConfigError(f"--dataset {EMBEDDED}: the embedded corpus is not prepared in {data_dir}; {prepare}")
-    else:
-        check_dataset(cfg)
 
 
 # ------------------------------------------------------------------------------------------------------ caching
@@ -258,7 +246,7 @@ def load_blocks(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> TokenBlo
     """Token blocks of `cfg.dataset` from `data_dir/cache/<key>.pt`, built there first under a file lock (one rank
     per data directory tokenizes, the others wait); `max_train_blocks` bounds the training blocks and the validation
     blocks tokenized (with `streaming`, `eval_blocks` bounds these)."""
-    _check_dataset(cfg)
+    check_dataset(cfg)
     if tokenizer.eos_token_id is None:
         raise ConfigError(f"--tokenizer: {tokenizer.name_or_path!r} has no eos token, needed between documents")
     cache_dir = data_dir_of(cfg) / "cache"

@@ -41,7 +41,7 @@ def check_model_and_data(cfg: TrainConfig) -> None:
     layers, the data directory, dataset and tokenizer, and the tokenizer against the model's vocabulary."""
     from flwr_sharded.training.data import check_data
     from flwr_sharded.training.models import check_hub_cache, check_model_name, is_preset
-    from flwr_sharded.training.vocab import check_vocab
+    from flwr_sharded.training.sources import check_vocab
 
     check_model_name(cfg.model.name)
     check_hub_cache(cfg.model.name)
