@@ -3,6 +3,7 @@ transformer blocks, and its parameters as checkpoints name them."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -53,17 +54,8 @@ def model_config(name: str, *, vocab_size: int, max_seq_len: int) -> Any:
     check_model_name(name)
     if name in PRESETS:
         preset = PRESETS[name]
-        return LlamaConfig(
-            vocab_size=preset.vocab_size or vocab_size,
-            hidden_size=preset.hidden_size,
-            num_hidden_layers=preset.num_hidden_layers,
-            num_attention_heads=preset.num_attention_heads,
-            num_key_value_heads=preset.num_key_value_heads,
-            intermediate_size=preset.intermediate_size,
-            tie_word_embeddings=preset.tie_word_embeddings,
-            max_position_embeddings=max(preset.max_position_embeddings, max_seq_len),
-            rope_theta=preset.rope_theta,
-        )
+        return LlamaConfig(**{**dataclasses.asdict(preset), "vocab_size": preset.vocab_size or vocab_size,
+                              "max_position_embeddings": max(preset.max_position_embeddings, max_seq_len)})
     try:
         return AutoConfig.from_pretrained(name)
     except OSError as exc:
@@ -72,10 +64,8 @@ def model_config(name: str, *, vocab_size: int, max_seq_len: int) -> Any:
 
 def build_model(name: str, *, vocab_size: int, max_seq_len: int, pretrained: bool = False,
                 device: torch.device | str = "cpu") -> nn.Module:
-    """Instantiate a whole causal LM: a preset with random init, or a Hugging Face id/path (weights if `pretrained`).
-
-    Training builds its model sharded instead (`flwr_sharded.training.model_init.build_sharded_model`).
-    """
+    """A whole causal LM: a preset with random init, or a Hugging Face id/path (weights if `pretrained`); training
+    builds its model sharded instead (`flwr_sharded.training.model_init`)."""
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     config = model_config(name, vocab_size=vocab_size, max_seq_len=max_seq_len)
