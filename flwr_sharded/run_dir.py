@@ -1,10 +1,7 @@
-"""A run's directory, what every run (static or through Flower) leaves behind: config.json (the resolved
-configuration), metrics.jsonl (records of kind train/eval per step or round per Flower round, then one of kind
-summary), summary.json (the final figures and status), model/ (Hugging Face format) and tensorboard/.
-
-Every train, eval and round record carries `elapsed_s` and `tokens_seen` (all ranks, since the start), so runs of any
-method plot against time and tokens. A resumed run continues the metrics of its checkpoint's run
-(`RunDir.continue_from`), its `elapsed_s` going on from there. Torch-free unless TensorBoard is on.
+"""A run's directory, what every run (static or through Flower) leaves behind: config.json, metrics.jsonl (records of
+kind train/eval per step or round per Flower round, each with `elapsed_s` and `tokens_seen`, then one of kind
+summary), summary.json, model/ (Hugging Face format) and tensorboard/. A resumed run continues its checkpoint's run's
+metrics and time (`RunDir.continue_from`). Torch-free unless TensorBoard is on.
 """
 
 from __future__ import annotations

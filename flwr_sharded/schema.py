@@ -1,11 +1,10 @@
 """The option schema: every option is one dataclass field with a docstring under it, and nothing else declares it.
 
-Configuration dataclasses nest one level of sections; each leaf field is an option with a flat kebab-case name,
-unique in its tree. From the fields come the command line (`add_arguments` / `apply_arguments`), YAML files
-(`from_nested` / `to_nested`), flat key-value sources such as Flower's run config (`from_flat`, where an empty string
-leaves an optional option unset) and the docs' tables (`options`). A field may declare the same option as a field of
-another tree (`same_as`). Values are checked on the way in (`Option.check`: type, finiteness, choices, bounds), and
-every message names the option as the source spells it (a `Surface`).
+Dataclasses nest one level of sections; each leaf field is an option with a flat kebab-case name, unique in its tree,
+from which come the command line (`add_arguments`), YAML files (`from_nested`), flat sources such as Flower's run
+config (`from_flat`; an empty string leaves an optional option unset) and the docs (`options`). `same_as` declares an
+option of another tree again. Values are checked on the way in (`Option.check`), each message naming the option as
+the source spells it (a `Surface`).
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """The code formats of the blockwise quantized wires (values scaled into [-qmax, qmax] <-> codes <-> bytes), and the
-workspace their buffers come from.
-
-  - int8, int4: symmetric integer codes in [-127, 127] and [-7, 7], rounded half to even; int4 packs two to a byte,
-    byte = (lo + 16 hi) mod 256, so a zero byte is two zero codes;
-  - float8_e4m3fn, float8_e5m2: torch's fp8 casts (qmax 448, 57344), rounded to nearest by the cast;
-  - float4_e2m1: OCP's 4-bit float (torch.float4_e2m1fn_x2 holds two), values 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their
-    negatives (qmax 6), rounded to nearest with ties to the smaller magnitude, two to a byte: lo + 16 hi of their
-    sign-magnitude nibbles.
-Both 4-bit formats decode through a 256-entry table of code pairs.
+workspace their buffers come from: int8 and int4 symmetric integer codes (qmax 127, 7) rounded half to even;
+float8_e4m3fn and float8_e5m2 through torch's casts (qmax 448, 57344); float4_e2m1, OCP's 4-bit float (0, 0.5, 1,
+1.5, 2, 3, 4, 6 and their negatives, qmax 6), rounded to nearest with ties to the smaller magnitude. The 4-bit formats
+pack two codes to a byte (lo + 16 hi) and decode through a 256-entry table of code pairs.
 """
 
 from __future__ import annotations

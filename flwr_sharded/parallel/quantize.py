@@ -1,14 +1,9 @@
-"""Blockwise quantization and the quantized all-reduce of a flat fp32 tensor: int8, fp8 (e4m3, e5m2), int4 or fp4
-(e2m1) on the wire, the sum taken in fp32.
-
-A block of `block` values has one fp32 scale, absmax / the format's largest code (`qmax`), so an outlier coarsens
-only its own block; the formats are `flwr_sharded.parallel.quant_codes`. `quantized_all_reduce` is a ring (as
-INTELLECT-1's): W chunks of whole blocks are reduce-scattered in W - 1 steps, each partial sum quantized to travel and
-added to in fp32, then each rank's whole sum is quantized once more and all-gathered, so every rank decodes the same
-bytes and ends bit-identical. Payloads travel as uint8 rows (gloo refuses float8 tensors). A rank sends
-2 (W - 1) rows of one chunk's codes and scales (`all_reduce_bytes`): about (1 + 4 / block) / 4 of a ring fp32
-all-reduce ((1/2 + 4 / block) / 4 at 4 bits), over the same links. The result carries W roundings per element;
-`ErrorFeedback` keeps the running sum of repeated reductions within one round's error.
+"""Blockwise quantization (one fp32 scale per block: absmax / the format's largest code, `quant_codes`) and the
+quantized all-reduce of a flat fp32 tensor, summed in fp32: a ring (as INTELLECT-1's) reduce-scatters W chunks of
+whole blocks, each partial sum quantized to travel, then all-gathers each rank's whole sum, quantized once more, as
+uint8 rows (gloo refuses float8), so every rank decodes the same bytes. A rank sends 2 (W - 1) rows
+(`all_reduce_bytes`), about (1 + 4 / block) / 4 of a ring fp32 all-reduce ((1/2 + 4 / block) / 4 at 4 bits); the
+result carries W roundings per element, which `ErrorFeedback` keeps from accumulating over repeated reductions.
 """
 
 from __future__ import annotations

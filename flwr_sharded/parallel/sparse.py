@@ -1,14 +1,9 @@
-"""The top-k wire (`--sync-topk FRACTION`, SparseLoCo): each rank sends only the largest entries of its weighted delta,
-with error feedback.
-
-Per bucket, x = the weighted delta + the error-feedback residual is cut into chunks of `CHUNK` values, and each chunk
-keeps its ceil(FRACTION x length) entries of largest |x| (each rank its own, as published), sent as an int16 index
-and a value in the `--sync-dtype` wire's format (quantized through `flwr_sharded.parallel.quantize`). The residual
-keeps what is not sent, so `--sync-topk` needs `--sync-error-feedback`. Rows have the same length on every rank
-(`RowLayout`): one `all_gather_single` of uint8 rows, then every rank adds all W rows in rank order, in fp32, onto
-the global values, and all end bit-identical. A rank sends (W - 1) rows, about W x FRACTION x (row bytes per kept
-value) / 8 of the fp32 ring all-reduce: at 2% with int8 values 0.015x for 2 groups, as much as the int8 all-reduce
-(0.254x) from about 34 groups on. Torch-free to import (the memory model reads `RowLayout` and `sent_bytes`).
+"""The top-k wire (`--sync-topk FRACTION`, SparseLoCo): per bucket, each rank keeps the ceil(FRACTION x length)
+largest |x| of every chunk of `CHUNK` values of x = its weighted delta + its error-feedback residual (which keeps what
+is not sent), as int16 indices and values in the `--sync-dtype` wire's format. Rows have the same length on every rank
+(`RowLayout`): one `all_gather_single`, then every rank adds all W rows in rank order, in fp32, onto the global values.
+A rank sends (W - 1) rows, about W x FRACTION x (row bytes per kept value) / 8 of the fp32 ring all-reduce (at 2%
+with int8 values: 0.015x for 2 groups, the int8 all-reduce's 0.254x from about 34 on). Torch-free to import.
 """
 
 from __future__ import annotations

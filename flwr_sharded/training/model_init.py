@@ -1,16 +1,11 @@
-"""Sharded start-up: the model built on the meta device, sharded with FSDP2, then only each rank's local rows
-materialised and filled, from a pretrained checkpoint (`flwr_sharded.training.hf_checkpoint`) or by a seeded init.
-
-The seeded init draws each parameter in fixed blocks of `INIT_BLOCK_ROWS` rows of its full shape, each from its own
-generator seeded by (seed, name, block), so the full parameters are the same for any F, R, S and device. It follows
-Hugging Face's base `_init_weights`: Linear, Conv1D and Embedding weights ~ N(0, initializer_range), biases 0, norm
-weights 1, the padding row 0 (no architecture-specific rule). Buffers are recomputed by the model's own
-`_init_weights`; one left unset is an error.
+"""Sharded start-up: the model built on the meta device and sharded with FSDP2, then only each rank's rows allocated
+and filled, from a pretrained checkpoint or by a seeded init that draws each parameter in fixed blocks of
+`INIT_BLOCK_ROWS` rows of its full shape, each seeded by (seed, name, block): the same full parameters for any F, R,
+S and device, by Hugging Face's base `_init_weights` rules (Linear, Conv1D and Embedding weights ~ N(0,
+initializer_range), biases 0, norm weights 1, the padding row 0). Buffers come from the model's own `_init_weights`.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -34,13 +29,8 @@ def build_sharded_model(name: str, *, vocab_size: int, max_seq_len: int, mesh: D
     """Build, shard and initialise by `seed` (or load, if `pretrained` and not a preset) the causal LM `name` (as
     `--model`) on the FSDP `mesh`, ("shard",) or ("rep", "shard"); collective-free. `vocab_size`: the tokenizer's,
     for presets that fix none."""
-    directory: Path | None = None
-    if pretrained and not is_preset(name):
-        directory = hf_checkpoint.resolve_pretrained(name)
-        config = model_config(str(directory), vocab_size=vocab_size, max_seq_len=max_seq_len)
-    else:
-        config = model_config(name, vocab_size=vocab_size, max_seq_len=max_seq_len)
-    model = build_meta_model(config)
+    directory = hf_checkpoint.resolve_pretrained(name) if pretrained and not is_preset(name) else None
+    model = build_meta_model(model_config(str(directory or name), vocab_size=vocab_size, max_seq_len=max_seq_len))
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     apply_fsdp(model, transformer_blocks(model), mesh, mp_policy=mp_policy,
@@ -109,10 +99,8 @@ def init_local_shards(model: nn.Module, seed: int) -> None:
         if local.numel() == 0:
             continue
         rule = init_rule(module, local_name)
-        if rule == "zeros":
-            local.zero_()
-        elif rule == "ones":
-            local.fill_(1.0)
+        if rule != "normal":
+            local.fill_(1.0 if rule == "ones" else 0.0)
         else:
             start = row_offset(param)
             fill_normal_rows(local, start=start, full_rows=param.shape[0], std=std, seed=seed, name=name)
