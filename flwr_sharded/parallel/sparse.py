@@ -147,8 +147,7 @@ def encode(indices: torch.Tensor, values: torch.Tensor, layout: RowLayout, row: 
 
 def decode(row: torch.Tensor, layout: RowLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """A row's (indices within their chunks, int64; values, fp32)."""
-    from flwr_sharded.parallel.quant_codes import code_format
-    from flwr_sharded.parallel.quantize import Quantized, dequantize
+    from flwr_sharded.parallel.quantize import Quantized, code_format, dequantize
 
     scales, index_field, codes = _fields(row, layout)
     dtype = layout.values.torch_dtype()

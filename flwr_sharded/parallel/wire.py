@@ -46,7 +46,7 @@ class CastWire(Wire):
 
 class BlockwiseWire(Wire):
     """The weighted delta, blockwise quantized (one fp32 scale per `QUANT_BLOCK` values, absmax -> the format's
-    largest code; `flwr_sharded.parallel.quant_codes`), summed in fp32 around a ring
+    largest code; the formats are `flwr_sharded.parallel.quantize`'s), summed in fp32 around a ring
     (`flwr_sharded.parallel.quantize.quantized_all_reduce`), added back in fp32. One byte a value unless a wire says
     otherwise."""
 
