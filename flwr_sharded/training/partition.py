@@ -35,11 +35,9 @@ def partition_indices(n_blocks: int, *, fed_index: int, num_feds: int, dp_index:
     if not 0 <= dp_index < dp_world or not 0 <= rank < group_world or not 0 <= fed_index < num_feds:
         raise ValueError(f"dp_index {dp_index} is not a rank of federation group {fed_index} "
                          f"({num_feds} groups, this one of {group_world}, in a world of {dp_world})")
-    if partition == "iid":
-        indices = torch.randperm(n_blocks, generator=seeded_generator("iid", seed, epoch))[dp_index::dp_world]
-    elif partition == "iid-groups":
-        members_of_group = torch.randperm(n_blocks, generator=seeded_generator("iid", seed, epoch))[fed_index::num_feds]
-        indices = members_of_group[rank::group_world]
+    if partition in ("iid", "iid-groups"):
+        order = torch.randperm(n_blocks, generator=seeded_generator("iid", seed, epoch))
+        indices = order[dp_index::dp_world] if partition == "iid" else order[fed_index::num_feds][rank::group_world]
     elif partition == "document":
         if doc_ids is None or len(doc_ids) != n_blocks:
             raise ValueError(f"partition 'document' needs doc_ids for all {n_blocks} blocks")
