@@ -25,8 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
                    add_help=False)  # dispatched in main(): its options are flwr_sharded.train's
     corpus.register(sub)
     export = sub.add_parser("export", help="merge a checkpoint's shards into a Hugging Face model",
-                            description="Write the model of a sharded checkpoint as a Hugging Face model, one tensor at "
-                            "a time.")
+                            description="Write the model of a sharded checkpoint as a Hugging Face model, one tensor "
+                            "at a time.")
     export.add_argument("--checkpoint", required=True,
                         help="a checkpoint directory (step-N) or a group's series (uses its newest)")
     export.add_argument("--out", required=True, help="output directory")
