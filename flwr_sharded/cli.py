@@ -1,4 +1,5 @@
-"""`flwr-sharded` command: one sub-command per concern, each registered by the module that implements it."""
+"""`flwr-sharded` command: one sub-command per concern, each registered by the module that implements it (`train` and
+`export`, whose modules import torch, are dispatched here)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,14 @@ import argparse
 import sys
 from typing import Sequence
 
+from flwr_sharded.errors import ConfigError
+
 
 def build_parser() -> argparse.ArgumentParser:
     from flwr_sharded import options_doc, plot
     from flwr_sharded.flower import check, superlink
     from flwr_sharded.perf import bench, plan_cli
-    from flwr_sharded.training import corpus, export_cli
+    from flwr_sharded.training import corpus
 
     parser = argparse.ArgumentParser(prog="flwr-sharded", description="Sharded data parallelism with federated "
                                      "learning on Flower: training, data preparation, planning, plots, run-config "
@@ -21,7 +24,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "(`torchrun --nproc-per-node N --no-python flwr-sharded train ...`); see `train --help`",
                    add_help=False)  # dispatched in main(): its options are flwr_sharded.train's
     corpus.register(sub)
-    export_cli.register(sub)
+    export = sub.add_parser("export", help="merge a checkpoint's shards into a Hugging Face model",
+                            description="Write the model of a sharded checkpoint as a Hugging Face model, one tensor "
+                            "at a time.")
+    export.add_argument("--checkpoint", required=True,
+                        help="a checkpoint directory (step-N) or a group's series (uses its newest)")
+    export.add_argument("--out", required=True, help="output directory")
+    export.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                        help="dtype of the written tensors (default: as in the checkpoint)")
+    export.set_defaults(func=_export)
     plan_cli.register(sub)
     bench.register(sub)
     plot.register(sub)
@@ -29,6 +40,20 @@ def build_parser() -> argparse.ArgumentParser:
     options_doc.register(sub)
     superlink.register(sub)
     return parser
+
+
+def _export(args: argparse.Namespace) -> int:
+    """`flwr-sharded export`: `checkpoint.export_pretrained` (torch is imported when it runs)."""
+    import torch
+
+    from flwr_sharded.training.checkpoint import export_pretrained
+
+    try:
+        print(f"wrote {export_pretrained(args.checkpoint, args.out, dtype=args.dtype and getattr(torch, args.dtype))}")
+    except ConfigError as exc:
+        print(f"flwr-sharded export: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,9 +1,5 @@
-"""Typed run configuration: one dataclass per concern, the one declaration of every training option.
-
-Every field carries a docstring and is an option (`flwr_sharded.schema`): the command line of `flwr_sharded.train`,
-the YAML layout (`load_config`), the Flower run config (`flwr_sharded.flower.run`) and the docs' tables derive from
-these fields. `validate` checks what spans several options; it runs before any process group, model or file is
-touched, and its messages name each option as the surface spells it.
+"""Typed run configuration: one dataclass per concern, the one declaration of every training option (its docstring
+documents it: `flwr_sharded.schema`), and its YAML files; the checks that span options are `flwr_sharded.validation`.
 """
 
 from __future__ import annotations
@@ -19,12 +15,21 @@ import yaml
 
 from flwr_sharded import schema
 from flwr_sharded.errors import ConfigError
+from flwr_sharded.parallel.rules import RULES, rule_options
 from flwr_sharded.parallel.plausibility import DEFAULT_MAX_MOVE
-from flwr_sharded.parallel.wire import QUANTIZED, SyncDtype  # noqa: F401 - QUANTIZED: for importers
+from flwr_sharded.parallel.sparse import CHUNK
+from flwr_sharded.parallel.wire import QUANT_BLOCK, QUANTIZED, SyncDtype, described
+from flwr_sharded.presets import PRESETS
 from flwr_sharded.schema import CLI, Surface, option
 
 Method = Literal["fsdp", "hsdp", "fl-fsdp", "fl-hsdp"]
 METHODS: tuple[str, ...] = typing.get_args(Method)
+
+
+_LRS, _MOMENTA = ({name: rule_options(cls)[key] for name, cls in RULES.items() if key in rule_options(cls)}
+                  for key in ("lr", "momentum"))
+"""The built-in outer rules that take an outer learning rate, an outer momentum, with their defaults."""
+_NONLINEAR = [name for name, cls in RULES.items() if not cls.linear]
 
 
 def default_data_dir() -> str:
@@ -51,83 +56,74 @@ class ParallelConfig:
     """S: ranks one model replica is sharded over; innermost mesh dimension (keep it inside a node)."""
     group_shards: str = option("", not_flat="a Flower run's groups each start with their own S (--shards of the "
                                             "group, or facility-shards)")
-    """S of each federation group, comma-separated (e.g. 2,4): a federation of groups that shard differently (FL
-    methods, static engine), whose shards are averaged piece by piece where they overlap; F is their number, R
-    (`replicas`) is every group's, and the world is R x their sum. Unset: F groups of `shards`."""
+    """S of each federation group, comma-separated (e.g. 2,4): groups that shard differently (FL methods), averaged
+    piece by piece where their shards overlap; F is their number, the world R x their sum. Unset: F x `shards`."""
     aggregate_every: int = option(8, ge=1)
     """A: optimizer steps between two shard syncs (FL methods only)."""
     group_steps: Literal["equal", "speed"] = "equal"
-    """How many local steps each federation group trains per sync: equal (every group A), or speed (the fastest
-    group trains A, one k times slower about A/k, at least 1), so that groups of different speeds arrive at the sync
-    together. The static engine's groups measure and exchange their step times after every sync; in a Flower run the
-    strategy takes each member's step time from its last round's reply (a round without one for every member is
-    equal). The weights stay the tokens each group trained, and each group's learning-rate schedule (and the static
-    engine's logging, evaluation and end of run) follows the fastest group's step count. The time each group idles
-    per sync is recorded either way (`sync_groups` records; a Flower round's `idle_s_per_sync`)."""
+    """Local steps each federation group trains per sync: equal (A each), or speed (the fastest group A, one k times
+    slower about A/k, at least 1), so that groups of different speeds arrive at the sync together, by the step times
+    of the last sync (a Flower round: each member's last reply; equal until all have one). Weights stay the tokens
+    trained; schedules, logging, evaluation and the end of run follow the fastest group. Each group's idle time per
+    sync is recorded either way (`sync_groups` records; a Flower round's `idle_s_per_sync`)."""
     bucket_mb: float = option(64.0, gt=0)
     """Size of one flat buffer used by the shard sync, in MiB; one collective per bucket."""
-    sync_dtype: SyncDtype = "float32"
-    """Wire dtype of the cross-group all-reduce: float32 sends the shards. bfloat16 halves the sync's bytes by sending
-    each group's weighted delta from the last global model (the outer gradient, as DiLoCo does), so only that delta
-    is rounded; int8, float8_e4m3fn and float8_e5m2 (fp8: CUDA compute capability >= 8.9) quantize the delta
-    blockwise (one fp32 scale per 256 values; about 0.254 of the fp32 bytes) and sum it in fp32, int4 and
-    float4_e2m1 the same in 4-bit codes, two to a byte (about 0.129 of the fp32 bytes; int4: 18x int8's rounding
-    step). Any of them costs
-    one fp32 copy of the rank's shards for fedavg (outer optimizers keep one already); linear outer rules only (not
-    trimmed-mean or median)."""
-    sync_error_feedback: bool = False
-    """With a quantized `sync-dtype` (int8, a float8, or a 4-bit one, int4 or float4_e2m1, whose rounding errors
-    are the largest) or `sync-topk`: carry each rank's rounding errors (and what top-k did not send) into its next
-    sync (error feedback), so they do not accumulate over syncs; one more fp32 copy of the rank's shards."""
-    sync_topk: float | None = option(None, gt=0, le=1)
-    """Send only this fraction (e.g. 0.02) of each rank's weighted delta, per chunk of 4096 values the largest
-    entries, as (index, value) rows in the `sync-dtype` format (float32: a float32 delta), all-gathered and summed on
-    every rank (SparseLoCo): about W x fraction x (2 + value bytes) / 8 of the fp32 all-reduce's bytes over W groups
-    (0.015x for 2 groups at 2% with int8). Needs `sync-error-feedback` (the residual keeps what is not sent) and a
-    linear outer rule; costs one fp32 copy of the shards for fedavg, as a reduced wire does. Unset: dense."""
+    sync_dtype: SyncDtype = option("float32", facts={"wires": described(), "block": str(QUANT_BLOCK),
+                                                      "nonlinear": " or ".join(_NONLINEAR)})
+    """Wire dtype of the cross-group all-reduce: float32 sends the shards, the others each group's weighted delta from
+    the last global model (the outer gradient, as DiLoCo does), so only that delta is rounded, summed in fp32. Each
+    with its bytes over float32's: {wires}. The quantized ones carry one fp32 scale per {block} values. All but
+    float32 cost one fp32 copy of the rank's shards for fedavg (outer optimizers keep one already) and need a linear
+    outer rule (not {nonlinear})."""
+    sync_error_feedback: bool = option(False, facts={"quantized": ", ".join(QUANTIZED)})
+    """With a quantized `sync-dtype` ({quantized}) or `sync-topk`: carry each rank's rounding errors (and what top-k
+    did not send) into its next sync, so they do not accumulate over syncs; one more fp32 copy of the rank's shards."""
+    sync_topk: float | None = option(None, gt=0, le=1, facts={"chunk": str(CHUNK)})
+    """Send only this fraction (e.g. 0.02) of each rank's weighted delta, the largest entries of each chunk of {chunk}
+    values, as (index, value) rows in the `sync-dtype` format, all-gathered and summed on every rank (SparseLoCo):
+    about W x fraction x (2 + value bytes) / 8 of the fp32 all-reduce's bytes over W groups (0.015x for 2 groups at
+    2% with int8). Needs `sync-error-feedback` (the residual keeps what is not sent) and a linear outer rule; one
+    fp32 copy of the shards for fedavg, as a reduced wire. Unset: dense."""
     sync_fragments: int = option(1, ge=1)
     """N: sync the model in N fragments of contiguous transformer blocks (Streaming DiLoCo), fragment i after step
-    round((i + 1) A / N) of each period of A steps, so the link carries about 1/N of the model at a time; each
-    fragment has its own outer-rule state. At most one fragment per block and per step of the period."""
+    round((i + 1) A / N) of each period, so the link carries about 1/N of the model at a time, each fragment with its
+    own outer-rule state; at most one fragment per block and per step of the period."""
     sync_delay: int = option(0, ge=0)
-    """tau: start each fragment's sync tau steps before it is merged and reduce it in the background while those
-    steps compute (overlap); the arriving global values are then mixed into the local ones (`sync-alpha`). Smaller
-    than the fewest steps between two fragments' syncs; 0: the sync blocks training, as without overlap."""
+    """tau: start each fragment's sync tau steps before it is merged and reduce it in the background meanwhile
+    (overlap); the arriving global values are then mixed into the local ones (`sync-alpha`). Smaller than the fewest
+    steps between two fragments' syncs; 0: the sync blocks training."""
     sync_alpha: float = option(0.0, ge=0, le=1)
     """alpha: when a sync is merged, every shard becomes alpha * local + (1 - alpha) * global (Streaming DiLoCo's
     mixing; 0 adopts the global values, discarding the local steps taken while the sync travelled)."""
     sync_carry: bool | None = None
     """Keep the local steps taken while an overlapped sync travelled (unset: on when `sync-delay` > 0; off:
-    `--no-sync-carry`, `false` in YAML or the run config): the global values a merge mixes in become global + (local
-    - snapshot), so a shard becomes local + (1 - alpha) * (global - snapshot). Costs one more copy of the largest
-    fragment's shards; on with `sync-delay` 0 is an error (there is nothing to keep)."""
+    `--no-sync-carry`, or `false`): a merge mixes in global + (local - snapshot), so a shard becomes local + (1 -
+    alpha) * (global - snapshot). One more copy of the largest fragment's shards; an error with `sync-delay` 0."""
     reset_optimizer_state: bool = False
     """Clear the inner optimizer's state (e.g. Adam moments) after each sync; by default it stays local and kept."""
     sync: bool = option(True, not_flat="a Flower run always syncs; the no-sync limit is a static-engine benchmark")
     """Run the shard sync of FL methods; off gives the no-sync limit (independent groups), for benchmarks."""
     sync_retries: int = option(3, ge=0, not_flat="a Flower round ends at a failed sync, every member rolled back; "
                                                  "the strategy's strikes decide what follows (max-strikes)")
-    """Static engine: a sync that fails on any member (an error, a timeout, a rejected result) puts every rank back
-    at the last adopted sync (shards, outer state, inner optimizer, step and schedule) and training goes on from
-    there with fresh batches, at most this many times in a row; then the run stops with the error. 0: stop at the
-    first failed sync and keep no rollback copy (host memory: the shards and their inner optimizer state)."""
+    """Static engine: a sync that fails on any member (an error, a timeout, a rejected result) puts every rank back at
+    the last adopted sync (shards, outer state, inner optimizer, step, schedule) and training goes on with fresh
+    batches, at most this many times in a row. 0: stop at the first, keeping no rollback copy in host memory."""
     sync_max_move: float = option(DEFAULT_MAX_MOVE, ge=0)
-    """A sync is adopted only if, on every rank, the groups' result moves each bucket of the rank's shards by at most
-    this many times the median of that bucket's recent adopted moves, per token of the rank's weight (before it has
-    any: this many times the bucket's own norm), so a member that sends absurd values in spite of its own verdict
-    cannot poison the model (docs/security.md: what is measured, and what is not caught); a
-    rejected sync is rolled back everywhere, and the member whose values alone explain it is named (struck, in a
-    Flower run). An overlapped sync keeps one more copy of the largest fragment's shards to measure the move (as
-    `sync-carry` does). 0: only finiteness is checked, and nobody is named."""
-    outer: str = "fedavg"
-    """How synced shards are combined: fedavg, fedavgm, nesterov (DiLoCo), fedadam, fedyogi, trimmed-mean, median, or
-    a `package.module:Class` ShardRule. trimmed-mean and median ignore the weights and all-gather every group's
-    shards (F/2 x the bytes of the others' all-reduce; docs/custom-rules.md); a Flower run's server path has
-    its own: `server-rule`."""
-    outer_lr: float | None = option(None, gt=0)
-    """Outer learning rate; unset: the rule's default (fedavgm 1.0, nesterov 0.7, fedadam 0.1, fedyogi 0.01)."""
-    outer_momentum: float | None = option(None, ge=0, lt=1)
-    """Outer momentum of fedavgm and nesterov; unset: 0.9."""
+    """Adopt a sync only if, on every rank, the result moves each bucket of its shards by at most this many times the
+    median of that bucket's recent adopted moves, per token of the rank's weight (at first: this many times the
+    bucket's norm), so that a member sending absurd values cannot poison the model (docs/security.md); a rejected
+    sync is rolled back everywhere and the member whose values alone explain it is named (struck, in a Flower run).
+    An overlapped sync keeps one more copy of the largest fragment's shards for it. 0: only finiteness is checked, and
+    nobody is named."""
+    outer: str = option("fedavg", facts={"rules": ", ".join(RULES), "nonlinear": " and ".join(_NONLINEAR)})
+    """How synced shards are combined: {rules}, or a `package.module:Class` ShardRule (nesterov is DiLoCo's).
+    {nonlinear} ignore the weights and all-gather every group's shards (F/2 x the bytes of the others' all-reduce;
+    docs/custom-rules.md); a Flower run's server path has its own: `server-rule`."""
+    outer_lr: float | None = option(None, gt=0, facts={"defaults": ", ".join(f"{n} {v}" for n, v in _LRS.items())})
+    """Outer learning rate; unset: the rule's default ({defaults})."""
+    outer_momentum: float | None = option(None, ge=0, lt=1, facts={
+        "rules": " and ".join(_MOMENTA), "default": "/".join(sorted({str(m) for m in _MOMENTA.values()}))})
+    """Outer momentum of {rules}; unset: {default}."""
     backend: Literal["auto", "nccl", "gloo"] = option("auto", not_flat="each group picks its backends when it starts "
                                                                     "(--sync-backend of the group runtime)")
     """Backend of the static world's process groups: auto (NCCL on GPUs, gloo on CPU), or gloo on GPUs too (several
@@ -141,8 +137,8 @@ class ParallelConfig:
 
     @property
     def layouts(self) -> tuple[int, ...]:
-        """Each federation group's S, in group order: `group-shards` (checked by `validation.validate_parallel`), else F groups
-        of `shards`."""
+        """Each federation group's S, in group order: `group-shards` (checked by `validation.validate_parallel`), else
+        F groups of `shards`."""
         if self.group_shards:
             return tuple(int(x) for x in self.group_shards.split(","))
         return (self.shards,) * self.federations
@@ -185,10 +181,9 @@ class ParallelConfig:
 class ModelConfig:
     """Which model to train and how to shard it."""
 
-    name: str = option("small", name="model")
-    """A preset (tiny, small, medium, llama-1b, llama-3b, llama3.1-8b), a Hugging Face model id, or a local model
-    directory. A hub id or directory brings its own tokenizer unless `tokenizer` is set; presets use the tokenizer
-    in `data-dir`."""
+    name: str = option("small", name="model", facts={"presets": ", ".join(PRESETS)})
+    """A preset ({presets}), a Hugging Face model id, or a local model directory. A hub id or directory brings its own
+    tokenizer unless `tokenizer` is set; presets use the tokenizer in `data-dir`."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """Parameter dtype during compute: auto (bf16 on GPU, fp32 on CPU), fp32 or bf16; reductions always in fp32."""
     reshard_after_forward: bool = True
@@ -205,31 +200,27 @@ class DataConfig:
 
     dataset: str = "shakespeare"
     """`shakespeare` (embedded, offline), a Hugging Face dataset id, or a local path: a .txt/.json/.jsonl/.parquet
-    file (.json.gz, .jsonl.gz too), a directory of such files (`train*` / `*validation*` name the splits), or a copy
-    of a hub dataset repository (data files in sub-directories, laid out as on the Hub). Script-based hub datasets
-    do not load with datasets >= 4: use their Parquet conversion (`dataset-revision`) or a copy of their files."""
+    file (gzipped json too), a directory of them (`train*` / `*validation*` name the splits), or a copy of a hub
+    dataset repository. Script-based hub datasets: their Parquet conversion (`dataset-revision`) or their files."""
     data_dir: str | None = None
     """Directory holding the prepared corpus, tokenizer and token caches (`flwr-sharded prepare-data`); unset:
     `$FLWR_SHARDED_DATA`, else ~/.cache/flwr_sharded."""
     tokenizer: str | None = None
-    """Tokenizer id or path; unset: the model's own when `model` is a Hugging Face id or a local model directory,
-    else (presets) the byte-level BPE trained on the embedded corpus, in `data-dir`. It may not hold more tokens
-    than the model's embedding (checked before the run starts)."""
+    """Tokenizer id or path, with no more tokens than the model's embedding; unset: the model's own for a hub id or
+    local directory, else (presets) the byte-level BPE of the embedded corpus in `data-dir`."""
     dataset_config: str | None = None
-    """Configuration (subset) name of a hub dataset, e.g. `ita_Latn` for HuggingFaceFW/fineweb-2. With
-    `dataset-revision refs/convert/parquet`, and for a local repository copy without a README, it names the
-    configuration's directory."""
+    """Configuration (subset) of a hub dataset, e.g. `ita_Latn` for HuggingFaceFW/fineweb-2: its directory with
+    `dataset-revision refs/convert/parquet` or in a local repository copy without a README."""
     dataset_revision: str | None = None
     """Git revision (branch, tag or commit) of a hub dataset; pin a commit for reproducible runs, or use
     `refs/convert/parquet`, the Hub's Parquet conversion (of script-based datasets among others); unset: main."""
     streaming: bool = False
-    """Read the dataset as a stream (`datasets` streaming) instead of downloading it whole, for corpora that do not
-    fit on disk: documents are tokenized until `max-train-blocks` blocks are full (required). Validation comes from
-    the `validation` split if there is one, else the first documents are held out until `eval-blocks` blocks are
-    full; training starts at the next document."""
+    """Read the dataset as a stream instead of downloading it whole (corpora that do not fit on disk), until
+    `max-train-blocks` blocks are full (required). Validation: the `validation` split, else the first documents
+    until `eval-blocks` blocks are full, training starting at the next one."""
     tokenize_workers: int | None = option(None, ge=1)
-    """Processes that tokenize a map-style (non-streaming) dataset; unset: min(8, CPUs). The blocks are the same for
-    any number. One rank per data directory tokenizes (with a progress bar), the others wait for its cache."""
+    """Processes that tokenize a map-style dataset, with the same blocks for any number; unset: min(8, CPUs). One rank
+    per data directory tokenizes, the others wait for its cache."""
     text_field: str = "text"
     """Column holding the text, for json, parquet and hub datasets."""
     seq_len: int = option(256, ge=1)
@@ -265,8 +256,8 @@ class OptimConfig:
     grad_clip: float = option(1.0, ge=0)
     """Clip the global gradient norm (across all shards) to this value; 0 turns clipping off."""
     proximal_mu: float = option(0.0, ge=0)
-    """FedProx: add mu/2 * ||w - w_sync||^2 to each group's objective, w_sync being its shards after the last sync
-    (each rank adds the gradient mu * (w - w_sync) on its own shards); 0 turns it off. FL methods only."""
+    """FedProx: add mu/2 * ||w - w_sync||^2 to each group's objective, w_sync its shards after the last sync; 0 turns
+    it off. FL methods only."""
 
 
 @dataclass
@@ -284,8 +275,8 @@ class CheckpointConfig:
                                not_flat="a group commits its round's checkpoint before it replies")
     """Write checkpoints in a background thread; the commit (rename) happens at the next save or at the end."""
     resume: bool = False
-    """Continue from the newest complete checkpoint in `checkpoint-dir` (model, optimizer, schedule, data, RNG); a
-    damaged or incomplete newest one is skipped (logged) for the one before."""
+    """Continue from the newest complete checkpoint in `checkpoint-dir` (model, optimizer, schedule, data, RNG),
+    skipping (logged) a damaged or incomplete one."""
 
 
 @dataclass
@@ -293,12 +284,10 @@ class OutputConfig:
     """What a run leaves behind: one run directory with its configuration, metrics, summary and model."""
 
     run_dir: str | None = None
-    """The run directory; unset: `outputs/<date>_<time>` under the working directory (a Flower run: the ServerApp's,
-    which is the SuperLink's, and `-run<run id>` added). It holds config.json, metrics.jsonl, summary.json, model/
-    and tensorboard/."""
+    """The run directory (config.json, metrics.jsonl, summary.json, model/, tensorboard/); unset:
+    `outputs/<date>_<time>` under the working directory (a Flower run: the ServerApp's, with `-run<run id>`)."""
     save_model: bool = True
-    """Write the final model in Hugging Face format to `<run-dir>/model` (`from_pretrained` loads it); each rank
-    writes its own rows, no rank gathers the model."""
+    """Write the final model in Hugging Face format to `<run-dir>/model`, each rank its own rows."""
     save_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the saved model's tensors."""
     tensorboard: bool = False
@@ -310,8 +299,8 @@ class OutputConfig:
     progress: bool = option(True, not_flat="groups write progress lines to their log instead (log-every)")
     """Show a progress bar on rank 0."""
     peak_tflops: float | None = option(None, gt=0)
-    """Peak dense TFLOP/s of one device in the compute dtype, for the MFU estimate; unset: known GPUs' figures
-    (none for CPUs, whose MFU is then not reported)."""
+    """Peak dense TFLOP/s of one device in the compute dtype, for the MFU estimate; unset: known GPUs' (no MFU on
+    CPUs)."""
 
 
 @dataclass
@@ -345,14 +334,9 @@ class TrainConfig:
     """Timeout of every collective, in seconds."""
 
 
-def option_table() -> dict[str, schema.Option]:
-    """Flat name -> option of a TrainConfig (the static engine's command line)."""
-    return schema.by_name(TrainConfig)
-
-
 def label_of(surface: Surface, name: str) -> str:
     """How `surface` names the TrainConfig option `name`."""
-    return surface.label(option_table()[name])
+    return surface.label(schema.by_name(TrainConfig)[name])
 
 
 _FLAG = re.compile(r"(?<![\w-])--([a-z][a-z0-9-]*)")
@@ -361,7 +345,7 @@ _FLAG = re.compile(r"(?<![\w-])--([a-z][a-z0-9-]*)")
 def respelled(exc: ConfigError, surface: Surface) -> ConfigError:
     """`exc`, a check's message naming command-line flags (`--model: ...`), with each TrainConfig option as `surface`
     spells it (`run config 'model': ...`); text in backticks, a command to type, keeps its flags."""
-    table = option_table()
+    table = schema.by_name(TrainConfig)
 
     def label(match: re.Match[str]) -> str:
         o = table.get(match.group(1))
@@ -393,8 +377,6 @@ def config_from_dict(raw: dict[str, Any]) -> TrainConfig:
 def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
     return schema.to_nested(cfg)
 
-
-# ----------------------------------------------------------------------------------------------------- checks
 
 def labeler(surface: Surface):
     """`L(name)`: the TrainConfig option `name` as `surface` spells it."""

@@ -1,11 +1,6 @@
-"""The option reference (`docs/options.md`), generated from the schema: `flwr-sharded options --write FILE`.
-
-Two tables: the static engine's flags and YAML keys (`flwr_sharded.config.TrainConfig`), and the Flower app's
-run-config keys (`flwr_sharded.flower.run.FlowerRun`) with the reason for every training option that is not one.
-The group runtime's table in `docs/flower.md` comes from `flwr_sharded.flower.group.options.GroupOptions`
-(`flwr-sharded options --group-table docs/flower.md` rewrites it between its markers). Tests fail when a committed
-file differs from what this module renders.
-"""
+"""The option reference generated from the schema (`flwr-sharded options`): docs/options.md (the static engine's
+flags and YAML keys, the Flower app's run-config keys, and why a training option is not one) and the group runtime's
+table in docs/flower.md (`--group-table`, between its markers); tests compare the committed files with them."""
 
 from __future__ import annotations
 
@@ -36,8 +31,8 @@ def _default(value: Any) -> str:
 
 
 def _row(o: schema.Option, *cells: str, flag: bool = False) -> str:
-    text = " ".join(o.doc.split()).replace("|", "\\|")
-    return "| " + " | ".join([f"`{'--' if flag else ''}{o.name}`", *cells, text]) + " |"
+    cells = (f"`{'--' if flag else ''}{o.name}`", *cells, " ".join(o.doc.split()))
+    return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
 
 
 def render() -> str:
@@ -46,15 +41,14 @@ def render() -> str:
 
     lines = [HEADER, "## Training (`flwr-sharded train`, YAML)", "",
              "| option | YAML key | type | default | meaning |", "|---|---|---|---|---|"]
-    lines += [_row(o, f"`{o.key}`", o.type_name().replace("|", "\\|"), _default(o.default))
-              for o in schema.options(TrainConfig)]
+    lines += [_row(o, f"`{o.key}`", o.type_name(), _default(o.default)) for o in schema.options(TrainConfig)]
     lines += ["", "## Flower run config (`apps/llama_fl_hsdp`)", "",
               "Defaults of a Flower run are sized for a CPU laptop. A strategy may override "
               f"{', '.join(f'`{k}`' for k in ROUND_KEYS)} for one round (its train config); the run's own values "
               "travel once, in the hello.", "",
               "| key | type | default | meaning |", "|---|---|---|---|"]
     run_options = schema.options(FlowerRun())
-    lines += [_row(o, o.type_name().replace("|", "\\|"), _default(o.default)) for o in run_options if o.flat]
+    lines += [_row(o, o.type_name(), _default(o.default)) for o in run_options if o.flat]
     lines += ["", "Training options that are not run-config keys, and why:", "", "| option | why |", "|---|---|"]
     lines += [f"| `{o.name}` | {o.not_flat} |" for o in run_options if not o.flat]
     return "\n".join(lines) + "\n"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,23 +20,14 @@ Curve = tuple[list[float], list[float], list[float]]
 
 def curves(run_dir: str | Path) -> dict[str, Curve]:
     """'train' and 'eval' perplexity series of one run directory (empty series are left out)."""
-    records = read_records(run_dir)
     series: dict[str, Curve] = {"train": ([], [], []), "eval": ([], [], [])}
-    for r in records:
-        kind = r.get("kind")
-        points = []
-        if kind == "train" and "ppl" in r:
-            points.append(("train", r["ppl"]))
-        elif kind == "eval" and "eval_ppl" in r:
-            points.append(("eval", r["eval_ppl"]))
-        elif kind == "round":
-            points += [("train", r.get("train_ppl")), ("eval", r.get("eval_ppl"))]
+    for r in read_records(run_dir):
+        points = {"train": [("train", r.get("ppl"))], "eval": [("eval", r.get("eval_ppl"))],
+                  "round": [("train", r.get("train_ppl")), ("eval", r.get("eval_ppl"))]}.get(r.get("kind"), [])
         for name, ppl in points:
             if ppl is not None and "elapsed_s" in r and "tokens_seen" in r:
-                xs, ts, ys = series[name]
-                xs.append(float(r["elapsed_s"]))
-                ts.append(float(r["tokens_seen"]))
-                ys.append(float(ppl))
+                for values, x in zip(series[name], (r["elapsed_s"], r["tokens_seen"], ppl)):
+                    values.append(float(x))
     return {name: c for name, c in series.items() if c[0]}
 
 
@@ -113,8 +105,6 @@ def register(subparsers: Any) -> None:
 
 
 def _command(args: argparse.Namespace) -> int:
-    import sys
-
     try:
         print(f"wrote {plot(args.run_dirs, args.out)}")
     except ConfigError as exc:

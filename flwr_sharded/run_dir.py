@@ -1,17 +1,7 @@
-"""A run's directory: what every run, static or through Flower, leaves behind where its user can find it.
-
-    <run-dir>/config.json       the resolved configuration
-    <run-dir>/metrics.jsonl     one JSON record per line: kind train/eval (static, per step) or round (Flower), then
-                                a last record of kind summary (summary.json's content)
-    <run-dir>/summary.json      final figures, written at the end (status "completed" or "failed")
-    <run-dir>/model/            the final model in Hugging Face format (unless save-model is off)
-    <run-dir>/tensorboard/      TensorBoard scalars (tensorboard on)
-
-Every train, eval and round record carries `elapsed_s` and `tokens_seen` (all ranks, since the start), so
-`flwr-sharded plot` can draw runs of any method against wall-clock time and against tokens. A resumed run continues
-the metrics of the run its checkpoint came from (`RunDir.continue_from`): their records up to the checkpoint's step,
-a record of kind resume, then its own, with `elapsed_s` going on from the earlier run's; the file still ends with
-one summary record. Torch-free unless TensorBoard is on.
+"""A run's directory, what every run (static or through Flower) leaves behind: config.json, metrics.jsonl (records of
+kind train/eval per step or round per Flower round, each with `elapsed_s` and `tokens_seen`, then one of kind
+summary), summary.json, model/ (Hugging Face format) and tensorboard/. A resumed run continues its checkpoint's run's
+metrics and time (`RunDir.continue_from`). Torch-free unless TensorBoard is on.
 """
 
 from __future__ import annotations
@@ -61,8 +51,7 @@ class RunDir:
         self._metrics = open(self.path / METRICS, "a", buffering=1)
         self.elapsed_offset = 0.0
         """Added to every record's `elapsed_s`: the earlier run's time, in a continued directory."""
-        self._tb = None
-        self._wandb = None
+        self._tb = self._wandb = None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -90,9 +79,7 @@ class RunDir:
         kept = [r for r in read_records(previous) if r.get("kind") != "summary"
                 and (step is None or int(r.get("step", 0)) <= step)] if path.is_file() else []
         self._metrics.close()
-        tmp = self.path / f".{METRICS}.tmp"
-        tmp.write_text("".join(json.dumps(r, default=_jsonable) + "\n" for r in kept))
-        tmp.replace(self.path / METRICS)
+        _write_text(self.path / METRICS, "".join(json.dumps(r, default=_jsonable) + "\n" for r in kept))
         self._metrics = open(self.path / METRICS, "a", buffering=1)
         self.elapsed_offset = max((float(r["elapsed_s"]) for r in kept if "elapsed_s" in r), default=0.0)
         self.log({"kind": "resume", "step": step, "checkpoint": str(checkpoint), "previous": str(Path(previous)),
@@ -148,18 +135,19 @@ def read_records(run_dir: str | Path) -> list[dict[str, Any]]:
     return out
 
 
-def _write_json(path: Path, obj: Any) -> None:
+def _write_text(path: Path, text: str) -> None:
+    """Write `path` whole or not at all (a temporary file renamed over it)."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=_jsonable) + "\n")
+    tmp.write_text(text)
     tmp.replace(path)
 
 
+def _write_json(path: Path, obj: Any) -> None:
+    _write_text(path, json.dumps(obj, indent=2, default=_jsonable) + "\n")
+
+
 def _jsonable(value: Any) -> Any:
-    if isinstance(value, Path):
-        return str(value)
-    if hasattr(value, "item"):
-        return value.item()
-    return str(value)
+    return value.item() if hasattr(value, "item") else str(value)  # a tensor's or numpy scalar's number, a path
 
 
 def perplexity(loss: float) -> float:

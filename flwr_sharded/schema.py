@@ -1,21 +1,10 @@
 """The option schema: every option is one dataclass field with a docstring under it, and nothing else declares it.
 
-Configuration dataclasses (`flwr_sharded.config.TrainConfig`, `flwr_sharded.flower.run.FlowerRun`) nest one level of
-sections. Each leaf field is an option with a flat, kebab-case name (the field name with '-', unless `option(name=...)`
-says otherwise) that is unique in its tree. From the fields come:
-
-- the command line (`add_arguments` / `apply_arguments`): `--<name>`, help from the docstring, choices from `Literal`
-  types, `--x/--no-x` for booleans;
-- YAML files (`from_nested` / `to_nested`): sections as mappings, fields under their own names;
-- flat key-value sources such as Flower's run config (`from_flat` / `to_flat`): the flat names, where an empty string
-  leaves an optional option unset (TOML has no null);
-- the docs' option tables (`options`, `Option.summary`).
-
-A field may declare the same option as a field of another tree (`same_as`): a tool's `--sync-fragments` is the
-trainer's, with its docstring, bounds and (unless the tool sizes it otherwise) its default.
-
-Values are checked on the way in (`Option.check`): the type, finiteness of floats and the bounds declared with
-`option(ge=..., gt=..., le=..., lt=...)`; every message names the option as the source spells it (a `Surface`).
+Dataclasses nest one level of sections; each leaf field is an option with a flat kebab-case name, unique in its tree,
+from which come the command line (`add_arguments`), YAML files (`from_nested`), flat sources such as Flower's run
+config (`from_flat`; an empty string leaves an optional option unset) and the docs (`options`). `same_as` declares an
+option of another tree again. Values are checked on the way in (`Option.check`), each message naming the option as
+the source spells it (a `Surface`).
 """
 
 from __future__ import annotations
@@ -23,11 +12,13 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import difflib
 import functools
 import inspect
 import math
 import re
 import textwrap
+import types
 import typing
 from dataclasses import MISSING, dataclass
 from typing import Any, Callable, Iterable, Literal, Mapping, Union
@@ -38,20 +29,25 @@ META = "flwr_sharded"
 """Key of an option's settings in `dataclasses.field(metadata=...)`."""
 
 
+def _field(default: Any, factory: Callable[[], Any] | None, meta: dict[str, Any]) -> Any:
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata={META: meta})
+    return dataclasses.field(default=default, metadata={META: meta})
+
+
 def option(default: Any = MISSING, *, factory: Callable[[], Any] | None = None, name: str | None = None,
            ge: float | None = None, gt: float | None = None, le: float | None = None, lt: float | None = None,
-           not_flat: str | None = None, required: bool = False, hidden: bool = False) -> Any:
+           not_flat: str | None = None, required: bool = False, hidden: bool = False,
+           facts: Mapping[str, str] | None = None) -> Any:
     """A dataclass field that is an option: its default, flat name and numeric bounds.
 
     `not_flat`: why this option is not among the flat keys (the Flower run config); the docs show the reason.
     `required`: the command line must give it (its default, None, is only the unset value of the dataclass).
     `hidden`: left out of `--help` and the docs (test-only switches).
+    `facts`: the values of the docstring's `{name}` placeholders (what another module declares: the wires, the rules).
     """
-    meta = {"name": name, "ge": ge, "gt": gt, "le": le, "lt": lt, "not_flat": not_flat, "required": required,
-            "hidden": hidden}
-    if factory is not None:
-        return dataclasses.field(default_factory=factory, metadata={META: meta})
-    return dataclasses.field(default=default, metadata={META: meta})
+    return _field(default, factory, {"name": name, "ge": ge, "gt": gt, "le": le, "lt": lt, "not_flat": not_flat,
+                                     "required": required, "hidden": hidden, "facts": facts})
 
 
 def same_as(cls: type, field_name: str, *, default: Any = MISSING, name: str | None = None,
@@ -64,11 +60,8 @@ def same_as(cls: type, field_name: str, *, default: Any = MISSING, name: str | N
     meta = {**source.metadata.get(META, {}), "same_as": (cls, field_name)}
     meta["name"] = name or meta.get("name") or field_name.replace("_", "-")
     meta["required"] = required or meta.get("required", False)
-    if default is MISSING:
-        if source.default_factory is not MISSING:
-            return dataclasses.field(default_factory=source.default_factory, metadata={META: meta})
-        default = source.default
-    return dataclasses.field(default=default, metadata={META: meta})
+    factory = source.default_factory if default is MISSING and source.default_factory is not MISSING else None
+    return _field(source.default if default is MISSING else default, factory, meta)
 
 
 @dataclass(frozen=True)
@@ -91,6 +84,11 @@ CLI = Surface(lambda o: f"--{o.name}")
 def yaml_surface(where: str) -> Surface:
     """Keys of a YAML file, by their dotted path."""
     return Surface(lambda o: f"'{o.key}'", f"{where}: ")
+
+
+_OPS: dict[str, tuple[Callable[[Any, float], bool], str]] = {
+    "ge": (lambda v, b: v >= b, ">="), "gt": (lambda v, b: v > b, ">"),
+    "le": (lambda v, b: v <= b, "<="), "lt": (lambda v, b: v < b, "<")}
 
 
 @dataclass(frozen=True)
@@ -120,8 +118,7 @@ class Option:
     hidden: bool = False
     """Left out of `--help` and the docs."""
     many: bool = False
-    """A list of `kind` values (`list[int]`, `list[str]`), each checked; for messages between programs, not for the
-    command line."""
+    """A list of `kind` values, each checked (for messages between programs, not for the command line)."""
 
     @property
     def flat(self) -> bool:
@@ -134,10 +131,19 @@ class Option:
         return ".".join(self.path)
 
     @property
+    def dest(self) -> str:
+        """The argparse destination of its flag (`add_arguments`)."""
+        return "opt_" + self.name.replace("-", "_")
+
+    @property
+    def metavar(self) -> str:
+        return "{" + ",".join(map(str, self.choices)) + "}" if self.choices else {str: "TEXT"}.get(
+            self.kind, self.kind.__name__.upper())
+
+    @property
     def summary(self) -> str:
         """The docstring's first sentence."""
-        text = " ".join(self.doc.split())
-        parts = re.split(r"(?<!\be\.g)(?<!\bi\.e)\.\s+(?=\S)", text, maxsplit=1)
+        parts = re.split(r"(?<!\be\.g)(?<!\bi\.e)\.\s+(?=\S)", " ".join(self.doc.split()), maxsplit=1)
         return parts[0] if len(parts) == 1 else parts[0] + "."
 
     def type_name(self) -> str:
@@ -147,30 +153,27 @@ class Option:
 
     def check(self, value: Any, surface: Surface = CLI, *, empty_is_unset: bool = False) -> Any:
         """`value` converted to this option's type, or a ConfigError naming the option."""
+        label, kind = surface.label(self), self.kind.__name__
         if self.many and value is not None:
             if not isinstance(value, (list, tuple)):
-                raise surface.error(f"{surface.label(self)} must be a list of {self.kind.__name__}, got {value!r}")
+                raise surface.error(f"{label} must be a list of {kind}, got {value!r}")
             one = dataclasses.replace(self, many=False, optional=False)
             return [one.check(v, surface) for v in value]
-        label = surface.label(self)
-        if value is None or (empty_is_unset and value == "" and self.kind is not str):
+        if value is None or (empty_is_unset and value == "" and (self.optional or self.kind is not str)):
             if self.optional:
                 return None
-            raise surface.error(f"{label} needs a value of type {self.kind.__name__}")
-        if empty_is_unset and value == "" and self.optional:
-            return None
+            raise surface.error(f"{label} needs a value of type {kind}")
         converted = _convert(value, self.kind)
         if converted is None:
-            raise surface.error(f"{label} must be of type {self.kind.__name__}, got {value!r}")
-        value = converted
-        if self.kind is float and not math.isfinite(value):
-            raise surface.error(f"{label} must be a finite number, got {value}")
-        if self.choices is not None and value not in self.choices:
-            raise surface.error(f"{label} must be one of {', '.join(map(str, self.choices))}; got {value!r}")
-        if any(not _OPS[op][0](value, bound) for op, bound in self.bounds):
-            what = "an integer " if self.kind is int else ""
-            raise surface.error(f"{label} must be {what}{self.range_text()}, got {value!r}")
-        return value
+            raise surface.error(f"{label} must be of type {kind}, got {value!r}")
+        if self.kind is float and not math.isfinite(converted):
+            raise surface.error(f"{label} must be a finite number, got {converted}")
+        if self.choices is not None and converted not in self.choices:
+            raise surface.error(f"{label} must be one of {', '.join(map(str, self.choices))}; got {converted!r}")
+        if any(not _OPS[op][0](converted, bound) for op, bound in self.bounds):
+            raise surface.error(f"{label} must be {'an integer ' if self.kind is int else ''}{self.range_text()}, "
+                                f"got {converted!r}")
+        return converted
 
     def range_text(self) -> str:
         """The bounds as `>= 1`, `> 0` or an interval such as `in [0, 1)`."""
@@ -184,18 +187,6 @@ class Option:
         return f"{_OPS[op][1]} {_num(bound)}"
 
 
-_OPS: dict[str, tuple[Callable[[Any, float], bool], str]] = {
-    "ge": (lambda v, b: v >= b, ">="), "gt": (lambda v, b: v > b, ">"),
-    "le": (lambda v, b: v <= b, "<="), "lt": (lambda v, b: v < b, "<")}
-
-
-class _Raw:
-    """A command-line value that failed conversion, kept so the message can show it."""
-
-    def __init__(self, value: str) -> None:
-        self.value = value
-
-
 def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else str(x)
 
@@ -205,19 +196,11 @@ def _convert(value: Any, kind: type) -> Any:
     if isinstance(value, bool):
         return value if kind is bool else None
     if kind is bool:
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            return value.lower() == "true"
-        return None
+        return value.lower() == "true" if isinstance(value, str) and value.lower() in ("true", "false") else None
     if kind is int:
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        return None
+        return int(value) if isinstance(value, int) or (isinstance(value, float) and value.is_integer()) else None
     if kind is float:
-        if isinstance(value, (int, float)):
-            return float(value)
-        return None
+        return float(value) if isinstance(value, (int, float)) else None
     return value if isinstance(value, kind) else None
 
 
@@ -225,21 +208,25 @@ def _convert(value: Any, kind: type) -> Any:
 
 @functools.cache
 def field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each field of a dataclass (the string literal right after its annotation)."""
+    """The docstring under each field of a dataclass (the string literal right after its annotation), its `facts`
+    filled in."""
     docs: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
         if not dataclasses.is_dataclass(klass) or klass is object:
             continue
         try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+            body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body  # type: ignore[attr-defined]
         except (OSError, TypeError):
             continue
-        body = tree.body[0].body  # type: ignore[attr-defined]
         for node, following in zip(body, body[1:]):
             if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
                     and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
                     and isinstance(following.value.value, str)):
                 docs[node.target.id] = inspect.cleandoc(following.value.value)
+    for f in dataclasses.fields(cls):
+        facts = f.metadata.get(META, {}).get("facts")
+        if facts and f.name in docs:
+            docs[f.name] = docs[f.name].format(**facts)
     return docs
 
 
@@ -247,14 +234,13 @@ def _leaf_type(annotation: Any) -> tuple[type, bool, tuple[Any, ...] | None, boo
     """(kind, optional, choices, many) of a leaf annotation: int, float, bool, str, Literal[...], list[X],
     X | None."""
     optional = False
-    origin = typing.get_origin(annotation)
-    if origin in (Union, getattr(__import__("types"), "UnionType", Union)):
+    if typing.get_origin(annotation) in (Union, types.UnionType):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
         optional = len(args) < len(typing.get_args(annotation))
         if len(args) != 1:
             raise TypeError(f"unsupported option type {annotation!r}")
         annotation = args[0]
-        origin = typing.get_origin(annotation)
+    origin = typing.get_origin(annotation)
     if origin is list:
         kind, _, choices, _ = _leaf_type(typing.get_args(annotation)[0])
         return kind, optional, choices, True
@@ -278,13 +264,6 @@ def options(root: Any) -> list[Option]:
     return [dataclasses.replace(o, default=get(root, o.path)) for o in _options(type(root))]
 
 
-def _field_default(f: dataclasses.Field) -> Any:
-    """A field's default (made by its factory), or MISSING for a field the constructor needs."""
-    if f.default is not MISSING:
-        return f.default
-    return f.default_factory() if f.default_factory is not MISSING else MISSING
-
-
 @functools.cache
 def _options(cls: type) -> tuple[Option, ...]:
     out: list[Option] = []
@@ -294,22 +273,23 @@ def _options(cls: type) -> tuple[Option, ...]:
         instance = None
 
     def walk(klass: type, obj: Any, path: tuple[str, ...]) -> None:
-        hints = typing.get_type_hints(klass)
-        docs = field_docs(klass)
+        hints, docs = typing.get_type_hints(klass), field_docs(klass)
         for f in dataclasses.fields(klass):
-            annotation = hints[f.name]
-            default = getattr(obj, f.name) if obj is not None else _field_default(f)
-            if is_section(annotation):
-                walk(annotation, default, (*path, f.name))
+            if obj is not None:
+                default = getattr(obj, f.name)
+            else:
+                default = f.default_factory() if f.default_factory is not MISSING else f.default
+            if is_section(hints[f.name]):
+                walk(hints[f.name], default, (*path, f.name))
                 continue
-            kind, optional, choices, many = _leaf_type(annotation)
-            meta = dict(f.metadata.get(META, {}))
-            bounds = tuple((op, meta[op]) for op in ("ge", "gt", "le", "lt") if meta.get(op) is not None)
+            kind, optional, choices, many = _leaf_type(hints[f.name])
+            meta = f.metadata.get(META, {})
             source = meta.get("same_as")
-            doc = docs.get(f.name) or (field_docs(source[0]).get(source[1], "") if source else "")
             out.append(Option(name=meta.get("name") or f.name.replace("_", "-"), path=(*path, f.name), kind=kind,
-                              optional=optional, choices=choices, default=default, doc=doc,
-                              bounds=bounds, not_flat=meta.get("not_flat"), required=bool(meta.get("required")),
+                              optional=optional, choices=choices, default=default,
+                              doc=docs.get(f.name) or (field_docs(source[0]).get(source[1], "") if source else ""),
+                              bounds=tuple((op, meta[op]) for op in _OPS if meta.get(op) is not None),
+                              not_flat=meta.get("not_flat"), required=bool(meta.get("required")),
                               hidden=bool(meta.get("hidden")), many=many))
 
     walk(cls, instance, ())
@@ -353,51 +333,32 @@ def _fill(obj: Any, data: Any, surface: Surface, path: tuple[str, ...]) -> None:
     where = ".".join(path) or "the top level"
     if not isinstance(data, Mapping):
         raise surface.error(f"{where} must be a mapping, got {type(data).__name__}")
-    klass = type(obj)
-    hints = typing.get_type_hints(klass)
-    fields = {f.name: f for f in dataclasses.fields(klass)}
-    leaves = {o.path[-1]: o for o in options(klass) if o.path[:-1] == ()}
+    hints, names = typing.get_type_hints(type(obj)), sorted(f.name for f in dataclasses.fields(obj))
+    leaves = {o.path[-1]: o for o in options(type(obj)) if len(o.path) == 1}
     for raw_key, value in data.items():
         key = str(raw_key).replace("-", "_")
-        if key not in fields:
+        if key not in names:
             raise surface.error(f"unknown key '{'.'.join((*path, str(raw_key)))}' in {where}; allowed: "
-                                f"{', '.join(sorted(fields))}")
+                                f"{', '.join(names)}")
         if is_section(hints[key]):
             _fill(getattr(obj, key), value, surface, (*path, key))
         else:
-            leaf = leaves[key]
-            shown = dataclasses.replace(leaf, path=(*path, key))
-            setattr(obj, key, shown.check(value, surface))
+            setattr(obj, key, dataclasses.replace(leaves[key], path=(*path, key)).check(value, surface))
 
 
 def from_flat(root: Any, values: Mapping[str, Any], surface: Surface, *, empty_is_unset: bool = True,
               ignore: Iterable[str] = ()) -> Any:
     """Set options of `root` (an instance, changed in place and returned) from flat names; an unknown name is a
     ConfigError that lists the closest known ones. Names in `ignore` are skipped."""
-    known = {o.name: o for o in options(root) if o.flat}
-    skipped = set(ignore)
+    known, skipped = {o.name: o for o in options(root) if o.flat}, set(ignore)
     for name, value in values.items():
         if name in skipped:
             continue
-        opt = known.get(name)
-        if opt is None:
-            import difflib
-
+        if name not in known:
             close = difflib.get_close_matches(name, known, n=3)
-            hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise surface.error(f"unknown key '{name}'{hint}")
-        put(root, opt.path, opt.check(value, surface, empty_is_unset=empty_is_unset))
+            raise surface.error(f"unknown key '{name}'" + (f"; did you mean {', '.join(close)}?" if close else ""))
+        put(root, known[name].path, known[name].check(value, surface, empty_is_unset=empty_is_unset))
     return root
-
-
-def to_flat(obj: Any, *, unset: Any = None) -> dict[str, Any]:
-    """Flat name -> value of every flat option; unset optional options become `unset`."""
-    out = {}
-    for o in options(obj):
-        if o.flat:
-            value = get(obj, o.path)
-            out[o.name] = unset if value is None else value
-    return out
 
 
 # --------------------------------------------------------------------------------------------- command line
@@ -424,42 +385,30 @@ def add_arguments(parser: Any, root: Any, *, skip: Iterable[str] = ()) -> None:
     """One `--<name>` per option of `root` (a dataclass or an instance, whose values are shown as defaults), grouped
     by section (described by the section's docstring); every value arrives as given (None when absent) and is
     checked by `apply_arguments`. Each argparse action keeps its option as `action.option`."""
-    skipped = set(skip)
-    groups: dict[tuple[str, ...], Any] = {}
-    klass = root if isinstance(root, type) else type(root)
+    groups: dict[tuple[str, ...], Any] = {(): parser}
+    klass, skipped = root if isinstance(root, type) else type(root), set(skip)
     for o in options(root):
         if o.name in skipped:
             continue
         section = o.path[:-1]
         if section not in groups:
-            groups[section] = parser.add_argument_group(
-                section[-1], field_docs(klass).get(section[0]) if len(section) == 1 else None) if section else parser
-        shown = argparse.SUPPRESS if o.hidden else help_text(o).replace("%", "%%")
-        dest = "opt_" + o.name.replace("-", "_")
+            groups[section] = parser.add_argument_group(section[-1], field_docs(klass).get(section[0])
+                                                        if len(section) == 1 else None)
+        kwargs: dict[str, Any] = dict(dest=o.dest, default=None, required=o.required,
+                                      help=argparse.SUPPRESS if o.hidden else help_text(o).replace("%", "%%"))
         if o.kind is bool:
-            action = groups[section].add_argument(f"--{o.name}", dest=dest, action=argparse.BooleanOptionalAction,
-                                                  default=None, help=shown, required=o.required)
+            action = groups[section].add_argument(f"--{o.name}", action=argparse.BooleanOptionalAction, **kwargs)
         else:
-            metavar = ("{" + ",".join(map(str, o.choices)) + "}" if o.choices
-                       else {str: "TEXT"}.get(o.kind, o.kind.__name__.upper()))
-            action = groups[section].add_argument(f"--{o.name}", dest=dest, default=None, metavar=metavar,
-                                                  help=shown, type=_cli_type(o.kind), required=o.required)
+            action = groups[section].add_argument(f"--{o.name}", metavar=o.metavar, type=_cli_type(o.kind), **kwargs)
         action.option = o
 
 
 def _cli_type(kind: type) -> Callable[[str], Any]:
     def parse(text: str) -> Any:
-        if kind is int:
-            try:
-                return int(text)
-            except ValueError:
-                return _Raw(text)
-        if kind is float:
-            try:
-                return float(text)
-            except ValueError:
-                return _Raw(text)
-        return text
+        try:
+            return kind(text) if kind in (int, float) else text
+        except ValueError:
+            return text  # `Option.check` refuses it, naming the option
 
     return parse
 
@@ -467,12 +416,6 @@ def _cli_type(kind: type) -> Callable[[str], Any]:
 def apply_arguments(obj: Any, namespace: Any, surface: Surface = CLI) -> Any:
     """Set the options given on the command line (see `add_arguments`) on `obj`, checked."""
     for o in options(obj):
-        dest = "opt_" + o.name.replace("-", "_")
-        value = getattr(namespace, dest, None)
-        if value is None:
-            continue
-        if isinstance(value, _Raw):
-            raise surface.error(f"{surface.label(o)} must be of type {o.kind.__name__}, got {value.value!r}")
-        put(obj, o.path, o.check(value, surface))
+        if getattr(namespace, o.dest, None) is not None:
+            put(obj, o.path, o.check(getattr(namespace, o.dest), surface))
     return obj
-

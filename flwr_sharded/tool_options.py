@@ -1,9 +1,5 @@
-"""Command-line helpers of the tools and scripts that reuse the schema's options (`flwr_sharded.schema`).
-
-`add_option` adds one option of a configuration dataclass as a plain argparse argument (a script that takes a few
-training facts), `parse_args` parses a parser that mixes `schema.add_arguments` with plain arguments, and
-`split_list` reads a comma-separated option value.
-"""
+"""The schema's options (`flwr_sharded.schema`) in the plain argparse command lines of tools and scripts: one option
+as a plain argument (`add_option`), a parser mixing both (`parse_args`), a comma-separated value (`split_list`)."""
 
 from __future__ import annotations
 
@@ -44,7 +40,7 @@ def parse_args(parser: argparse.ArgumentParser, root: type, argv: Sequence[str] 
     except ConfigError as exc:
         parser.error(str(exc))
     for o in schema.options(obj):
-        vars(namespace).pop("opt_" + o.name.replace("-", "_"), None)
+        vars(namespace).pop(o.dest, None)
         setattr(namespace, o.path[-1], schema.get(obj, o.path))
     return namespace
 
@@ -72,8 +68,6 @@ def add_option(parser: Any, cls: type, field_name: str, *, default: Any = MISSIN
     if o.kind is bool:
         action = parser.add_argument(f"--{o.name}", action=argparse.BooleanOptionalAction, **kwargs)
     else:
-        metavar = "{" + ",".join(map(str, o.choices)) + "}" if o.choices else {str: "TEXT"}.get(
-            o.kind, o.kind.__name__.upper())
-        action = parser.add_argument(f"--{o.name}", type=parse, metavar=metavar, **kwargs)
+        action = parser.add_argument(f"--{o.name}", type=parse, metavar=o.metavar, **kwargs)
     action.option = o
     return action

@@ -1,7 +1,5 @@
-"""The checks that span several options of a run configuration (`flwr_sharded.config`): the method against F, R and
-S (or each group's S, and their steps), the outer rule and its options, the wire, fragments, overlap and top-k,
-checkpoints and data. `validate` runs them before any process group, model or file is touched, and its messages name
-each option as the surface spells it."""
+"""The checks that span several options of a run configuration (`flwr_sharded.config`), run by `validate` before any
+process group, model or file is touched; each message names the options as the surface spells them."""
 
 from __future__ import annotations
 
@@ -17,11 +15,8 @@ from flwr_sharded.schema import CLI, Surface
 
 
 def outer_rule(p: ParallelConfig, surface: Surface = CLI):
-    """The shard rule the sync applies (`flwr_sharded.parallel.rules`); ConfigError for a bad name or option.
-
-    For the built-in rules, an option the rule does not take is an error naming the option (custom rules check
-    their own keyword arguments).
-    """
+    """The shard rule the sync applies (`flwr_sharded.parallel.rules`); ConfigError for a bad name, or an option a
+    built-in rule does not take (custom rules check their own keyword arguments)."""
     options = {k: v for k, v in (("lr", p.outer_lr), ("momentum", p.outer_momentum)) if v is not None}
     outer = label_of(surface, "outer")
     if p.outer in RULES:

@@ -1,40 +1,9 @@
-"""A sparse shard sync (`--sync-topk FRACTION`): each rank sends only the largest entries of its weighted delta, with
-error feedback, as SparseLoCo (arXiv 2508.15706) and DeMo do.
-
-On each rank, per bucket: x = the weighted delta from the global shards + the error-feedback residual. x is cut into
-chunks of `CHUNK` values (the last one may be shorter); in every chunk the k = ceil(FRACTION x chunk length) entries
-of largest magnitude are kept (`torch.topk` of |x| over a (chunks, CHUNK) view, the partial chunk on its own). The
-kept values travel in the `--sync-dtype` wire's format (float32: 4 bytes, bfloat16: 2, the blockwise quantized ones
-through `flwr_sharded.parallel.quantize`: int8 1 byte per value plus one fp32 scale per `QUANT_BLOCK` kept values),
-with their index within the chunk as an int16 (2 bytes). A quantized format is `quantize.quantize`'s (its codes
-taken as bytes, `bytes_per_value` less a scale's share per value; one fp32 scale per `QUANT_BLOCK` kept values), so
-another blockwise wire drops in as a value format once `quantize` knows it. The residual keeps everything not sent: the dropped entries
-and the kept ones' rounding errors, so the running sum of the results stays within one round's residuals of the
-exact running sum. Top-k without that residual would lose what it drops, so `--sync-topk` needs
-`--sync-error-feedback` (refused without it, rather than turned on silently: the residual costs one fp32 copy of
-the shards).
-
-The wire: each rank's (index, value) row has the same length on every rank (the bucket's size and FRACTION decide
-it, `RowLayout`), so the groups' contributions travel as one `all_gather_single` of uint8 rows, the same on gloo
-and NCCL, without densifying on the wire. Every rank then adds all W rows, in rank order, in fp32, onto a copy of
-the global shards (so all end bit-identical): the global shards plus every group's kept entries, as with the other
-delta wires. The rows are added to the global values one by one rather than summed into a zeroed buffer first: the
-same bits on every rank, two passes over the bucket fewer (zeroing it, adding it).
-
-Bytes one rank sends (`sent_bytes`): (W - 1) x row bytes in a ring all-gather, against 2 (W - 1) / W x 4 N for the
-fp32 ring all-reduce of N values. A row holds K ~= FRACTION N entries: (2 + value bytes + scale bytes / QUANT_BLOCK)
-K, each field padded to 4 bytes. E.g. W = 2, 2%, int8: (2 + 1 + 4/256) x 0.02 N ~= 0.06 N bytes, 0.015x of fp32's
-4 N (bfloat16 values: 0.02x; float32: 0.03x). An all-gather grows with W, an all-reduce does not: the ratio is
-about W x FRACTION x (row bytes per kept value) / 8, so at 2% with int8 values the sparse rows cost as much as the
-int8 ring all-reduce (0.254x) from W ~= 34 groups on, and as much as fp32 from W ~= 130. The summing buffer is dense
-on every rank (the bucket, fp32) and W rows are held at once.
-
-Why every rank's own indices rather than chunk-aligned selection (the same kept positions on every rank, which an
-all-reduce of the kept values could sum at K value bytes instead of W rows): the published definition is per-rank
-top-k of each rank's own accumulated delta; a shared selection would need the ranks to agree on the kept indices
-first (one more round trip, and a choice that fits nobody's residual), and it changes what error feedback keeps.
-
-Importing this module does not import torch (the config and the memory model read `RowLayout` and `sent_bytes`).
+"""The top-k wire (`--sync-topk FRACTION`, SparseLoCo): per bucket, each rank keeps the ceil(FRACTION x length)
+largest |x| of every chunk of `CHUNK` values of x = its weighted delta + its error-feedback residual (which keeps what
+is not sent), as int16 indices and values in the `--sync-dtype` wire's format. Rows have the same length on every rank
+(`RowLayout`): one `all_gather_single`, then every rank adds all W rows in rank order, in fp32, onto the global values.
+A rank sends (W - 1) rows, about W x FRACTION x (row bytes per kept value) / 8 of the fp32 ring all-reduce (at 2%
+with int8 values: 0.015x for 2 groups, the int8 all-reduce's 0.254x from about 34 on). Torch-free to import.
 """
 
 from __future__ import annotations
@@ -43,8 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from flwr_sharded.parallel.quant_format import QUANT_BLOCK, SCALE_BYTES
-from flwr_sharded.parallel.wire_kinds import Wire
+from flwr_sharded.parallel.wire_base import QUANT_BLOCK, SCALE_BYTES, Wire
 
 if TYPE_CHECKING:
     import torch
@@ -179,8 +147,7 @@ def encode(indices: torch.Tensor, values: torch.Tensor, layout: RowLayout, row: 
 
 def decode(row: torch.Tensor, layout: RowLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """A row's (indices within their chunks, int64; values, fp32)."""
-    from flwr_sharded.parallel.quant_codes import code_format
-    from flwr_sharded.parallel.quantize import Quantized, dequantize
+    from flwr_sharded.parallel.quantize import Quantized, code_format, dequantize
 
     scales, index_field, codes = _fields(row, layout)
     dtype = layout.values.torch_dtype()

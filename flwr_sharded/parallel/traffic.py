@@ -1,9 +1,6 @@
-"""Counting the collectives a rank issues: op, process-group members and payload bytes.
-
-`TrafficMeter` wraps the `torch.distributed` collective functions while it is active, so it sees FSDP2's
-all-gathers and reduce-scatters as well as the shard sync's all-reduces and broadcasts (and the sends of the 8-bit
-sync's ring, `batch_isend_irecv`), without changing them.
-"""
+"""Counting the collectives a rank issues (op, process-group members, payload bytes): `TrafficMeter` wraps the
+`torch.distributed` functions while active, so it sees FSDP2's collectives, the shard sync's, and the quantized ring's
+sends (`batch_isend_irecv`), without changing them."""
 
 from __future__ import annotations
 
@@ -39,15 +36,11 @@ class CommRecord:
     op: str
     """Collective name, e.g. "all_reduce"."""
     ranks: tuple[int, ...]
-    """Global ranks of the process group it ran on."""
+    """Global ranks of its process group."""
     nbytes: int
     """Payload bytes (the full buffer size D of the cost model)."""
-    background: bool = False
-    """Issued by a thread other than the main one (an overlapped shard sync's communication thread)."""
-
-
-def _background() -> bool:
-    return threading.current_thread() is not threading.main_thread()
+    background: bool = field(default_factory=lambda: threading.current_thread() is not threading.main_thread())
+    """Issued by a thread other than the main one (an overlapped sync's)."""
 
 
 def _nbytes(value: Any) -> int:
@@ -99,7 +92,7 @@ class TrafficMeter:
                     pass
             ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(
                 range(dist.get_world_size()))
-            self.records.append(CommRecord(name, ranks, _nbytes(tensor), _background()))
+            self.records.append(CommRecord(name, ranks, _nbytes(tensor)))
             return original(*args, **kwargs)
 
         return wrapper
@@ -113,7 +106,7 @@ class TrafficMeter:
             me = dist.get_rank()
             for op in ops:
                 if "send" in op.op.__name__:
-                    self.records.append(CommRecord("send", (me, op.peer), _nbytes(op.tensor), _background()))
+                    self.records.append(CommRecord("send", (me, op.peer), _nbytes(op.tensor)))
             return original(ops)
 
         return wrapper

@@ -1,10 +1,6 @@
-"""One verdict of a fault check, on both paths: who is at fault, why, and which check found it.
-
-The decentralised sync's admission (`flwr_sharded.parallel.admission`), the weight check both paths share
-(`flwr_sharded.parallel.contribution`), the server path's per-chunk exclusions (`flwr_sharded.flower.server.robust`,
-`aggregation`) and the strikes that bench a group (`flwr_sharded.flower.server.membership`) all speak `Verdict`.
-A new fault check returns Verdicts of a new `kind` (added to `KINDS`). Pure Python (no torch).
-"""
+"""One verdict of a fault check, on both paths: who is at fault, why, and which check found it. The sync's admission,
+the weight check, the server path's exclusions and the strikes that bench a group all speak `Verdict`; a new fault
+check returns Verdicts of a new `kind` (added to `KINDS`). Pure Python."""
 
 from __future__ import annotations
 
@@ -48,6 +44,3 @@ def reasons(verdicts: Iterable[Verdict]) -> dict:
     for v in verdicts:
         out.setdefault(v.member, v.reason)
     return out
-
-
-__all__ = ["DROPPED", "KINDS", "MAGNITUDE", "NAMED", "NOT_FINITE", "OVERFLOW", "WEIGHT", "Verdict", "reasons"]

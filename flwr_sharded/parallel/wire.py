@@ -1,28 +1,156 @@
-"""Wire dtypes of the shard sync (`--sync-dtype`): one `Wire` subclass each, one module each in
-`flwr_sharded.parallel.wires`, registered here by name. Everything that lists wires (the option's choices, the quantized
-ones, the preflight's device check, the cost and memory models' bytes per value) derives from `WIRES`.
-
-Importing this module (and the wires) does not import torch, so the config, the planner and the Flower run stay
-light; a wire's `reduce` imports torch when the sync calls it.
-
-A wire other than the shards' own dtype sends each group's weighted delta from the global model (the outer
-gradient) and adds the reduced delta back in fp32: it needs fp32 shards and a linear outer rule, and makes the sync
-keep the global shards. Three kinds: the shards as they are (`PlainWire`, float32), the delta cast to a narrower
-float and all-reduced in it (`CastWire`, bfloat16), and the delta blockwise quantized (8 or 4 bits a value) and summed
-in fp32 around a ring (`BlockwiseWire`, through `flwr_sharded.parallel.quantize`); the kinds and `register` are in
-`flwr_sharded.parallel.wire_kinds`.
-"""
+"""The wire dtypes of the shard sync (`--sync-dtype`): the kinds (plain, cast, blockwise quantized), one class per
+wire in `WIRES`, and everything that lists them (the option's choices and docs, the quantized ones, the device check,
+the cost and memory models' bytes). A new wire is a `register`ed subclass of a kind; torch-free to import."""
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.parallel.quant_format import QUANT_BLOCK
 from flwr_sharded.parallel.sparse import over_dense
-from flwr_sharded.parallel.wire_kinds import WIRES, BlockwiseWire, CastWire, PlainWire, Wire, register
+from flwr_sharded.parallel.wire_base import QUANT_BLOCK, SCALE_BYTES, Wire
+
+
+class PlainWire(Wire):
+    """The shards in their own dtype: each rank's weighted shards, all-reduced (SUM)."""
+
+    delta: ClassVar[bool] = False
+
+    def reduce(self, flat, global_k, scale, group, workspace, residual=None) -> int:
+        import torch.distributed as dist
+
+        flat.mul_(scale)
+        dist.all_reduce(flat, group=group)
+        return flat.numel() * flat.element_size()
+
+
+class CastWire(Wire):
+    """The weighted delta from the global model, rounded once to `name`, all-reduced in it, added back in fp32."""
+
+    def reserve(self, workspace, numel, device) -> None:
+        workspace.get("wire", numel, self.torch_dtype(), device)
+
+    def reduce(self, flat, global_k, scale, group, workspace, residual=None) -> int:
+        import torch
+        import torch.distributed as dist
+
+        wire = workspace.get("wire", flat.numel(), self.torch_dtype(), flat.device)
+        if scale:
+            torch.mul(flat.sub_(global_k), scale, out=wire)  # the weighted delta in fp32, rounded once
+        else:
+            wire.zero_()
+        dist.all_reduce(wire, group=group)
+        torch.add(global_k, wire, out=flat)  # global + the summed deltas, in fp32
+        return wire.numel() * wire.element_size()
+
+
+class BlockwiseWire(Wire):
+    """The weighted delta, blockwise quantized (one fp32 scale per `QUANT_BLOCK` values, absmax -> the format's
+    largest code; the formats are `flwr_sharded.parallel.quantize`'s), summed in fp32 around a ring
+    (`flwr_sharded.parallel.quantize.quantized_all_reduce`), added back in fp32. One byte a value unless a wire says
+    otherwise."""
+
+    bytes_per_value: ClassVar[float] = 1.0 + SCALE_BYTES / QUANT_BLOCK
+    error_feedback: ClassVar[bool] = True
+    probe: ClassVar[tuple[float, ...]] = ()
+    """Values the cast must carry exactly on a CPU for it to run there (none: integer codes, rounded by torch)."""
+    short: ClassVar[str] = ""
+    """The format's short name in messages (e.g. e4m3)."""
+
+    def unsupported(self, device: Any) -> str | None:
+        if not self.probe:
+            return None
+        import torch
+
+        from flwr_sharded.parallel import quantize
+
+        if quantize.fp8_supported(device, self.torch_dtype(), self.probe):
+            return None
+        return (f"needs a CPU whose torch casts to {self.short} or CUDA compute capability >= 8.9, not "
+                f"{torch.device(device)}")
+
+    def reduce(self, flat, global_k, scale, group, workspace, residual=None) -> int:
+        from flwr_sharded.parallel.quantize import quantized_all_reduce
+
+        if scale:
+            flat.sub_(global_k).mul_(scale)
+        sent = quantized_all_reduce(flat, group, dtype=self.torch_dtype(), residual=residual, workspace=workspace)
+        flat.add_(global_k)
+        return sent
+
+
+WIRES: dict[str, Wire] = {}
+"""Every wire dtype by name, in `order`."""
+
+
+def register(cls: type[Wire]) -> type[Wire]:
+    """Class decorator: add a wire to `WIRES`, in its `order`."""
+    if cls.name in WIRES:
+        raise ValueError(f"wire dtype {cls.name!r} is registered twice")
+    wires = sorted([*WIRES.values(), cls()], key=lambda w: (w.order, w.name))
+    WIRES.clear()
+    WIRES.update((w.name, w) for w in wires)
+    return cls
+
+
+@register
+class Float32(PlainWire):
+    """the shards themselves"""
+    name, order, bytes_per_value = "float32", 0, 4.0
+
+
+@register
+class BFloat16(CastWire):
+    """the delta rounded once to bf16"""
+    name, order, bytes_per_value = "bfloat16", 10, 2.0
+
+
+@register
+class Int8(BlockwiseWire):
+    """integer codes, absmax / 127 per block, rounded to nearest"""
+    name, order = "int8", 20
+
+
+@register
+class Float8E4M3(BlockwiseWire):
+    """fp8 e4m3 codes, absmax / 448 per block, within 1/16 of each value"""
+    name, order, short, requirement = "float8_e4m3fn", 30, "e4m3", "CUDA compute capability >= 8.9"
+    probe = (448.0, -1.125, 2.0**-9, 0.0)  # largest normal, a 3-bit mantissa, smallest subnormal
+
+
+@register
+class Float8E5M2(BlockwiseWire):
+    """fp8 e5m2 codes, absmax / 57344 per block, within 1/8 of each value for a wider range inside a block"""
+    name, order, short, requirement = "float8_e5m2", 40, "e5m2", "CUDA compute capability >= 8.9"
+    probe = (57344.0, -1.25, 2.0**-16, 0.0)  # largest normal, a 2-bit mantissa, smallest subnormal
+
+
+@register
+class Int4(BlockwiseWire):
+    """integer codes in [-7, 7], two to a byte, 18x int8's rounding step"""
+    name, order, bytes_per_value = "int4", 50, 0.5 + SCALE_BYTES / QUANT_BLOCK
+
+
+@register
+class Float4E2M1(BlockwiseWire):
+    """OCP's 4-bit float, two to a byte, decoded through a table on any device, int4's bytes for a wider range
+    inside a block"""
+    name, torch_name, order, bytes_per_value = "float4_e2m1", "float4_e2m1fn_x2", 60, 0.5 + SCALE_BYTES / QUANT_BLOCK
+
+
+SyncDtype = Literal[tuple(WIRES)]  # type: ignore[valid-type]
+"""What the cross-group all-reduce carries: one of `WIRES`."""
+QUANTIZED: tuple[str, ...] = tuple(name for name, w in WIRES.items() if w.error_feedback)
+"""The blockwise quantized wire dtypes (8 or 4 bits a value; error feedback allowed)."""
+SYNC_DTYPE_BYTES: dict[str, float] = {name: w.bytes_per_value for name, w in WIRES.items()}
+"""Wire bytes per parameter of each sync dtype in an all-reduce of a large bucket, scales included; the quantized
+all-reduce sends 2 (W - 1) / W of them per parameter, as a ring does."""
+
+
+def described() -> str:
+    """Every wire for the option's docs: its name (bytes over float32's: what it sends; what it needs)."""
+    return ", ".join(f"{name} ({w.bytes_per_value / 4:.3g}: {' '.join((type(w).__doc__ or '').split())}"
+                     f"{'; ' + w.requirement if w.requirement else ''})" for name, w in WIRES.items())
 
 
 def wire_of(dtype: Any) -> Wire:
@@ -34,33 +162,9 @@ def wire_of(dtype: Any) -> Wire:
     return wire
 
 
-def _load_wires() -> None:
-    from flwr_sharded.parallel import wires
-
-    for module in sorted(m.name for m in pkgutil.iter_modules(wires.__path__)):
-        importlib.import_module(f"{wires.__name__}.{module}")
-    ordered = sorted(WIRES.values(), key=lambda w: (w.order, w.name))
-    WIRES.clear()
-    WIRES.update((w.name, w) for w in ordered)
-
-
-_load_wires()
-
-SyncDtype = Literal[tuple(WIRES)]  # type: ignore[valid-type]
-"""What the cross-group all-reduce carries: one of `WIRES`."""
-
-QUANTIZED: tuple[str, ...] = tuple(name for name, w in WIRES.items() if w.error_feedback)
-"""The blockwise quantized wire dtypes (8 or 4 bits a value; error feedback allowed)."""
-
-SYNC_DTYPE_BYTES: dict[str, float] = {name: w.bytes_per_value for name, w in WIRES.items()}
-"""Wire bytes per parameter of each sync dtype, in an all-reduce of a large bucket (quantized: one byte, or half of
-one for the 4-bit ones, plus its share of the block's fp32 scale). The quantized all-reduce sends 2 (W - 1) / W of them per parameter, as a ring does."""
-
-
 def sync_wire_ratio(dtype: str, topk: float | None = None, world: int = 2) -> float:
     """What one rank sends in a sync of a large bucket over `world` members through `--sync-dtype` `dtype` (and
-    `--sync-topk`), over the fp32 sync's bytes: the wire's bytes per value / 4, times a sparse sync's rows over a
-    dense one's (`flwr_sharded.parallel.sparse.over_dense`)."""
+    `--sync-topk`), over the fp32 sync's bytes."""
     dense = SYNC_DTYPE_BYTES[dtype] / 4
     return dense if topk is None else dense * over_dense(topk, SYNC_DTYPE_BYTES[dtype], world)
 
@@ -77,7 +181,3 @@ def check_wire_dtype(dtype_name: str, device: Any) -> Any:
         raise ConfigError(f"--sync-dtype {dtype_name} {why}; quantized wire dtypes on {torch.device(device)}: "
                           f"{', '.join(allowed)}")
     return WIRES[dtype_name].torch_dtype()
-
-
-__all__ = ["QUANTIZED", "QUANT_BLOCK", "SYNC_DTYPE_BYTES", "WIRES", "BlockwiseWire", "CastWire", "PlainWire",
-           "SyncDtype", "Wire", "check_wire_dtype", "register", "sync_wire_ratio", "wire_of"]

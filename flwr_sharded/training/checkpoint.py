@@ -13,7 +13,7 @@ commits: `meta.json` (with the manifest of every file and its size) goes in, the
 replaced atomically; each step is fsync'd before the next. At every moment a complete checkpoint is on disk: a crash
 mid-write or mid-commit leaves the previous one usable.
 
-Resume takes the checkpoint `latest` names if it is complete (`durable.incomplete_reason`), else the newest complete
+Resume takes the checkpoint `latest` names if it is complete (`checkpoint_files.incomplete_reason`), else the newest complete
 one, with one log line naming what it skipped and why; a checkpoint whose files fail to load is skipped the same way.
 A write that fails on any rank (a full disk) removes the partial `step-N.tmp/`, leaves the previous checkpoint as it
 was and raises `CheckpointWriteError` on every rank of the group, which can keep training.
@@ -44,8 +44,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from flwr_sharded.config import TrainConfig, config_to_dict
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.training import durable
-from flwr_sharded.training.durable import META, read_meta
+from flwr_sharded.training import checkpoint_files
+from flwr_sharded.training.checkpoint_files import META, read_meta
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ def find_checkpoint(directory: str | Path) -> tuple[Path | None, list[str]]:
     """The newest complete checkpoint of a series (`candidates` order), and what was skipped on the way and why."""
     skipped = []
     for path in candidates(directory):
-        reason = durable.incomplete_reason(path)
+        reason = checkpoint_files.incomplete_reason(path)
         if not reason:
             return path, skipped
         skipped.append(f"{path.name} ({reason})")
@@ -272,11 +272,11 @@ class Checkpointer:
             if self.group_rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)
-                durable.fsync_dir(self.directory)
+                checkpoint_files.fsync_dir(self.directory)
 
         self._phase("creating its directory", tmp, create)
         self._phase("writing the rank state", tmp,
-                    lambda: durable.save_tensors(rank_state, tmp / f"rank-{self.group_rank}.pt"))
+                    lambda: checkpoint_files.save_tensors(rank_state, tmp / f"rank-{self.group_rank}.pt"))
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         future, error = None, ""
@@ -306,12 +306,12 @@ class Checkpointer:
             except (Exception, CheckpointException) as exc:  # noqa: BLE001 - agreed on below
                 error = describe(exc)
         self._agree("writing the model and optimizer shards", pending.tmp, error)
-        self._phase("syncing the directory", pending.tmp, lambda: durable.fsync_dir(pending.tmp))
+        self._phase("syncing the directory", pending.tmp, lambda: checkpoint_files.fsync_dir(pending.tmp))
 
         def record() -> None:
             if self.group_rank == 0:  # every rank's files are there: the manifest of what resume must find
-                files = durable.manifest(pending.tmp, exclude=(META_PART,))
-                durable.write_json(pending.tmp / META_PART, {**pending.meta, "files": files})
+                files = checkpoint_files.manifest(pending.tmp, exclude=(META_PART,))
+                checkpoint_files.write_json(pending.tmp / META_PART, {**pending.meta, "files": files})
 
         self._phase("recording its files", pending.tmp, record)
         self._phase("committing", pending.tmp, lambda: self._commit(pending) if self.group_rank == 0 else None)
@@ -321,7 +321,7 @@ class Checkpointer:
         tmp, final = pending.tmp, pending.final
         old = final.with_name(final.name + OLD)
         os.replace(tmp / META_PART, tmp / META)
-        durable.fsync_dir(tmp)
+        checkpoint_files.fsync_dir(tmp)
         if final.exists():  # the same step written again (after a resume from an earlier checkpoint)
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)  # still a complete checkpoint (`candidates` looks at .old too)
@@ -331,11 +331,11 @@ class Checkpointer:
             if old.exists() and not final.exists():
                 os.replace(old, final)
             raise
-        durable.fsync_dir(self.directory)
+        checkpoint_files.fsync_dir(self.directory)
         pointer = self.directory / (LATEST + TMP)
-        durable.write_bytes(pointer, lambda fh: fh.write(final.name.encode()))
+        checkpoint_files.write_bytes(pointer, lambda fh: fh.write(final.name.encode()))
         os.replace(pointer, self.directory / LATEST)
-        durable.fsync_dir(self.directory)
+        checkpoint_files.fsync_dir(self.directory)
         shutil.rmtree(old, ignore_errors=True)
         self._prune(step_of(final) or 0)
 
@@ -356,9 +356,9 @@ class Checkpointer:
         """Restore model and optimizer shards in place; return (meta, this rank's own state)."""
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, storage_reader=durable.SafeReader(str(checkpoint)), process_group=self.group_pg)
+        dcp.load(state, storage_reader=checkpoint_files.SafeReader(str(checkpoint)), process_group=self.group_pg)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        rank_state = durable.load_tensors(checkpoint / f"rank-{self.group_rank}.pt")
+        rank_state = checkpoint_files.load_tensors(checkpoint / f"rank-{self.group_rank}.pt")
         return read_meta(checkpoint), rank_state
 
     def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -367,7 +367,7 @@ class Checkpointer:
         load. Returns (its path, meta, this rank's state, what was skipped and why); RuntimeError if none is."""
         skipped = []
         for path in candidates(self.directory):
-            errors = self._errors(durable.incomplete_reason(path))
+            errors = self._errors(checkpoint_files.incomplete_reason(path))
             if not errors:
                 if check is not None:
                     check(path)  # the same on every rank (it reads meta.json)
@@ -394,7 +394,7 @@ def export_pretrained(checkpoint: str | Path, out: str | Path, *, dtype: torch.d
     number of ranks that wrote the checkpoint.
     """
     from flwr_sharded.config import config_from_dict
-    from flwr_sharded.training import safetensors_writer as writer
+    from flwr_sharded.training import hf_checkpoint
     from flwr_sharded.training.data import load_tokenizer
     from flwr_sharded.training.models import build_meta_model, model_config
 
@@ -408,13 +408,13 @@ def export_pretrained(checkpoint: str | Path, out: str | Path, *, dtype: torch.d
     cfg = config_from_dict(meta["config"])
     model = build_meta_model(model_config(cfg.model.name, vocab_size=meta["vocab_size"],
                                           max_seq_len=cfg.data.seq_len))  # names and shapes only
-    stored = durable.SafeReader(str(checkpoint)).read_metadata().state_dict_metadata
-    tensors = [name for name, _ in writer.saved_tensors(model)]
+    stored = checkpoint_files.SafeReader(str(checkpoint)).read_metadata().state_dict_metadata
+    tensors = [name for name, _ in hf_checkpoint.saved_tensors(model)]
     missing = [name for name in tensors if f"model.{name}" not in stored]
     if missing:
         raise ConfigError(f"--checkpoint: {checkpoint} lacks the model's {missing[:3]}")
     dtype = dtype or stored[f"model.{tensors[0]}"].properties.dtype
-    layout = writer.plan_layout([(n, tuple(stored[f"model.{n}"].size)) for n in tensors], dtype,
+    layout = hf_checkpoint.plan_layout([(n, tuple(stored[f"model.{n}"].size)) for n in tensors], dtype,
                                 max_file_bytes=max_file_bytes or writer.MAX_FILE_BYTES)
     writer.create_files(out, layout)
     for name in tensors:
@@ -422,7 +422,7 @@ def export_pretrained(checkpoint: str | Path, out: str | Path, *, dtype: torch.d
         tensor = torch.empty(tuple(info.size), dtype=info.properties.dtype)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # single-process by design
-            dcp.load({"model": {name: tensor}}, storage_reader=durable.SafeReader(str(checkpoint)), no_dist=True)
+            dcp.load({"model": {name: tensor}}, storage_reader=checkpoint_files.SafeReader(str(checkpoint)), no_dist=True)
         writer.write_rows(out, layout, name, 0, tensor)
         del tensor
     writer.commit(out, layout)

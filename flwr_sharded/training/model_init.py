@@ -1,23 +1,11 @@
-"""Sharded start-up: build the model on the meta device, shard it with FSDP2, then materialise only local rows.
-
-No rank ever holds the whole model. After `fully_shard`, `to_empty` allocates each rank's local shards; they are
-then filled either from a pretrained safetensors checkpoint (`flwr_sharded.training.pretrained`) or by a seeded
-initialisation that is a function of the seed alone: each parameter's values are generated in fixed blocks of
-`INIT_BLOCK_ROWS` rows of its full (unsharded) shape, each block with its own CPU generator seeded from (seed,
-parameter name, block index), and a rank generates only the blocks overlapping its rows. The full parameters are
-therefore identical for any F, R and S, on any device. The distributions are those of Hugging Face's base
-`_init_weights` (what Llama uses): Linear, Conv1D and Embedding weights ~ N(0, initializer_range), biases 0, norm
-weights 1, the embedding's padding row 0. Architecture-specific rules (e.g. GPT-2's scaled projections) are not
-reproduced.
-
-Non-persistent buffers (rotary `inv_freq`) hold garbage after `to_empty`; they are recomputed with the model's own
-`_init_weights` (as `from_pretrained` does), and any that stays unset is an error.
+"""Sharded start-up: the model built on the meta device and sharded with FSDP2, then only each rank's rows allocated
+and filled, from a pretrained checkpoint or by a seeded init that draws each parameter in fixed blocks of
+`INIT_BLOCK_ROWS` rows of its full shape, each seeded by (seed, name, block): the same full parameters for any F, R,
+S and device, by Hugging Face's base `_init_weights` rules (Linear, Conv1D and Embedding weights ~ N(0,
+initializer_range), biases 0, norm weights 1, the padding row 0). Buffers come from the model's own `_init_weights`.
 """
 
 from __future__ import annotations
-
-import hashlib
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -27,9 +15,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from flwr_sharded.parallel.shard_transport import row_offset
 from flwr_sharded.parallel.sharding import apply_activation_checkpointing, apply_fsdp
 from flwr_sharded.parallel.alignment import local_shard
-from flwr_sharded.training import pretrained as pretrained_lib
-from flwr_sharded.training.model_params import owned_parameters
-from flwr_sharded.training.models import build_meta_model, is_preset, model_config, transformer_blocks
+from flwr_sharded.training import hf_checkpoint
+from flwr_sharded.training.models import build_meta_model, is_preset, model_config, owned_parameters, transformer_blocks
+from flwr_sharded.training.partition import seeded_generator
 
 INIT_BLOCK_ROWS = 64
 """Rows of a parameter's full shape drawn from one generator: a fixed grid, whatever the sharding."""
@@ -38,28 +26,18 @@ INIT_BLOCK_ROWS = 64
 def build_sharded_model(name: str, *, vocab_size: int, max_seq_len: int, mesh: DeviceMesh, seed: int,
                         mp_policy: MixedPrecisionPolicy, device: torch.device | str = "cpu", pretrained: bool = False,
                         reshard_after_forward: bool = True, activation_checkpointing: bool = False) -> nn.Module:
-    """Build, shard and initialise (or load, if `pretrained` and not a preset) a causal LM; collective-free.
-
-    Args:
-        name: a preset, a Hugging Face id or a local directory (as `--model`).
-        vocab_size: the tokenizer's vocabulary, for presets that do not fix one.
-        mesh: the FSDP mesh ("shard",) or ("rep", "shard").
-        seed: random init: the full parameters depend on it alone.
-    """
-    directory: Path | None = None
-    if pretrained and not is_preset(name):
-        directory = pretrained_lib.resolve_pretrained(name)
-        config = model_config(str(directory), vocab_size=vocab_size, max_seq_len=max_seq_len)
-    else:
-        config = model_config(name, vocab_size=vocab_size, max_seq_len=max_seq_len)
-    model = build_meta_model(config)
+    """Build, shard and initialise by `seed` (or load, if `pretrained` and not a preset) the causal LM `name` (as
+    `--model`) on the FSDP `mesh`, ("shard",) or ("rep", "shard"); collective-free. `vocab_size`: the tokenizer's,
+    for presets that fix none."""
+    directory = hf_checkpoint.resolve_pretrained(name) if pretrained and not is_preset(name) else None
+    model = build_meta_model(model_config(str(directory or name), vocab_size=vocab_size, max_seq_len=max_seq_len))
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     apply_fsdp(model, transformer_blocks(model), mesh, mp_policy=mp_policy,
                reshard_after_forward=reshard_after_forward)
     materialize(model, device)
     if directory is not None:
-        pretrained_lib.load_local_shards(model, directory)
+        hf_checkpoint.load_local_shards(model, directory)
     else:
         init_local_shards(model, seed)
     return model
@@ -67,10 +45,8 @@ def build_sharded_model(name: str, *, vocab_size: int, max_seq_len: int, mesh: D
 
 @torch.no_grad()
 def materialize(model: nn.Module, device: torch.device | str) -> None:
-    """Allocate this rank's local shards (and buffers) on `device` and recompute every buffer.
-
-    The parameters are left uninitialised (`init_local_shards` or a checkpoint fills them).
-    """
+    """Allocate this rank's local shards (and buffers) on `device` and recompute every buffer; the parameters are left
+    for `init_local_shards` or a checkpoint to fill."""
     model.to_empty(device=device)
     reset_buffers(model)
 
@@ -123,10 +99,8 @@ def init_local_shards(model: nn.Module, seed: int) -> None:
         if local.numel() == 0:
             continue
         rule = init_rule(module, local_name)
-        if rule == "zeros":
-            local.zero_()
-        elif rule == "ones":
-            local.fill_(1.0)
+        if rule != "normal":
+            local.fill_(1.0 if rule == "ones" else 0.0)
         else:
             start = row_offset(param)
             fill_normal_rows(local, start=start, full_rows=param.shape[0], std=std, seed=seed, name=name)
@@ -141,12 +115,7 @@ def fill_normal_rows(local: torch.Tensor, *, start: int, full_rows: int, std: fl
     for block in range(start // INIT_BLOCK_ROWS, (start + rows - 1) // INIT_BLOCK_ROWS + 1):
         b0, b1 = block * INIT_BLOCK_ROWS, min((block + 1) * INIT_BLOCK_ROWS, full_rows)
         values = torch.empty((b1 - b0, *local.shape[1:]), dtype=torch.float32)
-        values.normal_(0.0, std, generator=block_generator(seed, name, block))
+        values.normal_(0.0, std, generator=seeded_generator("init", seed, name, block))
         lo, hi = max(b0, start), min(b1, start + rows)
         local[lo - start:hi - start].copy_(values[lo - b0:hi - b0])
 
-
-def block_generator(seed: int, name: str, block: int) -> torch.Generator:
-    """The CPU generator of one block of rows of parameter `name`."""
-    digest = hashlib.sha256(repr(("init", int(seed), name, int(block))).encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)

@@ -1,8 +1,10 @@
-"""Model presets (`flwr_sharded.presets`, built through `transformers.LlamaConfig`) and loading of any Hugging Face
-causal LM."""
+"""The model: presets (`flwr_sharded.presets`, built as `transformers.LlamaConfig`s) or any Hugging Face causal LM, its
+transformer blocks, and its parameters as checkpoints name them."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +14,10 @@ from torch import nn
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.presets import PRESETS, Preset
 
-__all__ = ["PRESETS", "Preset", "build_meta_model", "build_model", "check_hub_cache", "check_model_name", "is_preset",
-           "model_config", "transformer_blocks"]
+__all__ = ["PRESETS", "Preset", "build_meta_model", "build_model", "canonical_name", "check_hub_cache",
+           "check_model_name", "is_preset", "model_config", "owned_parameters", "saved_tensors", "transformer_blocks"]
+
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
 
 
 def is_preset(name: str) -> bool:
@@ -50,17 +54,8 @@ def model_config(name: str, *, vocab_size: int, max_seq_len: int) -> Any:
     check_model_name(name)
     if name in PRESETS:
         preset = PRESETS[name]
-        return LlamaConfig(
-            vocab_size=preset.vocab_size or vocab_size,
-            hidden_size=preset.hidden_size,
-            num_hidden_layers=preset.num_hidden_layers,
-            num_attention_heads=preset.num_attention_heads,
-            num_key_value_heads=preset.num_key_value_heads,
-            intermediate_size=preset.intermediate_size,
-            tie_word_embeddings=preset.tie_word_embeddings,
-            max_position_embeddings=max(preset.max_position_embeddings, max_seq_len),
-            rope_theta=preset.rope_theta,
-        )
+        return LlamaConfig(**{**dataclasses.asdict(preset), "vocab_size": preset.vocab_size or vocab_size,
+                              "max_position_embeddings": max(preset.max_position_embeddings, max_seq_len)})
     try:
         return AutoConfig.from_pretrained(name)
     except OSError as exc:
@@ -69,10 +64,8 @@ def model_config(name: str, *, vocab_size: int, max_seq_len: int) -> Any:
 
 def build_model(name: str, *, vocab_size: int, max_seq_len: int, pretrained: bool = False,
                 device: torch.device | str = "cpu") -> nn.Module:
-    """Instantiate a whole causal LM: a preset with random init, or a Hugging Face id/path (weights if `pretrained`).
-
-    Training builds its model sharded instead (`flwr_sharded.training.model_init.build_sharded_model`).
-    """
+    """A whole causal LM: a preset with random init, or a Hugging Face id/path (weights if `pretrained`); training
+    builds its model sharded instead (`flwr_sharded.training.model_init`)."""
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     config = model_config(name, vocab_size=vocab_size, max_seq_len=max_seq_len)
@@ -104,3 +97,31 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
         raise ValueError(f"cannot find the transformer blocks of {type(model).__name__}: no module is one of its "
                          f"_no_split_modules ({sorted(names) or 'none declared'})")
     return blocks
+
+
+def owned_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter, nn.Module]]:
+    """(name, parameter, owning module) once per parameter, named by its first occurrence (tied weights once) without
+    wrapper modules' segments."""
+    seen: set[int] = set()
+    for module_name, module in model.named_modules():
+        for local_name, param in module._parameters.items():
+            if param is None or id(param) in seen:
+                continue
+            seen.add(id(param))
+            yield canonical_name(f"{module_name}.{local_name}" if module_name else local_name), param, module
+
+
+def saved_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """What a Hugging Face checkpoint of `model` holds: each parameter once (tied weights under their first name),
+    then the persistent buffers."""
+    out = [(name, param) for name, param, _ in owned_parameters(model)]
+    names = {n for n, _ in out} | {canonical_name(n) for n, _ in model.named_parameters(remove_duplicate=False)}
+    buffers = [(canonical_name(n), t) for n, t in model.state_dict(keep_vars=True).items()]
+    return out + [(n, t) for n, t in buffers if n not in names]
+
+
+def canonical_name(name: str) -> str:
+    """A parameter name without wrapper modules' segments (activation checkpointing, FSDP, torch.compile)."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name

@@ -1,5 +1,5 @@
-"""Which blocks each data-parallel rank sees: partitions of the training blocks by (f, r, s), the batch stream of a
-rank (resumable), and a group's evaluation batches."""
+"""Which blocks each data-parallel rank sees: the training blocks partitioned by (f, r, s), a rank's resumable batch
+stream, and a group's evaluation batches."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import torch
 from flwr_sharded.training.data import TokenBlocks
 
 
-def _generator(*parts: object) -> torch.Generator:
+def seeded_generator(*parts: object) -> torch.Generator:
+    """A CPU generator seeded by a hash of `parts`: the same stream for the same parts, on any rank."""
     digest = hashlib.sha256(repr(parts).encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
@@ -18,17 +19,13 @@ def _generator(*parts: object) -> torch.Generator:
 def partition_indices(n_blocks: int, *, fed_index: int, num_feds: int, dp_index: int, dp_world: int,
                       seed: int, epoch: int, partition: str = "iid", doc_ids: torch.Tensor | None = None,
                       group: tuple[int, int] | None = None) -> torch.Tensor:
-    """The train block indices data-parallel rank `dp_index` (federation group `fed_index`) uses in `epoch`.
+    """The train block indices data-parallel rank `dp_index` (of federation group `fed_index`) uses in `epoch`.
 
-    iid: one permutation of all blocks from (seed, epoch); the rank takes every `dp_world`-th entry from `dp_index`,
-    so its samples depend only on (dp_index, dp_world, seed, epoch), whatever the method.
-    iid-groups: the same permutation; group f takes every `num_feds`-th entry from f and its ranks every
-    `dp_world // num_feds`-th of those. Disjoint even when groups have different sizes (the caller passes its own
-    group's size in `dp_world // num_feds`), as on the server path with a different S per facility.
-    document: the blocks are cut into `num_feds` contiguous ranges at document starts (`doc_ids`); group f shuffles
-    range f with (seed, epoch, f) and its ranks take every `dp_world // num_feds`-th entry.
-    `group`: (this rank's index in its group, the group's ranks) when groups have different sizes in one world
-    (`group-shards`); by default every group has `dp_world // num_feds` ranks.
+    iid: every `dp_world`-th entry of one permutation from (seed, epoch), from `dp_index`: a rank's samples depend
+    only on (dp_index, dp_world, seed, epoch). iid-groups: group f's every `num_feds`-th entry from f, then its ranks'
+    share of those, disjoint even for groups of different sizes. document: `num_feds` contiguous ranges cut at
+    document starts (`doc_ids`), range f shuffled by (seed, epoch, f) and shared by its ranks. `group`: (this rank's
+    index in its group, the group's ranks) when groups differ in size (default: `dp_world // num_feds` each).
     """
     if group is None:
         if num_feds < 1 or dp_world < 1 or dp_world % num_feds:
@@ -38,18 +35,16 @@ def partition_indices(n_blocks: int, *, fed_index: int, num_feds: int, dp_index:
     if not 0 <= dp_index < dp_world or not 0 <= rank < group_world or not 0 <= fed_index < num_feds:
         raise ValueError(f"dp_index {dp_index} is not a rank of federation group {fed_index} "
                          f"({num_feds} groups, this one of {group_world}, in a world of {dp_world})")
-    if partition == "iid":
-        indices = torch.randperm(n_blocks, generator=_generator("iid", seed, epoch))[dp_index::dp_world]
-    elif partition == "iid-groups":
-        members_of_group = torch.randperm(n_blocks, generator=_generator("iid", seed, epoch))[fed_index::num_feds]
-        indices = members_of_group[rank::group_world]
+    if partition in ("iid", "iid-groups"):
+        order = torch.randperm(n_blocks, generator=seeded_generator("iid", seed, epoch))
+        indices = order[dp_index::dp_world] if partition == "iid" else order[fed_index::num_feds][rank::group_world]
     elif partition == "document":
         if doc_ids is None or len(doc_ids) != n_blocks:
             raise ValueError(f"partition 'document' needs doc_ids for all {n_blocks} blocks")
         # Every block of a document goes to the group its first block falls in, proportionally.
         first_block = torch.searchsorted(doc_ids, doc_ids, right=False)
         members = torch.nonzero(first_block * num_feds // n_blocks == fed_index).flatten()
-        order = torch.randperm(len(members), generator=_generator("document", seed, epoch, fed_index))
+        order = torch.randperm(len(members), generator=seeded_generator("document", seed, epoch, fed_index))
         indices = members[order][rank::group_world]
     else:
         raise ValueError(f"unknown partition {partition!r}; use iid, iid-groups or document")
@@ -60,10 +55,8 @@ def partition_indices(n_blocks: int, *, fed_index: int, num_feds: int, dp_index:
 
 
 class BatchStream:
-    """Infinite iterator of (batch_size, seq_len) int64 batches for one rank, epochs reshuffled.
-
-    The incomplete last batch of an epoch is dropped; `state()` / `load_state()` resume exactly.
-    """
+    """Infinite iterator of (batch_size, seq_len) int64 batches for one rank, epochs reshuffled (the incomplete last
+    batch dropped); `state()` / `load_state()` resume exactly."""
 
     def __init__(self, blocks: TokenBlocks, *, batch_size: int, fed_index: int, num_feds: int, dp_index: int,
                  dp_world: int, seed: int, partition: str = "iid", group: tuple[int, int] | None = None) -> None:
@@ -104,9 +97,7 @@ class BatchStream:
 
 def eval_batches(blocks: TokenBlocks, *, batch_size: int, group_rank: int, group_world: int,
                  max_blocks: int) -> list[torch.Tensor]:
-    """The first `max_blocks` validation blocks, every `group_world`-th from `group_rank`, in batches.
-
-    Ranks may get different numbers of batches (one fewer, or none).
-    """
+    """The first `max_blocks` validation blocks, every `group_world`-th from `group_rank`, in batches (ranks may get
+    one fewer, or none)."""
     mine = blocks.validation[:max_blocks][group_rank::group_world].contiguous()
     return list(mine.split(batch_size)) if len(mine) else []

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 from flwr_sharded.config import TrainConfig
-from flwr_sharded.validation import validate
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.parallel.wire import WIRES
+from flwr_sharded.parallel.wire import WIRES, check_wire_dtype
+from flwr_sharded.run_dir import check_run_dir
+from flwr_sharded.validation import check_fragments, validate
 
 
 def preflight(cfg: TrainConfig, world_size: int) -> None:
     """Every check that can run before a process group, a model or a file is touched."""
-    from flwr_sharded.run_dir import check_run_dir
-
     validate(cfg, world_size)
     out = cfg.output
     if out.run_dir:
@@ -27,7 +27,7 @@ def preflight(cfg: TrainConfig, world_size: int) -> None:
     check_model_and_data(cfg)
     if cfg.checkpoint.resume:
         from flwr_sharded.training.checkpoint import check_resumable
-        from flwr_sharded.training.durable import read_meta
+        from flwr_sharded.training.checkpoint_files import read_meta
 
         checkpoint = check_resumable(cfg, cfg.checkpoint.dir)
         previous = read_meta(checkpoint)["config"].get("output", {}).get("run_dir")
@@ -36,19 +36,18 @@ def preflight(cfg: TrainConfig, world_size: int) -> None:
 
 
 def check_model_and_data(cfg: TrainConfig) -> None:
-    """The model and the data a run names, checked against this machine's files and caches, no model built: the
-    model (a preset, a local directory, or a hub id, which must be in the Hugging Face cache when offline), a
-    pretrained checkpoint's config.json and safetensors headers, the shard sync against the model's layers, the
-    data directory, dataset and tokenizer, and the tokenizer against the model's vocabulary."""
+    """The model and the data a run names, checked against this machine's files and caches without building the
+    model: its name (a hub id must be cached when offline), a pretrained checkpoint's headers, the sync against its
+    layers, the data directory, dataset and tokenizer, and the tokenizer against the model's vocabulary."""
     from flwr_sharded.training.data import check_data
     from flwr_sharded.training.models import check_hub_cache, check_model_name, is_preset
-    from flwr_sharded.training.vocab import check_vocab
+    from flwr_sharded.training.sources import check_vocab
 
     check_model_name(cfg.model.name)
     check_hub_cache(cfg.model.name)
     check_sync(cfg)
     if cfg.model.pretrained and not is_preset(cfg.model.name):
-        from flwr_sharded.training.pretrained import check_pretrained
+        from flwr_sharded.training.hf_checkpoint import check_pretrained
 
         check_pretrained(cfg.model.name)  # config.json and safetensors headers only
     check_data(cfg.data, cfg.model.name)
@@ -57,8 +56,6 @@ def check_model_and_data(cfg: TrainConfig) -> None:
 
 def check_devices(cfg: TrainConfig) -> None:
     """On a GPU machine, NCCL needs one GPU per local rank (`LOCAL_WORLD_SIZE`, set by torchrun)."""
-    import os
-
     import torch
 
     if not torch.cuda.is_available():
@@ -70,19 +67,16 @@ def check_devices(cfg: TrainConfig) -> None:
 
 
 def check_sync(cfg: TrainConfig) -> None:
-    """The shard sync against the model and the device: fragments are groups of whole transformer blocks, and an
-    wire with a `requirement` (fp8) needs a device that runs it (`flwr_sharded.parallel.wire`)."""
+    """The shard sync against the model and the device: fragments are groups of whole transformer blocks, and a wire
+    with a `requirement` (fp8) needs a device that runs it."""
     p = cfg.parallel
     if p.federated and p.sync_fragments > 1:
-        from flwr_sharded.validation import check_fragments
         from flwr_sharded.training.models import model_config
 
         config = model_config(cfg.model.name, vocab_size=256, max_seq_len=cfg.data.seq_len)  # layers only
         check_fragments(p, int(config.num_hidden_layers), cfg.model.name)
     if p.federated and WIRES[p.sync_dtype].requirement:
         import torch
-
-        from flwr_sharded.parallel.wire import check_wire_dtype
 
         # the shards (and so the quantization) live on the GPU whenever there is one, whatever the backend
         check_wire_dtype(p.sync_dtype, "cuda" if torch.cuda.is_available() else "cpu")

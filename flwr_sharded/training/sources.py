@@ -1,20 +1,24 @@
-"""Where a dataset's documents come from: the shape checks of a dataset name, and opening its splits with `datasets`.
-
-A `--dataset` is the embedded corpus, a local file, a local directory of files (flat: `train*` / `*validation*`
-name the splits), a local copy of a hub dataset repository (data files in sub-directories, handed to `datasets` as
-the Hub's are), or a hub id. Splits open as `datasets.Dataset`s, or as `IterableDataset`s with `streaming`.
-"""
+"""Where a run's text and tokenizer come from: the dataset (the embedded corpus, a local file, a flat directory of
+files, a copy of a hub repository, or a hub id), its checks and its splits opened with `datasets`; the tokenizer
+(`tokenizer`, else a hub or local model's own, else for presets the one prepared in `data-dir`), and its vocabulary
+against the model's embedding, checked without building the model."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from flwr_sharded.config import DataConfig, data_dir_of
+from flwr_sharded.config import DataConfig, TrainConfig, data_dir_of
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.training.corpus import EMBEDDED
+from flwr_sharded.presets import PRESETS
+from flwr_sharded.training.corpus import EMBEDDED, embedded_prepared
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".json.gz": "json", ".jsonl.gz": "json",
             ".parquet": "parquet"}
@@ -34,15 +38,11 @@ def suffix(path: Path) -> str:
     return double if double in BUILDERS else path.suffix
 
 
-def _looks_local(name: str) -> bool:
-    return name.startswith(("/", ".", "~")) or suffix(Path(name)) in BUILDERS or "\\" in name
-
-
 def check_source(name: str, option: str) -> None:
     """A dataset/tokenizer name must be an existing path, or else not path-like and shaped like a hub id."""
     if Path(name).expanduser().exists():
         return
-    if _looks_local(name):
+    if name.startswith(("/", ".", "~")) or suffix(Path(name)) in BUILDERS or "\\" in name:
         raise ConfigError(f"{option}: local path {name} does not exist")
     if not _HUB_ID.match(name):
         raise ConfigError(f"{option}: {name!r} is neither an existing path nor a Hugging Face id (org/name or name)")
@@ -71,13 +71,9 @@ class LocalFiles:
 
 
 def local_layout(path: Path, dataset: str) -> LocalFiles | None:
-    """How `datasets` reads a local dataset path: `LocalFiles`, or None for a hub-like repository directory.
-
-    In a flat directory, files named with the word `validation` form that split, and files whose names start
-    with `train` the training split; with no `train*` file, every other file is training data. A directory with no
-    data file at its top but some further down is a repository copy; one whose data needs its loading script
-    (`*.py`) is refused, as datasets >= 4 refuses it.
-    """
+    """How `datasets` reads a local dataset path: `LocalFiles`, or None for a repository copy (data files only below
+    its top). In a flat directory, files named with the word `validation` are that split and `train*` files (else
+    every other file) the training split; a dataset that needs its loading script is refused, as datasets >= 4 does."""
     if path.is_file():
         if path.suffix == ".py":
             raise script_error(dataset, path.name)
@@ -116,7 +112,15 @@ def dataset_path(cfg: DataConfig) -> Path | None:
 
 
 def check_dataset(cfg: DataConfig) -> None:
-    """The offline checks of `cfg.dataset` (the embedded corpus is checked by `check_data`)."""
+    """The offline checks of the data directory and `cfg.dataset`."""
+    data_dir = data_dir_of(cfg)
+    prepare = f"run `flwr-sharded prepare-data --data-dir {data_dir}`"
+    if not data_dir.is_dir():
+        raise ConfigError(f"data directory {data_dir} (--data-dir) does not exist; {prepare}")
+    if cfg.dataset == EMBEDDED:
+        if not embedded_prepared(data_dir):
+            raise ConfigError(f"--dataset {EMBEDDED}: the embedded corpus is not prepared in {data_dir}; {prepare}")
+        return
     check_source(cfg.dataset, "--dataset")
     path = dataset_path(cfg)
     if path is not None:
@@ -130,22 +134,17 @@ def check_dataset(cfg: DataConfig) -> None:
 
 @dataclass
 class Splits:
-    """The opened splits of a dataset."""
+    """The opened splits of a dataset (`datasets.Dataset`s, `IterableDataset`s when streaming; no validation: None)
+    and the column holding the text."""
 
     train: Any
-    """`datasets.Dataset`, or `IterableDataset` when streaming."""
     validation: Any | None
-    """The `validation` split, None if the dataset has none."""
     field: str
-    """The column holding the text."""
 
 
 def load_arguments(cfg: DataConfig, path: Path | None) -> dict[str, Any]:
-    """Keyword arguments of `datasets.load_dataset` for a hub id or a repository copy at `path`.
-
-    The Parquet conversion (and a copy of a repository without a README, such as a download of it) holds each
-    configuration in a directory: there `dataset-config` is the `data_dir`, elsewhere the configuration name.
-    """
+    """Keyword arguments of `datasets.load_dataset` for a hub id or a repository copy at `path`; `dataset-config` is
+    the `data_dir` where each configuration is a directory (the Parquet conversion, a copy without a README)."""
     kwargs: dict[str, Any] = {"path": str(path) if path is not None else cfg.dataset}
     as_directory = cfg.dataset_revision == PARQUET_REVISION if path is None else \
         not (path / "README.md").is_file() and bool(cfg.dataset_config) and (path / cfg.dataset_config).is_dir()
@@ -194,3 +193,92 @@ def open_splits(cfg: DataConfig, streaming: bool = False) -> Splits:
 
 def column_error(cfg: DataConfig, field: str, columns: Any) -> ConfigError:
     return ConfigError(f"--text-field: column {field!r} not in {cfg.dataset} (columns: {', '.join(columns)})")
+
+
+# --------------------------------------------------------------------------------------------------------- tokenizer
+
+def _own_tokenizer(model: str | None) -> bool:
+    """A hub id or local model directory (not a preset): it brings its own tokenizer."""
+    return model is not None and model not in PRESETS
+
+
+def tokenizer_name(data: DataConfig, model: str | None = None) -> str:
+    """The tokenizer id or path: `data.tokenizer`, else `model` if it is no preset, else the one in `data-dir`."""
+    if data.tokenizer:
+        return data.tokenizer
+    if _own_tokenizer(model):
+        return model  # type: ignore[return-value]
+    return str(data_dir_of(data) / "tokenizer")
+
+
+def check_tokenizer(data: DataConfig, model: str | None = None) -> None:
+    """The offline checks of the tokenizer a run will use (the model's own is checked with `--model`)."""
+    if data.tokenizer is not None:
+        check_source(data.tokenizer, "--tokenizer")
+    elif not _own_tokenizer(model) and not (data_dir_of(data) / "tokenizer" / "tokenizer.json").is_file():
+        raise ConfigError(f"no tokenizer in {data_dir_of(data) / 'tokenizer'}; run `flwr-sharded prepare-data "
+                          f"--data-dir {data_dir_of(data)}` or set --tokenizer")
+
+
+def load_tokenizer(data: DataConfig, model: str | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer of `tokenizer_name(data, model)`; `model` is the run's `--model` (None: presets' rule)."""
+    from transformers import AutoTokenizer
+
+    check_tokenizer(data, model)
+    name = tokenizer_name(data, model)
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as exc:
+        reason = " ".join(str(exc).split())
+        if data.tokenizer is None and _own_tokenizer(model):
+            raise ConfigError(f"--model {model}: cannot load its tokenizer ({reason}); set --tokenizer") from exc
+        raise ConfigError(f"--tokenizer: cannot load {name!r}: {reason}") from exc
+
+
+def tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> str:
+    """Hash of the tokenizer's full definition, so caches follow the tokenizer and not its path."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    extra = f"{type(tokenizer).__name__}:{tokenizer.eos_token_id}:{len(tokenizer)}"
+    return hashlib.sha256((extra + text).encode()).hexdigest()
+
+
+def model_vocab_size(model: str) -> int | None:
+    """Rows of the model's embedding: a preset's fixed `vocab_size`, or `vocab_size` in a hub/local model's config
+    (config.json only: the model is not built); None for presets that take the tokenizer's size."""
+    if model in PRESETS:
+        return PRESETS[model].vocab_size
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model)
+    except (OSError, ValueError, KeyError) as exc:
+        reason = " ".join(str(exc).split())
+        raise ConfigError(f"--model: cannot read the configuration (config.json) of {model!r}: {reason}") from exc
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    size = getattr(text, "vocab_size", None)
+    if not isinstance(size, int):
+        raise ConfigError(f"--model {model}: its configuration ({type(config).__name__}) gives no vocab_size")
+    return size
+
+
+def tokenizer_rows(tokenizer: PreTrainedTokenizerBase) -> tuple[int, int]:
+    """(len(tokenizer), largest token id + 1): the embedding needs max of the two rows."""
+    largest = max(tokenizer.get_vocab().values(), default=-1)
+    return len(tokenizer), largest + 1
+
+
+def check_vocab(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
+    """ConfigError naming `--tokenizer` and `--model` if the tokenizer has more tokens than the model's embedding."""
+    size = model_vocab_size(cfg.model.name)
+    if size is None:
+        return  # the preset's embedding is sized from the tokenizer
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.data, cfg.model.name)
+    length, needed = tokenizer_rows(tokenizer)
+    if max(length, needed) > size:
+        own = _own_tokenizer(cfg.model.name)
+        source = "the model's own" if cfg.data.tokenizer is None and own else tokenizer_name(cfg.data, cfg.model.name)
+        where = "in its config.json" if own else "fixed by the preset"
+        raise ConfigError(f"--tokenizer ({source}) has {length} tokens (largest id {needed - 1}) but --model "
+                          f"{cfg.model.name} embeds only {size} (vocab_size {where}); use a tokenizer of at most "
+                          f"{size} tokens or a model whose vocab_size is at least {max(length, needed)}")

@@ -14,7 +14,7 @@ import torch
 
 from flwr_sharded.config import TrainConfig, config_to_dict
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.training import durable
+from flwr_sharded.training import checkpoint_files
 from flwr_sharded.training.checkpoint import LATEST, check_resumable, find_checkpoint, latest_checkpoint
 from tests.multiproc import run_ranks
 
@@ -70,7 +70,7 @@ def _faults(rank: int, world: int, data_dir: str, ckpt: str) -> dict:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     out: dict = {"reference": reference, "full_disk": []}
-    for module, name, victim, async_save in ((dcp_fs, "_write_item", 1, False), (durable, "write_bytes", 0, True)):
+    for module, name, victim, async_save in ((dcp_fs, "_write_item", 1, False), (checkpoint_files, "write_bytes", 0, True)):
         t.checkpointer.async_save = async_save
         original = getattr(module, name)
         if rank == victim:
@@ -137,7 +137,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_a_corrupted_one_is_skippe
     assert latest_checkpoint(series) == series / "step-00000004"  # the resumed timeline; 8 and 10 are dropped
     assert sorted(p.name for p in series.iterdir()) == [LATEST, "step-00000002", "step-00000004"]
     for step in ("step-00000002", "step-00000004"):
-        assert durable.incomplete_reason(series / step) == ""
+        assert checkpoint_files.incomplete_reason(series / step) == ""
         for rank_file in (series / step).glob("rank-*.pt"):  # plain tensors and containers only
             state = torch.load(rank_file, weights_only=True)
             assert isinstance(state["rng"], torch.Tensor) and set(state["stream"]) == {"epoch", "position"}
@@ -200,7 +200,7 @@ def test_incomplete_and_damaged_checkpoints_are_named_and_skipped(tmp_path):
     for step, path in ((2, good), (4, bad)):
         path.mkdir(parents=True)
         (path / "rank-0.pt").write_bytes(b"x" * 10)
-        durable.write_json(path / "meta.json", {"step": step, "files": {"rank-0.pt": 10}})
+        checkpoint_files.write_json(path / "meta.json", {"step": step, "files": {"rank-0.pt": 10}})
     partial.mkdir()
     (series / LATEST).write_text(bad.name)
     (bad / "rank-0.pt").write_bytes(b"x" * 3)
@@ -225,10 +225,10 @@ def test_a_crafted_metadata_file_is_refused_without_running_code(tmp_path, monke
     good = tmp_path / "good"
     model = torch.nn.Linear(3, 2).to(torch.bfloat16)
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(good), no_dist=True)
-    stored = durable.SafeReader(str(good)).read_metadata().state_dict_metadata
+    stored = checkpoint_files.SafeReader(str(good)).read_metadata().state_dict_metadata
     assert stored["model.weight"].properties.dtype == torch.bfloat16 and tuple(stored["model.weight"].size) == (2, 3)
     restored = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
-    dcp.load(restored, storage_reader=durable.SafeReader(str(good)), no_dist=True)
+    dcp.load(restored, storage_reader=checkpoint_files.SafeReader(str(good)), no_dist=True)
     torch.testing.assert_close(restored["model"], model.state_dict(), rtol=0, atol=0)
 
     evil = tmp_path / "evil"
@@ -236,5 +236,5 @@ def test_a_crafted_metadata_file_is_refused_without_running_code(tmp_path, monke
     (evil / ".metadata").write_bytes(pickle.dumps(_Evil()))
     monkeypatch.chdir(tmp_path)
     with pytest.raises(pickle.UnpicklingError, match=r"names (posix|nt|os)\.system, which is not one of DCP's"):
-        durable.SafeReader(str(evil)).read_metadata()
+        checkpoint_files.SafeReader(str(evil)).read_metadata()
     assert not (tmp_path / "pwned").exists()

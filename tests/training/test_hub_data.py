@@ -17,7 +17,7 @@ from flwr_sharded.config import DataConfig, TrainConfig, load_config
 from flwr_sharded.validation import validate
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.train import main
-from flwr_sharded.training import data, packing, sources
+from flwr_sharded.training import data, sources
 from flwr_sharded.training.corpus import train_tokenizer
 from flwr_sharded.training.data import check_data, load_blocks
 
@@ -73,7 +73,7 @@ def test_streaming_stops_at_max_train_blocks_and_equals_the_map_style_blocks(tmp
                                                                             monkeypatch) -> None:
     """Train and validation splits: the stream's blocks are the first N of the full (map-style) blocks; a second
     train file that is not JSON is never opened, since the stream stops once N blocks are full."""
-    monkeypatch.setattr(packing, "TOKENIZE_BATCH", 10)  # documents read ahead of the packer: one batch
+    monkeypatch.setattr(data, "TOKENIZE_BATCH", 10)  # documents read ahead of the packer: one batch
     docs = _documents(120)
     corpus = tmp_path / "corpus"
     _jsonl(corpus / "train-00000.jsonl", docs[:100])
@@ -222,12 +222,12 @@ def test_tokenizing_in_several_processes_gives_the_same_blocks(tmp_path: Path, t
     import datasets
 
     split = datasets.Dataset.from_dict({"text": docs})
-    everything = packing.pack_dataset(split, "text", tokenizer, 16, None, workers=1)
-    monkeypatch.setattr(packing, "TOKENIZE_BATCH", 7)  # several chunks before max_blocks are full
-    limited = packing.pack_dataset(split, "text", tokenizer, 16, 30, workers=2)
+    everything = data.pack_dataset(split, "text", tokenizer, 16, None, workers=1)
+    monkeypatch.setattr(data, "TOKENIZE_BATCH", 7)  # several chunks before max_blocks are full
+    limited = data.pack_dataset(split, "text", tokenizer, 16, 30, workers=2)
     assert torch.equal(limited[0], everything[0][:30]) and torch.equal(limited[1], everything[1][:30])
-    monkeypatch.setattr(packing, "CHUNK_DOCUMENTS", 50)  # and chunks without max_blocks
-    chunked = packing.pack_dataset(split, "text", tokenizer, 16, None, workers=2)
+    monkeypatch.setattr(data, "CHUNK_DOCUMENTS", 50)  # and chunks without max_blocks
+    chunked = data.pack_dataset(split, "text", tokenizer, 16, None, workers=2)
     assert torch.equal(chunked[0], everything[0]) and torch.equal(chunked[1], everything[1])
 
 

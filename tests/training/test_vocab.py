@@ -14,7 +14,7 @@ from flwr_sharded.train import main
 from flwr_sharded.training.corpus import train_tokenizer
 from flwr_sharded.training.data import check_data, load_tokenizer
 from flwr_sharded.training.preflight import preflight
-from flwr_sharded.training.vocab import check_vocab, tokenizer_name
+from flwr_sharded.training.sources import check_vocab, tokenizer_name
 from tests.multiproc import torchrun
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda".split()

@@ -1,13 +1,13 @@
-"""Files that survive a crash or a power loss: fsync'd writes, directory syncs, and a checkpoint's file manifest.
+"""A checkpoint's files: written fsync'd, listed by size in the manifest of its `meta.json` (written last, at the
+commit), checked for completeness against it, and DCP's `.metadata` read without running code.
 
-A checkpoint directory is complete when its `meta.json` (written last, at the commit) parses and every file its
-manifest lists (`meta["files"]`: name -> bytes) is there with that size. Sizes catch truncated and missing files,
-the usual damage of a full disk, a killed writer or a partial copy; a same-size corruption is caught only when the
-load fails (DCP keeps no checksums), which resume also treats as "not usable".
+Sizes catch truncated and missing files (a full disk, a killed writer, a partial copy); a same-size corruption is
+caught only when the load fails (DCP keeps no checksums), which resume also treats as "not usable".
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -22,27 +22,15 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 META = "meta.json"
 
 
-def fsync_file(path: str | Path) -> None:
-    """Flush a file's data to stable storage."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def fsync_dir(path: str | Path) -> None:
-    """Persist a directory's entries (files created, renamed or removed in it)."""
-    try:
+    """Persist a directory's entries (files created, renamed or removed in it) where the file system can (not all
+    have directory handles or sync directories)."""
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:  # a file system without directory handles: nothing more to do
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # e.g. EINVAL on file systems that do not sync directories
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def write_bytes(path: str | Path, write: Callable[[Any], None]) -> None:

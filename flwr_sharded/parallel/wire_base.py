@@ -1,0 +1,52 @@
+"""The `Wire` interface that every wire dtype of the shard sync implements (the kinds in `flwr_sharded.parallel.wire`,
+the top-k wire in `flwr_sharded.parallel.sparse`), and the blockwise format of the quantized ones; torch-free."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    import torch
+
+QUANT_BLOCK = 256
+"""Values per fp32 scale of a blockwise quantized wire."""
+SCALE_BYTES = 4
+"""Bytes of one block's scale (fp32)."""
+
+
+class Wire:
+    """One wire dtype of the shard sync: what it costs, what it needs and how it reduces a bucket."""
+
+    name: ClassVar[str]
+    """The `--sync-dtype` value, also the name of its torch dtype unless `torch_name` says."""
+    torch_name: ClassVar[str | None] = None
+    """The name of its torch dtype where it is not `name` (float4_e2m1: torch's float4_e2m1fn_x2 holds two)."""
+    order: ClassVar[int]
+    """Position among the wires wherever they are listed (choices, docs); the planner takes the first of a size."""
+    bytes_per_value: ClassVar[float]
+    """Wire bytes per parameter in an all-reduce of a large bucket, scales included."""
+    delta: ClassVar[bool] = True
+    """Sends the weighted delta from the global model (fp32 shards, a linear rule; keeps the global shards)."""
+    error_feedback: ClassVar[bool] = False
+    """Rounds blockwise (to 8 or 4 bits), so `--sync-error-feedback` can carry its rounding errors."""
+    requirement: ClassVar[str] = ""
+    """What the device must offer, in words ("" when any device runs it); `unsupported` checks it."""
+
+    def torch_dtype(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.torch_name or self.name)
+
+    def unsupported(self, device: Any) -> str | None:
+        """None if `device` (a torch device or its name) runs this wire; else why not, as a phrase."""
+        return None
+
+    def reserve(self, workspace: Any, numel: int, device: Any) -> None:
+        """Allocate, before the first sync, what `reduce` needs for buckets of up to `numel` values."""
+
+    def reduce(self, flat: torch.Tensor, global_k: torch.Tensor | None, scale: float, group: Any, workspace: Any,
+               residual: torch.Tensor | None = None) -> int:
+        """`flat` holds this rank's values of a bucket (zeros if `scale` is 0: left out); on return the groups'
+        weighted mean, `scale` being this rank's share of the weight. `global_k`: the bucket's global values (delta
+        wires); `residual`: the error-feedback residual (quantized wires). Returns the bytes this rank sent."""
+        raise NotImplementedError
