@@ -415,16 +415,16 @@ def export_pretrained(checkpoint: str | Path, out: str | Path, *, dtype: torch.d
         raise ConfigError(f"--checkpoint: {checkpoint} lacks the model's {missing[:3]}")
     dtype = dtype or stored[f"model.{tensors[0]}"].properties.dtype
     layout = hf_checkpoint.plan_layout([(n, tuple(stored[f"model.{n}"].size)) for n in tensors], dtype,
-                                max_file_bytes=max_file_bytes or writer.MAX_FILE_BYTES)
-    writer.create_files(out, layout)
+                                max_file_bytes=max_file_bytes or hf_checkpoint.MAX_FILE_BYTES)
+    hf_checkpoint.create_files(out, layout)
     for name in tensors:
         info = stored[f"model.{name}"]
         tensor = torch.empty(tuple(info.size), dtype=info.properties.dtype)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # single-process by design
             dcp.load({"model": {name: tensor}}, storage_reader=checkpoint_files.SafeReader(str(checkpoint)), no_dist=True)
-        writer.write_rows(out, layout, name, 0, tensor)
+        hf_checkpoint.write_rows(out, layout, name, 0, tensor)
         del tensor
-    writer.commit(out, layout)
-    writer.write_config(out, model, dtype, load_tokenizer(cfg.data, cfg.model.name))
+    hf_checkpoint.commit(out, layout)
+    hf_checkpoint.write_config(out, model, dtype, load_tokenizer(cfg.data, cfg.model.name))
     return Path(out)
