@@ -62,7 +62,7 @@ def _install(faults: dict[str, str]) -> None:
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 local_shard(value).fill_(float("nan"))
 
-    merge, start, finish = sync_loop.SyncLoop._merge, sync_loop.SyncLoop._start, sync.ShardSync.finish
+    merge, start, agree = sync_loop.SyncLoop._merge, sync_loop.SyncLoop._start, sync_loop.SyncLoop._agree
 
     def faulty_merge(self, i, federation, apply_rule):  # noqa: ANN001 - the patched method's own arguments
         attempts[0] += 1
@@ -89,14 +89,13 @@ def _install(faults: dict[str, str]) -> None:
         finally:
             lying[0] = False
 
-    def faulty_finish(self, *args, **kwargs):  # noqa: ANN001
-        stats = finish(self, *args, **kwargs)
-        if failing[0]:
-            raise RuntimeError(f"injected fault: sync attempt {fail_sync} fails after the reduction")
-        return stats
+    def faulty_agree(self, i, federation, mine, reached, outcome):  # noqa: ANN001 - its reduction reached the end
+        if failing[0] and reached:
+            mine = (f"injected fault: sync attempt {fail_sync} fails after the reduction", [], False)
+        return agree(self, i, federation, mine, reached, outcome)
 
-    sync_loop.SyncLoop._merge, sync_loop.SyncLoop._start, sync.ShardSync.finish = (faulty_merge, faulty_start,
-                                                                                   faulty_finish)
+    sync_loop.SyncLoop._merge, sync_loop.SyncLoop._start, sync_loop.SyncLoop._agree = (faulty_merge, faulty_start,
+                                                                                       faulty_agree)
 
     if "step_delay" in faults:
         group, _, seconds = faults["step_delay"].rpartition(":")
