@@ -253,10 +253,6 @@ class Handshakes:
         if entry is not None:
             entry[2].close()
 
-    def in_progress(self) -> int:
-        with self._changed:
-            return len(self._open)
-
     def close(self) -> None:
         with self._changed:
             self._closed = True

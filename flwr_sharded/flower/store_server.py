@@ -5,7 +5,7 @@ keys at a time.
 thread, the key-value operations gloo and NCCL build a process group with (set, get, wait, check, add,
 compare-set, delete, key count). A client reads or writes nothing before it has proven the round's secret
 (`store_channel`): the host opens a round's scopes (`open_round`, its prefix and shard index) with the secret the
-ServerApp sent, and every scope has a key space of its own. Closing the round (`close_round`, when the host's round
+ServerApp sent, and every scope has a key space of its own. Closing the round (`close_scopes`, when the host's round
 ends) drops its keys at once; a member still connected is told so (`CLOSED`) until CLOSE_GRACE_S later its connection
 is dropped. At most `MAX_SCOPES` scopes are open (opening more closes the oldest).
 
@@ -109,10 +109,6 @@ class StoreServer:
     def open_round(self, prefix: str, secret: str, shards: int) -> None:
         """Admit the members of round `prefix` (scopes `prefix/s0` .. `prefix/s<shards-1>`), who prove `secret`."""
         self.open_scopes(round_scopes(prefix, shards), secret)
-
-    def close_round(self, prefix: str, shards: int) -> None:
-        """Drop round `prefix`'s keys and connections."""
-        self.close_scopes(round_scopes(prefix, shards))
 
     def open_scopes(self, scopes: list[str], secret: str) -> None:
         """Admit the members of a round to each of `scopes` (any port serves every scope), who prove `secret`;

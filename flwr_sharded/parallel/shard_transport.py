@@ -121,7 +121,7 @@ def check_pieces(named_params: Iterable[tuple[str, torch.Tensor]],
     """Match pieces to this rank's local shards; raise ShardPieceError on any mismatch. Writes nothing.
 
     Every piece must match a local shard exactly (same name, row offset, local shape and global shape) and appear
-    once; returns (piece, local shard) pairs for `apply_pieces`.
+    once; returns (piece, local shard) pairs to write.
     """
     targets = {}
     for name, param in named_params:
@@ -147,19 +147,6 @@ def check_pieces(named_params: Iterable[tuple[str, torch.Tensor]],
             raise ShardPieceError(f"piece {piece.key!r} holds NaN or Inf")
         pairs.append((piece, local))
     return pairs
-
-
-@torch.no_grad()
-def apply_pieces(named_params: Iterable[tuple[str, torch.Tensor]], pieces: Iterable[ShardPiece]) -> int:
-    """Write pieces into the matching local shards (cast to the shard's dtype); return how many were written.
-
-    All pieces are checked (`check_pieces`) before anything is written, so a bad set of pieces changes nothing.
-    Local shards without a piece are left unchanged.
-    """
-    pairs = check_pieces(named_params, pieces)
-    for piece, local in pairs:
-        local.copy_(piece.data)
-    return len(pairs)
 
 
 def own_pieces(named_params: Iterable[tuple[str, torch.Tensor]]) -> dict[str, int]:

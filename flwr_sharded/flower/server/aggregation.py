@@ -21,8 +21,8 @@ starts its pass over). A reply whose values could overflow the sums is never fol
 Accepted replies of linear rules (FedAvg and the outer optimizers) are folded into one fp32 accumulator per parameter
 (`sum(w * x)`, memory: one fp32 copy of the model whatever F is) and a per-row weight sum, so groups sharded
 differently (S = 1 and S = 2) combine row by row. `finalize()` divides (and runs the outer rule on whole parameters,
-element-wise, from the global model and the outer state it keeps); `result(name, offset, rows)` / `pieces_for()`
-then slice each rank's own rows back out.
+element-wise, from the global model and the outer state it keeps); `result(name, offset, rows)`
+then slices each rank's own rows back out.
 
 With a `window` (parameter -> global rows), the aggregator covers only those rows: its accumulators are that size and
 pieces outside are rejected. The server path folds the model one window (a chunk of `plan_ranges`) at a time, so
@@ -45,7 +45,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -71,11 +71,6 @@ class ParamSpec:
     @property
     def rows(self) -> int:
         return self.shape[0] if self.shape else 1
-
-
-def spec_of(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, ParamSpec]:
-    """The spec of a (whole, unsharded) model's parameters."""
-    return {name: ParamSpec(tuple(t.shape), t.dtype) for name, t in named}
 
 
 def fp32_bytes(spec: Mapping[str, ParamSpec]) -> int:
@@ -214,7 +209,7 @@ class StreamingShardAggregator:
     Args:
         rule: a linear `ShardRule` (FedAvg by default). Non-linear rules need every member at once and are refused.
         round: the sync round replies must carry.
-        spec: the model's parameters (`spec_of`); when None it is learned from the first accepted reply, which must
+        spec: the model's parameters; when None it is learned from the first accepted reply, which must
             then be complete.
         global_params: name -> the global model's full tensor (start of the sync period). Needed by stateful rules;
             with FedAvg it fills rows no valid reply covered (else those rows make `finalize` raise).
@@ -429,11 +424,6 @@ class StreamingShardAggregator:
                 new, self.state[name] = self.rule.apply_mean(global_t, acc, state)
                 acc.copy_(new)
 
-    def held_bytes(self) -> int:
-        """Bytes of the tensors this aggregator holds now (sums, row weights, the robust rules' stack)."""
-        tensors = [*self._acc.values(), *self._row_weight.values()]
-        return sum(t.numel() * t.element_size() for t in tensors) + (self._stack.nbytes() if self._stack else 0)
-
     def result(self, name: str, row_offset: int, rows: int | None = None) -> torch.Tensor:
         """The new global rows `[row_offset, row_offset + rows)` of a parameter (fp32, a view; with a window,
         rows inside it)."""
@@ -448,15 +438,6 @@ class StreamingShardAggregator:
             raise KeyError(f"rows [{row_offset}, {end}) of {name!r} are outside this aggregator's rows")
         return acc[row_offset - start:end - start]
 
-    def pieces_for(self, requested: Iterable[ShardPiece], dtype: torch.dtype | None = None) -> list[ShardPiece]:
-        """The new values of exactly the pieces a rank sent (same keys and shapes), in `dtype` or the model's."""
-        out = []
-        for piece in requested:
-            value = self.result(piece.name, piece.row_offset, piece.rows).reshape(piece.data.shape)
-            out.append(ShardPiece(piece.name, piece.row_offset, tuple(piece.global_shape),
-                                  value.to(dtype or self.spec[piece.name].dtype)))
-        return out
-
     def model(self) -> dict[str, torch.Tensor]:
         """The new global parameters (fp32 accumulators, finalized; with a window, its rows), e.g. as the next
         round's `global_params`."""
@@ -466,15 +447,6 @@ class StreamingShardAggregator:
 
 
 # ----- Flower records (names and layout: `flwr_sharded.flower.handoff`) ------------------------------------------
-def reply_content(pieces: Iterable[ShardPiece], round: int, weight: float):
-    """A RecordDict carrying pieces, for a group's reply (imports flwr; NumPy, no torch needed by the receiver)."""
-    from flwr.app import RecordDict
-
-    from flwr_sharded.parallel.shard_transport import encode_pieces
-
-    return RecordDict(handoff.to_records(*encode_pieces(pieces), round, weight))
-
-
 def add_content(agg: StreamingShardAggregator, source: str, content) -> bool:
     """Fold one reply's RecordDict into `agg`; malformed records are a rejection (logged), like bad pieces."""
     from flwr_sharded.parallel.shard_transport import ShardPieceError, decode_pieces

@@ -94,9 +94,6 @@ class ChunkStack:
         self._stack = {name: torch.empty((slots, stop - start, *shapes[name][1:]) if shapes[name] else (slots,),
                                          dtype=dtypes[name]) for name, (start, stop) in self.window.items()}
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._stack.values())
-
     def put(self, slot: int, name: str, row_offset: int, data: torch.Tensor) -> None:
         """Copy a piece's rows (global offset `row_offset`) into `slot`."""
         start = self.window[name][0]
