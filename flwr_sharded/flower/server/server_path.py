@@ -63,10 +63,6 @@ class ServerShardFedAvg(DecentralizedFedAvg):
     PULL_AHEAD = 1
     """Chunks each facility has pull requests queued for beyond the one the server is averaging."""
 
-    _rss_base: int | None = None
-    """The ServerApp's RSS before its first round, with the server path's code (torch) loaded: the baseline of every
-    round's `server_peak_mib` (recorded as `server_base_mib`)."""
-
     def facility_of(self, partition_id: int, hello_info: dict[str, Any]) -> str:
         """The node config's `facility`, else the run config's `facilities[partition_id]`, else the group alone."""
         return str(hello_info.get("facility", "")) or self.run.facility_or_own(partition_id)
@@ -115,13 +111,7 @@ class ServerShardFedAvg(DecentralizedFedAvg):
         return messages
 
     def run_round(self, grid: Grid, server_round: int, result: Result, train_config: ConfigRecord | None) -> None:
-        from flwr_sharded.flower.server.aggregation import fp32_bytes  # loads torch too, before the baseline
-        from flwr_sharded.process_memory import PeakRSS, current_rss
-
         t0 = time.monotonic()
-        if self._rss_base is None:  # once, with the code loaded: what the server path needs, rounds after rounds
-            self._rss_base = current_rss()
-        memory = PeakRSS(self._rss_base)
         messages = self.configure_train(server_round, ArrayRecord(), ConfigRecord(dict(train_config or {})), grid)
         replies = self.train_and_collect(grid, messages)
         round_options = RoundOptions.from_config(dict(train_config or {}))
@@ -141,10 +131,6 @@ class ServerShardFedAvg(DecentralizedFedAvg):
             log(ERROR, "round %d: %s; the groups keep their facility models and the next round tries again",
                 server_round, record.pop("no_server_mean", "no facility's shards reached the server"))
         record["server_sync_s"] = time.monotonic() - start
-        extra = memory.extra_bytes()  # the round: train, then pulls, means and applies
-        if spec and extra is not None:
-            record.update(server_peak_mib=extra / 2**20, server_peak_x=extra / fp32_bytes(spec),
-                          server_base_mib=self._rss_base / 2**20)
         self._round_wall = time.monotonic() - t0
         record.update(round_s=self._round_wall, overhead_s=max(0.0, self._round_wall - record["work_s"]))
         record["overhead_pct"] = 100.0 * record["overhead_s"] / self._round_wall if self._round_wall > 0 else 0.0
