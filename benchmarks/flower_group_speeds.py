@@ -27,7 +27,7 @@ from pathlib import Path
 
 from flwr_sharded import schema, tool_options
 from flwr_sharded.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
-from flwr_sharded.flower.run import FederationConfig
+from flwr_sharded.flower.run_config import FederationConfig
 from flwr_sharded.perf.local_flower import Procs, deployment_rounds
 from flwr_sharded.schema import same_as
 

@@ -28,8 +28,8 @@ from typing import Any
 
 from flwr_sharded import schema, tool_options
 from flwr_sharded.config import DataConfig, ModelConfig, ParallelConfig
-from flwr_sharded.flower import handoff
-from flwr_sharded.flower.run import FederationConfig
+from flwr_sharded.flower import shard_files
+from flwr_sharded.flower.run_config import FederationConfig
 from flwr_sharded.flower.server.aggregation import check_layout, fp32_bytes
 from flwr_sharded.flower.server.server_path import ServerShardFedAvg
 from flwr_sharded.parallel.shard_transport import decode_layouts
@@ -58,8 +58,8 @@ class PeakMemoryServerShardFedAvg(ServerShardFedAvg):
     def aggregate_train(self, server_round: int, replies: Any) -> Any:
         replies = list(replies)
         for reply in replies:  # the model's size, from a facility's manifest
-            if not reply.has_error() and handoff.SHARD_SHAPES in reply.content:
-                shapes, meta, _ = handoff.from_manifest_records(reply.content)
+            if not reply.has_error() and shard_files.SHARD_SHAPES in reply.content:
+                shapes, meta, _ = shard_files.from_manifest_records(reply.content)
                 self._model_bytes = fp32_bytes(check_layout(None, decode_layouts(shapes, meta), complete=False))
         return super().aggregate_train(server_round, replies)
 

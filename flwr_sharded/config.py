@@ -1,8 +1,8 @@
 """Typed run configuration: one dataclass per concern, the one declaration of every training option.
 
 Every field carries a docstring and is an option (`flwr_sharded.schema`): the command line of `flwr_sharded.train`,
-the YAML layout (`load_config`), the Flower run config (`flwr_sharded.flower.run`) and the docs' tables derive from
-these fields. `validate` checks what spans several options; it runs before any process group, model or file is
+the YAML layout (`load_config`), the Flower run config (`flwr_sharded.flower.run_config`) and the docs' tables derive
+from these fields. `validate` checks what spans several options; it runs before any process group, model or file is
 touched, and its messages name each option as the surface spells it.
 """
 

@@ -1,7 +1,7 @@
 """The option reference (`docs/options.md`), generated from the schema: `flwr-sharded options --write FILE`.
 
 Two tables: the static engine's flags and YAML keys (`flwr_sharded.config.TrainConfig`), and the Flower app's
-run-config keys (`flwr_sharded.flower.run.FlowerRun`) with the reason for every training option that is not one.
+run-config keys (`flwr_sharded.flower.run_config.FlowerRun`) with the reason for every training option that is not one.
 The group runtime's table in `docs/flower.md` comes from `flwr_sharded.flower.group.options.GroupOptions`
 (`flwr-sharded options --group-table docs/flower.md` rewrites it between its markers). Tests fail when a committed
 file differs from what this module renders.
@@ -17,7 +17,7 @@ from flwr_sharded import schema
 
 HEADER = """# Options
 
-Generated from the configuration dataclasses (`flwr_sharded/config.py`, `flwr_sharded/flower/run.py`) by
+Generated from the configuration dataclasses (`flwr_sharded/config.py`, `flwr_sharded/flower/run_config.py`) by
 `flwr-sharded options --write docs/options.md`: edit the docstrings there, not this file.
 
 Every option has one flat name: the flag of `flwr-sharded train` / `python -m flwr_sharded.train` (`--name`; booleans
@@ -42,7 +42,7 @@ def _row(o: schema.Option, *cells: str, flag: bool = False) -> str:
 
 def render() -> str:
     from flwr_sharded.config import TrainConfig
-    from flwr_sharded.flower.run import ROUND_KEYS, FlowerRun
+    from flwr_sharded.flower.run_config import ROUND_KEYS, FlowerRun
 
     lines = [HEADER, "## Training (`flwr-sharded train`, YAML)", "",
              "| option | YAML key | type | default | meaning |", "|---|---|---|---|---|"]

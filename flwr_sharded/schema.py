@@ -1,7 +1,7 @@
 """The option schema: every option is one dataclass field with a docstring under it, and nothing else declares it.
 
-Configuration dataclasses (`flwr_sharded.config.TrainConfig`, `flwr_sharded.flower.run.FlowerRun`) nest one level of
-sections. Each leaf field is an option with a flat, kebab-case name (the field name with '-', unless `option(name=...)`
+Configuration dataclasses (`flwr_sharded.config.TrainConfig`, `flwr_sharded.flower.run_config.FlowerRun`) nest one level
+of sections. Each leaf field is an option with a flat, kebab-case name (the field name with '-', unless `option(name=...)`
 says otherwise) that is unique in its tree. From the fields come:
 
 - the command line (`add_arguments` / `apply_arguments`): `--<name>`, help from the docstring, choices from `Literal`

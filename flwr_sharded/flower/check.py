@@ -20,7 +20,7 @@ from typing import Any
 
 from flwr_sharded import schema
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.flower.run import RUN_CONFIG, FlowerRun
+from flwr_sharded.flower.run_config import RUN_CONFIG, FlowerRun
 from flwr_sharded.flower.server.imports import check_run_imports
 
 _PAIR = re.compile(r"(\S+?)=(\'[^\']*\'|\"[^\"]*\"|\S+)")

@@ -26,13 +26,12 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.flower import handoff
+from flwr_sharded.flower import shard_files
 from flwr_sharded.flower import messages as M
 from flwr_sharded.flower.endpoint import GroupClient, GroupError, GroupUnavailable, read_authkey
-from flwr_sharded.flower.launch import (LaunchedGroup, assign_gpus, default_run_root, launch_group, stop_group,
-                                        visible_gpus)
+from flwr_sharded.flower.launch import (LaunchedGroup, assign_gpus, default_run_root, launch_group, pid_alive,
+                                        stop_group, visible_gpus)
 from flwr_sharded.flower.node_policy import NodePolicy
-from flwr_sharded.flower.processes import pid_alive
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +88,7 @@ def find_group(context: Any, config: Mapping[str, Any], *, launch: bool) -> tupl
         _remember(context, None)
     if not launch:
         raise GroupUnavailable("this node has no group (no hello reached it, and the node config names none)")
-    from flwr_sharded.flower.run import FlowerRun
+    from flwr_sharded.flower.run_config import FlowerRun
 
     partition_id = _node_partition(context, config)[0]
     run = FlowerRun.from_json(str(config["run"])).for_group(partition_id, str(nc.get(NODE_FACILITY, "")))
@@ -156,7 +155,7 @@ def handle(message: Any, context: Any, verb: str) -> Any:
             return reply(_finish(context, config, timeout))
         if verb == M.PULL:
             applied = None
-            if handoff.SHARDS in message.content:  # a chunk of the mean to apply rides along with this pull
+            if shard_files.SHARDS in message.content:  # a chunk of the mean to apply rides along with this pull
                 group_client, _ = find_group(context, config, launch=False)
                 applied = _apply(group_client, context, message.content, config, timeout)
             return _pull(message, context, config, applied)
@@ -228,12 +227,12 @@ def _train_reply_with_manifest(message: Any, context: Any, result: dict[str, Any
     context.state.config_records[EXPORT_KEY] = ConfigRecord({"round": server_round, "weight": weight,
                                                              "files": files})
     try:
-        shapes, meta = handoff.manifest(files)
+        shapes, meta = shard_files.manifest(files)
     except (OSError, ValueError) as exc:
         _drop_export(context)
         return Message(to_records(False, f"cannot read the exported shards: {exc}", result), reply_to=message)
     content = to_records(True, "", result)
-    for name, record in handoff.manifest_records(shapes, meta, server_round, weight).items():
+    for name, record in shard_files.manifest_records(shapes, meta, server_round, weight).items():
         content[name] = record
     return Message(content, reply_to=message)
 
@@ -252,8 +251,8 @@ def _pull(message: Any, context: Any, config: Mapping[str, Any], applied: dict[s
     for text in config.get("pieces", []):
         key, start, stop = str(text).rsplit("|", 2)
         requests.append((key, int(start), int(stop)))
-    arrays, meta = handoff.read_rows([str(f) for f in export["files"]], requests)
-    content = RecordDict(handoff.to_records(arrays, meta, server_round, float(export["weight"])))
+    arrays, meta = shard_files.read_rows([str(f) for f in export["files"]], requests)
+    content = RecordDict(shard_files.to_records(arrays, meta, server_round, float(export["weight"])))
     del arrays
     if applied is not None:
         for name, record in to_records(True, "", applied).items():
@@ -274,7 +273,7 @@ def _apply(client: GroupClient, context: Any, content: Any, config: Mapping[str,
     """Write one chunk of the server's pieces to the apply directory of this round's pass (`attempt`: the server
     starts a pass over when it leaves a facility out); after the pass's last chunk every rank of the group
     assembles its own rows from the chunk files and adopts them."""
-    arrays, meta, info = handoff.from_records(content)
+    arrays, meta, info = shard_files.from_records(content)
     server_round, chunk = int(config.get("server-round", 0)), int(config.get("chunk", 0))
     chunks, attempt = int(config.get("chunks", 1)), int(config.get("attempt", 0))
     if int(info.get("round", -1)) != server_round:
@@ -286,7 +285,7 @@ def _apply(client: GroupClient, context: Any, content: Any, config: Mapping[str,
     if chunk == 0:  # chunks of earlier passes, or of rounds whose apply did not finish
         _remove_applies(handoff_dir, keep=directory)
     paths = [os.path.join(directory, f"c{c}.safetensors") for c in range(chunks)]
-    handoff.write_file(paths[chunk], arrays, meta)
+    shard_files.write_file(paths[chunk], arrays, meta)
     del arrays
     if chunk < chunks - 1:
         return {"chunk": chunk}

@@ -1,4 +1,5 @@
-"""Starting and stopping the groups a ClientApp launches on its own machine (local simulation). Torch-free.
+"""Starting, watching and stopping the groups a ClientApp launches on its own machine (local simulation), and the
+liveness checks of local processes. Torch-free.
 
 A launched group is `python -m torch.distributed.run --standalone --nproc-per-node R*S -m flwr_sharded.flower.group
 ...` in its own session, with a fresh authkey in a private run directory. On a machine with GPUs each group gets its
@@ -13,6 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,8 +23,7 @@ from typing import Any, Mapping
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower.endpoint import GroupClient, GroupError, GroupUnavailable, read_authkey, write_authkey
 from flwr_sharded.flower import messages as M
-from flwr_sharded.flower.handoff import private_dir
-from flwr_sharded.flower.processes import pid_alive
+from flwr_sharded.flower.shard_files import private_dir
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,42 @@ def assign_gpus(partition_id: int, ranks: int, gpus: list[str], requested: str =
 
 
 # ------------------------------------------------------------------------------------------- start and stop
+
+def pid_alive(pid: int) -> bool:
+    """True if `pid` runs (zombies count as gone; our own exited children are reaped)."""
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done == pid:
+            return False
+    except ChildProcessError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def exit_with_parent() -> None:
+    """Exit this process as soon as its parent (a rank's torchrun agent) is gone: no orphaned ranks after a
+    `kill -9`."""
+    parent = os.getppid()
+
+    def loop() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(3)
+
+    threading.Thread(target=loop, name="parent-watch", daemon=True).start()
+
+
 
 def launch_group(run_dir: str | Path, *, method: str, replicas: int, shards: int, idle_timeout: float = 600.0,
                  watch_pid: int | None = None, data_dir: str = "", ready_timeout: float = 180.0,

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 from flwr_sharded import schema
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.flower.run import RoundOptions
+from flwr_sharded.flower.run_config import RoundOptions
 from flwr_sharded.schema import option
 
 PROTOCOL_VERSION = 2

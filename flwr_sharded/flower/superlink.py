@@ -21,7 +21,7 @@ from typing import Iterator
 
 from flwr_sharded import schema
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.flower.processes import pid_alive
+from flwr_sharded.flower.launch import pid_alive
 from flwr_sharded.schema import option
 
 KILL_WAIT_S = 5.0

@@ -7,7 +7,7 @@ own `compute_local_shape_and_global_offset`. Keys by global offset are what lets
 and S = 2) be combined at the server.
 
 On the wire (`encode_pieces`): a dict of NumPy arrays plus a dict of string metadata `key -> "dtype|d0,d1,..."`;
-`flwr_sharded.flower.handoff` puts them in hand-off files and Flower records.
+`flwr_sharded.flower.shard_files` puts them in hand-off files and Flower records.
 bf16 has no NumPy dtype: it travels as the raw int16 view of its bits and is restored bit for bit. No rank ever
 gathers the full model: only its own local tensor is read or written.
 """

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import numpy as np
 from flwr.app import Array, Message
 
-from flwr_sharded.flower import handoff
+from flwr_sharded.flower import shard_files
 from flwr_sharded.flower.server.server_path import ServerShardFedAvg
 
 HOSTILE_WEIGHT = 1e300
@@ -37,8 +37,8 @@ class HostileFacility(ServerShardFedAvg):
         replies = super().train_and_collect(grid, messages)
         if self._round == WEIGHT_ROUND:
             for reply in replies:
-                if reply.metadata.src_node_id == self._victim() and handoff.SHARD_INFO in reply.content:
-                    reply.content[handoff.SHARD_INFO]["weight"] = HOSTILE_WEIGHT
+                if reply.metadata.src_node_id == self._victim() and shard_files.SHARD_INFO in reply.content:
+                    reply.content[shard_files.SHARD_INFO]["weight"] = HOSTILE_WEIGHT
         return replies
 
     def await_replies(self, grid: Any, pending: dict[str, int], deadline: float,
@@ -48,8 +48,8 @@ class HostileFacility(ServerShardFedAvg):
 
         def poisoned(reply: Message) -> Message:
             if (not self._nan_sent and reply.metadata.src_node_id == self._victim() and not reply.has_error()
-                    and handoff.SHARDS in reply.content):
-                shards = reply.content[handoff.SHARDS]
+                    and shard_files.SHARDS in reply.content):
+                shards = reply.content[shard_files.SHARDS]
                 key = next(iter(shards.keys()))
                 values = shards[key].numpy().copy()
                 values.flat[0] = 0x7FC0 if values.dtype == np.int16 else np.nan  # bf16 travels as int16 bits

@@ -278,14 +278,14 @@ def test_trimmed_mean_blocks_give_the_same_result(monkeypatch):
     ({"aggregation": "server", "server-outlier-ratio": -1.0}, "server-outlier-ratio"),
 ])
 def test_bad_server_rule_options_are_refused(config, message):
-    from flwr_sharded.flower.run import FlowerRun
+    from flwr_sharded.flower.run_config import FlowerRun
 
     with pytest.raises(ConfigError, match=message):
         FlowerRun.from_run_config(config).validate()
 
 
 def test_good_server_rule_options_pass():
-    from flwr_sharded.flower.run import FlowerRun
+    from flwr_sharded.flower.run_config import FlowerRun
 
     for config in ({"aggregation": "server", "server-rule": "median"},
                    {"aggregation": "server", "server-rule": "trimmed-mean", "num-groups": 3},

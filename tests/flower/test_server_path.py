@@ -11,7 +11,7 @@ import logging
 import pytest
 import torch
 
-from flwr_sharded.flower import handoff
+from flwr_sharded.flower import shard_files
 from flwr_sharded.flower.server.aggregation import ParamSpec, ShardReply, StreamingShardAggregator
 from flwr_sharded.parallel.outer import FedAdam, FedAvg, Nesterov, TrimmedMean, weighted_mean
 from flwr_sharded.parallel.shard_transport import (ShardPiece, ShardPieceError, check_pieces, decode_pieces,
@@ -73,7 +73,8 @@ def test_bf16_round_trip_is_lossless():
     pieces = [p for rank in _chunks(model, 2) for p in rank]
     arrays, meta = encode_pieces(pieces)
     assert {a.dtype.name for a in arrays.values()} == {"int16"}
-    for decoded in (decode_pieces(arrays, meta), decode_pieces(*handoff.from_records(handoff.to_records(arrays, meta, 0, 1.0))[:2])):
+    records = shard_files.to_records(arrays, meta, 0, 1.0)
+    for decoded in (decode_pieces(arrays, meta), decode_pieces(*shard_files.from_records(records)[:2])):
         assert [p.key for p in decoded] == [p.key for p in pieces]
         for a, b in zip(decoded, pieces):
             assert a.data.dtype == torch.bfloat16 and a.global_shape == b.global_shape
@@ -391,13 +392,13 @@ def test_server_strategy_holds_less_than_one_fp32_model_whatever_F(F):
 def test_flower_records_round_trip_and_malformed_records_are_rejected(caplog):
     from flwr.app import ConfigRecord
 
-    from flwr_sharded.flower.handoff import SHARD_META
+    from flwr_sharded.flower.shard_files import SHARD_META
     from flwr.app import RecordDict
 
     from flwr_sharded.flower.server.aggregation import add_content
 
     def reply_content(pieces, round, weight):
-        return RecordDict(handoff.to_records(*encode_pieces(pieces), round, weight))
+        return RecordDict(shard_files.to_records(*encode_pieces(pieces), round, weight))
 
     models = [_model(1, torch.bfloat16), _model(2, torch.bfloat16)]
     agg = StreamingShardAggregator(FedAvg(), 3, spec=spec_of(models[0]))

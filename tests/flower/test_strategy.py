@@ -19,7 +19,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower import messages as P
-from flwr_sharded.flower.run import FlowerRun
+from flwr_sharded.flower.run_config import FlowerRun
 from flwr_sharded.flower.server.grid import Polling
 from flwr_sharded.flower.server.strategy import DecentralizedFedAvg
 

@@ -15,7 +15,7 @@ import pytest
 from flwr_sharded.flower import messages as P
 from flwr_sharded.flower.group import channels
 from flwr_sharded.flower.group.server_side import InstructionError
-from flwr_sharded.flower.run import FlowerRun
+from flwr_sharded.flower.run_config import FlowerRun
 from flwr_sharded.flower.server import records, unequal
 from flwr_sharded.parallel.sync_plan import SyncPlan
 from tests.flower.procs import group_pids, start_group, start_groups, wait_until

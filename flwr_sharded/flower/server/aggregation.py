@@ -49,7 +49,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from flwr_sharded.flower import handoff
+from flwr_sharded.flower import shard_files
 from flwr_sharded.flower.server.robust import (ROBUST_RULES, SUM_LIMIT, ChunkStack, min_contributors,
                                                out_of_bounds_verdicts)
 from flwr_sharded.parallel.contribution import weight_verdict
@@ -446,15 +446,15 @@ class StreamingShardAggregator:
         return dict(self._acc)
 
 
-# ----- Flower records (names and layout: `flwr_sharded.flower.handoff`) ------------------------------------------
+# ----- Flower records (names and layout: `flwr_sharded.flower.shard_files`) ------------------------------------------
 def add_content(agg: StreamingShardAggregator, source: str, content) -> bool:
     """Fold one reply's RecordDict into `agg`; malformed records are a rejection (logged), like bad pieces."""
     from flwr_sharded.parallel.shard_transport import ShardPieceError, decode_pieces
 
     try:
-        arrays, meta, info = handoff.from_records(content)
+        arrays, meta, info = shard_files.from_records(content)
         if "round" not in info or "weight" not in info:
-            raise ShardPieceError(f"{handoff.SHARD_INFO!r} lacks 'round' or 'weight'")
+            raise ShardPieceError(f"{shard_files.SHARD_INFO!r} lacks 'round' or 'weight'")
         pieces = decode_pieces(arrays, meta)
     except (ShardPieceError, KeyError, TypeError, ValueError) as exc:
         agg.report.rejected[source] = f"malformed reply: {exc}"

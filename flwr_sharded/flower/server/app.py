@@ -17,7 +17,7 @@ from flwr.supercore import log
 
 from flwr_sharded import schema
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.flower.run import RUN_CONFIG, FlowerRun
+from flwr_sharded.flower.run_config import RUN_CONFIG, FlowerRun
 from flwr_sharded.flower.server.imports import check_import, check_run_imports
 from flwr_sharded.run_dir import METRICS, RunDir, check_run_dir, default_run_dir
 

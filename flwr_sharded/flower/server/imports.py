@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 
 from flwr_sharded import schema
-from flwr_sharded.flower.run import RUN_CONFIG, FlowerRun
+from flwr_sharded.flower.run_config import RUN_CONFIG, FlowerRun
 
 ALLOWED_IMPORTS_ENV = "FLWR_SHARDED_ALLOWED_IMPORTS"
 """The operator's allow-list on the ServerApp's machine (comma-separated module names, or `*`)."""

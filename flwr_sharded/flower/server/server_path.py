@@ -6,7 +6,7 @@ partition id by the run config's `facilities`; by default every group is a facil
 1. train: inside each facility the groups run K periods of A local steps, each followed by a shard all-reduce among
    the facility's groups (the decentralised sync, stopping at the weighted mean); the facility's first group then
    exports its shards (each replica-0 rank writes its own pieces to a hand-off file) and its train reply carries
-   a manifest of them (`flwr_sharded.flower.handoff`), weighted by the facility's tokens of the round;
+   a manifest of them (`flwr_sharded.flower.shard_files`), weighted by the facility's tokens of the round;
 2. stream: the server checks the manifests against the model, cuts the model into chunks of global rows (at most
    `server-buffer-mb` in fp32, and a sixteenth of the model or 8 MiB, whichever is larger) and, chunk by chunk, pulls
    each facility's rows of it, folds them into the chunk's fp32 sums as they arrive (`StreamingShardAggregator` over
@@ -38,9 +38,9 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 from flwr.supercore import log
 
-from flwr_sharded.flower import handoff
+from flwr_sharded.flower import shard_files
 from flwr_sharded.flower import messages as M
-from flwr_sharded.flower.run import RoundOptions
+from flwr_sharded.flower.run_config import RoundOptions
 from flwr_sharded.flower.server import grid as G
 from flwr_sharded.flower.server.records import note_checkpoint_errors
 from flwr_sharded.flower.server.membership import GroupInfo
@@ -172,13 +172,13 @@ class ServerShardFedAvg(DecentralizedFedAvg):
         rejected: dict[str, str] = {}
         specs: dict[int, dict[str, Any]] = {}
         for reply in replies:
-            if reply.has_error() or handoff.SHARD_SHAPES not in reply.content:
+            if reply.has_error() or shard_files.SHARD_SHAPES not in reply.content:
                 continue
             node = reply.metadata.src_node_id
             group = self.groups.get(node)
             source = f"facility {group.facility if group else '?'} (node {node})"
             try:
-                shapes, meta, info = handoff.from_manifest_records(reply.content)
+                shapes, meta, info = shard_files.from_manifest_records(reply.content)
                 weight = float(info.get("weight", float("nan")))
                 if int(info.get("round", -1)) != server_round:
                     raise RejectedReply(f"round {info.get('round')} is not the current round {server_round}")

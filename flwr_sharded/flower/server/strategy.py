@@ -19,7 +19,7 @@ No arrays cross the server: every message carries a ConfigRecord only. Per run:
    the final model into the run directory.
 
 A strategy of one's own subclasses this and overrides `configure_train` (e.g. to set round options, see
-`flwr_sharded.flower.run.ROUND_KEYS`), `aggregate_train` or `select_members`, as with Flower's strategies.
+`flwr_sharded.flower.run_config.ROUND_KEYS`), `aggregate_train` or `select_members`, as with Flower's strategies.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from flwr.supercore import log
 
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower import messages as M
-from flwr_sharded.flower.run import FlowerRun, RoundOptions
+from flwr_sharded.flower.run_config import FlowerRun, RoundOptions
 from flwr_sharded.flower.server import collect
 from flwr_sharded.flower.server import grid as G
 from flwr_sharded.flower.server import records, unequal

@@ -16,7 +16,7 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
 from flwr_sharded import memory_release
-from flwr_sharded.flower import handoff
+from flwr_sharded.flower import shard_files
 from flwr_sharded.flower import messages as M
 from flwr_sharded.flower.server import grid as G
 from flwr_sharded.flower.server.aggregation import (ExcludedContributions, StreamingShardAggregator, add_content,
@@ -91,7 +91,7 @@ class StreamPass:
                                                    slots=len(self.participants),
                                                    outlier_ratio=f.server_outlier_ratio, log_rejections=False)
         self.nodes_of = {}
-        asked = {node: {handoff.row_key(k, a): () if k in self.scalar[node] else (b - a,)
+        asked = {node: {shard_files.row_key(k, a): () if k in self.scalar[node] else (b - a,)
                         for k, a, b in self.requests[node][c]} for node in self.participants}
         pending = self.pulls.pop(c)
         for node in set(self.participants) - set(pending.values()):
@@ -115,11 +115,11 @@ class StreamPass:
         node = reply.metadata.src_node_id
         source, weight, _ = self.manifests[node]
         error = ""
-        if reply.has_error() or handoff.SHARDS not in reply.content:
+        if reply.has_error() or shard_files.SHARDS not in reply.content:
             error = G.reply_payload(reply)[1] or "the reply carries no shards"
-        elif {k: tuple(v.shape[:1]) for k, v in reply.content[handoff.SHARDS].items()} != asked:
+        elif {k: tuple(v.shape[:1]) for k, v in reply.content[shard_files.SHARDS].items()} != asked:
             error = "it holds other pieces or rows than those asked for"
-        elif float(reply.content[handoff.SHARD_INFO].get("weight", -1.0)) != weight:
+        elif float(reply.content[shard_files.SHARD_INFO].get("weight", -1.0)) != weight:
             error = f"its weight differs from the manifest's {weight}"
         else:
             key = f"{source} {label}"
@@ -133,7 +133,7 @@ class StreamPass:
             self.failed[node] = f"{label}: {error}"
         else:
             self.stats["pull_chunks"] += 1
-        for name in (handoff.SHARDS, handoff.SHARD_META):
+        for name in (shard_files.SHARDS, shard_files.SHARD_META):
             if name in reply.content:
                 del reply.content[name]
         memory_release.trim()  # the chunk's buffers
@@ -145,7 +145,7 @@ class StreamPass:
         aggregator, self.aggregator = self.aggregator, None
         pieces = [ShardPiece(name, a, self.spec[name].shape,
                              aggregator.result(name, a, b - a).to(self.spec[name].dtype)) for name, a, b in chunk]
-        return handoff.to_records(*encode_pieces(pieces), self.round, aggregator.report.total_weight)
+        return shard_files.to_records(*encode_pieces(pieces), self.round, aggregator.report.total_weight)
 
     def _send_mean(self, c: int, chunk: Chunk) -> None:
         """Send chunk `c` of the mean to every member, with the pulls of the chunk `PULL_AHEAD` + 1 further on."""
