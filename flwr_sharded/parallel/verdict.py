@@ -1,8 +1,9 @@
 """One verdict of a fault check, on both paths: who is at fault, why, and which check found it.
 
 The decentralised sync's admission (`flwr_sharded.parallel.admission`), the weight check both paths share
-(`flwr_sharded.parallel.contribution`), the server path's per-chunk exclusions (`flwr_sharded.flower.server.robust`,
-`aggregation`) and the strikes that bench a group (`flwr_sharded.flower.server.membership`) all speak `Verdict`.
+(`flwr_sharded.parallel.contribution`), the server path's per-chunk exclusions
+(`flwr_sharded.flower.server.aggregation`) and the strikes that bench a group (`flwr_sharded.flower.server.membership`)
+all speak `Verdict`.
 A new fault check returns Verdicts of a new `kind` (added to `KINDS`). Pure Python (no torch).
 """
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.flower.server.aggregation import (ExcludedContributions, ShardReply, StreamingShardAggregator,
-                                                    plan_ranges, requests_for)
-from flwr_sharded.flower.server.robust import SUM_LIMIT, out_of_bounds
+from flwr_sharded.flower.server.aggregation import (SUM_LIMIT, ExcludedContributions, ShardReply,
+                                                    StreamingShardAggregator, out_of_bounds)
+from flwr_sharded.flower.server.stream import plan_ranges, requests_for
 from flwr_sharded.parallel import outer
 from flwr_sharded.parallel.contribution import check_weight, expected_weight, expected_weight_of
 from flwr_sharded.parallel.shard_transport import ShardPiece

@@ -243,7 +243,7 @@ def test_chunk_windows_give_the_whole_models_mean_for_groups_of_any_sharding():
     """Three groups (S = 1, 2, 3), weighted; the model cut by `plan_ranges` into chunks of at most 40 fp32 bytes;
     each chunk averaged by its own windowed aggregator from the rows `requests_for` names in each group's pieces.
     Together the chunks give the whole model's weighted mean, and each chunk's sums stay within the budget."""
-    from flwr_sharded.flower.server.aggregation import plan_ranges, requests_for
+    from flwr_sharded.flower.server.stream import plan_ranges, requests_for
 
     models, weights, shards = [_model(i) for i in range(3)], [1.0, 2.0, 5.0], [1, 2, 3]
     spec = spec_of(models[0])

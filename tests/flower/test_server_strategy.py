@@ -17,6 +17,7 @@ from flwr.app import Message, RecordDict
 from flwr_sharded.flower import shard_files
 from flwr_sharded.flower import messages as P
 from flwr_sharded.flower.run_config import FlowerRun
+from flwr_sharded.flower.server import stream
 from flwr_sharded.flower.server.server_path import ServerShardFedAvg
 from tests.flower.test_strategy import FakeGrid, config, fast, hello_ok, make, reply, spec, task_identity, train_ok
 
@@ -150,7 +151,7 @@ def test_chunked_pulls_and_applies_give_every_group_the_weighted_mean_whatever_i
     for g in (a, b):  # each leader's apply rides with a later pull: one message per chunk, plus the pipeline's ends
         sent = [m for m in grid.pushed if m.metadata.dst_node_id == g.node
                 and m.metadata.message_type in (P.MSG_PULL, P.MSG_APPLY)]
-        assert len(sent) == chunks + ServerShardFedAvg.PULL_AHEAD + 1
+        assert len(sent) == chunks + stream.PULL_AHEAD + 1
     assert all(sum(v.nbytes for v in arrays.values()) <= 24 for arrays, _ in a.received)
     for name in SHAPES:
         expected = weighted([a, b], name)
@@ -182,7 +183,7 @@ def test_a_bad_chunk_leaves_that_facility_out_of_every_row(corrupt, reason, capl
     a, b = FakeGroup(1, 0, model(1), None, shards=2), FakeGroup(2, 1, model(2), None, shards=1, corrupt=in_third_pull)
     with caplog.at_level(logging.WARNING):
         strategy, grid = run([a, b], BUFFER)
-    assert b.pulls == 3 + ServerShardFedAvg.PULL_AHEAD  # the pulls queued before its bad chunk, then none
+    assert b.pulls == 3 + stream.PULL_AHEAD  # the pulls queued before its bad chunk, then none
     record = strategy.history[0]
     assert (record["facility_replies"], record["facility_rejected"], record["stream_restarts"]) == (1, 1, 1), record
     lines = [r.getMessage() for r in caplog.records if "rejected the shards of facility b" in r.getMessage()]

@@ -1,43 +1,14 @@
-"""Server-path aggregation: shard pieces from the groups are combined reply by reply, never held all at once.
+"""The server path's aggregator: shard replies folded one at a time into fp32 sums, each checked wholly before any
+sum is touched, and the bounds that leave a contribution out of a chunk.
 
-Each reply is the pieces (`flwr_sharded.parallel.shard_transport.ShardPiece`, keyed by parameter name and global row
-offset) that one group, or one rank of a group, sent for this sync, with the group's weight. `add()` validates the
-reply wholly BEFORE touching any accumulator, and rejects it with one log line naming the reason when:
-
-- its round is not this aggregator's round (stale or early reply), or its source already replied this round;
-- its weight is not a finite number > 0, or (with `expected_weight`) not the weight expected of its source
-  (`flwr_sharded.parallel.contribution`), or so large that it times the reply's largest |value| would overflow the
-  fp32 sums;
-- a key names no parameter of the model, or a piece's global shape, trailing dims or row range do not fit it;
-- a piece's dtype differs from the model's (declared, or learned from the first accepted reply);
-- a piece holds NaN or Inf (found with one min/max pass per piece, which also gives the reply's largest |value|);
-- two pieces of the reply overlap, or (with `complete=True`) the reply does not cover every parameter exactly once.
-
-`finalize()` then excludes accepted replies that are out of bounds (`flwr_sharded.flower.server.robust`: a largest
-|value| far above the others', or values that would overflow the mean's sums), decided on all of them at once: it
-raises `ExcludedContributions` naming them and why, and the caller aggregates again without them (the server path
-starts its pass over). A reply whose values could overflow the sums is never folded into them.
-
-Accepted replies of linear rules (FedAvg and the outer optimizers) are folded into one fp32 accumulator per parameter
-(`sum(w * x)`, memory: one fp32 copy of the model whatever F is) and a per-row weight sum, so groups sharded
-differently (S = 1 and S = 2) combine row by row. `finalize()` divides (and runs the outer rule on whole parameters,
-element-wise, from the global model and the outer state it keeps); `result(name, offset, rows)`
-then slices each rank's own rows back out.
-
-With a `window` (parameter -> global rows), the aggregator covers only those rows: its accumulators are that size and
-pieces outside are rejected. The server path folds the model one window (a chunk of `plan_ranges`) at a time, so
-the server never holds a whole model.
-
-Unit of rejection = unit of a reply. With `complete=True` (default) a reply must carry the whole model of one group
-(all of its ranks' pieces), so a group is taken or dropped as a whole; the cost is that one group's model is in the
-server's memory while its reply is validated (the Flower Message holds it anyway). With `complete=False` a reply may
-be one rank's pieces: memory per reply drops to 1/S of a model, and if one rank's reply is rejected the other ranks'
-rows of that group are kept, so those rows are averaged over a different set of groups than the rest (each row is
-still a correct weighted mean of the valid values sent for it; nothing invalid enters).
-
-Robust rules (`combine="median"` or `"trimmed-mean"`, with a window): each accepted reply's rows of the window are
-kept in a stack (one slot per contribution, `slots` of them, in the wire dtype) and `finalize()` takes the
-coordinate-wise median or trimmed mean; memory = slots x the window.
+A reply (`ShardReply`) is one group's or one rank's pieces, keyed by global row offset, so groups of any S combine
+row by row. `add` rejects a whole reply with one log line: a stale round or a second reply of a source, a weight out
+of bounds, pieces that do not fit the model or overlap, NaN or Inf, or (`complete`) a model not covered exactly once.
+`finalize` then leaves out the accepted contributions out of bounds (`out_of_bounds`) by raising
+`ExcludedContributions` (the caller aggregates again without them), divides, and steps a linear outer rule. With a
+`window` the aggregator covers only those rows (a chunk of the model); `combine` median or trimmed-mean stacks every
+reply's rows of the window (`ChunkStack`) instead of summing them. The rejections and their log lines:
+docs/server-path.md.
 """
 
 from __future__ import annotations
@@ -50,15 +21,18 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from flwr_sharded.flower import shard_files
-from flwr_sharded.flower.server.robust import (ROBUST_RULES, SUM_LIMIT, ChunkStack, min_contributors,
-                                               out_of_bounds_verdicts)
 from flwr_sharded.parallel.contribution import weight_verdict
-from flwr_sharded.parallel.outer import FedAvg, ShardRule, State
-from flwr_sharded.parallel.shard_transport import PieceLayout, ShardPiece
-from flwr_sharded.parallel.verdict import NOT_FINITE, Verdict, reasons
+from flwr_sharded.parallel.outer import FedAvg, ShardRule, State, median_trim, trimmed_mean
+from flwr_sharded.parallel.shard_transport import PieceLayout, ShardPiece, ShardPieceError, decode_pieces
+from flwr_sharded.parallel.verdict import MAGNITUDE, NOT_FINITE, OVERFLOW, Verdict, reasons
 
 log = logging.getLogger(__name__)
 FP32_MAX = torch.finfo(torch.float32).max
+SUM_LIMIT = FP32_MAX / 2
+"""Bound on sum(weight x largest |value|) over a chunk's contributions: the fp32 sums stay below it, with a margin
+for rounding, so they stay finite."""
+ROBUST_RULES = ("median", "trimmed-mean")
+"""The server rules that are not the weighted mean."""
 
 
 @dataclass(frozen=True)
@@ -162,45 +136,83 @@ def check_layout(spec: dict[str, ParamSpec] | None, pieces: Sequence[PieceLayout
     return spec
 
 
-def plan_ranges(spec: dict[str, ParamSpec], budget_bytes: int) -> list[list[tuple[str, int, int]]]:
-    """Cut a model into chunks of global rows, `(name, start, stop)` each, of at most `budget_bytes` in fp32 (at
-    least one row; a parameter larger than the budget is split by rows): the windows in which the server path
-    pulls, averages and sends back the model."""
-    budget = max(1, int(budget_bytes))
-    chunks: list[list[tuple[str, int, int]]] = []
-    current: list[tuple[str, int, int]] = []
-    used = 0
-    for name, param in spec.items():
-        start, row_bytes = 0, max(1, 4 * math.prod(param.shape[1:]))
-        while start < param.rows:
-            take = min(param.rows - start, max(1, (budget - used) // row_bytes))
-            if current and used + take * row_bytes > budget:
-                chunks.append(current)
-                current, used = [], 0
-                continue
-            current.append((name, start, start + take))
-            used += take * row_bytes
-            start += take
-        if used >= budget:
-            chunks.append(current)
-            current, used = [], 0
-    if current:
-        chunks.append(current)
-    return chunks
+def min_contributors(rule: str, trim: int) -> int:
+    """The fewest contributions `rule` can combine."""
+    return 2 * trim + 1 if rule == "trimmed-mean" else 1
 
 
-def requests_for(pieces: Sequence[PieceLayout], chunk: Sequence[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
-    """The rows `(key, start, stop)` (local to each piece) of a group's pieces that hold a chunk's global rows."""
-    by_name: dict[str, list[PieceLayout]] = {}
-    for piece in pieces:
-        by_name.setdefault(piece.name, []).append(piece)
-    out = []
-    for name, start, stop in chunk:
-        for piece in sorted(by_name.get(name, []), key=lambda p: p.row_offset):
-            a, b = max(start, piece.row_offset), min(stop, piece.row_offset + piece.rows)
-            if a < b:
-                out.append((piece.key, a - piece.row_offset, b - piece.row_offset))
+def trim_of(rule: str, trim: int, n: int) -> int:
+    """Values dropped from each side of each coordinate when `rule` combines `n` contributions (the median's:
+    `flwr_sharded.parallel.outer.median_trim`, as the decentralised path's `median` rule)."""
+    return median_trim(n) if rule == "median" else trim
+
+
+def out_of_bounds_verdicts(stats: Mapping[str, tuple[float, float]], ratio: float, *,
+                           sums: bool = True) -> list[Verdict]:
+    """The contributions excluded from a chunk and why (`Verdict.member`: the source), from each one's (weight,
+    largest |value|) in it, decided on all of them at once:
+
+    - magnitude (`ratio` > 0): a largest |value| above `ratio` x max(1, the lower median of the largest |values|);
+      honest facilities start from one model and move little from it, so theirs agree to a small factor;
+    - overflow (unless `sums=False`: a robust rule sums nothing): while sum(weight x largest |value|) exceeds
+      `SUM_LIMIT`, the largest such contribution.
+    """
+    out: list[Verdict] = []
+    if ratio > 0 and len(stats) > 1:
+        largest = sorted(m for _, m in stats.values())
+        median = largest[(len(largest) - 1) // 2]
+        bound = ratio * max(1.0, median)
+        for source, (_, m) in stats.items():
+            if m > bound:
+                out.append(Verdict(source, f"its largest |value| {m:.3g} is more than {ratio:g} x max(1, "
+                                           f"{median:.3g}), the median of the facilities' largest |values| in this "
+                                           f"chunk", MAGNITUDE))
+    excluded = {v.member for v in out}
+    kept = {s: w * m for s, (w, m) in stats.items() if s not in excluded} if sums else {}
+    total = math.fsum(kept.values())
+    for source in sorted(kept, key=kept.__getitem__, reverse=True):
+        if total <= SUM_LIMIT:
+            break
+        out.append(Verdict(source, f"the mean would overflow: its weight x largest |value| is {kept[source]:.3g}, "
+                                   f"all of them together {total:.3g}, above the {SUM_LIMIT:.3g} fp32 sums can hold",
+                           OVERFLOW))
+        total -= kept[source]
     return out
+
+
+def out_of_bounds(stats: Mapping[str, tuple[float, float]], ratio: float, *, sums: bool = True) -> dict[str, str]:
+    """source -> why it is excluded (`out_of_bounds_verdicts`' reasons)."""
+    return reasons(out_of_bounds_verdicts(stats, ratio, sums=sums))
+
+
+class ChunkStack:
+    """Every contribution's rows of one window, stacked per parameter (slot i = the i-th accepted contribution), in
+    the pieces' dtype: memory = slots x the window, whatever the model size."""
+
+    def __init__(self, window: Mapping[str, tuple[int, int]], shapes: Mapping[str, tuple[int, ...]],
+                 dtypes: Mapping[str, torch.dtype], slots: int) -> None:
+        if slots < 1:
+            raise ValueError("a stack needs at least one slot")
+        self.window = dict(window)
+        self.slots = slots
+        self.filled = 0
+        self._stack = {name: torch.empty((slots, stop - start, *shapes[name][1:]) if shapes[name] else (slots,),
+                                         dtype=dtypes[name]) for name, (start, stop) in self.window.items()}
+
+    def put(self, slot: int, name: str, row_offset: int, data: torch.Tensor) -> None:
+        """Copy a piece's rows (global offset `row_offset`) into `slot`."""
+        start = self.window[name][0]
+        target = self._stack[name][slot]
+        if target.dim():  # a scalar parameter's slot is the whole value
+            target = target[row_offset - start:row_offset - start + data.shape[0]]
+        target.copy_(data.reshape(target.shape))
+
+    def combine(self, rule: str, trim: int, n: int) -> dict[str, torch.Tensor]:
+        """name -> the rule over the first `n` slots, fp32, for the window's rows."""
+        if not 1 <= n <= self.slots:
+            raise ValueError(f"{n} contributions for {self.slots} slots")
+        cut = trim_of(rule, trim, n)
+        return {name: trimmed_mean(stack[:n], cut) for name, stack in self._stack.items()}
 
 
 class StreamingShardAggregator:
@@ -221,7 +233,7 @@ class StreamingShardAggregator:
             need a window, which each reply must cover exactly, and `slots`).
         trim: trimmed-mean: values dropped from each side of each coordinate.
         slots: robust rules: the most replies the stack holds (the participants).
-        outlier_ratio: `robust.out_of_bounds`' magnitude test (0: off; the overflow test is always on).
+        outlier_ratio: `out_of_bounds`' magnitude test (0: off; the overflow test is always on).
         expected_weight: source -> the weight its reply must carry (None: any finite weight > 0).
         log_rejections: log one warning per rejected reply (off when the caller logs its own line).
     """
@@ -449,8 +461,6 @@ class StreamingShardAggregator:
 # ----- Flower records (names and layout: `flwr_sharded.flower.shard_files`) ------------------------------------------
 def add_content(agg: StreamingShardAggregator, source: str, content) -> bool:
     """Fold one reply's RecordDict into `agg`; malformed records are a rejection (logged), like bad pieces."""
-    from flwr_sharded.parallel.shard_transport import ShardPieceError, decode_pieces
-
     try:
         arrays, meta, info = shard_files.from_records(content)
         if "round" not in info or "weight" not in info:

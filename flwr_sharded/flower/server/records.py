@@ -42,9 +42,7 @@ def round_record(server_round: int, members: list[int], ok: dict[int, dict[str, 
         "dropped": len(dropped), "members": [str(n) for n in members], "rejoined": [str(n) for n in rejoined],
         "synced": int(bool(ok) and not rolled_back and not dropped), "syncs": syncs, "steps": steps,
         "train_loss": train_loss, "train_ppl": perplexity(train_loss), "tokens": int(total_tokens),
-        "tokens_per_s": total_tokens / round_s if round_s > 0 else 0.0, "round_s": round_s, **slowest,
-        "work_s": work_s, "overhead_s": max(0.0, round_s - work_s),
-        "overhead_pct": 100.0 * max(0.0, round_s - work_s) / round_s if round_s > 0 else 0.0,
+        **timings(total_tokens, work_s, round_s), **slowest, "work_s": work_s,
         "checksums_equal": int(all(checksums_equal(same, syncs, world)
                                    for world, same in by_layout(checksums, layouts or {}, group_world))),
         "losses": step_losses, "checksums": checksums,
@@ -62,6 +60,13 @@ def round_record(server_round: int, members: list[int], ok: dict[int, dict[str, 
         record["eval_loss"] = sum(evals) / len(evals)
         record["eval_ppl"] = perplexity(record["eval_loss"])
     return record
+
+
+def timings(tokens: float, work_s: float, round_s: float) -> dict[str, float]:
+    """A round's wall time, throughput and orchestration overhead (its time beyond the slowest group's work)."""
+    overhead = max(0.0, round_s - work_s)
+    return {"round_s": round_s, "tokens_per_s": tokens / round_s if round_s > 0 else 0.0, "overhead_s": overhead,
+            "overhead_pct": 100.0 * overhead / round_s if round_s > 0 else 0.0}
 
 
 def member_timings(replies: dict[int, dict[str, Any]]) -> dict[str, dict[str, float]]:
