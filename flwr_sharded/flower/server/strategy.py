@@ -1,13 +1,9 @@
 """DecentralizedFedAvg: Flower orchestrates rounds, the groups average their shards among themselves.
 
-No arrays cross the server: every message carries a ConfigRecord only. A run samples nodes with a deadline, says
-hello to their groups (`GroupMembership`), then runs its rounds: each member gets a train message naming the round's
-members, member 0's rendezvous offer, a fresh prefix and secret and the round options; it runs K periods of A local
-steps with a shard sync after each, and the collects behind it return its result (`collect`). At the end every
-sampled node gets a finish message and member 0 writes the final model into the run directory.
-
-A strategy of one's own subclasses this and overrides `configure_train` (e.g. to set round options,
-`flwr_sharded.flower.run_config.ROUND_KEYS`), `aggregate_train` or `select_members`, as with Flower's strategies.
+Every message carries a ConfigRecord only: the run's schema in the hellos, and per round each member's train message
+(the members, member 0's rendezvous offer, a fresh prefix and secret, the round options), after which the member runs
+K periods of A local steps with a shard sync after each. A strategy of one's own overrides `configure_train` (round
+options: `flwr_sharded.flower.run_config.ROUND_KEYS`), `aggregate_train` or `select_members`, as in Flower.
 """
 
 from __future__ import annotations
@@ -27,23 +23,23 @@ from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower.messages import MSG_EVALUATE, MSG_FINISH, MSG_TRAIN, START_TIMEOUT_S, GroupLayout, TrainArgs
 from flwr_sharded.flower.run_config import FlowerRun, RoundOptions
 from flwr_sharded.flower.server import records
-from flwr_sharded.flower.server.collect import train_and_collect
-from flwr_sharded.flower.server.grid import Polling, message, reply_payload, run_id, send_and_receive
+from flwr_sharded.flower.server.grid import (Polling, message, reply_payload, run_id, send_and_receive,
+                                             train_and_collect)
 from flwr_sharded.flower.server.membership import GroupInfo, GroupMembership
 from flwr_sharded.run_dir import perplexity
 from flwr_sharded.training.pace import local_steps
 
 
 def member_shards(groups: dict[int, Any], members: list[int]) -> list[int]:
-    """Every member's S, in member order, when the members shard differently; [] when they shard alike."""
+    """Every member's S, in member order, when they shard differently; [] when they shard alike."""
     shards = [groups[n].layout.shards for n in members]
     return shards if len(set(shards)) > 1 else []
 
 
 def member_steps(groups: dict[int, Any], members: list[int], round_steps: int, group_steps: str) -> list[int]:
-    """Every member's local steps per sync of a round of A = `round_steps`, in member order, with `group-steps speed`:
-    from its step time in its last round (`pace.local_steps`: the fastest trains A). [] (every member A) with
-    `equal`, while a member has no step time yet (its first round, a rejoin), or when all come out alike."""
+    """Every member's local steps per sync of a round of A = `round_steps` with `group-steps speed`, from its last
+    round's step time (`pace.local_steps`); [] (every member A) with `equal`, before every member has a step time,
+    or when all come out alike."""
     times = [groups[n].step_s for n in members]
     if group_steps != "speed" or len(members) < 2 or min(times) <= 0:
         return []
@@ -102,8 +98,7 @@ class DecentralizedFedAvg(Strategy):
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        """One train message per member: the ordered members, member 0's rendezvous offer, a fresh prefix and the
-        round options in `config` (`RoundOptions`: any other key is refused)."""
+        """One train message per member, with the round options in `config` (`RoundOptions`; other keys refused)."""
         members = self.round_members
         if self._repair:
             log(WARNING, "round %d starts with a catch-up from member 0: %s", server_round, self._repair)
@@ -202,11 +197,9 @@ class DecentralizedFedAvg(Strategy):
               timeout: float | None = None, train_config: ConfigRecord | None = None,
               evaluate_config: ConfigRecord | None = None,
               evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
-        """Run hello, `num_rounds` (default: the run's) training rounds and finish; returns Flower's Result.
-
-        `timeout` replaces the round deadline; `train_config` holds round options for every round. The model never
-        reaches the server, so `initial_arrays` and `evaluate_fn` are refused, as is an `evaluate_config`.
-        """
+        """Run hello, `num_rounds` (default: the run's) rounds and finish; returns Flower's Result. `timeout`
+        replaces the round deadline, `train_config` holds round options for every round; the model never reaches the
+        server, so `initial_arrays`, `evaluate_fn` and `evaluate_config` are refused."""
         refused = [name for name, value in (("initial_arrays", initial_arrays), ("evaluate_fn", evaluate_fn))
                    if value is not None] + (["evaluate_config"] if evaluate_config else [])
         try:
@@ -271,8 +264,7 @@ class DecentralizedFedAvg(Strategy):
         self.publish_round()
 
     def after_train(self, grid: Grid, server_round: int, replies: list[Message], round_options: RoundOptions) -> None:
-        """What the server does once a round's results are aggregated: nothing here, the groups synced among
-        themselves (the server path averages the facilities' models)."""
+        """The server's part of a round once its results are aggregated: none, the groups synced among themselves."""
 
     def evaluate_round(self, grid: Grid, server_round: int, result: Result) -> None:
         """Separate evaluate messages, or the evaluation that came with the round's replies."""
