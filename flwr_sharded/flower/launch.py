@@ -22,7 +22,7 @@ from typing import Any, Mapping
 
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower.endpoint import GroupClient, GroupError, GroupUnavailable, read_authkey, write_authkey
-from flwr_sharded.flower import messages as M
+from flwr_sharded.flower.messages import SHUTDOWN
 from flwr_sharded.flower.shard_files import private_dir
 
 logger = logging.getLogger(__name__)
@@ -44,15 +44,12 @@ class LaunchedGroup:
     """The ranks' pids, learned from the group's hello; killed by pid if the shutdown fails."""
 
     def to_record(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["worker_pids"] = [int(p) for p in self.worker_pids]
-        return out
+        return asdict(self) | {"worker_pids": [int(p) for p in self.worker_pids]}
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> LaunchedGroup:
-        return cls(pid=int(record["pid"]), address=str(record["address"]),
-                   authkey_file=str(record["authkey_file"]), log_file=str(record["log_file"]),
-                   run_dir=str(record["run_dir"]), worker_pids=[int(p) for p in record.get("worker_pids", [])])
+        return cls(int(record["pid"]), str(record["address"]), str(record["authkey_file"]), str(record["log_file"]),
+                   str(record["run_dir"]), [int(p) for p in record.get("worker_pids", [])])
 
     def client(self) -> GroupClient:
         return GroupClient(self.address, read_authkey(self.authkey_file))
@@ -140,7 +137,6 @@ def exit_with_parent() -> None:
     threading.Thread(target=loop, name="parent-watch", daemon=True).start()
 
 
-
 def launch_group(run_dir: str | Path, *, method: str, replicas: int, shards: int, idle_timeout: float = 600.0,
                  watch_pid: int | None = None, data_dir: str = "", ready_timeout: float = 180.0,
                  gpus: list[str] | None = None, python: str = sys.executable,
@@ -203,7 +199,7 @@ def stop_group(group: LaunchedGroup, *, graceful: bool = True, timeout: float = 
     """Shut a launched group down: the shutdown verb, then SIGTERM, then SIGKILL by pid. True if all exited."""
     if graceful and pid_alive(group.pid) and group.address:
         try:
-            group.client().call(M.SHUTDOWN, timeout=min(timeout, 10.0))
+            group.client().call(SHUTDOWN, timeout=min(timeout, 10.0))
         except (GroupUnavailable, GroupError, ConfigError) as exc:
             logger.warning("shutdown of group %s: %s", group.address, exc)
     pids = [group.pid, *group.worker_pids]

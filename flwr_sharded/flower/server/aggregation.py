@@ -63,7 +63,7 @@ class ShardReply:
 
 
 class RejectedReply(ValueError):
-    pass
+    """A reply or manifest that does not fit; the message names the first problem."""
 
 
 class ExcludedContributions(RuntimeError):
@@ -78,25 +78,19 @@ class ExcludedContributions(RuntimeError):
 
 @dataclass
 class AggregationReport:
+    """The sources an aggregator accepted, rejected (source -> why) and excluded as out of bounds."""
+
     accepted: list[str] = field(default_factory=list)
     rejected: dict[str, str] = field(default_factory=dict)
     total_weight: float = 0.0
     excluded: dict[str, str] = field(default_factory=dict)
-    """Accepted replies `finalize` found out of bounds (then it raised `ExcludedContributions`)."""
-
-
-def _finite(t: torch.Tensor) -> bool:
-    """No NaN or Inf in `t` (one min/max pass, no mask)."""
-    return not t.numel() or all(math.isfinite(float(x)) for x in torch.aminmax(t))
 
 
 def check_layout(spec: dict[str, ParamSpec] | None, pieces: Sequence[PieceLayout], *,
                  complete: bool) -> dict[str, ParamSpec]:
-    """Check where pieces sit (names, global and local shapes, dtypes, overlaps, and with `complete` the coverage
-    of every parameter exactly once) against `spec`, or against each other when `spec` is None; returns the spec.
-
-    Raises RejectedReply naming the first problem. Used for replies and, before anything is pulled, for manifests.
-    """
+    """Check where pieces sit (names, global and local shapes, dtypes, overlaps, with `complete` the coverage of
+    every parameter exactly once) against `spec`, or against each other when it is None; returns the spec.
+    RejectedReply names the first problem."""
     if not pieces:
         raise RejectedReply("no shard pieces")
     spec = spec if spec is not None else {p.name: ParamSpec(tuple(p.global_shape), p.dtype) for p in pieces}
@@ -139,12 +133,6 @@ def check_layout(spec: dict[str, ParamSpec] | None, pieces: Sequence[PieceLayout
 def min_contributors(rule: str, trim: int) -> int:
     """The fewest contributions `rule` can combine."""
     return 2 * trim + 1 if rule == "trimmed-mean" else 1
-
-
-def trim_of(rule: str, trim: int, n: int) -> int:
-    """Values dropped from each side of each coordinate when `rule` combines `n` contributions (the median's:
-    `flwr_sharded.parallel.outer.median_trim`, as the decentralised path's `median` rule)."""
-    return median_trim(n) if rule == "median" else trim
 
 
 def out_of_bounds_verdicts(stats: Mapping[str, tuple[float, float]], ratio: float, *,
@@ -195,7 +183,6 @@ class ChunkStack:
             raise ValueError("a stack needs at least one slot")
         self.window = dict(window)
         self.slots = slots
-        self.filled = 0
         self._stack = {name: torch.empty((slots, stop - start, *shapes[name][1:]) if shapes[name] else (slots,),
                                          dtype=dtypes[name]) for name, (start, stop) in self.window.items()}
 
@@ -208,10 +195,11 @@ class ChunkStack:
         target.copy_(data.reshape(target.shape))
 
     def combine(self, rule: str, trim: int, n: int) -> dict[str, torch.Tensor]:
-        """name -> the rule over the first `n` slots, fp32, for the window's rows."""
+        """name -> the rule over the first `n` slots, fp32, for the window's rows (the median is the decentralised
+        `median` rule's trimmed mean, `median_trim`)."""
         if not 1 <= n <= self.slots:
             raise ValueError(f"{n} contributions for {self.slots} slots")
-        cut = trim_of(rule, trim, n)
+        cut = median_trim(n) if rule == "median" else trim
         return {name: trimmed_mean(stack[:n], cut) for name, stack in self._stack.items()}
 
 
@@ -290,10 +278,7 @@ class StreamingShardAggregator:
         try:
             spec, largest = self._validate(reply)
         except RejectedReply as exc:
-            self.report.rejected[reply.source] = str(exc)
-            if self.log_rejections:
-                log.warning("server path: round %s: rejected the reply of %s: %s", self.round, reply.source, exc)
-            return False
+            return self.reject(reply.source, str(exc))
         if self.spec is None:
             self.spec = spec
         w = float(reply.weight)
@@ -309,6 +294,13 @@ class StreamingShardAggregator:
         self.report.accepted.append(reply.source)
         self.report.total_weight += w
         return True
+
+    def reject(self, source: str, reason: str) -> bool:
+        """Record (and log, with `log_rejections`) that the reply of `source` is rejected; returns False."""
+        self.report.rejected[source] = reason
+        if self.log_rejections:
+            log.warning("server path: round %s: rejected the reply of %s: %s", self.round, source, reason)
+        return False
 
     def _validate(self, reply: ShardReply) -> tuple[dict[str, ParamSpec], float]:
         """The model's spec and the reply's largest |value|; RejectedReply naming the first problem."""
@@ -391,7 +383,7 @@ class StreamingShardAggregator:
             self._stack = None
         else:
             self._divide()
-        bad = [n for n, t in self._acc.items() if not _finite(t)]
+        bad = [n for n, t in self._acc.items() if t.numel() and not all(map(math.isfinite, torch.aminmax(t)))]
         if bad:  # a guard: finite inputs within the bound give a finite mean
             self._exclude([Verdict(max(self._stats, key=lambda s: self._stats[s][0] * self._stats[s][1]),
                                    f"the mean of {bad[:3]} is not finite; this contribution is the largest",
@@ -458,7 +450,6 @@ class StreamingShardAggregator:
         return dict(self._acc)
 
 
-# ----- Flower records (names and layout: `flwr_sharded.flower.shard_files`) ------------------------------------------
 def add_content(agg: StreamingShardAggregator, source: str, content) -> bool:
     """Fold one reply's RecordDict into `agg`; malformed records are a rejection (logged), like bad pieces."""
     try:
@@ -467,8 +458,5 @@ def add_content(agg: StreamingShardAggregator, source: str, content) -> bool:
             raise ShardPieceError(f"{shard_files.SHARD_INFO!r} lacks 'round' or 'weight'")
         pieces = decode_pieces(arrays, meta)
     except (ShardPieceError, KeyError, TypeError, ValueError) as exc:
-        agg.report.rejected[source] = f"malformed reply: {exc}"
-        if agg.log_rejections:
-            log.warning("server path: round %s: rejected the reply of %s: malformed reply: %s", agg.round, source, exc)
-        return False
+        return agg.reject(source, f"malformed reply: {exc}")
     return agg.add(ShardReply(source, int(info["round"]), float(info["weight"]), pieces))

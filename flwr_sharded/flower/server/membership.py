@@ -1,6 +1,5 @@
-"""Who takes part in a run: the sampled nodes, the groups that passed the hello, the members in order (member 0 hosts
-the rendezvous), the groups left out and why, and the strikes that bench a group. The strategy owns one
-`GroupMembership`; strategies change who trains in a round with `select_members`."""
+"""Who takes part in a run: the sampled nodes, the groups that passed the hello, the members, the groups left out and
+why, and the strikes that bench a group (`GroupMembership`, which the strategy owns)."""
 
 from __future__ import annotations
 
@@ -52,16 +51,10 @@ class GroupInfo:
 
 
 class GroupMembership:
-    """The run's groups (`groups`, by node), this run's members in order (`members`), the groups left out (`left_out`,
-    node -> why) and those that may rejoin (`dropped`).
-
-    Args:
-        run: the run's schema (it travels in the hellos).
-        polling: how often the Grid is pulled.
-        rejoin: offer groups dropped earlier to rejoin at the start of each round (with a catch-up).
-        save_dir: where member 0 writes the final model ('' for nowhere); it travels in every hello, so that a group
-            whose node config does not allow it refuses before training (`flwr_sharded.flower.node_policy`).
-    """
+    """The run's groups (`groups`, by node), its members in order (`members`: member 0 hosts the rendezvous), the
+    groups left out (`left_out`, node -> why) and those that may rejoin (`dropped`; `rejoin` offers it each round).
+    `save_dir`, where member 0 writes the final model, travels in every hello: a group whose node config does not
+    allow it refuses before training."""
 
     def __init__(self, run: FlowerRun, polling: Polling, *, rejoin: bool = True, save_dir: str = "") -> None:
         self.run, self.deadlines, self.polling = run, run.deadlines, polling
@@ -179,7 +172,7 @@ class GroupMembership:
 
     def readmit(self, grid: Grid, server_round: int) -> list[int]:
         """Hello to the dropped groups whose node is online; those that pass it and match `catch_up_source` rejoin
-        after the members (this round starts with a catch-up from member 0). Returns the rejoined nodes."""
+        after the members (the round starts with a catch-up). Returns the rejoined nodes."""
         if not self.rejoin or not self.dropped or not self.members:
             return []
         try:
@@ -230,8 +223,7 @@ class GroupMembership:
 
     def hold_at_fault(self, server_round: int, members: list[int], reports: dict[int, dict[str, Any]],
                       dropped: dict[int, str]) -> dict[int, str]:
-        """The round's faults (node -> why, `fault_verdicts`), each one a strike; `max-strikes` strikes in a row
-        leave a group out for `bench-rounds` rounds (twice as long each time), never below `min-groups` members."""
+        """The round's faults (node -> why, `fault_verdicts`), each a strike (`strike`)."""
         return reasons(self.strike(server_round, members, self.fault_verdicts(members, reports, dropped)))
 
     def fault_verdicts(self, members: list[int], reports: dict[int, dict[str, Any]],
@@ -252,8 +244,8 @@ class GroupMembership:
         return faults
 
     def strike(self, server_round: int, members: list[int], verdicts: list[Verdict]) -> list[Verdict]:
-        """Count a strike for each member with a verdict, reset the others' count, bench those at `max-strikes`;
-        returns `verdicts`."""
+        """Count a strike for each member with a verdict, reset the others'; `max-strikes` in a row leave a group out
+        for `bench-rounds` rounds (twice as long each time), never below min-groups members. Returns `verdicts`."""
         faults = reasons(verdicts)
         limit, bench = self.run.federation.max_strikes, self.run.federation.bench_rounds
         for node in members:
@@ -294,7 +286,6 @@ class GroupMembership:
         return common
 
 
-# ----- groups that shard differently -----------------------------------------------------------------------------
 def empty_shards(param_rows: list[int], shards: int) -> list[int]:
     """The shard indices of a group of S = `shards` that hold no row of any parameter."""
     return [s for s in range(shards) if all(shard_rows(rows, shards, s)[0] == shard_rows(rows, shards, s)[1]
@@ -302,8 +293,7 @@ def empty_shards(param_rows: list[int], shards: int) -> list[int]:
 
 
 def seat_refusal(group: Any, layouts: set[int]) -> str:
-    """'' when every shard of `group` holds rows to sync with groups of S in `layouts` (the decentralised sync plan
-    of groups that shard differently); else why not."""
+    """'' when every shard of `group` holds rows to sync with groups of S in `layouts`; else why not."""
     empty = empty_shards(group.param_rows, group.layout.shards)
     if not empty:
         return ""
@@ -312,8 +302,8 @@ def seat_refusal(group: Any, layouts: set[int]) -> str:
 
 
 def check_layouts(membership: Any, candidates: dict[int, Any]) -> None:
-    """Leave out (logged, named) the candidates, which shard differently, whose model digest differs from the
-    majority's and, on the decentralised path, those whose S no sync plan can serve."""
+    """Leave out (logged) the candidates, which shard differently, whose model differs from the majority's and, on
+    the decentralised path, those whose S no sync plan can serve."""
     membership._keep_majority(candidates, lambda g: g.model_digest, lambda g, common: (
         f"its model (parameter names, shapes and dtypes: digest {g.model_digest[:12]}) differs from the "
         f"majority's {common[:12]}: another model or dtype"))
@@ -331,8 +321,8 @@ def check_layouts(membership: Any, candidates: dict[int, Any]) -> None:
 
 
 def rejoin_refusal(membership: Any, group: Any, source: Any) -> str:
-    """'' when `group` may rejoin and catch up from member `source`; else why not. A group of the source's S must
-    match its fingerprint; one of another S its model digest, and sit in a sync plan with the members."""
+    """'' when `group` may rejoin and catch up from member `source` (its fingerprint, or with another S its model
+    and a sync plan with the members); else why not."""
     if group.layout.shards == source.layout.shards:
         if group.fingerprint != source.fingerprint:
             return f"fingerprint {group.fingerprint[:12]} != the members' {source.fingerprint[:12]}"

@@ -1,10 +1,9 @@
 """The server path's stream: the facilities' models a chunk of global rows at a time, pulled, averaged and sent back
-to every group, pass after pass until a pass ends with no facility refused.
+to every group, pass after pass until one ends with no facility refused.
 
-Pipelined: each facility has the pulls of the next `PULL_AHEAD` chunks queued while the server averages one, and a
-facility leader's apply of chunk c rides in its pull of chunk c + PULL_AHEAD + 1, so a chunk costs one message per
-group and SuperNodes do not idle between chunks. In this process at once: one chunk's sums, one pulled chunk and the
-chunk of the mean being sent.
+Each facility has the pulls of the next `PULL_AHEAD` chunks queued while the server averages one, and a facility
+leader's apply of chunk c rides in its pull of chunk c + PULL_AHEAD + 1: a chunk costs one message per group and no
+SuperNode idles. In this process at once: one chunk's sums, one pulled chunk and the chunk of the mean being sent.
 """
 
 from __future__ import annotations
@@ -85,10 +84,9 @@ def reject(server_round: int, rejected: dict[str, str], source: str, reason: str
 
 
 class Stream:
-    """One round's stream for `strategy` (a ServerShardFedAvg) over the facility leaders' `manifests` (node ->
-    (source, weight, piece layouts)) of the model `spec`. Chunks hold at most `server-buffer-mb` in fp32, and a
-    sixteenth of the model or 8 MiB, whichever is larger; a robust `server-rule` stacks every facility's rows of a
-    chunk, so its chunks are F times smaller."""
+    """One round's stream for `strategy` (a ServerShardFedAvg) over the facility leaders' `manifests` of the model
+    `spec`. A chunk holds at most `server-buffer-mb` in fp32 and the larger of a sixteenth of the model and 8 MiB; a
+    robust `server-rule` stacks every facility's rows of a chunk, so its chunks are F times smaller."""
 
     def __init__(self, strategy: Any, grid: Grid, server_round: int,
                  manifests: dict[int, tuple[str, float, list[PieceLayout]]], spec: dict[str, ParamSpec]) -> None:
@@ -102,9 +100,9 @@ class Stream:
         self.stats = {"fold_s": 0.0, "pull_chunks": 0, "apply_chunks": len(self.chunks), "stream_restarts": 0}
 
     def run(self, rejected: dict[str, str], record: dict[str, Any]) -> tuple[list[int], dict[int, Message | None]]:
-        """The facilities whose shards are in the mean ([] if none) and each member's last apply reply (or its first
-        failed one). A facility whose chunk is refused or does not come is left out (`rejected`) and the pass starts
-        over without it, so every row is the mean of the same facilities and no group adopts an abandoned pass."""
+        """The facilities in the mean ([] if none) and each member's last apply reply (or its first failed one). A
+        facility whose chunk is refused or missing is left out (`rejected`) and the pass starts over without it, so
+        every row is the mean of the same facilities and no group adopts an abandoned pass."""
         f = self.strategy.run.federation
         need = min_contributors(f.server_rule, f.server_trim)
         participants, replies = list(self.manifests), {}
@@ -127,8 +125,7 @@ class Stream:
         return participants, replies
 
     def _pass(self, participants: list[int]) -> tuple[dict[int, str], dict[int, Message | None]]:
-        """One pass over the chunks: the facilities that failed (which ends it at that chunk), else each member's
-        last apply reply (or its first failed one)."""
+        """One pass: the facilities that failed (ending it at that chunk), else each member's last apply reply."""
         self.participants, self.attempt = participants, self.stats["stream_restarts"]
         self.failed: dict[int, str] = {}
         self.pulls: dict[int, dict[str, int]] = {}
@@ -163,8 +160,7 @@ class Stream:
                 self.final[node] = reply
 
     def _pull(self, c: int, chunk: Chunk) -> bool:
-        """Every facility's rows of chunk `c`, folded into `self.aggregator` as they arrive; False if one failed
-        (`self.failed`)."""
+        """Every facility's rows of chunk `c`, folded into `self.aggregator` as they arrive; False if one failed."""
         f = self.strategy.run.federation
         label = f"chunk {c + 1}/{len(self.chunks)}"
         self.aggregator = aggregator = StreamingShardAggregator(round=self.round, spec=self.spec, complete=False,
@@ -199,7 +195,7 @@ class Stream:
 
     def _fold(self, reply: Message, label: str, aggregator: StreamingShardAggregator, key: str,
               asked: dict[str, tuple[int, ...]]) -> Message:
-        """Add one facility's pulled rows to the chunk's sums (or record why not), then drop them from the reply."""
+        """Fold one facility's pulled rows into the chunk's sums (or record why not), then drop them."""
         start = time.perf_counter()
         node = reply.metadata.src_node_id
         weight = self.manifests[node][1]
@@ -228,8 +224,7 @@ class Stream:
         return reply
 
     def _send_mean(self, c: int, chunk: Chunk) -> None:
-        """Send chunk `c` of the mean to every member, with the pulls of the chunk `PULL_AHEAD` + 1 further on; the
-        chunk's sums are dropped."""
+        """Send chunk `c` of the mean to every member, with the pulls of chunk c + `PULL_AHEAD` + 1."""
         s, d = self.strategy, self.deadlines
         aggregator, self.aggregator = self.aggregator, None
         pieces = [ShardPiece(name, a, self.spec[name].shape,
