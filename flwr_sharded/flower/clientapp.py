@@ -19,12 +19,15 @@ import shutil
 from pathlib import Path
 from typing import Any, Mapping
 
+from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower import messages, shard_files
 from flwr_sharded.flower.endpoint import GroupClient, GroupError, GroupUnavailable, read_authkey
 from flwr_sharded.flower.launch import (LaunchedGroup, assign_gpus, default_run_root, launch_group, pid_alive,
                                         stop_group, visible_gpus)
 from flwr_sharded.flower.node_policy import NodePolicy
+from flwr_sharded.flower.run_config import FlowerRun
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +56,6 @@ def _launched(context: Any) -> LaunchedGroup | None:
 
 
 def _remember(context: Any, group: LaunchedGroup | None) -> None:
-    from flwr.app import ConfigRecord
-
     if group is not None:
         context.state.config_records[STATE_KEY] = ConfigRecord(group.to_record())
     elif STATE_KEY in context.state.config_records:
@@ -80,8 +81,6 @@ def find_group(context: Any, config: Mapping[str, Any], *, launch: bool) -> tupl
         _remember(context, None)
     if not launch:
         raise GroupUnavailable("this node has no group (no hello reached it, and the node config names none)")
-    from flwr_sharded.flower.run_config import FlowerRun
-
     partition_id = _node_partition(context, config)[0]
     run = FlowerRun.from_json(str(config["run"])).for_group(partition_id, str(nc.get(NODE_FACILITY, "")))
     p = run.train.parallel
@@ -103,10 +102,8 @@ def group_log_file(run_dir: str | None, partition_id: int) -> Path | None:
     return None
 
 
-def to_records(ok: bool, error: str, result: Mapping[str, Any]):
+def to_records(ok: bool, error: str, result: Mapping[str, Any]) -> RecordDict:
     """A reply's RecordDict: numbers (and lists of numbers) in 'metrics', strings and flags in 'info'."""
-    from flwr.app import ConfigRecord, MetricRecord, RecordDict
-
     metrics: dict[str, Any] = {}
     info: dict[str, Any] = {"ok": bool(ok), "error": str(error)}
     for key, value in result.items():
@@ -127,8 +124,6 @@ def to_records(ok: bool, error: str, result: Mapping[str, Any]):
 def handle(message: Any, context: Any, verb: str) -> Any:
     """Forward one Flower message to this node's group and wrap the outcome as the reply Message. Failures (no
     group, group error, timeout) are replies with info.ok = False and the reason: a failed group, not a lost node."""
-    from flwr.app import Message
-
     config = dict(message.content.config_records.get(messages.CONFIG, {}))
     timeout = float(config.get("timeout", 600.0))
 
@@ -175,8 +170,6 @@ def handle(message: Any, context: Any, verb: str) -> Any:
 
 def _hello(message: Any, context: Any, config: Mapping[str, Any], client: GroupClient,
            launched: LaunchedGroup | None, timeout: float) -> Any:
-    from flwr.app import Message
-
     partition_id, num_partitions = _node_partition(context, config)
     args = {"run": config["run"], "run_key": str(config.get("run-key", context.run_id)),
             "partition_id": partition_id, "num_partitions": num_partitions,
@@ -201,8 +194,6 @@ def _hello(message: Any, context: Any, config: Mapping[str, Any], client: GroupC
 def _train_reply_with_manifest(message: Any, context: Any, result: dict[str, Any], server_round: int) -> Any:
     """The round's reply with the manifest of the group's exported pieces, which the server then pulls in chunks.
     The files stay until the group adopts the round's mean (a new pass pulls them again) or the next export."""
-    from flwr.app import ConfigRecord, Message
-
     files = [str(f) for f in result.pop("export_files")]
     weight = float(result.get("facility_tokens", 0))
     _drop_export(context)
@@ -222,8 +213,6 @@ def _train_reply_with_manifest(message: Any, context: Any, result: dict[str, Any
 def _pull(message: Any, context: Any, config: Mapping[str, Any], applied: dict[str, Any] | None = None) -> Any:
     """Reply with the requested rows (`"key|start|stop"` each) of this round's exported pieces, and with the outcome
     of the apply chunk the message also carried, if any."""
-    from flwr.app import Message, RecordDict
-
     export = context.state.config_records.get(EXPORT_KEY)
     server_round = int(config.get("server-round", 0))
     if export is None or int(export["round"]) != server_round:

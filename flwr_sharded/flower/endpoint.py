@@ -320,7 +320,7 @@ class EndpointServer:
             while True:
                 if job not in self._jobs:
                     return reply_error(f"no job {job!r} on this group (it was never started here, or the group "
-                                         f"restarted)")
+                                       f"restarted)")
                 if self._jobs[job] is not None:
                     return self._jobs[job]  # type: ignore[return-value]
                 left = deadline - time.monotonic()

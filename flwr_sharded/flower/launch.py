@@ -1,5 +1,5 @@
-"""Starting, watching and stopping the groups a ClientApp launches on its own machine (local simulation), and the
-liveness checks of local processes. Torch-free.
+"""Starting, watching and stopping the groups a ClientApp launches on its own machine (local simulation), the
+private directories a group keeps its files in, and the liveness checks of local processes. Torch-free.
 
 A launched group is `python -m torch.distributed.run --standalone --nproc-per-node R*S -m flwr_sharded.flower.group
 ...` in its own session, with a fresh authkey in a private run directory. On a machine with GPUs each group gets its
@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -23,7 +24,6 @@ from typing import Any, Mapping
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower.endpoint import GroupClient, GroupError, GroupUnavailable, read_authkey, write_authkey
 from flwr_sharded.flower.messages import SHUTDOWN
-from flwr_sharded.flower.shard_files import private_dir
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,36 @@ class LaunchedGroup:
             return "\n".join(Path(self.log_file).read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
+
+
+def private_dir(path: str | Path) -> Path:
+    """`path` as a directory only this user can enter, made with mode 700 if missing (its parent must exist). An
+    existing one must be a real directory of this user's that nobody else may write to (they could swap its keys or
+    shards; ConfigError); one that others may read is made 700."""
+    path = Path(path)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode):
+        raise ConfigError(f"{path} exists and is not a directory (a link or a file); remove it or choose another")
+    if info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise ConfigError(f"directory {path} is not private to this user (owner uid {info.st_uid}, mode "
+                          f"{info.st_mode & 0o777:03o}: others may write to it); use a directory of your own with "
+                          f"mode 700 or remove it")
+    if info.st_mode & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
+
+def fresh_private_dir(prefix: str, parent: str | Path | None = None) -> str:
+    """A new directory (`mkdtemp`: mode 700, never one that existed) under `parent` (default: the temp dir)."""
+    try:
+        return tempfile.mkdtemp(prefix=prefix, dir=None if parent is None else str(parent))
+    except OSError as exc:
+        raise ConfigError(f"cannot make a private directory under {parent or tempfile.gettempdir()}: {exc}; it must "
+                          f"be an existing directory this user can write to") from None
 
 
 def default_run_root() -> Path:

@@ -27,17 +27,15 @@ HELLO = "hello"
 TRAIN = "train"
 """K sync periods of A local steps, each followed by a shard sync with the named members (started detached)."""
 COLLECT = "collect"
-"""The result of a detached instruction (a train round), waiting for it up to a timeout; answered off the main loop."""
+"""The result of a detached instruction (a round), waited for up to a timeout; answered off the main loop."""
 ABORT = "abort"
-"""Members of a round are gone (the ServerApp knows): the round's rendezvous waits end at once instead of at their
-timeout; answered off the main loop."""
+"""Members of a round are gone: its rendezvous waits end at once; answered off the main loop."""
 EVALUATE = "evaluate"
 """Held-out loss and perplexity of the group's current weights."""
 STATUS = "status"
 """Liveness and progress; changes nothing."""
 APPLY = "apply"
-"""Server path: every rank assembles its own rows of the server's mean from the chunk files and steps the outer
-rule."""
+"""Server path: every rank adopts its own rows of the server's mean from the chunk files and steps the outer rule."""
 PULL = "pull"
 """Server path, answered by the ClientApp alone: rows of the pieces its group exported this round."""
 SAVE = "save"
@@ -70,8 +68,6 @@ START_TIMEOUT_S = 60.0
 """How long a ClientApp waits for its group to take a detached instruction (the group is idle between rounds)."""
 MAX_MESSAGE_BYTES = 64 << 20
 """Largest instruction or reply accepted on the local endpoint."""
-
-
 MAX_DEPTH = 32
 """Deepest nesting of arrays and objects accepted in an endpoint message (the protocol itself needs 3)."""
 

@@ -12,15 +12,16 @@ the ClientApp and every node of the group must see. Keys are `name@row_offset`; 
 from __future__ import annotations
 
 import os
-import stat
-import tempfile
 from contextlib import ExitStack
+from io import BytesIO
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import numpy as np
-
-from flwr_sharded.errors import ConfigError
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord
+from numpy.lib import format as npy_format
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 SHARDS = "shards"
 """ArrayRecord of a message's pieces."""
@@ -32,36 +33,6 @@ SHARD_SHAPES = "shard-shapes"
 """ConfigRecord `key -> "d0,d1,..."` (local shapes) of a manifest: the pieces a group holds, without their values."""
 
 
-def private_dir(path: str | Path) -> Path:
-    """`path` as a directory only this user can enter, made with mode 700 if missing (its parent must exist). An
-    existing one must be a real directory of this user's that nobody else may write to (they could swap its keys or
-    shards; ConfigError); one that others may read is made 700."""
-    path = Path(path)
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    info = os.lstat(path)
-    if not stat.S_ISDIR(info.st_mode):
-        raise ConfigError(f"{path} exists and is not a directory (a link or a file); remove it or choose another")
-    if info.st_uid != os.getuid() or info.st_mode & 0o022:
-        raise ConfigError(f"directory {path} is not private to this user (owner uid {info.st_uid}, mode "
-                          f"{info.st_mode & 0o777:03o}: others may write to it); use a directory of your own with "
-                          f"mode 700 or remove it")
-    if info.st_mode & 0o077:
-        os.chmod(path, 0o700)
-    return path
-
-
-def fresh_private_dir(prefix: str, parent: str | Path | None = None) -> str:
-    """A new directory (`mkdtemp`: mode 700, never one that existed) under `parent` (default: the temp dir)."""
-    try:
-        return tempfile.mkdtemp(prefix=prefix, dir=None if parent is None else str(parent))
-    except OSError as exc:
-        raise ConfigError(f"cannot make a private directory under {parent or tempfile.gettempdir()}: {exc}; it must "
-                          f"be an existing directory this user can write to") from None
-
-
 def row_key(key: str, start: int) -> str:
     """The key of the rows from `start` on of piece `key` (`name@offset` -> `name@offset+start`)."""
     name, _, offset = key.rpartition("@")
@@ -70,8 +41,6 @@ def row_key(key: str, start: int) -> str:
 
 def write_file(path: str | Path, arrays: Mapping[str, np.ndarray], meta: Mapping[str, str]) -> None:
     """Write pieces to `path` atomically (temporary name, then rename), so a reader never sees half a file."""
-    from safetensors.numpy import save_file
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
@@ -81,8 +50,6 @@ def write_file(path: str | Path, arrays: Mapping[str, np.ndarray], meta: Mapping
 
 def _open_pieces(stack: ExitStack, paths: Iterable[str | Path]) -> dict[str, tuple[Any, str]]:
     """key -> (its open file, its "dtype|global shape") of every piece of the files; ValueError for a key in two."""
-    from safetensors import safe_open
-
     found: dict[str, tuple[Any, str]] = {}
     for path in paths:
         fh = stack.enter_context(safe_open(str(path), framework="np"))
@@ -159,16 +126,12 @@ def assemble(paths: Iterable[str | Path], pieces: Mapping[str, int]) -> tuple[di
     return arrays, meta
 
 
-def _info(round: int, weight: float) -> Any:
-    from flwr.app import MetricRecord
-
+def _info(round: int, weight: float) -> MetricRecord:
     return MetricRecord({"round": int(round), "weight": float(weight)})
 
 
 def to_records(arrays: Mapping[str, np.ndarray], meta: Mapping[str, str], round: int, weight: float) -> dict[str, Any]:
     """The records that carry pieces in a Flower Message (merge them into its RecordDict)."""
-    from flwr.app import Array, ArrayRecord, ConfigRecord
-
     return {SHARDS: ArrayRecord(array_dict={k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()}),
             SHARD_META: ConfigRecord(dict(meta)), SHARD_INFO: _info(round, weight)}
 
@@ -176,8 +139,6 @@ def to_records(arrays: Mapping[str, np.ndarray], meta: Mapping[str, str], round:
 def manifest_records(shapes: Mapping[str, Iterable[int]], meta: Mapping[str, str], round: int,
                      weight: float) -> dict[str, Any]:
     """The records that announce pieces without their values (a train reply of the server path)."""
-    from flwr.app import ConfigRecord
-
     return {SHARD_SHAPES: ConfigRecord({k: ",".join(str(int(d)) for d in v) for k, v in shapes.items()}),
             SHARD_META: ConfigRecord(dict(meta)), SHARD_INFO: _info(round, weight)}
 
@@ -209,15 +170,11 @@ def from_manifest_records(content: Any) -> tuple[dict[str, tuple[int, ...]], dic
 def array_view(array: Any) -> np.ndarray:
     """A read-only NumPy view of a Flower `Array`'s bytes, without the copy `Array.numpy()` makes; ValueError for
     anything but plain .npy data (no pickled objects)."""
-    from io import BytesIO
-
-    from numpy.lib import format as npy
-
     if getattr(array, "stype", "") != "numpy.ndarray":
         raise ValueError(f"array of serialization type {getattr(array, 'stype', '?')!r}, expected numpy.ndarray")
     header = BytesIO(array.data)
-    version = npy.read_magic(header)
-    read_header = npy.read_array_header_1_0 if version == (1, 0) else npy.read_array_header_2_0
+    version = npy_format.read_magic(header)
+    read_header = npy_format.read_array_header_1_0 if version == (1, 0) else npy_format.read_array_header_2_0
     shape, fortran, dtype = read_header(header)
     if dtype.hasobject:
         raise ValueError("object arrays are not accepted")

@@ -16,6 +16,7 @@ import torch
 
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower import shard_files
+from flwr_sharded.flower.launch import private_dir
 
 
 class InstructionError(Exception):
@@ -28,7 +29,7 @@ def check_handoff_dir(rt: Any) -> str:
     error = ""
     if rt.rank == 0:
         try:
-            shard_files.private_dir(rt.handoff_dir)  # still this group's own (made fresh at start)
+            private_dir(rt.handoff_dir)  # still this group's own (made fresh at start)
             with open(probe, "w") as fh:
                 fh.write("ok")
         except ConfigError as exc:

@@ -1,14 +1,12 @@
-"""The server path's aggregator: shard replies folded one at a time into fp32 sums, each checked wholly before any
-sum is touched, and the bounds that leave a contribution out of a chunk.
+"""The server path's aggregator: shard replies folded one at a time into fp32 sums, each checked wholly first, and
+the bounds that leave a contribution out of a chunk.
 
 A reply (`ShardReply`) is one group's or one rank's pieces, keyed by global row offset, so groups of any S combine
-row by row. `add` rejects a whole reply with one log line: a stale round or a second reply of a source, a weight out
-of bounds, pieces that do not fit the model or overlap, NaN or Inf, or (`complete`) a model not covered exactly once.
-`finalize` then leaves out the accepted contributions out of bounds (`out_of_bounds`) by raising
-`ExcludedContributions` (the caller aggregates again without them), divides, and steps a linear outer rule. With a
-`window` the aggregator covers only those rows (a chunk of the model); `combine` median or trimmed-mean stacks every
-reply's rows of the window (`ChunkStack`) instead of summing them. The rejections and their log lines:
-docs/server-path.md.
+row by row. `add` rejects a whole reply with one log line (stale round, a second reply of a source, a weight out of
+bounds, pieces that do not fit the model, NaN or Inf, `complete` and not the whole model); `finalize` leaves out the
+contributions out of bounds by raising `ExcludedContributions`, then divides and steps a linear outer rule. With a
+`window` it covers only those rows (a chunk); `combine` median or trimmed-mean stacks every reply's rows instead of
+summing them. The rejections and their log lines: docs/server-path.md.
 """
 
 from __future__ import annotations
@@ -29,8 +27,7 @@ from flwr_sharded.parallel.verdict import MAGNITUDE, NOT_FINITE, OVERFLOW, Verdi
 log = logging.getLogger(__name__)
 FP32_MAX = torch.finfo(torch.float32).max
 SUM_LIMIT = FP32_MAX / 2
-"""Bound on sum(weight x largest |value|) over a chunk's contributions: the fp32 sums stay below it, with a margin
-for rounding, so they stay finite."""
+"""Bound on sum(weight x largest |value|) over a chunk's contributions: the fp32 sums stay finite below it."""
 ROBUST_RULES = ("median", "trimmed-mean")
 """The server rules that are not the weighted mean."""
 
@@ -67,8 +64,7 @@ class RejectedReply(ValueError):
 
 
 class ExcludedContributions(RuntimeError):
-    """Accepted replies `finalize` found out of bounds (`verdicts`; `reasons`: source -> why); aggregate again
-    without them."""
+    """Accepted replies found out of bounds (`reasons`: source -> why); aggregate again without them."""
 
     def __init__(self, verdicts: Sequence[Verdict]) -> None:
         self.verdicts = list(verdicts)
@@ -88,9 +84,8 @@ class AggregationReport:
 
 def check_layout(spec: dict[str, ParamSpec] | None, pieces: Sequence[PieceLayout], *,
                  complete: bool) -> dict[str, ParamSpec]:
-    """Check where pieces sit (names, global and local shapes, dtypes, overlaps, with `complete` the coverage of
-    every parameter exactly once) against `spec`, or against each other when it is None; returns the spec.
-    RejectedReply names the first problem."""
+    """Check where pieces sit (names, shapes, dtypes, overlaps; `complete`: every row exactly once) against `spec`,
+    or against each other when it is None; returns the spec. RejectedReply names the first problem."""
     if not pieces:
         raise RejectedReply("no shard pieces")
     spec = spec if spec is not None else {p.name: ParamSpec(tuple(p.global_shape), p.dtype) for p in pieces}
@@ -138,13 +133,9 @@ def min_contributors(rule: str, trim: int) -> int:
 def out_of_bounds_verdicts(stats: Mapping[str, tuple[float, float]], ratio: float, *,
                            sums: bool = True) -> list[Verdict]:
     """The contributions excluded from a chunk and why (`Verdict.member`: the source), from each one's (weight,
-    largest |value|) in it, decided on all of them at once:
-
-    - magnitude (`ratio` > 0): a largest |value| above `ratio` x max(1, the lower median of the largest |values|);
-      honest facilities start from one model and move little from it, so theirs agree to a small factor;
-    - overflow (unless `sums=False`: a robust rule sums nothing): while sum(weight x largest |value|) exceeds
-      `SUM_LIMIT`, the largest such contribution.
-    """
+    largest |value|), decided on all of them at once: a largest |value| above `ratio` x max(1, the lower median of
+    them) (honest facilities start from one model and move little; `ratio` 0: off), and while sum(weight x largest
+    |value|) exceeds `SUM_LIMIT`, the largest such contribution (unless `sums=False`: a robust rule sums nothing)."""
     out: list[Verdict] = []
     if ratio > 0 and len(stats) > 1:
         largest = sorted(m for _, m in stats.values())
@@ -174,15 +165,14 @@ def out_of_bounds(stats: Mapping[str, tuple[float, float]], ratio: float, *, sum
 
 
 class ChunkStack:
-    """Every contribution's rows of one window, stacked per parameter (slot i = the i-th accepted contribution), in
-    the pieces' dtype: memory = slots x the window, whatever the model size."""
+    """Every contribution's rows of one window, stacked per parameter (slot i: the i-th accepted one) in the pieces'
+    dtype: slots x the window, whatever the model size."""
 
     def __init__(self, window: Mapping[str, tuple[int, int]], shapes: Mapping[str, tuple[int, ...]],
                  dtypes: Mapping[str, torch.dtype], slots: int) -> None:
         if slots < 1:
             raise ValueError("a stack needs at least one slot")
-        self.window = dict(window)
-        self.slots = slots
+        self.window, self.slots = dict(window), slots
         self._stack = {name: torch.empty((slots, stop - start, *shapes[name][1:]) if shapes[name] else (slots,),
                                          dtype=dtypes[name]) for name, (start, stop) in self.window.items()}
 
@@ -195,8 +185,7 @@ class ChunkStack:
         target.copy_(data.reshape(target.shape))
 
     def combine(self, rule: str, trim: int, n: int) -> dict[str, torch.Tensor]:
-        """name -> the rule over the first `n` slots, fp32, for the window's rows (the median is the decentralised
-        `median` rule's trimmed mean, `median_trim`)."""
+        """name -> the rule over the first `n` slots, fp32 (the median: the decentralised `median` rule's trim)."""
         if not 1 <= n <= self.slots:
             raise ValueError(f"{n} contributions for {self.slots} slots")
         cut = median_trim(n) if rule == "median" else trim
@@ -207,23 +196,18 @@ class StreamingShardAggregator:
     """Combine shard replies one at a time into per-parameter fp32 accumulators.
 
     Args:
-        rule: a linear `ShardRule` (FedAvg by default). Non-linear rules need every member at once and are refused.
+        rule: a linear `ShardRule` (FedAvg by default; a rule that needs every member at once is refused).
         round: the sync round replies must carry.
-        spec: the model's parameters; when None it is learned from the first accepted reply, which must
-            then be complete.
-        global_params: name -> the global model's full tensor (start of the sync period). Needed by stateful rules;
-            with FedAvg it fills rows no valid reply covered (else those rows make `finalize` raise).
-        state: name -> the rule's state (from a previous round's `state`), created by `rule.init_state` if missing.
-        complete: a reply must cover every parameter exactly once (one reply = one group, rejected as a whole).
-        window: parameter -> its global rows `(start, stop)` this aggregator covers (needs `spec`,
-            `complete=False` and FedAvg); the other parameters and rows are outside it.
-        combine: "mean" (the rule on the weighted mean), "median" or "trimmed-mean" (coordinate-wise, unweighted;
-            need a window, which each reply must cover exactly, and `slots`).
-        trim: trimmed-mean: values dropped from each side of each coordinate.
-        slots: robust rules: the most replies the stack holds (the participants).
+        spec: the model's parameters; None: learned from the first accepted reply, which must be complete.
+        global_params: name -> the global model (stateful rules step from it; FedAvg keeps its rows nobody sent).
+        state: name -> the rule's state (a previous round's `state`; `rule.init_state` if missing).
+        complete: a reply must cover every parameter exactly once (one reply = one group, rejected whole).
+        window: parameter -> the global rows `(start, stop)` covered (needs `spec`, not `complete`, FedAvg).
+        combine: "mean", or "median" / "trimmed-mean" (coordinate-wise, unweighted; a window each reply covers
+            whole, `slots` replies at most, `trim` values dropped from each side).
         outlier_ratio: `out_of_bounds`' magnitude test (0: off; the overflow test is always on).
         expected_weight: source -> the weight its reply must carry (None: any finite weight > 0).
-        log_rejections: log one warning per rejected reply (off when the caller logs its own line).
+        log_rejections: one warning per rejected reply (off when the caller logs its own).
     """
 
     def __init__(self, rule: ShardRule | None = None, round: int = 0, *, spec: dict[str, ParamSpec] | None = None,
@@ -251,36 +235,30 @@ class StreamingShardAggregator:
             raise ValueError(f"{combine} needs a window and at least {min_contributors(combine, trim)} slots")
         if not (outlier_ratio >= 0 and math.isfinite(outlier_ratio)):
             raise ValueError(f"outlier_ratio must be a finite number >= 0, got {outlier_ratio!r}")
-        self.window = dict(window) if window is not None else None
+        self.round, self.complete, self.window = round, complete, dict(window) if window is not None else None
         self.combine, self.trim, self.outlier_ratio = combine, trim, float(outlier_ratio)
-        self.expected_weight = expected_weight
-        self.log_rejections = log_rejections
+        self.expected_weight, self.log_rejections = expected_weight, log_rejections
+        self.spec = dict(spec) if spec is not None else None
+        self.global_params, self.state = global_params, dict(state) if state else {}
         self._stack = ChunkStack(self.window, {n: p.shape for n, p in spec.items()},
                                  {n: p.dtype for n, p in spec.items()}, slots) if combine != "mean" else None
         self._stats: dict[str, tuple[float, float]] = {}  # accepted source -> (weight, largest |value|)
         self._bound = 0.0  # sum of weight x largest |value| over the replies folded into the sums
         self._unfolded: list[str] = []  # accepted replies that could have overflowed the sums
-        self.round = round
-        self.spec = dict(spec) if spec is not None else None
-        self.global_params = global_params
-        self.state = dict(state) if state else {}
-        self.complete = complete
         self.report = AggregationReport()
         self._acc: dict[str, torch.Tensor] = {}
         self._row_weight: dict[str, torch.Tensor] = {}
         self._finalized = False
 
-    # ----- intake ---------------------------------------------------------------------------------------------
     def add(self, reply: ShardReply) -> bool:
-        """Validate the reply wholly, then fold it in. False (and one warning log line) if it was rejected."""
+        """Validate the reply wholly, then fold it in; False (and one warning) if it was rejected."""
         if self._finalized:
             raise RuntimeError("this aggregator is finalized; start a new one for the next round")
         try:
             spec, largest = self._validate(reply)
         except RejectedReply as exc:
             return self.reject(reply.source, str(exc))
-        if self.spec is None:
-            self.spec = spec
+        self.spec = self.spec or spec
         w = float(reply.weight)
         if self._stack is not None:
             for piece in reply.pieces:
@@ -319,7 +297,7 @@ class StreamingShardAggregator:
         spec = check_layout(self.spec, [p.layout for p in reply.pieces], complete=self.complete)
         largest, rows = 0.0, {}
         for piece in reply.pieces:
-            start, stop = self.window.get(piece.name, (0, 0)) if self.window is not None else (0, spec[piece.name].rows)
+            start, stop = self._rows_of(piece.name, spec)
             if not (start <= piece.row_offset and piece.row_offset + piece.rows <= stop):
                 raise RejectedReply(f"piece {piece.key}: rows outside this aggregator's window")
             lo, hi = (float(x) for x in torch.aminmax(piece.data))  # NaN and Inf show in the extremes
@@ -337,50 +315,43 @@ class StreamingShardAggregator:
                                 f"{largest:.3g} is above the {SUM_LIMIT:.3g} fp32 sums can hold")
         return spec, largest
 
-    def _rows_of(self, name: str) -> tuple[int, int]:
-        """The global rows of a parameter that this aggregator covers ((0, 0) for one outside its window)."""
+    def _rows_of(self, name: str, spec: Mapping[str, ParamSpec] | None = None) -> tuple[int, int]:
+        """The global rows of a parameter this aggregator covers ((0, 0) for one outside its window)."""
         if self.window is not None:
             return self.window.get(name, (0, 0))
-        return 0, self.spec[name].rows
+        return 0, (spec or self.spec)[name].rows
 
     def _zeros(self, name: str) -> torch.Tensor:
         """A fresh accumulator (and row weights) for the covered rows of a parameter."""
-        want = self.spec[name]
         start, stop = self._rows_of(name)
+        shape = self.spec[name].shape
         self._row_weight[name] = torch.zeros(stop - start, dtype=torch.float64)
-        shape = (stop - start, *want.shape[1:]) if want.shape else ()
-        acc = self._acc[name] = torch.zeros(shape, dtype=torch.float32)
-        return acc
+        self._acc[name] = torch.zeros((stop - start, *shape[1:]) if shape else (), dtype=torch.float32)
+        return self._acc[name]
 
     @torch.no_grad()
     def _accumulate(self, reply: ShardReply) -> None:
         w = float(reply.weight)
         for piece in reply.pieces:
-            want = self.spec[piece.name]
-            acc = self._acc.get(piece.name)
-            if acc is None:
-                acc = self._zeros(piece.name)
-            first = self._rows_of(piece.name)[0]
-            rows = slice(piece.row_offset - first, piece.row_offset - first + piece.rows)
-            target = acc[rows] if want.shape else acc
+            start = self._rows_of(piece.name)[0]
+            acc = self._acc[piece.name] if piece.name in self._acc else self._zeros(piece.name)
+            rows = slice(piece.row_offset - start, piece.row_offset - start + piece.rows)
+            target = acc[rows] if acc.dim() else acc
             target.add_(piece.data.reshape(target.shape), alpha=w)  # fp32 += w * (fp32 | bf16): no temporary
             self._row_weight[piece.name][rows] += w
 
-    # ----- result ---------------------------------------------------------------------------------------------
     @torch.no_grad()
     def finalize(self) -> AggregationReport:
         """Turn the sums into the new global parameters (in place) and step the rule; return what was accepted."""
         if self._finalized:
             return self.report
         if not self.report.accepted:
-            raise RuntimeError(f"round {self.round}: no valid reply to aggregate "
-                               f"(rejected: {self.report.rejected})")
+            raise RuntimeError(f"round {self.round}: no valid reply to aggregate (rejected: {self.report.rejected})")
         self._exclude(out_of_bounds_verdicts(self._stats, self.outlier_ratio, sums=self._stack is None))
         if self._unfolded:  # cannot be: without exclusions every reply fitted the bound
             raise RuntimeError(f"round {self.round}: replies {self._unfolded} were not folded in")
         if self._stack is not None:
-            self._acc = self._stack.combine(self.combine, self.trim, len(self._stats))
-            self._stack = None
+            self._acc, self._stack = self._stack.combine(self.combine, self.trim, len(self._stats)), None
         else:
             self._divide()
         bad = [n for n, t in self._acc.items() if t.numel() and not all(map(math.isfinite, torch.aminmax(t)))]
@@ -404,12 +375,10 @@ class StreamingShardAggregator:
 
     @torch.no_grad()
     def _divide(self) -> None:
-        """The weighted mean from the sums (and the rule's step), in place."""
+        """The weighted mean from the sums (rows nobody sent: the global model's) and the rule's step, in place."""
         for name in (self.window if self.window is not None else self.spec):
-            acc = self._acc.get(name)
-            if acc is None:
-                acc = self._zeros(name)
             start, stop = self._rows_of(name)
+            acc = self._acc[name] if name in self._acc else self._zeros(name)
             weight = self._row_weight[name]
             covered = weight > 0
             view = acc.view(stop - start, -1)
@@ -423,14 +392,12 @@ class StreamingShardAggregator:
             if not isinstance(self.rule, FedAvg):
                 global_t = self.global_params[name]
                 state = self.state.get(name)
-                if state is None:
-                    state = self.rule.init_state(global_t.float())
-                new, self.state[name] = self.rule.apply_mean(global_t, acc, state)
+                new, self.state[name] = self.rule.apply_mean(global_t, acc, state if state is not None else
+                                                             self.rule.init_state(global_t.float()))
                 acc.copy_(new)
 
     def result(self, name: str, row_offset: int, rows: int | None = None) -> torch.Tensor:
-        """The new global rows `[row_offset, row_offset + rows)` of a parameter (fp32, a view; with a window,
-        rows inside it)."""
+        """The new global rows `[row_offset, row_offset + rows)` of a parameter (fp32, a view; within the window)."""
         if not self._finalized:
             raise RuntimeError("call finalize() first")
         acc = self._acc[name]
@@ -443,8 +410,7 @@ class StreamingShardAggregator:
         return acc[row_offset - start:end - start]
 
     def model(self) -> dict[str, torch.Tensor]:
-        """The new global parameters (fp32 accumulators, finalized; with a window, its rows), e.g. as the next
-        round's `global_params`."""
+        """The new global parameters (fp32; with a window, its rows), e.g. the next round's `global_params`."""
         if not self._finalized:
             raise RuntimeError("call finalize() first")
         return dict(self._acc)

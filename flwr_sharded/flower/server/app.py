@@ -19,11 +19,13 @@ from contextlib import contextmanager
 from logging import ERROR, INFO
 from typing import Any, Mapping
 
+from flwr.superlink.grid.inmemory_grid import InMemoryGrid
 from flwr.supercore import log
 
 from flwr_sharded import schema
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower.run_config import RUN_CONFIG, FlowerRun
+from flwr_sharded.flower.server.strategy import DecentralizedFedAvg
 from flwr_sharded.run_dir import METRICS, RunDir, check_run_dir, default_run_dir
 
 ALLOWED_IMPORTS_ENV = "FLWR_SHARDED_ALLOWED_IMPORTS"
@@ -66,8 +68,6 @@ def load_run(run_config: Mapping[str, Any], grid: Any = None, app_package: str =
     them in a simulation, whose `grid` is Flower's in-memory one); a ConfigError names the key (logged once), before
     any group is launched. `app_package`: the Flower app's own package, whose modules `strategy` and `outer` may
     name."""
-    from flwr.superlink.grid.inmemory_grid import InMemoryGrid
-
     try:
         run = FlowerRun.from_run_config(run_config)
         check_run_imports(run, app_package)
@@ -82,8 +82,6 @@ def load_run(run_config: Mapping[str, Any], grid: Any = None, app_package: str =
 def strategy_class(run: FlowerRun, app_package: str = "") -> type:
     """The `strategy` key's class (a DecentralizedFedAvg subclass, from a module the run may import), else the
     aggregation path's strategy."""
-    from flwr_sharded.flower.server.strategy import DecentralizedFedAvg
-
     name = run.federation.strategy
     if not name:
         if run.federation.aggregation == "server":

@@ -163,10 +163,11 @@ class Stream:
         """Every facility's rows of chunk `c`, folded into `self.aggregator` as they arrive; False if one failed."""
         f = self.strategy.run.federation
         label = f"chunk {c + 1}/{len(self.chunks)}"
-        self.aggregator = aggregator = StreamingShardAggregator(round=self.round, spec=self.spec, complete=False,
+        aggregator = StreamingShardAggregator(round=self.round, spec=self.spec, complete=False,
                                               window={name: (a, b) for name, a, b in chunk}, combine=f.server_rule,
                                               trim=f.server_trim, slots=len(self.participants),
                                               outlier_ratio=f.server_outlier_ratio, log_rejections=False)
+        self.aggregator = aggregator
         nodes_of: dict[str, int] = {}
         asked = {node: {shard_files.row_key(k, a): () if k in self.scalar[node] else (b - a,)
                         for k, a, b in self.requests[node][c]} for node in self.participants}
