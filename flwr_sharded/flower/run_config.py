@@ -184,10 +184,8 @@ class FlowerRun:
     def from_run_config(cls, run_config: Mapping[str, Any]) -> FlowerRun:
         """The run described by a Flower run config (flat keys; "" leaves an optional key unset); ConfigError for
         an unknown key or a value of the wrong type."""
-        method = run_config.get("method")
-        if isinstance(method, str) and method not in _fl_methods():
-            raise RUN_CONFIG.error(f"'method' must be one of {', '.join(_fl_methods())} (each Flower client is one "
-                                   f"federation group); got {method!r}")
+        if isinstance(run_config.get("method"), str):
+            _check_method(run_config["method"])
         return schema.from_flat(cls(), run_config, RUN_CONFIG)
 
     def to_json(self) -> str:
@@ -280,9 +278,7 @@ class FlowerRun:
         for o in schema.options(FlowerRun):
             o.check(schema.get(self, o.path), S)
         p, f, d = self.train.parallel, self.federation, self.deadlines
-        if p.method not in _fl_methods():
-            raise S.error(f"{L('method')} must be one of {', '.join(_fl_methods())} (each Flower client is one "
-                          f"federation group); got {p.method!r}")
+        _check_method(p.method)
         if f.facilities is not None and any(not x.strip() for x in f.facilities.split(",")):
             raise S.error(f"{L('facilities')} must be comma-separated non-empty names, one per partition id (e.g. "
                           f"\"a,a,b,b\"); got {f.facilities!r}")
@@ -353,8 +349,12 @@ class FlowerRun:
             raise respelled(exc, RUN_CONFIG) from None
 
 
-def _fl_methods() -> list[str]:
-    return [m for m in METHODS if m.startswith("fl-")]
+def _check_method(method: str) -> None:
+    """ConfigError unless `method` is a federated one (each Flower client is one federation group)."""
+    methods = [m for m in METHODS if m.startswith("fl-")]
+    if method not in methods:
+        raise RUN_CONFIG.error(f"'method' must be one of {', '.join(methods)} (each Flower client is one federation "
+                               f"group); got {method!r}")
 
 
 # -------------------------------------------------------------------------------------------- the app's config

@@ -72,28 +72,25 @@ class GroupMembership:
         d = self.deadlines
         deadline = time.monotonic() + d.sample_timeout
         told = time.monotonic() - 30.0 + min(5.0, d.sample_timeout / 4)  # first said after 5 s, then every 30 s
-        while True:
-            nodes = sorted(grid.get_node_ids())
-            if d.num_groups and len(nodes) >= d.num_groups:
-                self.sampled = nodes[:d.num_groups]
-                return self.sampled
+        while not (d.num_groups and len(nodes := sorted(grid.get_node_ids())) >= d.num_groups):
             if d.num_groups and told + 30.0 <= time.monotonic() < deadline:
                 told = time.monotonic()
                 log(INFO, "waiting for nodes: %d of num-groups %d connected; in %.0f s (sample-timeout) the run goes "
                     "on with those connected, if at least min-groups %d (a simulation has as many nodes as SuperNodes: "
                     "--federation-config num-supernodes=N)", len(nodes), d.num_groups, deadline - told, d.min_groups)
             if time.monotonic() >= deadline:
-                if len(nodes) >= max(1, d.min_groups):
-                    if d.num_groups:
-                        log(WARNING, "only %d of %d expected nodes connected within %.0f s; going on with them",
-                            len(nodes), d.num_groups, d.sample_timeout)
-                    self.sampled = nodes
-                    return nodes
-                text = (f"only {len(nodes)} node(s) connected within {d.sample_timeout:.0f} s, fewer than "
-                        f"min-groups {d.min_groups}")
-                log(ERROR, "%s", text)
-                raise RuntimeError(text)
+                if len(nodes) < max(1, d.min_groups):
+                    text = (f"only {len(nodes)} node(s) connected within {d.sample_timeout:.0f} s, fewer than "
+                            f"min-groups {d.min_groups}")
+                    log(ERROR, "%s", text)
+                    raise RuntimeError(text)
+                if d.num_groups:
+                    log(WARNING, "only %d of %d expected nodes connected within %.0f s; going on with them",
+                        len(nodes), d.num_groups, d.sample_timeout)
+                break
             time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
+        self.sampled = nodes[:d.num_groups] if d.num_groups else nodes
+        return self.sampled
 
     def hello(self, grid: Grid) -> None:
         """Set up every sampled group; keep those that match the run and each other (ConfigError below min-groups)."""
@@ -160,8 +157,7 @@ class GroupMembership:
                 error = (f"offers {len(layout.rendezvous_ports)} rendezvous ports for "
                          f"{expected.train.parallel.shards} shard indices")
             if error:
-                self.left_out[node] = error
-                log(ERROR, "group on node %d left out: %s", node, error)
+                self.leave_out(node, error)
                 continue
             candidates[node] = GroupInfo(node, partition, layout, str(info.get("fingerprint", "")),
                                          int(metrics.get("tokens", 0)), int(metrics.get("resumed_round", 0)),
@@ -203,6 +199,11 @@ class GroupMembership:
             log(INFO, "round %d: group(s) on node(s) %s rejoin; the round starts with a catch-up", server_round,
                 joined)
         return joined
+
+    def leave_out(self, node: int, why: str) -> None:
+        """Leave the group on `node` out of the run, logged."""
+        self.left_out[node] = why
+        log(ERROR, "group on node %d left out: %s", node, why)
 
     def catch_up_source(self, group: GroupInfo) -> int | None:
         """The member a rejoining group must match and catches up from: member 0."""
@@ -280,8 +281,7 @@ class GroupMembership:
         common, _ = Counter(key(g) for g in candidates.values()).most_common(1)[0]
         for node, g in list(candidates.items()):
             if key(g) != common:
-                self.left_out[node] = reason(g, common)
-                log(ERROR, "group on node %d left out: %s", node, self.left_out[node])
+                self.leave_out(node, reason(g, common))
                 del candidates[node]
         return common
 
