@@ -18,7 +18,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from flwr_sharded.flower import store_channel as channel
+from flwr_sharded.flower import store_channel
 
 WAIT_SLICE_S = 0.2
 """Longest one wait on the server lasts before the client looks at `abort()` and its deadline again."""
@@ -44,7 +44,7 @@ class StoreUnreachable(RuntimeError):
 class RoundStore(dist.Store):
     """An authenticated connection to one round's scope of a `StoreServer`."""
 
-    def __init__(self, sock: socket.socket, sealer: channel.Sealer, *, timeout: float,
+    def __init__(self, sock: socket.socket, sealer: store_channel.Sealer, *, timeout: float,
                  abort: Callable[[], str] | None = None) -> None:
         super().__init__()
         self._sock, self._sealer, self._lock = sock, sealer, threading.Lock()
@@ -65,7 +65,7 @@ class RoundStore(dist.Store):
                 sock, sealer = _admitted(host, port, scope.encode(), secret,
                                          max(0.1, min(2.0, deadline - time.monotonic())))
                 store = cls(sock, sealer, timeout=timeout, abort=abort)
-            except (OSError, channel.ChannelError) as exc:
+            except (OSError, store_channel.ChannelError) as exc:
                 reason = abort() if abort is not None else ""
                 if reason:
                     raise StoreAborted(reason) from None
@@ -77,24 +77,24 @@ class RoundStore(dist.Store):
     # ----- requests -------------------------------------------------------------------------------------------
     def _request(self, op: bytes, *fields: bytes) -> tuple[bytes, list[bytes]]:
         with self._lock:
-            self._sock.sendall(self._sealer.seal(channel.pack(op, *fields)))
-            size = channel.frame_length(_read(self._sock, 4), channel.FRAME_MAX_BYTES)
+            self._sock.sendall(self._sealer.seal(store_channel.pack(op, *fields)))
+            size = store_channel.frame_length(_read(self._sock, 4), store_channel.FRAME_MAX_BYTES)
             payload = _read(self._sock, size)
-            status, out = channel.unpack(self._sealer.open(payload, _read(self._sock, channel.MAC_BYTES)))
-        if status == channel.CLOSED:
+            status, out = store_channel.unpack(self._sealer.open(payload, _read(self._sock, store_channel.MAC_BYTES)))
+        if status == store_channel.CLOSED:
             raise RoundClosed("the round's host ended the round")
-        if status == channel.ERROR:
+        if status == store_channel.ERROR:
             raise RuntimeError(f"rendezvous store: {out[0].decode(errors='replace') if out else 'error'}")
         return status, out
 
     def peek(self, key: str) -> bytes | None:
         """The value of `key`, or None if it is not there (never waits)."""
-        status, out = self._request(channel.GET, key.encode())
-        return out[0] if status == channel.OK else None
+        status, out = self._request(store_channel.GET, key.encode())
+        return out[0] if status == store_channel.OK else None
 
     def turned_away(self) -> int:
         """How many connections the server turned away (too many unproven ones) since the round opened."""
-        return int(self._request(channel.TURNED_AWAY)[1][0])
+        return int(self._request(store_channel.TURNED_AWAY)[1][0])
 
     def check_abort(self) -> None:
         """Raise StoreAborted if `abort()` gives a reason (called at most every ABORT_POLL_S)."""
@@ -109,14 +109,14 @@ class RoundStore(dist.Store):
     def wait_slice(self, keys: Sequence[str], seconds: float) -> bool:
         """Wait on the server up to `seconds` (at most WAIT_SLICE_S) for every key; True if they are all there."""
         millis = str(int(1000 * max(0.0, min(WAIT_SLICE_S, seconds)))).encode()
-        return self._request(channel.WAIT, millis, *(k.encode() for k in keys))[0] == channel.OK
+        return self._request(store_channel.WAIT, millis, *(k.encode() for k in keys))[0] == store_channel.OK
 
     def close(self) -> None:
         self._sock.close()
 
     # ----- the Store interface --------------------------------------------------------------------------------
     def set(self, key: str, value: bytes | str) -> None:
-        self._request(channel.SET, key.encode(), _bytes(value))
+        self._request(store_channel.SET, key.encode(), _bytes(value))
 
     def get(self, key: str) -> bytes:
         deadline = time.monotonic() + self._timeout_s
@@ -131,19 +131,19 @@ class RoundStore(dist.Store):
         self._wait_until(keys, time.monotonic() + seconds)
 
     def check(self, keys: Sequence[str]) -> bool:
-        return self._request(channel.CHECK, *(k.encode() for k in keys))[0] == channel.OK
+        return self._request(store_channel.CHECK, *(k.encode() for k in keys))[0] == store_channel.OK
 
     def add(self, key: str, amount: int) -> int:
-        return int(self._request(channel.ADD, key.encode(), str(int(amount)).encode())[1][0])
+        return int(self._request(store_channel.ADD, key.encode(), str(int(amount)).encode())[1][0])
 
     def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
-        return self._request(channel.COMPARE_SET, key.encode(), _bytes(expected), _bytes(desired))[1][0]
+        return self._request(store_channel.COMPARE_SET, key.encode(), _bytes(expected), _bytes(desired))[1][0]
 
     def delete_key(self, key: str) -> bool:
-        return self._request(channel.DELETE, key.encode())[0] == channel.OK
+        return self._request(store_channel.DELETE, key.encode())[0] == store_channel.OK
 
     def num_keys(self) -> int:
-        return int(self._request(channel.NUM_KEYS)[1][0])
+        return int(self._request(store_channel.NUM_KEYS)[1][0])
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         return [self.get(k) for k in keys]
@@ -166,27 +166,29 @@ class RoundStore(dist.Store):
 
 
 def _admitted(host: str, port: int, scope: bytes, secret: bytes,
-              timeout: float) -> tuple[socket.socket, channel.Sealer]:
+              timeout: float) -> tuple[socket.socket, store_channel.Sealer]:
     """A connection to host:port that proved `secret` for `scope` and received the server's proof."""
     sock = socket.create_connection((host, port), timeout=timeout)
     try:
-        greeting = _read(sock, len(channel.GREETING) + channel.NONCE_BYTES)
-        if not greeting.startswith(channel.GREETING):
-            raise channel.ChannelError(f"{host}:{port} is not a rendezvous store")
-        server_nonce, client_nonce = greeting[len(channel.GREETING):], secrets.token_bytes(channel.NONCE_BYTES)
-        proof = channel.client_proof(secret, scope, server_nonce, client_nonce)
-        sock.sendall(channel.plain_frame(channel.pack(b"h", scope, client_nonce, proof)))
+        greeting = _read(sock, len(store_channel.GREETING) + store_channel.NONCE_BYTES)
+        if not greeting.startswith(store_channel.GREETING):
+            raise store_channel.ChannelError(f"{host}:{port} is not a rendezvous store")
+        server_nonce = greeting[len(store_channel.GREETING):]
+        client_nonce = secrets.token_bytes(store_channel.NONCE_BYTES)
+        proof = store_channel.client_proof(secret, scope, server_nonce, client_nonce)
+        sock.sendall(store_channel.plain_frame(store_channel.pack(b"h", scope, client_nonce, proof)))
         try:
-            answer = _read(sock, 1 + channel.MAC_BYTES)
+            answer = _read(sock, 1 + store_channel.MAC_BYTES)
         except ConnectionError as exc:
-            raise channel.ChannelError("the store refused this member (the round is not open there yet, or its "
-                                       "secret differs)") from exc
-        expected = channel.server_proof(secret, scope, server_nonce, client_nonce)
-        if answer[:1] != channel.ACCEPT or not secrets.compare_digest(answer[1:], expected):
-            raise channel.ChannelError(f"{host}:{port} did not prove the round's secret (not the round's host)")
+            raise store_channel.ChannelError("the store refused this member (the round is not open there yet, or "
+                                             "its secret differs)") from exc
+        expected = store_channel.server_proof(secret, scope, server_nonce, client_nonce)
+        if answer[:1] != store_channel.ACCEPT or not secrets.compare_digest(answer[1:], expected):
+            raise store_channel.ChannelError(f"{host}:{port} did not prove the round's secret (not the round's host)")
         sock.settimeout(REPLY_TIMEOUT_S)
-        key = channel.session_key(secret, scope, server_nonce, client_nonce)
-        sealer = channel.Sealer(key, sending=channel.CLIENT_TO_SERVER, receiving=channel.SERVER_TO_CLIENT)
+        key = store_channel.session_key(secret, scope, server_nonce, client_nonce)
+        sealer = store_channel.Sealer(key, sending=store_channel.CLIENT_TO_SERVER,
+                                      receiving=store_channel.SERVER_TO_CLIENT)
         return sock, sealer
     except BaseException:
         sock.close()

@@ -20,7 +20,7 @@ import socket
 import threading
 from dataclasses import dataclass, field
 
-from flwr_sharded.flower import store_channel as channel
+from flwr_sharded.flower import store_channel
 
 logger = logging.getLogger(__name__)
 
@@ -175,43 +175,46 @@ class StoreServer:
                     del self._pending_by_host[host]
             if admitted is not None:
                 await self._session(reader, writer, *admitted)
-        except (channel.ChannelError, OSError, EOFError, asyncio.IncompleteReadError, asyncio.TimeoutError):
+        except (store_channel.ChannelError, OSError, EOFError, asyncio.IncompleteReadError, asyncio.TimeoutError):
             pass  # a stranger, a member gone or its round closed: the connection ends
         finally:
             writer.close()
 
     async def _handshake(self, reader: asyncio.StreamReader,
-                         writer: asyncio.StreamWriter) -> tuple[_Round, channel.Sealer] | None:
-        server_nonce = secrets.token_bytes(channel.NONCE_BYTES)
-        writer.write(channel.GREETING + server_nonce)
+                         writer: asyncio.StreamWriter) -> tuple[_Round, store_channel.Sealer] | None:
+        server_nonce = secrets.token_bytes(store_channel.NONCE_BYTES)
+        writer.write(store_channel.GREETING + server_nonce)
         await writer.drain()
-        size = channel.frame_length(await reader.readexactly(4), channel.HELLO_MAX_BYTES)
-        head, fields = channel.unpack(await reader.readexactly(size))
-        if head != b"h" or len(fields) != 3 or len(fields[1]) != channel.NONCE_BYTES:
+        size = store_channel.frame_length(await reader.readexactly(4), store_channel.HELLO_MAX_BYTES)
+        head, fields = store_channel.unpack(await reader.readexactly(size))
+        if head != b"h" or len(fields) != 3 or len(fields[1]) != store_channel.NONCE_BYTES:
             return None
         scope, client_nonce, proof = fields
         round_ = self._rounds.get(scope)
         if round_ is None or len(round_.writers) >= MAX_CONNECTIONS_PER_SCOPE:
             return None
-        if not hmac.compare_digest(proof, channel.client_proof(round_.secret, scope, server_nonce, client_nonce)):
+        if not hmac.compare_digest(proof, store_channel.client_proof(round_.secret, scope, server_nonce, client_nonce)):
             return None
-        writer.write(channel.ACCEPT + channel.server_proof(round_.secret, scope, server_nonce, client_nonce))
+        writer.write(store_channel.ACCEPT + store_channel.server_proof(round_.secret, scope, server_nonce,
+                                                                       client_nonce))
         await writer.drain()
-        key = channel.session_key(round_.secret, scope, server_nonce, client_nonce)
-        return round_, channel.Sealer(key, sending=channel.SERVER_TO_CLIENT, receiving=channel.CLIENT_TO_SERVER)
+        key = store_channel.session_key(round_.secret, scope, server_nonce, client_nonce)
+        return round_, store_channel.Sealer(key, sending=store_channel.SERVER_TO_CLIENT,
+                                            receiving=store_channel.CLIENT_TO_SERVER)
 
     async def _session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, round_: _Round,
-                       sealer: channel.Sealer) -> None:
+                       sealer: store_channel.Sealer) -> None:
         round_.writers.add(writer)
         try:
             while True:
-                size = channel.frame_length(await reader.readexactly(4), channel.FRAME_MAX_BYTES)
+                size = store_channel.frame_length(await reader.readexactly(4), store_channel.FRAME_MAX_BYTES)
                 payload = await reader.readexactly(size)
-                op, fields = channel.unpack(sealer.open(payload, await reader.readexactly(channel.MAC_BYTES)))
+                mac = await reader.readexactly(store_channel.MAC_BYTES)
+                op, fields = store_channel.unpack(sealer.open(payload, mac))
                 try:
                     reply = await self._op(round_, op, fields)
                 except (StoreFull, ValueError, IndexError) as exc:
-                    reply = channel.pack(channel.ERROR, str(exc).encode())
+                    reply = store_channel.pack(store_channel.ERROR, str(exc).encode())
                 writer.write(sealer.seal(reply))
                 await writer.drain()
         finally:
@@ -220,19 +223,19 @@ class StoreServer:
     # ----- the operations -------------------------------------------------------------------------------------
     async def _op(self, round_: _Round, op: bytes, fields: list[bytes]) -> bytes:
         data = round_.data
-        if op == channel.TURNED_AWAY:
-            return channel.pack(channel.OK, str(round_.turned_away).encode())
+        if op == store_channel.TURNED_AWAY:
+            return store_channel.pack(store_channel.OK, str(round_.turned_away).encode())
         if round_.closed:
-            return channel.CLOSED
-        if op == channel.SET:
+            return store_channel.CLOSED
+        if op == store_channel.SET:
             await self._put(round_, _key(fields[0]), _value(fields[1]))
-            return channel.OK
-        if op == channel.GET:
+            return store_channel.OK
+        if op == store_channel.GET:
             value = data.get(fields[0])
-            return channel.MISSING if value is None else channel.pack(channel.OK, value)
-        if op == channel.CHECK:
-            return channel.OK if all(k in data for k in fields) else channel.MISSING
-        if op == channel.WAIT:
+            return store_channel.MISSING if value is None else store_channel.pack(store_channel.OK, value)
+        if op == store_channel.CHECK:
+            return store_channel.OK if all(k in data for k in fields) else store_channel.MISSING
+        if op == store_channel.WAIT:
             slice_s = min(WAIT_SLICE_MAX_S, max(0.0, int(fields[0]) / 1000))
             keys = fields[1:]
             async with round_.changed:
@@ -240,23 +243,23 @@ class StoreServer:
                     await asyncio.wait_for(round_.changed.wait_for(
                         lambda: round_.closed or all(k in data for k in keys)), slice_s)
                 except asyncio.TimeoutError:
-                    return channel.MISSING
-            return channel.CLOSED if round_.closed else channel.OK
-        if op == channel.ADD:
+                    return store_channel.MISSING
+            return store_channel.CLOSED if round_.closed else store_channel.OK
+        if op == store_channel.ADD:
             value = str(int(data.get(fields[0], b"0")) + int(fields[1])).encode()
             await self._put(round_, _key(fields[0]), value)
-            return channel.pack(channel.OK, value)
-        if op == channel.COMPARE_SET:
+            return store_channel.pack(store_channel.OK, value)
+        if op == store_channel.COMPARE_SET:
             key, expected, desired = _key(fields[0]), fields[1], _value(fields[2])
             current = data.get(key)
             if (current is None and not expected) or current == expected:
                 await self._put(round_, key, desired)
-                return channel.pack(channel.OK, desired)
-            return channel.pack(channel.OK, b"" if current is None else current)
-        if op == channel.DELETE:
-            return channel.OK if self._drop(round_, fields[0]) else channel.MISSING
-        if op == channel.NUM_KEYS:
-            return channel.pack(channel.OK, str(len(data)).encode())
+                return store_channel.pack(store_channel.OK, desired)
+            return store_channel.pack(store_channel.OK, b"" if current is None else current)
+        if op == store_channel.DELETE:
+            return store_channel.OK if self._drop(round_, fields[0]) else store_channel.MISSING
+        if op == store_channel.NUM_KEYS:
+            return store_channel.pack(store_channel.OK, str(len(data)).encode())
         raise ValueError(f"unknown operation {op!r}")
 
     async def _put(self, round_: _Round, key: bytes, value: bytes) -> None:
@@ -287,12 +290,12 @@ def round_scopes(prefix: str, shards: int) -> list[str]:
 
 
 def _key(key: bytes) -> bytes:
-    if len(key) > channel.KEY_MAX_BYTES:
-        raise ValueError(f"a key of {len(key)} bytes (at most {channel.KEY_MAX_BYTES})")
+    if len(key) > store_channel.KEY_MAX_BYTES:
+        raise ValueError(f"a key of {len(key)} bytes (at most {store_channel.KEY_MAX_BYTES})")
     return key
 
 
 def _value(value: bytes) -> bytes:
-    if len(value) > channel.VALUE_MAX_BYTES:
-        raise ValueError(f"a value of {len(value)} bytes (at most {channel.VALUE_MAX_BYTES})")
+    if len(value) > store_channel.VALUE_MAX_BYTES:
+        raise ValueError(f"a value of {len(value)} bytes (at most {store_channel.VALUE_MAX_BYTES})")
     return value
