@@ -34,7 +34,7 @@ from pathlib import Path
 
 from flwr_sharded import schema, tool_options
 from flwr_sharded.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
-from flwr_sharded.flower.run import FederationConfig
+from flwr_sharded.flower.run_config import FederationConfig
 from flwr_sharded.schema import same_as
 
 REPO = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ from flwr_sharded import schema
 
 HEADER = """# Options
 
-Generated from the configuration dataclasses (`flwr_sharded/config.py`, `flwr_sharded/flower/run.py`) by
+Generated from the configuration dataclasses (`flwr_sharded/config.py`, `flwr_sharded/flower/run_config.py`) by
 `flwr-sharded options --write docs/options.md`: edit the docstrings there, not this file.
 
 Every option has one flat name: the flag of `flwr-sharded train` / `python -m flwr_sharded.train` (`--name`; booleans
@@ -37,7 +37,7 @@ def _row(o: schema.Option, *cells: str, flag: bool = False) -> str:
 
 def render() -> str:
     from flwr_sharded.config import TrainConfig
-    from flwr_sharded.flower.run import ROUND_KEYS, FlowerRun
+    from flwr_sharded.flower.run_config import ROUND_KEYS, FlowerRun
 
     lines = [HEADER, "## Training (`flwr-sharded train`, YAML)", "",
              "| option | YAML key | type | default | meaning |", "|---|---|---|---|---|"]

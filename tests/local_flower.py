@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from flwr_sharded.flower.processes import pid_alive
+from flwr_sharded.flower.launch import pid_alive
 
 VENV_BIN = Path(sys.executable).parent
 """The environment's scripts (flwr, flower-superlink, torchrun): put in front of PATH."""

@@ -77,7 +77,7 @@ def test_a_resumed_run_continues_the_metrics_with_one_summary_at_the_end(tmp_pat
 
 
 def test_a_flower_run_resumed_in_its_run_dir_ends_with_one_summary(tmp_path):
-    from flwr_sharded.flower.run import FlowerRun
+    from flwr_sharded.flower.run_config import FlowerRun
     from flwr_sharded.flower.server.app import run_directory
 
     path = _flower_run(tmp_path / "run")

@@ -1,11 +1,9 @@
 """`flwr-sharded check`: a run config checked as the ServerApp checks it, before `flwr run` submits it.
 
-Flower refuses a key the app's `[tool.flwr.app.config]` lacks before the ServerApp runs, and `flwr run` then says
-only `Invalid run configuration.` (the key is in the SuperLink's log). This command reads the overrides with
-Flower's own parser (`flwr.common.config.parse_config_args`: `'key=value key2="text"'` strings, or one `.toml`
-file), fuses them with the app's defaults and runs the ServerApp's checks (`FlowerRun.from_run_config`, the
-allowed run-config imports of `flwr_sharded.flower.server.imports`, `validate` and `check_sources`: the model and
-the data, as on this machine unless `--deployment`), so an unknown key or a bad value is named, with the closest
+Flower refuses a key the app's `[tool.flwr.app.config]` lacks with only `Invalid run configuration.` (the key is in
+the SuperLink's log). This reads the overrides with Flower's own parser (`'key=value key2="text"'`, or a `.toml`
+file), fuses them with the app's defaults and runs the ServerApp's checks (the schema, the allowed imports,
+`validate`, and the model and data as on this machine unless `--deployment`), naming a bad key, with the closest
 keys for a typo.
 """
 
@@ -20,8 +18,8 @@ from typing import Any
 
 from flwr_sharded import schema
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.flower.run import RUN_CONFIG, FlowerRun
-from flwr_sharded.flower.server.imports import check_run_imports
+from flwr_sharded.flower.run_config import RUN_CONFIG, FlowerRun
+from flwr_sharded.flower.server.app import check_run_imports
 
 _PAIR = re.compile(r"(\S+?)=(\'[^\']*\'|\"[^\"]*\"|\S+)")
 """A `key=value` pair as `parse_config_args` finds it; text outside such pairs is what Flower ignores."""

@@ -1,10 +1,8 @@
-"""The local authenticated endpoint between a node's ClientApp and its group's rank 0: both ends. Torch-free.
+"""The local endpoint between a node's ClientApp and its group's rank 0, both ends. Torch-free.
 
-`multiprocessing.connection` with an authkey (HMAC challenge and response in both directions, per connection, each
-in its own thread so a stalled caller blocks nobody), carrying JSON (`send_bytes`/`recv_bytes`, never pickle), one
-instruction per connection. The server hands instructions to the group's main loop one at a time; `collect` and
-`abort` instructions are answered from the connection's own thread (`collect` waiting for a detached job's result),
-so they never queue behind the job they concern.
+One JSON instruction per `multiprocessing.connection` connection (never pickle), authenticated both ways with the
+authkey, each connection in its own thread. The group's main loop takes instructions one at a time; `collect` and
+`abort` are answered from their connection's thread, so they never queue behind the job they concern.
 """
 
 from __future__ import annotations
@@ -22,23 +20,22 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.flower import messages as M
+from flwr_sharded.flower.messages import (ABORT, COLLECT, MAX_MESSAGE_BYTES, ProtocolError, check_instruction,
+                                          decode, encode, instruction, reply_error, reply_ok)
 
 logger = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT_S = 10.0
 """A connection that does not send its instruction within this time after the handshake is dropped."""
 AUTH_TIMEOUT_S = 5.0
-"""The handshake's deadline: a connection that has not answered the challenge this long after it was accepted is
-shut down, however it trickles its bytes (a legitimate one takes milliseconds). It also bounds every later read
-that makes no progress (a caller that stalls in the middle of its request)."""
+"""A connection that has not answered the challenge this long after it was accepted is shut down, however it
+trickles its bytes; it also bounds every later read that makes no progress."""
 SEND_TIMEOUT_S = 60.0
 """A reply that the caller does not read within this time is dropped."""
 MAX_UNAUTHENTICATED = 8
 """Connections in the handshake at once; a newcomer past the cap displaces the oldest one."""
 MAX_HANDSHAKES_PER_PEER = 4
-"""Connections from one peer address in the handshake at once; a newcomer from that address past the cap displaces
-that address's oldest one (so one slow client holds at most this many of the `MAX_UNAUTHENTICATED`)."""
+"""Connections from one peer address in the handshake at once; a newcomer past the cap displaces its oldest one."""
 MAX_CONNECTIONS = 64
 """Authenticated connections served at once (requests being read, collects waiting for their job)."""
 KEPT_JOBS = 4
@@ -100,8 +97,8 @@ def read_authkey(path: str | Path) -> bytes:
 
 
 def _set_io_timeouts(conn: Connection, receive_s: float, send_s: float) -> None:
-    """Bound every blocking read and write on `conn`'s socket (SO_RCVTIMEO / SO_SNDTIMEO): a stalled peer then
-    raises OSError instead of holding the thread forever."""
+    """Bound every blocking read and write on `conn`'s socket: a stalled peer raises OSError instead of holding the
+    thread forever."""
     sock = socket.socket(fileno=os.dup(conn.fileno()))
     try:
         for option, seconds in ((socket.SO_RCVTIMEO, receive_s), (socket.SO_SNDTIMEO, send_s)):
@@ -123,13 +120,10 @@ class GroupClient:
 
     def call(self, verb: str, args: Mapping[str, Any] | None = None, *, timeout: float = 600.0,
              detach: bool = False) -> dict[str, Any]:
-        """Send one instruction and return the group's `result` (`detach`: the job's id, at once; see `collect`).
-
-        Raises GroupUnavailable (cannot connect, bad key, connection lost, no reply within `timeout` seconds) or
-        GroupError (the group replied with an error).
-        """
+        """Send one instruction and return the group's `result` (`detach`: the job's id, at once; see `collect`);
+        GroupUnavailable (no connection, bad key, lost, no reply within `timeout` s), GroupError (an error reply)."""
         box: dict[str, Any] = {}
-        request = M.encode(M.instruction(verb, args, detach=detach), allow_nan=False)
+        request = encode(instruction(verb, args, detach=detach), allow_nan=False)
 
         def run() -> None:
             try:
@@ -137,8 +131,7 @@ class GroupClient:
             except BaseException as exc:  # handed to the caller
                 box["error"] = exc
 
-        # A worker thread bounds even the parts of the stdlib client that block without a timeout (connect,
-        # handshake); if it hangs it is abandoned as a daemon.
+        # a worker thread bounds even the stdlib client's waits without a timeout; if it hangs it is abandoned
         worker = threading.Thread(target=run, name=f"group-call-{verb}", daemon=True)
         worker.start()
         worker.join(timeout + self.connect_timeout + 5.0)
@@ -153,7 +146,7 @@ class GroupClient:
 
     def collect(self, job: str, *, timeout: float) -> dict[str, Any]:
         """The result of the detached job `job`, waiting for it at most `timeout` seconds."""
-        return self.call(M.COLLECT, {"job": job, "wait": timeout}, timeout=timeout + 5.0)
+        return self.call(COLLECT, {"job": job, "wait": timeout}, timeout=timeout + 5.0)
 
     def _exchange(self, request: bytes, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + self.connect_timeout
@@ -180,7 +173,7 @@ class GroupClient:
                 conn.send_bytes(request)
                 if not conn.poll(timeout):
                     raise GroupUnavailable(f"group at {self.address}: no reply within {timeout:.0f} s")
-                return M.decode(conn.recv_bytes(M.MAX_MESSAGE_BYTES), allow_nan=True)  # a loss may be NaN
+                return decode(conn.recv_bytes(MAX_MESSAGE_BYTES), allow_nan=True)  # a loss may be NaN
             except (EOFError, OSError) as exc:
                 raise GroupUnavailable(f"lost the connection to the group at {self.address} (did the group "
                                        f"die?): {exc!r}") from exc
@@ -196,7 +189,7 @@ class Request:
 
     def reply(self, reply: Mapping[str, Any]) -> None:
         try:
-            self.conn.send_bytes(M.encode(reply))
+            self.conn.send_bytes(encode(reply))
         except OSError as exc:
             logger.warning("could not deliver the %s reply (caller gone?): %s", self.verb, exc)
         finally:
@@ -204,14 +197,9 @@ class Request:
 
 
 class Handshakes:
-    """The connections in the handshake until the caller has answered the challenge (proved it holds the key), each
-    shut down at its deadline (`timeout` after it was accepted, not a timeout per read that restarts on every byte),
-    at most `per_peer` from one peer address and `total` in all.
-
-    A newcomer past a cap displaces the oldest handshake it competes with (its address's, else anyone's) rather
-    than being refused: a legitimate handshake takes milliseconds, so the oldest one is the stalled one, and slow
-    connections cannot keep a client out for longer than their own handshakes last.
-    """
+    """The connections whose caller has not proven the key yet, each shut down `timeout` after it was accepted, at
+    most `per_peer` from one address and `total` in all. A newcomer past a cap displaces the oldest handshake it
+    competes with: a legitimate one takes milliseconds, so slow connections cannot keep a client out."""
 
     def __init__(self, timeout: float, total: int, per_peer: int) -> None:
         self.timeout, self.total, self.per_peer = timeout, total, per_peer
@@ -253,10 +241,6 @@ class Handshakes:
         if entry is not None:
             entry[2].close()
 
-    def in_progress(self) -> int:
-        with self._changed:
-            return len(self._open)
-
     def close(self) -> None:
         with self._changed:
             self._closed = True
@@ -285,14 +269,11 @@ class Handshakes:
 
 
 class EndpointServer:
-    """Rank 0's endpoint: authenticated instructions arrive on `incoming`; `collect` is answered here.
+    """Rank 0's endpoint: authenticated instructions arrive on `incoming`; `collect` and `abort` are answered here.
 
-    Hostile or broken callers cost a bounded amount: a caller must answer the challenge within `auth_timeout` of
-    its connection (every later read that makes no progress too), at most `max_unauthenticated` connections may be
-    in the handshake, `max_per_peer` of them from one address (`Handshakes`: a newcomer displaces the oldest), and
-    `max_connections` past it (more are answered with an error at once), and a request that is not a well-formed
-    instruction (not JSON, nested too deep, NaN, unknown verb) is answered with an error without reaching the main
-    loop.
+    Hostile or broken callers cost a bounded amount: `auth_timeout` and the caps of `Handshakes` before the key is
+    proven, `max_connections` after it (more are answered with an error at once), and a request that is not a
+    well-formed instruction is answered with an error without reaching the main loop.
     """
 
     def __init__(self, address: tuple[str, int], authkey: bytes, *, auth_timeout: float = AUTH_TIMEOUT_S,
@@ -333,18 +314,18 @@ class EndpointServer:
         try:
             job, wait = str(args.get("job", "")), float(args.get("wait", 0.0))
         except (TypeError, ValueError):
-            return M.reply_error(f"collect: 'wait' must be a number of seconds, got {args.get('wait')!r}")
+            return reply_error(f"collect: 'wait' must be a number of seconds, got {args.get('wait')!r}")
         deadline = time.monotonic() + wait
         with self._done:
             while True:
                 if job not in self._jobs:
-                    return M.reply_error(f"no job {job!r} on this group (it was never started here, or the group "
-                                         f"restarted)")
+                    return reply_error(f"no job {job!r} on this group (it was never started here, or the group "
+                                       f"restarted)")
                 if self._jobs[job] is not None:
                     return self._jobs[job]  # type: ignore[return-value]
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    return M.reply_error(f"job {job!r} did not finish within {wait:.0f} s", {"pending": True})
+                    return reply_error(f"job {job!r} did not finish within {wait:.0f} s", {"pending": True})
                 self._done.wait(min(left, 1.0))
 
     # ----- connections --------------------------------------------------------------------------------------
@@ -376,7 +357,7 @@ class EndpointServer:
             conn.close()
             return
         if not self._connections.acquire(blocking=False):
-            Request(conn, "", {}, False).reply(M.reply_error("too many connections to this group's endpoint"))
+            Request(conn, "", {}, False).reply(reply_error("too many connections to this group's endpoint"))
             self.refused += 1
             if self.refused in (1, 10, 100) or self.refused % 1000 == 0:
                 logger.warning("answered a connection to the group endpoint with 'too many connections' (%d so far)",
@@ -395,28 +376,28 @@ class EndpointServer:
             if not conn.poll(REQUEST_TIMEOUT_S):
                 conn.close()
                 return
-            obj = M.decode(conn.recv_bytes(M.MAX_MESSAGE_BYTES))
-            verb, args = M.check_instruction(obj)
-        except (EOFError, OSError, M.ProtocolError) as exc:
+            obj = decode(conn.recv_bytes(MAX_MESSAGE_BYTES))
+            verb, args = check_instruction(obj)
+        except (EOFError, OSError, ProtocolError) as exc:
             logger.warning("bad request on the endpoint: %s", str(exc)[:200])
-            Request(conn, "", {}, False).reply(M.reply_error(f"bad request: {str(exc)[:200]}"))
+            Request(conn, "", {}, False).reply(reply_error(f"bad request: {str(exc)[:200]}"))
             return
         self.last_request = time.monotonic()
         request = Request(conn, verb, args, bool(obj.get("detach", False)))
-        if verb == M.COLLECT:
+        if verb == COLLECT:
             request.reply(self._collect(args))
-        elif verb == M.ABORT:
+        elif verb == ABORT:
             request.reply(self._abort(args))
         else:
             self.incoming.put(request)
 
     def _abort(self, args: Mapping[str, Any]) -> dict[str, Any]:
         if self.on_abort is None:
-            return M.reply_error("this endpoint takes no abort")
+            return reply_error("this endpoint takes no abort")
         try:
-            return M.reply_ok(self.on_abort(dict(args)))
+            return reply_ok(self.on_abort(dict(args)))
         except Exception as exc:  # noqa: BLE001 - reported to the caller; the group goes on
-            return M.reply_error(f"abort failed: {type(exc).__name__}: {exc}")
+            return reply_error(f"abort failed: {type(exc).__name__}: {exc}")
 
     def close(self) -> None:
         self._closed = True

@@ -1,4 +1,5 @@
-"""Starting and stopping the groups a ClientApp launches on its own machine (local simulation). Torch-free.
+"""Starting, watching and stopping the groups a ClientApp launches on its own machine (local simulation), the
+private directories a group keeps its files in, and the liveness checks of local processes. Torch-free.
 
 A launched group is `python -m torch.distributed.run --standalone --nproc-per-node R*S -m flwr_sharded.flower.group
 ...` in its own session, with a fresh authkey in a private run directory. On a machine with GPUs each group gets its
@@ -10,9 +11,11 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -20,9 +23,7 @@ from typing import Any, Mapping
 
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower.endpoint import GroupClient, GroupError, GroupUnavailable, read_authkey, write_authkey
-from flwr_sharded.flower import messages as M
-from flwr_sharded.flower.handoff import private_dir
-from flwr_sharded.flower.processes import pid_alive
+from flwr_sharded.flower.messages import SHUTDOWN
 
 logger = logging.getLogger(__name__)
 
@@ -43,15 +44,12 @@ class LaunchedGroup:
     """The ranks' pids, learned from the group's hello; killed by pid if the shutdown fails."""
 
     def to_record(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["worker_pids"] = [int(p) for p in self.worker_pids]
-        return out
+        return asdict(self) | {"worker_pids": [int(p) for p in self.worker_pids]}
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> LaunchedGroup:
-        return cls(pid=int(record["pid"]), address=str(record["address"]),
-                   authkey_file=str(record["authkey_file"]), log_file=str(record["log_file"]),
-                   run_dir=str(record["run_dir"]), worker_pids=[int(p) for p in record.get("worker_pids", [])])
+        return cls(int(record["pid"]), str(record["address"]), str(record["authkey_file"]), str(record["log_file"]),
+                   str(record["run_dir"]), [int(p) for p in record.get("worker_pids", [])])
 
     def client(self) -> GroupClient:
         return GroupClient(self.address, read_authkey(self.authkey_file))
@@ -61,6 +59,36 @@ class LaunchedGroup:
             return "\n".join(Path(self.log_file).read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
+
+
+def private_dir(path: str | Path) -> Path:
+    """`path` as a directory only this user can enter, made with mode 700 if missing (its parent must exist). An
+    existing one must be a real directory of this user's that nobody else may write to (they could swap its keys or
+    shards; ConfigError); one that others may read is made 700."""
+    path = Path(path)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode):
+        raise ConfigError(f"{path} exists and is not a directory (a link or a file); remove it or choose another")
+    if info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise ConfigError(f"directory {path} is not private to this user (owner uid {info.st_uid}, mode "
+                          f"{info.st_mode & 0o777:03o}: others may write to it); use a directory of your own with "
+                          f"mode 700 or remove it")
+    if info.st_mode & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
+
+def fresh_private_dir(prefix: str, parent: str | Path | None = None) -> str:
+    """A new directory (`mkdtemp`: mode 700, never one that existed) under `parent` (default: the temp dir)."""
+    try:
+        return tempfile.mkdtemp(prefix=prefix, dir=None if parent is None else str(parent))
+    except OSError as exc:
+        raise ConfigError(f"cannot make a private directory under {parent or tempfile.gettempdir()}: {exc}; it must "
+                          f"be an existing directory this user can write to") from None
 
 
 def default_run_root() -> Path:
@@ -103,6 +131,41 @@ def assign_gpus(partition_id: int, ranks: int, gpus: list[str], requested: str =
 
 
 # ------------------------------------------------------------------------------------------- start and stop
+
+def pid_alive(pid: int) -> bool:
+    """True if `pid` runs (zombies count as gone; our own exited children are reaped)."""
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done == pid:
+            return False
+    except ChildProcessError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def exit_with_parent() -> None:
+    """Exit this process as soon as its parent (a rank's torchrun agent) is gone: no orphaned ranks after a
+    `kill -9`."""
+    parent = os.getppid()
+
+    def loop() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(3)
+
+    threading.Thread(target=loop, name="parent-watch", daemon=True).start()
+
 
 def launch_group(run_dir: str | Path, *, method: str, replicas: int, shards: int, idle_timeout: float = 600.0,
                  watch_pid: int | None = None, data_dir: str = "", ready_timeout: float = 180.0,
@@ -166,7 +229,7 @@ def stop_group(group: LaunchedGroup, *, graceful: bool = True, timeout: float = 
     """Shut a launched group down: the shutdown verb, then SIGTERM, then SIGKILL by pid. True if all exited."""
     if graceful and pid_alive(group.pid) and group.address:
         try:
-            group.client().call(M.SHUTDOWN, timeout=min(timeout, 10.0))
+            group.client().call(SHUTDOWN, timeout=min(timeout, 10.0))
         except (GroupUnavailable, GroupError, ConfigError) as exc:
             logger.warning("shutdown of group %s: %s", group.address, exc)
     pids = [group.pid, *group.worker_pids]

@@ -1,15 +1,11 @@
 """What the ServerApp, the thin ClientApp and a group runtime say to each other. Torch-free.
 
-Two hops carry an instruction:
-
     ServerApp --(Flower Message: ConfigRecord "config")--> ClientApp --(local endpoint: JSON)--> group rank 0
 
-The ClientApp forwards the ConfigRecord's keys unchanged (adding what only its node knows: partition id, data
-directory, facility); the group parses them into the typed arguments below, and a key it does not know is an error
-reply, never dropped. An endpoint instruction is `{"version", "verb", "args"}`; a reply is `{"ok", "error",
-"result"}`. A train round travels as two Flower messages pushed together: `train` starts the round in the group
-and is answered at once, `query.collect` waits for its result (so a simulation with fewer concurrent ClientApps than
-groups never blocks one group's call on another group's rendezvous).
+The ClientApp forwards the config's keys unchanged (adding what only its node knows); the group parses them into
+the typed arguments below, and a key it does not know is an error reply, never dropped. An endpoint instruction is
+`{"version", "verb", "args"}`, a reply `{"ok", "error", "result"}`. A round is a `train` message, answered at once,
+and `query.collect` messages that wait for its result.
 """
 
 from __future__ import annotations
@@ -20,7 +16,7 @@ from typing import Any, Mapping
 
 from flwr_sharded import schema
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.flower.run import RoundOptions
+from flwr_sharded.flower.run_config import RoundOptions
 from flwr_sharded.schema import option
 
 PROTOCOL_VERSION = 2
@@ -31,17 +27,15 @@ HELLO = "hello"
 TRAIN = "train"
 """K sync periods of A local steps, each followed by a shard sync with the named members (started detached)."""
 COLLECT = "collect"
-"""The result of a detached instruction (a train round), waiting for it up to a timeout; answered off the main loop."""
+"""The result of a detached instruction (a round), waited for up to a timeout; answered off the main loop."""
 ABORT = "abort"
-"""Members of a round are gone (the ServerApp knows): the round's rendezvous waits end at once instead of at their
-timeout; answered off the main loop."""
+"""Members of a round are gone: its rendezvous waits end at once; answered off the main loop."""
 EVALUATE = "evaluate"
 """Held-out loss and perplexity of the group's current weights."""
 STATUS = "status"
 """Liveness and progress; changes nothing."""
 APPLY = "apply"
-"""Server path: every rank assembles its own rows of the server's mean from the chunk files and steps the outer
-rule."""
+"""Server path: every rank adopts its own rows of the server's mean from the chunk files and steps the outer rule."""
 PULL = "pull"
 """Server path, answered by the ClientApp alone: rows of the pieces its group exported this round."""
 SAVE = "save"
@@ -74,14 +68,12 @@ START_TIMEOUT_S = 60.0
 """How long a ClientApp waits for its group to take a detached instruction (the group is idle between rounds)."""
 MAX_MESSAGE_BYTES = 64 << 20
 """Largest instruction or reply accepted on the local endpoint."""
+MAX_DEPTH = 32
+"""Deepest nesting of arrays and objects accepted in an endpoint message (the protocol itself needs 3)."""
 
 
 class ProtocolError(RuntimeError):
     """A malformed instruction or reply on the local endpoint."""
-
-
-MAX_DEPTH = 32
-"""Deepest nesting of arrays and objects accepted in an endpoint message (the protocol itself needs 3)."""
 
 
 def encode(obj: Mapping[str, Any], *, allow_nan: bool = True) -> bytes:
@@ -125,6 +117,7 @@ def instruction(verb: str, args: Mapping[str, Any] | None = None, *, detach: boo
 
 
 def check_instruction(obj: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(verb, args) of a decoded instruction; ProtocolError for another version, an unknown verb or bad args."""
     verb, args = obj.get("verb"), obj.get("args", {})
     if obj.get("version") != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {obj.get('version')!r}, this group speaks {PROTOCOL_VERSION}")
@@ -179,11 +172,10 @@ class TrainArgs:
     """A member (re)joined: every member adopts member 0's shards, outer state and step first."""
     member_shards: list[int] = option(factory=list, ge=1)
     """Every member's S, in member order, when they shard differently (the round syncs over the channels of their
-    sync plan, `flwr_sharded.flower.group.channels`); empty: every member shards alike. `rendezvous_ports` are then
-    member 0's, one per shard index of member 0."""
+    sync plan, `flwr_sharded.flower.group.channels`; `rendezvous_ports` are member 0's); empty: they shard alike."""
     member_steps: list[int] = option(factory=list, ge=1)
-    """Every member's local steps per sync of this round, in member order (`group-steps speed`: the fastest member's
-    is the round's A); empty: every member the round's A."""
+    """Every member's local steps per sync of this round, in member order (`group-steps speed`); empty: the round's
+    A."""
     round: RoundOptions = field(default_factory=RoundOptions)
     """The round options the strategy set for this round (the train config's `RoundOptions` keys)."""
 

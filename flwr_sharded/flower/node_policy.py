@@ -1,18 +1,15 @@
 """What a run config may make a group do on its node, as the SuperNode's node config allows. Torch-free.
 
-Whoever submits a run chooses its run config; the group runs on a facility's node, under its operator's account.
-Three run settings would let the submitter run code or write files there, so a group accepts them only where its
-node config allows (the ClientApp passes these keys to the group in the hello; the group checks them before it
-imports a rule or touches a path, and refuses the hello with a message naming the key otherwise):
+Three run settings would let whoever submits a run execute code or write files on a facility's node, so a group
+accepts them only where its node config allows (checked at hello, before it imports a rule or touches a path):
 
     allow-custom-rules = true             `outer = "package.module:Class"`: imports that module in every rank
     allowed-checkpoint-root = "/path"     `checkpoint-dir` (written, pruned, read back by `resume`) inside it
     allowed-save-root = "/path"           the final model's directory (the ServerApp's `run-dir`/model) inside it
 
-Paths are resolved (symlinks, `..`, relative to the group's working directory) before the check. An unset key
-allows nothing. A group the ClientApp launches itself (no `group-address` in the node config: local simulation,
-which gives its simulated SuperNodes no node config) runs the submitted app's own code on the submitter's side
-anyway, so it allows all three unless the node config sets any of these keys.
+Paths are resolved (symlinks, `..`, relative ones) first. An unset key allows nothing, except for a group the
+ClientApp launches itself (local simulation, no `group-address`), which runs the submitter's code on the
+submitter's side anyway: it allows all three unless the node config sets any of these keys.
 """
 
 from __future__ import annotations

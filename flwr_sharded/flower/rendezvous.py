@@ -1,25 +1,15 @@
-"""Per-round federation process groups between Flower groups: one small group per shard index, members only,
-bounded timeouts.
+"""Per-round federation process groups between Flower groups: one per shard index, members only, every wait bounded.
 
-Each group's rank 0 serves one rendezvous store port per shard index s (the "rendezvous offer" of its hello,
-`store_server.StoreServer`), listening on exactly `--rendezvous-host`. For a round, the ServerApp names the members
-(ordered), takes member 0's offer and sends every member a fresh secret (over Flower's TLS channel); member 0 opens
-the round's scopes on its store with that secret for as long as its round runs. In every member, the rank holding
-shard s (replica 0) connects to host:ports[s], proves the secret for the scope `<round prefix>/s<s>`
-(`store_client.RoundStore`) and joins a process group of len(members) ranks through that store, with rank = its
-member index. A process without the secret reads and writes nothing there.
+Each group's rank 0 serves one rendezvous store port per shard index (`store_server.StoreServer`, its hello's
+rendezvous offer). For a round the ServerApp names the members in order and sends each a fresh secret; member 0
+opens the round's scopes with it. In every member the rank holding shard s (replica 0) proves the secret at member
+0's port s, scope `<round prefix>/s<s>` (`store_client.RoundStore`), writes a proof naming its node and waits for
+every member's; gloo or NCCL then build a process group of len(members) ranks through that store (their own
+connections are unauthenticated: docs/security.md). A failed group is destroyed, never reused.
 
-Members only: each member writes a proof (its node id, index and a nonce) and waits until every member's proof is
-there and names the node the ServerApp listed at that index; a proof naming another node is refused, and a member
-that finds its own slot taken by another process (one holding the secret) refuses too. gloo and NCCL then exchange
-their addresses through the same store. What is not covered: the connections gloo and NCCL open between members
-carry no authentication (`docs/security.md`).
-
-Every wait is bounded: connecting to the store and the arrivals by `rendezvous_timeout`, the backend's own rendezvous
-and every collective by `sync_timeout`. Every store wait also polls `abort()`: the ServerApp's news that a member is
-gone ends it at once. A member is named missing only if the store turned nobody away during the wait (a stranger
-flooding the port can keep a member out; that is nobody's fault). A group that failed is destroyed and never reused;
-the next round builds new ones under a new prefix.
+Waits: the store and the arrivals within `rendezvous_timeout` (ended at once by `abort()`, the ServerApp's news that
+a member is gone), the backend's rendezvous and every collective within `sync_timeout`. A member is named missing
+only if the store turned nobody away meanwhile (a stranger flooding the port is nobody's fault).
 """
 
 from __future__ import annotations
@@ -121,29 +111,23 @@ def backend_for_device(device: torch.device, choice: str = "auto") -> str:
 def join(*, host: str, port: int, prefix: str, rank: int, size: int, rendezvous_timeout: float,
          sync_timeout: float, secret: str, members: Sequence[str], backend: str = "gloo",
          device: torch.device | None = None, abort: Callable[[], str] | None = None) -> FederationGroup:
-    """Join the federation group `prefix` of `size` members as `rank`, through the store at host:port.
-
-    `secret` is the round's (from the ServerApp), `members` the node ids the ServerApp listed, in order; `abort()`
-    returns why to stop waiting ('' to go on). Raises RendezvousError if the store cannot be reached, the other
-    members do not prove themselves in time, a proof names another node or this member's slot is taken, or
-    `abort()` gives a reason.
-    """
+    """Join the federation group `prefix` of `size` members as `rank`, through the store at host:port, with the
+    round's `secret` and the node ids the ServerApp listed (`members`); `abort()` says why to stop waiting ('' to go
+    on). RendezvousError if the store is unreachable, a member does not prove itself in time, a proof names another
+    node, this member's slot is taken, or `abort()` gives a reason."""
     if not 0 <= rank < size or len(members) != size or len(set(members)) != size:
         raise ValueError(f"member index {rank} of {size} members {list(members)} (distinct node ids expected)")
     deadline = time.monotonic() + rendezvous_timeout
     store = _connect(host, port, prefix, secret, deadline, rendezvous_timeout, abort)
-    # Members prove themselves first: a missing one then fails here, within the rendezvous timeout, before any
-    # backend (NCCL's watchdog would tear the process down on a collective timeout).
+    # members prove themselves first, so a missing one fails here, before a backend's watchdog could kill the process
     try:
         _arrive(store, prefix, rank, list(members), deadline, rendezvous_timeout)
     except BaseException:
         store.close()
         raise
     name = f"flwr-fed:{prefix}"
-    # gloo connects every pair when the group is built and retries a silent peer GLOO_CONNECT_ATTEMPTS times with the
-    # group's timeout: build it with a fraction of sync_timeout (so a peer frozen mid-handshake costs about
-    # sync_timeout in all, not 5x), but at least MIN_CONNECT_S (the wait for a peer's address is not retried, and a
-    # loaded machine can stall a process for seconds), then give the collectives the whole sync_timeout.
+    # gloo retries a silent peer GLOO_CONNECT_ATTEMPTS times with the group's timeout: build it with a share of
+    # sync_timeout (at least MIN_CONNECT_S), then give the collectives the whole sync_timeout
     connect_s = sync_timeout
     if backend == "gloo":
         connect_s = min(sync_timeout, max(MIN_CONNECT_S, sync_timeout / GLOO_CONNECT_ATTEMPTS))
@@ -159,9 +143,8 @@ def join(*, host: str, port: int, prefix: str, rank: int, size: int, rendezvous_
         store.close()
         raise RendezvousError(f"federation group {prefix}: backend {backend} rendezvous failed: "
                               f"{first_line(exc)}") from exc
-    # Registered like a sub-group of this process's world, so that get_rank(group) and destroy work; the other
-    # members live in other worlds, so they get global ranks of their own (negative: no rank of this world), which
-    # point-to-point ops (the 8-bit ring) map back to their group ranks.
+    # registered like a sub-group of this world (get_rank, destroy); the other members get negative global ranks,
+    # which point-to-point ops (the 8-bit ring) map back to their group ranks
     c10d._world.pg_group_ranks[pg] = {dist.get_rank(): rank, **{-1 - j: j for j in range(size) if j != rank}}
     return FederationGroup(pg=pg, rank=rank, size=size, name=name, store=store, backend=backend)
 
@@ -240,10 +223,9 @@ def _check_proof(proof: object, prefix: str, r: int, members: list[str], nonce: 
 
 @contextmanager
 def _nccl_errors_raise(backend: str) -> Iterator[None]:
-    """Build an NCCL federation group in error-handling mode 2 (CleanUpOnly): a failed or timed-out collective
-    aborts the group's communicator and raises in this rank, which rolls back, instead of the watchdog tearing the
-    process down (mode 1, `deploy/env.sh`'s default for the group's own collectives). The variable is read when the
-    group is constructed, so the process's other groups keep their mode."""
+    """Build an NCCL federation group in error-handling mode 2 (CleanUpOnly): a failed collective raises in this
+    rank, which rolls back, instead of the watchdog killing the process (mode 1, the group's own collectives'); the
+    variable is read when the group is built, so the process's other groups keep their mode."""
     if backend != "nccl":
         yield
         return

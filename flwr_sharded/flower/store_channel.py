@@ -1,16 +1,11 @@
 """The wire format of a round's rendezvous store: a challenge-response on the round's secret, then frames that each
-carry an HMAC of a per-connection key.
+carry an HMAC of a per-connection key; authenticated, not encrypted.
 
-A connection starts with the server's greeting (`GREETING` and a 32-byte nonce). The client answers with one
-hello frame: the round's scope (its prefix and shard index), a nonce of its own and HMAC(secret, "client" | scope |
-both nonces). A server that has the scope open with that secret answers `ACCEPT` and HMAC(secret, "server" | ...),
-which proves the server to the client; anything else closes the connection. From then on every frame is
-`length | payload | HMAC(session key, direction | sequence number | payload)`, the session key derived from the
-secret and both nonces: a frame cannot be altered, replayed, reordered or moved to another connection or round.
-Frames are authenticated, not encrypted.
-
-Payloads are flat: an op or status byte, then length-prefixed byte fields (`pack` / `unpack`); nothing is ever
-unpickled or parsed beyond that.
+The server greets (`GREETING` and a nonce); the client's hello frame names the scope, its own nonce and
+HMAC(secret, "client" | scope | nonces); a server with that scope open answers `ACCEPT` and HMAC(secret, "server" |
+...), proving itself. Every later frame is `length | payload | HMAC(session key, direction | sequence | payload)`,
+so it cannot be altered, replayed, reordered or moved to another connection or round. Payloads are an op or status
+byte and length-prefixed fields (`pack`): nothing is unpickled or parsed beyond that.
 """
 
 from __future__ import annotations

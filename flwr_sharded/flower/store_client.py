@@ -1,13 +1,10 @@
-"""A member's client of a round's rendezvous store (`store_server`): a c10d Store that gloo and NCCL build their
+"""A member's client of a round's rendezvous store (`store_server`): the c10d Store gloo and NCCL build their
 process group through, after proving the round's secret.
 
-`RoundStore.connect` retries (the port closed, or the round not open at the host yet) until its deadline, then
-proves the secret for the round's scope and checks the server's proof; every later request and reply is an
-authenticated frame (`store_channel`). It implements what gloo and NCCL call on a Python store (torch 2.13: gloo
-set, wait and get; NCCL set and get for its unique id) and the rest of the c10d Store interface (check, add,
-compare_set, delete_key, num_keys, multi_get, multi_set). Every wait is bounded by the store's timeout and waits in
-slices of at most WAIT_SLICE_S on the server, polling a caller-supplied `abort()` (the ServerApp's news that a
-member is gone) between two.
+`RoundStore.connect` retries until its deadline (the port closed, the round not open yet), proves the secret for
+the round's scope and checks the server's proof; every later frame is authenticated (`store_channel`). It serves the
+whole c10d Store interface. Every wait is bounded by the store's timeout and made of slices of at most
+`WAIT_SLICE_S` on the server, between which it polls `abort()` (the ServerApp's news that a member is gone).
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from flwr_sharded.flower import store_channel as ch
+from flwr_sharded.flower import store_channel
 
 WAIT_SLICE_S = 0.2
 """Longest one wait on the server lasts before the client looks at `abort()` and its deadline again."""
@@ -45,9 +42,9 @@ class StoreUnreachable(RuntimeError):
 
 
 class RoundStore(dist.Store):
-    """An authenticated connection to one round's scope of a `StoreServer`; see the module docstring."""
+    """An authenticated connection to one round's scope of a `StoreServer`."""
 
-    def __init__(self, sock: socket.socket, sealer: ch.Sealer, *, timeout: float,
+    def __init__(self, sock: socket.socket, sealer: store_channel.Sealer, *, timeout: float,
                  abort: Callable[[], str] | None = None) -> None:
         super().__init__()
         self._sock, self._sealer, self._lock = sock, sealer, threading.Lock()
@@ -68,7 +65,7 @@ class RoundStore(dist.Store):
                 sock, sealer = _admitted(host, port, scope.encode(), secret,
                                          max(0.1, min(2.0, deadline - time.monotonic())))
                 store = cls(sock, sealer, timeout=timeout, abort=abort)
-            except (OSError, ch.ChannelError) as exc:
+            except (OSError, store_channel.ChannelError) as exc:
                 reason = abort() if abort is not None else ""
                 if reason:
                     raise StoreAborted(reason) from None
@@ -80,24 +77,24 @@ class RoundStore(dist.Store):
     # ----- requests -------------------------------------------------------------------------------------------
     def _request(self, op: bytes, *fields: bytes) -> tuple[bytes, list[bytes]]:
         with self._lock:
-            self._sock.sendall(self._sealer.seal(ch.pack(op, *fields)))
-            size = ch.frame_length(_read(self._sock, 4), ch.FRAME_MAX_BYTES)
+            self._sock.sendall(self._sealer.seal(store_channel.pack(op, *fields)))
+            size = store_channel.frame_length(_read(self._sock, 4), store_channel.FRAME_MAX_BYTES)
             payload = _read(self._sock, size)
-            status, out = ch.unpack(self._sealer.open(payload, _read(self._sock, ch.MAC_BYTES)))
-        if status == ch.CLOSED:
+            status, out = store_channel.unpack(self._sealer.open(payload, _read(self._sock, store_channel.MAC_BYTES)))
+        if status == store_channel.CLOSED:
             raise RoundClosed("the round's host ended the round")
-        if status == ch.ERROR:
+        if status == store_channel.ERROR:
             raise RuntimeError(f"rendezvous store: {out[0].decode(errors='replace') if out else 'error'}")
         return status, out
 
     def peek(self, key: str) -> bytes | None:
         """The value of `key`, or None if it is not there (never waits)."""
-        status, out = self._request(ch.GET, key.encode())
-        return out[0] if status == ch.OK else None
+        status, out = self._request(store_channel.GET, key.encode())
+        return out[0] if status == store_channel.OK else None
 
     def turned_away(self) -> int:
         """How many connections the server turned away (too many unproven ones) since the round opened."""
-        return int(self._request(ch.TURNED_AWAY)[1][0])
+        return int(self._request(store_channel.TURNED_AWAY)[1][0])
 
     def check_abort(self) -> None:
         """Raise StoreAborted if `abort()` gives a reason (called at most every ABORT_POLL_S)."""
@@ -112,14 +109,14 @@ class RoundStore(dist.Store):
     def wait_slice(self, keys: Sequence[str], seconds: float) -> bool:
         """Wait on the server up to `seconds` (at most WAIT_SLICE_S) for every key; True if they are all there."""
         millis = str(int(1000 * max(0.0, min(WAIT_SLICE_S, seconds)))).encode()
-        return self._request(ch.WAIT, millis, *(k.encode() for k in keys))[0] == ch.OK
+        return self._request(store_channel.WAIT, millis, *(k.encode() for k in keys))[0] == store_channel.OK
 
     def close(self) -> None:
         self._sock.close()
 
     # ----- the Store interface --------------------------------------------------------------------------------
     def set(self, key: str, value: bytes | str) -> None:
-        self._request(ch.SET, key.encode(), _bytes(value))
+        self._request(store_channel.SET, key.encode(), _bytes(value))
 
     def get(self, key: str) -> bytes:
         deadline = time.monotonic() + self._timeout_s
@@ -134,19 +131,19 @@ class RoundStore(dist.Store):
         self._wait_until(keys, time.monotonic() + seconds)
 
     def check(self, keys: Sequence[str]) -> bool:
-        return self._request(ch.CHECK, *(k.encode() for k in keys))[0] == ch.OK
+        return self._request(store_channel.CHECK, *(k.encode() for k in keys))[0] == store_channel.OK
 
     def add(self, key: str, amount: int) -> int:
-        return int(self._request(ch.ADD, key.encode(), str(int(amount)).encode())[1][0])
+        return int(self._request(store_channel.ADD, key.encode(), str(int(amount)).encode())[1][0])
 
     def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
-        return self._request(ch.COMPARE_SET, key.encode(), _bytes(expected), _bytes(desired))[1][0]
+        return self._request(store_channel.COMPARE_SET, key.encode(), _bytes(expected), _bytes(desired))[1][0]
 
     def delete_key(self, key: str) -> bool:
-        return self._request(ch.DELETE, key.encode())[0] == ch.OK
+        return self._request(store_channel.DELETE, key.encode())[0] == store_channel.OK
 
     def num_keys(self) -> int:
-        return int(self._request(ch.NUM_KEYS)[1][0])
+        return int(self._request(store_channel.NUM_KEYS)[1][0])
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         return [self.get(k) for k in keys]
@@ -168,27 +165,30 @@ class RoundStore(dist.Store):
                 return
 
 
-def _admitted(host: str, port: int, scope: bytes, secret: bytes, timeout: float) -> tuple[socket.socket, ch.Sealer]:
+def _admitted(host: str, port: int, scope: bytes, secret: bytes,
+              timeout: float) -> tuple[socket.socket, store_channel.Sealer]:
     """A connection to host:port that proved `secret` for `scope` and received the server's proof."""
     sock = socket.create_connection((host, port), timeout=timeout)
     try:
-        greeting = _read(sock, len(ch.GREETING) + ch.NONCE_BYTES)
-        if not greeting.startswith(ch.GREETING):
-            raise ch.ChannelError(f"{host}:{port} is not a rendezvous store")
-        server_nonce, client_nonce = greeting[len(ch.GREETING):], secrets.token_bytes(ch.NONCE_BYTES)
-        proof = ch.client_proof(secret, scope, server_nonce, client_nonce)
-        sock.sendall(ch.plain_frame(ch.pack(b"h", scope, client_nonce, proof)))
+        greeting = _read(sock, len(store_channel.GREETING) + store_channel.NONCE_BYTES)
+        if not greeting.startswith(store_channel.GREETING):
+            raise store_channel.ChannelError(f"{host}:{port} is not a rendezvous store")
+        server_nonce = greeting[len(store_channel.GREETING):]
+        client_nonce = secrets.token_bytes(store_channel.NONCE_BYTES)
+        proof = store_channel.client_proof(secret, scope, server_nonce, client_nonce)
+        sock.sendall(store_channel.plain_frame(store_channel.pack(b"h", scope, client_nonce, proof)))
         try:
-            answer = _read(sock, 1 + ch.MAC_BYTES)
+            answer = _read(sock, 1 + store_channel.MAC_BYTES)
         except ConnectionError as exc:
-            raise ch.ChannelError("the store refused this member (the round is not open there yet, or its secret "
-                                  "differs)") from exc
-        expected = ch.server_proof(secret, scope, server_nonce, client_nonce)
-        if answer[:1] != ch.ACCEPT or not secrets.compare_digest(answer[1:], expected):
-            raise ch.ChannelError(f"{host}:{port} did not prove the round's secret (not the round's host)")
+            raise store_channel.ChannelError("the store refused this member (the round is not open there yet, or "
+                                             "its secret differs)") from exc
+        expected = store_channel.server_proof(secret, scope, server_nonce, client_nonce)
+        if answer[:1] != store_channel.ACCEPT or not secrets.compare_digest(answer[1:], expected):
+            raise store_channel.ChannelError(f"{host}:{port} did not prove the round's secret (not the round's host)")
         sock.settimeout(REPLY_TIMEOUT_S)
-        sealer = ch.Sealer(ch.session_key(secret, scope, server_nonce, client_nonce), sending=ch.CLIENT_TO_SERVER,
-                           receiving=ch.SERVER_TO_CLIENT)
+        key = store_channel.session_key(secret, scope, server_nonce, client_nonce)
+        sealer = store_channel.Sealer(key, sending=store_channel.CLIENT_TO_SERVER,
+                                      receiving=store_channel.SERVER_TO_CLIENT)
         return sock, sealer
     except BaseException:
         sock.close()

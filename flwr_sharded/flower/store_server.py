@@ -1,19 +1,13 @@
-"""The rendezvous store a group's rank 0 serves to the rounds it hosts: members only, bounded memory, one round's
-keys at a time.
+"""The rendezvous store a group's rank 0 serves to the rounds it hosts: members only, bounded memory.
 
-`StoreServer` listens on one port per shard index (exactly the `--rendezvous-host` address) and serves, from one
-thread, the key-value operations gloo and NCCL build a process group with (set, get, wait, check, add,
-compare-set, delete, key count). A client reads or writes nothing before it has proven the round's secret
-(`store_channel`): the host opens a round's scopes (`open_round`, its prefix and shard index) with the secret the
-ServerApp sent, and every scope has a key space of its own. Closing the round (`close_round`, when the host's round
-ends) drops its keys at once; a member still connected is told so (`CLOSED`) until CLOSE_GRACE_S later its connection
-is dropped. At most `MAX_SCOPES` scopes are open (opening more closes the oldest).
-
-Memory is bounded whatever a client sends: a stranger's bytes are at most a hello frame (`HELLO_MAX_BYTES`) on at
-most `MAX_PENDING` connections (`MAX_PENDING_PER_HOST` from one address) that have `HANDSHAKE_S` to prove
-themselves; a further connection is turned away at once and counted in every open round (`turned_away`: a member
-that could not connect then is not at fault). The
-members' keys and values together hold at most `STORE_MAX_BYTES`, one value at most `VALUE_MAX_BYTES`.
+`StoreServer` listens on one port per shard index and serves, from one thread, the key-value operations gloo and
+NCCL build a process group with. A client reads or writes nothing before it has proven the round's secret
+(`store_channel`) for a scope the host opened (`open_scopes`: a round's prefix and shard index, each with a key
+space of its own); closing a scope drops its keys at once and its members' connections `CLOSE_GRACE_S` later (their
+requests answered `CLOSED` meanwhile). Strangers cost at most a hello frame on `MAX_PENDING` connections
+(`MAX_PENDING_PER_HOST` from one address) for `HANDSHAKE_S`; a further one is turned away and counted in every open
+round (a member that could not connect then is not at fault). The members' keys and values hold at most
+`STORE_MAX_BYTES`.
 """
 
 from __future__ import annotations
@@ -26,7 +20,7 @@ import socket
 import threading
 from dataclasses import dataclass, field
 
-from flwr_sharded.flower import store_channel as ch
+from flwr_sharded.flower import store_channel
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +43,6 @@ READ_LIMIT_BYTES = 64 << 10
 """asyncio's read buffer per connection (it stops reading a socket at twice this)."""
 
 
-
 class StoreFull(RuntimeError):
     """A write would take the store past STORE_MAX_BYTES."""
 
@@ -66,7 +59,7 @@ class _Round:
 
 
 class StoreServer:
-    """The rendezvous stores of one group (one listening port per shard index); see the module docstring."""
+    """The rendezvous stores of one group, one listening port per shard index (any port serves every scope)."""
 
     def __init__(self, sockets: list[socket.socket], *, max_bytes: int = STORE_MAX_BYTES) -> None:
         self.ports = [s.getsockname()[1] for s in sockets]
@@ -107,16 +100,11 @@ class StoreServer:
         return asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout=30)
 
     def open_round(self, prefix: str, secret: str, shards: int) -> None:
-        """Admit the members of round `prefix` (scopes `prefix/s0` .. `prefix/s<shards-1>`), who prove `secret`."""
+        """Admit the members of round `prefix` to its scopes (`round_scopes`), who prove `secret`."""
         self.open_scopes(round_scopes(prefix, shards), secret)
 
-    def close_round(self, prefix: str, shards: int) -> None:
-        """Drop round `prefix`'s keys and connections."""
-        self.close_scopes(round_scopes(prefix, shards))
-
     def open_scopes(self, scopes: list[str], secret: str) -> None:
-        """Admit the members of a round to each of `scopes` (any port serves every scope), who prove `secret`;
-        ValueError beyond MAX_SCOPES (opening them would close the round's first ones)."""
+        """Admit the members of a round to each of `scopes`, who prove `secret`; ValueError beyond MAX_SCOPES."""
         if len(scopes) > MAX_SCOPES:
             raise ValueError(f"a round of {len(scopes)} rendezvous scopes; this store holds at most {MAX_SCOPES}")
         self._call(self._open, [scope.encode() for scope in scopes], secret.encode())
@@ -187,43 +175,46 @@ class StoreServer:
                     del self._pending_by_host[host]
             if admitted is not None:
                 await self._session(reader, writer, *admitted)
-        except (ch.ChannelError, OSError, EOFError, asyncio.IncompleteReadError, asyncio.TimeoutError):
+        except (store_channel.ChannelError, OSError, EOFError, asyncio.IncompleteReadError, asyncio.TimeoutError):
             pass  # a stranger, a member gone or its round closed: the connection ends
         finally:
             writer.close()
 
     async def _handshake(self, reader: asyncio.StreamReader,
-                         writer: asyncio.StreamWriter) -> tuple[_Round, ch.Sealer] | None:
-        server_nonce = secrets.token_bytes(ch.NONCE_BYTES)
-        writer.write(ch.GREETING + server_nonce)
+                         writer: asyncio.StreamWriter) -> tuple[_Round, store_channel.Sealer] | None:
+        server_nonce = secrets.token_bytes(store_channel.NONCE_BYTES)
+        writer.write(store_channel.GREETING + server_nonce)
         await writer.drain()
-        size = ch.frame_length(await reader.readexactly(4), ch.HELLO_MAX_BYTES)
-        head, fields = ch.unpack(await reader.readexactly(size))
-        if head != b"h" or len(fields) != 3 or len(fields[1]) != ch.NONCE_BYTES:
+        size = store_channel.frame_length(await reader.readexactly(4), store_channel.HELLO_MAX_BYTES)
+        head, fields = store_channel.unpack(await reader.readexactly(size))
+        if head != b"h" or len(fields) != 3 or len(fields[1]) != store_channel.NONCE_BYTES:
             return None
         scope, client_nonce, proof = fields
         round_ = self._rounds.get(scope)
         if round_ is None or len(round_.writers) >= MAX_CONNECTIONS_PER_SCOPE:
             return None
-        if not hmac.compare_digest(proof, ch.client_proof(round_.secret, scope, server_nonce, client_nonce)):
+        if not hmac.compare_digest(proof, store_channel.client_proof(round_.secret, scope, server_nonce, client_nonce)):
             return None
-        writer.write(ch.ACCEPT + ch.server_proof(round_.secret, scope, server_nonce, client_nonce))
+        writer.write(store_channel.ACCEPT + store_channel.server_proof(round_.secret, scope, server_nonce,
+                                                                       client_nonce))
         await writer.drain()
-        key = ch.session_key(round_.secret, scope, server_nonce, client_nonce)
-        return round_, ch.Sealer(key, sending=ch.SERVER_TO_CLIENT, receiving=ch.CLIENT_TO_SERVER)
+        key = store_channel.session_key(round_.secret, scope, server_nonce, client_nonce)
+        return round_, store_channel.Sealer(key, sending=store_channel.SERVER_TO_CLIENT,
+                                            receiving=store_channel.CLIENT_TO_SERVER)
 
     async def _session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, round_: _Round,
-                       sealer: ch.Sealer) -> None:
+                       sealer: store_channel.Sealer) -> None:
         round_.writers.add(writer)
         try:
             while True:
-                size = ch.frame_length(await reader.readexactly(4), ch.FRAME_MAX_BYTES)
+                size = store_channel.frame_length(await reader.readexactly(4), store_channel.FRAME_MAX_BYTES)
                 payload = await reader.readexactly(size)
-                op, fields = ch.unpack(sealer.open(payload, await reader.readexactly(ch.MAC_BYTES)))
+                mac = await reader.readexactly(store_channel.MAC_BYTES)
+                op, fields = store_channel.unpack(sealer.open(payload, mac))
                 try:
                     reply = await self._op(round_, op, fields)
                 except (StoreFull, ValueError, IndexError) as exc:
-                    reply = ch.pack(ch.ERROR, str(exc).encode())
+                    reply = store_channel.pack(store_channel.ERROR, str(exc).encode())
                 writer.write(sealer.seal(reply))
                 await writer.drain()
         finally:
@@ -232,19 +223,19 @@ class StoreServer:
     # ----- the operations -------------------------------------------------------------------------------------
     async def _op(self, round_: _Round, op: bytes, fields: list[bytes]) -> bytes:
         data = round_.data
-        if op == ch.TURNED_AWAY:
-            return ch.pack(ch.OK, str(round_.turned_away).encode())
+        if op == store_channel.TURNED_AWAY:
+            return store_channel.pack(store_channel.OK, str(round_.turned_away).encode())
         if round_.closed:
-            return ch.CLOSED
-        if op == ch.SET:
+            return store_channel.CLOSED
+        if op == store_channel.SET:
             await self._put(round_, _key(fields[0]), _value(fields[1]))
-            return ch.OK
-        if op == ch.GET:
+            return store_channel.OK
+        if op == store_channel.GET:
             value = data.get(fields[0])
-            return ch.MISSING if value is None else ch.pack(ch.OK, value)
-        if op == ch.CHECK:
-            return ch.OK if all(k in data for k in fields) else ch.MISSING
-        if op == ch.WAIT:
+            return store_channel.MISSING if value is None else store_channel.pack(store_channel.OK, value)
+        if op == store_channel.CHECK:
+            return store_channel.OK if all(k in data for k in fields) else store_channel.MISSING
+        if op == store_channel.WAIT:
             slice_s = min(WAIT_SLICE_MAX_S, max(0.0, int(fields[0]) / 1000))
             keys = fields[1:]
             async with round_.changed:
@@ -252,23 +243,23 @@ class StoreServer:
                     await asyncio.wait_for(round_.changed.wait_for(
                         lambda: round_.closed or all(k in data for k in keys)), slice_s)
                 except asyncio.TimeoutError:
-                    return ch.MISSING
-            return ch.CLOSED if round_.closed else ch.OK
-        if op == ch.ADD:
+                    return store_channel.MISSING
+            return store_channel.CLOSED if round_.closed else store_channel.OK
+        if op == store_channel.ADD:
             value = str(int(data.get(fields[0], b"0")) + int(fields[1])).encode()
             await self._put(round_, _key(fields[0]), value)
-            return ch.pack(ch.OK, value)
-        if op == ch.COMPARE_SET:
+            return store_channel.pack(store_channel.OK, value)
+        if op == store_channel.COMPARE_SET:
             key, expected, desired = _key(fields[0]), fields[1], _value(fields[2])
             current = data.get(key)
             if (current is None and not expected) or current == expected:
                 await self._put(round_, key, desired)
-                return ch.pack(ch.OK, desired)
-            return ch.pack(ch.OK, b"" if current is None else current)
-        if op == ch.DELETE:
-            return ch.OK if self._drop(round_, fields[0]) else ch.MISSING
-        if op == ch.NUM_KEYS:
-            return ch.pack(ch.OK, str(len(data)).encode())
+                return store_channel.pack(store_channel.OK, desired)
+            return store_channel.pack(store_channel.OK, b"" if current is None else current)
+        if op == store_channel.DELETE:
+            return store_channel.OK if self._drop(round_, fields[0]) else store_channel.MISSING
+        if op == store_channel.NUM_KEYS:
+            return store_channel.pack(store_channel.OK, str(len(data)).encode())
         raise ValueError(f"unknown operation {op!r}")
 
     async def _put(self, round_: _Round, key: bytes, value: bytes) -> None:
@@ -299,12 +290,12 @@ def round_scopes(prefix: str, shards: int) -> list[str]:
 
 
 def _key(key: bytes) -> bytes:
-    if len(key) > ch.KEY_MAX_BYTES:
-        raise ValueError(f"a key of {len(key)} bytes (at most {ch.KEY_MAX_BYTES})")
+    if len(key) > store_channel.KEY_MAX_BYTES:
+        raise ValueError(f"a key of {len(key)} bytes (at most {store_channel.KEY_MAX_BYTES})")
     return key
 
 
 def _value(value: bytes) -> bytes:
-    if len(value) > ch.VALUE_MAX_BYTES:
-        raise ValueError(f"a value of {len(value)} bytes (at most {ch.VALUE_MAX_BYTES})")
+    if len(value) > store_channel.VALUE_MAX_BYTES:
+        raise ValueError(f"a value of {len(value)} bytes (at most {store_channel.VALUE_MAX_BYTES})")
     return value

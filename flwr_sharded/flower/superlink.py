@@ -1,11 +1,10 @@
 """`flwr-sharded stop-superlink [--flwr-home DIR]`: stop the local SuperLink that `flwr run` started for one Flower
 home, and its SuperExec, by pid. Torch-free.
 
-`flwr run` against a `:local:` SuperLink starts `flower-superlink ... --log-file <home>/local-superlink/superlink.log`
-in a session of its own and leaves it running; the SuperLink starts `flower-superexec ... --parent-pid <its pid>`.
-This finds exactly those processes of the current user by their command lines in `/proc` (never by name alone, so
-other users' and other homes' SuperLinks on a shared host are left alone), sends SIGTERM to each one's process group,
-waits a bounded time and sends SIGKILL to what is left.
+They are found by their command lines in `/proc` among the current user's processes (`flower-superlink ...
+--log-file <home>/local-superlink/superlink.log`, `flower-superexec ... --parent-pid <its pid>`), never by name
+alone, so other users' and other homes' SuperLinks are left alone: SIGTERM to each one's process group, then SIGKILL
+to what is left after a bounded wait.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from typing import Iterator
 
 from flwr_sharded import schema
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.flower.processes import pid_alive
+from flwr_sharded.flower.launch import pid_alive
 from flwr_sharded.schema import option
 
 KILL_WAIT_S = 5.0

@@ -1,22 +1,18 @@
-"""This rank's local shards as self-describing pieces for the server path, and writing pieces back into the shards.
+"""This rank's local shards as pieces keyed by global row offset, for the server path, and their wire encoding.
 
-A piece is one parameter's rows `[row_offset, row_offset + rows)` along dim 0 of its global (unsharded) shape, keyed
-`"{name}@{row_offset}"`. FSDP2 shards dim 0 (`Shard(0)`, torch.chunk's rule; HSDP adds a `Replicate()` mesh dim that
-does not move the offset), so a rank's local tensor is exactly one such row range; the offset comes from DTensor's
-own `compute_local_shape_and_global_offset`. Keys by global offset are what lets groups sharded differently (S = 1
-and S = 2) be combined at the server.
+A piece is one parameter's rows `[row_offset, row_offset + rows)` along dim 0 of its global shape, keyed
+`"{name}@{row_offset}"`. FSDP2 shards dim 0 (HSDP's `Replicate()` mesh dim does not move the offset), so a rank's
+local tensor is one such range, and groups sharded differently combine row by row. No rank gathers the model.
 
-On the wire (`encode_pieces`): a dict of NumPy arrays plus a dict of string metadata `key -> "dtype|d0,d1,..."`;
-`flwr_sharded.flower.handoff` puts them in hand-off files and Flower records.
-bf16 has no NumPy dtype: it travels as the raw int16 view of its bits and is restored bit for bit. No rank ever
-gathers the full model: only its own local tensor is read or written.
+On the wire (`encode_pieces`): NumPy arrays by key and `key -> "dtype|d0,d1,..."` strings (`flwr_sharded.flower.
+shard_files` puts them in files and Flower records); bf16, which NumPy lacks, travels as its int16 bits.
 """
 
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -30,30 +26,11 @@ _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float
 
 
 class ShardPieceError(ValueError):
-    """Pieces that do not match the local shards (unknown key, wrong shape or dtype)."""
+    """Pieces that do not match the local shards or the wire format (unknown key, wrong shape or dtype)."""
 
 
-@dataclass
-class ShardPiece:
-    """Rows `[row_offset, row_offset + data.shape[0])` of parameter `name`, whose unsharded shape is `global_shape`."""
-
-    name: str
-    row_offset: int
-    global_shape: tuple[int, ...]
-    data: torch.Tensor
-
-    @property
-    def key(self) -> str:
-        return piece_key(self.name, self.row_offset)
-
-    @property
-    def rows(self) -> int:
-        return int(self.data.shape[0]) if self.data.dim() else 1
-
-    @property
-    def layout(self) -> PieceLayout:
-        return PieceLayout(self.name, self.row_offset, tuple(self.global_shape), tuple(self.data.shape),
-                           self.data.dtype)
+def piece_key(name: str, row_offset: int) -> str:
+    return f"{name}@{row_offset}"
 
 
 @dataclass(frozen=True)
@@ -76,19 +53,26 @@ class PieceLayout:
         return int(self.shape[0]) if self.shape else 1
 
 
-def piece_key(name: str, row_offset: int) -> str:
-    return f"{name}@{row_offset}"
+@dataclass
+class ShardPiece:
+    """Rows `[row_offset, row_offset + data.shape[0])` of parameter `name`, whose unsharded shape is `global_shape`."""
 
+    name: str
+    row_offset: int
+    global_shape: tuple[int, ...]
+    data: torch.Tensor
 
-def split_key(key: str) -> tuple[str, int]:
-    name, sep, offset = key.rpartition("@")
-    if not sep or not name or not offset.isdigit():
-        raise ShardPieceError(f"malformed shard key {key!r} (expected 'name@row_offset')")
-    return name, int(offset)
+    @property
+    def layout(self) -> PieceLayout:
+        return PieceLayout(self.name, self.row_offset, tuple(self.global_shape), tuple(self.data.shape),
+                           self.data.dtype)
+
+    key = property(lambda self: self.layout.key)
+    rows = property(lambda self: self.layout.rows)
 
 
 def row_offset(param: torch.Tensor) -> int:
-    """Global row (dim 0) offset of this rank's local shard; 0 for a plain tensor or a replicated DTensor."""
+    """Global row (dim 0) offset of this rank's local shard (DTensor's own); 0 for a plain or replicated tensor."""
     if not isinstance(param, DTensor):
         return 0
     for placement in param.placements:
@@ -100,35 +84,30 @@ def row_offset(param: torch.Tensor) -> int:
     return int(offset[0]) if offset else 0
 
 
-def shard_pieces(named_params: Iterable[tuple[str, torch.Tensor]], *, clone: bool = False) -> list[ShardPiece]:
-    """This rank's pieces: one per parameter (the local shard, a view unless `clone`), with its global row offset.
-
-    Empty local shards (uneven sharding: the last ranks may hold 0 rows) are left out. Call it with the parameters
-    in their sharded state (FSDP2 registers the unsharded tensors between forward and `reshard()`; a plain tensor
-    is sent whole, at offset 0), as for `ShardSync`.
-    """
-    pieces = []
+def _local_shards(named_params: Iterable[tuple[str, torch.Tensor]]
+                  ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(name, parameter, local shard) of the parameters whose local shard holds rows (uneven sharding leaves the last
+    ranks empty)."""
     for name, param in named_params:
         local = local_shard(param)
-        if local.dim() and local.shape[0] == 0:
-            continue
-        pieces.append(ShardPiece(name, row_offset(param), tuple(param.shape), local.clone() if clone else local))
-    return pieces
+        if not (local.dim() and local.shape[0] == 0):
+            yield name, param, local
+
+
+def shard_pieces(named_params: Iterable[tuple[str, torch.Tensor]], *, clone: bool = False) -> list[ShardPiece]:
+    """This rank's pieces: its local shard of each parameter (a view unless `clone`) at its global row offset. Call
+    it with the parameters sharded (between FSDP2's forward and `reshard()` they are not); a plain tensor is sent
+    whole."""
+    return [ShardPiece(name, row_offset(param), tuple(param.shape), local.clone() if clone else local)
+            for name, param, local in _local_shards(named_params)]
 
 
 def check_pieces(named_params: Iterable[tuple[str, torch.Tensor]],
                  pieces: Iterable[ShardPiece]) -> list[tuple[ShardPiece, torch.Tensor]]:
-    """Match pieces to this rank's local shards; raise ShardPieceError on any mismatch. Writes nothing.
-
-    Every piece must match a local shard exactly (same name, row offset, local shape and global shape) and appear
-    once; returns (piece, local shard) pairs for `apply_pieces`.
-    """
-    targets = {}
-    for name, param in named_params:
-        local = local_shard(param)
-        if local.dim() and local.shape[0] == 0:
-            continue
-        targets[piece_key(name, row_offset(param))] = (tuple(param.shape), local)
+    """(piece, local shard) pairs to write, each piece matching a local shard exactly (name, row offset, local and
+    global shape), once, finite; ShardPieceError otherwise. Writes nothing."""
+    targets = {piece_key(name, row_offset(param)): (tuple(param.shape), local)
+               for name, param, local in _local_shards(named_params)}
     pairs = []
     seen = set()
     for piece in pieces:
@@ -149,27 +128,10 @@ def check_pieces(named_params: Iterable[tuple[str, torch.Tensor]],
     return pairs
 
 
-@torch.no_grad()
-def apply_pieces(named_params: Iterable[tuple[str, torch.Tensor]], pieces: Iterable[ShardPiece]) -> int:
-    """Write pieces into the matching local shards (cast to the shard's dtype); return how many were written.
-
-    All pieces are checked (`check_pieces`) before anything is written, so a bad set of pieces changes nothing.
-    Local shards without a piece are left unchanged.
-    """
-    pairs = check_pieces(named_params, pieces)
-    for piece, local in pairs:
-        local.copy_(piece.data)
-    return len(pairs)
-
-
 def own_pieces(named_params: Iterable[tuple[str, torch.Tensor]]) -> dict[str, int]:
-    """Piece key -> rows of this rank's (non-empty) local shards."""
-    out = {}
-    for name, p in named_params:
-        local = local_shard(p)
-        if not (local.dim() and local.shape[0] == 0):
-            out[piece_key(name, row_offset(p))] = local.shape[0] if local.dim() else 1
-    return out
+    """Piece key -> rows of this rank's local shards."""
+    return {piece_key(name, row_offset(param)): local.shape[0] if local.dim() else 1
+            for name, param, local in _local_shards(named_params)}
 
 
 def encode_pieces(pieces: Iterable[ShardPiece]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
@@ -187,44 +149,42 @@ def encode_pieces(pieces: Iterable[ShardPiece]) -> tuple[dict[str, np.ndarray], 
     return arrays, meta
 
 
-def parse_tag(key: str, tag: str) -> tuple[torch.dtype, tuple[int, ...]]:
-    """(dtype, global shape) of a piece's metadata tag `"dtype|d0,d1,..."`; ShardPieceError if malformed."""
-    dtype_name, _, shape = str(tag).partition("|")
-    if dtype_name not in _DTYPES:
-        raise ShardPieceError(f"piece {key!r}: unknown dtype tag {dtype_name!r}")
-    try:
-        global_shape = tuple(int(d) for d in shape.split(",")) if shape else ()
-    except ValueError:
-        raise ShardPieceError(f"piece {key!r}: malformed global shape {shape!r}") from None
-    return _DTYPES[dtype_name], global_shape
+def _decoded_keys(keys: Iterable[str],
+                  meta: dict[str, str]) -> Iterator[tuple[str, str, int, torch.dtype, tuple[int, ...]]]:
+    """(key, name, row offset, dtype, global shape) of each key and its tag `"dtype|d0,d1,..."`; ShardPieceError if
+    the keys are not those of `meta` or one is malformed."""
+    keys = list(keys)
+    if set(keys) != set(meta):
+        raise ShardPieceError(f"pieces and metadata name different keys: {sorted(set(keys) ^ set(meta))[:5]}")
+    for key in keys:
+        name, sep, offset = key.rpartition("@")
+        if not sep or not name or not offset.isdigit():
+            raise ShardPieceError(f"malformed shard key {key!r} (expected 'name@row_offset')")
+        dtype_name, _, shape = str(meta[key]).partition("|")
+        if dtype_name not in _DTYPES:
+            raise ShardPieceError(f"piece {key!r}: unknown dtype tag {dtype_name!r}")
+        try:
+            global_shape = tuple(int(d) for d in shape.split(",")) if shape else ()
+        except ValueError:
+            raise ShardPieceError(f"piece {key!r}: malformed global shape {shape!r}") from None
+        yield key, name, int(offset), _DTYPES[dtype_name], global_shape
 
 
 def decode_layouts(shapes: dict[str, tuple[int, ...]], meta: dict[str, str]) -> list[PieceLayout]:
     """The manifest's pieces (`key -> local shape`, `key -> "dtype|global shape"`); ShardPieceError if malformed."""
-    if set(shapes) != set(meta):
-        raise ShardPieceError(f"shapes and metadata name different keys: {sorted(set(shapes) ^ set(meta))[:5]}")
-    out = []
-    for key, shape in shapes.items():
-        name, offset = split_key(key)
-        dtype, global_shape = parse_tag(key, meta[key])
-        out.append(PieceLayout(name, offset, global_shape, tuple(int(d) for d in shape), dtype))
-    return out
+    return [PieceLayout(name, offset, global_shape, tuple(int(d) for d in shapes[key]), dtype)
+            for key, name, offset, dtype, global_shape in _decoded_keys(shapes, meta)]
 
 
 def decode_pieces(arrays: dict[str, np.ndarray], meta: dict[str, str]) -> list[ShardPiece]:
-    """Inverse of `encode_pieces` (zero-copy where possible: the pieces may share read-only memory with `arrays`, so
-    they are for reading). Raises ShardPieceError on malformed input."""
-    if set(arrays) != set(meta):
-        raise ShardPieceError(f"arrays and metadata name different keys: "
-                              f"{sorted(set(arrays) ^ set(meta))[:5]}")
+    """Inverse of `encode_pieces`, zero-copy where possible (the pieces may share read-only memory with `arrays`:
+    they are for reading); ShardPieceError on malformed input."""
     pieces = []
-    for key, array in arrays.items():
-        name, offset = split_key(key)
-        dtype, global_shape = parse_tag(key, meta[key])
-        dtype_name = str(dtype).removeprefix("torch.")
+    for key, name, offset, dtype, global_shape in _decoded_keys(arrays, meta):
         with warnings.catch_warnings():  # read-only views of received bytes: pieces are only ever read
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            tensor = torch.from_numpy(np.ascontiguousarray(array))
+            tensor = torch.from_numpy(np.ascontiguousarray(arrays[key]))
+        dtype_name = str(dtype).removeprefix("torch.")
         if dtype in _BITS_VIEW:
             if tensor.dtype != _BITS_VIEW[dtype]:
                 raise ShardPieceError(f"piece {key!r}: {dtype_name} must travel as {_BITS_VIEW[dtype]}, "

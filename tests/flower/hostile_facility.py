@@ -3,61 +3,58 @@
 `HostileFacility` is `ServerShardFedAvg` except that the last member of each round plays a facility that lies:
 in round 2 its manifest reports the weight 1e300 (the exact value `HOSTILE_WEIGHT` names), in round 3 the first
 chunk it sends holds a NaN. Everything else (the groups, their training, the SuperLink's messages) is real; the
-strategy only edits what the server receives, where an attacker's bytes would arrive. Load it with the run
-config `strategy="tests.flower.hostile_facility:HostileFacility"` (the repository on the ServerApp's PYTHONPATH, and
-`FLWR_SHARDED_ALLOWED_IMPORTS=tests.flower.hostile_facility` in its environment).
+strategy only edits what the server pulls from the Grid, where an attacker's bytes would arrive. Load it with the
+run config `strategy="tests.flower.hostile_facility:HostileFacility"` (the repository on the ServerApp's PYTHONPATH,
+and `FLWR_SHARDED_ALLOWED_IMPORTS=tests.flower.hostile_facility` in its environment).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 from flwr.app import Array, Message
 
-from flwr_sharded.flower import handoff
+from flwr_sharded.flower import shard_files
 from flwr_sharded.flower.server.server_path import ServerShardFedAvg
 
 HOSTILE_WEIGHT = 1e300
 WEIGHT_ROUND, NAN_ROUND = 2, 3
 
 
-class HostileFacility(ServerShardFedAvg):
-    _round = 0
-    _nan_sent = False
+class HostileGrid:
+    """`grid`, whose replies from the round's last member are edited as `strategy`'s round asks."""
 
-    def run_round(self, grid: Any, server_round: int, result: Any, train_config: Any) -> None:
-        self._round = server_round
-        super().run_round(grid, server_round, result, train_config)
+    def __init__(self, grid: Any, strategy: HostileFacility, server_round: int) -> None:
+        self._grid, self._strategy, self._round = grid, strategy, server_round
 
-    def _victim(self) -> int:
-        return self.round_members[-1]
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._grid, name)
 
-    def train_and_collect(self, grid: Any, messages: list[Message]) -> list[Message]:
-        replies = super().train_and_collect(grid, messages)
-        if self._round == WEIGHT_ROUND:
-            for reply in replies:
-                if reply.metadata.src_node_id == self._victim() and handoff.SHARD_INFO in reply.content:
-                    reply.content[handoff.SHARD_INFO]["weight"] = HOSTILE_WEIGHT
+    def pull_messages(self, message_ids: Any) -> list[Message]:
+        replies = list(self._grid.pull_messages(message_ids))
+        for reply in replies:
+            if reply.metadata.src_node_id == self._strategy.round_members[-1] and not reply.has_error():
+                self._edit(reply.content)
         return replies
 
-    def await_replies(self, grid: Any, pending: dict[str, int], deadline: float,
-                      on_reply: Callable[[Message], Message] | None = None) -> list[Message]:
-        if self._round != NAN_ROUND or on_reply is None or self._nan_sent:
-            return super().await_replies(grid, pending, deadline, on_reply)
+    def _edit(self, content: Any) -> None:
+        if self._round == WEIGHT_ROUND and shard_files.SHARD_SHAPES in content:  # its manifest
+            content[shard_files.SHARD_INFO]["weight"] = HOSTILE_WEIGHT
+        elif self._round == NAN_ROUND and shard_files.SHARDS in content and not self._strategy.nan_sent:
+            shards = content[shard_files.SHARDS]
+            key = next(iter(shards.keys()))
+            values = shards[key].numpy().copy()
+            values.flat[0] = 0x7FC0 if values.dtype == np.int16 else np.nan  # bf16 travels as int16 bits
+            shards[key] = Array(values)
+            self._strategy.nan_sent = True
 
-        def poisoned(reply: Message) -> Message:
-            if (not self._nan_sent and reply.metadata.src_node_id == self._victim() and not reply.has_error()
-                    and handoff.SHARDS in reply.content):
-                shards = reply.content[handoff.SHARDS]
-                key = next(iter(shards.keys()))
-                values = shards[key].numpy().copy()
-                values.flat[0] = 0x7FC0 if values.dtype == np.int16 else np.nan  # bf16 travels as int16 bits
-                shards[key] = Array(values)
-                self._nan_sent = True
-            return on_reply(reply)
 
-        return super().await_replies(grid, pending, deadline, poisoned)
+class HostileFacility(ServerShardFedAvg):
+    nan_sent = False
+
+    def run_round(self, grid: Any, server_round: int, result: Any, train_config: Any) -> None:
+        super().run_round(HostileGrid(grid, self, server_round), server_round, result, train_config)
 
 
 __all__ = ["HOSTILE_WEIGHT", "HostileFacility"]

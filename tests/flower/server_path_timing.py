@@ -22,8 +22,9 @@ def _worker(rank: int, world: int, mib: int):
     from torch.distributed.fsdp import fully_shard
 
     from flwr_sharded.flower.server.aggregation import ShardReply, StreamingShardAggregator
-    from flwr_sharded.parallel.shard_transport import apply_pieces, decode_pieces, encode_pieces, shard_pieces
+    from flwr_sharded.parallel.shard_transport import decode_pieces, encode_pieces, shard_pieces
     from flwr_sharded.parallel.sync import ShardSync
+    from tests.flower.test_server_path import mean_of, write_pieces
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("fed", "shard"))
@@ -40,12 +41,12 @@ def _worker(rank: int, world: int, mib: int):
     pre = shard_pieces(model.named_parameters(), clone=True)
     times = []
     for _ in range(3):
-        apply_pieces(model.named_parameters(), pre)
+        write_pieces(model.named_parameters(), pre)
         dist.barrier()
         times.append(sync.sync(weight=1.0 + fed).seconds)
     decentralised = sorted(times)[1]
 
-    apply_pieces(model.named_parameters(), pre)
+    write_pieces(model.named_parameters(), pre)
     dist.barrier()
     t0 = time.perf_counter()
     wire = encode_pieces(shard_pieces(model.named_parameters()))
@@ -59,7 +60,7 @@ def _worker(rank: int, world: int, mib: int):
     agg.finalize()
     server = time.perf_counter() - t0
     t0 = time.perf_counter()
-    apply_pieces(model.named_parameters(), agg.pieces_for(pre))
+    write_pieces(model.named_parameters(), mean_of(agg, pre))
     apply = time.perf_counter() - t0
     return {"decentralised_s": decentralised, "encode_s": encode, "server_s": server, "apply_s": apply,
             "params": sum(p.numel() for p in model.parameters())}

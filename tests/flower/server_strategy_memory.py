@@ -2,8 +2,9 @@
 
 `python -m tests.flower.server_strategy_memory F MIB BUFFER_MIB [RULE]`: F fake groups (S = 2, in this process, on
 the fake grid of `test_server_strategy`) hold a MIB-MiB fp32 model each (32 parameters); the strategy runs 2 rounds
-with `server-buffer-mb` BUFFER_MIB and `server-rule` RULE (default mean). Prints one JSON line with the strategy's
-own per-round figures (`server_peak_x`: peak RSS over its RSS before the first aggregation, in fp32 models). The
+with `server-buffer-mb` BUFFER_MIB and `server-rule` RULE (default mean). Prints one JSON line with the per-round
+figures of `benchmarks.server_memory_flower.PeakMemoryServerShardFedAvg` (`server_peak_x`: peak RSS over the RSS
+before round 1, in fp32 models). The
 replies' bytes are made in this process, as a real server would receive them; the groups' models exist before the
 baseline.
 """
@@ -15,7 +16,7 @@ import sys
 
 from flwr.supercore.task_identity import TaskIdentity
 
-from flwr_sharded.flower.server.server_path import ServerShardFedAvg
+from benchmarks.server_memory_flower import PeakMemoryServerShardFedAvg
 from tests.flower import test_server_strategy as fake
 from tests.flower.test_strategy import FakeGrid, fast, make, spec
 
@@ -40,7 +41,7 @@ def measure(F: int, mib: int, buffer_mb: float, rule: str = "mean") -> dict:
     groups = [_Group(i + 1, i, fake.model(i), None, shards=2) for i in range(F)]
     strategy = make(spec(rounds=2, syncs_per_round=1, aggregation="server", server_buffer_mb=buffer_mb,
                          server_rule=rule),
-                    fast(num_groups=F, round_timeout=120), ServerShardFedAvg)
+                    fast(num_groups=F, round_timeout=120), PeakMemoryServerShardFedAvg)
     strategy.start(_Grid({g.node: g for g in groups}))
     rounds = [r for r in strategy.history if r.get("kind") == "round"]
     return {"F": F, "model_mib": mib, "buffer_mib": buffer_mb, "rule": rule,

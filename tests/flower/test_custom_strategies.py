@@ -54,7 +54,7 @@ def test_the_schedule_changes_a_the_learning_rate_and_the_members_from_round_to_
     assert all(c["members"] == [str(n) for n in sorted(x["node"] for x in rounds[r])] for r in rounds
                for c in rounds[r])
     records = [h for h in strategy.history if h["kind"] == "round"]
-    assert [r["groups"] for r in records] == [3, 2, 3, 2] and strategy.members == [1, 2, 3]
+    assert [r["groups"] for r in records] == [3, 2, 3, 2] and strategy.membership.members == [1, 2, 3]
 
 
 class Undeclared(DecentralizedFedAvg):

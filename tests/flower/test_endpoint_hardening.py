@@ -18,7 +18,7 @@ import pytest
 
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower import endpoint as E
-from flwr_sharded.flower import handoff
+from flwr_sharded.flower import launch
 from flwr_sharded.flower import messages as M
 
 KEY = b"k" * 32
@@ -129,7 +129,7 @@ def test_one_peer_address_holds_at_most_its_share_of_the_handshakes():
         slow = [_in_handshake("127.0.0.2", srv.address) for _ in range(4)]
         local = _in_handshake("127.0.0.1", srv.address)
         assert [_is_open(sock) for sock in slow] == [False, False, True, True] and _is_open(local)
-        assert srv.handshakes.in_progress() == 3 and srv.handshakes.displaced == 2
+        assert len(srv.handshakes._open) == 3 and srv.handshakes.displaced == 2
         assert _client(srv).call(M.STATUS, timeout=10) == {"verb": "status"}
         assert all(_is_open(sock) for sock in (*slow[2:], local))  # the other address's are not displaced
         for sock in (*slow, local):
@@ -256,22 +256,22 @@ def test_key_files_must_be_private_to_their_owner(tmp_path):
 
 
 def test_hand_off_and_run_directories_are_fresh_and_private(tmp_path):
-    fresh = [handoff.fresh_private_dir("h-", tmp_path) for _ in range(2)]
+    fresh = [launch.fresh_private_dir("h-", tmp_path) for _ in range(2)]
     assert fresh[0] != fresh[1] and all(os.stat(d).st_mode & 0o777 == 0o700 for d in fresh)
     with pytest.raises(ConfigError, match="cannot make a private directory under .*missing"):
-        handoff.fresh_private_dir("h-", tmp_path / "missing")
-    made = handoff.private_dir(tmp_path / "new")
+        launch.fresh_private_dir("h-", tmp_path / "missing")
+    made = launch.private_dir(tmp_path / "new")
     assert os.stat(made).st_mode & 0o777 == 0o700
-    assert handoff.private_dir(made) == made  # an own private one is reused
+    assert launch.private_dir(made) == made  # an own private one is reused
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o777)
     os.chmod(shared, 0o777)
     with pytest.raises(ConfigError, match="not private to this user.*mode 777"):
-        handoff.private_dir(shared)
+        launch.private_dir(shared)
     readable = tmp_path / "readable"
     readable.mkdir()
     os.chmod(readable, 0o755)
-    assert handoff.private_dir(readable) == readable and os.stat(readable).st_mode & 0o777 == 0o700  # tightened
+    assert launch.private_dir(readable) == readable and os.stat(readable).st_mode & 0o777 == 0o700  # tightened
     (tmp_path / "link").symlink_to(made)
     with pytest.raises(ConfigError, match="not a directory"):
-        handoff.private_dir(tmp_path / "link")
+        launch.private_dir(tmp_path / "link")

@@ -16,7 +16,7 @@ import pytest
 from flwr_sharded.flower import messages as P
 from flwr_sharded.flower.endpoint import GroupClient, GroupError, GroupUnavailable, read_authkey, write_authkey
 from flwr_sharded.flower.node_policy import NodePolicy
-from flwr_sharded.flower.run import FlowerRun, RoundOptions
+from flwr_sharded.flower.run_config import FlowerRun, RoundOptions
 from tests.flower.procs import free_port, group_pids, pid_alive, start_group, start_groups, wait_until
 from tests.multiproc import faults_env, run_ranks, torchrun
 
@@ -325,7 +325,7 @@ def test_server_path_export_and_apply_check_every_piece_before_writing(procs, da
     good one is adopted by every rank, also when it comes cut into chunk files at other rows than the ranks'."""
     import numpy as np
 
-    from flwr_sharded.flower import handoff
+    from flwr_sharded.flower import shard_files
 
     _, address, key = start_group(procs, "g0", shards=2)
     c = client(address, key)
@@ -337,7 +337,7 @@ def test_server_path_export_and_apply_check_every_piece_before_writing(procs, da
     assert len(files) == 2 and out["facility_tokens"] == out["tokens"] > 0  # one file per rank, a group alone
     from safetensors.numpy import load_file
 
-    _, meta = handoff.manifest(files)  # also refuses a key in two files
+    _, meta = shard_files.manifest(files)  # also refuses a key in two files
     per_file = [load_file(f) for f in files]
     arrays = {k: v for values in per_file for k, v in values.items()}
     assert not per_file[0].keys() & per_file[1].keys() and set(arrays) == set(meta)  # each rank: its own rows
@@ -348,7 +348,7 @@ def test_server_path_export_and_apply_check_every_piece_before_writing(procs, da
            "NaN": {**arrays, some_key: np.full_like(arrays[some_key], np.nan)},
            "wrong shape": {**arrays, some_key: arrays[some_key].reshape(-1)[:-1]}}
     for reason, values in bad.items():
-        handoff.write_file(target, values, {k: meta[k] for k in values})
+        shard_files.write_file(target, values, {k: meta[k] for k in values})
         with pytest.raises(GroupError, match="nothing changed"):
             c.call(P.APPLY, {"paths": [str(target)]}, timeout=60)
         assert c.call(P.STATUS)["checksums"] == before, reason
@@ -358,12 +358,12 @@ def test_server_path_export_and_apply_check_every_piece_before_writing(procs, da
         cut = v.shape[0] // 2 if v.ndim and v.shape[0] > 1 else 0
         if cut:
             for (values, tags), start, part in ((halves[0], 0, v[:cut]), (halves[1], cut, v[cut:])):
-                values[handoff.row_key(k, start)], tags[handoff.row_key(k, start)] = part, meta[k]
+                values[shard_files.row_key(k, start)], tags[shard_files.row_key(k, start)] = part, meta[k]
         else:
             halves[0][0][k], halves[0][1][k] = v, meta[k]
     chunk_files = [tmp_path / "c0.safetensors", tmp_path / "c1.safetensors"]
     for path, (values, tags) in zip(chunk_files, halves):
-        handoff.write_file(path, values, tags)
+        shard_files.write_file(path, values, tags)
     after = c.call(P.APPLY, {"paths": [str(f) for f in chunk_files], "evaluate": True}, timeout=60)
     assert after["checksums"] != before and math.isfinite(after["eval_loss"])
     assert after["checksums"] == c.call(P.STATUS)["checksums"]

@@ -8,7 +8,7 @@ import pytest
 
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower import messages as P
-from flwr_sharded.flower.run import FlowerRun
+from flwr_sharded.flower.run_config import FlowerRun
 from flwr_sharded.flower.server import records
 from tests.flower.procs import start_groups
 from tests.flower.test_group import client, hello, round_args, spec

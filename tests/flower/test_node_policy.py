@@ -14,7 +14,7 @@ from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower import messages as P
 from flwr_sharded.flower.endpoint import GroupError
 from flwr_sharded.flower.node_policy import NodePolicy
-from flwr_sharded.flower.run import FlowerRun
+from flwr_sharded.flower.run_config import FlowerRun
 from tests.flower.procs import start_groups
 from tests.flower.test_group import client, spec
 from tests.flower import test_strategy

@@ -17,7 +17,7 @@ from flwr_sharded.config import TrainConfig
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower import endpoint as E
 from flwr_sharded.flower import messages as M
-from flwr_sharded.flower.run import ROUND_KEYS, FlowerRun, RoundOptions, app_config_toml
+from flwr_sharded.flower.run_config import ROUND_KEYS, FlowerRun, RoundOptions, app_config_toml
 
 REPO = Path(__file__).resolve().parents[2]
 APP = REPO / "apps" / "llama_fl_hsdp"
@@ -26,7 +26,7 @@ APP = REPO / "apps" / "llama_fl_hsdp"
 @pytest.mark.dist
 def test_client_side_modules_do_not_import_torch():
     code = (f"import sys; sys.path.insert(0, {str(APP)!r}); import llama_fl_hsdp.client_app, "
-            "llama_fl_hsdp.server_app, flwr_sharded.flower.clientapp, flwr_sharded.flower.run, "
+            "llama_fl_hsdp.server_app, flwr_sharded.flower.clientapp, flwr_sharded.flower.run_config, "
             "flwr_sharded.flower.server.strategy; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -48,9 +48,9 @@ def test_run_from_run_config_and_back():
 
 def test_the_app_config_is_generated_from_the_schema():
     """apps/llama_fl_hsdp/pyproject.toml holds exactly the generated block: every run-config key with the schema's
-    default and summary (regenerate with `python -m flwr_sharded.flower.run --write ...`)."""
+    default and summary (regenerate with `python -m flwr_sharded.flower.run_config --write ...`)."""
     text = (APP / "pyproject.toml").read_text()
-    assert app_config_toml() in text, "the app's [tool.flwr.app.config] drifted from flwr_sharded/flower/run.py"
+    assert app_config_toml() in text, "the app's [tool.flwr.app.config] drifted from flwr_sharded/flower/run_config.py"
     table = tomllib.loads(text)["tool"]["flwr"]["app"]["config"]
     flat = {o.name: o for o in schema.options(FlowerRun) if o.flat}
     assert set(table) == set(flat)

@@ -182,6 +182,7 @@ def test_a_client_without_the_secret_reads_and_writes_nothing():
     from flwr_sharded.flower import rendezvous
     from flwr_sharded.flower import store_channel as ch
     from flwr_sharded.flower.store_client import StoreUnreachable
+    from flwr_sharded.flower.store_server import round_scopes
 
     server = rendezvous.serve_stores("127.0.0.1", 1)
     port = server.ports[0]
@@ -202,7 +203,7 @@ def test_a_client_without_the_secret_reads_and_writes_nothing():
             assert time.monotonic() - start < 3
         round2 = _client(port, "r2/s0", other_secret)
         assert round2.peek("addr/0") is None and round2.num_keys() == 0
-        server.close_round("r1", 1)
+        server.close_scopes(round_scopes("r1", 1))
         with pytest.raises(StoreUnreachable):
             _client(port, "r1/s0", timeout=0.5)
     finally:

@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.flower.run import FlowerRun
+from flwr_sharded.flower.run_config import FlowerRun
 from flwr_sharded.flower.server.app import load_run, strategy_class
-from flwr_sharded.flower.server.imports import ALLOWED_IMPORTS_ENV
+from flwr_sharded.flower.server.app import ALLOWED_IMPORTS_ENV
 from flwr_sharded.flower.server.server_path import ServerShardFedAvg
 from tests.flower.procs import APP
 

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.flower.server.aggregation import (ExcludedContributions, ShardReply, StreamingShardAggregator,
-                                                    plan_ranges, requests_for, spec_of)
-from flwr_sharded.flower.server.robust import SUM_LIMIT, out_of_bounds
+from flwr_sharded.flower.server.aggregation import (SUM_LIMIT, ExcludedContributions, ShardReply,
+                                                    StreamingShardAggregator, out_of_bounds)
+from flwr_sharded.flower.server.stream import plan_ranges, requests_for
 from flwr_sharded.parallel import rules
 from flwr_sharded.parallel.contribution import check_weight, expected_weight, expected_weight_of
 from flwr_sharded.parallel.shard_transport import ShardPiece
-from tests.flower.test_server_path import SHAPES, _chunks, _expected, _group_reply, _model
+from tests.flower.test_server_path import SHAPES, _chunks, _expected, _group_reply, _model, spec_of
 
 LOGGER = "flwr_sharded.flower.server.aggregation"
 
@@ -48,7 +48,7 @@ def test_check_weight(weight, expected, reason):
 
 # ----- bad contributions: one log line, nothing crashes, the mean of the others -------------------------------------
 def _aggregate(replies, **kwargs):
-    agg = StreamingShardAggregator(spec=spec_of(_model(0).items()), **kwargs)
+    agg = StreamingShardAggregator(spec=spec_of(_model(0)), **kwargs)
     added = [agg.add(r) for r in replies]
     return agg, added
 
@@ -170,10 +170,16 @@ def test_out_of_bounds_rules():
 
 
 # ----- robust rules, chunk by chunk ---------------------------------------------------------------------------------
+def _held_bytes(agg: StreamingShardAggregator) -> int:
+    """Bytes of the tensors an aggregator holds (sums, row weights, the robust rules' stack)."""
+    stack = agg._stack._stack.values() if agg._stack is not None else ()
+    return sum(t.numel() * t.element_size() for t in (*agg._acc.values(), *agg._row_weight.values(), *stack))
+
+
 def _chunked(models, rule, *, trim=1, budget=40, outlier_ratio=0.0, dtype=torch.float32):
     """Each model (S = 1, 2, 3, ... in turn) through windowed aggregators of `budget` fp32 bytes per chunk; the
     whole result, and the most bytes one chunk's aggregator held."""
-    spec = spec_of(models[0].items())
+    spec = spec_of(models[0])
     groups = [{p.key: p for rank in _chunks(m, 1 + i % 3) for p in rank} for i, m in enumerate(models)]
     got: dict[str, list[torch.Tensor]] = {n: [] for n in spec}
     held = 0
@@ -184,7 +190,7 @@ def _chunked(models, rule, *, trim=1, budget=40, outlier_ratio=0.0, dtype=torch.
             rows = [ShardPiece(pieces[k].name, pieces[k].row_offset + a, pieces[k].global_shape, pieces[k].data[a:b])
                     for k, a, b in requests_for([p.layout for p in pieces.values()], chunk)]
             assert agg.add(ShardReply(f"g{g}", 0, float(g + 1), rows))
-            held = max(held, agg.held_bytes())
+            held = max(held, _held_bytes(agg))
         agg.finalize()
         for name, a, b in chunk:
             got[name].append(agg.result(name, a, b - a).clone())
@@ -238,7 +244,7 @@ def test_robust_rules_hold_slots_times_the_chunk_whatever_the_model_size():
 
 
 def test_a_robust_rule_needs_a_window_enough_slots_and_whole_windows():
-    spec = spec_of(_model(0).items())
+    spec = spec_of(_model(0))
     with pytest.raises(ValueError, match="window"):
         StreamingShardAggregator(spec=spec, combine="median", slots=3)
     with pytest.raises(ValueError, match="at least 3 slots"):
@@ -272,14 +278,14 @@ def test_trimmed_mean_blocks_give_the_same_result(monkeypatch):
     ({"aggregation": "server", "server-outlier-ratio": -1.0}, "server-outlier-ratio"),
 ])
 def test_bad_server_rule_options_are_refused(config, message):
-    from flwr_sharded.flower.run import FlowerRun
+    from flwr_sharded.flower.run_config import FlowerRun
 
     with pytest.raises(ConfigError, match=message):
         FlowerRun.from_run_config(config).validate()
 
 
 def test_good_server_rule_options_pass():
-    from flwr_sharded.flower.run import FlowerRun
+    from flwr_sharded.flower.run_config import FlowerRun
 
     for config in ({"aggregation": "server", "server-rule": "median"},
                    {"aggregation": "server", "server-rule": "trimmed-mean", "num-groups": 3},

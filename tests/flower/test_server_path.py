@@ -11,10 +11,10 @@ import logging
 import pytest
 import torch
 
-from flwr_sharded.flower import handoff
-from flwr_sharded.flower.server.aggregation import ShardReply, StreamingShardAggregator, spec_of
+from flwr_sharded.flower import shard_files
+from flwr_sharded.flower.server.aggregation import ParamSpec, ShardReply, StreamingShardAggregator
 from flwr_sharded.parallel.rules import FedAdam, FedAvg, Nesterov, TrimmedMean, weighted_mean
-from flwr_sharded.parallel.shard_transport import (ShardPiece, ShardPieceError, apply_pieces, decode_pieces,
+from flwr_sharded.parallel.shard_transport import (ShardPiece, ShardPieceError, check_pieces, decode_pieces,
                                                    encode_pieces, shard_pieces)
 from tests.multiproc import run_ranks
 
@@ -24,6 +24,27 @@ SHAPES = {"embed.weight": (7, 3), "block.0.norm": (5,), "block.0.proj": (6, 2, 2
 def _model(seed: int, dtype=torch.float32) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return {n: torch.randn(s, generator=gen).to(dtype) for n, s in SHAPES.items()}
+
+
+def spec_of(model: dict[str, torch.Tensor]) -> dict[str, ParamSpec]:
+    """The aggregator's spec of a whole model."""
+    return {name: ParamSpec(tuple(t.shape), t.dtype) for name, t in model.items()}
+
+
+@torch.no_grad()
+def write_pieces(named_params, pieces) -> int:
+    """Write pieces into the matching local shards, every piece checked (`check_pieces`) before any is written."""
+    pairs = check_pieces(named_params, pieces)
+    for piece, local in pairs:
+        local.copy_(piece.data)
+    return len(pairs)
+
+
+def mean_of(agg: StreamingShardAggregator, pieces) -> list[ShardPiece]:
+    """The aggregator's new values of exactly the pieces a rank sent (same keys and shapes, the model's dtype)."""
+    return [ShardPiece(p.name, p.row_offset, tuple(p.global_shape),
+                       agg.result(p.name, p.row_offset, p.rows).reshape(p.data.shape).to(agg.spec[p.name].dtype))
+            for p in pieces]
 
 
 def _chunks(model: dict[str, torch.Tensor], S: int) -> list[list[ShardPiece]]:
@@ -52,7 +73,8 @@ def test_bf16_round_trip_is_lossless():
     pieces = [p for rank in _chunks(model, 2) for p in rank]
     arrays, meta = encode_pieces(pieces)
     assert {a.dtype.name for a in arrays.values()} == {"int16"}
-    for decoded in (decode_pieces(arrays, meta), decode_pieces(*handoff.from_records(handoff.to_records(arrays, meta, 0, 1.0))[:2])):
+    records = shard_files.to_records(arrays, meta, 0, 1.0)
+    for decoded in (decode_pieces(arrays, meta), decode_pieces(*shard_files.from_records(records)[:2])):
         assert [p.key for p in decoded] == [p.key for p in pieces]
         for a, b in zip(decoded, pieces):
             assert a.data.dtype == torch.bfloat16 and a.global_shape == b.global_shape
@@ -67,17 +89,17 @@ def test_decode_rejects_malformed_wire_data():
         decode_pieces({"noat": next(iter(arrays.values()))}, {"noat": "bfloat16|7,3"})
 
 
-def test_apply_pieces_checks_everything_before_writing():
+def test_pieces_are_all_checked_before_any_is_written():
     params = [(n, torch.nn.Parameter(t.clone())) for n, t in _model(0).items()]
     before = [p.detach().clone() for _, p in params]
     good = [ShardPiece(n, 0, tuple(p.shape), torch.zeros(p.shape)) for n, p in params]
     bad = good[:-1] + [ShardPiece("head.bias", 0, (1,), torch.zeros(2))]
     with pytest.raises(ShardPieceError, match="shape"):
-        apply_pieces(params, bad)
+        write_pieces(params, bad)
     with pytest.raises(ShardPieceError, match="matches no local shard"):
-        apply_pieces(params, good[:-1] + [ShardPiece("nope", 0, (1,), torch.zeros(1))])
+        write_pieces(params, good[:-1] + [ShardPiece("nope", 0, (1,), torch.zeros(1))])
     assert all(torch.equal(p, b) for (_, p), b in zip(params, before))
-    assert apply_pieces(params, good) == len(good)
+    assert write_pieces(params, good) == len(good)
     assert all(torch.count_nonzero(p) == 0 for _, p in params)
 
 
@@ -86,7 +108,7 @@ def test_apply_pieces_checks_everything_before_writing():
 def test_heterogeneous_shard_counts_combine_by_row(per_rank):
     """Groups with S = 1, 2 and 3 federate: every rank gets back its own rows of the weighted mean."""
     groups = {"S1": (_model(1), 1, 1.0), "S2": (_model(2), 2, 3.0), "S3": (_model(3), 3, 0.5)}
-    agg = StreamingShardAggregator(FedAvg(), 0, spec=spec_of(_model(0).items()), complete=not per_rank)
+    agg = StreamingShardAggregator(FedAvg(), 0, spec=spec_of(_model(0)), complete=not per_rank)
     for source, (model, S, w) in groups.items():
         if per_rank:
             for r, pieces in enumerate(_chunks(model, S)):
@@ -98,7 +120,7 @@ def test_heterogeneous_shard_counts_combine_by_row(per_rank):
     expected = _expected([(m, w) for m, _, w in groups.values()])
     for source, (model, S, _) in groups.items():
         for rank_pieces in _chunks(model, S):
-            for mine, back in zip(rank_pieces, agg.pieces_for(rank_pieces)):
+            for mine, back in zip(rank_pieces, mean_of(agg, rank_pieces)):
                 assert back.key == mine.key and back.data.shape == mine.data.shape
                 rows = slice(mine.row_offset, mine.row_offset + mine.rows)
                 torch.testing.assert_close(back.data, expected[mine.name][rows], rtol=0, atol=1e-6)
@@ -141,7 +163,7 @@ def _bad_replies():
 @pytest.mark.parametrize("case", list(_bad_replies()))
 def test_bad_reply_is_rejected_and_the_rest_aggregated(case, caplog):
     bad, reason = _bad_replies()[case]
-    spec = spec_of(_model(0).items())
+    spec = spec_of(_model(0))
     agg = StreamingShardAggregator(FedAvg(), 0, spec=spec)
     reference = StreamingShardAggregator(FedAvg(), 0, spec=spec)
     good = [_group_reply("g0", _model(1), 2, 1.0), _group_reply("g1", _model(2), 1, 2.0)]
@@ -171,14 +193,14 @@ def test_spec_learned_from_the_first_reply_and_bf16_accumulated_in_fp32():
     assert agg.add(_group_reply("b", models[1], 1, 3.0)) is False  # a source replies once, even after a rejection
     assert agg.add(_group_reply("c", models[1], 1, 3.0))
     agg.finalize()
-    back = agg.pieces_for(_chunks(models[0], 2)[1])
+    back = mean_of(agg, _chunks(models[0], 2)[1])
     assert all(p.data.dtype == torch.bfloat16 for p in back)
     exact = _expected([(models[0], 1.0), (models[1], 3.0)])
     torch.testing.assert_close(agg.result("embed.weight", 0), exact["embed.weight"], rtol=0, atol=1e-6)
 
 
 def test_rows_no_valid_reply_covered_keep_the_global_model():
-    spec = spec_of(_model(0).items())
+    spec = spec_of(_model(0))
     partial = _chunks(_model(1), 2)[0]  # rank 0 of a group; its rank 1 never replied
     agg = StreamingShardAggregator(FedAvg(), 0, spec=spec, complete=False)
     agg.add(ShardReply("g0/rank0", 0, 1.0, partial))
@@ -199,7 +221,7 @@ def test_nonlinear_rule_is_refused():
 @pytest.mark.parametrize("rule_cls", [Nesterov, FedAdam])
 def test_outer_rule_on_the_server_path_equals_the_rule_on_whole_tensors(rule_cls):
     rule = rule_cls()
-    spec = spec_of(_model(0).items())
+    spec = spec_of(_model(0))
     glob = {n: t.clone() for n, t in _model(0).items()}
     whole = {n: t.clone() for n, t in _model(0).items()}
     whole_state = {n: rule.init_state(t) for n, t in whole.items()}
@@ -221,10 +243,10 @@ def test_chunk_windows_give_the_whole_models_mean_for_groups_of_any_sharding():
     """Three groups (S = 1, 2, 3), weighted; the model cut by `plan_ranges` into chunks of at most 40 fp32 bytes;
     each chunk averaged by its own windowed aggregator from the rows `requests_for` names in each group's pieces.
     Together the chunks give the whole model's weighted mean, and each chunk's sums stay within the budget."""
-    from flwr_sharded.flower.server.aggregation import plan_ranges, requests_for
+    from flwr_sharded.flower.server.stream import plan_ranges, requests_for
 
     models, weights, shards = [_model(i) for i in range(3)], [1.0, 2.0, 5.0], [1, 2, 3]
-    spec = spec_of(models[0].items())
+    spec = spec_of(models[0])
     groups = [{p.key: p for rank in _chunks(m, S) for p in rank} for m, S in zip(models, shards)]
     chunks = plan_ranges(spec, 40)
     assert len(chunks) > 5
@@ -248,7 +270,7 @@ def test_chunk_windows_give_the_whole_models_mean_for_groups_of_any_sharding():
 
 
 def test_a_window_rejects_rows_outside_it_and_needs_a_plain_mean():
-    spec = spec_of(_model(0).items())
+    spec = spec_of(_model(0))
     agg = StreamingShardAggregator(FedAvg(), 0, spec=spec, complete=False, window={"embed.weight": (2, 5)})
     data = _model(0)["embed.weight"]
     assert not agg.add(ShardReply("early", 0, 1.0, [ShardPiece("embed.weight", 1, (7, 3), data[1:4])]))
@@ -282,7 +304,7 @@ def _server_path_worker(rank: int, world: int):
     ShardSync(model.named_parameters(), fed_group=topo.fed_group).sync(weight=WEIGHTS[topo.fed_index])
     after = [local_shard(p).clone() for p in model.parameters()]
 
-    apply_pieces(model.named_parameters(), pre)  # back to the pre-sync shards
+    write_pieces(model.named_parameters(), pre)  # back to the pre-sync shards
     restored = all(torch.equal(local_shard(p), q.data) for p, q in zip(model.parameters(), pre))
     everyone: list = [None] * world
     dist.all_gather_object(everyone, (topo.fed_index, encode_pieces(pre)))
@@ -291,7 +313,7 @@ def _server_path_worker(rank: int, world: int):
         pieces = [p for g, wire in everyone if g == f for p in decode_pieces(*wire)]
         assert agg.add(ShardReply(f"group{f}", 0, WEIGHTS[f], pieces))
     agg.finalize()
-    apply_pieces(model.named_parameters(), agg.pieces_for(pre))
+    write_pieces(model.named_parameters(), mean_of(agg, pre))
     max_err = max(float((local_shard(p) - a).abs().max()) for p, a in zip(model.parameters(), after))
     return {"restored": restored, "max_err": max_err, "shard": topo.shard_index,
             "offsets": {p.name: (p.row_offset, p.rows, p.global_shape[0]) for p in pre}}
@@ -313,7 +335,7 @@ def _hsdp_offsets_worker(rank: int, world: int):
 
     topo, model = _sharded_tiny_model("hsdp", 1, 2, 2)  # placements (Replicate(), Shard(0))
     pieces = shard_pieces(model.named_parameters())
-    apply_pieces(model.named_parameters(), pieces)
+    write_pieces(model.named_parameters(), pieces)
     return topo.replica_index, topo.shard_index, {p.name: (p.row_offset, p.global_shape[0]) for p in pieces}
 
 
@@ -375,11 +397,16 @@ def test_server_strategy_holds_less_than_one_fp32_model_whatever_F(F):
 def test_flower_records_round_trip_and_malformed_records_are_rejected(caplog):
     from flwr.app import ConfigRecord
 
-    from flwr_sharded.flower.handoff import SHARD_META
-    from flwr_sharded.flower.server.aggregation import add_content, reply_content
+    from flwr_sharded.flower.shard_files import SHARD_META
+    from flwr.app import RecordDict
+
+    from flwr_sharded.flower.server.aggregation import add_content
+
+    def reply_content(pieces, round, weight):
+        return RecordDict(shard_files.to_records(*encode_pieces(pieces), round, weight))
 
     models = [_model(1, torch.bfloat16), _model(2, torch.bfloat16)]
-    agg = StreamingShardAggregator(FedAvg(), 3, spec=spec_of(models[0].items()))
+    agg = StreamingShardAggregator(FedAvg(), 3, spec=spec_of(models[0]))
     assert add_content(agg, "g0", reply_content(_group_reply("x", models[0], 2, 1.0).pieces, 3, 1.0))
     broken = reply_content(_group_reply("x", models[1], 1, 1.0).pieces, 3, 1.0)
     broken[SHARD_META] = ConfigRecord({k: "float32|7,3" for k in broken[SHARD_META].keys()})

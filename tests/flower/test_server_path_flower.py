@@ -104,7 +104,7 @@ def test_facilities_with_different_shard_counts_federate_through_the_server(data
 
 
 def test_each_group_gets_the_shards_of_its_facility():
-    from flwr_sharded.flower.run import FlowerRun
+    from flwr_sharded.flower.run_config import FlowerRun
 
     run = FlowerRun.from_run_config({"aggregation": "server", "facilities": "a,b", "facility-shards": "b=1",
                                      "partition": "iid-groups"})

@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 from flwr.app import Message, RecordDict
 
-from flwr_sharded.flower import handoff
+from flwr_sharded.flower import shard_files
 from flwr_sharded.flower import messages as P
-from flwr_sharded.flower.run import FlowerRun
+from flwr_sharded.flower.run_config import FlowerRun
+from flwr_sharded.flower.server import stream
 from flwr_sharded.flower.server.server_path import ServerShardFedAvg
 from tests.flower.test_strategy import FakeGrid, config, fast, hello_ok, make, reply, spec, task_identity, train_ok
 
@@ -79,24 +80,24 @@ class FakeGroup:
             if not cfg["export"]:
                 return 0.0, content
             shapes = {k: v.shape for k, v in self.arrays.items()}
-            for name, record in handoff.manifest_records(shapes, self.meta, cfg["server-round"],
+            for name, record in shard_files.manifest_records(shapes, self.meta, cfg["server-round"],
                                                          self.weight).items():
                 content[name] = record
             if self.edit_manifest:
                 self.edit_manifest(content)
             return 0.0, content
-        if kind == P.MSG_PULL and handoff.SHARDS in m.content:  # an apply chunk riding with the pull
+        if kind == P.MSG_PULL and shard_files.SHARDS in m.content:  # an apply chunk riding with the pull
             self.apply(m, cfg)
         if kind == P.MSG_PULL:
             self.pulls += 1
             rows = {}
             for text in cfg["pieces"]:
                 key, a, b = text.rsplit("|", 2)
-                rows[handoff.row_key(key, int(a))] = self.arrays[key][int(a):int(b)].copy()
+                rows[shard_files.row_key(key, int(a))] = self.arrays[key][int(a):int(b)].copy()
             if self.corrupt:
                 self.corrupt(self.pulls, rows)
             meta = {k: self.meta[f"{k.rpartition('@')[0]}@0"] for k in rows}
-            return 0.0, RecordDict(handoff.to_records(rows, meta, cfg["server-round"], self.weight))
+            return 0.0, RecordDict(shard_files.to_records(rows, meta, cfg["server-round"], self.weight))
         if kind == P.MSG_APPLY:
             self.apply(m, cfg)
             last = cfg["chunk"] == cfg["chunks"] - 1
@@ -106,7 +107,7 @@ class FakeGroup:
         return 0.0, reply()
 
     def apply(self, m: Message, cfg: dict) -> None:
-        arrays, meta, _ = handoff.from_records(m.content)
+        arrays, meta, _ = shard_files.from_records(m.content)
         if cfg["chunk"] == 0:
             self.received.clear()
             self.passes += 1
@@ -150,7 +151,7 @@ def test_chunked_pulls_and_applies_give_every_group_the_weighted_mean_whatever_i
     for g in (a, b):  # each leader's apply rides with a later pull: one message per chunk, plus the pipeline's ends
         sent = [m for m in grid.pushed if m.metadata.dst_node_id == g.node
                 and m.metadata.message_type in (P.MSG_PULL, P.MSG_APPLY)]
-        assert len(sent) == chunks + ServerShardFedAvg.PULL_AHEAD + 1
+        assert len(sent) == chunks + stream.PULL_AHEAD + 1
     assert all(sum(v.nbytes for v in arrays.values()) <= 24 for arrays, _ in a.received)
     for name in SHAPES:
         expected = weighted([a, b], name)
@@ -182,7 +183,7 @@ def test_a_bad_chunk_leaves_that_facility_out_of_every_row(corrupt, reason, capl
     a, b = FakeGroup(1, 0, model(1), None, shards=2), FakeGroup(2, 1, model(2), None, shards=1, corrupt=in_third_pull)
     with caplog.at_level(logging.WARNING):
         strategy, grid = run([a, b], BUFFER)
-    assert b.pulls == 3 + ServerShardFedAvg.PULL_AHEAD  # the pulls queued before its bad chunk, then none
+    assert b.pulls == 3 + stream.PULL_AHEAD  # the pulls queued before its bad chunk, then none
     record = strategy.history[0]
     assert (record["facility_replies"], record["facility_rejected"], record["stream_restarts"]) == (1, 1, 1), record
     lines = [r.getMessage() for r in caplog.records if "rejected the shards of facility b" in r.getMessage()]
@@ -220,10 +221,10 @@ def test_a_facility_that_stops_answering_is_left_out_and_the_others_adopt_their_
 
 
 @pytest.mark.parametrize("edit, reason", [
-    (lambda c: c[handoff.SHARD_META].__setitem__("w@0", "float32|11,6"), "global shape"),
-    (lambda c: c[handoff.SHARD_SHAPES].__delitem__("b@0"), "name different pieces"),
-    (lambda c: c[handoff.SHARD_INFO].__setitem__("round", 7), "not the current round"),
-    (lambda c: c[handoff.SHARD_INFO].__setitem__("weight", -1.0), "weight must be"),
+    (lambda c: c[shard_files.SHARD_META].__setitem__("w@0", "float32|11,6"), "global shape"),
+    (lambda c: c[shard_files.SHARD_SHAPES].__delitem__("b@0"), "name different pieces"),
+    (lambda c: c[shard_files.SHARD_INFO].__setitem__("round", 7), "not the current round"),
+    (lambda c: c[shard_files.SHARD_INFO].__setitem__("weight", -1.0), "weight must be"),
 ])
 def test_a_bad_manifest_is_rejected_before_anything_is_pulled(edit, reason, caplog):
     a = FakeGroup(1, 0, model(1), None, shards=2)
@@ -274,8 +275,8 @@ def test_the_model_is_the_one_most_facilities_announce_so_a_bad_first_manifest_i
     """Three facilities; the first announces a wrong global shape: it is rejected, and the other two, which agree,
     are averaged (with the first as the model, both would have been rejected)."""
     def wrong_shape(content: RecordDict) -> None:
-        content[handoff.SHARD_META]["w@0"] = "float32|11,6"
-        content[handoff.SHARD_SHAPES]["w@0"] = "11,6"
+        content[shard_files.SHARD_META]["w@0"] = "float32|11,6"
+        content[shard_files.SHARD_SHAPES]["w@0"] = "11,6"
 
     a = FakeGroup(1, 0, model(1), None, shards=1, manifest=wrong_shape)
     b, c = FakeGroup(2, 1, model(2), None, shards=1), FakeGroup(3, 2, model(3), None, shards=1)
@@ -315,9 +316,9 @@ def _nan_in_third_pull(pull: int, rows: dict[str, np.ndarray]) -> None:
 
 @pytest.mark.parametrize("corrupt, manifest, reason", [
     (_nan_in_third_pull, None, "NaN or Inf"),
-    (None, lambda c: c[handoff.SHARD_INFO].__setitem__("weight", 1e12), "out of bounds"),
-    (None, lambda c: c[handoff.SHARD_INFO].__setitem__("weight", 1e300), "out of bounds"),
-    (None, lambda c: c[handoff.SHARD_INFO].__setitem__("weight", float("inf")), "finite number > 0"),
+    (None, lambda c: c[shard_files.SHARD_INFO].__setitem__("weight", 1e12), "out of bounds"),
+    (None, lambda c: c[shard_files.SHARD_INFO].__setitem__("weight", 1e300), "out of bounds"),
+    (None, lambda c: c[shard_files.SHARD_INFO].__setitem__("weight", float("inf")), "finite number > 0"),
     (_huge_in_third_pull, None, "largest |value| 1e+30 is more than 100 x"),
 ], ids=["nan", "weight-1e12", "weight-1e300", "weight-inf", "values-1e30"])
 def test_a_bad_facility_is_excluded_with_one_line_and_the_others_mean_adopted(corrupt, manifest, reason, caplog):

@@ -19,7 +19,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower import messages as P
-from flwr_sharded.flower.run import FlowerRun
+from flwr_sharded.flower.run_config import FlowerRun
 from flwr_sharded.flower.server.grid import Polling
 from flwr_sharded.flower.server.strategy import DecentralizedFedAvg
 
@@ -217,11 +217,11 @@ def test_hello_leaves_out_groups_that_do_not_fit(caplog):
     strategy = make(spec(rounds=1), fast(num_groups=6))
     with caplog.at_level(logging.INFO, logger="flwr"):
         strategy.start(grid)
-    assert strategy.members == [1, 6]
-    assert "S=4 = 4 ranks" in strategy.left_out[2] and "S=2 = 2 ranks" in strategy.left_out[2]
-    assert "does not exist" in strategy.left_out[3]
-    assert "no reply" in strategy.left_out[4]
-    assert "fingerprint" in strategy.left_out[5]
+    assert strategy.membership.members == [1, 6]
+    assert "S=4 = 4 ranks" in strategy.membership.left_out[2] and "S=2 = 2 ranks" in strategy.membership.left_out[2]
+    assert "does not exist" in strategy.membership.left_out[3]
+    assert "no reply" in strategy.membership.left_out[4]
+    assert "fingerprint" in strategy.membership.left_out[5]
     assert "group on node 2 left out" in caplog.text
     trains = grid.sent(P.MSG_TRAIN)
     assert sorted(m.metadata.dst_node_id for m in trains) == [1, 6]
@@ -346,15 +346,15 @@ def test_a_silent_node_is_dropped_at_the_round_deadline():
     start = time.monotonic()
     strategy.start(grid)
     assert time.monotonic() - start < 8
-    assert "no reply before the deadline" in strategy.left_out[2]
+    assert "no reply before the deadline" in strategy.membership.left_out[2]
 
 
 def test_flower_error_replies_drop_the_node():
     grid = FakeGrid({1: group(1, 0), 2: group(2, 1, train=lambda m, n: (0.0, Error(code=5, reason="node gone")))})
     strategy = make(spec(rounds=2), fast())
     strategy.start(grid)
-    assert "node gone" in strategy.left_out[2]
-    assert strategy.members == [1]
+    assert "node gone" in strategy.membership.left_out[2]
+    assert strategy.membership.members == [1]
 
 
 def test_metrics_are_token_weighted_and_overhead_is_reported():

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from flwr_sharded.cli import main
-from flwr_sharded.flower.processes import pid_alive
+from flwr_sharded.flower.launch import pid_alive
 from flwr_sharded.flower.superlink import stop_superlink, superexec_pids, superlink_pids
 
 pytestmark = pytest.mark.dist  # every test here starts processes

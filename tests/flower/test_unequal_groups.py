@@ -15,8 +15,10 @@ import pytest
 from flwr_sharded.flower import messages as P
 from flwr_sharded.flower.group import channels
 from flwr_sharded.flower.group.server_side import InstructionError
-from flwr_sharded.flower.run import FlowerRun
-from flwr_sharded.flower.server import records, unequal
+from flwr_sharded.flower.run_config import FlowerRun
+from flwr_sharded.flower.server import records
+from flwr_sharded.flower.server.membership import check_layouts, empty_shards, rejoin_refusal, seat_refusal
+from flwr_sharded.flower.server.strategy import member_shards
 from flwr_sharded.parallel.sync_plan import SyncPlan
 from tests.flower.procs import group_pids, start_group, start_groups, wait_until
 from tests.flower.test_strategy import task_identity  # noqa: F401  (a fixture: Flower messages outside a run)
@@ -31,16 +33,16 @@ def group(shards: int, rows: list[int], replicas: int = 1, digest: str = "d", fi
 
 def test_members_that_shard_differently_get_their_s_and_a_plan_every_shard_can_sit_in():
     groups = {7: group(1, [16, 3]), 9: group(2, [16, 3]), 11: group(2, [16, 3])}
-    assert unequal.member_shards(groups, [7, 9]) == [1, 2]
-    assert unequal.member_shards(groups, [9, 11]) == []  # alike: the plain path
-    assert unequal.empty_shards([3, 2], 4) == [3] and unequal.empty_shards([16, 3], 4) == []
-    refused = unequal.seat_refusal(group(4, [3, 2]), {1, 4})
+    assert member_shards(groups, [7, 9]) == [1, 2]
+    assert member_shards(groups, [9, 11]) == []  # alike: the plain path
+    assert empty_shards([3, 2], 4) == [3] and empty_shards([16, 3], 4) == []
+    refused = seat_refusal(group(4, [3, 2]), {1, 4})
     assert "S=4 leaves shard(s) [3] without a row" in refused and "S=[1, 4]" in refused
     membership = SimpleNamespace(run=SimpleNamespace(federation=SimpleNamespace(aggregation="decentralized")),
                                  groups=groups, members=[7, 9])
-    assert unequal.rejoin_refusal(membership, group(3, [16, 3]), groups[7]) == ""
-    assert "differs from the members'" in unequal.rejoin_refusal(membership, group(3, [16, 3], digest="x"), groups[7])
-    assert "fingerprint" in unequal.rejoin_refusal(membership, group(1, [16, 3], fingerprint="other"), groups[7])
+    assert rejoin_refusal(membership, group(3, [16, 3]), groups[7]) == ""
+    assert "differs from the members'" in rejoin_refusal(membership, group(3, [16, 3], digest="x"), groups[7])
+    assert "fingerprint" in rejoin_refusal(membership, group(1, [16, 3], fingerprint="other"), groups[7])
 
 
 def test_a_group_runs_its_own_s_on_the_decentralised_path_unless_the_partition_is_iid():
@@ -68,7 +70,7 @@ def test_a_group_of_another_model_and_one_no_plan_can_serve_are_left_out_by_name
                                  left_out={}, _keep_majority=keep_majority)
     candidates = {1: group(1, [3, 2]), 2: group(2, [3, 2]), 3: group(2, [3, 2], digest="other"),
                   4: group(4, [3, 2])}
-    unequal.check_layouts(membership, candidates)
+    check_layouts(membership, candidates)
     assert sorted(candidates) == [1, 2]
     assert "its model" in kept[3] and "another model" in kept[3]
     assert "S=4 leaves shard(s) [3]" in membership.left_out[4]
@@ -110,7 +112,7 @@ class _RefusingLoop:
 
 
 def test_a_group_no_plan_can_serve_refuses_the_round_on_every_rank_before_training():
-    from flwr_sharded.flower.run import FlowerRun
+    from flwr_sharded.flower.run_config import FlowerRun
 
     loop = _RefusingLoop()
     runtime = SimpleNamespace(args=SimpleNamespace(shards=2, replicas=1), loop=loop, run=FlowerRun(),

@@ -126,7 +126,7 @@ def test_trimmed_mean_is_the_sorted_trim(n, trim, hostile):
 
 def test_the_server_median_is_the_decentralised_median():
     """`server-rule` median (a chunk's stack at the server) and the `median` rule agree, an even count included."""
-    from flwr_sharded.flower.server.robust import ChunkStack
+    from flwr_sharded.flower.server.aggregation import ChunkStack
 
     for n in (2, 3, 4):
         members = _members_with_a_hostile_one(n, hostile=n > 2)

@@ -224,7 +224,7 @@ def test_more_fragments_than_blocks_and_fp8_without_support_are_refused(monkeypa
 
 def test_flower_run_refuses_overlap_on_the_server_path():
     from flwr_sharded.errors import ConfigError
-    from flwr_sharded.flower.run import FlowerRun
+    from flwr_sharded.flower.run_config import FlowerRun
 
     run = FlowerRun()
     run.federation.aggregation = "server"
@@ -239,7 +239,7 @@ def test_an_overlapped_sync_carries_unless_told_not_to(tmp_path):
     from flwr_sharded.config import ParallelConfig, TrainConfig, load_config
     from flwr_sharded.validation import validate
     from flwr_sharded.errors import ConfigError
-    from flwr_sharded.flower.run import FlowerRun
+    from flwr_sharded.flower.run_config import FlowerRun
     from flwr_sharded.train import build_parser, resolve_config
 
     assert ParallelConfig(sync_delay=1).carries and not ParallelConfig().carries

@@ -18,7 +18,7 @@ def test_the_weight_check_names_the_member_and_its_reason_is_check_weights():
 
 
 def test_the_chunk_bounds_give_magnitude_and_overflow_verdicts():
-    from flwr_sharded.flower.server.robust import SUM_LIMIT, out_of_bounds, out_of_bounds_verdicts
+    from flwr_sharded.flower.server.aggregation import SUM_LIMIT, out_of_bounds, out_of_bounds_verdicts
 
     stats = {"a": (1.0, 2.0), "b": (1.0, 2e5), "c": (2.0, SUM_LIMIT), "d": (1.0, 1.0)}
     verdicts = out_of_bounds_verdicts(stats, 100.0)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flwr_sharded.flower.processes import pid_alive
+from flwr_sharded.flower.launch import pid_alive
 from flwr_sharded.training.checkpoint import LATEST, export_pretrained, latest_checkpoint, \
     read_meta
 from tests.multiproc import REPO, faults_env, free_port, torchrun

@@ -39,14 +39,13 @@ from flwr_sharded.config import ParallelConfig
 from flwr_sharded.validation import validate_parallel
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower import endpoint as E
-from flwr_sharded.flower import handoff
 from flwr_sharded.flower import messages as M
 from flwr_sharded.flower import rendezvous as rdv
 from flwr_sharded.flower.group import channels, options, server_side
 from flwr_sharded.flower.group.round import GroupRound
 from flwr_sharded.flower.group.server_side import InstructionError
 from flwr_sharded.flower.node_policy import NodePolicy
-from flwr_sharded.flower.processes import exit_with_parent, pid_alive
+from flwr_sharded.flower.launch import exit_with_parent, fresh_private_dir, pid_alive
 
 logger = logging.getLogger("flwr_sharded.group")
 
@@ -76,7 +75,7 @@ class GroupRuntime:
         self.policy = NodePolicy()  # what the last hello's node config allowed (nothing until a hello)
         self.resumed_round = 0
         # the hand-off directory is a fresh private one (mkdtemp) under --handoff-dir, never a path someone made
-        self.handoff_dir = self.broadcast(handoff.fresh_private_dir("flwr_sharded-handoff-", args.handoff_dir or None)
+        self.handoff_dir = self.broadcast(fresh_private_dir("flwr_sharded-handoff-", args.handoff_dir or None)
                                           if self.rank == 0 else None)
         self.key = ""
         self.run_idle_s = 0.0
@@ -249,7 +248,7 @@ class GroupRuntime:
                 "uptime_s": time.time() - self.started}
 
     def do_hello(self, args: dict[str, Any]) -> dict[str, Any]:
-        from flwr_sharded.flower.run import FlowerRun
+        from flwr_sharded.flower.run_config import FlowerRun
 
         layout = M.GroupLayout(self.args.method, self.args.replicas, self.args.shards, self.world)
         out = {**self._layout(), "compatible": False, "error": "", "fingerprint": "", "tokens": 0, "steps": 0}
@@ -295,7 +294,7 @@ class GroupRuntime:
         """The checks of the engine (`preflight`) and of this group's checkpoint series, their messages in the run
         config's spelling; a restarted group rejoining resumes from its own checkpoint."""
         from flwr_sharded.config import respelled
-        from flwr_sharded.flower.run import RUN_CONFIG
+        from flwr_sharded.flower.run_config import RUN_CONFIG
         from flwr_sharded.training.preflight import preflight
 
         try:

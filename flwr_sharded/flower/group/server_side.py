@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.flower import handoff
+from flwr_sharded.flower import shard_files
+from flwr_sharded.flower.launch import private_dir
 
 
 class InstructionError(Exception):
@@ -28,7 +29,7 @@ def check_handoff_dir(rt: Any) -> str:
     error = ""
     if rt.rank == 0:
         try:
-            handoff.private_dir(rt.handoff_dir)  # still this group's own (made fresh at start)
+            private_dir(rt.handoff_dir)  # still this group's own (made fresh at start)
             with open(probe, "w") as fh:
                 fh.write("ok")
         except ConfigError as exc:
@@ -59,7 +60,7 @@ def export(rt: Any, prefix: str) -> list[str]:
         else:
             safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in prefix)
             path = os.path.join(rt.handoff_dir, safe, f"s{rt.topo.shard_index}.safetensors")
-            handoff.write_file(path, *encode_pieces(pieces))
+            shard_files.write_file(path, *encode_pieces(pieces))
     outcome = rt.gather((path, error))
     errors = [e for _, e in outcome if e]
     if errors:
@@ -79,7 +80,7 @@ def apply(rt: Any, paths: list[str]) -> float:
     if rt.topo.replica_index == 0:
         try:
             named = list(t.model.named_parameters())
-            arrays, meta = handoff.assemble(paths, own_pieces(named))
+            arrays, meta = shard_files.assemble(paths, own_pieces(named))
             pairs = check_pieces(named, decode_pieces(arrays, meta))
         except Exception as exc:  # noqa: BLE001 - missing file or keys, bad shapes, NaN: refuse, change nothing
             error = f"rank {rt.rank}: {type(exc).__name__}: {exc}"

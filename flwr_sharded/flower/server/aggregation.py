@@ -1,43 +1,12 @@
-"""Server-path aggregation: shard pieces from the groups are combined reply by reply, never held all at once.
+"""The server path's aggregator: shard replies folded one at a time into fp32 sums, each checked wholly first, and
+the bounds that leave a contribution out of a chunk.
 
-Each reply is the pieces (`flwr_sharded.parallel.shard_transport.ShardPiece`, keyed by parameter name and global row
-offset) that one group, or one rank of a group, sent for this sync, with the group's weight. `add()` validates the
-reply wholly BEFORE touching any accumulator, and rejects it with one log line naming the reason when:
-
-- its round is not this aggregator's round (stale or early reply), or its source already replied this round;
-- its weight is not a finite number > 0, or (with `expected_weight`) not the weight expected of its source
-  (`flwr_sharded.parallel.contribution`), or so large that it times the reply's largest |value| would overflow the
-  fp32 sums;
-- a key names no parameter of the model, or a piece's global shape, trailing dims or row range do not fit it;
-- a piece's dtype differs from the model's (declared, or learned from the first accepted reply);
-- a piece holds NaN or Inf (found with one min/max pass per piece, which also gives the reply's largest |value|);
-- two pieces of the reply overlap, or (with `complete=True`) the reply does not cover every parameter exactly once.
-
-`finalize()` then excludes accepted replies that are out of bounds (`flwr_sharded.flower.server.robust`: a largest
-|value| far above the others', or values that would overflow the mean's sums), decided on all of them at once: it
-raises `ExcludedContributions` naming them and why, and the caller aggregates again without them (the server path
-starts its pass over). A reply whose values could overflow the sums is never folded into them.
-
-Accepted replies of linear rules (FedAvg and the outer optimizers) are folded into one fp32 accumulator per parameter
-(`sum(w * x)`, memory: one fp32 copy of the model whatever F is) and a per-row weight sum, so groups sharded
-differently (S = 1 and S = 2) combine row by row. `finalize()` divides (and runs the outer rule on whole parameters,
-element-wise, from the global model and the outer state it keeps); `result(name, offset, rows)` / `pieces_for()`
-then slice each rank's own rows back out.
-
-With a `window` (parameter -> global rows), the aggregator covers only those rows: its accumulators are that size and
-pieces outside are rejected. The server path folds the model one window (a chunk of `plan_ranges`) at a time, so
-the server never holds a whole model.
-
-Unit of rejection = unit of a reply. With `complete=True` (default) a reply must carry the whole model of one group
-(all of its ranks' pieces), so a group is taken or dropped as a whole; the cost is that one group's model is in the
-server's memory while its reply is validated (the Flower Message holds it anyway). With `complete=False` a reply may
-be one rank's pieces: memory per reply drops to 1/S of a model, and if one rank's reply is rejected the other ranks'
-rows of that group are kept, so those rows are averaged over a different set of groups than the rest (each row is
-still a correct weighted mean of the valid values sent for it; nothing invalid enters).
-
-Robust rules (`combine="median"` or `"trimmed-mean"`, with a window): each accepted reply's rows of the window are
-kept in a stack (one slot per contribution, `slots` of them, in the wire dtype) and `finalize()` takes the
-coordinate-wise median or trimmed mean; memory = slots x the window.
+A reply (`ShardReply`) is one group's or one rank's pieces, keyed by global row offset, so groups of any S combine
+row by row. `add` rejects a whole reply with one log line (stale round, a second reply of a source, a weight out of
+bounds, pieces that do not fit the model, NaN or Inf, `complete` and not the whole model); `finalize` leaves out the
+contributions out of bounds by raising `ExcludedContributions`, then divides and steps a linear outer rule. With a
+`window` it covers only those rows (a chunk); `combine` median or trimmed-mean stacks every reply's rows instead of
+summing them. The rejections and their log lines: docs/server-path.md.
 """
 
 from __future__ import annotations
@@ -45,20 +14,22 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
-from flwr_sharded.flower import handoff
-from flwr_sharded.flower.server.robust import (ROBUST_RULES, SUM_LIMIT, ChunkStack, min_contributors,
-                                               out_of_bounds_verdicts)
+from flwr_sharded.flower import shard_files
 from flwr_sharded.parallel.contribution import weight_verdict
-from flwr_sharded.parallel.rules import FedAvg, ShardRule, State
-from flwr_sharded.parallel.shard_transport import PieceLayout, ShardPiece
-from flwr_sharded.parallel.verdict import NOT_FINITE, Verdict, reasons
+from flwr_sharded.parallel.rules import FedAvg, ShardRule, State, median_trim, trimmed_mean
+from flwr_sharded.parallel.shard_transport import PieceLayout, ShardPiece, ShardPieceError, decode_pieces
+from flwr_sharded.parallel.verdict import MAGNITUDE, NOT_FINITE, OVERFLOW, Verdict, reasons
 
 log = logging.getLogger(__name__)
 FP32_MAX = torch.finfo(torch.float32).max
+SUM_LIMIT = FP32_MAX / 2
+"""Bound on sum(weight x largest |value|) over a chunk's contributions: the fp32 sums stay finite below it."""
+ROBUST_RULES = ("median", "trimmed-mean")
+"""The server rules that are not the weighted mean."""
 
 
 @dataclass(frozen=True)
@@ -71,11 +42,6 @@ class ParamSpec:
     @property
     def rows(self) -> int:
         return self.shape[0] if self.shape else 1
-
-
-def spec_of(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, ParamSpec]:
-    """The spec of a (whole, unsharded) model's parameters."""
-    return {name: ParamSpec(tuple(t.shape), t.dtype) for name, t in named}
 
 
 def fp32_bytes(spec: Mapping[str, ParamSpec]) -> int:
@@ -94,12 +60,11 @@ class ShardReply:
 
 
 class RejectedReply(ValueError):
-    pass
+    """A reply or manifest that does not fit; the message names the first problem."""
 
 
 class ExcludedContributions(RuntimeError):
-    """Accepted replies `finalize` found out of bounds (`verdicts`; `reasons`: source -> why); aggregate again
-    without them."""
+    """Accepted replies found out of bounds (`reasons`: source -> why); aggregate again without them."""
 
     def __init__(self, verdicts: Sequence[Verdict]) -> None:
         self.verdicts = list(verdicts)
@@ -109,25 +74,18 @@ class ExcludedContributions(RuntimeError):
 
 @dataclass
 class AggregationReport:
+    """The sources an aggregator accepted, rejected (source -> why) and excluded as out of bounds."""
+
     accepted: list[str] = field(default_factory=list)
     rejected: dict[str, str] = field(default_factory=dict)
     total_weight: float = 0.0
     excluded: dict[str, str] = field(default_factory=dict)
-    """Accepted replies `finalize` found out of bounds (then it raised `ExcludedContributions`)."""
-
-
-def _finite(t: torch.Tensor) -> bool:
-    """No NaN or Inf in `t` (one min/max pass, no mask)."""
-    return not t.numel() or all(math.isfinite(float(x)) for x in torch.aminmax(t))
 
 
 def check_layout(spec: dict[str, ParamSpec] | None, pieces: Sequence[PieceLayout], *,
                  complete: bool) -> dict[str, ParamSpec]:
-    """Check where pieces sit (names, global and local shapes, dtypes, overlaps, and with `complete` the coverage
-    of every parameter exactly once) against `spec`, or against each other when `spec` is None; returns the spec.
-
-    Raises RejectedReply naming the first problem. Used for replies and, before anything is pulled, for manifests.
-    """
+    """Check where pieces sit (names, shapes, dtypes, overlaps; `complete`: every row exactly once) against `spec`,
+    or against each other when it is None; returns the spec. RejectedReply names the first problem."""
     if not pieces:
         raise RejectedReply("no shard pieces")
     spec = spec if spec is not None else {p.name: ParamSpec(tuple(p.global_shape), p.dtype) for p in pieces}
@@ -167,68 +125,89 @@ def check_layout(spec: dict[str, ParamSpec] | None, pieces: Sequence[PieceLayout
     return spec
 
 
-def plan_ranges(spec: dict[str, ParamSpec], budget_bytes: int) -> list[list[tuple[str, int, int]]]:
-    """Cut a model into chunks of global rows, `(name, start, stop)` each, of at most `budget_bytes` in fp32 (at
-    least one row; a parameter larger than the budget is split by rows): the windows in which the server path
-    pulls, averages and sends back the model."""
-    budget = max(1, int(budget_bytes))
-    chunks: list[list[tuple[str, int, int]]] = []
-    current: list[tuple[str, int, int]] = []
-    used = 0
-    for name, param in spec.items():
-        start, row_bytes = 0, max(1, 4 * math.prod(param.shape[1:]))
-        while start < param.rows:
-            take = min(param.rows - start, max(1, (budget - used) // row_bytes))
-            if current and used + take * row_bytes > budget:
-                chunks.append(current)
-                current, used = [], 0
-                continue
-            current.append((name, start, start + take))
-            used += take * row_bytes
-            start += take
-        if used >= budget:
-            chunks.append(current)
-            current, used = [], 0
-    if current:
-        chunks.append(current)
-    return chunks
+def min_contributors(rule: str, trim: int) -> int:
+    """The fewest contributions `rule` can combine."""
+    return 2 * trim + 1 if rule == "trimmed-mean" else 1
 
 
-def requests_for(pieces: Sequence[PieceLayout], chunk: Sequence[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
-    """The rows `(key, start, stop)` (local to each piece) of a group's pieces that hold a chunk's global rows."""
-    by_name: dict[str, list[PieceLayout]] = {}
-    for piece in pieces:
-        by_name.setdefault(piece.name, []).append(piece)
-    out = []
-    for name, start, stop in chunk:
-        for piece in sorted(by_name.get(name, []), key=lambda p: p.row_offset):
-            a, b = max(start, piece.row_offset), min(stop, piece.row_offset + piece.rows)
-            if a < b:
-                out.append((piece.key, a - piece.row_offset, b - piece.row_offset))
+def out_of_bounds_verdicts(stats: Mapping[str, tuple[float, float]], ratio: float, *,
+                           sums: bool = True) -> list[Verdict]:
+    """The contributions excluded from a chunk and why (`Verdict.member`: the source), from each one's (weight,
+    largest |value|), decided on all of them at once: a largest |value| above `ratio` x max(1, the lower median of
+    them) (honest facilities start from one model and move little; `ratio` 0: off), and while sum(weight x largest
+    |value|) exceeds `SUM_LIMIT`, the largest such contribution (unless `sums=False`: a robust rule sums nothing)."""
+    out: list[Verdict] = []
+    if ratio > 0 and len(stats) > 1:
+        largest = sorted(m for _, m in stats.values())
+        median = largest[(len(largest) - 1) // 2]
+        bound = ratio * max(1.0, median)
+        for source, (_, m) in stats.items():
+            if m > bound:
+                out.append(Verdict(source, f"its largest |value| {m:.3g} is more than {ratio:g} x max(1, "
+                                           f"{median:.3g}), the median of the facilities' largest |values| in this "
+                                           f"chunk", MAGNITUDE))
+    excluded = {v.member for v in out}
+    kept = {s: w * m for s, (w, m) in stats.items() if s not in excluded} if sums else {}
+    total = math.fsum(kept.values())
+    for source in sorted(kept, key=kept.__getitem__, reverse=True):
+        if total <= SUM_LIMIT:
+            break
+        out.append(Verdict(source, f"the mean would overflow: its weight x largest |value| is {kept[source]:.3g}, "
+                                   f"all of them together {total:.3g}, above the {SUM_LIMIT:.3g} fp32 sums can hold",
+                           OVERFLOW))
+        total -= kept[source]
     return out
+
+
+def out_of_bounds(stats: Mapping[str, tuple[float, float]], ratio: float, *, sums: bool = True) -> dict[str, str]:
+    """source -> why it is excluded (`out_of_bounds_verdicts`' reasons)."""
+    return reasons(out_of_bounds_verdicts(stats, ratio, sums=sums))
+
+
+class ChunkStack:
+    """Every contribution's rows of one window, stacked per parameter (slot i: the i-th accepted one) in the pieces'
+    dtype: slots x the window, whatever the model size."""
+
+    def __init__(self, window: Mapping[str, tuple[int, int]], shapes: Mapping[str, tuple[int, ...]],
+                 dtypes: Mapping[str, torch.dtype], slots: int) -> None:
+        if slots < 1:
+            raise ValueError("a stack needs at least one slot")
+        self.window, self.slots = dict(window), slots
+        self._stack = {name: torch.empty((slots, stop - start, *shapes[name][1:]) if shapes[name] else (slots,),
+                                         dtype=dtypes[name]) for name, (start, stop) in self.window.items()}
+
+    def put(self, slot: int, name: str, row_offset: int, data: torch.Tensor) -> None:
+        """Copy a piece's rows (global offset `row_offset`) into `slot`."""
+        start = self.window[name][0]
+        target = self._stack[name][slot]
+        if target.dim():  # a scalar parameter's slot is the whole value
+            target = target[row_offset - start:row_offset - start + data.shape[0]]
+        target.copy_(data.reshape(target.shape))
+
+    def combine(self, rule: str, trim: int, n: int) -> dict[str, torch.Tensor]:
+        """name -> the rule over the first `n` slots, fp32 (the median: the decentralised `median` rule's trim)."""
+        if not 1 <= n <= self.slots:
+            raise ValueError(f"{n} contributions for {self.slots} slots")
+        cut = median_trim(n) if rule == "median" else trim
+        return {name: trimmed_mean(stack[:n], cut) for name, stack in self._stack.items()}
 
 
 class StreamingShardAggregator:
     """Combine shard replies one at a time into per-parameter fp32 accumulators.
 
     Args:
-        rule: a linear `ShardRule` (FedAvg by default). Non-linear rules need every member at once and are refused.
+        rule: a linear `ShardRule` (FedAvg by default; a rule that needs every member at once is refused).
         round: the sync round replies must carry.
-        spec: the model's parameters (`spec_of`); when None it is learned from the first accepted reply, which must
-            then be complete.
-        global_params: name -> the global model's full tensor (start of the sync period). Needed by stateful rules;
-            with FedAvg it fills rows no valid reply covered (else those rows make `finalize` raise).
-        state: name -> the rule's state (from a previous round's `state`), created by `rule.init_state` if missing.
-        complete: a reply must cover every parameter exactly once (one reply = one group, rejected as a whole).
-        window: parameter -> its global rows `(start, stop)` this aggregator covers (needs `spec`,
-            `complete=False` and FedAvg); the other parameters and rows are outside it.
-        combine: "mean" (the rule on the weighted mean), "median" or "trimmed-mean" (coordinate-wise, unweighted;
-            need a window, which each reply must cover exactly, and `slots`).
-        trim: trimmed-mean: values dropped from each side of each coordinate.
-        slots: robust rules: the most replies the stack holds (the participants).
-        outlier_ratio: `robust.out_of_bounds`' magnitude test (0: off; the overflow test is always on).
+        spec: the model's parameters; None: learned from the first accepted reply, which must be complete.
+        global_params: name -> the global model (stateful rules step from it; FedAvg keeps its rows nobody sent).
+        state: name -> the rule's state (a previous round's `state`; `rule.init_state` if missing).
+        complete: a reply must cover every parameter exactly once (one reply = one group, rejected whole).
+        window: parameter -> the global rows `(start, stop)` covered (needs `spec`, not `complete`, FedAvg).
+        combine: "mean", or "median" / "trimmed-mean" (coordinate-wise, unweighted; a window each reply covers
+            whole, `slots` replies at most, `trim` values dropped from each side).
+        outlier_ratio: `out_of_bounds`' magnitude test (0: off; the overflow test is always on).
         expected_weight: source -> the weight its reply must carry (None: any finite weight > 0).
-        log_rejections: log one warning per rejected reply (off when the caller logs its own line).
+        log_rejections: one warning per rejected reply (off when the caller logs its own).
     """
 
     def __init__(self, rule: ShardRule | None = None, round: int = 0, *, spec: dict[str, ParamSpec] | None = None,
@@ -256,39 +235,30 @@ class StreamingShardAggregator:
             raise ValueError(f"{combine} needs a window and at least {min_contributors(combine, trim)} slots")
         if not (outlier_ratio >= 0 and math.isfinite(outlier_ratio)):
             raise ValueError(f"outlier_ratio must be a finite number >= 0, got {outlier_ratio!r}")
-        self.window = dict(window) if window is not None else None
+        self.round, self.complete, self.window = round, complete, dict(window) if window is not None else None
         self.combine, self.trim, self.outlier_ratio = combine, trim, float(outlier_ratio)
-        self.expected_weight = expected_weight
-        self.log_rejections = log_rejections
+        self.expected_weight, self.log_rejections = expected_weight, log_rejections
+        self.spec = dict(spec) if spec is not None else None
+        self.global_params, self.state = global_params, dict(state) if state else {}
         self._stack = ChunkStack(self.window, {n: p.shape for n, p in spec.items()},
                                  {n: p.dtype for n, p in spec.items()}, slots) if combine != "mean" else None
         self._stats: dict[str, tuple[float, float]] = {}  # accepted source -> (weight, largest |value|)
         self._bound = 0.0  # sum of weight x largest |value| over the replies folded into the sums
         self._unfolded: list[str] = []  # accepted replies that could have overflowed the sums
-        self.round = round
-        self.spec = dict(spec) if spec is not None else None
-        self.global_params = global_params
-        self.state = dict(state) if state else {}
-        self.complete = complete
         self.report = AggregationReport()
         self._acc: dict[str, torch.Tensor] = {}
         self._row_weight: dict[str, torch.Tensor] = {}
         self._finalized = False
 
-    # ----- intake ---------------------------------------------------------------------------------------------
     def add(self, reply: ShardReply) -> bool:
-        """Validate the reply wholly, then fold it in. False (and one warning log line) if it was rejected."""
+        """Validate the reply wholly, then fold it in; False (and one warning) if it was rejected."""
         if self._finalized:
             raise RuntimeError("this aggregator is finalized; start a new one for the next round")
         try:
             spec, largest = self._validate(reply)
         except RejectedReply as exc:
-            self.report.rejected[reply.source] = str(exc)
-            if self.log_rejections:
-                log.warning("server path: round %s: rejected the reply of %s: %s", self.round, reply.source, exc)
-            return False
-        if self.spec is None:
-            self.spec = spec
+            return self.reject(reply.source, str(exc))
+        self.spec = self.spec or spec
         w = float(reply.weight)
         if self._stack is not None:
             for piece in reply.pieces:
@@ -302,6 +272,13 @@ class StreamingShardAggregator:
         self.report.accepted.append(reply.source)
         self.report.total_weight += w
         return True
+
+    def reject(self, source: str, reason: str) -> bool:
+        """Record (and log, with `log_rejections`) that the reply of `source` is rejected; returns False."""
+        self.report.rejected[source] = reason
+        if self.log_rejections:
+            log.warning("server path: round %s: rejected the reply of %s: %s", self.round, source, reason)
+        return False
 
     def _validate(self, reply: ShardReply) -> tuple[dict[str, ParamSpec], float]:
         """The model's spec and the reply's largest |value|; RejectedReply naming the first problem."""
@@ -320,7 +297,7 @@ class StreamingShardAggregator:
         spec = check_layout(self.spec, [p.layout for p in reply.pieces], complete=self.complete)
         largest, rows = 0.0, {}
         for piece in reply.pieces:
-            start, stop = self.window.get(piece.name, (0, 0)) if self.window is not None else (0, spec[piece.name].rows)
+            start, stop = self._rows_of(piece.name, spec)
             if not (start <= piece.row_offset and piece.row_offset + piece.rows <= stop):
                 raise RejectedReply(f"piece {piece.key}: rows outside this aggregator's window")
             lo, hi = (float(x) for x in torch.aminmax(piece.data))  # NaN and Inf show in the extremes
@@ -338,53 +315,46 @@ class StreamingShardAggregator:
                                 f"{largest:.3g} is above the {SUM_LIMIT:.3g} fp32 sums can hold")
         return spec, largest
 
-    def _rows_of(self, name: str) -> tuple[int, int]:
-        """The global rows of a parameter that this aggregator covers ((0, 0) for one outside its window)."""
+    def _rows_of(self, name: str, spec: Mapping[str, ParamSpec] | None = None) -> tuple[int, int]:
+        """The global rows of a parameter this aggregator covers ((0, 0) for one outside its window)."""
         if self.window is not None:
             return self.window.get(name, (0, 0))
-        return 0, self.spec[name].rows
+        return 0, (spec or self.spec)[name].rows
 
     def _zeros(self, name: str) -> torch.Tensor:
         """A fresh accumulator (and row weights) for the covered rows of a parameter."""
-        want = self.spec[name]
         start, stop = self._rows_of(name)
+        shape = self.spec[name].shape
         self._row_weight[name] = torch.zeros(stop - start, dtype=torch.float64)
-        shape = (stop - start, *want.shape[1:]) if want.shape else ()
-        acc = self._acc[name] = torch.zeros(shape, dtype=torch.float32)
-        return acc
+        self._acc[name] = torch.zeros((stop - start, *shape[1:]) if shape else (), dtype=torch.float32)
+        return self._acc[name]
 
     @torch.no_grad()
     def _accumulate(self, reply: ShardReply) -> None:
         w = float(reply.weight)
         for piece in reply.pieces:
-            want = self.spec[piece.name]
-            acc = self._acc.get(piece.name)
-            if acc is None:
-                acc = self._zeros(piece.name)
-            first = self._rows_of(piece.name)[0]
-            rows = slice(piece.row_offset - first, piece.row_offset - first + piece.rows)
-            target = acc[rows] if want.shape else acc
+            start = self._rows_of(piece.name)[0]
+            acc = self._acc[piece.name] if piece.name in self._acc else self._zeros(piece.name)
+            rows = slice(piece.row_offset - start, piece.row_offset - start + piece.rows)
+            target = acc[rows] if acc.dim() else acc
             target.add_(piece.data.reshape(target.shape), alpha=w)  # fp32 += w * (fp32 | bf16): no temporary
             self._row_weight[piece.name][rows] += w
 
-    # ----- result ---------------------------------------------------------------------------------------------
     @torch.no_grad()
     def finalize(self) -> AggregationReport:
         """Turn the sums into the new global parameters (in place) and step the rule; return what was accepted."""
         if self._finalized:
             return self.report
         if not self.report.accepted:
-            raise RuntimeError(f"round {self.round}: no valid reply to aggregate "
-                               f"(rejected: {self.report.rejected})")
+            raise RuntimeError(f"round {self.round}: no valid reply to aggregate (rejected: {self.report.rejected})")
         self._exclude(out_of_bounds_verdicts(self._stats, self.outlier_ratio, sums=self._stack is None))
         if self._unfolded:  # cannot be: without exclusions every reply fitted the bound
             raise RuntimeError(f"round {self.round}: replies {self._unfolded} were not folded in")
         if self._stack is not None:
-            self._acc = self._stack.combine(self.combine, self.trim, len(self._stats))
-            self._stack = None
+            self._acc, self._stack = self._stack.combine(self.combine, self.trim, len(self._stats)), None
         else:
             self._divide()
-        bad = [n for n, t in self._acc.items() if not _finite(t)]
+        bad = [n for n, t in self._acc.items() if t.numel() and not all(map(math.isfinite, torch.aminmax(t)))]
         if bad:  # a guard: finite inputs within the bound give a finite mean
             self._exclude([Verdict(max(self._stats, key=lambda s: self._stats[s][0] * self._stats[s][1]),
                                    f"the mean of {bad[:3]} is not finite; this contribution is the largest",
@@ -405,12 +375,10 @@ class StreamingShardAggregator:
 
     @torch.no_grad()
     def _divide(self) -> None:
-        """The weighted mean from the sums (and the rule's step), in place."""
+        """The weighted mean from the sums (rows nobody sent: the global model's) and the rule's step, in place."""
         for name in (self.window if self.window is not None else self.spec):
-            acc = self._acc.get(name)
-            if acc is None:
-                acc = self._zeros(name)
             start, stop = self._rows_of(name)
+            acc = self._acc[name] if name in self._acc else self._zeros(name)
             weight = self._row_weight[name]
             covered = weight > 0
             view = acc.view(stop - start, -1)
@@ -424,19 +392,12 @@ class StreamingShardAggregator:
             if not isinstance(self.rule, FedAvg):
                 global_t = self.global_params[name]
                 state = self.state.get(name)
-                if state is None:
-                    state = self.rule.init_state(global_t.float())
-                new, self.state[name] = self.rule.apply_mean(global_t, acc, state)
+                new, self.state[name] = self.rule.apply_mean(global_t, acc, state if state is not None else
+                                                             self.rule.init_state(global_t.float()))
                 acc.copy_(new)
 
-    def held_bytes(self) -> int:
-        """Bytes of the tensors this aggregator holds now (sums, row weights, the robust rules' stack)."""
-        tensors = [*self._acc.values(), *self._row_weight.values()]
-        return sum(t.numel() * t.element_size() for t in tensors) + (self._stack.nbytes() if self._stack else 0)
-
     def result(self, name: str, row_offset: int, rows: int | None = None) -> torch.Tensor:
-        """The new global rows `[row_offset, row_offset + rows)` of a parameter (fp32, a view; with a window,
-        rows inside it)."""
+        """The new global rows `[row_offset, row_offset + rows)` of a parameter (fp32, a view; within the window)."""
         if not self._finalized:
             raise RuntimeError("call finalize() first")
         acc = self._acc[name]
@@ -448,45 +409,20 @@ class StreamingShardAggregator:
             raise KeyError(f"rows [{row_offset}, {end}) of {name!r} are outside this aggregator's rows")
         return acc[row_offset - start:end - start]
 
-    def pieces_for(self, requested: Iterable[ShardPiece], dtype: torch.dtype | None = None) -> list[ShardPiece]:
-        """The new values of exactly the pieces a rank sent (same keys and shapes), in `dtype` or the model's."""
-        out = []
-        for piece in requested:
-            value = self.result(piece.name, piece.row_offset, piece.rows).reshape(piece.data.shape)
-            out.append(ShardPiece(piece.name, piece.row_offset, tuple(piece.global_shape),
-                                  value.to(dtype or self.spec[piece.name].dtype)))
-        return out
-
     def model(self) -> dict[str, torch.Tensor]:
-        """The new global parameters (fp32 accumulators, finalized; with a window, its rows), e.g. as the next
-        round's `global_params`."""
+        """The new global parameters (fp32; with a window, its rows), e.g. the next round's `global_params`."""
         if not self._finalized:
             raise RuntimeError("call finalize() first")
         return dict(self._acc)
 
 
-# ----- Flower records (names and layout: `flwr_sharded.flower.handoff`) ------------------------------------------
-def reply_content(pieces: Iterable[ShardPiece], round: int, weight: float):
-    """A RecordDict carrying pieces, for a group's reply (imports flwr; NumPy, no torch needed by the receiver)."""
-    from flwr.app import RecordDict
-
-    from flwr_sharded.parallel.shard_transport import encode_pieces
-
-    return RecordDict(handoff.to_records(*encode_pieces(pieces), round, weight))
-
-
 def add_content(agg: StreamingShardAggregator, source: str, content) -> bool:
     """Fold one reply's RecordDict into `agg`; malformed records are a rejection (logged), like bad pieces."""
-    from flwr_sharded.parallel.shard_transport import ShardPieceError, decode_pieces
-
     try:
-        arrays, meta, info = handoff.from_records(content)
+        arrays, meta, info = shard_files.from_records(content)
         if "round" not in info or "weight" not in info:
-            raise ShardPieceError(f"{handoff.SHARD_INFO!r} lacks 'round' or 'weight'")
+            raise ShardPieceError(f"{shard_files.SHARD_INFO!r} lacks 'round' or 'weight'")
         pieces = decode_pieces(arrays, meta)
     except (ShardPieceError, KeyError, TypeError, ValueError) as exc:
-        agg.report.rejected[source] = f"malformed reply: {exc}"
-        if agg.log_rejections:
-            log.warning("server path: round %s: rejected the reply of %s: malformed reply: %s", agg.round, source, exc)
-        return False
+        return agg.reject(source, f"malformed reply: {exc}")
     return agg.add(ShardReply(source, int(info["round"]), float(info["weight"]), pieces))

@@ -1,8 +1,9 @@
 """What the ServerApp records of each round and of the run: the round record (token-weighted metrics, timings,
-checksums), its log line, the summary table, and the run directory they go to."""
+checksums), its log line, and the run's summary."""
 
 from __future__ import annotations
 
+import math
 from logging import ERROR, INFO
 from typing import Any
 
@@ -15,8 +16,7 @@ def round_record(server_round: int, members: list[int], ok: dict[int, dict[str, 
                  rolled_back: dict[int, dict[str, Any]], dropped: dict[int, str], round_s: float, group_world: int,
                  rejoined: list[int], layouts: dict[str, str] | None = None) -> dict[str, Any]:
     """One round of the run: token-weighted per-step losses, throughput, timings of the slowest group, the groups'
-    checksums after every sync, and who failed why. `layouts`: each node's "R x S" (groups that shard differently:
-    the members' layouts are recorded, and checksums are compared between groups of one layout)."""
+    checksums after every sync (compared between groups of one `layouts`' "R x S"), and who failed why."""
     alive = {**ok, **rolled_back}
     tokens = {n: float(m.get("tokens", 0)) for n, m in alive.items()}
     total_tokens = sum(tokens.values())
@@ -34,7 +34,6 @@ def round_record(server_round: int, members: list[int], ok: dict[int, dict[str, 
                for key in ("train_s", "sync_s", "eval_s")}
     work_s = max((sum(float(m.get(k, 0)) for k in slowest) for m in alive.values()), default=0.0)
     evals = [float(m["eval_loss"]) for m in alive.values() if "eval_loss" in m]
-    # groups send checksums when their shards must be equal after a sync (one fragment, no alpha mixing)
     checksums = {str(n): [float(x) for x in m["checksums"]] for n, m in alive.items() if "checksums" in m}
     syncs = min((int(m.get("syncs", 0)) for m in alive.values()), default=0)
     record: dict[str, Any] = {
@@ -42,9 +41,7 @@ def round_record(server_round: int, members: list[int], ok: dict[int, dict[str, 
         "dropped": len(dropped), "members": [str(n) for n in members], "rejoined": [str(n) for n in rejoined],
         "synced": int(bool(ok) and not rolled_back and not dropped), "syncs": syncs, "steps": steps,
         "train_loss": train_loss, "train_ppl": perplexity(train_loss), "tokens": int(total_tokens),
-        "tokens_per_s": total_tokens / round_s if round_s > 0 else 0.0, "round_s": round_s, **slowest,
-        "work_s": work_s, "overhead_s": max(0.0, round_s - work_s),
-        "overhead_pct": 100.0 * max(0.0, round_s - work_s) / round_s if round_s > 0 else 0.0,
+        **timings(total_tokens, work_s, round_s), **slowest, "work_s": work_s,
         "checksums_equal": int(all(checksums_equal(same, syncs, world)
                                    for world, same in by_layout(checksums, layouts or {}, group_world))),
         "losses": step_losses, "checksums": checksums,
@@ -64,10 +61,17 @@ def round_record(server_round: int, members: list[int], ok: dict[int, dict[str, 
     return record
 
 
+def timings(tokens: float, work_s: float, round_s: float) -> dict[str, float]:
+    """A round's wall time, throughput and orchestration overhead (its time beyond the slowest group's work)."""
+    overhead = max(0.0, round_s - work_s)
+    return {"round_s": round_s, "tokens_per_s": tokens / round_s if round_s > 0 else 0.0, "overhead_s": overhead,
+            "overhead_pct": 100.0 * overhead / round_s if round_s > 0 else 0.0}
+
+
 def member_timings(replies: dict[int, dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Each member's pace over the round's syncs (node -> seconds), {} with fewer than two members that synced:
-    `step_s` per inner step, `sync_period_s` per sync (its local steps and its sync), and `idle_s_per_sync`, its sync
-    time per sync beyond the shortest member's (the syncs end together: the excess is how early it arrived)."""
+    """Each member's pace (node -> seconds; {} with fewer than two that synced): `step_s` per inner step,
+    `sync_period_s` per sync (steps and sync), `idle_s_per_sync` its sync time beyond the shortest member's (the
+    syncs end together: the excess is how early it arrived)."""
     synced = {str(n): m for n, m in replies.items() if m.get("syncs") and m.get("steps")}
     if len(synced) < 2:
         return {}
@@ -80,8 +84,7 @@ def member_timings(replies: dict[int, dict[str, Any]]) -> dict[str, dict[str, fl
 
 
 def note_checkpoint_errors(server_round: int, replies: dict[int, dict[str, Any]], record: dict[str, Any]) -> None:
-    """Log each group whose checkpoint write failed (it keeps its previous checkpoint and trains on) and put them in
-    the round record's `checkpoint_errors` (node -> error)."""
+    """Log each group whose checkpoint write failed (it trains on) and record them in `checkpoint_errors`."""
     errors = {node: str(m["checkpoint_error"]) for node, m in replies.items() if m.get("checkpoint_error")}
     for node, error in errors.items():
         log(ERROR, "round %d: group on node %d could not write its checkpoint, it trains on: %s", server_round, node,
@@ -102,16 +105,12 @@ def checksums_equal(checksums: dict[str, list[float]], syncs: int, group_world: 
 
 def by_layout(checksums: dict[str, list[float]], layouts: dict[str, str],
               group_world: int) -> list[tuple[int, dict[str, list[float]]]]:
-    """The checksums split by the groups' layouts ("R x S", each with its world R x S; unknown: `group_world`)."""
+    """The checksums split by the groups' layouts ("R x S"), each with its world R x S (unknown: `group_world`)."""
     out: dict[str, dict[str, list[float]]] = {}
     for node, sums in checksums.items():
         out.setdefault(layouts.get(node, ""), {})[node] = sums
-    return [(_world(layout, group_world), same) for layout, same in out.items()]
-
-
-def _world(layout: str, default: int) -> int:
-    replicas, _, shards = layout.partition("x")
-    return int(replicas) * int(shards) if shards else default
+    return [(math.prod(int(x) for x in layout.split("x")) if layout else group_world, same)
+            for layout, same in out.items()]
 
 
 def log_round(r: dict[str, Any]) -> None:
@@ -127,8 +126,7 @@ def log_round(r: dict[str, Any]) -> None:
 
 def summary(history: list[dict[str, Any]], seconds: float, members: list[int],
             left_out: dict[int, str], layouts: dict[str, str] | None = None) -> dict[str, Any] | None:
-    """The run's summary record over its round records (None before any round); `layouts`: each group's "R x S"
-    by node."""
+    """The run's summary record over its round records (None before any round)."""
     rounds = [h for h in history if h.get("kind") == "round"]
     if not rounds:
         return None

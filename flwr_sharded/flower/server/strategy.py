@@ -1,25 +1,9 @@
 """DecentralizedFedAvg: Flower orchestrates rounds, the groups average their shards among themselves.
 
-No arrays cross the server: every message carries a ConfigRecord only. Per run:
-
-1. sample nodes with a deadline (Flower's `FedAvg.sample_nodes` waits forever);
-2. hello: each group builds (or reuses) its trainer from the run's schema (`FlowerRun`, sent once) and replies
-   with its layout, model/sharding fingerprint and a rendezvous offer; groups that fail it are left out, with the
-   reason in the ServerApp log;
-3. rounds: `configure_train` gives each member (ordered by partition id) the member list, member 0's rendezvous
-   offer, a fresh prefix, a fresh secret (members prove it at the rendezvous) and the round's options; each group
-   runs K periods of A local steps and a shard sync after each. The train message starts the round; collect
-   messages pushed behind it return its result, which `aggregate_train` weighs by tokens. A group that fails, or
-   does not answer before the round deadline, or whose node goes offline, is dropped, and the other members are told
-   at once (they stop waiting for it at the rendezvous); the survivors of a failed sync have rolled back to their
-   last synced shards, and the next round re-forms from them; dropped groups are offered to rejoin; a group at
-   fault in `max-strikes` rounds in a row (dropped, or named by most other members: late, failed, left out) sits
-   out `bench-rounds` rounds first; a round that left groups with different shards is repaired by a catch-up;
-4. finish: every sampled node gets a finish message (simulation: its launched group is shut down); member 0 writes
-   the final model into the run directory.
-
-A strategy of one's own subclasses this and overrides `configure_train` (e.g. to set round options, see
-`flwr_sharded.flower.run.ROUND_KEYS`), `aggregate_train` or `select_members`, as with Flower's strategies.
+Every message carries a ConfigRecord only: the run's schema in the hellos, and per round each member's train message
+(the members, member 0's rendezvous offer, a fresh prefix and secret, the round options), after which the member runs
+K periods of A local steps with a shard sync after each. A strategy of one's own overrides `configure_train` (round
+options: `flwr_sharded.flower.run_config.ROUND_KEYS`), `aggregate_train` or `select_members`, as in Flower.
 """
 
 from __future__ import annotations
@@ -36,16 +20,34 @@ from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore import log
 
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.flower import messages as M
-from flwr_sharded.flower.run import FlowerRun, RoundOptions
-from flwr_sharded.flower.server import collect
-from flwr_sharded.flower.server import grid as G
-from flwr_sharded.flower.server import records, unequal
+from flwr_sharded.flower.messages import MSG_EVALUATE, MSG_FINISH, MSG_TRAIN, START_TIMEOUT_S, GroupLayout, TrainArgs
+from flwr_sharded.flower.run_config import FlowerRun, RoundOptions
+from flwr_sharded.flower.server import records
+from flwr_sharded.flower.server.grid import (Polling, message, reply_payload, run_id, send_and_receive,
+                                             train_and_collect)
 from flwr_sharded.flower.server.membership import GroupInfo, GroupMembership
 from flwr_sharded.run_dir import perplexity
+from flwr_sharded.parallel.schedule import local_steps
 
 
-class DecentralizedFedAvg(GroupMembership, Strategy):
+def member_shards(groups: dict[int, Any], members: list[int]) -> list[int]:
+    """Every member's S, in member order, when they shard differently; [] when they shard alike."""
+    shards = [groups[n].layout.shards for n in members]
+    return shards if len(set(shards)) > 1 else []
+
+
+def member_steps(groups: dict[int, Any], members: list[int], round_steps: int, group_steps: str) -> list[int]:
+    """Every member's local steps per sync of a round of A = `round_steps` with `group-steps speed`, from its last
+    round's step time (`pace.local_steps`); [] (every member A) with `equal`, before every member has a step time,
+    or when all come out alike."""
+    times = [groups[n].step_s for n in members]
+    if group_steps != "speed" or len(members) < 2 or min(times) <= 0:
+        return []
+    steps = list(local_steps(round_steps, times))
+    return steps if len(set(steps)) > 1 else []
+
+
+class DecentralizedFedAvg(Strategy):
     """Decentralised FedAvg of sharded models: config-only messages, shard syncs between the groups.
 
     Args:
@@ -55,36 +57,25 @@ class DecentralizedFedAvg(GroupMembership, Strategy):
         polling: how often the Grid is pulled and the nodes' liveness checked.
     """
 
+    membership_class: type[GroupMembership] = GroupMembership
+
     def __init__(self, run: FlowerRun, *, run_dir: Any = None, rejoin: bool = True,
-                 polling: G.Polling | None = None) -> None:
+                 polling: Polling | None = None) -> None:
         self.run = run
         self.deadlines = run.deadlines
         self.run_dir = run_dir
-        self.rejoin = rejoin
-        self.polling = polling or G.Polling()
-        self.run_id = 0
-        self.sampled: list[int] = []
-        self.groups: dict[int, GroupInfo] = {}
-        self.members: list[int] = []
-        self.left_out: dict[int, str] = {}
-        self.dropped: set[int] = set()
+        self.polling = polling or Polling()
+        self.membership = self.membership_class(run, self.polling, rejoin=rejoin, save_dir=self.save_dir())
         self.history: list[dict[str, Any]] = []
-        self.resumed_round = 0
-        """The round the groups' checkpoints hold (resume); training goes on with the next one."""
         self.round_members: list[int] = []
         """This round's members (`select_members`)."""
+        self.saved_model = ""
+        """Where member 0 wrote the final model ('' if it did not)."""
         self._rejoined: list[int] = []
         self._repair = ""
         """Why the next round starts with a catch-up although nobody rejoined: the last one left groups diverged."""
-        self._round_wall = 0.0
-        self._started = 0.0
+        self._round_started = self._started = 0.0
         self._tokens_seen = 0
-        self.saved_model = ""
-        """Where member 0 wrote the final model ('' if it did not)."""
-
-    @property
-    def evaluate_in_train(self) -> bool:
-        return self.run.federation.evaluate_in_train
 
     # ----- Strategy interface ---------------------------------------------------------------------------------
     def summary(self) -> None:
@@ -100,39 +91,42 @@ class DecentralizedFedAvg(GroupMembership, Strategy):
         log(INFO, "\t└── Deadlines: sample %.0f s, hello %.0f s, round %.0f s, rendezvous %.0f s, sync %.0f s",
             d.sample_timeout, d.hello_timeout, d.round_timeout, d.rendezvous_timeout, d.sync_timeout)
 
+    def select_members(self, server_round: int) -> list[int]:
+        """The members that train in `server_round` (default: every member); override to let some groups sit a
+        round out. Member 0 of the result hosts the round's rendezvous."""
+        return list(self.membership.members)
+
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        """One train message per member: the ordered members, member 0's rendezvous offer, a fresh prefix and the
-        round options in `config` (`RoundOptions`: any other key is refused)."""
+        """One train message per member, with the round options in `config` (`RoundOptions`; other keys refused)."""
         members = self.round_members
-        round_options = RoundOptions.from_config(dict(config))
-        offer = self.groups[members[0]].layout
         if self._repair:
             log(WARNING, "round %d starts with a catch-up from member 0: %s", server_round, self._repair)
         catch_up, self._repair = bool(self._rejoined or self._repair), ""
-        return self.train_messages(server_round, members, offer, f"run{self.run_id}/round{server_round}",
-                                   round_options, catch_up=catch_up, evaluate=self.evaluate_in_train,
+        return self.train_messages(server_round, members, self.membership.groups[members[0]].layout,
+                                   f"run{run_id(grid)}/round{server_round}", RoundOptions.from_config(dict(config)),
+                                   catch_up=catch_up, evaluate=self.run.federation.evaluate_in_train,
                                    checkpoint=self.run.checkpoint_due(server_round))
 
-    def train_messages(self, server_round: int, members: list[int], offer: M.GroupLayout, prefix: str,
+    def train_messages(self, server_round: int, members: list[int], offer: GroupLayout, prefix: str,
                        round_options: RoundOptions, *, catch_up: bool, evaluate: bool, checkpoint: bool,
                        export_first: bool = False) -> list[Message]:
         """The train messages of one set of members that sync among themselves (a round, or a facility)."""
-        d = self.deadlines
-        out = []
+        d, groups = self.deadlines, self.membership.groups
         secret = secrets.token_hex(32)  # the members' proof at the rendezvous; travels over Flower's TLS channel
-        shards = unequal.member_shards(self.groups, members)  # members that shard differently: their S each
-        steps = unequal.member_steps(self.groups, members, round_options.for_run(self.run).aggregate_every,
-                                     self.run.train.parallel.group_steps)  # members of different speeds: their A
+        shards = member_shards(groups, members)
+        steps = member_steps(groups, members, round_options.for_run(self.run).aggregate_every,
+                             self.run.train.parallel.group_steps)
+        out = []
         for i, node in enumerate(members):
-            args = M.TrainArgs(server_round=server_round, job=f"{prefix}/{node}", members=[str(m) for m in members],
-                               member_index=i, rendezvous_host=offer.rendezvous_host,
-                               rendezvous_ports=list(offer.rendezvous_ports), prefix=prefix,
-                               rendezvous_timeout=d.rendezvous_timeout, sync_timeout=d.sync_timeout, secret=secret,
-                               evaluate=evaluate, checkpoint=checkpoint, export=export_first and i == 0,
-                               catch_up=catch_up, member_shards=shards, member_steps=steps, round=round_options)
-            out.append(G.message(node, M.MSG_TRAIN, {**args.to_config(), "timeout": M.START_TIMEOUT_S},
-                                 str(server_round), d.round_timeout))
+            args = TrainArgs(server_round=server_round, job=f"{prefix}/{node}", members=[str(m) for m in members],
+                             member_index=i, rendezvous_host=offer.rendezvous_host,
+                             rendezvous_ports=list(offer.rendezvous_ports), prefix=prefix,
+                             rendezvous_timeout=d.rendezvous_timeout, sync_timeout=d.sync_timeout, secret=secret,
+                             evaluate=evaluate, checkpoint=checkpoint, export=export_first and i == 0,
+                             catch_up=catch_up, member_shards=shards, member_steps=steps, round=round_options)
+            out.append(message(node, MSG_TRAIN, {**args.to_config(), "timeout": START_TIMEOUT_S}, str(server_round),
+                               d.round_timeout))
         return out
 
     def aggregate_train(self, server_round: int,
@@ -143,7 +137,7 @@ class DecentralizedFedAvg(GroupMembership, Strategy):
         rolled_back: dict[int, dict[str, Any]] = {}
         dropped: dict[int, str] = {}
         for node in self.round_members:
-            metrics, error = G.reply_payload(by_node.get(node))
+            metrics, error = reply_payload(by_node.get(node))
             if error:
                 dropped[node] = error
             elif metrics.get("sync_failed"):
@@ -151,46 +145,43 @@ class DecentralizedFedAvg(GroupMembership, Strategy):
             else:
                 ok[node] = metrics
         alive = {**ok, **rolled_back}
-        record = records.round_record(server_round, self.round_members, ok, rolled_back, dropped, self._round_wall,
-                                      self.run.group_world, self._rejoined, layouts=self.layouts())
+        membership = self.membership
+        record = records.round_record(server_round, self.round_members, ok, rolled_back, dropped,
+                                      time.monotonic() - self._round_started, self.run.group_world, self._rejoined,
+                                      layouts=membership.layouts())
         records.note_checkpoint_errors(server_round, alive, record)
-        for node, reason in dropped.items():
-            self.dropped.add(node)
-            self.groups[node].failures.append(f"round {server_round}: {reason}")
-            self.left_out[node] = f"dropped in round {server_round}: {reason}"
-            log(WARNING, "round %d: group on node %d dropped: %s", server_round, node, reason)
+        membership.drop(server_round, dropped)
         if rolled_back:
             log(WARNING, "round %d: sync failed; %d surviving group(s) restored their last synced shards; the next "
                 "round re-forms with %d member(s)", server_round, len(rolled_back), len(alive))
         elif dropped:
             log(WARNING, "round %d: %d group(s) dropped; the next round goes on with %d member(s)", server_round,
                 len(dropped), len(alive))
-        self.members = [n for n in self.members if n not in dropped]
         record["at_fault"] = {str(n): why for n, why in
-                              self.hold_at_fault(server_round, self.round_members, alive, dropped).items()}
+                              membership.hold_at_fault(server_round, self.round_members, alive, dropped).items()}
         if ok and rolled_back or (record["syncs"] and not record["checksums_equal"]):
             self._repair = (f"round {server_round} left the groups with different shards (the sync was adopted by "
                             f"{sorted(ok)}, rolled back by {sorted(rolled_back)})")
         for node, metrics in alive.items():
-            self.groups[node].tokens = int(metrics.get("total_tokens", 0))
+            membership.groups[node].tokens = int(metrics.get("total_tokens", 0))
             if metrics.get("steps"):
-                self.groups[node].step_s = float(metrics.get("train_s", 0.0)) / int(metrics["steps"])
+                membership.groups[node].step_s = float(metrics.get("train_s", 0.0)) / int(metrics["steps"])
         self.history.append(record)  # written and logged by run_round once the round is complete
         return None, MetricRecord({k: v for k, v in record.items() if isinstance(v, (int, float))
                                    and not isinstance(v, bool)} | {"losses": record["losses"] or [0.0]})
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
-        if self.evaluate_in_train:
+        if self.run.federation.evaluate_in_train:
             return []
         timeout = self.deadlines.round_timeout
-        return [G.message(n, M.MSG_EVALUATE, {"timeout": max(1.0, timeout - 5.0)}, f"eval{server_round}", timeout)
-                for n in self.members]
+        return [message(n, MSG_EVALUATE, {"timeout": max(1.0, timeout - 5.0)}, f"eval{server_round}", timeout)
+                for n in self.membership.members]
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         losses = []
         for reply in replies:
-            metrics, error = G.reply_payload(reply)
+            metrics, error = reply_payload(reply)
             if not error and "eval_loss" in metrics:
                 losses.append(float(metrics["eval_loss"]))
         if not losses:
@@ -206,11 +197,9 @@ class DecentralizedFedAvg(GroupMembership, Strategy):
               timeout: float | None = None, train_config: ConfigRecord | None = None,
               evaluate_config: ConfigRecord | None = None,
               evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
-        """Run hello, `num_rounds` (default: the run's) training rounds and finish; returns Flower's Result.
-
-        `timeout` replaces the round deadline; `train_config` holds round options for every round. The model never
-        reaches the server, so `initial_arrays` and `evaluate_fn` are refused, as is an `evaluate_config`.
-        """
+        """Run hello, `num_rounds` (default: the run's) rounds and finish; returns Flower's Result. `timeout`
+        replaces the round deadline, `train_config` holds round options for every round; the model never reaches the
+        server, so `initial_arrays`, `evaluate_fn` and `evaluate_config` are refused."""
         refused = [name for name, value in (("initial_arrays", initial_arrays), ("evaluate_fn", evaluate_fn))
                    if value is not None] + (["evaluate_config"] if evaluate_config else [])
         try:
@@ -230,28 +219,28 @@ class DecentralizedFedAvg(GroupMembership, Strategy):
         except ConfigError as exc:
             log(ERROR, "%s", exc)
             raise
-        self.run_id = G.run_id(grid)
         log(INFO, "Starting %s:", type(self).__name__)
         self.summary()
         result = Result()
         self._started = time.monotonic()
+        membership = self.membership
         try:
-            self.sampled = self.sample_nodes(grid)
-            self.hello(grid, self.sampled)
-            if self.resumed_round:
-                log(INFO, "resuming after round %d of %d", self.resumed_round, rounds)
-            for server_round in range(self.resumed_round + 1, rounds + 1):
-                self._rejoined = self.readmit(grid, server_round)
-                if len(self.members) < self.deadlines.min_groups:
-                    raise RuntimeError(f"only {len(self.members)} group(s) left, fewer than min-groups "
+            membership.sample(grid)
+            membership.hello(grid)
+            if membership.resumed_round:
+                log(INFO, "resuming after round %d of %d", membership.resumed_round, rounds)
+            for server_round in range(membership.resumed_round + 1, rounds + 1):
+                self._rejoined = membership.readmit(grid, server_round)
+                if len(membership.members) < self.deadlines.min_groups:
+                    raise RuntimeError(f"only {len(membership.members)} group(s) left, fewer than min-groups "
                                        f"{self.deadlines.min_groups}: stopping before round {server_round}")
                 self.round_members = self.select_members(server_round)
                 log(INFO, "")
                 log(INFO, "[ROUND %d/%d] %d group(s): nodes %s", server_round, rounds, len(self.round_members),
                     self.round_members)
                 self.run_round(grid, server_round, result, train_config)
-            summary = records.summary(self.history, time.monotonic() - self._started, self.members, self.left_out,
-                                      layouts=self.layouts())
+            summary = records.summary(self.history, time.monotonic() - self._started, membership.members,
+                                      membership.left_out, layouts=membership.layouts())
             if summary is not None:
                 self.history.append(summary)
                 records.log_summary(summary, self.history)
@@ -261,33 +250,28 @@ class DecentralizedFedAvg(GroupMembership, Strategy):
 
     def run_round(self, grid: Grid, server_round: int, result: Result, train_config: ConfigRecord | None) -> None:
         """Train (K syncs among the groups), aggregate the metrics, evaluate; results go into `result`."""
-        t0 = time.monotonic()
-        messages = list(self.configure_train(server_round, ArrayRecord(), ConfigRecord(dict(train_config or {})),
-                                             grid))
-        replies = self.train_and_collect(grid, messages)
-        self._round_wall = time.monotonic() - t0
+        self._round_started = time.monotonic()
+        config = ConfigRecord(dict(train_config or {}))
+        messages = list(self.configure_train(server_round, ArrayRecord(), config, grid))
+        d = self.deadlines
+        replies = train_and_collect(grid, messages, round_timeout=d.round_timeout,
+                                    collect_interval=d.collect_interval, polling=self.polling)
         _, metrics = self.aggregate_train(server_round, replies)
         if metrics is not None:
             result.train_metrics_clientapp[server_round] = metrics
+        self.after_train(grid, server_round, replies, RoundOptions.from_config(dict(config)))
         self.evaluate_round(grid, server_round, result)
         self.publish_round()
 
-    def train_and_collect(self, grid: Grid, messages: list[Message]) -> list[Message]:
-        """Push the train messages and, right behind them, one collect message per member; return each member's
-        round result (a failed start stands for its result). Pushed together, the collects queue behind every
-        train, so no ClientApp call waits for a group whose round has not started. Each collect waits at most
-        `collect-interval`; when a member is gone, the others of its round are told at once
-        (`flwr_sharded.flower.server.collect`)."""
-        d = self.deadlines
-        return collect.train_and_collect(grid, messages, round_timeout=d.round_timeout,
-                                         collect_interval=d.collect_interval, polling=self.polling)
+    def after_train(self, grid: Grid, server_round: int, replies: list[Message], round_options: RoundOptions) -> None:
+        """The server's part of a round once its results are aggregated: none, the groups synced among themselves."""
 
     def evaluate_round(self, grid: Grid, server_round: int, result: Result) -> None:
         """Separate evaluate messages, or the evaluation that came with the round's replies."""
         evaluate = list(self.configure_evaluate(server_round, ArrayRecord(), ConfigRecord(), grid))
         if evaluate:
             eval_metrics = self.aggregate_evaluate(
-                server_round, self.send_and_receive(grid, evaluate, self.deadlines.round_timeout))
+                server_round, send_and_receive(grid, evaluate, self.deadlines.round_timeout, self.polling))
             if eval_metrics is not None:
                 result.evaluate_metrics_clientapp[server_round] = eval_metrics
         elif self.history and "eval_loss" in self.history[-1]:
@@ -307,46 +291,29 @@ class DecentralizedFedAvg(GroupMembership, Strategy):
 
     def finish(self, grid: Grid) -> None:
         """Tell every sampled node the run is over (bounded); a launched group is shut down, member 0 saves."""
-        nodes = self.sampled
+        nodes, members = self.membership.sampled, self.membership.members
         if not nodes:
             return
         try:
             online = set(grid.get_node_ids())
         except Exception:  # noqa: BLE001 - best effort at the end of the run
             online = set(nodes)
-        targets = [n for n in nodes if n in online]
         d = self.deadlines
-        save = self.save_dir()
-        messages = [G.message(n, M.MSG_FINISH, {
-            "save-dir": save if self.members and n == self.members[0] else "",
+        messages = [message(n, MSG_FINISH, {
+            "save-dir": self.save_dir() if members and n == members[0] else "",
             "stop-group": self.run.federation.stop_groups, "timeout": max(1.0, d.finish_timeout - 5.0)}, "finish",
-            d.finish_timeout) for n in targets]
+            d.finish_timeout) for n in nodes if n in online]
         if not messages:
             return
-        replies = self.send_and_receive(grid, messages, d.finish_timeout)
-        stopped = sum(1 for r in replies if G.reply_payload(r)[0].get("stopped"))
-        saved = [str(G.reply_payload(r)[0].get("saved", "")) for r in replies if G.reply_payload(r)[0].get("saved")]
+        replies = [reply_payload(r)[0] for r in send_and_receive(grid, messages, d.finish_timeout, self.polling)]
+        saved = [str(r["saved"]) for r in replies if r.get("saved")]
         self.saved_model = saved[0] if saved else ""
         log(INFO, "finish: %d of %d node(s) answered (%d group(s) shut down)%s", len(replies), len(messages),
-            stopped, f"; model saved to {saved[0]}" if saved else "")
-
-    def layouts(self) -> dict[str, str]:
-        """Every known group's layout, "R x S" by node (the records name it: groups may shard differently)."""
-        return {str(n): unequal.layout_of(g) for n, g in sorted(self.groups.items())}
+            sum(1 for r in replies if r.get("stopped")), f"; model saved to {saved[0]}" if saved else "")
 
     def save_dir(self) -> str:
+        """Where member 0 writes the final model ('' for nowhere)."""
         return str(self.run_dir.model_dir) if self.run_dir is not None and self.run.train.output.save_model else ""
-
-    def send_and_receive(self, grid: Grid, messages: list[Message], timeout: float,
-                         on_reply: Callable[[Message], Message] | None = None) -> list[Message]:
-        return G.send_and_receive(grid, messages, timeout, self.polling, on_reply)
-
-    def push(self, grid: Grid, messages: list[Message]) -> dict[str, int]:
-        return G.push(grid, messages)
-
-    def await_replies(self, grid: Grid, pending: dict[str, int], deadline: float,
-                      on_reply: Callable[[Message], Message] | None = None) -> list[Message]:
-        return G.await_replies(grid, pending, deadline, self.polling, on_reply)
 
 
 __all__ = ["DecentralizedFedAvg", "GroupInfo"]

@@ -18,7 +18,7 @@ from typing import Any
 from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.serverapp import Grid
 
-from flwr_sharded.flower.run import FlowerRun
+from flwr_sharded.flower.run_config import FlowerRun
 from flwr_sharded.flower.server.strategy import DecentralizedFedAvg
 
 

@@ -1,20 +1,18 @@
-"""The schema of a Flower run: one typed object, validated by the ServerApp and sent once, in each group's hello.
-
-`FlowerRun` = the training settings of one federation group (`flwr_sharded.config.TrainConfig`, with defaults sized
-for a CPU laptop) + how the groups federate (`FederationConfig`) + every wait (`Deadlines`). Its flat option names
-are the app's run-config keys: `[tool.flwr.app.config]` of `apps/llama_fl_hsdp/pyproject.toml` is generated from it
-(`python -m flwr_sharded.flower.run --write PYPROJECT`) and a test fails on any drift. Options a strategy may change
-from one round to the next are the typed fields of `RoundOptions`. Torch-free.
+"""The schema of a Flower run (`FlowerRun`): one group's training, how the groups federate and every wait, validated
+by the ServerApp and sent once, in each group's hello. Its flat option names are the app's run-config keys, from
+which `[tool.flwr.app.config]` of `apps/llama_fl_hsdp/pyproject.toml` is generated (`python -m
+flwr_sharded.flower.run_config --write PYPROJECT`); what a strategy may change per round is `RoundOptions`.
+Torch-free.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import json
 import re
 import sys
+import textwrap
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +30,8 @@ AGGREGATIONS: tuple[str, ...] = typing.get_args(Aggregation)
 ServerRule = Literal["mean", "median", "trimmed-mean"]
 RUN_CONFIG = Surface(lambda o: f"'{o.name}'", "run config ")
 """Errors name run-config keys as typed in `flwr run --run-config 'key=value'`."""
+
+
 @dataclass
 class FederationConfig:
     """How a Flower run federates its groups (each Flower client is one FSDP/HSDP group)."""
@@ -41,38 +41,32 @@ class FederationConfig:
     syncs_per_round: int = option(4, ge=1)
     """K: shard syncs per Flower round; one round is K x A local steps."""
     aggregation: Aggregation = "decentralized"
-    """decentralized (groups all-reduce shards among themselves; no arrays through the server) or server (shards
-    travel through the Flower server, for groups that share no network; groups of one facility still all-reduce)."""
+    """decentralized (groups all-reduce shards among themselves; no arrays through the server) or server (through
+    the Flower server, for groups that share no network; groups of one facility still all-reduce)."""
     facilities: str | None = None
     """Server path: the facility of each group by partition id, comma-separated (e.g. "a,a,b,b"); a SuperNode's node
     config `facility` overrides it; unset: every group is a facility of its own. Decentralised path: only names the
     groups `facility-shards` gives their own S (every group still syncs with every other)."""
     facility_shards: str | None = None
-    """S of the groups of some facilities, e.g. "b=1" (the others use `shards`); their ranks hold other rows, which
-    the server combines row by row (server path), or which the groups average piece by piece where their shards
-    overlap (decentralised path: one channel per owner tuple of their sync plan). Needs partition iid-groups or
-    document."""
+    """S of the groups of some facilities, e.g. "b=1" (the others use `shards`); the server combines their rows
+    (server path), or the groups average their overlapping pieces (decentralised path). Needs partition iid-groups
+    or document."""
     server_buffer_mb: float = option(128.0, gt=0)
-    """Server path: the largest chunk, in MiB of fp32 rows. The model travels in chunks of global rows (at most
-    this, and at most a sixteenth of the model or 8 MiB, whichever is larger), each pulled, averaged and sent back
-    before the next; each chunk costs one message per group."""
+    """Server path: the largest chunk of global rows, in MiB of fp32 (chunks are also at most the larger of a
+    sixteenth of the model and 8 MiB); each chunk costs one message per group."""
     server_rule: ServerRule = "mean"
-    """Server path: how the server combines the facilities' models, chunk by chunk: mean (token-weighted), or the
-    coordinate-wise median or trimmed-mean (unweighted; a minority of outlier facilities cannot move them far). The
-    robust rules hold every facility's rows of a chunk at once, so their chunks are cut F times smaller."""
+    """Server path: how the server combines the facilities' models: mean (token-weighted), or the coordinate-wise
+    median or trimmed-mean (unweighted, robust to a minority of outliers; chunks F times smaller)."""
     server_trim: int = option(1, ge=1)
-    """Server path, trimmed-mean: facilities dropped from each side of every coordinate (a count, not a fraction,
-    as the outer rule trimmed-mean); a round needs more than twice this many facilities."""
+    """Server path, trimmed-mean: facilities dropped from each side of every coordinate (a count, as the outer rule
+    trimmed-mean's); a round needs more than twice this many facilities."""
     server_outlier_ratio: float = option(100.0, ge=0)
     """Server path: a facility whose largest |value| in a chunk is above this many times max(1, the median of the
-    facilities' largest |values| there) is left out of the round; 0: off (values whose weighted sum would overflow
-    are refused anyway)."""
+    facilities' largest |values| there) is left out of the round; 0: off (an overflow is refused anyway)."""
     max_strikes: int = option(3, ge=0)
-    """Decentralised path: a group held at fault in this many consecutive rounds sits out `bench-rounds` rounds, then
-    may rejoin with a catch-up (each later bench lasts twice as long); 0: never. At fault: dropped (no reply in time,
-    an error, its node offline), or named by more than half of the round's other members as absent at the rendezvous
-    (a straggler), as failing its part of a sync, or as left out of one (non-finite values, a weight out of bounds).
-    Never below min-groups members."""
+    """Decentralised path: a group at fault in this many consecutive rounds (dropped, or named by more than half of
+    the others as absent at the rendezvous, failing its part of a sync or left out of one) sits out `bench-rounds`
+    rounds, then may rejoin with a catch-up (each later bench twice as long); never below min-groups; 0: never."""
     bench_rounds: int = option(4, ge=1)
     """Decentralised path: rounds a group left out by `max-strikes` sits out the first time."""
     checkpoint_rounds: int = option(1, ge=1)
@@ -83,16 +77,15 @@ class FederationConfig:
     stop_groups: bool = False
     """Deployment: also shut the (externally started) groups down at the end of the run."""
     strategy: str | None = None
-    """The ServerApp's strategy as `package.module:Class`, a subclass of DecentralizedFedAvg in the app's package
-    (e.g. llama_fl_hsdp.strategies.fedprox:FedProxShards); a module elsewhere needs FLWR_SHARDED_ALLOWED_IMPORTS
-    where the SuperLink runs; unset: DecentralizedFedAvg, or ServerShardFedAvg with aggregation server."""
+    """The ServerApp's strategy, `package.module:Class`, a DecentralizedFedAvg subclass in the app's package (e.g.
+    llama_fl_hsdp.strategies.fedprox:FedProxShards; elsewhere: FLWR_SHARDED_ALLOWED_IMPORTS where the SuperLink
+    runs); unset: DecentralizedFedAvg, or ServerShardFedAvg with aggregation server."""
 
 
 @dataclass(frozen=True)
 class RoundOptions:
-    """What a strategy may set for one round in its train config (`configure_train`); anything else there is
-    refused. They travel in that round's train messages only; the run's own values travel once, in the hello. Each
-    field is the run option of the same name; unset: the run's value."""
+    """What a strategy may set for one round in its train config (`configure_train`; any other key is refused), each
+    the run option of the same name (unset: the run's value); they travel in that round's train messages."""
 
     aggregate_every: int | None = same_as(ParallelConfig, "aggregate_every", default=None)
     """A of this round."""
@@ -153,15 +146,13 @@ class Deadlines:
     sync_timeout: float = option(120.0, gt=0)
     """Timeout of each cross-group collective, in seconds."""
     collect_interval: float = option(20.0, gt=0)
-    """Seconds a collect message waits for a round's result before its group answers that the round still runs (the
-    ServerApp then sends another). A SuperNode handles one message at a time, so this bounds how long the news that a
-    member is gone waits before the survivors stop waiting for it at the rendezvous; each interval costs a message."""
+    """Seconds a collect message waits for a round's result before the ServerApp sends another; it bounds how long
+    the news that a member is gone waits behind it (a SuperNode handles one message at a time)."""
     finish_timeout: float = option(60.0, gt=0)
     """Seconds for the finish messages at the end."""
     group_idle_timeout: float = option(1800.0, ge=0)
-    """A group with this run set up drops it (freeing its accelerator memory) after this many seconds without an
-    instruction - its ServerApp is gone, e.g. with a restarted SuperLink; groups launched in simulation exit then
-    (0: never). Must exceed round-timeout + hello-timeout, the longest wait between two instructions."""
+    """A group drops the run (freeing its memory; a simulation's exits) after this many seconds without an
+    instruction (its ServerApp is gone); 0: never. Must exceed round-timeout + hello-timeout."""
 
 
 def _train_defaults() -> TrainConfig:
@@ -193,10 +184,8 @@ class FlowerRun:
     def from_run_config(cls, run_config: Mapping[str, Any]) -> FlowerRun:
         """The run described by a Flower run config (flat keys; "" leaves an optional key unset); ConfigError for
         an unknown key or a value of the wrong type."""
-        method = run_config.get("method")
-        if isinstance(method, str) and method not in _fl_methods():
-            raise RUN_CONFIG.error(f"'method' must be one of {', '.join(_fl_methods())} (each Flower client is one "
-                                   f"federation group); got {method!r}")
+        if isinstance(run_config.get("method"), str):
+            _check_method(run_config["method"])
         return schema.from_flat(cls(), run_config, RUN_CONFIG)
 
     def to_json(self) -> str:
@@ -289,9 +278,7 @@ class FlowerRun:
         for o in schema.options(FlowerRun):
             o.check(schema.get(self, o.path), S)
         p, f, d = self.train.parallel, self.federation, self.deadlines
-        if p.method not in _fl_methods():
-            raise S.error(f"{L('method')} must be one of {', '.join(_fl_methods())} (each Flower client is one "
-                          f"federation group); got {p.method!r}")
+        _check_method(p.method)
         if f.facilities is not None and any(not x.strip() for x in f.facilities.split(",")):
             raise S.error(f"{L('facilities')} must be comma-separated non-empty names, one per partition id (e.g. "
                           f"\"a,a,b,b\"); got {f.facilities!r}")
@@ -362,8 +349,12 @@ class FlowerRun:
             raise respelled(exc, RUN_CONFIG) from None
 
 
-def _fl_methods() -> list[str]:
-    return [m for m in METHODS if m.startswith("fl-")]
+def _check_method(method: str) -> None:
+    """ConfigError unless `method` is a federated one (each Flower client is one federation group)."""
+    methods = [m for m in METHODS if m.startswith("fl-")]
+    if method not in methods:
+        raise RUN_CONFIG.error(f"'method' must be one of {', '.join(methods)} (each Flower client is one federation "
+                               f"group); got {method!r}")
 
 
 # -------------------------------------------------------------------------------------------- the app's config
@@ -380,37 +371,15 @@ def app_config_toml(run: FlowerRun | None = None) -> str:
             section = o.path[:-1]
             lines += ["", f"# ----- {'.'.join(section)}"]
         unset = " (empty: unset)" if o.optional and "unset" not in o.summary else ""
-        lines.append(f"# {o.summary}{unset}")
-        lines.append(f"{o.name} = {_toml(schema.get(run, o.path))}")
-    return "\n".join(_wrap_comments(lines)) + "\n"
+        lines += textwrap.wrap(f"{o.summary}{unset}", width=118, initial_indent="# ", subsequent_indent="# ",
+                               break_on_hyphens=False)
+        value = schema.get(run, o.path)
+        lines.append(f"{o.name} = " + ('""' if value is None else json.dumps(value)))  # JSON values are TOML
+    return "\n".join(lines) + "\n"
 
 
-def _toml(value: Any) -> str:
-    if value is None:
-        return '""'
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float):
-        return repr(value)
-    if isinstance(value, int):
-        return str(value)
-    return json.dumps(value)
-
-
-def _wrap_comments(lines: list[str], width: int = 118) -> list[str]:
-    import textwrap
-
-    out = []
-    for line in lines:
-        if line.startswith("# ") and len(line) > width:
-            out += textwrap.wrap(line[2:], width=width, initial_indent="# ", subsequent_indent="# ",
-                                 break_on_hyphens=False)
-        else:
-            out.append(line)
-    return out
-
-
-BEGIN, END = "# >>> generated by `python -m flwr_sharded.flower.run --write`: edit flwr_sharded/flower/run.py", "# <<<"
+BEGIN = "# >>> generated by `python -m flwr_sharded.flower.run_config --write`: edit flwr_sharded/flower/run_config.py"
+END = "# <<<"
 
 
 def write_app_config(pyproject: str | Path) -> bool:
@@ -425,7 +394,7 @@ def write_app_config(pyproject: str | Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flwr_sharded.flower.run",
+    parser = argparse.ArgumentParser(prog="python -m flwr_sharded.flower.run_config",
                                      description="Print or write the app's [tool.flwr.app.config], generated from "
                                                  "the FlowerRun schema.")
     parser.add_argument("--write", metavar="PYPROJECT", help="rewrite the generated block of this pyproject.toml")
