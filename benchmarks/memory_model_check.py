@@ -1,4 +1,4 @@
-"""The planner's memory model (`flwr_sharded.perf.memory_model`) against the trainer's measured peak memory on CPU.
+"""The planner's memory model (`flwr_sharded_perf.memory_model`) against the trainer's measured peak memory on CPU.
 
     PYTHONPATH=. .venv/bin/python benchmarks/memory_model_check.py --data-dir .data [--layouts fsdp-s2,fsdp-s4]
 
@@ -129,7 +129,7 @@ def launch(run_dir: Path, flags: list[str], env: dict[str, str], timeout: float)
 
 def predict(flags: list[str], model: str, shape: Any, tokens: int) -> Any:
     """The memory model's breakdown for the run these flags describe (its TrainConfig, on CPU)."""
-    from flwr_sharded.perf.memory_model import StepOptions, trainer_memory
+    from flwr_sharded_perf.memory_model import StepOptions, trainer_memory
     from flwr_sharded.train import build_parser, resolve_config
 
     cfg = resolve_config(build_parser().parse_args([*flags, "--model", model]))
@@ -141,7 +141,7 @@ def predict(flags: list[str], model: str, shape: Any, tokens: int) -> Any:
 def check(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import LlamaConfig
 
-    from flwr_sharded.perf.model_shape import model_from_preset, shape_of
+    from flwr_sharded_perf.model_shape import model_from_preset, shape_of
     from flwr_sharded.presets import Preset
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="memory_model_check_"))

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from flwr_sharded.perf.bench.runs import SyncVariant
+from flwr_sharded_perf.bench.runs import SyncVariant
 
 VARIANTS = {
     "blocking fp32": SyncVariant(),

@@ -16,7 +16,7 @@ Builds a Llama shape sharded with FSDP2 on an (F, 1, S) mesh, then times, interl
             needs F >= 3): each bucket all-gathered from every group instead of all-reduced
 and measures the peak extra memory the sync allocates (torch profiler memory events) against one bucket, for the
 fedavg sync and each robust rule, and the bytes one sync of each of them sends on a ring (the traffic meter's
-records, `flwr_sharded.perf.traffic_report.ring_bytes_sent`).
+records, `flwr_sharded_perf.traffic_report.ring_bytes_sent`).
 Rank 0 prints medians and ratios and writes them as JSON (--out).
 """
 
@@ -78,7 +78,7 @@ def sent_by_one_call(fn, group) -> float:
     """Bytes this rank sends on a ring for the collectives of one call of `fn` (every collective of a sync runs
     over the federation group `group`), from the traffic meter's records."""
     from flwr_sharded.parallel.traffic import TrafficMeter
-    from flwr_sharded.perf.traffic_report import ring_bytes_sent
+    from flwr_sharded_perf.traffic_report import ring_bytes_sent
 
     n = dist.get_world_size(group)
     with TrafficMeter() as meter:

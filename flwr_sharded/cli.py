@@ -13,7 +13,7 @@ from flwr_sharded.errors import ConfigError
 def build_parser() -> argparse.ArgumentParser:
     from flwr_sharded import options_doc, plot
     from flwr_sharded.flower import check, superlink
-    from flwr_sharded.perf import bench, plan_cli
+    from flwr_sharded_perf import bench, plan_cli
     from flwr_sharded.training import corpus
 
     parser = argparse.ArgumentParser(prog="flwr-sharded", description="Sharded data parallelism with federated "

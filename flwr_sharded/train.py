@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--print-config", action="store_true", help="validate, print the resolved config and exit")
     parser.add_argument("--measure-traffic", metavar="DIR", default=None,
                         help="count each rank's collectives and interface bytes during optimizer steps and syncs; "
-                             "write DIR/rank<N>.json (see flwr_sharded.perf.traffic_report)")
+                             "write DIR/rank<N>.json (`flwr_sharded.parallel.traffic.TrafficProbe`)")
     schema.add_arguments(parser, TrainConfig)
     return parser
 
@@ -111,7 +111,7 @@ def run(cfg: TrainConfig, measure_traffic: str | None = None) -> dict[str, Any]:
                          effective_batch(cfg), sync)
         probe = None
         if measure_traffic:
-            from flwr_sharded.perf.traffic_report import TrafficProbe
+            from flwr_sharded.parallel.traffic import TrafficProbe
 
             probe = TrafficProbe.from_env()
             probe.attach(trainer, loop)

@@ -91,8 +91,8 @@ def test_group_options_are_checked_and_have_no_test_switches():
 
 def test_tools_declare_the_trainers_options_once():
     from flwr_sharded.config import ParallelConfig, TrainConfig
-    from flwr_sharded.perf.bench.options import BenchOptions
-    from flwr_sharded.perf.memory_model import StepOptions
+    from flwr_sharded_perf.bench.options import BenchOptions
+    from flwr_sharded_perf.memory_model import StepOptions
 
     trainer, bench = schema.by_name(TrainConfig), schema.by_name(BenchOptions)
     for name in ("sync-fragments", "sync-delay", "sync-alpha", "sync-carry", "sync-dtype", "aggregate-every"):

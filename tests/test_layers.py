@@ -1,5 +1,6 @@
-"""Layers that point one way: no import cycle between the package's modules or subpackages, `parallel/` free of
-`config` and `training`, the planner free of torch.
+"""Layers that point one way: no import cycle between the packages' modules or subpackages, `parallel/` free of
+`config` and `training`, the training package free of the tools (`flwr_sharded_perf`, which only its command line
+dispatches to), the planner free of torch.
 
 Imports are read with `ast` (module-level and inside functions, relative ones resolved, `if TYPE_CHECKING:` blocks
 skipped). An import names the module it reads from: `from pkg import name` is an edge to `pkg.name` when that is a
@@ -21,13 +22,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "flwr_sharded"
 PACKAGE_DIR = ROOT / PACKAGE
+TOOLS = "flwr_sharded_perf"
 FORBIDDEN_IN_PARALLEL = ("flwr_sharded.config", "flwr_sharded.training")
 
 
 def module_files() -> dict[str, Path]:
-    """Every module of the package by dotted name (a package's name for its `__init__.py`)."""
+    """Every module of the package and of its tools by dotted name (a package's name for its `__init__.py`)."""
     modules = {}
-    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+    tools = ROOT / TOOLS
+    for path in sorted([*PACKAGE_DIR.rglob("*.py"), *(tools.rglob("*.py") if tools.is_dir() else [])]):
         parts = path.relative_to(ROOT).with_suffix("").parts
         if parts[-1] == "__init__":
             parts = parts[:-1]
@@ -158,6 +161,13 @@ def test_parallel_imports_neither_config_nor_training(graph):
     assert not offending, "\n".join(offending)
 
 
+def test_only_the_command_line_reaches_the_tools(graph):
+    offending = sorted(f"{source} imports {target}" for source, targets in graph.items()
+                       if (source + ".").startswith(PACKAGE + ".") and source != f"{PACKAGE}.cli"
+                       for target in targets if target == TOOLS or target.startswith(TOOLS + "."))
+    assert not offending, "\n".join(offending)
+
+
 def test_finds_a_cycle_and_names_it():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
@@ -184,7 +194,7 @@ def test_resolves_relative_function_level_and_skips_type_checking(tmp_path, monk
 
 PLANNER_PROBE = """
 import json, sys
-import flwr_sharded.perf.planner
+import flwr_sharded_perf.planner
 from flwr_sharded.cli import main
 code = main(["plan", "--cluster", sys.argv[1], "--model", "llama3.1-8b"])
 print(json.dumps([code, sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))]))

@@ -95,8 +95,8 @@ def test_sent_bytes_counts_the_rows_of_a_ring_all_gather():
 def test_the_cost_models_ratio_is_the_rows_over_the_fp32_ring_all_reduce(values):
     from flwr_sharded.parallel.sparse import sent_bytes
     from flwr_sharded.parallel.wire import WIRES, sync_wire_ratio
-    from flwr_sharded.perf.memory_model import StepOptions
-    from flwr_sharded.perf.planner import _wire_ratio
+    from flwr_sharded_perf.memory_model import StepOptions
+    from flwr_sharded_perf.planner import _wire_ratio
 
     n = 4 << 20
     for world in (2, 4, 8):

@@ -148,8 +148,8 @@ def test_unequal_groups_end_with_the_central_weighted_mean(layouts):
     """... and each rank sends across groups exactly the cost model's bytes (its channels' ring all-reduces, and per
     channel its weight, verdict and vote), holding no more than its shards and one bucket."""
     from flwr_sharded.parallel.admission import ADMISSION_BYTES, VOTE_BYTES
-    from flwr_sharded.perf.traffic_report import ring_bytes_sent
-    from flwr_sharded.perf.unequal_sync_cost import unequal_sync
+    from flwr_sharded_perf.traffic_report import ring_bytes_sent
+    from flwr_sharded_perf.unequal_sync_cost import unequal_sync
 
     out = run_ranks(_sync_worker, sum(layouts), layouts, 1, "float32", False, timeout=240)
     model = unequal_sync([(1, S) for S in layouts], out[0]["shapes"], bytes_per_param=4, B_F=1e9)

@@ -1,13 +1,13 @@
 """The paper's Eqs. 1-5 literally (one message size M for every collective), and small builders and sums: the tests'
-oracles for `flwr_sharded.perf.costmodel`, `placement` and `memory_model`."""
+oracles for `flwr_sharded_perf.costmodel`, `placement` and `memory_model`."""
 
 from __future__ import annotations
 
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.perf.costmodel import (Units, _check_bandwidth, _check_bandwidths, all_gather_time, all_reduce_time,
+from flwr_sharded_perf.costmodel import (Units, _check_bandwidth, _check_bandwidths, all_gather_time, all_reduce_time,
                                          broadcast_time, check_layout, positive_int, reduce_scatter_time)
-from flwr_sharded.perf.memory_model import MemoryBreakdown
-from flwr_sharded.perf.placement import TIERS, Traffic
+from flwr_sharded_perf.memory_model import MemoryBreakdown
+from flwr_sharded_perf.placement import TIERS, Traffic
 
 
 def comm_time(method: str, *, M: float, L: int, S: int, R: int = 1, F: int = 1, A: int = 1, B_S: float | None,

@@ -14,11 +14,11 @@ import pytest
 import yaml
 
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.perf.bench.report import agreement
-from flwr_sharded.perf.bench.runs import default_layouts, model_units, parse_layouts, step_stats, vocab_size_of
-from flwr_sharded.perf.netemu.network import EmuTopology
-from flwr_sharded.perf.placement import TIERS, Placement
-from flwr_sharded.perf.traffic_report import compare, load_probes, ring_bytes_sent
+from flwr_sharded_perf.bench.report import agreement
+from flwr_sharded_perf.bench.runs import default_layouts, model_units, parse_layouts, step_stats, vocab_size_of
+from flwr_sharded_perf.netemu.network import EmuTopology
+from flwr_sharded_perf.placement import TIERS, Placement
+from flwr_sharded_perf.traffic_report import compare, load_probes, ring_bytes_sent
 from tests.multiproc import torchrun
 
 REPO = Path(__file__).resolve().parents[2]
@@ -95,7 +95,7 @@ def test_sent_bytes_rules():
 
 
 def _topo(**changes) -> EmuTopology:
-    from flwr_sharded.perf.cluster import cluster_from_dict
+    from flwr_sharded_perf.cluster import cluster_from_dict
 
     return EmuTopology.from_cluster(cluster_from_dict({**SMALL, **changes}))
 
@@ -173,7 +173,7 @@ def test_quick_bench_end_to_end(data_dir, tmp_path):
     assert overlapped["sync_variant"] == {"dtype": "int8", "fragments": 1, "delay": 1, "alpha": 0.0, "carry": True,
                                           "error_feedback": True, "topk": None}
     assert overlapped["traffic_max_error"] <= 0.05, overlapped["traffic"]["error"]
-    from flwr_sharded.perf.bench.report import cross_group_bytes_per_sync
+    from flwr_sharded_perf.bench.report import cross_group_bytes_per_sync
 
     ratio = cross_group_bytes_per_sync(overlapped) / cross_group_bytes_per_sync(runs["fl-fsdp"])
     assert 0.24 <= ratio <= 0.27, ratio

@@ -10,11 +10,11 @@ import math
 import pytest
 
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.perf.bench.report import render_unequal, unequal_checks
-from flwr_sharded.perf.bench.runs import BenchLayout
-from flwr_sharded.perf.bench.scenarios import (at_equal_tokens, cross_group_traffic, eval_tokens, group_timing,
+from flwr_sharded_perf.bench.report import render_unequal, unequal_checks
+from flwr_sharded_perf.bench.runs import BenchLayout
+from flwr_sharded_perf.bench.scenarios import (at_equal_tokens, cross_group_traffic, eval_tokens, group_timing,
                                                parse_group_shards, ppl_at, predicted_sync, slow_seconds, unequal_layouts)
-from flwr_sharded.perf.netemu.network import EmuTopology
+from flwr_sharded_perf.netemu.network import EmuTopology
 from tests.perf.test_bench import REPO, _cli, needs_root
 
 FLAT6 = EmuTopology(name="flat", ranks_per_node=1, nodes=6, nodes_per_group=6, inter_node_bps=1e9,
@@ -82,7 +82,7 @@ def _records(idle_fast: float) -> list[dict]:
 
 
 def test_group_timing_finds_the_fastest_group_and_its_idle_share():
-    from flwr_sharded.perf.bench.scenarios import sync_group_records
+    from flwr_sharded_perf.bench.scenarios import sync_group_records
 
     records = sync_group_records(list(reversed(_records(0.8))))
     assert [r["step"] for r in records] == [8, 16, 24]

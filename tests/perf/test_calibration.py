@@ -1,4 +1,4 @@
-"""The calibrated model (`flwr_sharded.perf.costmodel`): each term against hand-computed cases, the paper's Table 4 and
+"""The calibrated model (`flwr_sharded_perf.costmodel`): each term against hand-computed cases, the paper's Table 4 and
 the planner's agreement with the emulated bench's recorded results."""
 
 import json
@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.perf.cluster import cluster_from_dict, load_cluster
-from flwr_sharded.perf.costmodel import (ADAMW_BYTES_PER_PARAM, Phases, allreduce_steps, comm_terms, flow_bandwidth,
+from flwr_sharded_perf.cluster import cluster_from_dict, load_cluster
+from flwr_sharded_perf.costmodel import (ADAMW_BYTES_PER_PARAM, Phases, allreduce_steps, comm_terms, flow_bandwidth,
                                          optimizer_time, phase_time, tree_allreduce_steps)
-from flwr_sharded.perf.model_shape import model_from_preset
-from flwr_sharded.perf.placement import traffic
-from flwr_sharded.perf.planner import evaluate, paper_layouts
+from flwr_sharded_perf.model_shape import model_from_preset
+from flwr_sharded_perf.placement import traffic
+from flwr_sharded_perf.planner import evaluate, paper_layouts
 from tests.perf.paper_equations import even_units, per_step
 
 ROOT = Path(__file__).resolve().parents[2]

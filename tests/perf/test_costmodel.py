@@ -3,7 +3,7 @@
 import pytest
 
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.perf.costmodel import (
+from flwr_sharded_perf.costmodel import (
     Units,
     all_gather_time,
     all_reduce_time,
@@ -11,9 +11,9 @@ from flwr_sharded.perf.costmodel import (
     comm_terms,
     reduce_scatter_time,
 )
-from flwr_sharded.perf.memory_model import memory_per_gpu
-from flwr_sharded.perf.model_shape import ModelShape, compute_time
-from flwr_sharded.perf.placement import Placement, rank_traffic, traffic
+from flwr_sharded_perf.memory_model import memory_per_gpu
+from flwr_sharded_perf.model_shape import ModelShape, compute_time
+from flwr_sharded_perf.placement import Placement, rank_traffic, traffic
 from tests.perf.paper_equations import comm_time, even_units, fl_comm_time, per_step, states
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -322,7 +322,7 @@ def test_model_shape_units():
 
 
 def test_an_overlapped_sync_exposes_only_what_its_steps_do_not_hide():
-    from flwr_sharded.perf.costmodel import CommTerms, overlapped
+    from flwr_sharded_perf.costmodel import CommTerms, overlapped
 
     blocking = CommTerms(shard=0.2, sync=0.5)  # 0.5 s per step = a 4 s sync every A = 8 steps
     assert overlapped(blocking, A=8, fragments=2, delay=0, local_step=1.0) == blocking

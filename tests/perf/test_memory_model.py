@@ -6,9 +6,9 @@ import pytest
 
 from flwr_sharded.config import TrainConfig
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.perf import memory_model as mm
-from flwr_sharded.perf.memory_model import StepOptions, memory_per_gpu, rule_state_bytes, trainer_memory
-from flwr_sharded.perf.model_shape import ModelShape
+from flwr_sharded_perf import memory_model as mm
+from flwr_sharded_perf.memory_model import StepOptions, memory_per_gpu, rule_state_bytes, trainer_memory
+from flwr_sharded_perf.model_shape import ModelShape
 from tests.perf.paper_equations import states
 
 # P = 1100: a root of 100 (embedding, head, norm) and 2 blocks of 500; h 10, kv 5, i 20, vocab 50

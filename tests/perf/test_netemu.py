@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flwr_sharded.perf.cluster import cluster_from_dict
-from flwr_sharded.perf.netemu.isolation import EmulationError, check_host, host_leftovers
-from flwr_sharded.perf.netemu.network import EmuTopology, Fabric
+from flwr_sharded_perf.cluster import cluster_from_dict
+from flwr_sharded_perf.netemu.isolation import EmulationError, check_host, host_leftovers
+from flwr_sharded_perf.netemu.network import EmuTopology, Fabric
 
 REPO = Path(__file__).resolve().parents[2]
 CAN_EMULATE = os.geteuid() == 0 and all(shutil.which(t) for t in ("unshare", "ip", "tc"))

@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.perf import plan_cli, planner
-from flwr_sharded.perf.cluster import (
+from flwr_sharded_perf import plan_cli, planner
+from flwr_sharded_perf.cluster import (
     cluster_from_dict,
     load_cluster,
     parse_bandwidth,
@@ -18,8 +18,8 @@ from flwr_sharded.perf.cluster import (
     parse_latency,
     parse_memory,
 )
-from flwr_sharded.perf.memory_model import StepOptions
-from flwr_sharded.perf.planner import PAPER_TABLE4, layouts, model_from_preset, paper_layouts, plan
+from flwr_sharded_perf.memory_model import StepOptions
+from flwr_sharded_perf.planner import PAPER_TABLE4, layouts, model_from_preset, paper_layouts, plan
 from flwr_sharded.presets import PRESETS
 
 CLUSTERS = Path(__file__).resolve().parents[2] / "examples" / "clusters"
@@ -330,7 +330,7 @@ def test_cli_errors(tmp_path, capsys):
 
 def test_cli_takes_a_model_directory_or_a_hub_id_as_train_does(tmp_path, capsys, monkeypatch):
     """`plan --model` reads the architecture from a model's config.json (a directory, or a hub id in the cache)."""
-    from flwr_sharded.perf.model_shape import model_from_name, model_from_preset
+    from flwr_sharded_perf.model_shape import model_from_name, model_from_preset
 
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64,

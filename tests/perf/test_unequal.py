@@ -11,14 +11,14 @@ import yaml
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES, sync_wire_ratio
 from flwr_sharded.parallel.sync_plan import shard_rows
-from flwr_sharded.perf import plan_cli
-from flwr_sharded.perf.cluster import FacilityFederation, federation_from_dict, load_cluster, load_description
-from flwr_sharded.perf.costmodel import comm_terms
-from flwr_sharded.perf.memory_model import StepOptions
-from flwr_sharded.perf.model_shape import ModelShape
-from flwr_sharded.perf.placement import Placement, rank_traffic
-from flwr_sharded.perf.planner import plan_federation
-from flwr_sharded.perf.unequal_sync_cost import unequal_sync
+from flwr_sharded_perf import plan_cli
+from flwr_sharded_perf.cluster import FacilityFederation, federation_from_dict, load_cluster, load_description
+from flwr_sharded_perf.costmodel import comm_terms
+from flwr_sharded_perf.memory_model import StepOptions
+from flwr_sharded_perf.model_shape import ModelShape
+from flwr_sharded_perf.placement import Placement, rank_traffic
+from flwr_sharded_perf.planner import plan_federation
+from flwr_sharded_perf.unequal_sync_cost import unequal_sync
 from flwr_sharded.parallel.schedule import idle_times, local_steps
 from tests.perf.paper_equations import even_units
 

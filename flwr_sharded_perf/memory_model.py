@@ -11,8 +11,8 @@ from flwr_sharded.config import ModelConfig, OptimConfig, ParallelConfig, TrainC
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.sparse import RowLayout
 from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES, WIRES, SyncDtype
-from flwr_sharded.perf.costmodel import positive_int
-from flwr_sharded.perf.model_shape import ModelShape
+from flwr_sharded_perf.costmodel import positive_int
+from flwr_sharded_perf.model_shape import ModelShape
 from flwr_sharded.schema import Surface, same_as
 
 GiB = 1024**3

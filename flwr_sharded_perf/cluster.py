@@ -11,8 +11,8 @@ from typing import Any
 import yaml
 
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.perf.costmodel import BACKENDS, Calibration
-from flwr_sharded.perf.placement import TIERS, Placement
+from flwr_sharded_perf.costmodel import BACKENDS, Calibration
+from flwr_sharded_perf.placement import TIERS, Placement
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-from flwr_sharded.perf.bench.runs import (LABELS, UNEQUAL_LABELS, VARIANT_RUNS, WIRE_BYTES_TARGETS, SyncVariant,
+from flwr_sharded_perf.bench.runs import (LABELS, UNEQUAL_LABELS, VARIANT_RUNS, WIRE_BYTES_TARGETS, SyncVariant,
                                           variant_wire)
-from flwr_sharded.perf.bench.options import REPO
-from flwr_sharded.perf.placement import TIERS
+from flwr_sharded_perf.bench.options import REPO
+from flwr_sharded_perf.placement import TIERS
 
 BYTES_TARGET = 1.10
 """The most cross-group bytes per sync of the unequal federation, as a multiple of the equal federation's."""

@@ -7,9 +7,9 @@ from typing import Sequence
 
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.sync_plan import Owners, SyncPlan, row_numel
-from flwr_sharded.perf.costmodel import all_reduce_time, broadcast_time, positive_int
-from flwr_sharded.perf.model_shape import ModelShape
-from flwr_sharded.perf.traffic_report import ring_bytes_sent
+from flwr_sharded_perf.costmodel import all_reduce_time, broadcast_time, positive_int
+from flwr_sharded_perf.model_shape import ModelShape
+from flwr_sharded_perf.traffic_report import ring_bytes_sent
 
 Shapes = tuple[tuple[int, ...], ...]
 

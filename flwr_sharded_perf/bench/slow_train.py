@@ -1,4 +1,4 @@
-"""`python -m flwr_sharded.perf.bench.slow_train GROUP:SECONDS [train options]`: the static engine with one
+"""`python -m flwr_sharded_perf.bench.slow_train GROUP:SECONDS [train options]`: the static engine with one
 federation group slowed down, every rank of it sleeping SECONDS after each optimizer step (the bench's slower group)."""
 
 from __future__ import annotations

@@ -18,9 +18,9 @@ from typing import Any, Sequence
 from flwr_sharded.config import METHODS
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.wire import sync_wire_ratio
-from flwr_sharded.perf.costmodel import Units, check_layout
-from flwr_sharded.perf.netemu.network import EmuTopology, Fabric, RankFailure
-from flwr_sharded.perf.placement import Placement
+from flwr_sharded_perf.costmodel import Units, check_layout
+from flwr_sharded_perf.netemu.network import EmuTopology, Fabric, RankFailure
+from flwr_sharded_perf.placement import Placement
 
 VARIANT_RUNS = ("fl-fsdp-overlap", "fl-fsdp-int8", "fl-fsdp-overlap-int8", "fl-fsdp-int4", "fl-fsdp-overlap-int4",
                 "fl-fsdp-topk", "fl-fsdp-overlap-topk")
@@ -241,7 +241,7 @@ def run_training(fab: Fabric, layout: BenchLayout, opts: argparse.Namespace, *, 
     """Train one layout on the fabric (outputs under `work`); its summary, and with the model's `units` its measured
     and predicted traffic per tier. `variant`: how an FL layout syncs (default `--sync-dtype`, blocking); `slow`:
     GROUP:SECONDS, a group slowed down (`slow_train`)."""
-    from flwr_sharded.perf.traffic_report import compare, load_probes
+    from flwr_sharded_perf.traffic_report import compare, load_probes
 
     topo, label = fab.topology, label or layout.method
     run_dir = work / f"{label}-A{A}-{steps}"
@@ -249,7 +249,7 @@ def run_training(fab: Fabric, layout: BenchLayout, opts: argparse.Namespace, *, 
     run_dir.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(outputs, ignore_errors=True)
     variant = variant or SyncVariant(dtype=opts.sync_dtype)
-    entry = ["flwr_sharded.perf.bench.slow_train", slow] if slow else ["flwr_sharded.train"]
+    entry = ["flwr_sharded_perf.bench.slow_train", slow] if slow else ["flwr_sharded.train"]
     argv = [sys.executable, "-m", *entry, *layout.train_args(A, variant), "--model", opts.model,
             "--seq-len", str(opts.seq_len), "--batch-size", str(opts.batch_size), "--steps", str(steps),
             "--lr", str(opts.lr), "--seed", str(opts.seed), "--log-every", str(log_every or A),

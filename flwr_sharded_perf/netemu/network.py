@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from flwr_sharded.perf.netemu.isolation import RANK_ENV, EmulationError, _die_with_parent, inside
-from flwr_sharded.perf.traffic_report import NETDEV_ENV
+from flwr_sharded_perf.netemu.isolation import RANK_ENV, EmulationError, _die_with_parent, inside
+from flwr_sharded.parallel.traffic import NETDEV_ENV
 
 SUBNET = "10.77"
 MAX_SHAPED_BPS = 5e9
@@ -75,7 +75,7 @@ class EmuTopology:
 
     @classmethod
     def from_cluster(cls, cluster: Any) -> EmuTopology:
-        """From a planner `Cluster` (see `flwr_sharded.perf.cluster.load_cluster`)."""
+        """From a planner `Cluster` (see `flwr_sharded_perf.cluster.load_cluster`)."""
         where = f"cluster {cluster.name}"
         if cluster.backend != "gloo":
             raise EmulationError(f"{where}: the emulation runs CPU processes on gloo; set 'backend: gloo' (got "
@@ -147,7 +147,7 @@ def _mem_available() -> float:
 
 def load_topology(path: str | os.PathLike) -> EmuTopology:
     """Read a cluster YAML with the planner's loader and turn it into an emulated topology (validated, fit-checked)."""
-    from flwr_sharded.perf.cluster import load_cluster
+    from flwr_sharded_perf.cluster import load_cluster
 
     topo = EmuTopology.from_cluster(load_cluster(path))
     topo.check_fits()
@@ -201,7 +201,7 @@ class Fabric:
     def __enter__(self) -> Fabric:
         if not inside():
             raise EmulationError("Fabric must be built inside run_isolated() (private namespaces); see "
-                                 "flwr_sharded.perf.netemu")
+                                 "flwr_sharded_perf.netemu")
         try:
             self.build()
         except BaseException:

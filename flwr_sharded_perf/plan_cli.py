@@ -13,10 +13,10 @@ from flwr_sharded.config import METHODS, ModelConfig, OptimConfig, ParallelConfi
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.rules import RULES
 from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES, SyncDtype
-from flwr_sharded.perf.cluster import Cluster, FacilityFederation, load_description
-from flwr_sharded.perf.memory_model import GiB, StepOptions
-from flwr_sharded.perf.model_shape import ModelShape, model_from_name
-from flwr_sharded.perf.planner import (Candidate, FederationCandidate, PaperRow, evaluate, explain, paper_layouts, plan,
+from flwr_sharded_perf.cluster import Cluster, FacilityFederation, load_description
+from flwr_sharded_perf.memory_model import GiB, StepOptions
+from flwr_sharded_perf.model_shape import ModelShape, model_from_name
+from flwr_sharded_perf.planner import (Candidate, FederationCandidate, PaperRow, evaluate, explain, paper_layouts, plan,
                                        plan_federation)
 from flwr_sharded.schema import option, same_as
 

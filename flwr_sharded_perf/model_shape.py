@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.perf.costmodel import Units, positive_int
+from flwr_sharded_perf.costmodel import Units, positive_int
 from flwr_sharded.presets import PRESETS, Preset
 
 

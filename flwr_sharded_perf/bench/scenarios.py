@@ -15,22 +15,22 @@ from typing import Any, Sequence
 
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES, sync_wire_ratio
-from flwr_sharded.perf.bench.report import _json_default, agreement, checks, render
-from flwr_sharded.perf.bench.runs import (LABELS, UNEQUAL_LABELS, UNEQUAL_RUNS, VARIANT_RUNS, BenchLayout, SyncVariant,
+from flwr_sharded_perf.bench.report import _json_default, agreement, checks, render
+from flwr_sharded_perf.bench.runs import (LABELS, UNEQUAL_LABELS, UNEQUAL_RUNS, VARIANT_RUNS, BenchLayout, SyncVariant,
                                           model_units, parse_layouts, run_training, step_stats, sync_variant,
                                           vocab_size_of)
-from flwr_sharded.perf.costmodel import Units
-from flwr_sharded.perf.netemu.network import EmuTopology, Fabric, _mem_available, load_topology, topology_dict
-from flwr_sharded.perf.traffic_report import load_probes, ring_bytes_sent, sending_records
+from flwr_sharded_perf.costmodel import Units
+from flwr_sharded_perf.netemu.network import EmuTopology, Fabric, _mem_available, load_topology, topology_dict
+from flwr_sharded_perf.traffic_report import load_probes, ring_bytes_sent, sending_records
 
 
 def planner_view(cluster_path: Path, layouts: dict[str, BenchLayout], opts: argparse.Namespace, vocab: int,
                  A: int) -> dict[str, Any]:
     """The planner on the same cluster: its first choice, its predictions and ranking of the measured layouts."""
-    from flwr_sharded.perf.cluster import load_cluster
-    from flwr_sharded.perf.memory_model import StepOptions
-    from flwr_sharded.perf.model_shape import model_from_preset
-    from flwr_sharded.perf.planner import evaluate, plan
+    from flwr_sharded_perf.cluster import load_cluster
+    from flwr_sharded_perf.memory_model import StepOptions
+    from flwr_sharded_perf.model_shape import model_from_preset
+    from flwr_sharded_perf.planner import evaluate, plan
 
     cluster, shape, margin = load_cluster(cluster_path), model_from_preset(opts.model, vocab), opts.fl_margin
     kw = dict(tokens_per_gpu_batch=opts.batch_size * opts.seq_len, bytes_per_param=4.0,
@@ -193,7 +193,7 @@ def cross_group_traffic(probes: list[dict[str, Any]], groups: Sequence[Sequence[
 def predicted_sync(shards_per_group: Sequence[int], R: int, shapes: Sequence[Sequence[int]], *,
                    bandwidth_bps: float | None, wire_ratio: float = 1.0) -> dict[str, Any]:
     """`unequal_sync` for the run's groups: cross-group bytes per sync and seconds at `bandwidth_bps` per channel."""
-    from flwr_sharded.perf.unequal_sync_cost import unequal_sync
+    from flwr_sharded_perf.unequal_sync_cost import unequal_sync
 
     sync = unequal_sync([(R, S) for S in shards_per_group], shapes, wire_ratio=wire_ratio, B_F=bandwidth_bps or 1.0,
                         B_R=[bandwidth_bps or 1.0] * len(shards_per_group))

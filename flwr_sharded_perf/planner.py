@@ -10,14 +10,14 @@ from flwr_sharded.config import METHODS
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.sparse import over_dense
 from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES
-from flwr_sharded.perf.cluster import Cluster, FacilityFederation
-from flwr_sharded.perf.costmodel import (ADAMW_BYTES_PER_PARAM, SGD_BYTES_PER_PARAM, CommTerms, Phases, allreduce_steps,
+from flwr_sharded_perf.cluster import Cluster, FacilityFederation
+from flwr_sharded_perf.costmodel import (ADAMW_BYTES_PER_PARAM, SGD_BYTES_PER_PARAM, CommTerms, Phases, allreduce_steps,
                                          check_layout, comm_terms, flow_bandwidth, optimizer_time, overlapped,
                                          phase_time, positive_int)
-from flwr_sharded.perf.memory_model import GiB, MemoryBreakdown, StepOptions, memory_per_gpu
-from flwr_sharded.perf.model_shape import ModelShape, compute_time, model_from_preset
-from flwr_sharded.perf.placement import DIMENSIONS
-from flwr_sharded.perf.unequal_sync_cost import UnequalSync, coarse_shapes, unequal_sync
+from flwr_sharded_perf.memory_model import GiB, MemoryBreakdown, StepOptions, memory_per_gpu
+from flwr_sharded_perf.model_shape import ModelShape, compute_time, model_from_preset
+from flwr_sharded_perf.placement import DIMENSIONS
+from flwr_sharded_perf.unequal_sync_cost import UnequalSync, coarse_shapes, unequal_sync
 from flwr_sharded.parallel.schedule import idle_times, local_steps
 
 

@@ -11,8 +11,8 @@ from typing import Any
 from flwr_sharded import schema, tool_options
 from flwr_sharded.config import DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from flwr_sharded.parallel.wire import SyncDtype
-from flwr_sharded.perf.bench.runs import UNEQUAL_RUNS, VARIANT_RUNS
-from flwr_sharded.perf.plan_cli import PlanOptions
+from flwr_sharded_perf.bench.runs import UNEQUAL_RUNS, VARIANT_RUNS
+from flwr_sharded_perf.plan_cli import PlanOptions
 from flwr_sharded.schema import option, same_as
 
 REPO = Path(__file__).resolve().parents[3]
@@ -68,7 +68,7 @@ class BenchOptions:
     """Runs of the unequal scenario, comma-separated, among equal, unequal, unequal-slow (one group slowed down,
     equal local steps per sync) and unequal-slow-speed (the same with the trainer's --group-steps speed)."""
     slow_group: int = option(1, ge=0)
-    """The group the slow runs slow down (`flwr_sharded.perf.bench.slow_train`)."""
+    """The group the slow runs slow down (`flwr_sharded_perf.bench.slow_train`)."""
     slow_seconds: float | None = option(None, gt=0)
     """Seconds the slow group sleeps after each optimizer step; unset: that group's mean step time in the unequal run
     (it is then about half as fast)."""
@@ -171,7 +171,7 @@ def resolve(parsed: argparse.Namespace, sub: type | None = None) -> argparse.Nam
     if sub is not None:
         values.update(_leaves(schema.apply_arguments(sub(), parsed)))
     if sub is SyncOptions:
-        from flwr_sharded.perf.cluster import parse_bandwidth
+        from flwr_sharded_perf.cluster import parse_bandwidth
 
         values["bandwidth_values"] = [parse_bandwidth(x, "--bandwidths")
                                       for x in tool_options.split_list(values["bandwidths"], "--bandwidths")]

@@ -24,13 +24,13 @@ from typing import Any, Sequence
 from flwr_sharded import schema
 from flwr_sharded.config import DataConfig, data_dir_of
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.perf.bench.runs import parse_layouts
-from flwr_sharded.perf.bench.options import REPO, BenchOptions, ExecOptions, LinkCheckOptions, SyncOptions, resolve
-from flwr_sharded.perf.bench.report import _fmt
-from flwr_sharded.perf.bench.scenarios import _inner_main, parse_group_shards, unequal_layouts
-from flwr_sharded.perf.netemu.isolation import (EmulationError, check_host, enter_private_run, host_leftovers, inside,
+from flwr_sharded_perf.bench.runs import parse_layouts
+from flwr_sharded_perf.bench.options import REPO, BenchOptions, ExecOptions, LinkCheckOptions, SyncOptions, resolve
+from flwr_sharded_perf.bench.report import _fmt
+from flwr_sharded_perf.bench.scenarios import _inner_main, parse_group_shards, unequal_layouts
+from flwr_sharded_perf.netemu.isolation import (EmulationError, check_host, enter_private_run, host_leftovers, inside,
                                                 run_isolated)
-from flwr_sharded.perf.netemu.network import EmuTopology, Fabric, RankFailure, _rate, load_topology, topology_dict
+from flwr_sharded_perf.netemu.network import EmuTopology, Fabric, RankFailure, _rate, load_topology, topology_dict
 
 ARGS_ENV = "FLWR_SHARDED_BENCH_ARGS"
 SYNC_BENCH = REPO / "benchmarks" / "sync_bench.py"
@@ -195,7 +195,7 @@ def _reexec(args: argparse.Namespace, mode: str) -> int:
     """Run this sub-command again inside fresh namespaces; check that nothing is left on the host afterwards."""
     payload = {**{k: v for k, v in vars(args).items() if k != "func"}, "mode": mode}
     try:
-        result = run_isolated([sys.executable, "-m", "flwr_sharded.perf.bench"],
+        result = run_isolated([sys.executable, "-m", "flwr_sharded_perf.bench"],
                               env={ARGS_ENV: json.dumps(payload)}, timeout=args.timeout)
     except (TimeoutError, EmulationError) as exc:
         print(f"flwr-sharded bench: error: {exc}", file=sys.stderr)
@@ -329,7 +329,7 @@ INNER = {"main": _inner_main, "exec": _inner_exec, "check": _inner_check, "sync"
 
 
 def _inner_entry() -> int:
-    """`python -m flwr_sharded.perf.bench`, started by `_reexec` inside the namespaces."""
+    """`python -m flwr_sharded_perf.bench`, started by `_reexec` inside the namespaces."""
     sys.stdout.reconfigure(line_buffering=True)  # progress lines as they come
     payload = json.loads(os.environ[ARGS_ENV])
     mode = payload.pop("mode")

@@ -1,142 +1,17 @@
-"""Measured traffic of a training run (`train --measure-traffic`: a `TrafficProbe`) next to the cost model's."""
+"""Measured traffic of a training run (`train --measure-traffic`: `flwr_sharded.parallel.traffic.TrafficProbe`'s
+files) next to the cost model's."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
-from flwr_sharded.perf.costmodel import Units
-from flwr_sharded.perf.placement import TIERS, Placement, traffic
-
-PHASES = ("step", "sync")
-ALL_PHASES = (*PHASES, "other")
-NETDEV_ENV = "FLWR_SHARDED_NETDEV"
-"""Extra `net/dev` files rank 0 snapshots, as `label=path,label=path` (the emulator's fabric namespace's)."""
-
-
-def read_netdev(path: str | os.PathLike = "/proc/self/net/dev") -> dict[str, dict[str, int]]:
-    """{interface: {"rx_bytes", "tx_bytes", "rx_packets", "tx_packets"}} from a `/proc/<pid>/net/dev` file."""
-    out: dict[str, dict[str, int]] = {}
-    for line in Path(path).read_text().splitlines()[2:]:
-        name, _, rest = line.partition(":")
-        values = [int(v) for v in rest.split()]
-        if len(values) >= 16:
-            out[name.strip()] = {"rx_bytes": values[0], "rx_packets": values[1], "tx_bytes": values[8],
-                                 "tx_packets": values[9]}
-    return out
-
-
-def _subtract(after: dict[str, dict[str, int]], before: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
-    return {name: {k: v - before.get(name, {}).get(k, 0) for k, v in values.items()} for name, values in after.items()}
-
-
-@dataclass
-class TrafficProbe:
-    """One rank's collectives by optimizer steps, shard syncs and the rest, and interface counters, over its loop."""
-
-    rank: int
-    world_size: int
-    local_rank: int = 0
-    windows: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PHASES, 0))
-    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
-    _meter: Any = None
-    _spans: list[tuple[str, int, int]] = field(default_factory=list)
-    _start: dict[str, dict[str, dict[str, int]]] | None = None
-    _netdev: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
-    _collectives: dict[tuple[str, str, tuple[int, ...]], list[int]] | None = None
-
-    @classmethod
-    def from_env(cls) -> TrafficProbe:
-        return cls(rank=int(os.environ.get("RANK", "0")), world_size=int(os.environ.get("WORLD_SIZE", "1")),
-                   local_rank=int(os.environ.get("LOCAL_RANK", "0")))
-
-    def _snapshot(self) -> dict[str, dict[str, dict[str, int]]]:
-        """The interface counters this rank reads: its namespace's on LOCAL_RANK 0, `NETDEV_ENV`'s on rank 0."""
-        sources = {"self": "/proc/self/net/dev"} if self.local_rank == 0 else {}
-        if self.rank == 0:
-            sources.update(item.partition("=")[::2] for item in os.environ.get(NETDEV_ENV, "").split(",") if item)
-        out = {}
-        for label, path in sources.items():
-            try:
-                out[label] = read_netdev(path)
-            except OSError:
-                pass
-        return out
-
-    def start(self) -> None:
-        """Start counting (called by the first window)."""
-        from flwr_sharded.parallel.traffic import TrafficMeter
-
-        if self._meter is None and self._collectives is None:
-            self._start = self._snapshot()
-            self._meter = TrafficMeter().__enter__()
-
-    def finish(self) -> None:
-        """Stop counting: snapshot the counters and file every record under its phase ("other" between windows)."""
-        if self._meter is None:
-            return
-        end = self._snapshot()
-        self._meter.__exit__(None, None, None)
-        records, self._meter = self._meter.records, None
-        phase_of = ["other"] * len(records)
-        for phase, i0, i1 in self._spans:
-            phase_of[i0:i1] = [phase] * (i1 - i0)
-        self._collectives = {}
-        for phase, rec in zip(phase_of, records):
-            phase = "sync" if rec.background else phase  # an overlapped sync's thread, while steps run
-            slot = self._collectives.setdefault((phase, rec.op, rec.ranks), [0, 0])
-            slot[0] += 1
-            slot[1] += rec.nbytes
-        self._netdev = {label: _subtract(end[label], self._start[label]) for label in end if label in self._start}
-
-    @contextlib.contextmanager
-    def window(self, phase: str, count: bool = True) -> Iterator[None]:
-        """Count the body under `phase` ("step" or "sync"); `count=False`: its collectives, not as a window."""
-        self.start()
-        i0 = len(self._meter.records) if self._meter is not None else 0
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[phase] += time.perf_counter() - start
-            self.windows[phase] += int(count)
-            if self._meter is not None:
-                self._spans.append((phase, i0, len(self._meter.records)))
-
-    def wrap(self, phase: str, fn: Callable[..., Any], count: bool = True) -> Callable[..., Any]:
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            with self.window(phase, count):
-                return fn(*args, **kwargs)
-
-        return wrapped
-
-    def attach(self, trainer: Any, loop: Any) -> None:
-        """Measure `trainer.step` (one optimizer step) and the shard syncs of its `SyncLoop` from now on: a window
-        per fragment sync on every rank (the merge: the reduction, the commit, the replicas' broadcast), and the
-        collectives of starting an overlapped one and of its communication thread under "sync" too."""
-        trainer.step = self.wrap("step", trainer.step)
-        loop._merge = self.wrap("sync", loop._merge)
-        loop._start = self.wrap("sync", loop._start, count=False)
-
-    def to_dict(self) -> dict[str, Any]:
-        self.finish()
-        return {"rank": self.rank, "world_size": self.world_size, "local_rank": self.local_rank,
-                "windows": self.windows, "seconds": self.seconds,
-                "collectives": [{"phase": p, "op": op, "ranks": list(ranks), "calls": c, "bytes": b}
-                                for (p, op, ranks), (c, b) in sorted((self._collectives or {}).items())],
-                "netdev": self._netdev}
-
-    def write(self, directory: str | os.PathLike) -> Path:
-        path = Path(directory) / f"rank{self.rank}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict()))
-        return path
-
+from flwr_sharded.parallel.traffic import ALL_PHASES, PHASES
+from flwr_sharded_perf.costmodel import Units
+from flwr_sharded_perf.placement import TIERS, Placement, traffic
 
 def load_probes(directory: str | os.PathLike) -> list[dict[str, Any]]:
     """The `rank<N>.json` files of a `--measure-traffic` directory, in rank order."""

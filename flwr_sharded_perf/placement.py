@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.perf.costmodel import Backend, Units, check_backend, check_layout, positive_int
+from flwr_sharded_perf.costmodel import Backend, Units, check_backend, check_layout, positive_int
 
 TIERS = ("intra_node", "inter_node", "inter_group")
 """Network tiers, fastest first: same node, same node group (rack, cell, facility), different groups."""
