@@ -4,7 +4,7 @@
 
 Runs `flwr-sharded bench --methods no-sync,fl-fsdp-overlap-int8 --repeats 1 --sweep none --contrast none
 --no-planner-run --unequal none` once per round in each of two environments, alternating which goes first: the
-package's policy (`flwr_sharded.memory_release`: 128 KiB thresholds through start-up and the first step, 32 MiB
+package's policy (`flwr_sharded.host_memory`: 128 KiB thresholds through start-up and the first step, 32 MiB
 after it), and `MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=33554432` (which the policy leaves alone: glibc
 at its default ceiling from the start). Each run's median seconds per step of both methods, their medians over the
 rounds and the policy's ratio to the default go to `--out`. Needs root (the emulated network).

@@ -28,7 +28,6 @@ from pathlib import Path
 from flwr_sharded import schema, tool_options
 from flwr_sharded.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from flwr_sharded.flower.run_config import FederationConfig
-from tests.local_flower import Procs, deployment_rounds
 from flwr_sharded.schema import same_as
 
 REPO = Path(__file__).resolve().parents[1]

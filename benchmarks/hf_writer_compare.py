@@ -34,8 +34,8 @@ def _save(rank: int, world: int, how: str, out: str, vocab: int, hidden: int) ->
     from flwr_sharded.config import ParallelConfig
     from flwr_sharded.parallel.sharding import apply_fsdp, mixed_precision_policy
     from flwr_sharded.parallel.topology import init_topology
-    from flwr_sharded import memory_release
-    from flwr_sharded.process_memory import PeakRSS, current_rss
+    from flwr_sharded import host_memory
+    from flwr_sharded.host_memory import PeakRSS, current_rss
     from flwr_sharded.training.model_init import init_local_shards, materialize
     from flwr_sharded.training.models import build_meta_model, transformer_blocks
 
@@ -47,7 +47,7 @@ def _save(rank: int, world: int, how: str, out: str, vocab: int, hidden: int) ->
     materialize(model, "cpu")
     init_local_shards(model, 0)
     gc.collect()
-    memory_release.trim()
+    host_memory.trim()
     dist.barrier()
     memory = PeakRSS(current_rss())
     start = time.perf_counter()

@@ -13,7 +13,7 @@ less fixed; a layout's measured is its largest rank, compared with `trainer_memo
 
 On CPU "GPU memory" is the process's RSS: tensors come from glibc malloc (no caching allocator), the optimizer runs
 one parameter at a time (no foreach temporaries), and memory freed to malloc but kept by it still counts.
-`flwr_sharded.train` pins glibc's mmap and trim thresholds at 128 KiB (`flwr_sharded.memory_release`), so every
+`flwr_sharded.train` pins glibc's mmap and trim thresholds at 128 KiB (`flwr_sharded.host_memory`), so every
 tensor of 128 KiB or more is its own mapping, returned when freed: RSS then follows live tensors. `--mmap-threshold
 N` sets MALLOC_MMAP_THRESHOLD_ for the ranks instead (the environment wins). Internal: `--worker DIR -- TRAIN
 ARGS` runs one rank.
@@ -70,15 +70,15 @@ LAYOUTS: dict[str, list[str]] = {
 
 def worker(out_dir: str, argv: list[str]) -> int:
     """Run `flwr_sharded.train` with `Trainer.run` wrapped to record this rank's peak RSS during training."""
-    from flwr_sharded import memory_release, train
-    from flwr_sharded.process_memory import PeakRSS, current_rss, peak_rss
+    from flwr_sharded import host_memory, train
+    from flwr_sharded.host_memory import PeakRSS, current_rss, peak_rss
     from flwr_sharded.training import trainer as trainer_module
 
     original = trainer_module.Trainer.run
 
     def run(self: Any, run_dir: Any = None) -> dict[str, Any]:
         build_hwm = peak_rss() or 0
-        memory_release.trim()
+        host_memory.trim()
         start = current_rss() or 0
         peak = PeakRSS(start)
         try:

@@ -56,6 +56,7 @@ FLOWER_RUNS = {"flower": [], "flower-server-path": ['aggregation="server"', "syn
 
 def digest(run_dir: Path) -> dict:
     """The saved model's sha256 and the run's logged losses."""
+    import torch
     from safetensors import safe_open
 
     h = hashlib.sha256()
@@ -64,7 +65,7 @@ def digest(run_dir: Path) -> dict:
             for key in sorted(f.keys()):
                 t = f.get_tensor(key).contiguous()
                 h.update(f"{key}|{t.dtype}|{tuple(t.shape)}|".encode())
-                h.update(t.view(-1).view(dtype=__import__("torch").uint8).numpy().tobytes())
+                h.update(t.view(-1).view(dtype=torch.uint8).numpy().tobytes())
     losses = []
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
@@ -105,7 +106,6 @@ def run_flower(name: str, work: Path, data_dir: str) -> dict:
 
 def compare(old_path: str, new_path: str) -> int:
     """Print each run's verdict; exit 1 unless every run is equal bit for bit or within 1e-6 relative."""
-    import torch
     from safetensors.torch import load_file
 
     old, new = json.loads(Path(old_path).read_text()), json.loads(Path(new_path).read_text())

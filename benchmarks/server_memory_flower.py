@@ -33,8 +33,7 @@ from flwr_sharded.flower.run_config import FederationConfig
 from flwr_sharded.flower.server.aggregation import check_layout, fp32_bytes
 from flwr_sharded.flower.server.server_path import ServerShardFedAvg
 from flwr_sharded.parallel.shard_transport import decode_layouts
-from tests.local_flower import Procs, deployment_rounds
-from flwr_sharded.process_memory import PeakRSS, current_rss
+from flwr_sharded.host_memory import PeakRSS, current_rss
 from flwr_sharded.schema import same_as
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@
 4. `flwr-sharded export` of both checkpoints in a fresh process each (its peak RSS; the tiny one is the fixed part).
 
 The ranks pin glibc's thresholds and trim the heap after loading, as `flwr_sharded.train` does, and the trainer's first
-step raises them (`flwr_sharded.memory_release`), unless `--default-allocator`. Steps 2-4 are measured too (their
+step raises them (`flwr_sharded.host_memory`), unless `--default-allocator`. Steps 2-4 are measured too (their
 peak over the same fixed footprint: the steady state under the raised thresholds).
 
 The target: peak <= 1.3 x (16 bytes per parameter / S: fp32 parameters, gradients and AdamW's two moments) + the
@@ -93,14 +93,14 @@ def worker(args: argparse.Namespace, train_args: list[str]) -> None:
     """One torchrun rank: start-up, one step, save_pretrained, checkpoint; write this rank's peaks as JSON.
 
     Like `flwr_sharded.train`, it pins glibc's thresholds first and calls `after_load` once the model is loaded
-    (`flwr_sharded.memory_release`), unless `--default-allocator`."""
-    from flwr_sharded import memory_release
+    (`flwr_sharded.host_memory`), unless `--default-allocator`."""
+    from flwr_sharded import host_memory
 
     release = not args.default_allocator
     if release:
-        memory_release.pin_thresholds()
+        host_memory.pin_thresholds()
     else:  # the trainer's first step leaves them alone too
-        memory_release.after_first_step = lambda: {}
+        host_memory.after_first_step = lambda: {}
     peaks: dict[str, int] = {}
     starts: dict[str, int] = {}
     import torch
@@ -118,7 +118,7 @@ def worker(args: argparse.Namespace, train_args: list[str]) -> None:
     start = time.perf_counter()
     trainer = Trainer(cfg, topo)
     if release:
-        memory_release.after_load()
+        host_memory.after_load()
     times["startup_s"] = time.perf_counter() - start
     peaks["startup"] = _hwm_bytes()  # from process start: imports, topology, data, model
     starts["step"] = _reset_hwm()
@@ -235,7 +235,7 @@ def main() -> int:
                         help="bytes: run the measured processes with MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ "
                              "at this value (glibc then returns freed buffers above it to the OS at once)")
     parser.add_argument("--default-allocator", action="store_true",
-                        help="the ranks leave glibc's thresholds and heap alone (no flwr_sharded.memory_release)")
+                        help="the ranks leave glibc's thresholds and heap alone (no flwr_sharded.host_memory)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--export-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--name", default="", help=argparse.SUPPRESS)
@@ -303,7 +303,7 @@ def main() -> int:
         "model": {**SHAPE, "parameters": n_params, "fp32_gib": 4 * n_params / gib},
         "ranks": NPROC, "method": "fsdp", "shards": NPROC, "seq_len": 64, "batch_size": 1,
         "state_share_gib": state / gib, "target": "peak <= 1.3 x state_share + fixed",
-        "malloc": MALLOC, "memory_release": not args.default_allocator, "per_rank": per_rank, "max_startup_x": max(r["startup_x"] for r in per_rank),
+        "malloc": MALLOC, "host_memory": not args.default_allocator, "per_rank": per_rank, "max_startup_x": max(r["startup_x"] for r in per_rank),
         "max_startup_step_x": max(r["startup_step_x"] for r in per_rank),
         "max_later_steps_x": max(r["later_steps_x"] for r in per_rank), "export": export,
         "random_init": startup_summary(init), "pretrained_bf16_file": startup_summary(bf16)}

@@ -20,7 +20,7 @@ from flwr_sharded.parallel.plausibility import DEFAULT_MAX_MOVE
 from flwr_sharded.parallel.sparse import CHUNK
 from flwr_sharded.parallel.wire import QUANT_BLOCK, QUANTIZED, SyncDtype, described
 from flwr_sharded.presets import PRESETS
-from flwr_sharded.schema import CLI, Surface, option
+from flwr_sharded.schema import Surface, option
 
 Method = Literal["fsdp", "hsdp", "fl-fsdp", "fl-hsdp"]
 METHODS: tuple[str, ...] = typing.get_args(Method)

@@ -21,7 +21,7 @@ import socket
 import sys
 from typing import Any, Sequence
 
-from flwr_sharded import memory_release, schema
+from flwr_sharded import host_memory, schema
 from flwr_sharded.config import TrainConfig, config_to_dict, load_config
 from flwr_sharded.validation import validate, validate_static
 from flwr_sharded.errors import ConfigError
@@ -92,7 +92,7 @@ def run(cfg: TrainConfig, measure_traffic: str | None = None) -> dict[str, Any]:
         cfg.output.run_dir = box[0]
         trainer = Trainer(cfg, topo)
         loop = SyncLoop(trainer)
-        memory_release.after_load()  # the load's transient buffers
+        host_memory.after_load()  # the load's transient buffers
         resumed = loop.resume() if cfg.checkpoint.resume else None  # before the run directory continues
         if leader:
             recorder = RunDir(cfg.output.run_dir, config=config_to_dict(cfg), tensorboard=cfg.output.tensorboard,
@@ -138,7 +138,7 @@ def run(cfg: TrainConfig, measure_traffic: str | None = None) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    memory_release.pin_thresholds()
+    host_memory.pin_thresholds()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     leader = int(os.environ.get("RANK", "0")) == 0

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from flwr_sharded.parallel.contribution import weight_verdict
+from flwr_sharded.parallel.token_weights import weight_verdict
 from flwr_sharded.parallel.verdict import NOT_FINITE, Verdict
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from flwr_sharded.parallel.contribution import tokens_of
+from flwr_sharded.parallel.token_weights import tokens_of
 from flwr_sharded.run_dir import perplexity
 from flwr_sharded.training.metrics import progress_bar, train_line
 from flwr_sharded.training.sync_loop import StaticFederation, SyncFailed, SyncLoop

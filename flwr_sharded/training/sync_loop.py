@@ -31,7 +31,7 @@ import torch.distributed as dist
 from flwr_sharded.errors import first_line
 from flwr_sharded.parallel.admission import SyncRejected, commit_vote
 from flwr_sharded.parallel.alignment import local_shard
-from flwr_sharded.parallel.contribution import expected_weight_of, tokens_of
+from flwr_sharded.parallel.token_weights import expected_weight_of, tokens_of
 from flwr_sharded.parallel.rollback import RollbackPoint
 from flwr_sharded.parallel.schedule import Schedule, fragment_parameters, local_steps
 from flwr_sharded.parallel.sync import Groups, ShardSync, Snapshot, SyncStats

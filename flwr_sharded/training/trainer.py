@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flwr_sharded import memory_release
+from flwr_sharded import host_memory
 from flwr_sharded.config import TrainConfig, config_to_dict
 from flwr_sharded.parallel.alignment import local_shard
 from flwr_sharded.parallel.sharding import mixed_precision_policy
@@ -138,7 +138,7 @@ class Trainer:
         self.step_count += 1
         if not self._stepped:  # the optimizer's state exists: the long-lived buffers are in place
             self._stepped = True
-            memory_release.after_first_step()
+            host_memory.after_first_step()
         return total
 
     def set_anchor(self, params: list[nn.Parameter] | None = None) -> None:

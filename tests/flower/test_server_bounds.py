@@ -13,7 +13,7 @@ from flwr_sharded.flower.server.aggregation import (SUM_LIMIT, ExcludedContribut
                                                     StreamingShardAggregator, out_of_bounds)
 from flwr_sharded.flower.server.stream import plan_ranges, requests_for
 from flwr_sharded.parallel import rules
-from flwr_sharded.parallel.contribution import check_weight, expected_weight, expected_weight_of
+from flwr_sharded.parallel.token_weights import check_weight, expected_weight, expected_weight_of
 from flwr_sharded.parallel.shard_transport import ShardPiece
 from tests.flower.test_server_path import SHAPES, _chunks, _expected, _group_reply, _model, spec_of
 

@@ -14,7 +14,7 @@ import pytest
 
 from flwr_sharded.flower import messages as P
 from flwr_sharded.flower.group import channels
-from flwr_sharded.flower.group.server_side import InstructionError
+from flwr_sharded.flower.group.server_path import InstructionError
 from flwr_sharded.flower.run_config import FlowerRun
 from flwr_sharded.flower.server import records
 from flwr_sharded.flower.server.membership import check_layouts, empty_shards, rejoin_refusal, seat_refusal

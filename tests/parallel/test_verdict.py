@@ -8,7 +8,7 @@ from flwr_sharded.parallel.verdict import DROPPED, MAGNITUDE, NAMED, OVERFLOW, W
 
 
 def test_the_weight_check_names_the_member_and_its_reason_is_check_weights():
-    from flwr_sharded.parallel.contribution import check_weight, weight_verdict
+    from flwr_sharded.parallel.token_weights import check_weight, weight_verdict
 
     assert weight_verdict(3, 100.0, 100.0) is None
     for weight, expected, at_most in ((float("nan"), None, None), (1e12, 100.0, None), (50.0, None, 10.0)):
@@ -42,7 +42,7 @@ def test_the_verdict_module_is_torch_free():
 
     from tests.multiproc import REPO
 
-    code = ("import sys; import flwr_sharded.parallel.verdict, flwr_sharded.parallel.contribution; "
+    code = ("import sys; import flwr_sharded.parallel.verdict, flwr_sharded.parallel.token_weights; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
                          env={"PYTHONPATH": str(REPO), "PATH": ""})

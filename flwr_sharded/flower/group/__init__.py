@@ -1,2 +1,2 @@
 """A Flower client's long-lived FSDP/HSDP group: the runtime (`runtime`), one round (`round`), the server path's
-export and apply (`server_side`). Run it with `torchrun ... -m flwr_sharded.flower.group`."""
+export and apply (`server_path`). Run it with `torchrun ... -m flwr_sharded.flower.group`."""

@@ -3,9 +3,9 @@
 import os
 import sys
 
-from flwr_sharded import memory_release
+from flwr_sharded import host_memory
 
-memory_release.pin_thresholds()  # before torch's imports allocate: the allocator follows the tensors from the start
+host_memory.pin_thresholds()  # before torch's imports allocate: the allocator follows the tensors from the start
 
 from flwr_sharded.flower.group.runtime import main  # noqa: E402
 

@@ -19,8 +19,8 @@ import hashlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from flwr_sharded.flower import rendezvous as rdv
-from flwr_sharded.flower.group.server_side import InstructionError
+from flwr_sharded.flower import rendezvous
+from flwr_sharded.flower.group.server_path import InstructionError
 from flwr_sharded.flower.messages import TrainArgs
 from flwr_sharded.flower.store_server import MAX_SCOPES, round_scopes
 from flwr_sharded.parallel.schedule import Schedule
@@ -74,11 +74,11 @@ def host_scopes(args: TrainArgs, shards: int, shapes: tuple[tuple[int, ...], ...
 
 
 def join(args: TrainArgs, plan: SyncPlan, shard: int, *, backend: str,
-         abort: Callable[[], str]) -> Iterator[tuple[Owners, rdv.FederationGroup]]:
+         abort: Callable[[], str]) -> Iterator[tuple[Owners, rendezvous.FederationGroup]]:
     """Join this rank's channels one by one, in the plan's order (the same on every member: deadlock-free); each
     joined group is yielded at once, so that the caller releases it whatever comes after."""
     for owners in plan.channels_of(args.member_index, shard):
-        yield owners, rdv.join(host=args.rendezvous_host, port=args.rendezvous_ports[owners[0]],
+        yield owners, rendezvous.join(host=args.rendezvous_host, port=args.rendezvous_ports[owners[0]],
                                prefix=channel_scope(args.prefix, owners), rank=args.member_index,
                                size=len(args.members), rendezvous_timeout=args.rendezvous_timeout,
                                sync_timeout=args.sync_timeout, backend=backend, secret=args.secret,

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flwr_sharded.flower import rendezvous as rdv
+from flwr_sharded.flower import rendezvous
 from flwr_sharded.flower.group import channels
 from flwr_sharded.flower.messages import TrainArgs
-from flwr_sharded.parallel.contribution import tokens_of
+from flwr_sharded.parallel.token_weights import tokens_of
 from flwr_sharded.parallel.sync import Groups
 from flwr_sharded.parallel.sync_plan import Owners
 from flwr_sharded.training.sync_loop import RunReport
@@ -36,8 +36,8 @@ class RoundFederation:
         self.rt, self.args = runtime, args
         self.member_index, self.members = args.member_index, len(args.members)
         self.wait_timeout: float | None = args.sync_timeout + 5.0
-        self.groups: list[rdv.FederationGroup] = []
-        self.channel_groups: dict[Owners, rdv.FederationGroup] = {}
+        self.groups: list[rendezvous.FederationGroup] = []
+        self.channel_groups: dict[Owners, rendezvous.FederationGroup] = {}
         self.plan = channels.round_plan(args, channels.model_shapes(runtime.loop.trainer.model))
         """The round's sync plan when its members shard differently; None: one group per shard index."""
         self.joined = False
@@ -48,7 +48,7 @@ class RoundFederation:
             return None
         a, s, t = self.args, self.rt.topo.shard_index, self.rt.loop.trainer
         start = time.perf_counter()
-        backend = rdv.backend_for_device(t.device, self.rt.args.sync_backend)
+        backend = rendezvous.backend_for_device(t.device, self.rt.args.sync_backend)
         abort = self.rt.abort_check(a.prefix)
         if self.plan is not None:
             for owners, group in channels.join(a, self.plan, s, backend=backend, abort=abort):
@@ -56,7 +56,7 @@ class RoundFederation:
                 self.channel_groups[owners] = group
             joined: Groups = {k: g.pg for k, g in self.channel_groups.items()}
         else:
-            group = rdv.join(host=a.rendezvous_host, port=a.rendezvous_ports[s], prefix=f"{a.prefix}/s{s}",
+            group = rendezvous.join(host=a.rendezvous_host, port=a.rendezvous_ports[s], prefix=f"{a.prefix}/s{s}",
                              rank=a.member_index, size=len(a.members), rendezvous_timeout=a.rendezvous_timeout,
                              sync_timeout=a.sync_timeout, backend=backend, secret=a.secret, members=a.members,
                              abort=abort)

@@ -34,16 +34,14 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from flwr_sharded import memory_release, schema
+from flwr_sharded import host_memory, schema
 from flwr_sharded.config import ParallelConfig
 from flwr_sharded.validation import validate_parallel
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.flower import endpoint as E
-from flwr_sharded.flower import messages as M
-from flwr_sharded.flower import rendezvous as rdv
-from flwr_sharded.flower.group import channels, options, server_side
+from flwr_sharded.flower import endpoint, messages, rendezvous
+from flwr_sharded.flower.group import channels, options, server_path
 from flwr_sharded.flower.group.round import GroupRound
-from flwr_sharded.flower.group.server_side import InstructionError
+from flwr_sharded.flower.group.server_path import InstructionError
 from flwr_sharded.flower.node_policy import NodePolicy
 from flwr_sharded.flower.launch import exit_with_parent, fresh_private_dir, pid_alive
 
@@ -83,14 +81,14 @@ class GroupRuntime:
         self.tokens = 0
         self.syncs = 0
         self.started = time.time()
-        self.store: rdv.StoreServer | None = None
+        self.store: rendezvous.StoreServer | None = None
         """Rank 0: the rendezvous store of the rounds this group hosts (member 0)."""
         self.offer_ports: list[int] = []
         if self.rank == 0:
             ports = [int(p) for p in args.rendezvous_ports.split(",")] if args.rendezvous_ports else None
             if ports is not None and len(ports) != args.shards:
                 raise ConfigError(f"--rendezvous-ports needs {args.shards} ports (one per shard index), got {ports}")
-            self.store = rdv.serve_stores(args.rendezvous_host, args.shards, ports)
+            self.store = rendezvous.serve_stores(args.rendezvous_host, args.shards, ports)
             self.offer_ports = self.store.ports
 
     # ----- collectives on the control group (gloo, CPU) -------------------------------------------------------
@@ -132,10 +130,10 @@ class GroupRuntime:
     # ----- the two loops -------------------------------------------------------------------------------------
     def serve(self) -> int:
         """Rank 0: take instructions from the endpoint until shutdown, idle timeout or watched process exit."""
-        authkey = E.read_authkey(self.args.authkey_file)
-        endpoint = E.EndpointServer(E.parse_address(self.args.address), authkey)
-        endpoint.on_abort = self.abort_round
-        address = E.format_address(*endpoint.address)
+        authkey = endpoint.read_authkey(self.args.authkey_file)
+        server = endpoint.EndpointServer(endpoint.parse_address(self.args.address), authkey)
+        server.on_abort = self.abort_round
+        address = endpoint.format_address(*server.address)
         if self.args.address_file:
             tmp = f"{self.args.address_file}.tmp"
             with open(tmp, "w") as fh:
@@ -148,23 +146,23 @@ class GroupRuntime:
         try:
             while True:
                 try:
-                    request = endpoint.incoming.get(timeout=1.0)
+                    request = server.incoming.get(timeout=1.0)
                 except queue.Empty:
-                    last = max(last, endpoint.last_request)  # collects and aborts count as signs of life
+                    last = max(last, server.last_request)  # collects and aborts count as signs of life
                     reason = self._stop_reason(last)
                     if reason:
                         logger.info("shutting down: %s", reason)
-                        self.broadcast(M.instruction(M.SHUTDOWN, {"reason": reason}))
+                        self.broadcast(messages.instruction(messages.SHUTDOWN, {"reason": reason}))
                         return 0
                     if self.trainer is not None and self.run_idle_s and time.monotonic() - last > self.run_idle_s:
                         self._drop_idle_run(time.monotonic() - last)
                     continue
-                code = self._serve_request(endpoint, request)
+                code = self._serve_request(server, request)
                 last = time.monotonic()
-                if request.verb == M.SHUTDOWN or code:
+                if request.verb == messages.SHUTDOWN or code:
                     return code
         finally:
-            endpoint.close()
+            server.close()
             if self.store is not None:
                 self.store.close()
             shutil.rmtree(self.handoff_dir, ignore_errors=True)  # made for this group alone
@@ -175,8 +173,8 @@ class GroupRuntime:
         hello builds it again, from its checkpoint with resume)."""
         logger.warning("no instruction for %.0f s (group-idle-timeout %.0f s of run %s): its ServerApp is gone; "
                        "dropping the run to free this group's memory", idle, self.run_idle_s, self.key.split("|")[0])
-        self.broadcast(M.instruction(M.FINISH, {"reason": "idle"}))
-        self._execute(M.FINISH, {"reason": "idle"})
+        self.broadcast(messages.instruction(messages.FINISH, {"reason": "idle"}))
+        self._execute(messages.FINISH, {"reason": "idle"})
 
     def _stop_reason(self, last: float) -> str:
         idle = self.args.idle_timeout
@@ -186,23 +184,23 @@ class GroupRuntime:
             return f"watched process {self.args.watch_pid} is gone"
         return ""
 
-    def _serve_request(self, endpoint: E.EndpointServer, request: E.Request) -> int:
+    def _serve_request(self, server: endpoint.EndpointServer, request: endpoint.Request) -> int:
         verb, args = request.verb, request.args
         job = str(args.get("job", "")) if request.detach else ""
         if request.detach:
             if not job:
-                request.reply(M.reply_error("a detached instruction needs a job name"))
+                request.reply(messages.reply_error("a detached instruction needs a job name"))
                 return 0
-            endpoint.job_started(job)
-            request.reply(M.reply_ok({"job": job}))
+            server.job_started(job)
+            request.reply(messages.reply_ok({"job": job}))
         start = time.monotonic()
         logger.info("received %s%s", verb, f" ({args['prefix']})" if "prefix" in args else "")
-        self.broadcast(M.instruction(verb, args))
+        self.broadcast(messages.instruction(verb, args))
         reply, code = self._execute(verb, args)
         logger.info("%s -> %s in %.2f s", verb, "ok" if reply["ok"] else f"error: {reply['error']}",
                     time.monotonic() - start)
         if request.detach:
-            endpoint.job_finished(job, reply)
+            server.job_finished(job, reply)
         else:
             request.reply(reply)
         return code
@@ -211,23 +209,23 @@ class GroupRuntime:
         """Ranks > 0: execute whatever rank 0 broadcasts, until shutdown."""
         while True:
             try:
-                verb, args = M.check_instruction(self.broadcast(None))
+                verb, args = messages.check_instruction(self.broadcast(None))
             except Exception as exc:  # rank 0 gone or timed out: torchrun tears the rest down
                 logger.error("lost rank 0 (%s); exiting", exc)
                 return 1
             _, code = self._execute(verb, args)
-            if verb == M.SHUTDOWN or code:
+            if verb == messages.SHUTDOWN or code:
                 return code
 
     def _execute(self, verb: str, args: dict[str, Any]) -> tuple[dict[str, Any], int]:
         handler: Callable[[dict[str, Any]], dict[str, Any]] = getattr(self, f"do_{verb}")
         try:
-            return M.reply_ok(handler(args)), 0
-        except (InstructionError, M.ArgumentError) as exc:
-            return M.reply_error(str(exc)), 0
+            return messages.reply_ok(handler(args)), 0
+        except (InstructionError, messages.ArgumentError) as exc:
+            return messages.reply_error(str(exc)), 0
         except Exception as exc:  # noqa: BLE001 - anything else leaves the ranks possibly out of step: exit
             logger.error("rank %d failed in %s:\n%s", self.rank, verb, traceback.format_exc())
-            return M.reply_error(f"group rank {self.rank} failed in {verb}: {type(exc).__name__}: {exc}; "
+            return messages.reply_error(f"group rank {self.rank} failed in {verb}: {type(exc).__name__}: {exc}; "
                                  f"the group exits"), 1
 
     # ----- verbs -----------------------------------------------------------------------------------------------
@@ -250,7 +248,7 @@ class GroupRuntime:
     def do_hello(self, args: dict[str, Any]) -> dict[str, Any]:
         from flwr_sharded.flower.run_config import FlowerRun
 
-        layout = M.GroupLayout(self.args.method, self.args.replicas, self.args.shards, self.world)
+        layout = messages.GroupLayout(self.args.method, self.args.replicas, self.args.shards, self.world)
         out = {**self._layout(), "compatible": False, "error": "", "fingerprint": "", "tokens": 0, "steps": 0}
         run = cfg = None
         try:
@@ -274,7 +272,7 @@ class GroupRuntime:
             out["error"] = str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
         errors = [e for e in self.gather(out["error"]) if e]  # every rank must agree before building anything
         if not errors and run.federation.aggregation == "server":  # (collective: once every rank got this far)
-            errors = [e for e in self.gather(server_side.check_handoff_dir(self)) if e]
+            errors = [e for e in self.gather(server_path.check_handoff_dir(self)) if e]
         if errors:
             out["error"] = errors[0]
             return out
@@ -317,7 +315,7 @@ class GroupRuntime:
         start = time.perf_counter()
         self.trainer = Trainer(cfg, self.topo, partition=partition)
         self.loop = SyncLoop(self.trainer)
-        memory_release.after_load()  # the load's transient buffers
+        host_memory.after_load()  # the load's transient buffers
         self.key, self.tokens, self.syncs, self.resumed_round = key, 0, 0, 0
         if cfg.checkpoint.resume:
             meta = self.loop.resume()
@@ -335,19 +333,19 @@ class GroupRuntime:
     def do_train(self, args: dict[str, Any]) -> dict[str, Any]:
         """One round (`GroupRound`); on the server path, the facility's first member then exports its shards."""
         t = self._need_trainer()
-        a = M.TrainArgs.from_config(args)
-        server_path = self.run.federation.aggregation == "server"
-        if a.export and not server_path:
+        a = messages.TrainArgs.from_config(args)
+        on_server_path = self.run.federation.aggregation == "server"
+        if a.export and not on_server_path:
             raise InstructionError("export asks for the server path, but this run's aggregation is decentralized")
         channels.prepare(self, a)  # the round's steps, weight bound and layouts, its learning rate and FedProx mu
         with self._hosting(a):
-            result = GroupRound(self, a).run(apply_rule=not server_path)
+            result = GroupRound(self, a).run(apply_rule=not on_server_path)
         failed = result["sync_failed"]
         if a.checkpoint and not failed:
             result.update(self._checkpoint(a.server_round))
         if a.export and not failed:
             start = time.perf_counter()
-            result.update(export_files=server_side.export(self, a.prefix), export_s=time.perf_counter() - start)
+            result.update(export_files=server_path.export(self, a.prefix), export_s=time.perf_counter() - start)
         eval_s = 0.0
         if a.evaluate:
             start = time.perf_counter()
@@ -357,7 +355,7 @@ class GroupRuntime:
         return result
 
     @contextmanager
-    def _hosting(self, a: M.TrainArgs) -> Iterator[None]:
+    def _hosting(self, a: messages.TrainArgs) -> Iterator[None]:
         """Rank 0 of the round's member 0: the round's scopes open on this group's store while the round runs (the
         members prove `a.secret` there); its keys are dropped when it ends."""
         hosting = self.store is not None and a.member_index == 0
@@ -373,7 +371,7 @@ class GroupRuntime:
     def do_apply(self, args: dict[str, Any]) -> dict[str, Any]:
         """Server path: adopt the server's mean from the chunk files, then checkpoint and evaluate if asked."""
         t = self._need_trainer()
-        result: dict[str, Any] = {"apply_s": server_side.apply(self, [str(p) for p in args.get("paths", [])])}
+        result: dict[str, Any] = {"apply_s": server_path.apply(self, [str(p) for p in args.get("paths", [])])}
         result.update(checksums=self.checksums(), step=t.step_count)
         if args.get("checkpoint", False):
             result.update(self._checkpoint(int(args.get("server_round", 0))))
@@ -467,8 +465,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.shards = max(1, world // max(1, args.replicas))
         validate_parallel(ParallelConfig(method=args.method, federations=1, replicas=args.replicas,
                                          shards=args.shards), world)
-        E.read_authkey(args.authkey_file)
-        E.parse_address(args.address)
+        endpoint.read_authkey(args.authkey_file)
+        endpoint.parse_address(args.address)
     except ConfigError as exc:
         if rank == 0:
             print(f"flwr_sharded.flower.group: error: {exc}", file=sys.stderr)

@@ -19,7 +19,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from flwr_sharded.flower import shard_files
-from flwr_sharded.parallel.contribution import weight_verdict
+from flwr_sharded.parallel.token_weights import weight_verdict
 from flwr_sharded.parallel.rules import FedAvg, ShardRule, State, median_trim, trimmed_mean
 from flwr_sharded.parallel.shard_transport import PieceLayout, ShardPiece, ShardPieceError, decode_pieces
 from flwr_sharded.parallel.verdict import MAGNITUDE, NOT_FINITE, OVERFLOW, Verdict, reasons

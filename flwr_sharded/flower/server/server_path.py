@@ -29,7 +29,7 @@ from flwr_sharded.flower.server.grid import reply_payload, run_id
 from flwr_sharded.flower.server.membership import GroupInfo, GroupMembership
 from flwr_sharded.flower.server.stream import Stream, reject
 from flwr_sharded.flower.server.strategy import DecentralizedFedAvg
-from flwr_sharded.parallel.contribution import expected_weight_of, weight_verdict
+from flwr_sharded.parallel.token_weights import expected_weight_of, weight_verdict
 from flwr_sharded.parallel.shard_transport import PieceLayout, ShardPieceError, decode_layouts
 from flwr_sharded.run_dir import perplexity
 

@@ -17,7 +17,7 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
-from flwr_sharded import memory_release
+from flwr_sharded import host_memory
 from flwr_sharded.flower import shard_files
 from flwr_sharded.flower.messages import CONFIG, MSG_APPLY, MSG_PULL
 from flwr_sharded.flower.server.aggregation import (ExcludedContributions, ParamSpec, StreamingShardAggregator,
@@ -220,7 +220,7 @@ class Stream:
         for name in (shard_files.SHARDS, shard_files.SHARD_META):
             if name in content:
                 del content[name]
-        memory_release.trim()  # the chunk's buffers
+        host_memory.trim()  # the chunk's buffers
         self.stats["fold_s"] += time.perf_counter() - start
         return reply
 
@@ -259,5 +259,5 @@ class Stream:
                 if last:
                     self.last_ids.add(mid)
         del messages, pushed
-        memory_release.trim()
+        host_memory.trim()
         self._take_applies(await_replies(self.grid, self.applies, time.monotonic(), s.polling))  # those already there

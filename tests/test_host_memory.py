@@ -1,4 +1,4 @@
-"""`flwr_sharded.memory_release`: freed buffers go back to the OS (glibc), a no-op elsewhere."""
+"""`flwr_sharded.host_memory`: freed buffers go back to the OS (glibc), a no-op elsewhere."""
 
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ glibc_only = pytest.mark.skipif(not (hasattr(os, "confstr") and (os.confstr("CS_
 # below a guard buffer that keeps them off the heap's top, and print the resident MiB they leave behind.
 PROBE = """
 import ctypes, sys
-from flwr_sharded import memory_release
+from flwr_sharded import host_memory
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
 rss = lambda: int(open("/proc/self/statm").read().split()[1]) * 4096 / 2 ** 20
 if sys.argv[1] == "pin":
-    assert memory_release.pin_thresholds() == {"M_TRIM_THRESHOLD": True, "M_MMAP_THRESHOLD": True}
+    assert host_memory.pin_thresholds() == {"M_TRIM_THRESHOLD": True, "M_MMAP_THRESHOLD": True}
 def written(n):
     p = libc.malloc(n)
     ctypes.memset(p, 1, n)
@@ -34,7 +34,7 @@ guard = written(512 << 10)
 for c in chunks:
     libc.free(c)
 if sys.argv[1] == "trim":
-    memory_release.trim()
+    host_memory.trim()
 print(rss() - base)
 """
 
@@ -57,35 +57,35 @@ def test_pinned_thresholds_and_trim_return_freed_buffers():
 @pytest.mark.dist
 @glibc_only
 def test_the_environment_wins_over_the_pinned_threshold():
-    code = ("from flwr_sharded import memory_release; "
-            "print(sorted(memory_release.pin_thresholds().items()))")
+    code = ("from flwr_sharded import host_memory; "
+            "print(sorted(host_memory.pin_thresholds().items()))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": str(REPO), "MALLOC_MMAP_THRESHOLD_": "65536"})
     assert done.stdout.strip() == "[('M_MMAP_THRESHOLD', False), ('M_TRIM_THRESHOLD', True)]", done.stderr
 
 
 def test_other_c_libraries_are_left_alone(monkeypatch, caplog):
-    from flwr_sharded import memory_release
+    from flwr_sharded import host_memory
 
-    memory_release._glibc.cache_clear()
+    host_memory._glibc.cache_clear()
     monkeypatch.setattr(os, "confstr", lambda name: "musl 1.2", raising=False)
     try:
-        with caplog.at_level("DEBUG", logger="flwr_sharded.memory_release"):
-            assert memory_release.pin_thresholds() == {} and memory_release.trim() is False
+        with caplog.at_level("DEBUG", logger="flwr_sharded.host_memory"):
+            assert host_memory.pin_thresholds() == {} and host_memory.trim() is False
         assert "not glibc" in caplog.text
     finally:
-        memory_release._glibc.cache_clear()
+        host_memory._glibc.cache_clear()
 
 
 @pytest.mark.dist
 def test_the_entry_points_pin_the_thresholds(monkeypatch, tmp_path):
-    from flwr_sharded import memory_release, train
+    from flwr_sharded import host_memory, train
 
     calls = []
-    monkeypatch.setattr(memory_release, "pin_thresholds", lambda: calls.append("train") or {})
+    monkeypatch.setattr(host_memory, "pin_thresholds", lambda: calls.append("train") or {})
     assert train.main(["--method", "fsdp", "--federations", "2", "--print-config"]) == 2  # refused, after pinning
     assert calls == ["train"]
-    code = ("import runpy, sys; from flwr_sharded import memory_release as m; "
+    code = ("import runpy, sys; from flwr_sharded import host_memory as m; "
             "m.pin_thresholds = lambda: print('pinned', 'torch' in sys.modules, flush=True) or {}; "
             f"sys.argv = ['group', '--authkey-file', {str(tmp_path / 'missing')!r}]; "
             "runpy.run_module('flwr_sharded.flower.group', run_name='__main__')")

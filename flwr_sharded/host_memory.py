@@ -1,4 +1,5 @@
-"""Return freed host memory to the operating system (glibc's malloc), so a rank's resident memory follows its tensors.
+"""This process's host memory: glibc's allocator policy, so that a rank's resident memory follows its tensors, and
+the resident memory itself.
 
 With its default dynamic mmap threshold, glibc raises the threshold to the size of each mapped chunk a process frees
 (up to 32 MiB), so the transient tensors of a model's load and of the first step come from the heap, whose freed
@@ -11,6 +12,9 @@ unmapped every step (which cost 60-70% of a CPU step of the `small` model, bench
 buffers are device memory, and the pin bounds the host memory of the load. `MALLOC_MMAP_THRESHOLD_` /
 `MALLOC_TRIM_THRESHOLD_` in the environment win over both settings. Off glibc all of this is a no-op (logged at
 debug level); a glibc call that fails is logged as a warning.
+
+The same process's resident memory (`current_rss`), its peak (`peak_rss`) and the peak over a stretch of work
+(`PeakRSS`), from Linux `/proc`.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import ctypes
 import functools
 import logging
 import os
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -93,3 +98,48 @@ def after_first_step() -> dict[str, bool]:
     done = _set({"M_TRIM_THRESHOLD": STEP_THRESHOLD_BYTES, "M_MMAP_THRESHOLD": STEP_THRESHOLD_BYTES})
     trim()
     return done
+
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def current_rss() -> int | None:
+    """This process's resident memory in bytes (None where /proc does not tell)."""
+    kib = _status_kib("VmRSS")
+    return None if kib is None else kib * 1024
+
+
+def peak_rss() -> int | None:
+    """This process's resident high-water mark (VmHWM) in bytes (None where /proc does not tell)."""
+    kib = _status_kib("VmHWM")
+    return None if kib is None else kib * 1024
+
+
+class PeakRSS:
+    """The peak RSS of this process from construction on, over `base_bytes` (default: the RSS at construction)."""
+
+    def __init__(self, base_bytes: int | None = None) -> None:
+        try:
+            _CLEAR_REFS.write_text("5")
+            self.available = True
+        except OSError:
+            self.available = False
+        base = current_rss() if base_bytes is None else base_bytes
+        self.available = self.available and base is not None
+        self.base_bytes = base or 0
+
+    def extra_bytes(self) -> int | None:
+        """Peak RSS since construction less the RSS then (None where it cannot be measured)."""
+        peak = _status_kib("VmHWM") if self.available else None
+        return None if peak is None else max(0, peak * 1024 - self.base_bytes)
+
