@@ -15,7 +15,7 @@ from flwr_sharded_perf.bench.runs import UNEQUAL_RUNS, VARIANT_RUNS
 from flwr_sharded_perf.plan_cli import PlanOptions
 from flwr_sharded.schema import option, same_as
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 RUN_KEYS = ("fsdp", "hsdp", "fl-fsdp", "fl-hsdp", "no-sync", *VARIANT_RUNS)
 """The runs the benchmark can do: the four methods, the no-sync limit and FL+FSDP with the other syncs."""
 
