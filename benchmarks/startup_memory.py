@@ -97,6 +97,8 @@ def worker(args: argparse.Namespace, train_args: list[str]) -> None:
     from flwr_sharded import host_memory
 
     release = not args.default_allocator
+    if args.step_threshold:  # the thresholds from the second step on, instead of the package's
+        host_memory.STEP_THRESHOLD_BYTES = args.step_threshold
     if release:
         host_memory.pin_thresholds()
     else:  # the trainer's first step leaves them alone too
@@ -187,6 +189,7 @@ def _launch(args: argparse.Namespace, name: str, model: list[str], startup_only:
     _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(NPROC), "--master-port",
           str(args.port), __file__, "--worker", "--name", name, "--work", str(work),
           *(["--startup-only"] if startup_only else []), *(["--default-allocator"] if args.default_allocator else []),
+          *(["--step-threshold", str(args.step_threshold)] if args.step_threshold else []),
           "--", *train_args], timeout=args.timeout)
     ranks = [json.loads((work / f"rank-{name}-{r}.json").read_text()) for r in range(NPROC)]
     if startup_only:
@@ -236,6 +239,9 @@ def main() -> int:
                              "at this value (glibc then returns freed buffers above it to the OS at once)")
     parser.add_argument("--default-allocator", action="store_true",
                         help="the ranks leave glibc's thresholds and heap alone (no flwr_sharded.host_memory)")
+    parser.add_argument("--step-threshold", type=int, default=0,
+                        help="bytes: the ranks' mmap and trim thresholds from the second step on (default: the "
+                             "package's, flwr_sharded.host_memory.STEP_THRESHOLD_BYTES)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--export-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--name", default="", help=argparse.SUPPRESS)
@@ -303,7 +309,8 @@ def main() -> int:
         "model": {**SHAPE, "parameters": n_params, "fp32_gib": 4 * n_params / gib},
         "ranks": NPROC, "method": "fsdp", "shards": NPROC, "seq_len": 64, "batch_size": 1,
         "state_share_gib": state / gib, "target": "peak <= 1.3 x state_share + fixed",
-        "malloc": MALLOC, "host_memory": not args.default_allocator, "per_rank": per_rank, "max_startup_x": max(r["startup_x"] for r in per_rank),
+        "malloc": MALLOC, "host_memory": not args.default_allocator, "step_threshold": args.step_threshold or None,
+        "per_rank": per_rank, "max_startup_x": max(r["startup_x"] for r in per_rank),
         "max_startup_step_x": max(r["startup_step_x"] for r in per_rank),
         "max_later_steps_x": max(r["later_steps_x"] for r in per_rank), "export": export,
         "random_init": startup_summary(init), "pretrained_bf16_file": startup_summary(bf16)}
