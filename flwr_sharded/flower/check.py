@@ -1,10 +1,9 @@
 """`flwr-sharded check`: a run config checked as the ServerApp checks it, before `flwr run` submits it.
 
 Flower refuses a key the app's `[tool.flwr.app.config]` lacks with only `Invalid run configuration.` (the key is in
-the SuperLink's log). This reads the overrides with Flower's own parser (`'key=value key2="text"'`, or a `.toml`
-file), fuses them with the app's defaults and runs the ServerApp's checks (the schema, the allowed imports,
-`validate`, and the model and data as on this machine unless `--deployment`), naming a bad key, with the closest
-keys for a typo.
+the SuperLink's log). This reads the overrides with Flower's parser (`'key=value key2="text"'`, or a `.toml` file),
+fuses them with the app's defaults and runs the ServerApp's checks (schema, allowed imports, `validate`, and model
+and data as on this machine unless `--deployment`), naming a bad key and, for a typo, the closest ones.
 """
 
 from __future__ import annotations
@@ -105,9 +104,8 @@ def app_package(app: str | Path) -> str:
 
 
 def check(app: str | Path, run_config: list[str], *, local: bool = True) -> FlowerRun:
-    """The run that `flwr run <app> --run-config ...` would start, checked as the ServerApp checks it (`local`: as
-    in a simulation on this machine, with its model and data checks); ConfigError naming the first bad key (an
-    unknown one with the closest known ones)."""
+    """The run `flwr run <app> --run-config ...` would start, checked as the ServerApp checks it (`local`: with the
+    model and data checks of a simulation on this machine); ConfigError naming the first bad key (and closest ones)."""
     given, defaults = overrides(run_config), app_defaults(app)
     run = FlowerRun.from_run_config({**defaults, **given})  # an unknown key: "did you mean ...?"
     missing = sorted(set(given) - set(defaults))

@@ -1,14 +1,12 @@
 """The thin ClientApp side (no torch): find or launch this node's group, forward each Flower message to it.
 
 Deployment: the SuperNode's `--node-config` names the group (`group-address="127.0.0.1:7100"
-group-authkey-file="/path/key"`; optional: `data-dir`, `partition-id`, `num-partitions`, `facility`, `gpus`, and
-the permissions of `flwr_sharded.flower.node_policy`). Local simulation (no `group-address`): the first hello
-launches the group on this machine (`launch`), `Context.state` remembers it, and the `finish` message shuts it down;
-it also exits when the process that launched it is gone, or after its idle timeout.
-
-A train message starts the round in the group and is answered at once; each collect behind it waits for the round's
-result up to its timeout, then replies `pending` (a SuperNode handles one message at a time, so an abort never waits
-long behind it). The train config goes to the group unchanged: a key it does not know is an error reply.
+group-authkey-file="/path/key"`; optional: `data-dir`, `partition-id`, `num-partitions`, `facility`, `gpus` and the
+permissions of `flwr_sharded.flower.node_policy`). Local simulation (no `group-address`): the first hello launches
+the group here (`launch`), `Context.state` remembers it, and `finish` shuts it down (it also exits when its launcher
+is gone, or after its idle timeout). A train message starts the round and is answered at once; each collect waits up
+to its timeout, then replies `pending` (a SuperNode handles one message at a time, so an abort never waits long). The
+train config goes to the group unchanged: a key it does not know is an error reply.
 """
 
 from __future__ import annotations

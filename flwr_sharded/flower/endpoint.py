@@ -97,8 +97,7 @@ def read_authkey(path: str | Path) -> bytes:
 
 
 def _set_io_timeouts(conn: Connection, receive_s: float, send_s: float) -> None:
-    """Bound every blocking read and write on `conn`'s socket: a stalled peer raises OSError instead of holding the
-    thread forever."""
+    """Bound every blocking read and write on `conn`'s socket: a stalled peer raises OSError, never holds the thread."""
     sock = socket.socket(fileno=os.dup(conn.fileno()))
     try:
         for option, seconds in ((socket.SO_RCVTIMEO, receive_s), (socket.SO_SNDTIMEO, send_s)):
@@ -270,11 +269,9 @@ class Handshakes:
 
 class EndpointServer:
     """Rank 0's endpoint: authenticated instructions arrive on `incoming`; `collect` and `abort` are answered here.
-
     Hostile or broken callers cost a bounded amount: `auth_timeout` and the caps of `Handshakes` before the key is
-    proven, `max_connections` after it (more are answered with an error at once), and a request that is not a
-    well-formed instruction is answered with an error without reaching the main loop.
-    """
+    proven, `max_connections` after it (more are answered with an error at once); a malformed instruction is answered
+    with an error without reaching the main loop."""
 
     def __init__(self, address: tuple[str, int], authkey: bytes, *, auth_timeout: float = AUTH_TIMEOUT_S,
                  max_unauthenticated: int = MAX_UNAUTHENTICATED, max_per_peer: int = MAX_HANDSHAKES_PER_PEER,

@@ -1,9 +1,8 @@
-"""Starting, watching and stopping the groups a ClientApp launches on its own machine (local simulation), the
-private directories a group keeps its files in, and the liveness checks of local processes. Torch-free.
-
-A launched group is `python -m torch.distributed.run --standalone --nproc-per-node R*S -m flwr_sharded.flower.group
-...` in its own session, with a fresh authkey in a private run directory. On a machine with GPUs each group gets its
-own R*S of them, by partition id (or the node config's `gpus`), so no two groups share a device.
+"""Starting, watching and stopping the groups a ClientApp launches on its own machine (local simulation), their
+private directories, and liveness checks of local processes. Torch-free. A launched group is `python -m
+torch.distributed.run --standalone --nproc-per-node R*S -m flwr_sharded.flower.group ...` in its own session, with a
+fresh authkey in a private run directory; on a GPU machine each group gets R*S devices of its own, by partition id
+(or the node config's `gpus`).
 """
 
 from __future__ import annotations
@@ -154,8 +153,7 @@ def pid_alive(pid: int) -> bool:
 
 
 def exit_with_parent() -> None:
-    """Exit this process as soon as its parent (a rank's torchrun agent) is gone: no orphaned ranks after a
-    `kill -9`."""
+    """Exit this process as soon as its parent (a rank's torchrun agent) is gone: no orphaned ranks after `kill -9`."""
     parent = os.getppid()
 
     def loop() -> None:
@@ -172,8 +170,7 @@ def launch_group(run_dir: str | Path, *, method: str, replicas: int, shards: int
                  gpus: list[str] | None = None, python: str = sys.executable,
                  env: Mapping[str, str] | None = None, log_file: str | Path | None = None) -> LaunchedGroup:
     """Start a group of R*S local ranks and wait until its endpoint listens; returns how to reach and stop it.
-    `run_dir`: the group's private directory (its key and address); `log_file`: its log (default
-    `run_dir/group.log`)."""
+    `run_dir`: its private directory (key, address); `log_file`: its log (default `run_dir/group.log`)."""
     run_dir = Path(run_dir)
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     private_dir(run_dir)  # its key and log: refused if someone else made or can enter it

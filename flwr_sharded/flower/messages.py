@@ -2,10 +2,10 @@
 
     ServerApp --(Flower Message: ConfigRecord "config")--> ClientApp --(local endpoint: JSON)--> group rank 0
 
-The ClientApp forwards the config's keys unchanged (adding what only its node knows); the group parses them into
-the typed arguments below, and a key it does not know is an error reply, never dropped. An endpoint instruction is
-`{"version", "verb", "args"}`, a reply `{"ok", "error", "result"}`. A round is a `train` message, answered at once,
-and `query.collect` messages that wait for its result.
+The ClientApp forwards the config's keys unchanged (adding what only its node knows); the group parses them into the
+typed arguments below, and a key it does not know is an error reply, never dropped. Instruction `{"version", "verb",
+"args"}`, reply `{"ok", "error", "result"}`. A round is a `train` message, answered at once, then `query.collect`
+messages that wait for its result.
 """
 
 from __future__ import annotations

@@ -1,15 +1,15 @@
 """What a run config may make a group do on its node, as the SuperNode's node config allows. Torch-free.
 
-Three run settings would let whoever submits a run execute code or write files on a facility's node, so a group
-accepts them only where its node config allows (checked at hello, before it imports a rule or touches a path):
+Three run settings would let a run's submitter execute code or write files on a facility's node; a group accepts them
+only where its node config allows (checked at hello, before it imports a rule or touches a path):
 
     allow-custom-rules = true             `outer = "package.module:Class"`: imports that module in every rank
     allowed-checkpoint-root = "/path"     `checkpoint-dir` (written, pruned, read back by `resume`) inside it
     allowed-save-root = "/path"           the final model's directory (the ServerApp's `run-dir`/model) inside it
 
-Paths are resolved (symlinks, `..`, relative ones) first. An unset key allows nothing, except for a group the
-ClientApp launches itself (local simulation, no `group-address`), which runs the submitter's code on the
-submitter's side anyway: it allows all three unless the node config sets any of these keys.
+Paths are resolved (symlinks, `..`, relative) first. An unset key allows nothing, except in a group the ClientApp
+launches itself (local simulation, no `group-address`: the submitter's code on the submitter's side anyway), which
+allows all three unless the node config sets any of them.
 """
 
 from __future__ import annotations

@@ -1,15 +1,13 @@
 """Per-round federation process groups between Flower groups: one per shard index, members only, every wait bounded.
 
-Each group's rank 0 serves one rendezvous store port per shard index (`store_server.StoreServer`, its hello's
-rendezvous offer). For a round the ServerApp names the members in order and sends each a fresh secret; member 0
-opens the round's scopes with it. In every member the rank holding shard s (replica 0) proves the secret at member
-0's port s, scope `<round prefix>/s<s>` (`store_client.RoundStore`), writes a proof naming its node and waits for
-every member's; gloo or NCCL then build a process group of len(members) ranks through that store (their own
-connections are unauthenticated: docs/security.md). A failed group is destroyed, never reused.
-
-Waits: the store and the arrivals within `rendezvous_timeout` (ended at once by `abort()`, the ServerApp's news that
-a member is gone), the backend's rendezvous and every collective within `sync_timeout`. A member is named missing
-only if the store turned nobody away meanwhile (a stranger flooding the port is nobody's fault).
+Each group's rank 0 serves one store port per shard index (`store_server`, offered in its hello); member 0's opens a
+round's scopes with the fresh secret the ServerApp sends every member. Each member's rank holding shard s (replica 0)
+proves it at member 0's port s (scope `<round prefix>/s<s>`, `store_client.RoundStore`), writes a proof naming its
+node and waits for every member's; gloo or NCCL then build the group through that store (their own connections are
+unauthenticated: docs/security.md). A failed group is destroyed, never reused. Store and arrivals wait at most
+`rendezvous_timeout` (ended by `abort()`: a member is gone), the backend's rendezvous and collectives `sync_timeout`.
+A member is named missing only if the store turned nobody away meanwhile (a stranger flooding the port is nobody's
+fault).
 """
 
 from __future__ import annotations
@@ -111,10 +109,10 @@ def backend_for_device(device: torch.device, choice: str = "auto") -> str:
 def join(*, host: str, port: int, prefix: str, rank: int, size: int, rendezvous_timeout: float,
          sync_timeout: float, secret: str, members: Sequence[str], backend: str = "gloo",
          device: torch.device | None = None, abort: Callable[[], str] | None = None) -> FederationGroup:
-    """Join the federation group `prefix` of `size` members as `rank`, through the store at host:port, with the
-    round's `secret` and the node ids the ServerApp listed (`members`); `abort()` says why to stop waiting ('' to go
-    on). RendezvousError if the store is unreachable, a member does not prove itself in time, a proof names another
-    node, this member's slot is taken, or `abort()` gives a reason."""
+    """Join federation group `prefix` of `size` members (the node ids the ServerApp listed) as `rank`, through the
+    store at host:port with the round's `secret`; `abort()` says why to stop waiting. RendezvousError if the store is
+    unreachable, a member does not prove itself in time, a proof names another node, this member's slot is taken, or
+    `abort()` gives a reason."""
     if not 0 <= rank < size or len(members) != size or len(set(members)) != size:
         raise ValueError(f"member index {rank} of {size} members {list(members)} (distinct node ids expected)")
     deadline = time.monotonic() + rendezvous_timeout
@@ -223,9 +221,9 @@ def _check_proof(proof: object, prefix: str, r: int, members: list[str], nonce: 
 
 @contextmanager
 def _nccl_errors_raise(backend: str) -> Iterator[None]:
-    """Build an NCCL federation group in error-handling mode 2 (CleanUpOnly): a failed collective raises in this
-    rank, which rolls back, instead of the watchdog killing the process (mode 1, the group's own collectives'); the
-    variable is read when the group is built, so the process's other groups keep their mode."""
+    """Build an NCCL federation group in error-handling mode 2 (CleanUpOnly): a failed collective raises here and the
+    rank rolls back, instead of the watchdog killing the process (mode 1, kept by the process's other groups: the
+    variable is read when a group is built)."""
     if backend != "nccl":
         yield
         return

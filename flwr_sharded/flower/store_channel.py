@@ -1,11 +1,11 @@
-"""The wire format of a round's rendezvous store: a challenge-response on the round's secret, then frames that each
-carry an HMAC of a per-connection key; authenticated, not encrypted.
+"""The wire format of a round's rendezvous store: a challenge-response on the round's secret, then frames each carrying
+an HMAC under a per-connection key; authenticated, not encrypted.
 
-The server greets (`GREETING` and a nonce); the client's hello frame names the scope, its own nonce and
-HMAC(secret, "client" | scope | nonces); a server with that scope open answers `ACCEPT` and HMAC(secret, "server" |
-...), proving itself. Every later frame is `length | payload | HMAC(session key, direction | sequence | payload)`,
-so it cannot be altered, replayed, reordered or moved to another connection or round. Payloads are an op or status
-byte and length-prefixed fields (`pack`): nothing is unpickled or parsed beyond that.
+The server greets (`GREETING` + nonce); the client's hello names the scope, its nonce and HMAC(secret, "client" |
+scope | nonces); a server with that scope open answers `ACCEPT` + HMAC(secret, "server" | ...), proving itself. Every
+later frame is `length | payload | HMAC(session key, direction | sequence | payload)`: it cannot be altered, replayed,
+reordered or moved to another connection or round. Payloads are an op or status byte and length-prefixed fields
+(`pack`): nothing is unpickled.
 """
 
 from __future__ import annotations

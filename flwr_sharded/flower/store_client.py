@@ -1,10 +1,8 @@
-"""A member's client of a round's rendezvous store (`store_server`): the c10d Store gloo and NCCL build their
-process group through, after proving the round's secret.
-
-`RoundStore.connect` retries until its deadline (the port closed, the round not open yet), proves the secret for
-the round's scope and checks the server's proof; every later frame is authenticated (`store_channel`). It serves the
-whole c10d Store interface. Every wait is bounded by the store's timeout and made of slices of at most
-`WAIT_SLICE_S` on the server, between which it polls `abort()` (the ServerApp's news that a member is gone).
+"""A member's client of a round's rendezvous store (`store_server`): the c10d Store (the whole interface) gloo and NCCL
+build their process group through. `RoundStore.connect` retries until its deadline (port closed, round not open yet),
+proves the round's secret for its scope and checks the server's proof; every later frame is authenticated
+(`store_channel`). Every wait is bounded by the store's timeout, in server-side slices of at most `WAIT_SLICE_S`
+between which it polls `abort()` (the ServerApp's news that a member is gone).
 """
 
 from __future__ import annotations

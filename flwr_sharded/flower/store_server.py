@@ -1,12 +1,11 @@
 """The rendezvous store a group's rank 0 serves to the rounds it hosts: members only, bounded memory.
 
-`StoreServer` listens on one port per shard index and serves, from one thread, the key-value operations gloo and
-NCCL build a process group with. A client reads or writes nothing before it has proven the round's secret
-(`store_channel`) for a scope the host opened (`open_scopes`: a round's prefix and shard index, each with a key
-space of its own); closing a scope drops its keys at once and its members' connections `CLOSE_GRACE_S` later (their
-requests answered `CLOSED` meanwhile). Strangers cost at most a hello frame on `MAX_PENDING` connections
-(`MAX_PENDING_PER_HOST` from one address) for `HANDSHAKE_S`; a further one is turned away and counted in every open
-round (a member that could not connect then is not at fault). The members' keys and values hold at most
+One thread serves, on one port per shard index, the key-value operations gloo and NCCL build a process group with. A
+client reads or writes nothing before proving the round's secret (`store_channel`) for a scope the host opened
+(`open_scopes`: a round's prefix and shard index, each its own key space); closing a scope drops its keys at once and
+its connections `CLOSE_GRACE_S` later (answered `CLOSED` meanwhile). Strangers cost at most a hello frame on
+`MAX_PENDING` connections (`MAX_PENDING_PER_HOST` per address) for `HANDSHAKE_S`; one more is turned away and counted
+in every open round (a member that could not connect then is not at fault). Keys and values take at most
 `STORE_MAX_BYTES`.
 """
 

@@ -1,10 +1,8 @@
 """`flwr-sharded stop-superlink [--flwr-home DIR]`: stop the local SuperLink that `flwr run` started for one Flower
-home, and its SuperExec, by pid. Torch-free.
-
-They are found by their command lines in `/proc` among the current user's processes (`flower-superlink ...
---log-file <home>/local-superlink/superlink.log`, `flower-superexec ... --parent-pid <its pid>`), never by name
-alone, so other users' and other homes' SuperLinks are left alone: SIGTERM to each one's process group, then SIGKILL
-to what is left after a bounded wait.
+home, and its SuperExec, by pid. Torch-free. They are found among the current user's processes by command line
+(`flower-superlink ... --log-file <home>/local-superlink/superlink.log`, `flower-superexec ... --parent-pid <its
+pid>`), never by name alone, so other users' and homes' SuperLinks are left alone: SIGTERM to each process group,
+then SIGKILL after a bounded wait.
 """
 
 from __future__ import annotations
@@ -65,8 +63,7 @@ def _runs(argv: list[str], program: str) -> bool:
 
 
 def superlink_pids(home: str | Path) -> list[int]:
-    """Pids of the `flower-superlink` processes started for Flower home `home` (a path under
-    `<home>/local-superlink/` on their command line)."""
+    """Pids of the `flower-superlink` processes of Flower home `home` (`<home>/local-superlink/` on their argv)."""
     path = Path(home).expanduser()
     marks = {f"{path}/local-superlink/", f"{path.absolute()}/local-superlink/"}
     return [pid for pid, argv in _own_processes()

@@ -1,25 +1,16 @@
-"""Which groups a decentralised sync admits, and the vote that adopts its result.
+"""Which groups a decentralised sync admits, and the votes that adopt its result.
 
-Before its reduction, each member decides whether it may contribute: its weight is a finite number in
-(0, `max_weight`] (`max_weight`: the round's steps x tokens per step x a group's ranks, the most tokens a group can
-have trained on) and every value it would send is finite. The members exchange (weight, healthy) pairs (one
-all-gather over the federation group), so every member admits the same set. Each shard index decides on its own:
-a group whose weight is out of bounds is left out on every shard index, one whose values are NaN only on some
-shards is left out where they are; every group still ends with the same values. A member that is left out sends
-zeros and receives the others' mean, which heals it.
-
-After the reduction, the members vote (MIN over the federation group): the result is adopted only if it is finite and
-plausible on every member (`flwr_sharded.parallel.plausibility`: it moves no bucket of a rank's shards by more than
-`sync-max-move` x its recent moves), so one member that sends NaN, a huge value or anything far from the others in
-spite of its verdict (a broken or hostile peer: inside an all-reduce nobody sees another's values) makes every
-member roll back instead of adopting it; the vote also agrees on the first bucket any member rejected, where the
-offender is then looked for (`flwr_sharded.parallel.offender`). The server path, which sees each facility's
-values, excludes that facility instead (`flwr_sharded.flower.server.aggregation`).
-
-A Flower round adds a commit vote after each sync (`commit_vote`, the second phase of a two-phase commit): every
-member has finished its part, replicas included, and says whether it succeeded; the sync is adopted only if all did,
-so a member that fails after the others finished makes all of them roll back, at once, instead of leaving them
-diverged.
+- `admit` (one all-gather of (weight, healthy) over the federation group: every member admits the same set): a member
+  contributes only if its weight is finite and in (0, `max_weight`] (steps x tokens per step x a group's ranks: the
+  most tokens it can have trained on) and all it would send is finite. Each shard index decides alone, and every
+  group still ends equal: a member left out sends zeros and receives the others' mean, which heals it.
+- `vote` (MIN over the federation group): the result is adopted only if finite and plausible on every member
+  (`flwr_sharded.parallel.plausibility`). Inside an all-reduce nobody sees another's values, so a peer that lies about
+  itself makes all roll back. The vote agrees on the first bucket any member rejected, where
+  `flwr_sharded.parallel.offender` looks for the culprit (the server path, which sees each facility's values,
+  excludes that facility instead: `flwr_sharded.flower.server.aggregation`).
+- `commit_vote` (the second phase of each sync's commit): adopted only if every member, replicas included, finished its
+  part; otherwise all roll back at once instead of diverging.
 """
 
 from __future__ import annotations
@@ -57,17 +48,16 @@ class SyncRejected(RuntimeError):
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:
-    """Whether every element of `tensors` is finite (no NaN or infinity), through their sums: one read of the
-    values and no temporary the size of a tensor (a sum that overflows counts as not finite, as it would in a mean)."""
+    """Whether every element of `tensors` is finite, through their sums: one read, no tensor-sized temporary (a sum
+    that overflows counts as not finite, as it would in a mean)."""
     sums = [t.sum(dtype=torch.float32) for t in tensors if t.numel()]
     return not sums or bool(torch.isfinite(torch.stack(sums).sum()))
 
 
 def healthy(tensors: list[torch.Tensor], weight: float, max_weight: float | None,
             norms: list[float] | None = None) -> bool:
-    """This member's verdict on itself: `weight` in bounds and `tensors` (what it would send) finite. `norms`: the
-    norms of what it sends, when already measured: finite norms are finite values (an infinite one may be finite
-    values' overflow: then the values are summed)."""
+    """This member's verdict on itself: `weight` in bounds and `tensors` (what it would send) finite. `norms`, when
+    measured: finite norms prove finite values (an infinite one may be overflow: then the values are summed)."""
     if weight_verdict(None, weight, at_most=max_weight) is not None:
         return False
     return (norms is not None and all(n < float("inf") for n in norms)) or all_finite(tensors)
@@ -100,9 +90,8 @@ class Admission:
 
 def admit(weight: float, ok: bool, max_weight: float | None, fed_group: dist.ProcessGroup,
           device: torch.device) -> Admission:
-    """Exchange every member's (weight, verdict) and admit those healthy and in bounds, the same set everywhere
-    (one all-gather over `fed_group`); a member left out is named in one log line by the rank left out and by global
-    rank 0. Raises `SyncRejected` if none is left."""
+    """Admit the members healthy and in bounds, the same set everywhere (one all-gather over `fed_group`); each one
+    left out is logged by itself and by global rank 0. `SyncRejected` if none is left."""
     size = dist.get_world_size(fed_group)
     mine = torch.tensor([weight, 1.0 if ok else 0.0], dtype=torch.float64, device=device)  # ADMISSION_BYTES
     gathered = torch.empty(size * 2, dtype=torch.float64, device=device)
@@ -126,9 +115,8 @@ def admit(weight: float, ok: bool, max_weight: float | None, fed_group: dist.Pro
 
 def vote(result_ok: bool, fed_group: dist.ProcessGroup | None, device: torch.device,
          first_bad: int | None = None) -> None:
-    """Adopt the result only if it is finite and plausible on every member (one all-reduce MIN over `fed_group` of
-    this member's verdict and `first_bad`, the first bucket it rejected); raises `SyncRejected` everywhere otherwise,
-    with the first bucket any member rejected."""
+    """Adopt the result only if finite and plausible on every member (one all-reduce MIN over `fed_group` of the
+    verdicts and `first_bad`, the first bucket rejected); else `SyncRejected` everywhere, naming that bucket."""
     bucket = NO_BUCKET if first_bad is None else float(first_bad)
     flag = torch.tensor([1.0 if result_ok else 0.0, bucket], dtype=torch.float32, device=device)  # VOTE_BYTES
     if fed_group is not None:
@@ -142,9 +130,9 @@ def vote(result_ok: bool, fed_group: dist.ProcessGroup | None, device: torch.dev
 
 
 def commit_vote(succeeded: bool, fed_group: dist.ProcessGroup, device: torch.device) -> list[int]:
-    """Phase two of a sync: every member says whether its part succeeded (one all-gather over `fed_group`); returns
-    the members (indices in the group) that did not, the same list everywhere: the sync is adopted only if it is
-    empty. A member that cannot reach the others raises here (the group's timeout bounds the wait)."""
+    """Phase two of a sync (one all-gather over `fed_group`): the members (indices in the group) whose part failed,
+    the same list everywhere; the sync is adopted only if it is empty. Unreachable peers raise (the group's
+    timeout bounds the wait)."""
     size = dist.get_world_size(fed_group)
     mine = torch.tensor([1.0 if succeeded else 0.0], dtype=torch.float32, device=device)  # COMMIT_BYTES
     gathered = torch.empty(size, dtype=torch.float32, device=device)

@@ -1,21 +1,15 @@
-"""The offender a rejected sync exposes: one bucket reduced again, in the open, from every member's contribution.
+"""The offender a rejected sync exposes: its first rejected bucket reduced again, in the open.
 
-When a decentralised sync's result is rejected (not finite, or implausible on some rank:
-`flwr_sharded.parallel.plausibility`), the members of the federation group look again at the first bucket any of
-them rejected: each all-gathers its contribution of that bucket (F x one bucket of memory, only after a rejection),
-and each judges every member from what it received, taking nobody's word about itself:
+After a rejection (`flwr_sharded.parallel.plausibility`) each member all-gathers its contribution of that bucket (F x
+one bucket of memory, only then) and judges every admitted member from what it received, taking nobody's word about
+itself: a contribution that is not finite is at fault; else, if the mean is implausible here but leaving out exactly
+one member makes it plausible (`MoveBound.within`), that member is. The judgements are exchanged (one F x F mask) and
+a member is named when more than half the group names it: one liar can neither name an honest member nor clear itself.
 
-- a contribution that is not finite is at fault;
-- otherwise, if the weighted mean of the contributions is implausible on this rank but leaving out exactly one
-  member makes it plausible (`MoveBound.within`), that member is at fault.
-
-The judgements are exchanged (one F x F mask) and a member is named when more than half of the group's members name
-it: one liar can neither name an honest member nor clear itself. With two members that takes both (nobody is named
-when they accuse each other), and several offenders in one sync are not told apart unless their values are not
-finite; the sync is rejected all the same, and a robust outer rule (median, trimmed-mean) bounds what they can do.
-A member that already wrote the bucket (it found it plausible) sends what it wrote - it is judged on it like anyone,
-since its word that it wrote the bucket is a word about itself - and judges only finiteness, as does a member whose
-own values are not finite. Members left out by admission (weight 0) are not judged.
+Limits: with two members it takes both; several offenders are told apart only by non-finite values (the sync is
+rejected all the same, and a robust rule, median or trimmed-mean, bounds them). A member that already wrote the
+bucket sends what it wrote (judged like anyone) and, like one whose own values are not finite, judges only
+finiteness. Members left out by admission (weight 0) are not judged.
 """
 
 from __future__ import annotations
@@ -29,9 +23,8 @@ from flwr_sharded.parallel.plausibility import MoveBound, norm_of
 
 def judge(gathered: list[torch.Tensor], weights: list[float], me: int, intact: bool, bound: MoveBound,
           k: int) -> set[int]:
-    """The members this rank finds at fault in bucket k, from every member's values of it (`gathered`, flat) and the
-    admitted weights (0: left out, not judged). `intact`: whether this rank's own entry is still its contribution
-    (not the result it wrote), without which it judges only finiteness."""
+    """The members this rank finds at fault in bucket k, from every member's flat values (`gathered`) and admitted
+    weights (0: not judged). `intact`: this rank's entry is still its contribution (else it judges only finiteness)."""
     contributors = [j for j, w in enumerate(weights) if w > 0]
     named = {j for j in contributors if not all_finite([gathered[j]])}
     if named or not intact or not all_finite([gathered[me]]) or len(contributors) < 2:
@@ -54,10 +47,9 @@ def judge(gathered: list[torch.Tensor], weights: list[float], me: int, intact: b
 
 def identify(flat: torch.Tensor, intact: bool, weights: list[float], bound: MoveBound, k: int,
              group: dist.ProcessGroup) -> list[int]:
-    """Name the members at fault in a rejected sync's bucket k (indices in `group`, the same list on every honest
-    member). `flat`: this rank's values of bucket k, its contribution when `intact` (else the result it wrote,
-    which the others judge as they judge anything it sends). Two collectives over `group`: the values, the
-    judgements."""
+    """The members at fault in a rejected sync's bucket k (indices in `group`, the same list on every honest member).
+    `flat`: this rank's values of it, its contribution when `intact` (else the result it wrote). Two collectives over
+    `group`: the values, the judgements."""
     size, me = dist.get_world_size(group), dist.get_rank(group)
     gathered = [torch.empty_like(flat) for _ in range(size)]
     dist.all_gather(gathered, flat, group=group)

@@ -1,34 +1,20 @@
 """Whether a sync's result is plausible where it arrives: the move it makes to each bucket of a rank's shards.
 
-Every member's own verdict (`flwr_sharded.parallel.admission`) says whether its weight and values are sound, but a
-member may lie about itself, and inside an all-reduce nobody sees another's values. What every rank can check is
-the result against its own contribution: bucket k of the groups' mean moves this rank's values by
+Nobody sees another's values inside an all-reduce, but each rank can check the result against its own contribution
+(its shards hold it until the result is adopted): move_k = || mean_k - contribution_k ||_2. Honest moves grow with the
+local steps and change slowly; a member sending 1e30 or far-off values makes them explode. With `allowed` = `max_move`
+x median(bucket k's last `MOVE_HISTORY` adopted moves per token) x this sync's weight (its tokens since the last sync;
+without history, `max_move` x || contribution_k ||), a result is plausible if for every bucket:
 
-    move_k = || mean_k - contribution_k ||_2
+- | ||mean_k|| - ||contribution_k|| | <= `allowed`: exact norms, a lower bound of the move that catches any huge value,
+  however sparse;
+- move_k <= `allowed`: exact below `EXACT_BELOW` elements, else measured on one `BLOCK` in `SAMPLE` at an offset each
+  rank draws per sync and never sends (no sender can aim between them) and scaled up. The sample overstates a move
+  only when one block holds most of it (over 86% of the squared move for a false rejection at `max_move` 10).
 
-For honest members that move grows with the local steps behind it and changes slowly from one sync to the next; a
-member that sends 1e30, or anything far from the others', makes it explode. Each adopted move is kept per token of
-this member's weight (its tokens since the last sync: a longer period moves more). A result is plausible on a rank
-if, for every bucket, with `allowed` = `max_move` x the median of the bucket's last `MOVE_HISTORY` adopted moves
-per token x this sync's weight (before the bucket has one: `max_move` x || contribution_k ||, its own norm):
-
-- || mean_k || is finite and differs from || contribution_k || by at most `allowed`: both norms are exact passes
-  over the bucket (the contribution's is taken before the reduction, in the pass that is also the member's
-  finiteness test, `bucket_norms`), and | ||a|| - ||b|| | <= ||a - b|| bounds the move from below, so any huge
-  value, however sparse, is caught;
-- the move itself is at most `allowed`: measured exactly in a bucket of fewer than `EXACT_BELOW` elements, and in a
-  larger one on one block in `SAMPLE` (`BLOCK` elements each, from an offset each rank draws at random for each
-  sync and never sends, so no sender can aim between them; read from the result's buffer and from this rank's
-  shards, which hold its own values until the result is adopted, through views built once per bucket and offset),
-  scaled up: a move spread over the bucket is caught within the sample's error, one
-  confined to a few blocks when the norms show it. The sample overstates a move only when one block holds most of
-  it (more than 86% of a bucket's squared move, for a false rejection at `max_move` 10).
-
-The sampling keeps the check's cost at a few percent of a sync where the sync is bound by memory bandwidth (CPU,
-loopback); the offender search measures exact moves. Moves below `NEGLIGIBLE_MOVE` x the contribution's norm (groups
-that had not diverged: rounding) are not kept; a bucket of zeros with no history is not bounded. The result is
-adopted only if it is plausible on every rank of every member (the sync's vote), and a rejected one names its
-offender where one member alone explains it (`flwr_sharded.parallel.offender`).
+Sampling keeps the check at a few percent of a memory-bound sync (CPU, loopback); the offender search measures exact
+moves. Moves below `NEGLIGIBLE_MOVE` x the contribution's norm (rounding) are not kept; a bucket of zeros with no
+history is unbounded.
 """
 
 from __future__ import annotations
@@ -51,8 +37,7 @@ NEGLIGIBLE_MOVE = 1e-5
 BLOCK = 1 << 12
 """Elements of one sampled block of a move (16 KiB in fp32)."""
 SAMPLE = 16
-"""One block in this many is measured for the plausibility check's move, in a bucket of `EXACT_BELOW` elements or
-more."""
+"""One block in this many is measured for a move, in a bucket of `EXACT_BELOW` elements or more."""
 EXACT_BELOW = 64 * SAMPLE * BLOCK
 """Buckets with fewer elements (a sample of fewer than 64 blocks) have their move measured exactly."""
 ROWS = 64
@@ -110,8 +95,7 @@ def _blocks(means: list[torch.Tensor], contribution: list[torch.Tensor], *, ever
 
 
 def _distance(ours: list[torch.Tensor], theirs: list[torch.Tensor], every: int) -> float:
-    """|| ours - theirs ||_2 scaled by sqrt(every): one foreach difference and norm over the views (a temporary the
-    size of the views, 1/every of a bucket)."""
+    """|| ours - theirs ||_2 x sqrt(every): one foreach difference and norm (a temporary of 1/every of a bucket)."""
     import torch
 
     if not ours:
@@ -153,25 +137,23 @@ class MoveBound:
         return self.max_move > 0
 
     def begin(self, weight: float, judges: bool = True, own_norms: list[float] | None = None) -> None:
-        """A sync of this member's `weight` (its tokens since the last one) is checked next; `judges`: this member's
-        own verdict on its values (one whose values are not sound cannot judge the others' mean: it says yes);
-        `own_norms`: each bucket's norm of this member's values (`bucket_norms`), when measured before the
-        reduction (else `plausible` measures it)."""
+        """Check a sync of this member's `weight` (tokens since the last one) next. `judges`: its verdict on its own
+        values (unsound ones cannot judge the mean: it says yes); `own_norms`: its bucket norms (`bucket_norms`) if
+        measured before the reduction (else `plausible` measures them)."""
         self.weight, self.judges, self._own = weight, judges, own_norms
         self._pending.clear()
 
     def allowed(self, k: int, own_norm: float) -> float:
-        """The largest move (and change of norm) of bucket k this sync: from the bucket's adopted moves, or before it
-        has any from its own norm; unbounded while there is nothing above zero to scale it."""
+        """The largest move (and change of norm) of bucket k this sync, from its adopted moves or else its own norm;
+        unbounded while nothing above zero scales it."""
         history = self._moves.get(k)
         reference = statistics.median(history) * self.weight if history else own_norm
         return self.max_move * reference if reference > 0 else float("inf")
 
     def plausible(self, k: int, means: list[torch.Tensor], contribution: list[torch.Tensor],
                   whole: torch.Tensor | None = None) -> bool:
-        """Whether the groups' mean of bucket k (`means`, laid out as `contribution`, this rank's values of it) is
-        plausible here; what it moved is kept for `record`. `whole`: one tensor holding exactly `means`, one after the
-        other (the sync's flat bucket), whose norm is one pass over contiguous memory."""
+        """Whether the mean of bucket k (`means`, laid out as `contribution`, this rank's values) is plausible here;
+        its move is kept for `record`. `whole`: the flat bucket holding exactly `means` (one contiguous pass)."""
         import torch
 
         from flwr_sharded.parallel.admission import all_finite
@@ -196,9 +178,8 @@ class MoveBound:
 
     def _sample(self, k: int, means: list[torch.Tensor], contribution: list[torch.Tensor],
                 every: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The views of bucket k's blocks at an offset drawn for this sync (`_blocks`), built once per bucket and
-        offset while the bucket's segment lists stay the same (a sync's buffer views are reused from one sync to
-        the next); all of a bucket's are dropped when they change."""
+        """Views of bucket k's blocks at an offset drawn for this sync (`_blocks`), cached per bucket and offset
+        while its segment lists stay the same objects (a sync reuses its buffer views)."""
         offset = self._offsets.randrange(every)
         known = self._samples.get(k)
         if known is None or known[0] is not means or known[1] is not contribution:
@@ -209,8 +190,7 @@ class MoveBound:
 
     def within(self, k: int, candidate: list[torch.Tensor], contribution: list[torch.Tensor],
                own_norm: float) -> bool:
-        """Whether a candidate mean of bucket k would move this rank's values (of norm `own_norm`) within bounds (the
-        offender's search: an exact move); records nothing."""
+        """Whether a candidate mean of bucket k moves this rank's values within bounds, exactly; records nothing."""
         move = _move(candidate, contribution, every=1, offset=0)
         return move == move and move <= self.allowed(k, own_norm)
 

@@ -1,14 +1,11 @@
 """The rollback point of a rank's federated state: what a failed sync (or catch-up) restores.
 
-One object holds the "last adopted sync" of every sync fragment: this rank's local shards and the inner optimizer's
-state of their parameters (on the host, pinned on CUDA machines), the fragment's outer state (the global shards, the
-outer rule's state and error-feedback residuals, when the sync keeps them), and the trainer's clock (step and
-learning-rate schedule, through the callables it is given: nothing here knows the trainer). `commit(i)` after
-fragment i's sync is adopted (`commit()`: all of them), `restore()` when a sync fails on any member: every fragment
-goes back to its last commit, and the step and schedule to those of the newest commit (the local steps since are
-undone; the data stream goes on with fresh batches). `restore_optimizer(i)` puts back only the
-optimizer state: a member left out of a sync for non-finite values adopts the others' mean, and its moments, which
-may hold the same NaN, are those of the last commit.
+Per sync fragment, as of its last `commit`: this rank's local shards and the inner optimizer's state of them (on the
+host, pinned on CUDA machines) and the outer state (global shards, the rule's state, error-feedback residuals, when
+the sync keeps them); and the trainer's clock (step and schedule, through callables: nothing here knows the trainer).
+`restore()` puts every fragment back and the clock to the newest commit (the local steps since are undone; the data
+stream goes on with fresh batches). `restore_optimizer(i)` serves a member left out for non-finite values: it adopts
+the others' mean, and its moments, which may hold the same NaN, go back to the last commit.
 """
 
 from __future__ import annotations
@@ -22,8 +19,7 @@ from flwr_sharded.parallel.global_state import GlobalState
 
 
 class RollbackPoint:
-    """Shards, optimizer state and outer state, fragment by fragment, and a clock (step and schedule), as of their
-    last `commit`.
+    """Each fragment's shards, optimizer and outer state, and the clock, as of their last `commit`.
 
     Args:
         parts: per sync fragment, its parameters and its sync's global state (None: parameters without one).
@@ -50,8 +46,7 @@ class RollbackPoint:
 
     @torch.no_grad()
     def commit(self, fragment: int | None = None) -> None:
-        """Make the current shards, optimizer and outer state (of one fragment, or all) and the current step and
-        schedule the ones `restore()` returns to."""
+        """Make the current state (of one fragment, or all) and clock what `restore()` returns to."""
         for i, (params, sync, saved) in enumerate(self._parts):
             if fragment is not None and i != fragment:
                 continue
@@ -64,8 +59,7 @@ class RollbackPoint:
 
     @torch.no_grad()
     def restore(self) -> None:
-        """Put back every fragment's shards, optimizer and outer state of its last commit, and the step and
-        learning-rate schedule of the newest commit."""
+        """Put back every fragment's state as of its last commit, and the clock as of the newest commit."""
         for i, ((params, sync, saved), outer) in enumerate(zip(self._parts, self._outer)):
             for param, copy in zip(params, saved):
                 local_shard(param).copy_(copy)

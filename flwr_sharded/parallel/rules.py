@@ -1,19 +1,16 @@
 """Shard-local aggregation rules: FedAvg and the outer optimizers (FedAvgM, Nesterov/DiLoCo, FedAdam, FedYogi).
 
-A rule maps (global shard, [(member's local shard, weight), ...], state) to (new global shard, new state), element by
-element, so it runs unchanged on any slice of a model: on one rank's shard in the decentralised sync, and on a
-shard range at the server. The "global shard" is the value every group started the sync period from (the result of
-the previous sync); the outer optimizers step on the pseudo-gradient `global - mean(members)`.
+A rule maps (global shard, [(member's local shard, weight), ...], state) to (new global shard, new state) element by
+element, so it runs on any slice of a model: one rank's shard in the decentralised sync, a shard range at the server.
+The global shard is what every group started the sync period from; outer optimizers step on the pseudo-gradient
+`global - mean(members)`. A `linear` rule depends on the members only through their weighted mean (the sync needs
+only an all-reduce); the others (trimmed mean, median) receive every member's shard (an all-gather: F shards of one
+bucket in memory).
 
-Rules whose result depends on the members only through their weighted mean set `linear = True`; the decentralised
-sync then needs only an all-reduce. Other rules (the coordinate-wise trimmed mean and median) receive every member's
-shard, which the decentralised sync gathers with an all-gather (F shards of one bucket in memory).
-
-Each built-in rule declares, as class attributes, what the rest of the project reads without running it: its
-`name` (`--outer`, `RULES`), `linear`, `stateful`, its options with their defaults (the dataclass fields, e.g. `lr`,
-`momentum`), and the memory it needs (`state_buffers`, `temp_buckets`, `temp_buckets_per_member`; the memory
-model). Importing this module does not import torch (the config, the Flower run and the planner list the rules);
-the rules' math imports it when it runs.
+Class attributes declare what the project reads without running a rule: `name` (`--outer`, `RULES`), `linear`,
+`stateful`, the options and defaults (dataclass fields) and the memory model's `state_buffers`, `temp_buckets` and
+`temp_buckets_per_member`. Importing this module does not import torch (the config, the Flower run and the planner
+list the rules); the math imports it when it runs.
 """
 
 from __future__ import annotations
@@ -188,9 +185,9 @@ SORT_NETWORK_MEMBERS = 24
 
 
 def median_trim(n: int) -> int:
-    """Values the coordinate-wise median of `n` values drops from each side: (n - 1) // 2, which keeps the middle
-    value for an odd n and the two middle values, averaged, for an even n (numpy's median and Flower's FedMedian;
-    `torch.median` returns the lower of the two instead). The server path's `server-rule` median uses it too."""
+    """Values the coordinate-wise median of `n` values drops from each side: (n - 1) // 2, keeping the middle value
+    (odd n) or the two middle ones, averaged (even n), as numpy's median and Flower's FedMedian do (`torch.median`
+    returns the lower one). The server path's `server-rule` median uses it too."""
     if n < 1:
         raise ValueError(f"the median of {n} values is not defined")
     return (n - 1) // 2
@@ -212,10 +209,9 @@ def ordered_rows(block: Tensor) -> list[Tensor]:
 
 
 def trimmed_mean(stacked: Tensor, trim: int, out: Tensor | None = None) -> Tensor:
-    """Coordinate-wise mean of `stacked` (members along dim 0) after dropping the `trim` largest and smallest values
-    of each coordinate, in fp32 (summed in float64: finite inputs never overflow). trim = `median_trim(n)` is the
-    median. Orders a block of coordinates at a time (`ordered_rows`), so beyond `stacked` and the result it needs
-    memory for `TRIM_BLOCK` values, not for n copies of them."""
+    """Coordinate-wise mean of `stacked` (members along dim 0) without the `trim` largest and smallest values, in
+    fp32 (summed in float64: finite inputs never overflow); trim = `median_trim(n)` gives the median. Ordered a block
+    at a time (`ordered_rows`): beyond input and result it needs memory for `TRIM_BLOCK` values."""
     import torch
 
     n = stacked.shape[0] if stacked.dim() else 0
@@ -234,12 +230,10 @@ def trimmed_mean(stacked: Tensor, trim: int, out: Tensor | None = None) -> Tenso
 
 @dataclass
 class TrimmedMean(ShardRule):
-    """Coordinate-wise mean after dropping the `trim` largest and smallest values (weights ignored): robust to outliers.
+    """Coordinate-wise mean without the `trim` largest and smallest values (weights ignored): robust to outliers.
 
-    Flower's `FedTrimmedAvg` cuts a fraction instead (beta 0.2: int(0.2 * F) from each side); the two are equal when
-    trim = int(beta * F). A count is used here because F changes as groups drop and rejoin, and a fraction would then
-    silently stop trimming (int(0.2 * 4) = 0).
-    """
+    Flower's `FedTrimmedAvg` cuts int(beta * F) per side instead (beta 0.2); a count is used because F changes as
+    groups drop and rejoin, and a fraction would silently stop trimming (int(0.2 * 4) = 0)."""
 
     trim: int = 1
     name: ClassVar[str] = "trimmed-mean"
@@ -257,9 +251,8 @@ class TrimmedMean(ShardRule):
 @dataclass
 class Median(ShardRule):
     """Coordinate-wise median of the members (weights ignored), the mean of the two middle values for an even F
-    (`median_trim`): fewer than half the members cannot move a coordinate past the others' values, whatever finite
-    values they send; with F = 2 it is their plain mean.
-    Flower's `FedMedian` computes the same (numpy's median)."""
+    (`median_trim`; Flower's `FedMedian` computes the same): fewer than half the members cannot move a coordinate
+    past the others' values, whatever finite values they send; with F = 2 it is their plain mean."""
 
     name: ClassVar[str] = "median"
     temp_buckets_per_member: ClassVar[int] = TrimmedMean.temp_buckets_per_member  # the same gather, stack, order
@@ -284,11 +277,8 @@ def rule_options(cls: type[ShardRule]) -> dict[str, object]:
 
 
 def make_rule(name: str, **options: float) -> ShardRule:
-    """A rule by name (`RULES`) or import path (`package.module:Class`) with its options.
-
-    e.g. make_rule("nesterov", lr=0.7, momentum=0.9) or make_rule("my_rules:Median"). A ConfigError's message says
-    what is wrong with the rule; the caller names the option that chose it.
-    """
+    """A rule by name (`RULES`) or import path (`package.module:Class`) with its options, e.g. make_rule("nesterov",
+    lr=0.7). A ConfigError's message says what is wrong with the rule; the caller names the option that chose it."""
     if ":" in name:
         import importlib
 

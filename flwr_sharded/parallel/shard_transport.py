@@ -1,11 +1,9 @@
 """This rank's local shards as pieces keyed by global row offset, for the server path, and their wire encoding.
 
-A piece is one parameter's rows `[row_offset, row_offset + rows)` along dim 0 of its global shape, keyed
-`"{name}@{row_offset}"`. FSDP2 shards dim 0 (HSDP's `Replicate()` mesh dim does not move the offset), so a rank's
-local tensor is one such range, and groups sharded differently combine row by row. No rank gathers the model.
-
-On the wire (`encode_pieces`): NumPy arrays by key and `key -> "dtype|d0,d1,..."` strings (`flwr_sharded.flower.
-shard_files` puts them in files and Flower records); bf16, which NumPy lacks, travels as its int16 bits.
+A piece is one parameter's rows `[row_offset, row_offset + rows)` of dim 0, keyed `"{name}@{row_offset}"`: FSDP2
+shards dim 0 (HSDP's `Replicate()` does not move the offset), so groups sharded differently combine row by row and no
+rank gathers the model. On the wire (`encode_pieces`): NumPy arrays by key and `key -> "dtype|d0,d1,..."` strings
+(`flwr_sharded.flower.shard_files` puts them in files and Flower records); bf16, which NumPy lacks, as its int16 bits.
 """
 
 from __future__ import annotations
@@ -86,8 +84,7 @@ def row_offset(param: torch.Tensor) -> int:
 
 def _local_shards(named_params: Iterable[tuple[str, torch.Tensor]]
                   ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
-    """(name, parameter, local shard) of the parameters whose local shard holds rows (uneven sharding leaves the last
-    ranks empty)."""
+    """(name, parameter, local shard) where the local shard holds rows (uneven sharding leaves the last ranks empty)."""
     for name, param in named_params:
         local = local_shard(param)
         if not (local.dim() and local.shape[0] == 0):
@@ -95,9 +92,8 @@ def _local_shards(named_params: Iterable[tuple[str, torch.Tensor]]
 
 
 def shard_pieces(named_params: Iterable[tuple[str, torch.Tensor]], *, clone: bool = False) -> list[ShardPiece]:
-    """This rank's pieces: its local shard of each parameter (a view unless `clone`) at its global row offset. Call
-    it with the parameters sharded (between FSDP2's forward and `reshard()` they are not); a plain tensor is sent
-    whole."""
+    """This rank's pieces: its local shard of each parameter (a view unless `clone`; a plain tensor whole) at its
+    global row offset. Call it with the parameters sharded (not between FSDP2's forward and `reshard()`)."""
     return [ShardPiece(name, row_offset(param), tuple(param.shape), local.clone() if clone else local)
             for name, param, local in _local_shards(named_params)]
 

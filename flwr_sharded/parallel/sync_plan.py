@@ -1,14 +1,11 @@
 """Which parts of its shards a rank averages with which ranks of the other groups, when groups shard differently.
 
-FSDP2 shards every parameter on its first dimension: with S ranks, rank s holds rows [s c, (s + 1) c) of a parameter
-of n rows, c = ceil(n / S) (the last ranks may hold fewer, or none). Groups with different S cut each parameter at
-different rows; the common refinement of all groups' cuts splits it into pieces that each lie inside one shard of
-every group. A piece's owners (the shard index that holds it in each group) average it among themselves: each rank
-exchanges only the parts of its shard that overlap the others' shards, and no model is gathered. Pieces with the same
-owners form one channel (one process group, one set of buckets), whatever parameter they belong to.
-
-With equal groups there is one piece per shard, owned by shard s in every group: the plan is today's shard-to-shard
-sync. Pure Python: the static engine, a Flower round's strategy and the cost model share it.
+FSDP2 shards dim 0: of a parameter of n rows, shard s of S holds rows [s c, (s + 1) c), c = ceil(n / S) (the last
+ones may hold fewer, or none). The common refinement of all groups' cuts splits a parameter into pieces that each lie
+in one shard of every group; a piece's owners (that shard index in each group) average it among themselves,
+exchanging only the overlapping rows, and no model is gathered. Pieces with the same owners, of any parameter, form
+one channel (one process group, one set of buckets). Equal groups give one channel per shard index: the plain
+shard-to-shard sync. Pure Python: the static engine, a Flower round's strategy and the cost model share it.
 """
 
 from __future__ import annotations
@@ -85,9 +82,8 @@ class SyncPlan:
 
     def channels(self) -> list[Owners]:
         """The distinct owner tuples in the one order every rank runs its channels in (a common order of blocking
-        collectives cannot deadlock): rounds of channels that share no owner, which therefore run at once, each
-        round sorted. (Sorted alone, layouts whose cuts do not nest, as S = 2 and 3, would chain every channel
-        behind the one before.)"""
+        collectives cannot deadlock): rounds of channels sharing no owner (they run at once), each sorted. Sorting
+        alone would chain every channel behind the one before when cuts do not nest (S = 2 and 3)."""
         return list(self._channels)
 
     @cached_property

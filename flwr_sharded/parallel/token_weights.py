@@ -1,17 +1,13 @@
 """What a contribution to a sync should weigh, and whether a reported weight is that.
 
-A sync's weights are tokens (`tokens`): a group of `world` ranks, each reading batches of `batch_size` blocks
-of `seq_len` tokens with `grad_accum` micro-batches per optimizer step, weighs
+Weights are tokens: after `steps` optimizer steps since its last sync, a group of `world` ranks weighs
 
     steps x batch_size x grad_accum x seq_len x world
 
-after `steps` optimizer steps since its last sync (the data stream always yields full batches). A facility of the
-server path weighs the sum of its members' weights over the round's K syncs of A steps (`steps` = K x A). Whoever
-coordinates knows every factor (the run config, the groups' checked layouts, the round's options), so a reported
-weight can be checked exactly: a group that reports more tokens than it trained on would otherwise take over the
-mean (1e12 against 1e5 replaces the model), and an absurd one (1e300) overflows the sums.
-
-Pure Python (no torch): the ServerApp and the groups' sync both use it.
+(the data stream always yields full batches); a server-path facility weighs its members' sum over the round's K syncs
+of A steps (`steps` = K x A). Whoever coordinates knows every factor, so a reported weight is checked exactly: an
+inflated one would take over the mean (1e12 against 1e5 replaces the model), an absurd one (1e300) overflow the sums.
+Pure Python: the ServerApp and the groups' sync both use it.
 """
 
 from __future__ import annotations
@@ -38,8 +34,8 @@ def tokens_of(train: Any, *, steps: int, ranks: int = 1) -> int:
 
 
 def expected_weight(*, steps: int, batch_size: int, grad_accum: int, seq_len: int, worlds: Iterable[int]) -> float:
-    """The tokens a set of groups trained on in `steps` optimizer steps: `worlds` holds each group's ranks (one
-    entry for a group's own sync, one per member for a facility)."""
+    """The tokens groups of `worlds` ranks (one entry per group: one for a sync, one per member for a facility)
+    trained on in `steps` optimizer steps."""
     ranks = 0
     for world in worlds:
         if int(world) < 1:

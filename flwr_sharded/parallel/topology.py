@@ -21,8 +21,7 @@ MESH_DIMS = ("fed", "rep", "shard")
 
 
 class MeshLayout(Protocol):
-    """What the mesh is built from: the method's name, F, R, S and the backend (`flwr_sharded.config.ParallelConfig`
-    is one; it is validated before a mesh is built)."""
+    """What the mesh is built from: method, F, R, S, backend (a validated `flwr_sharded.config.ParallelConfig`)."""
 
     method: str
     federations: int
@@ -56,9 +55,8 @@ class Topology:
     group_mesh: DeviceMesh
     """All ranks of this federation group as one flattened dimension (group-wide reductions, checkpoints)."""
     own_fed_group: dist.ProcessGroup | None = None
-    """The federation group when it spans the world (R = S = 1): a group of its own, not the default group that the
-    mesh hands out then, so that an overlapped sync's thread never shares a group with the main thread's
-    collectives (the metrics' all-reduces)."""
+    """The federation group when it spans the world (R = S = 1), as a group of its own rather than the mesh's default
+    group: an overlapped sync's thread must not share a group with the main thread's collectives (the metrics')."""
 
     @property
     def fed_index(self) -> int:
@@ -149,8 +147,7 @@ def check_world_size(config: MeshLayout, world_size: int) -> None:
 
 
 def _start_world(config: MeshLayout, ranks: int, timeout_s: float) -> str:
-    """Start the default process group (NCCL on GPUs, gloo on CPU) unless it runs; ConfigError unless it has `ranks`
-    processes. Returns the device type."""
+    """Start the default process group unless running; ConfigError unless it has `ranks` processes; the device type."""
     device = device_type()
     if not dist.is_initialized():
         size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -167,12 +164,9 @@ def _start_world(config: MeshLayout, ranks: int, timeout_s: float) -> str:
 
 
 def init_topology(config: MeshLayout, timeout_s: float = 600.0) -> Topology | GroupsTopology:
-    """Start the default process group (NCCL on GPUs, gloo on CPU) and build the (F, R, S) mesh, or, when the groups
-    shard differently, each group's mesh (`init_groups_topology`).
-
-    Expects the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) and a validated layout
-    (`flwr_sharded.validation.validate_parallel`); checks that the world makes the mesh.
-    """
+    """Start the default process group (NCCL on GPUs, gloo on CPU) and build the (F, R, S) mesh, or each group's mesh
+    when they shard differently (`init_groups_topology`). Expects the torchrun environment and a validated layout
+    (`flwr_sharded.validation.validate_parallel`); checks that the world makes the mesh."""
     layouts = tuple(getattr(config, "layouts", ()) or (config.shards,) * config.federations)
     if len(set(layouts)) > 1:
         return init_groups_topology(config, layouts, timeout_s)

@@ -1,28 +1,21 @@
-"""Sharded checkpoints with `torch.distributed.checkpoint`, one series per federation group.
+"""Sharded checkpoints with `torch.distributed.checkpoint`, one series per federation group, in `DIR/group-<f>/`:
 
-Layout of `DIR/group-<f>/`:
+    step-00000100/   DCP files (model and optimizer shards, one per rank) + rank-<i>.pt (data position, RNG states,
+                     tokens since the last sync; loaded with `weights_only=True`) + meta.json (step, schedule,
+                     config, file manifest)
+    latest           name of the newest committed checkpoint
 
-    step-00000100/        DCP files (model and optimizer shards, each rank writes its own) + rank-<i>.pt
-                          (data position, RNG states, tokens since the last sync: tensors, numbers and strings only,
-                          loaded with `weights_only=True`) + meta.json (step, schedule, config, file manifest)
-    latest                name of the newest committed checkpoint
+A checkpoint is written, fsync'd, into `step-N.tmp/`; once every rank has written, group rank 0 commits (meta.json
+with every file's size; rename to `step-N/`, an existing `step-N/` kept as `step-N.old/` until then; `latest`
+replaced atomically; each step fsync'd), so a complete checkpoint is on disk at every moment. A write that fails on
+any rank (a full disk) removes `step-N.tmp/` and raises `CheckpointWriteError` on every rank of the group, which can
+keep training.
 
-A checkpoint is written into `step-N.tmp/`; every file is fsync'd, and once every rank has written, group rank 0
-commits: `meta.json` (with the manifest of every file and its size) goes in, the directory is renamed to `step-N/`
-(a `step-N/` that already exists is first renamed to `step-N.old/`, removed only after the commit) and `latest` is
-replaced atomically; each step is fsync'd before the next. At every moment a complete checkpoint is on disk: a crash
-mid-write or mid-commit leaves the previous one usable.
-
-Resume takes the checkpoint `latest` names if it is complete (`checkpoint_files.incomplete_reason`), else the newest complete
-one, with one log line naming what it skipped and why; a checkpoint whose files fail to load is skipped the same way.
-A write that fails on any rank (a full disk) removes the partial `step-N.tmp/`, leaves the previous checkpoint as it
-was and raises `CheckpointWriteError` on every rank of the group, which can keep training.
-
-Resuming refuses (ConfigError naming the option) a run whose optimizer, learning rate, optimizer settings, schedule
-or precision differ from the checkpoint's: the checkpoint's would otherwise silently win. `--steps` may change, to
-extend a run (or end it earlier, but not before the checkpoint's step): the learning-rate schedule stays the one the
-series started with (warm-up and cosine over its first run's steps), so the steps it had planned are taken as they
-would have been, and the steps beyond it run at the schedule's final rate (`min-lr-ratio` x `lr`).
+Resume takes the checkpoint `latest` names if complete (`checkpoint_files.incomplete_reason`), else the newest
+complete one that loads, logging what it skipped and why. It refuses (ConfigError naming the option) a run whose
+optimizer, optimizer settings, learning rate, schedule or precision differ: the checkpoint's would silently win.
+`--steps` may change (not below the checkpoint's step): the schedule stays the series' first (warm-up and cosine over
+its first run's steps), and steps beyond it run at its final rate (`min-lr-ratio` x `lr`).
 """
 
 from __future__ import annotations
@@ -257,9 +250,8 @@ class Checkpointer:
     # ----- saving ----------------------------------------------------------------------------------------------
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
              meta: dict[str, Any], rank_state: dict[str, Any]) -> None:
-        """Write checkpoint `step` (collective over the group); commit it now, or at the next call if async.
-
-        CheckpointWriteError (on every rank) if any rank could not write it, or could not commit the pending one."""
+        """Write checkpoint `step` (collective over the group), committed now or, if async, at the next call;
+        CheckpointWriteError on every rank if any rank could not write it or commit the pending one."""
         earlier: CheckpointWriteError | None = None
         try:
             self.wait()
@@ -386,13 +378,10 @@ class Checkpointer:
 
 def export_pretrained(checkpoint: str | Path, out: str | Path, *, dtype: torch.dtype | None = None,
                       max_file_bytes: int | None = None) -> Path:
-    """Write a checkpoint's model as a Hugging Face model (safetensors, config, tokenizer), one tensor at a time.
-
-    A single process, no process group: each tensor is read alone from the DCP files (only its chunks), converted
-    to `dtype` (default: as stored) and written at its offset in the pre-sized safetensors file(s), then freed. The
-    peak memory is about one full tensor (the largest, usually the embedding), whatever the model's size or the
-    number of ranks that wrote the checkpoint.
-    """
+    """Write a checkpoint's model as a Hugging Face model (safetensors, config, tokenizer) from one process, no
+    process group: each tensor is read alone from the DCP files, converted to `dtype` (default: as stored), written
+    at its offset in the pre-sized safetensors file(s) and freed. Peak memory: about the largest tensor (usually the
+    embedding), whatever the model's size or the ranks that wrote the checkpoint."""
     from flwr_sharded.config import config_from_dict
     from flwr_sharded.training import hf_checkpoint
     from flwr_sharded.training.data import load_tokenizer

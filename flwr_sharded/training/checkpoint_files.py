@@ -1,8 +1,7 @@
 """A checkpoint's files: written fsync'd, listed by size in the manifest of its `meta.json` (written last, at the
-commit), checked for completeness against it, and DCP's `.metadata` read without running code.
-
-Sizes catch truncated and missing files (a full disk, a killed writer, a partial copy); a same-size corruption is
-caught only when the load fails (DCP keeps no checksums), which resume also treats as "not usable".
+commit) and checked against it, and DCP's `.metadata` read without running code. Sizes catch truncated and missing
+files (a full disk, a killed writer, a partial copy); a same-size corruption shows only when the load fails (DCP
+keeps no checksums), which resume also treats as "not usable".
 """
 
 from __future__ import annotations
@@ -23,8 +22,7 @@ META = "meta.json"
 
 
 def fsync_dir(path: str | Path) -> None:
-    """Persist a directory's entries (files created, renamed or removed in it) where the file system can (not all
-    have directory handles or sync directories)."""
+    """Persist a directory's entries (files created, renamed or removed in it) where the file system can."""
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         try:
@@ -105,8 +103,7 @@ def manifest(directory: str | Path, exclude: tuple[str, ...] = ()) -> dict[str, 
 
 
 def incomplete_reason(checkpoint: str | Path) -> str:
-    """'' if `checkpoint` is complete, else why it is not (missing or unreadable meta.json, a missing or truncated
-    file)."""
+    """'' if `checkpoint` is complete, else why not (missing or unreadable meta.json, a missing or truncated file)."""
     path = Path(checkpoint)
     if not path.is_dir():
         return "missing"

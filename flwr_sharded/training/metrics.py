@@ -17,12 +17,9 @@ PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.1, "A10"
 
 
 class PhaseTimer:
-    """Times named phases (forward, backward, optimizer, sync) without adding device synchronisations.
-
-    On GPU each phase is bracketed by CUDA events that are only read in `collect()`, which the caller runs when it
-    synchronises anyway (at logging time, at the end of a Flower round); until then they accumulate. On CPU, where
-    kernels run synchronously, it uses a wall clock.
-    """
+    """Times named phases (forward, backward, optimizer, sync) without adding device synchronisations: on GPU by CUDA
+    events read only in `collect()`, which the caller runs when it synchronises anyway (logging, the end of a Flower
+    round); on CPU, where kernels run synchronously, by wall clock."""
 
     def __init__(self, device: str) -> None:
         self.cuda = device == "cuda"

@@ -25,8 +25,7 @@ def partition_indices(n_blocks: int, *, fed_index: int, num_feds: int, dp_index:
     only on (dp_index, dp_world, seed, epoch). iid-groups: group f's every `num_feds`-th entry from f, then its ranks'
     share of those, disjoint even for groups of different sizes. document: `num_feds` contiguous ranges cut at
     document starts (`doc_ids`), range f shuffled by (seed, epoch, f) and shared by its ranks. `group`: (this rank's
-    index in its group, the group's ranks) when groups differ in size (default: `dp_world // num_feds` each).
-    """
+    index in its group, the group's ranks) when groups differ in size (default: `dp_world // num_feds` each)."""
     if group is None:
         if num_feds < 1 or dp_world < 1 or dp_world % num_feds:
             raise ValueError(f"dp_world ({dp_world}) must be a positive multiple of num_feds ({num_feds})")

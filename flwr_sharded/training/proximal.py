@@ -1,8 +1,6 @@
-"""FedProx's proximal term over shards (Li et al., 2020): each group minimises its loss + mu/2 * ||w - w_sync||^2.
-
-`w_sync` is the group's model after its last sync. The squared norm of the whole model is the sum over shards, so
-each rank adds the term's gradient, mu * (w - w_sync), on its own shards after backward (before clipping, as if it
-were part of the loss), and no rank ever sees another's rows.
+"""FedProx's proximal term over shards (Li et al., 2020): each group minimises loss + mu/2 * ||w - w_sync||^2,
+w_sync its model after the last sync. The squared norm is a sum over shards, so each rank adds the gradient
+mu * (w - w_sync) to its own shards after backward (before clipping, as part of the loss); no rank sees another's rows.
 """
 
 from __future__ import annotations

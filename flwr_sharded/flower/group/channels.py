@@ -1,15 +1,13 @@
 """A decentralised round whose members shard differently: its sync plan's channels, each a process group of one rank
 per member, joined through a rendezvous scope of its own on member 0's store.
 
-The round's train config names every member's S (`TrainArgs.member_shards`); each group derives the round's
-`SyncPlan` from those and from its own parameter shapes (the same in every member: the hello checked the model). In
-every member, replica 0 of shard s joins each channel whose owners[member_index] == s, in the plan's one order, on the
-port member 0 serves for shard owners[0], under the scope `<round prefix>/c<owners joined by '-'>`; its shard sync then
-runs piece by piece over those groups (`SyncLoop.configure` seats it). Every rank of the group (FL+HSDP replicas too, which
-receive each bucket from replica 0) syncs as its seat `Seat(member_shards, member_index, shard)`. The commit vote and
-the catch-up's step count travel on the channel (0, ..., 0), which holds shard 0 of every member.
-
-Members that shard alike keep the plain path: one federation group per shard index, scopes `<prefix>/s<s>`.
+Each group derives the round's `SyncPlan` from every member's S (`TrainArgs.member_shards`) and its parameter shapes
+(the hello checked they agree). In every member, replica 0 of shard s joins each channel whose owners[member_index] ==
+s, in the plan's order, on member 0's port for shard owners[0], scope `<round prefix>/c<owners joined by '-'>`; every
+rank then syncs piece by piece as its seat `Seat(member_shards, member_index, shard)` (`SyncLoop.configure`; FL+HSDP
+replicas receive each bucket from replica 0). The commit vote and the catch-up's step count travel on channel
+(0, ..., 0), shard 0 of every member. Members that shard alike keep the plain path: one federation group per shard
+index, scopes `<prefix>/s<s>`.
 """
 
 from __future__ import annotations
@@ -86,10 +84,9 @@ def join(args: TrainArgs, plan: SyncPlan, shard: int, *, backend: str,
 
 
 def prepare(runtime: Any, args: TrainArgs) -> None:
-    """Before a round trains, on every rank: check the round's layouts against this group and configure its sync
-    loop for the round (`SyncLoop.configure`: steps, weight bound, seat among its members, learning rate, FedProx);
-    every rank alike (FL+HSDP replicas take each bucket from replica 0). InstructionError on every rank (nothing
-    trained) if this group cannot take part."""
+    """Before a round trains, on every rank alike: check the round's layouts against this group and configure the sync
+    loop for it (`SyncLoop.configure`: steps, weight bound, seat, learning rate, FedProx). InstructionError on every
+    rank, nothing trained, if this group cannot take part."""
     own, loop, p = runtime.args.shards, runtime.loop, runtime.run.train.parallel
     if args.member_shards and args.member_shards[args.member_index] != own:
         raise InstructionError(f"the round gives member {args.member_index} S={args.member_shards[args.member_index]}"

@@ -1,7 +1,6 @@
-"""The group runtime's command line (`python -m flwr_sharded.flower.group`): one field per option.
-
-`build_parser` derives the flags from `GroupOptions` (`flwr_sharded.schema`), `parse` checks them, and the option
-table of `docs/flower.md` is generated from the same fields (`flwr_sharded.options_doc.render_group_table`).
+"""The group runtime's command line (`python -m flwr_sharded.flower.group`): one `GroupOptions` field per option, from
+which `build_parser` derives the flags (`flwr_sharded.schema`) and `docs/flower.md`'s option table is generated
+(`flwr_sharded.options_doc.render_group_table`).
 """
 
 from __future__ import annotations

@@ -3,14 +3,11 @@
     torchrun --nproc-per-node R*S -m flwr_sharded.flower.group --authkey-file KEY --address 127.0.0.1:7100 \\
         --method fl-fsdp --replicas 1 --shards 2
 
-Rank 0 serves the local endpoint (`flwr_sharded.flower.endpoint`) and broadcasts each instruction to every rank over
-a gloo "control" group; all ranks then execute it together. Between instructions the other ranks wait in that
-broadcast, with a long timeout. A detached instruction (a train round) is acknowledged first and its result kept for
-the `collect` that follows.
-
-The group exits cleanly on the `shutdown` verb, after `--idle-timeout` seconds without an instruction, when the
-process given by `--watch-pid` is gone, and, through torchrun, when any of its ranks dies (every rank also exits
-when its torchrun launcher disappears, so no rank is orphaned).
+Rank 0 serves the local endpoint (`flwr_sharded.flower.endpoint`) and broadcasts each instruction over a gloo
+"control" group, where the other ranks wait between instructions (long timeout); all ranks execute it together. A
+detached instruction (a train round) is acknowledged first, its result kept for the `collect` that follows. The group
+exits on `shutdown`, after `--idle-timeout` without an instruction, when `--watch-pid` is gone, and (through torchrun,
+every rank also watching its launcher) when any rank dies: no rank is orphaned.
 """
 
 from __future__ import annotations
@@ -169,8 +166,7 @@ class GroupRuntime:
 
     def _drop_idle_run(self, idle: float) -> None:
         """No instruction for the run's `group-idle-timeout`: its ServerApp is gone (a SuperLink restart, a killed
-        run). Every rank drops the trainer, freeing its accelerator memory; the group keeps serving (a new run's
-        hello builds it again, from its checkpoint with resume)."""
+        run). Every rank drops the trainer and its memory; the group serves on (a new hello rebuilds it, resuming)."""
         logger.warning("no instruction for %.0f s (group-idle-timeout %.0f s of run %s): its ServerApp is gone; "
                        "dropping the run to free this group's memory", idle, self.run_idle_s, self.key.split("|")[0])
         self.broadcast(messages.instruction(messages.FINISH, {"reason": "idle"}))
@@ -382,9 +378,8 @@ class GroupRuntime:
         return result
 
     def _checkpoint(self, server_round: int) -> dict[str, Any]:
-        """Checkpoint the group (collective) as the state at the end of `server_round`: {"checkpoint_s"}, and
-        {"checkpoint_error"} when the write failed (e.g. a full disk: the previous checkpoint stays, the group trains
-        on and the ServerApp logs it)."""
+        """Checkpoint the group (collective) as of `server_round`'s end: {"checkpoint_s"}, plus {"checkpoint_error"}
+        if the write failed (a full disk: the previous one stays, the group trains on; the ServerApp logs it)."""
         t = self._need_trainer()
         if t.checkpointer is None:
             raise InstructionError("checkpoint asked for, but the run config has no checkpoint-dir")
