@@ -140,5 +140,6 @@ def commit_vote(succeeded: bool, fed_group: dist.ProcessGroup, device: torch.dev
     return [j for j, flag in enumerate(gathered.tolist()) if flag != 1.0]
 
 
-__all__ = ["ADMISSION_BYTES", "COMMIT_BYTES", "NO_BUCKET", "VOTE_BYTES", "Admission", "SyncRejected", "admit", "all_finite",
+__all__ = ["ADMISSION_BYTES", "COMMIT_BYTES", "NO_BUCKET", "VOTE_BYTES", "Admission", "SyncRejected", "admit",
+           "all_finite",
            "commit_vote", "healthy", "vote"]

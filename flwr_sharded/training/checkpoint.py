@@ -46,8 +46,8 @@ LATEST = "latest"
 TMP, OLD = ".tmp", ".old"
 META_PART = META + ".part"
 
-MUST_MATCH = ("parallel.method", "parallel.federations", "parallel.replicas", "parallel.shards", "parallel.group_shards", "parallel.outer",
-              "model.name", "data.dataset", "data.seq_len", "data.partition", "batch_size", "grad_accum", "seed",
+MUST_MATCH = ("parallel.method", "parallel.federations", "parallel.replicas", "parallel.shards", "parallel.group_shards",
+              "parallel.outer", "model.name", "data.dataset", "data.seq_len", "data.partition", "batch_size", "grad_accum", "seed",
               "optim.optimizer")
 """What a resumed run must share with its checkpoint: layout, model, data, batches, seed and optimizer."""
 CHANGEABLE = ("optim.lr", "optim.beta1", "optim.beta2", "optim.weight_decay", "optim.warmup", "optim.min_lr_ratio",
@@ -411,7 +411,8 @@ def export_pretrained(checkpoint: str | Path, out: str | Path, *, dtype: torch.d
         tensor = torch.empty(tuple(info.size), dtype=info.properties.dtype)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # single-process by design
-            dcp.load({"model": {name: tensor}}, storage_reader=checkpoint_files.SafeReader(str(checkpoint)), no_dist=True)
+            dcp.load({"model": {name: tensor}}, storage_reader=checkpoint_files.SafeReader(str(checkpoint)),
+                     no_dist=True)
         hf_checkpoint.write_rows(out, layout, name, 0, tensor)
         del tensor
     hf_checkpoint.commit(out, layout)
