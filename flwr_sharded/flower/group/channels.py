@@ -108,7 +108,8 @@ def prepare(runtime: Any, args: TrainArgs) -> None:
     # a member's weight is bounded by what the round's largest member trains in a period: every member runs the
     # run's R (the hello refuses another), the most local steps any member takes
     plan = PeriodPlan(aggregate_every=options.aggregate_every, steps=steps,
-                      most_steps=max(args.member_steps, default=0), weight_world=runtime.args.replicas * max(args.member_shards or [own]),
+                      most_steps=max(args.member_steps, default=0),
+                      weight_world=runtime.args.replicas * max(args.member_shards or [own]),
                       seat=seat_of(args, runtime.topo.shard_index), lr=float(options.lr),
                       proximal_mu=float(options.proximal_mu))
     error = ""
