@@ -47,8 +47,8 @@ TMP, OLD = ".tmp", ".old"
 META_PART = META + ".part"
 
 MUST_MATCH = ("parallel.method", "parallel.federations", "parallel.replicas", "parallel.shards",
-              "parallel.group_shards", "parallel.outer", "model.name", "data.dataset", "data.seq_len", "data.partition", "batch_size",
-              "grad_accum", "seed", "optim.optimizer")
+              "parallel.group_shards", "parallel.outer", "model.name", "data.dataset", "data.seq_len",
+              "data.partition", "batch_size", "grad_accum", "seed", "optim.optimizer")
 """What a resumed run must share with its checkpoint: layout, model, data, batches, seed and optimizer."""
 CHANGEABLE = ("optim.lr", "optim.beta1", "optim.beta2", "optim.weight_decay", "optim.warmup", "optim.min_lr_ratio",
               "model.precision")
