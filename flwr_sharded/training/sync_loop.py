@@ -229,6 +229,8 @@ class SyncLoop:
         self.rollback: RollbackPoint | None = None
         """The last adopted sync (`keep_rollback_point`); None: a failed sync cannot be undone on this rank."""
         self.period_start = self.clock_start = 0
+        self.compute_s = 0.0
+        """Seconds of inner steps in the current period (its step time, `Federation.period_times`)."""
         self.report = RunReport()
         """What the current (or last) `run` did."""
         self._start_errors: dict[int, tuple[str, list[int]]] = {}
