@@ -22,8 +22,8 @@ from filelock import FileLock
 from flwr_sharded.config import DataConfig, data_dir_of
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.training.corpus import atomic_write
-from flwr_sharded.training.sources import (Splits, check_dataset, check_tokenizer, column_error, dataset_path,
-                                          load_tokenizer, local_layout, open_splits, tokenizer_identity,
+from flwr_sharded.training.sources import (Splits, check_dataset, check_eos, check_tokenizer, column_error,
+                                          dataset_path, load_tokenizer, local_layout, open_splits, tokenizer_identity,
                                           tokenizer_rows)
 
 if TYPE_CHECKING:
@@ -247,8 +247,7 @@ def load_blocks(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> TokenBlo
     per data directory tokenizes, the others wait); `max_train_blocks` bounds the training blocks and the validation
     blocks tokenized (with `streaming`, `eval_blocks` bounds these)."""
     check_dataset(cfg)
-    if tokenizer.eos_token_id is None:
-        raise ConfigError(f"--tokenizer: {tokenizer.name_or_path!r} has no eos token, needed between documents")
+    check_eos(tokenizer)
     cache_dir = data_dir_of(cfg) / "cache"
     cache_dir.mkdir(exist_ok=True)
     path = cache_dir / f"{_cache_key(cfg, tokenizer)}.pt"

@@ -268,12 +268,20 @@ def tokenizer_rows(tokenizer: PreTrainedTokenizerBase) -> tuple[int, int]:
     return len(tokenizer), largest + 1
 
 
+def check_eos(tokenizer: PreTrainedTokenizerBase) -> None:
+    """ConfigError if the tokenizer has no eos token (the corpus puts one after each document)."""
+    if tokenizer.eos_token_id is None:
+        raise ConfigError(f"--tokenizer: {tokenizer.name_or_path!r} has no eos token, needed between documents")
+
+
 def check_vocab(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
-    """ConfigError naming `--tokenizer` and `--model` if the tokenizer has more tokens than the model's embedding."""
+    """ConfigError naming `--tokenizer` and `--model` if the tokenizer the run uses (a model directory's own when it
+    has one) has no eos token or more tokens than the model's embedding."""
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.data, cfg.model.name)
+    check_eos(tokenizer)
     size = model_vocab_size(cfg.model.name)
     if size is None:
         return  # the preset's embedding is sized from the tokenizer
-    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.data, cfg.model.name)
     length, needed = tokenizer_rows(tokenizer)
     if max(length, needed) > size:
         own = _own_tokenizer(cfg.model.name)

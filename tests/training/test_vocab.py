@@ -7,6 +7,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from flwr_sharded.config import DataConfig, TrainConfig
 from flwr_sharded.errors import ConfigError
@@ -123,3 +124,37 @@ def test_training_a_local_model_uses_and_saves_its_tokenizer(tmp_path: Path, tok
 
     saved = AutoTokenizer.from_pretrained(tmp_path / "run" / "model")
     assert saved.get_vocab() == tokenizer.get_vocab()
+
+
+def test_the_corpus_is_tokenized_with_the_models_tokenizer_and_cached_per_tokenizer(tmp_path: Path, tokenizer,
+                                                                                      data_dir: Path) -> None:
+    """A model directory's tokenizer tokenizes the corpus; another tokenizer of the same data is another cache."""
+    from flwr_sharded.training.data import load_blocks
+
+    model = str(_model_dir(tmp_path / "model", 300, tokenizer))
+    corpus = tmp_path / "corpus.jsonl"
+    docs = _documents(60)
+    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    cfg = DataConfig(dataset=str(corpus), data_dir=str(tmp_path / "data"), seq_len=8, tokenize_workers=1)
+    (tmp_path / "data").mkdir()
+    own = load_tokenizer(cfg, model)
+    blocks = load_blocks(cfg, own)
+    ids = [t for d in docs[:-1] for t in tokenizer(d, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]]
+    assert blocks.train.flatten().tolist() == ids[:blocks.train.numel()] and blocks.vocab_size == 300
+    other = load_tokenizer(DataConfig(data_dir=str(data_dir)), "tiny")  # the embedded 8192-token BPE
+    again = load_blocks(cfg, other)
+    assert len(list((tmp_path / "data" / "cache").glob("*.pt"))) == 2 and again.vocab_size == 8192
+    assert not torch.equal(again.train[:1], blocks.train[:1])
+
+
+def test_a_model_tokenizer_without_eos_is_refused_before_any_process_group(tmp_path: Path, data_dir: Path) -> None:
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>"))
+    model = _model_dir(tmp_path / "model", 100)
+    PreTrainedTokenizerFast(tokenizer_object=words).save_pretrained(model)
+    cfg = TrainConfig()
+    cfg.model.name, cfg.data.data_dir = str(model), str(data_dir)
+    with pytest.raises(ConfigError, match="--tokenizer: .* has no eos token"):
+        preflight(cfg, 1)
