@@ -159,6 +159,62 @@ def test_a_hand_written_published_checkpoint_is_what_transformers_reads_and_writ
     assert all(torch.equal(loaded[k], reference[k]) for k in loaded)
 
 
+def test_an_expert_is_read_in_pieces_of_at_most_chunk_bytes(tmp_path, monkeypatch):
+    """However large one expert (one row of a fused 3-D tensor) is, a read holds at most `CHUNK_BYTES` of it."""
+    import safetensors
+
+    from flwr_sharded.training import hf_checkpoint
+
+    directory = _saved("mixtral", tmp_path / "mixtral")
+    real_open, reads = safetensors.safe_open, []
+
+    class Slice:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getitem__(self, index):
+            value = self.inner[index]
+            reads.append(value.numel() * value.element_size())
+            return value
+
+    class Handle:
+        def __init__(self, *args, **kwargs):
+            self.inner = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.inner.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc)
+
+        def get_slice(self, name):
+            return Slice(self.inner.get_slice(name))
+
+    monkeypatch.setattr(safetensors, "safe_open", Handle)
+    monkeypatch.setattr(hf_checkpoint, "CHUNK_BYTES", 1024)  # an expert's w1 is 48 x 32 fp32: 6 KiB
+    loaded = _read_in_row_ranges(directory, 1)
+    assert reads and max(reads) <= 1024
+    reference = _reference(directory)
+    assert all(torch.equal(loaded[k], reference[k]) for k in loaded)
+
+
+def test_experts_split_over_several_files_in_bf16_load(tmp_path):
+    """A Qwen3-MoE saved by transformers in bf16 over several files (its index): each expert from its own file."""
+    from flwr_sharded.training import hf_checkpoint
+
+    directory = tmp_path / "qwen3_moe"
+    _model("qwen3_moe").to(torch.bfloat16).save_pretrained(directory, max_shard_size="8KB")
+    index = json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"]
+    experts = {file for key, file in index.items() if ".experts." in key and "layers.0." in key}
+    assert len(experts) > 1
+    hf_checkpoint.check_pretrained(str(directory))
+    reference = _reference(directory)
+    for rows in (1, 3):
+        loaded = _read_in_row_ranges(directory, rows)
+        assert all(torch.equal(loaded[k], reference[k]) for k in loaded)
+
+
 def test_a_fused_checkpoint_loads_under_the_model_names(tmp_path):
     """A Mixtral stored with transformers 5's fused module names (no conversion) loads as from_pretrained does."""
     from safetensors.torch import save_file
