@@ -34,19 +34,19 @@ PUBLISHED_KEYS = {
 """A name of each converted family's published checkpoints (not a module name of transformers 5)."""
 
 
-def _config(family: str):
+def _config(family: str, **overrides):
     from transformers import AutoConfig
 
-    kwargs = {k: v for k, v in {**BASE, **FAMILIES[family]}.items() if v is not None}
+    kwargs = {k: v for k, v in {**BASE, **FAMILIES[family], **overrides}.items() if v is not None}
     return AutoConfig.for_model(family, **kwargs)
 
 
-def _model(family: str, seed: int = 0):
+def _model(family: str, seed: int = 0, **overrides):
     """A from_config model with every parameter redrawn (so a tensor the load skipped or misplaced shows)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_config(family), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(_config(family, **overrides), dtype=torch.float32)
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0.0, 0.1)
@@ -367,3 +367,35 @@ def test_sharded_pretrained_loss_equals_transformers_and_export_round_trips(fami
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).state_dict()
     assert all(torch.equal(reloaded[k], v) for k, v in plain.state_dict().items())
     assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == [type(plain).__name__]
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_a_published_moe_trains_fl_fsdp_with_its_own_tokenizer_and_exports_its_published_layout(tmp_path):
+    """`--model DIR --pretrained` of a Mixtral in its published layout with its tokenizer: FL+FSDP 2 x 2, 4 steps; the
+    run's model/ has the published names and its tokenizer, and from_pretrained reloads it."""
+    import random
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from flwr_sharded.training.corpus import train_tokenizer
+    from tests.multiproc import torchrun
+
+    rng = random.Random(0)
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    docs = [" ".join(rng.choice(words) for _ in range(rng.randint(5, 40))) for _ in range(300)]
+    src = _by_hand("mixtral", _model("mixtral", vocab_size=300), tmp_path / "src")
+    tokenizer = train_tokenizer(docs, vocab_size=300)
+    tokenizer.save_pretrained(src)
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    (tmp_path / "data").mkdir()  # no tokenizer there: the model's is the only one
+    result = torchrun(4, ["--method", "fl-fsdp", "--federations", "2", "--shards", "2", "--model", str(src),
+                          "--pretrained", "--dataset", str(tmp_path / "corpus.jsonl"), "--data-dir",
+                          str(tmp_path / "data"), "--seq-len", "32", "--batch-size", "2", "--steps", "4",
+                          "--aggregate-every", "2", "--eval-blocks", "2", "--no-progress", "--run-dir",
+                          str(tmp_path / "run"), "--tokenize-workers", "1"], timeout=240)
+    assert result.returncode == 0, result.stderr[-4000:]
+    out = tmp_path / "run" / "model"
+    assert _tensors(out).keys() == _tensors(src).keys()
+    assert AutoTokenizer.from_pretrained(out).get_vocab() == tokenizer.get_vocab()
+    assert type(AutoModelForCausalLM.from_pretrained(out)).__name__ == "MixtralForCausalLM"
