@@ -563,7 +563,11 @@ def published_layout(model: nn.Module) -> tuple[list[tuple[str, tuple[int, ...]]
 
     reference = reference_model(model)
     tensors = saved_tensors(reference)
-    reverted = revert_weight_conversion(reference, {name: torch.empty(t.shape, device="meta") for name, t in tensors})
+    try:
+        reverted = revert_weight_conversion(reference, {n: torch.empty(t.shape, device="meta") for n, t in tensors})
+    except (ValueError, RuntimeError, NotImplementedError) as exc:  # an operation without a reverse, or not on meta
+        raise ConfigError(f"--model: cannot plan {type(reference).__name__}'s published layout (transformers' reverse "
+                          f"conversion): {exc}") from exc
     shapes = [(name, tuple(t.shape)) for name, t in reverted.items()]
     plan, unexpected = conversion_plan(reference, dict(shapes), " save_pretrained writes")
     missing = sorted({name for name, _ in tensors} - set(plan))
