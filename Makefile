@@ -3,12 +3,14 @@ PYTHON ?= python3
 VENV ?= .venv
 # The groups' default data directory, so that a plain `flwr run apps/llama_fl_hsdp` finds the prepared corpus.
 DATA ?= $(HOME)/.cache/flwr_sharded
-# CPU wheel for this kind of machine; GPU users install their own torch (the package asks for torch>=2.6).
-TORCH_SPEC ?= torch==2.13.0
+# The lowest version of a dependency the package declares in pyproject.toml (`"NAME>=FLOOR"`): the one declaration.
+floor = $(shell sed -n 's/^ *"$(1)\(\[[a-z,]*\]\)\{0,1\}>=\([0-9.]*\).*/\2/p' pyproject.toml)
+# CPU wheel for this kind of machine, torch's floor; GPU users install their own torch (at least the floor).
+TORCH_SPEC ?= torch==$(call floor,torch)
 BIN := $(VENV)/bin
 export FLWR_SHARDED_DATA := $(abspath $(DATA))
 
-.PHONY: setup data demo train-demo test test-fast test-slow plan clean
+.PHONY: setup data demo train-demo test test-fast test-slow test-floors plan clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,8 +44,37 @@ test-fast: setup  ## the tests that start no process (a first answer in under tw
 test-slow: setup  ## the tests kept out of `make test` for time (marked slow; CI runs them after `make test`)
 	FLWR_SHARDED_SLOW_TESTS=1 $(BIN)/python -m pytest -q -m slow
 
+# The floors proven: a venv of their own with torch, transformers and flwr at their floors (the rest as pip resolves
+# them), the in-process tests of training/ and parallel/, and a few that start processes: the meta-device build and
+# init (tied weights, rotary buffers), a sync of 2 groups (all_gather_single), the quantized ring and the top-k
+# all-gather on 2 ranks, a checkpoint and its resume.
+FLOORS_VENV ?= .venv-floors
+FLOORS := torch==$(call floor,torch) transformers==$(call floor,transformers) flwr[simulation]==$(call floor,flwr)
+RING_TEST := test_quantized_all_reduce_is_the_sum_within_its_roundings_bit_identical_and_sends_a_quarter
+FLOOR_TESTS := tests/training/test_model_init.py \
+	"tests/parallel/test_sync.py::test_fl_fsdp_sync_is_token_weighted_average[67108864]" \
+	"tests/parallel/test_quantize.py::$(RING_TEST)[2]" \
+	tests/parallel/test_sparse.py::test_sparse_wire_reduce_on_two_gloo_ranks_equals_the_central_sum_on_both \
+	"tests/training/test_checkpoint.py::test_resume_continues_the_same_run[sync-write]"
+
+$(FLOORS_VENV)/.installed: pyproject.toml Makefile
+	rm -rf $(FLOORS_VENV)
+	$(PYTHON) -m venv $(FLOORS_VENV)
+	$(FLOORS_VENV)/bin/pip install --quiet $(foreach spec,$(FLOORS),"$(spec)") -e ".[dev]"
+	touch $@
+
+test-floors: $(FLOORS_VENV)/.installed  ## the tests that prove pyproject.toml's floors, on the floors (~4 min)
+	$(FLOORS_VENV)/bin/python -c 'import sys; from importlib.metadata import version; \
+		from packaging.requirements import Requirement; \
+		bad = [f"{r.name} {version(r.name)}" for r in map(Requirement, sys.argv[1:]) \
+		       if not r.specifier.contains(version(r.name))]; \
+		sys.exit(f"not the floors: {bad}") if bad else print("on the floors:", *sys.argv[1:])' $(FLOORS)
+	OMP_NUM_THREADS=1 $(FLOORS_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not dist and not slow" \
+		tests/training tests/parallel
+	OMP_NUM_THREADS=1 $(FLOORS_VENV)/bin/python -m pytest -q -p no:cacheprovider $(FLOOR_TESTS)
+
 plan: setup  ## what the planner recommends for the paper's cluster
 	$(BIN)/flwr-sharded plan --cluster examples/clusters/leonardo.yaml --model llama3.1-8b
 
 clean:  ## remove the virtualenv, caches and outputs (the prepared corpus in $(DATA) stays)
-	rm -rf $(VENV) outputs .pytest_cache
+	rm -rf $(VENV) $(FLOORS_VENV) outputs .pytest_cache

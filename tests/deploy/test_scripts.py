@@ -85,19 +85,6 @@ def test_sbatch_headers(script):
     assert 'source "$FLWR_SHARDED_REPO/deploy/env.sh"' in text
 
 
-@pytest.mark.dist
-def test_the_gpu_check_says_so_and_exits_cleanly_without_a_gpu():
-    import sys
-
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU: run benchmarks/gpu_check.py itself")
-    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py")], capture_output=True, text=True,
-                         timeout=120, cwd=REPO)
-    assert out.returncode == 0 and "no CUDA GPU" in out.stdout, out.stderr
-
-
 def _rules(fmt: str, shards: int, **env: str) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("FLWR_")}
     return subprocess.run(["bash", str(DEPLOY / "firewall" / "make-rules.sh"), fmt, str(shards)], capture_output=True,
