@@ -275,8 +275,8 @@ def check_eos(tokenizer: PreTrainedTokenizerBase) -> None:
 
 
 def check_vocab(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
-    """ConfigError naming `--tokenizer` and `--model` if the tokenizer the run uses (a model directory's own when it
-    has one) has no eos token or more tokens than the model's embedding."""
+    """ConfigError naming `--tokenizer` and `--model` if the tokenizer the run uses (`tokenizer_name`: a hub or local
+    model's own unless `--tokenizer` is set) has no eos token or more tokens than the model's embedding."""
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.data, cfg.model.name)
     check_eos(tokenizer)
     size = model_vocab_size(cfg.model.name)
