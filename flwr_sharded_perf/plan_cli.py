@@ -13,6 +13,7 @@ from flwr_sharded.config import METHODS, ModelConfig, OptimConfig, ParallelConfi
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.rules import RULES
 from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES, SyncDtype
+from flwr_sharded.presets import PRESETS
 from flwr_sharded_perf.cluster import Cluster, FacilityFederation, load_description
 from flwr_sharded_perf.memory_model import GiB, StepOptions
 from flwr_sharded_perf.model_shape import ModelShape, model_from_name
@@ -30,10 +31,10 @@ class PlanOptions:
     cluster: str | None = option(None, required=True)
     """Cluster YAML (see examples/clusters/); one that lists `facilities` plans a federation of facilities of different
     sizes: each facility's R and S, its local steps per sync and its idle time."""
-    model: str | None = None
-    """A model as `train --model` takes it: a preset (tiny, small, medium, llama-1b, llama-3b, llama3.1-8b), a Hugging
-    Face model directory or hub id (its architecture read from config.json); or a model without either: `params`
-    and `layers`."""
+    model: str | None = option(None, facts={"presets": ", ".join(PRESETS)})
+    """A model as `train --model` takes it: a preset ({presets}), a Hugging Face model directory or hub id (its
+    architecture read from config.json: dense or mixture-of-experts, priced by its total and active parameters); or
+    a model without either: `params` and `layers`."""
     params: float | None = option(None, gt=0)
     """Parameter count of a model without preset, e.g. 8e9 (with `layers`)."""
     layers: int | None = option(None, ge=1)
