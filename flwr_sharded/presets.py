@@ -23,6 +23,10 @@ _UNPRICED_KEYS = ("q_lora_rank", "kv_lora_rank", "n_shared_experts", "shared_exp
 """Config keys of shapes the count below does not describe (latent attention, shared experts, linear attention)."""
 
 
+class UnpricedShape(ValueError):
+    """A config whose shape `parameter_counts` does not describe (latent attention, shared experts, ...)."""
+
+
 @dataclass(frozen=True)
 class Preset:
     """A decoder's shape: `model_type` names its `transformers` family (a Llama by default) and `extra` holds the
@@ -77,11 +81,11 @@ def parameter_counts(config: Mapping[str, Any]) -> ParameterCounts:
     """Counts of a Llama-like decoder from its `transformers` config as a dict (config.json; a multimodal one's
     `text_config`): head_dim, query/key norms, attention and MLP biases, mixtures of experts (Mixtral's
     num_local_experts, Qwen-MoE's num_experts, moe_intermediate_size, mlp_only_layers, decoder_sparse_step), untied
-    heads. KeyError/ValueError for a config it does not describe."""
+    heads. UnpricedShape for a shape it does not describe, KeyError/ValueError for a config that is no decoder's."""
     c = config if "hidden_size" in config else config.get("text_config") or config
     unpriced = [k for k in _UNPRICED_KEYS if c.get(k)]
     if unpriced:
-        raise ValueError(f"{c.get('model_type')}: {', '.join(unpriced)} (shapes the count does not describe)")
+        raise UnpricedShape(f"{c.get('model_type')}'s {', '.join(unpriced)} (a shape the count does not describe)")
     family = c.get("model_type") or config.get("model_type") or "llama"
     h, layers, heads = int(c["hidden_size"]), int(c["num_hidden_layers"]), int(c["num_attention_heads"])
     kv, vocab, inter = int(c.get("num_key_value_heads") or heads), int(c["vocab_size"]), int(c["intermediate_size"])

@@ -10,7 +10,7 @@ from typing import Any
 
 from flwr_sharded.errors import ConfigError
 from flwr_sharded_perf.costmodel import Units, positive_int
-from flwr_sharded.presets import PRESETS, Preset, parameter_counts
+from flwr_sharded.presets import PRESETS, Preset, UnpricedShape, parameter_counts
 
 
 @dataclass(frozen=True)
@@ -129,6 +129,8 @@ def shape_from_config(config: dict[str, Any], name: str = "custom") -> ModelShap
                           hidden_size=int(c["hidden_size"]), intermediate_size=counts.intermediate,
                           vocab_size=int(c["vocab_size"]), name=name, kv_size=counts.kv_size,
                           active_params=counts.active, largest_tensor=counts.largest)
+    except UnpricedShape as exc:
+        raise ConfigError(f"--model {name}: the planner cannot price {exc}; give --params and --layers") from None
     except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError(f"--model {name}: its config.json does not describe a Llama-like decoder ({exc!r}); the "
                           f"planner needs hidden_size, num_hidden_layers, num_attention_heads, intermediate_size and "

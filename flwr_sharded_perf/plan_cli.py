@@ -126,6 +126,12 @@ def _model_from_args(args: argparse.Namespace) -> ModelShape | None:
     return None
 
 
+def _params(model: ModelShape) -> str:
+    """The model's parameters for a header line (and the active ones of a mixture of experts)."""
+    active = f", {model.compute_params / 1e9:.3g} B active" if model.compute_params != model.num_params else ""
+    return f"{model.num_params / 1e9:.3g} B params{active}"
+
+
 def _candidate_dict(c: Candidate) -> dict[str, Any]:
     return {"method": c.method, "F": c.F, "R": c.R, "S": c.S, "A": c.A, "tiers": c.tiers, "bandwidth": c.bandwidth,
             "comm_s": c.comm.total, "comm_terms_s": asdict(c.comm), "compute_s": c.compute, "step_s": c.step_time,
@@ -213,7 +219,7 @@ def run(parsed: argparse.Namespace) -> int:
         return 0
     groups = f", node groups of {cluster.nodes_per_group} nodes" if cluster.nodes_per_group else ""
     print(f"Cluster {cluster.name}: {cluster.nodes} x {cluster.gpus_per_node} GPUs = {cluster.gpus}{groups}; "
-          f"model {model.name} ({model.num_params / 1e9:.3g} B params, {args.bytes_per_param:g} bytes each); "
+          f"model {model.name} ({_params(model)}, {args.bytes_per_param:g} bytes each); "
           f"{args.tokens_per_gpu} tokens per GPU per step"
           + (f"; FL sync in {args.sync_dtype}" if args.sync_dtype else "")
           + (f", top-{args.sync_topk * 100:g}% of each chunk" if args.sync_topk else ""))
@@ -245,7 +251,7 @@ def _run_federation(federation: FacilityFederation, model: ModelShape | None, ar
                       for f in federation.facilities)
     print(f"Federation {federation.name}: {sites}; {federation.inter_group / 1e9:g} Gbit/s between facilities"
           f"{' (one shared uplink each)' if federation.shared else ''}; model {model.name} "
-          f"({model.num_params / 1e9:.3g} B params, {args.bytes_per_param:g} bytes each); {args.tokens_per_gpu} "
+          f"({_params(model)}, {args.bytes_per_param:g} bytes each); {args.tokens_per_gpu} "
           f"tokens per GPU per step" + (f"; FL sync in {args.sync_dtype}" if args.sync_dtype else ""))
     print(f"{'#':>3} {'R x S per facility':<24} {'A per facility':<16} {'sync s':>8} {'period s':>9} "
           f"{'tokens/s':>10} {'max MB/rank':>11}")
