@@ -237,6 +237,35 @@ def test_a_big_moe_preset_is_priced_by_its_active_parameters():
     assert 30.4e9 < shape.num_params < 30.6e9 and 3.2e9 < shape.active_params < 3.4e9
 
 
+def _moe_on_ranks(rank: int, world: int):
+    from flwr_sharded.config import ParallelConfig
+    from flwr_sharded.parallel.sharding import mixed_precision_policy
+    from flwr_sharded.parallel.topology import init_topology
+    from flwr_sharded.training.model_init import build_sharded_model
+
+    topo = init_topology(ParallelConfig(method="fsdp", shards=world))
+    model = build_sharded_model("moe-tiny", vocab_size=96, max_seq_len=32, mesh=topo.fsdp_mesh, seed=7,
+                                mp_policy=mixed_precision_policy("fp32", "cpu"))
+    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    return full if rank == 0 else None
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_a_sharded_mixture_of_experts_starts_as_the_unsharded_one():
+    """moe-tiny through `build_sharded_model` (FSDP2 on gloo, 2 and 4 shards: one expert per rank at 4) equals the
+    recorded init applied to the whole model in one process."""
+    from flwr_sharded.training.models import model_config
+    from tests.multiproc import run_ranks
+
+    whole = _seeded(model_config("moe-tiny", vocab_size=96, max_seq_len=32), seed=7)[0].state_dict()
+    for world in (2, 4):
+        full = run_ranks(_moe_on_ranks, world, timeout=240)[0]
+        assert full.keys() == whole.keys()
+        for key, value in whole.items():
+            assert torch.equal(full[key], value), (world, key)
+
+
 SGD = ["--optimizer", "sgd", "--lr", "0.5", "--weight-decay", "0", "--grad-clip", "0", "--warmup", "0",
        "--min-lr-ratio", "1", "--aggregate-every", "1", "--steps", "5", "--eval-every", "0", "--seq-len", "64",
        "--batch-size", "2", "--no-progress", "--eval-blocks", "8", "--log-every", "1", "--model", "moe-tiny"]
