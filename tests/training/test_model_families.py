@@ -112,6 +112,43 @@ def test_llama_draws_as_before():
     assert plan["model.layers.0.self_attn.q_proj.weight"] == (InitOp("normal", (0.0, std)),)
 
 
+def test_every_recorded_op_applies_row_by_row(monkeypatch):
+    """uniform, truncated normal, a constant, a copy of known values and a row range, as a model's init may use
+    them: applied per shard they give the values the op defines, the same for any shard count."""
+    from transformers import initialization as init
+    from transformers.models.llama import modeling_llama
+
+    from flwr_sharded.training.model_init import init_rows
+    from flwr_sharded.training.models import build_meta_model
+
+    own = modeling_llama.LlamaPreTrainedModel._init_weights
+    known = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32)
+
+    def init_weights(self, module):
+        own(self, module)
+        if isinstance(module, modeling_llama.LlamaMLP):
+            init.uniform_(module.gate_proj.weight, -0.5, 0.25)
+            init.trunc_normal_(module.up_proj.weight, std=1.0, a=-0.1, b=0.2)
+            init.copy_(module.down_proj.weight, known.T)
+            init.constant_(module.down_proj.weight[3:5], 7.0)
+
+    monkeypatch.setattr(modeling_llama.LlamaPreTrainedModel, "_init_weights", init_weights)
+    config = family_config("llama")
+    ours, plan = _seeded(config)
+    mlp = ours.model.layers[1].mlp
+    gate, up, down = mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach(), mlp.down_proj.weight.detach()
+    assert -0.5 <= float(gate.min()) < -0.4 and 0.15 < float(gate.max()) <= 0.25
+    assert -0.1 <= float(up.min()) and float(up.max()) <= 0.2 and float(up.std()) > 0.05
+    assert torch.equal(down[3:5], torch.full((2, 64), 7.0)) and torch.equal(down[5:], known.T[5:])
+    for name, param in build_meta_model(config).named_parameters():
+        if ".mlp." in name:
+            pieces = [torch.empty(chunk.shape) for chunk in torch.empty(param.shape).chunk(4)]
+            for i, piece in enumerate(pieces):
+                init_rows(piece, plan[name], name=name, shape=param.shape, offset=sum(len(p) for p in pieces[:i]),
+                          seed=5)
+            assert torch.equal(torch.cat(pieces), dict(ours.named_parameters())[name].detach()), name
+
+
 def _broken_init(monkeypatch, how: str):
     from transformers import initialization as init
     from transformers.models.llama import modeling_llama
