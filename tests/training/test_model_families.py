@@ -235,6 +235,19 @@ def test_experts_and_router_shard_and_sync_with_their_block(family):
     assert sorted(synced) == sorted(n for n, _ in model.named_parameters())
 
 
+@pytest.mark.parametrize("family", MOE)
+def test_a_mixtures_flops_count_the_routed_experts(family):
+    from torch import nn
+
+    from flwr_sharded.training.metrics import model_flops_per_token
+    from flwr_sharded.training.models import build_meta_model
+
+    model = build_meta_model(family_config(family))
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert experts and model_flops_per_token(model, 16) == 6 * (linear + experts // 2) + 12 * 2 * 32 * 16
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_planner_counts_the_built_model(family):
     """Total parameters equal the meta model's; active ones leave out the experts a token is not routed to."""
