@@ -40,7 +40,7 @@ RANDOM_OPS = ("normal", "uniform", "trunc_normal")
 @dataclass(frozen=True)
 class InitOp:
     """One op of a model's `_init_weights` on one parameter: `kind` with `args`, on rows [rows[0], rows[1]) of the
-    parameter's row view (`row_view`), or all of it (None). `value`: a copy's source, expanded to the whole shape."""
+    parameter's row view (`row_view`), or all of it (None). `value`: a copy's source, as those rows."""
 
     kind: str
     """'normal' (mean, std), 'uniform' (a, b), 'trunc_normal' (mean, std, a, b), 'constant' (value,) or 'copy' ()."""
@@ -61,13 +61,13 @@ def build_sharded_model(name: str, *, vocab_size: int, max_seq_len: int, mesh: D
     for presets that fix none."""
     directory = hf_checkpoint.resolve_pretrained(name) if pretrained and not is_preset(name) else None
     model = build_meta_model(model_config(str(directory or name), vocab_size=vocab_size, max_seq_len=max_seq_len))
-    plan = record_init(model, name) if directory is None else None
+    plan = record_init(model, name) if directory is None else {}  # recorded before sharding
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     apply_fsdp(model, transformer_blocks(model), mesh, mp_policy=mp_policy,
                reshard_after_forward=reshard_after_forward)
     materialize(model, device)
-    if plan is None:
+    if directory is not None:
         hf_checkpoint.load_local_shards(model, directory)
     else:
         init_local_shards(model, seed, plan)
