@@ -36,16 +36,17 @@ def _save(rank: int, world: int, how: str, out: str, vocab: int, hidden: int) ->
     from flwr_sharded.parallel.topology import init_topology
     from flwr_sharded import host_memory
     from flwr_sharded.host_memory import PeakRSS, current_rss
-    from flwr_sharded.training.model_init import init_local_shards, materialize
+    from flwr_sharded.training.model_init import init_local_shards, materialize, record_init
     from flwr_sharded.training.models import build_meta_model, transformer_blocks
 
     topo = init_topology(ParallelConfig(method="fsdp", shards=world))
     model = build_meta_model(LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=2,
                                          num_attention_heads=8, num_key_value_heads=4, intermediate_size=2 * hidden,
                                          tie_word_embeddings=False))
+    plan = record_init(model)
     apply_fsdp(model, transformer_blocks(model), topo.fsdp_mesh, mp_policy=mixed_precision_policy("fp32", "cpu"))
     materialize(model, "cpu")
-    init_local_shards(model, 0)
+    init_local_shards(model, 0, plan)
     gc.collect()
     host_memory.trim()
     dist.barrier()

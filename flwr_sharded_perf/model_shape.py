@@ -10,12 +10,12 @@ from typing import Any
 
 from flwr_sharded.errors import ConfigError
 from flwr_sharded_perf.costmodel import Units, positive_int
-from flwr_sharded.presets import PRESETS, Preset
+from flwr_sharded.presets import PRESETS, Preset, UnpricedShape, parameter_counts
 
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the cost model needs to know about a decoder-only (Llama-like) transformer."""
+    """What the cost model needs to know about a decoder-only (Llama-like, dense or mixture-of-experts) transformer."""
 
     num_params: int
     num_layers: int
@@ -28,14 +28,26 @@ class ModelShape:
     name: str = "custom"
     kv_size: int | None = None
     """Width of the k and v projections (key/value heads x head size; activations); None: `hidden_size` (MHA)."""
+    active_params: int | None = None
+    """Parameters one token computes with (a mixture of experts: the routed ones only); None: `num_params`."""
+    largest_tensor: int | None = None
+    """Elements of the largest parameter tensor; None: the embedding or an MLP matrix of the dense shape."""
 
     def __post_init__(self) -> None:
         for name in ("num_params", "num_layers", "hidden_size", "intermediate_size", "vocab_size"):
             positive_int(name, getattr(self, name))
         if not 0 <= self.root_params < self.num_params:
             raise ConfigError(f"root_params must be in [0, num_params), got {self.root_params}")
-        if self.kv_size is not None:
-            positive_int("kv_size", self.kv_size)
+        for name in ("kv_size", "largest_tensor"):
+            if getattr(self, name) is not None:
+                positive_int(name, getattr(self, name))
+        if self.active_params is not None and not 0 < self.active_params <= self.num_params:
+            raise ConfigError(f"active_params must be in (0, num_params], got {self.active_params}")
+
+    @property
+    def compute_params(self) -> int:
+        """The parameters a token's forward and backward compute with (`active_params`, else all)."""
+        return self.active_params or self.num_params
 
     @classmethod
     def from_counts(cls, num_params: int, num_layers: int, *, hidden_size: int | None = None,
@@ -48,7 +60,10 @@ class ModelShape:
                    intermediate_size=4 * h, vocab_size=vocab_size, name=name)
 
     def largest_param(self) -> int:
-        """Elements of the largest parameter tensor: the embedding (vocab x h) or an MLP matrix (h x i)."""
+        """Elements of the largest parameter tensor: `largest_tensor`, else the embedding (vocab x h) or an MLP matrix
+        (h x i)."""
+        if self.largest_tensor is not None:
+            return self.largest_tensor
         return max(self.vocab_size * self.hidden_size if self.root_params else 0,
                    self.hidden_size * self.intermediate_size)
 
@@ -77,7 +92,7 @@ def model_from_name(name: str, vocab_size: int = 32000) -> ModelShape:
     """Shape of any model `train --model` takes: a preset, or a Hugging Face directory or hub id (its config.json)."""
     if name in PRESETS:
         return model_from_preset(name, vocab_size)
-    return shape_of(preset_from_config(read_model_config(name), name), vocab_size, name=name)
+    return shape_from_config(read_model_config(name), name)
 
 
 def read_model_config(name: str) -> dict[str, Any]:
@@ -104,27 +119,24 @@ def read_model_config(name: str) -> dict[str, Any]:
         raise ConfigError(f"--model: cannot read {file}: {exc}") from exc
 
 
-def preset_from_config(config: dict[str, Any], name: str) -> Preset:
-    """The Llama-like shape a `transformers` config.json describes (a multimodal one: its `text_config`)."""
+def shape_from_config(config: dict[str, Any], name: str = "custom") -> ModelShape:
+    """The shape a `transformers` config.json describes (a multimodal one: its `text_config`), read through
+    `presets.parameter_counts`: head_dim, experts (total and active), untied heads."""
     c = config if "hidden_size" in config else config.get("text_config") or config
     try:
-        heads = int(c["num_attention_heads"])
-        return Preset(hidden_size=int(c["hidden_size"]), num_hidden_layers=int(c["num_hidden_layers"]),
-                      num_attention_heads=heads, num_key_value_heads=int(c.get("num_key_value_heads") or heads),
-                      intermediate_size=int(c["intermediate_size"]),
-                      tie_word_embeddings=bool(c.get("tie_word_embeddings", config.get("tie_word_embeddings", False))),
-                      vocab_size=int(c["vocab_size"]) if c.get("vocab_size") else None)
+        counts = parameter_counts(config)
+        return ModelShape(num_params=counts.total, num_layers=int(c["num_hidden_layers"]), root_params=counts.root,
+                          hidden_size=int(c["hidden_size"]), intermediate_size=counts.intermediate,
+                          vocab_size=int(c["vocab_size"]), name=name, kv_size=counts.kv_size,
+                          active_params=counts.active, largest_tensor=counts.largest)
+    except UnpricedShape as exc:
+        raise ConfigError(f"--model {name}: the planner cannot price {exc}; give --params and --layers") from None
     except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError(f"--model {name}: its config.json does not describe a Llama-like decoder ({exc!r}); the "
-                          f"planner needs hidden_size, num_hidden_layers, num_attention_heads and intermediate_size "
-                          f"(or give --params and --layers)") from None
+                          f"planner needs hidden_size, num_hidden_layers, num_attention_heads, intermediate_size and "
+                          f"vocab_size (or give --params and --layers)") from None
 
 
 def shape_of(p: Preset, vocab_size: int = 32000, *, name: str = "custom") -> ModelShape:
-    """Shape of a Llama `Preset` (its own vocabulary, else `vocab_size`)."""
-    vocab = p.vocab_size or vocab_size
-    root = vocab * p.hidden_size * (1 if p.tie_word_embeddings else 2) + p.hidden_size
-    kv = p.num_key_value_heads * (p.hidden_size // p.num_attention_heads)
-    return ModelShape(num_params=p.num_parameters(vocab), num_layers=p.num_hidden_layers, root_params=root,
-                      hidden_size=p.hidden_size, intermediate_size=p.intermediate_size, vocab_size=vocab, name=name,
-                      kv_size=kv)
+    """Shape of a `Preset` (its own vocabulary, else `vocab_size`)."""
+    return shape_from_config({**p.config(vocab_size), "model_type": p.model_type}, name)

@@ -13,6 +13,7 @@ from flwr_sharded.config import METHODS, ModelConfig, OptimConfig, ParallelConfi
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.rules import RULES
 from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES, SyncDtype
+from flwr_sharded.presets import PRESETS
 from flwr_sharded_perf.cluster import Cluster, FacilityFederation, load_description
 from flwr_sharded_perf.memory_model import GiB, StepOptions
 from flwr_sharded_perf.model_shape import ModelShape, model_from_name
@@ -30,10 +31,10 @@ class PlanOptions:
     cluster: str | None = option(None, required=True)
     """Cluster YAML (see examples/clusters/); one that lists `facilities` plans a federation of facilities of different
     sizes: each facility's R and S, its local steps per sync and its idle time."""
-    model: str | None = None
-    """A model as `train --model` takes it: a preset (tiny, small, medium, llama-1b, llama-3b, llama3.1-8b), a Hugging
-    Face model directory or hub id (its architecture read from config.json); or a model without either: `params`
-    and `layers`."""
+    model: str | None = option(None, facts={"presets": ", ".join(PRESETS)})
+    """A model as `train --model` takes it: a preset ({presets}), a Hugging Face model directory or hub id (its
+    architecture read from config.json: dense or mixture-of-experts, priced by its total and active parameters); or
+    a model without either: `params` and `layers`."""
     params: float | None = option(None, gt=0)
     """Parameter count of a model without preset, e.g. 8e9 (with `layers`)."""
     layers: int | None = option(None, ge=1)
@@ -125,6 +126,12 @@ def _model_from_args(args: argparse.Namespace) -> ModelShape | None:
     return None
 
 
+def _params(model: ModelShape) -> str:
+    """The model's parameters for a header line (and the active ones of a mixture of experts)."""
+    active = f", {model.compute_params / 1e9:.3g} B active" if model.compute_params != model.num_params else ""
+    return f"{model.num_params / 1e9:.3g} B params{active}"
+
+
 def _candidate_dict(c: Candidate) -> dict[str, Any]:
     return {"method": c.method, "F": c.F, "R": c.R, "S": c.S, "A": c.A, "tiers": c.tiers, "bandwidth": c.bandwidth,
             "comm_s": c.comm.total, "comm_terms_s": asdict(c.comm), "compute_s": c.compute, "step_s": c.step_time,
@@ -212,7 +219,7 @@ def run(parsed: argparse.Namespace) -> int:
         return 0
     groups = f", node groups of {cluster.nodes_per_group} nodes" if cluster.nodes_per_group else ""
     print(f"Cluster {cluster.name}: {cluster.nodes} x {cluster.gpus_per_node} GPUs = {cluster.gpus}{groups}; "
-          f"model {model.name} ({model.num_params / 1e9:.3g} B params, {args.bytes_per_param:g} bytes each); "
+          f"model {model.name} ({_params(model)}, {args.bytes_per_param:g} bytes each); "
           f"{args.tokens_per_gpu} tokens per GPU per step"
           + (f"; FL sync in {args.sync_dtype}" if args.sync_dtype else "")
           + (f", top-{args.sync_topk * 100:g}% of each chunk" if args.sync_topk else ""))
@@ -244,7 +251,7 @@ def _run_federation(federation: FacilityFederation, model: ModelShape | None, ar
                       for f in federation.facilities)
     print(f"Federation {federation.name}: {sites}; {federation.inter_group / 1e9:g} Gbit/s between facilities"
           f"{' (one shared uplink each)' if federation.shared else ''}; model {model.name} "
-          f"({model.num_params / 1e9:.3g} B params, {args.bytes_per_param:g} bytes each); {args.tokens_per_gpu} "
+          f"({_params(model)}, {args.bytes_per_param:g} bytes each); {args.tokens_per_gpu} "
           f"tokens per GPU per step" + (f"; FL sync in {args.sync_dtype}" if args.sync_dtype else ""))
     print(f"{'#':>3} {'R x S per facility':<24} {'A per facility':<16} {'sync s':>8} {'period s':>9} "
           f"{'tokens/s':>10} {'max MB/rank':>11}")

@@ -113,7 +113,7 @@ def evaluate(cluster: Cluster, model: ModelShape, method: str, *, F: int = 1, R:
                       wire_ratio=_wire_ratio(sync_bytes_per_param or bytes_per_param, bytes_per_param, F, step),
                       steps_R=steps["replica"], steps_F=steps["federation"])
     flops_per_param_token = 8.0 if activation_checkpointing else 6.0
-    compute = compute_time(model.num_params, tokens_per_gpu_batch, cluster.flops_per_gpu,
+    compute = compute_time(model.compute_params, tokens_per_gpu_batch, cluster.flops_per_gpu,
                            flops_per_param_token=flops_per_param_token)
     step = step or StepOptions()
     overlap = calibrated and cluster.calibration.overlap

@@ -52,7 +52,8 @@ class PhaseTimer:
 
 def model_flops_per_token(model: nn.Module, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward): 6 x the matmul parameters + 12 x layers x width x sequence for
-    attention scores (PaLM, appendix B). Embedding lookups are not matmuls; a tied output head is counted once."""
+    attention scores (PaLM, appendix B). Embedding lookups are not matmuls; a tied output head is counted once; of a
+    mixture of experts, the `num_experts_per_tok` experts a token is routed to."""
     config = getattr(model, "config", None)
     matmul = 0
     seen: set[int] = set()
@@ -60,6 +61,11 @@ def model_flops_per_token(model: nn.Module, seq_len: int) -> float:
         if isinstance(module, nn.Linear) and id(module.weight) not in seen:
             seen.add(id(module.weight))
             matmul += module.weight.numel()  # the global count: DTensor parameters report their full size
+    routed = getattr(config, "num_experts_per_tok", None)
+    for param in model.parameters():  # a mixture's fused experts (experts x rows x columns): those a token meets
+        if routed and param.dim() == 3 and id(param) not in seen:
+            seen.add(id(param))
+            matmul += param.numel() * routed // param.shape[0]
     attention = 0.0
     if config is not None and hasattr(config, "num_hidden_layers") and hasattr(config, "hidden_size"):
         attention = 12.0 * config.num_hidden_layers * config.hidden_size * seq_len

@@ -1,9 +1,8 @@
-"""The model: presets (`flwr_sharded.presets`, built as `transformers.LlamaConfig`s) or any Hugging Face causal LM, its
-transformer blocks, and its parameters as checkpoints name them."""
+"""The model: presets (`flwr_sharded.presets`, built as their family's `transformers` config) or any Hugging Face
+causal LM, its transformer blocks, and its parameters as checkpoints name them."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -48,14 +47,14 @@ def check_hub_cache(name: str) -> None:
 
 
 def model_config(name: str, *, vocab_size: int, max_seq_len: int) -> Any:
-    """The `transformers` config of a preset (a `LlamaConfig`) or of a Hugging Face id/path (its config.json)."""
-    from transformers import AutoConfig, LlamaConfig
+    """The `transformers` config of a preset (its family's, a `LlamaConfig` by default) or of a Hugging Face id/path
+    (its config.json)."""
+    from transformers import AutoConfig
 
     check_model_name(name)
     if name in PRESETS:
         preset = PRESETS[name]
-        return LlamaConfig(**{**dataclasses.asdict(preset), "vocab_size": preset.vocab_size or vocab_size,
-                              "max_position_embeddings": max(preset.max_position_embeddings, max_seq_len)})
+        return AutoConfig.for_model(preset.model_type, **preset.config(vocab_size, max_seq_len))
     try:
         return AutoConfig.from_pretrained(name)
     except OSError as exc:
@@ -66,14 +65,12 @@ def build_model(name: str, *, vocab_size: int, max_seq_len: int, pretrained: boo
                 device: torch.device | str = "cpu") -> nn.Module:
     """A whole causal LM: a preset with random init, or a Hugging Face id/path (weights if `pretrained`); training
     builds its model sharded instead (`flwr_sharded.training.model_init`)."""
-    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     config = model_config(name, vocab_size=vocab_size, max_seq_len=max_seq_len)
     with torch.device(device):
-        if name in PRESETS:
-            return LlamaForCausalLM(config)
         try:
-            if pretrained:
+            if pretrained and name not in PRESETS:
                 return AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
             return AutoModelForCausalLM.from_config(config)
         except OSError as exc:

@@ -36,9 +36,10 @@ def preflight(cfg: TrainConfig, world_size: int) -> None:
 
 
 def check_model_and_data(cfg: TrainConfig) -> None:
-    """The model and the data a run names, checked against this machine's files and caches without building the
-    model: its name (a hub id must be cached when offline), a pretrained checkpoint's headers, the sync against its
-    layers, the data directory, dataset and tokenizer, and the tokenizer against the model's vocabulary."""
+    """The model and the data a run names, checked against this machine's files and caches without allocating the
+    model: its name (a hub id must be cached when offline), a pretrained checkpoint's headers or the model's own init
+    (recorded on the meta device), the sync against its layers, the data directory, dataset and tokenizer, and the
+    tokenizer against the model's vocabulary."""
     from flwr_sharded.training.data import check_data
     from flwr_sharded.training.models import check_hub_cache, check_model_name, is_preset
     from flwr_sharded.training.sources import check_vocab
@@ -50,6 +51,10 @@ def check_model_and_data(cfg: TrainConfig) -> None:
         from flwr_sharded.training.hf_checkpoint import check_pretrained
 
         check_pretrained(cfg.model.name)  # config.json and safetensors headers only
+    else:
+        from flwr_sharded.training.model_init import check_seeded_init
+
+        check_seeded_init(cfg.model.name, vocab_size=256, max_seq_len=cfg.data.seq_len)  # on meta: shapes only
     check_data(cfg.data, cfg.model.name)
     check_vocab(cfg)
 

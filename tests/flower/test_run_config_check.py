@@ -79,10 +79,12 @@ def test_a_key_the_app_lacks_is_refused_as_flower_would(capsys, tmp_path):
 
 
 def test_the_model_and_the_data_are_checked_as_the_groups_would_before_any_starts(capsys, tmp_path, monkeypatch):
+    from flwr_sharded.presets import PRESETS
+
     code, text = _check(capsys, 'model="smal"')  # a typo'd preset: named once, as the run config spells it
     assert code == 2 and text.strip().splitlines() == [
-        "flwr-sharded check: error: run config 'model': unknown model 'smal'; use a preset (tiny, small, medium, "
-        "llama-1b, llama-3b, llama3.1-8b), a Hugging Face id (org/name) or a local model directory"]
+        f"flwr-sharded check: error: run config 'model': unknown model 'smal'; use a preset ({', '.join(PRESETS)}), "
+        "a Hugging Face id (org/name) or a local model directory"]
     missing = tmp_path / "no-data"
     code, text = _check(capsys, f'data-dir="{missing}"')
     assert code == 2 and f"data directory {missing} ('data-dir') does not exist" in text

@@ -96,16 +96,17 @@ def _padded(rank: int, world: int):
     from flwr_sharded.config import ParallelConfig
     from flwr_sharded.parallel.sharding import apply_fsdp, mixed_precision_policy
     from flwr_sharded.parallel.topology import init_topology
-    from flwr_sharded.training.model_init import build_meta_model, init_local_shards, materialize
+    from flwr_sharded.training.model_init import build_meta_model, init_local_shards, materialize, record_init
     from flwr_sharded.training.models import transformer_blocks
 
     topo = init_topology(ParallelConfig(method="fsdp", shards=world))
     model = build_meta_model(LlamaConfig(vocab_size=70, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                          num_key_value_heads=1, intermediate_size=32, pad_token_id=67,
                                          tie_word_embeddings=False))
+    plan = record_init(model)
     apply_fsdp(model, transformer_blocks(model), topo.fsdp_mesh, mp_policy=mixed_precision_policy("fp32", "cpu"))
     materialize(model, "cpu")
-    init_local_shards(model, 0)
+    init_local_shards(model, 0, plan)
     return _full(model)
 
 
