@@ -37,12 +37,12 @@ def test_the_dry_run_passes_every_stage_it_can_run_on_cpu(script, skipped, data_
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("script", ["gpu_check.py", "gpu_check_multi.py"])
-def test_without_the_gpus_it_needs_the_check_refuses_and_says_so(script, tmp_path):
+@pytest.mark.parametrize("script,needs", [("gpu_check.py", 1), ("gpu_check_multi.py", 2)])
+def test_without_the_gpus_it_needs_the_check_refuses_and_says_so(script, needs, tmp_path):
     import torch
 
-    if torch.cuda.device_count() >= 2:
-        pytest.skip("this machine has GPUs: run the checks themselves")
+    if torch.cuda.is_available() and torch.cuda.device_count() >= needs:
+        pytest.skip(f"this machine has the GPUs {script} needs: run it itself")
     out = _check(script, "--out", str(tmp_path), timeout=120)
     assert out.returncode == 2 and "nothing was checked" in out.stderr and "--dry" in out.stderr, out.stderr
     assert not list(tmp_path.iterdir())
