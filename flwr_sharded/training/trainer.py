@@ -16,12 +16,12 @@ from torch import nn
 from flwr_sharded import host_memory
 from flwr_sharded.config import TrainConfig, config_to_dict
 from flwr_sharded.parallel.alignment import local_shard
-from flwr_sharded.parallel.sharding import mixed_precision_policy
+from flwr_sharded.parallel.sharding import mixed_precision_policy, reshard_all
 from flwr_sharded.parallel.topology import Topology
 from flwr_sharded.run_dir import perplexity
 from flwr_sharded.training import data as data_lib
 from flwr_sharded.training.checkpoint import CheckpointWriteError, Checkpointer, check_compatible, resumed_line, \
-    schedule_span
+    schedule_span, write_group
 from flwr_sharded.training.metrics import PhaseTimer, Throughput
 from flwr_sharded.training.model_init import build_sharded_model
 from flwr_sharded.training.partition import BatchStream, eval_batches
@@ -109,9 +109,13 @@ class Trainer:
         self._stepped = False
         self.checkpointer = None
         if cfg.checkpoint.dir:
+            async_pg = None
+            if cfg.checkpoint.async_save:  # every rank builds every group's, here, in the same order
+                async_pg = write_group([topo.group_ranks(f) for f in range(len(topo.group_worlds))], topo.fed_index,
+                                       cfg.timeout_s)
             self.checkpointer = Checkpointer(cfg.checkpoint.dir, fed_index=fed_index, group_rank=topo.group_rank,
                                              group_pg=topo.group_pg, keep=cfg.checkpoint.keep,
-                                             async_save=cfg.checkpoint.async_save)
+                                             async_save=cfg.checkpoint.async_save, async_pg=async_pg)
         self.throughput = Throughput(self.model, cfg, self.device)
 
     def step(self) -> torch.Tensor:
@@ -181,14 +185,20 @@ class Trainer:
     # ----- evaluation, checkpoints, export ------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Held-out loss and perplexity, averaged over every rank's slice (and over groups)."""
+        """Held-out loss and perplexity, averaged over every rank's slice (and over groups). The model is resharded
+        after it: FSDP2 leaves a unit gathered after a forward with no backward (the root, or every unit with
+        `reshard-after-forward` off), and the next forward would use those copies, not the shards a merge, catch-up or
+        restore writes in the meantime."""
         self.model.eval()
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for batch in self.eval_data:
-            batch = batch.to(self.device)
-            loss = self.model(input_ids=batch, labels=batch).loss
-            predicted = batch.shape[0] * (batch.shape[1] - 1)
-            sums += torch.tensor([loss.item() * predicted, predicted], dtype=torch.float64, device=self.device)
+        try:
+            for batch in self.eval_data:
+                batch = batch.to(self.device)
+                loss = self.model(input_ids=batch, labels=batch).loss
+                predicted = batch.shape[0] * (batch.shape[1] - 1)
+                sums += torch.tensor([loss.item() * predicted, predicted], dtype=torch.float64, device=self.device)
+        finally:
+            reshard_all(self.model)
         dist.all_reduce(sums)
         mean = float(sums[0] / sums[1]) if sums[1] > 0 else float("nan")
         return {"eval_loss": mean, "eval_ppl": perplexity(mean)}
@@ -208,7 +218,7 @@ class Trainer:
 
     def checkpoint_or_report(self, write: Any) -> str:
         """Run `write` (a save or the pending commit); a failed write (e.g. a full disk) is logged and returned, the
-        previous checkpoint stays and training goes on. Returns '' or the error."""
+        previous checkpoint stays (a Flower group reports it to the ServerApp). Returns '' or the error."""
         try:
             write()
         except CheckpointWriteError as exc:
