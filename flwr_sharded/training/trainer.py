@@ -31,10 +31,17 @@ from flwr_sharded.training.hf_checkpoint import save_sharded_pretrained
 logger = logging.getLogger(__name__)
 
 
+def fused_on(params: list[torch.Tensor]) -> bool:
+    """Whether AdamW runs fused (one kernel per parameter group, no foreach temporaries): parameters on CUDA."""
+    return bool(params) and all(p.device.type == "cuda" for p in params)
+
+
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     o = cfg.optim
     if o.optimizer == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
+        params = list(model.parameters())
+        return torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay,
+                                 fused=True if fused_on(params) else None)
     return torch.optim.SGD(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
 
 
@@ -106,6 +113,10 @@ class Trainer:
         self.proximal = ProximalTerm(self.model)
         self.timer = PhaseTimer(topo.mesh.device_type)
         self.step_count = 0
+        self.reduce_every_micro_batch = True
+        """With `grad_accum` > 1: reduce-scatter each micro-batch's gradients into the sharded ones (HSDP's replica
+        all-reduce once, at the last); False: hold the whole model's unsharded fp32 gradients until the last
+        micro-batch (fewer collectives, far more memory)."""
         self._stepped = False
         self.checkpointer = None
         if cfg.checkpoint.dir:
@@ -125,7 +136,11 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         for micro in range(cfg.grad_accum):
             batch = next(self.stream).to(self.device, non_blocking=True)
-            self.model.set_requires_gradient_sync(micro == cfg.grad_accum - 1)
+            last = micro == cfg.grad_accum - 1
+            if self.reduce_every_micro_batch:
+                self.model.set_requires_all_reduce(last)
+            else:
+                self.model.set_requires_gradient_sync(last)
             with self.timer.phase("forward"):
                 loss = self.model(input_ids=batch, labels=batch).loss / cfg.grad_accum
             with self.timer.phase("backward"):
