@@ -59,9 +59,7 @@ class RollbackPoint:
 
     def _host_copy(self, value: Any, previous: Any) -> Any:
         """A host copy of `value` (a tensor, or a dict or list of them), in `previous`'s buffers where they fit."""
-        if isinstance(value, torch.Tensor):
-            if value.dim() == 0:
-                return value.detach().to("cpu", copy=True)
+        if isinstance(value, torch.Tensor):  # scalars too (a fused AdamW's step on the device): no host sync
             fits = isinstance(previous, torch.Tensor) and previous.shape == value.shape and \
                 previous.dtype == value.dtype
             buffer = previous if fits else self._host_like(value)
@@ -128,12 +126,19 @@ class RollbackPoint:
             for key, value in saved.items():
                 if not isinstance(value, torch.Tensor):
                     current[key] = value
-                elif value.dim() == 0:
-                    current[key] = value.to(current[key].device if key in current else "cpu", copy=True)
+                elif value.dim() == 0:  # where the optimizer keeps it: the parameter's device if fused or capturable
+                    device = current[key].device if key in current else self._scalar_device(param)
+                    current[key] = value.to(device, copy=True)
                 else:
                     if key not in current:
                         current[key] = torch.empty_like(param, dtype=value.dtype)
                     local_shard(current[key]).copy_(value, non_blocking=True)
+
+    def _scalar_device(self, param: torch.Tensor) -> torch.device:
+        """Where the optimizer keeps a new scalar state (a step count) of `param`."""
+        group = next(g for g in self.optimizer.param_groups if any(p is param for p in g["params"]))
+        on_device = group.get("fused") or group.get("capturable")
+        return local_shard(param).device if on_device else torch.device("cpu")
 
     def _save_state(self, state: dict[str, Any] | None, previous: dict[str, Any] | None) -> dict[str, Any] | None:
         """A host copy of one parameter's optimizer state, reusing `previous`'s buffers where they fit."""

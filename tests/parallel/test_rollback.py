@@ -113,7 +113,7 @@ def _host_buffers(point: RollbackPoint) -> list[int]:
     """The data pointers of every host copy the point holds (shards, moments, outer state)."""
     out = [copy.data_ptr() for _, _, saved in point._parts for copy in saved]
     out += [v.data_ptr() for moments in point._moments for m in moments for v in (m or {}).values()
-            if isinstance(v, torch.Tensor) and v.dim() > 0]
+            if isinstance(v, torch.Tensor)]
     outer = [v for o in point._outer if o for v in [*o["global"], *[s["momentum"] for s in o["state"]],
                                                    *o["residuals"].values()]]
     return out + [v.data_ptr() for v in outer]
@@ -126,7 +126,7 @@ def test_commits_reuse_their_host_buffers_and_restore_writes_in_place():
     _step(t, 1)
     point.commit()
     buffers = _host_buffers(point)
-    assert len(buffers) == 4 + 8 + 5  # 4 shards, their 2 moments each, the outer state's 5 tensors
+    assert len(buffers) == 4 + 12 + 5  # 4 shards, their 2 moments and step each, the outer state's 5 tensors
     _step(t, 2)
     with torch.no_grad():
         for tensor in [*outer.shards, *[s["momentum"] for s in outer.rule_state], *outer.residuals.values()]:
