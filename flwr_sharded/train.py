@@ -156,6 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"flwr-sharded: error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    from flwr_sharded.training.checkpoint import CheckpointWriteError
     from flwr_sharded.training.sync_loop import SyncFailed
 
     try:
@@ -164,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if leader:
             print(f"flwr-sharded: error: {exc}", file=sys.stderr)
         return 2
-    except SyncFailed as exc:  # every rank stops at the same sync, with the same error
+    except (SyncFailed, CheckpointWriteError) as exc:  # every rank stops at the same sync or checkpoint
         if leader:
             print(f"flwr-sharded: error: {exc}", file=sys.stderr)
         return 1

@@ -8,8 +8,10 @@
 A checkpoint is written, fsync'd, into `step-N.tmp/`; once every rank has written, group rank 0 commits (meta.json
 with every file's size; rename to `step-N/`, an existing `step-N/` kept as `step-N.old/` until then; `latest`
 replaced atomically; each step fsync'd), so a complete checkpoint is on disk at every moment. A write that fails on
-any rank (a full disk) removes `step-N.tmp/` and raises `CheckpointWriteError` on every rank of the group, which can
-keep training.
+any rank (a full disk) removes `step-N.tmp/` and raises `CheckpointWriteError` on every rank of the group (the static
+engine stops there; a Flower group reports it to the ServerApp). An async save writes from a thread over a gloo group
+of the group's ranks (`write_group`) that carries nothing else: DCP needs a CPU backend for it, and a group the main
+thread also uses (the NCCL group, a control group) would interleave the two threads' collectives.
 
 Resume takes the checkpoint `latest` names if complete (`checkpoint_files.incomplete_reason`), else the newest
 complete one that loads, logging what it skipped and why. It refuses (ConfigError naming the option) a run whose
@@ -27,7 +29,8 @@ import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from datetime import timedelta
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -195,6 +198,19 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def cpu_capable(pg: dist.ProcessGroup) -> bool:
+    """Whether `pg` has a CPU backend (gloo), which DCP's async save needs."""
+    return torch.device("cpu") in pg._device_types
+
+
+def write_group(group_ranks: Sequence[Sequence[int]], own: int, timeout_s: float) -> dist.ProcessGroup:
+    """A gloo group over each federation group's ranks, this rank's (`group_ranks[own]`) returned: what async
+    checkpoints are written over. A collective of the world: every rank makes every group's, in the same order."""
+    groups = [dist.new_group(list(ranks), backend="gloo", timeout=timedelta(seconds=timeout_s))
+              for ranks in group_ranks]
+    return groups[own]
+
+
 @dataclass
 class _Pending:
     future: Future | None
@@ -206,14 +222,31 @@ class _Pending:
 
 
 class Checkpointer:
-    """Saves and restores one group's model, optimizer, schedule, data position and RNG state."""
+    """Saves and restores one group's model, optimizer, schedule, data position and RNG state.
+
+    Args:
+        group_pg: all ranks of the group (loads, synchronous saves, the ranks' agreement on a write).
+        async_pg: the group an async save writes over from its thread (`write_group`): a CPU backend, used by
+            nothing else. Needed for `async_save` (ValueError without one).
+    """
 
     def __init__(self, root: str | Path, *, fed_index: int, group_rank: int, group_pg: dist.ProcessGroup,
-                 keep: int = 2, async_save: bool = False) -> None:
+                 keep: int = 2, async_save: bool = False, async_pg: dist.ProcessGroup | None = None) -> None:
         self.directory = group_dir(root, fed_index)
-        self.group_rank, self.group_pg = group_rank, group_pg
+        self.group_rank, self.group_pg, self.async_pg = group_rank, group_pg, async_pg
         self.keep, self.async_save = keep, async_save
         self._pending: _Pending | None = None
+        if async_save and self._async_refusal():
+            raise ValueError(self._async_refusal())
+
+    def _async_refusal(self) -> str:
+        """Why an async save cannot run over `async_pg` ('' if it can)."""
+        if self.async_pg is None:
+            return "--async-checkpoint: no process group to write over (a gloo group of the group's ranks)"
+        if not cpu_capable(self.async_pg):
+            return (f"--async-checkpoint: its process group has no CPU backend (devices "
+                    f"{[str(d) for d in self.async_pg._device_types]}); async saves need gloo")
+        return ""
 
     # ----- agreement within the group --------------------------------------------------------------------------
     def _errors(self, error: str) -> list[str]:
@@ -274,12 +307,15 @@ class Checkpointer:
         future, error = None, ""
         try:  # DCP fsyncs its files; a failed write raises on every rank (its results are gathered)
             if self.async_save:
-                future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group_pg)
+                refusal = self._async_refusal()
+                if refusal:
+                    raise ValueError(refusal)
+                future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.async_pg)
             else:
                 dcp.save(state, checkpoint_id=str(tmp), process_group=self.group_pg)
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - agreed on in `wait`
             error = describe(exc)
-        # no collective of ours before `wait`: an async save's own collectives run in its thread on this group
+        # no collective of ours on `async_pg`: an async save's own collectives run there, in its thread
         self._pending = _Pending(future, tmp, final, {"step": step, **meta}, error)
         if not self.async_save:
             self.wait()

@@ -1,17 +1,20 @@
 """The static engine's run: `SyncLoop.run` until the run's last step over the static world's federation, with the
-records around it (train windows, evaluations and checkpoints at the run's ticks, failed syncs and their retries)."""
+records around it (train windows, evaluations and checkpoints at the run's ticks, failed syncs and their retries).
+A checkpoint that could not be written stops the run on every rank (`CheckpointWriteError`)."""
 
 from __future__ import annotations
 
 import logging
 import math
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from flwr_sharded.parallel.token_weights import tokens_of
 from flwr_sharded.run_dir import perplexity
+from flwr_sharded.training.checkpoint import CheckpointWriteError, latest_checkpoint
 from flwr_sharded.training.metrics import progress_bar, train_line
 from flwr_sharded.training.sync_loop import StaticFederation, SyncFailed, SyncLoop
 
@@ -44,7 +47,7 @@ class StaticRun:
             self.loop.run(federation, until=cfg.steps, on_step=self.on_step, on_period=self.on_period,
                           on_failure=self.on_failure)
             if t.checkpointer is not None:
-                t.checkpoint_or_report(t.checkpointer.wait)
+                self.checkpoint(t.checkpointer.wait)
         finally:
             self.bar.close()
         return self.last
@@ -78,8 +81,33 @@ class StaticRun:
             self.window_start += time.perf_counter() - evaluated  # evaluation is not training time
         every = cfg.checkpoint.every
         if t.checkpointer is not None and ((every and tick // every > self.last_tick // every) or end):
-            t.checkpoint_or_report(self.loop.save_checkpoint)
+            self.checkpoint(self.loop.save_checkpoint)
         self.last_tick = tick
+
+    def checkpoint(self, write: Callable[[], None]) -> None:
+        """Run `write` (a save, or the pending async one's commit) on every rank of the world at the same tick; if it
+        failed in any group, raise CheckpointWriteError on every rank: the run stops rather than train on without
+        the checkpoint its user counts on (an async save's failure surfaces at the next save or at the end)."""
+        error = ""
+        try:
+            write()
+        except CheckpointWriteError as exc:
+            error = f"federation group {self.t.topo.fed_index}: {exc}" if self.cfg.parallel.federations > 1 else \
+                str(exc)
+        errors: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)  # the default group: only this thread uses it
+        failed = list(dict.fromkeys(e for e in errors if e))
+        if not failed:
+            return
+        checkpointer = self.t.checkpointer
+        try:
+            checkpointer.wait()  # an async save still in flight is committed before the run stops
+        except CheckpointWriteError as exc:
+            failed.append(str(exc))
+        newest = latest_checkpoint(checkpointer.directory)
+        raise CheckpointWriteError(f"{'; '.join(failed)}. The run stops at step {self.t.step_count} (newest "
+                                   f"checkpoint: {newest.name if newest else 'none'}): resume it with --resume once "
+                                   f"the checkpoint directory can be written")
 
     def on_period(self, times: dict[str, Any] | None) -> None:
         """The groups' step and sync times after a period (rank 0 logs them)."""

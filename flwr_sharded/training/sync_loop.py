@@ -301,6 +301,8 @@ class SyncLoop:
                         return report
                     began = time.perf_counter()
                     loss = t.step()
+                    if self.adapt and t.device.type == "cuda":  # the step's kernels, not their launch, set the steps
+                        torch.cuda.current_stream(t.device).synchronize()
                     self.compute_s += time.perf_counter() - began
                     self.tokens = [n + tokens_of(self.cfg, steps=1) for n in self.tokens]
                     if self.steps != self.A:  # the learning-rate schedule on the fastest group's clock

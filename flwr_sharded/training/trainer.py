@@ -16,12 +16,12 @@ from torch import nn
 from flwr_sharded import host_memory
 from flwr_sharded.config import TrainConfig, config_to_dict
 from flwr_sharded.parallel.alignment import local_shard
-from flwr_sharded.parallel.sharding import mixed_precision_policy
+from flwr_sharded.parallel.sharding import mixed_precision_policy, reshard_all
 from flwr_sharded.parallel.topology import Topology
 from flwr_sharded.run_dir import perplexity
 from flwr_sharded.training import data as data_lib
 from flwr_sharded.training.checkpoint import CheckpointWriteError, Checkpointer, check_compatible, resumed_line, \
-    schedule_span
+    schedule_span, write_group
 from flwr_sharded.training.metrics import PhaseTimer, Throughput
 from flwr_sharded.training.model_init import build_sharded_model
 from flwr_sharded.training.partition import BatchStream, eval_batches
@@ -31,10 +31,17 @@ from flwr_sharded.training.hf_checkpoint import save_sharded_pretrained
 logger = logging.getLogger(__name__)
 
 
+def fused_on(params: list[torch.Tensor]) -> bool:
+    """Whether AdamW runs fused (one kernel per parameter group, no foreach temporaries): parameters on CUDA."""
+    return bool(params) and all(p.device.type == "cuda" for p in params)
+
+
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     o = cfg.optim
     if o.optimizer == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
+        params = list(model.parameters())
+        return torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay,
+                                 fused=True if fused_on(params) else None)
     return torch.optim.SGD(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
 
 
@@ -106,12 +113,20 @@ class Trainer:
         self.proximal = ProximalTerm(self.model)
         self.timer = PhaseTimer(topo.mesh.device_type)
         self.step_count = 0
+        self.reduce_every_micro_batch = True
+        """With `grad_accum` > 1: reduce-scatter each micro-batch's gradients into the sharded ones (HSDP's replica
+        all-reduce once, at the last); False: hold the whole model's unsharded fp32 gradients until the last
+        micro-batch (fewer collectives, far more memory)."""
         self._stepped = False
         self.checkpointer = None
         if cfg.checkpoint.dir:
+            async_pg = None
+            if cfg.checkpoint.async_save:  # every rank builds every group's, here, in the same order
+                async_pg = write_group([topo.group_ranks(f) for f in range(len(topo.group_worlds))], topo.fed_index,
+                                       cfg.timeout_s)
             self.checkpointer = Checkpointer(cfg.checkpoint.dir, fed_index=fed_index, group_rank=topo.group_rank,
                                              group_pg=topo.group_pg, keep=cfg.checkpoint.keep,
-                                             async_save=cfg.checkpoint.async_save)
+                                             async_save=cfg.checkpoint.async_save, async_pg=async_pg)
         self.throughput = Throughput(self.model, cfg, self.device)
 
     def step(self) -> torch.Tensor:
@@ -121,7 +136,11 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         for micro in range(cfg.grad_accum):
             batch = next(self.stream).to(self.device, non_blocking=True)
-            self.model.set_requires_gradient_sync(micro == cfg.grad_accum - 1)
+            last = micro == cfg.grad_accum - 1
+            if self.reduce_every_micro_batch:
+                self.model.set_requires_all_reduce(last)
+            else:
+                self.model.set_requires_gradient_sync(last)
             with self.timer.phase("forward"):
                 loss = self.model(input_ids=batch, labels=batch).loss / cfg.grad_accum
             with self.timer.phase("backward"):
@@ -181,14 +200,20 @@ class Trainer:
     # ----- evaluation, checkpoints, export ------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Held-out loss and perplexity, averaged over every rank's slice (and over groups)."""
+        """Held-out loss and perplexity, averaged over every rank's slice (and over groups). The model is resharded
+        after it: FSDP2 leaves a unit gathered after a forward with no backward (the root, or every unit with
+        `reshard-after-forward` off), and the next forward would use those copies, not the shards a merge, catch-up or
+        restore writes in the meantime."""
         self.model.eval()
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for batch in self.eval_data:
-            batch = batch.to(self.device)
-            loss = self.model(input_ids=batch, labels=batch).loss
-            predicted = batch.shape[0] * (batch.shape[1] - 1)
-            sums += torch.tensor([loss.item() * predicted, predicted], dtype=torch.float64, device=self.device)
+        try:
+            for batch in self.eval_data:
+                batch = batch.to(self.device)
+                loss = self.model(input_ids=batch, labels=batch).loss
+                predicted = batch.shape[0] * (batch.shape[1] - 1)
+                sums += torch.tensor([loss.item() * predicted, predicted], dtype=torch.float64, device=self.device)
+        finally:
+            reshard_all(self.model)
         dist.all_reduce(sums)
         mean = float(sums[0] / sums[1]) if sums[1] > 0 else float("nan")
         return {"eval_loss": mean, "eval_ppl": perplexity(mean)}
@@ -208,7 +233,7 @@ class Trainer:
 
     def checkpoint_or_report(self, write: Any) -> str:
         """Run `write` (a save or the pending commit); a failed write (e.g. a full disk) is logged and returned, the
-        previous checkpoint stays and training goes on. Returns '' or the error."""
+        previous checkpoint stays (a Flower group reports it to the ServerApp). Returns '' or the error."""
         try:
             write()
         except CheckpointWriteError as exc:

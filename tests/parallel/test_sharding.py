@@ -41,7 +41,10 @@ def _reference_and_sharded(rank: int, world: int, arch: str, options: dict):
         opt.step()
     full = {k: v.full_tensor() for k, v in model.state_dict().items()}
     ref = reference.state_dict()
-    return max(float((full[k] - ref[k]).abs().max()) for k in ref), len(model.state_dict())
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    return max(float((full[k] - ref[k]).abs().max()) for k in ref), len(model.state_dict()), units
 
 
 @pytest.mark.dist
@@ -53,9 +56,15 @@ def _reference_and_sharded(rank: int, world: int, arch: str, options: dict):
     ("gpt2", {}),
 ])
 def test_sharded_step_equals_unsharded_step(arch, options):
-    for diff, n_tensors in run_ranks(_reference_and_sharded, 2, arch, options):
+    """Units as torchtitan's: the input embedding, each block, [final norm, head], the root; tied embeddings (GPT-2)
+    stay in the root."""
+    for diff, n_tensors, units in run_ranks(_reference_and_sharded, 2, arch, options):
         assert n_tensors > 5
         assert diff < 1e-6, diff
+        if arch == "llama":
+            assert units == ["", "model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "lm_head"]
+        else:
+            assert units == ["", "transformer.h.0", "transformer.h.1"], units
 
 
 def test_blocks_are_found_from_the_model():

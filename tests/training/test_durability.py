@@ -59,8 +59,9 @@ def _faults(rank: int, world: int, data_dir: str, ckpt: str) -> dict:
     import torch.distributed.checkpoint.filesystem as dcp_fs
 
     cfg = _config(data_dir, ckpt)
-    cfg.checkpoint.keep = 3
+    cfg.checkpoint.keep, cfg.checkpoint.async_save = 3, True  # the async saves' write group is built
     t = _trainer(cfg)
+    cfg.checkpoint.async_save = t.checkpointer.async_save = False  # each save below sets its mode
     _train(t, 2)
     t.save_checkpoint()
     at_2 = _checksum(t)

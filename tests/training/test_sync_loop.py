@@ -103,3 +103,34 @@ def test_group_steps_needs_whole_periods_and_no_periodic_checkpoints():
     cfg.checkpoint.dir, cfg.checkpoint.resume = "ckpt", True
     with pytest.raises(ConfigError, match="without --checkpoint-every or --resume"):
         validate_static(cfg)
+
+
+@pytest.mark.parametrize("group_steps", ["speed", "equal"])
+def test_a_step_time_that_sets_the_steps_waits_for_the_devices_kernels(monkeypatch, group_steps):
+    """With `group-steps speed` on CUDA each step's time includes its queued kernels (the main stream synchronised
+    where the time is read); `equal` adds no synchronisation. A stand-in stream takes 20 ms to drain."""
+    import time
+
+    import torch
+
+    from flwr_sharded.training.sync_loop import SyncLoop
+
+    drained = []
+
+    class Stream:
+        def synchronize(self) -> None:
+            time.sleep(0.02)
+            drained.append(1)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    cfg = TrainConfig(steps=4)
+    cfg.parallel.method, cfg.parallel.aggregate_every, cfg.parallel.group_steps = "fsdp", 4, group_steps
+    t = _Trainer(cfg)
+    t.device = torch.device("cuda")
+    loop = SyncLoop(t)
+    periods = []
+    loop.run(None, until=cfg.steps, on_step=lambda loss, tick: periods.append(loop.compute_s))
+    if group_steps == "speed":
+        assert len(drained) == 4 and periods[-1] >= 4 * 0.02
+    else:
+        assert not drained and periods[-1] < 4 * 0.02
