@@ -439,8 +439,8 @@ def export_pretrained(checkpoint: str | Path, out: str | Path, *, dtype: torch.d
     if missing:
         raise ConfigError(f"--checkpoint: {checkpoint} lacks the model's {missing[:3]}")
     dtype = dtype or stored[f"model.{tensors[0]}"].properties.dtype
-    layout = hf_checkpoint.plan_layout([(n, tuple(stored[f"model.{n}"].size)) for n in tensors], dtype,
-                                max_file_bytes=max_file_bytes or hf_checkpoint.MAX_FILE_BYTES)
+    shapes, plan = hf_checkpoint.published_layout(model)  # the names and expert layout save_pretrained writes
+    layout = hf_checkpoint.plan_layout(shapes, dtype, max_file_bytes=max_file_bytes or hf_checkpoint.MAX_FILE_BYTES)
     hf_checkpoint.create_files(out, layout)
     for name in tensors:
         info = stored[f"model.{name}"]
@@ -449,7 +449,7 @@ def export_pretrained(checkpoint: str | Path, out: str | Path, *, dtype: torch.d
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # single-process by design
             dcp.load({"model": {name: tensor}}, storage_reader=checkpoint_files.SafeReader(str(checkpoint)),
                      no_dist=True)
-        hf_checkpoint.write_rows(out, layout, name, 0, tensor)
+        hf_checkpoint.write_local(out, layout, plan[name], tensor, 0)
         del tensor
     hf_checkpoint.commit(out, layout)
     hf_checkpoint.write_config(out, model, dtype, load_tokenizer(cfg.data, cfg.model.name))

@@ -393,9 +393,17 @@ def test_a_published_moe_trains_fl_fsdp_with_its_own_tokenizer_and_exports_its_p
                           "--pretrained", "--dataset", str(tmp_path / "corpus.jsonl"), "--data-dir",
                           str(tmp_path / "data"), "--seq-len", "32", "--batch-size", "2", "--steps", "4",
                           "--aggregate-every", "2", "--eval-blocks", "2", "--no-progress", "--run-dir",
-                          str(tmp_path / "run"), "--tokenize-workers", "1"], timeout=240)
+                          str(tmp_path / "run"), "--tokenize-workers", "1", "--checkpoint-dir",
+                          str(tmp_path / "ckpt"), "--checkpoint-every", "4"], timeout=240)
     assert result.returncode == 0, result.stderr[-4000:]
     out = tmp_path / "run" / "model"
     assert _tensors(out).keys() == _tensors(src).keys()
     assert AutoTokenizer.from_pretrained(out).get_vocab() == tokenizer.get_vocab()
     assert type(AutoModelForCausalLM.from_pretrained(out)).__name__ == "MixtralForCausalLM"
+    # `flwr-sharded export` from the DCP checkpoint writes the same published layout and values
+    from flwr_sharded.training.checkpoint import export_pretrained
+
+    exported = _tensors(export_pretrained(tmp_path / "ckpt" / "group-0", tmp_path / "exported"))
+    written = _tensors(out)
+    assert exported.keys() == written.keys()
+    assert all(torch.equal(exported[k], written[k]) for k in written)
