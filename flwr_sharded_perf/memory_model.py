@@ -25,8 +25,6 @@ GRAD_BYTES = 4
 """Sharded gradients: reduce-scattered in fp32 (`reduce_dtype`) into the parameters' dtype."""
 REDUCE_BYTES = 4
 """The reduce-scatter's input: a block's unsharded gradients copied into one fp32 buffer."""
-ACCUM_BYTES = 4
-"""Unsharded gradients kept between micro-batches (`set_requires_gradient_sync(False)`), upcast to fp32."""
 FP32_BYTES = 4
 """fp32 copies in the forward: RMSNorm's upcast input, the upcast logits and their log-softmax."""
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2}
@@ -142,8 +140,6 @@ class MemoryBreakdown:
     """The outer rule's temporaries during a sync."""
     anchor: float
     """FedProx's copy of the shards."""
-    accumulated_grads: float
-    """Unsharded fp32 gradients of the whole model between micro-batches (grad-accum > 1)."""
     gathered_params: float
     """All-gathered parameters in the compute dtype: the root, and the blocks in flight (all, without reshard)."""
     gathered_grads: float
@@ -245,7 +241,6 @@ def trainer_memory(shape: ModelShape, *, S: int, tokens: int, R: int = 1, F: int
     sync, sync_temp, outer_state = _sync_terms(shape, o, S=S, F=F)
     host = MASTER_BYTES * shard + optimizer + outer_state if o.rollback else 0.0
     anchor = MASTER_BYTES * shard if o.proximal else 0.0
-    accumulated = ACCUM_BYTES * P if o.grad_accum > 1 else 0.0
 
     in_flight = 2 if S > 1 else 1  # the block computing and the next one's all-gather output (S = 1: a copy)
     gathered_first = cb * (root + (in_flight if o.reshard_after_forward else L) * block)
@@ -264,8 +259,8 @@ def trainer_memory(shape: ModelShape, *, S: int, tokens: int, R: int = 1, F: int
 
     base = parameters + optimizer + sync + anchor
     phases = {
-        "loss backward": base + accumulated + gathered_first + activations + logits,
-        "first block backward": base + accumulated + gathered_first + activations - outside + backward_working
+        "loss backward": base + gathered_first + activations + logits,
+        "first block backward": base + gathered_first + activations - outside + backward_working
         + grads_block,
         "last block backward": base + grad_bytes * (L - 1) * block / S + gathered_last + tokens * kept
         + backward_working + grads_block,
@@ -276,7 +271,7 @@ def trainer_memory(shape: ModelShape, *, S: int, tokens: int, R: int = 1, F: int
         phases["shard sync"] = base + sync_temp
     return MemoryBreakdown(parameters=parameters, gradients=gradients, optimizer=optimizer,
                            optimizer_temp=optimizer_temp, sync=sync, sync_temp=sync_temp, anchor=anchor,
-                           accumulated_grads=accumulated, gathered_params=gathered_first,
+                           gathered_params=gathered_first,
                            gathered_grads=max(grads_block, grads_root), activations=activations,
                            backward_working=backward_working, logits=logits, host=host, phases=phases)
 
