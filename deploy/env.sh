@@ -50,8 +50,9 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}"
 #   NCCL_NET_GDR_LEVEL  GPUDirect RDMA distance (e.g. PHB); NCCL_CROSS_NIC=1 on rail-optimised fabrics
 #   NCCL_DEBUG          WARN by default; INFO shows the chosen transport (look for "NET/IB" vs "NET/Socket")
 #   NCCL_DEBUG_SUBSYS   e.g. INIT,NET with NCCL_DEBUG=INFO
-#   TORCH_NCCL_ASYNC_ERROR_HANDLING=1  a failed or timed-out collective of the group's own tears the process down
-#                                      instead of hanging (federation groups use mode 2: abort and roll back)
+#   TORCH_NCCL_ASYNC_ERROR_HANDLING=1  a failed or timed-out collective tears the process down instead of hanging
+#                                      (the static engine; a Flower group's processes set mode 2 when they start:
+#                                      a failed sync aborts its communicator and rolls back)
 #   TORCH_NCCL_BLOCKING_WAIT           leave unset (1 makes every wait a host sync)
 #   NCCL_IB_TIMEOUT / NCCL_IB_RETRY_CNT  raise on large or lossy fabrics (e.g. 22 / 10)
 # Cross-facility shard syncs cannot use NCCL's IB transport between sites: run the groups with --sync-backend gloo

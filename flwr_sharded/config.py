@@ -107,7 +107,9 @@ class ParallelConfig:
                                                  "the strategy's strikes decide what follows (max-strikes)")
     """Static engine: a sync that fails on any member (an error, a timeout, a rejected result) puts every rank back at
     the last adopted sync (shards, outer state, inner optimizer, step, schedule) and training goes on with fresh
-    batches, at most this many times in a row. 0: stop at the first, keeping no rollback copy in host memory."""
+    batches, at most this many times in a row. 0: stop at the first, keeping no rollback copy in host memory. Over
+    gloo only: on NCCL (`backend` nccl, or auto on GPUs) a value above 0 is refused, since a timed-out or lost peer
+    aborts communicators the static engine cannot rebuild (a Flower round rebuilds them)."""
     sync_max_move: float = option(DEFAULT_MAX_MOVE, ge=0)
     """Adopt a sync only if, on every rank, the result moves each bucket of its shards by at most this many times the
     median of that bucket's recent adopted moves, per token of the rank's weight (at first: this many times the
@@ -331,7 +333,8 @@ class TrainConfig:
     """Evaluate held-out perplexity every N steps (and at the end); 0: only at the end."""
     timeout_s: float = option(600.0, gt=0, name="timeout",
                                not_flat="a group's own collective timeout is set when it starts (--collective-timeout)")
-    """Timeout of every collective, in seconds."""
+    """Timeout of every collective, in seconds: every process group the run makes has it, and a sync's collectives
+    raise when it runs out."""
 
 
 def label_of(surface: Surface, name: str) -> str:

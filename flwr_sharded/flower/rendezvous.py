@@ -4,7 +4,10 @@ Each group's rank 0 serves one store port per shard index (`store_server`, offer
 round's scopes with the fresh secret the ServerApp sends every member. Each member's rank holding shard s (replica 0)
 proves it at member 0's port s (scope `<round prefix>/s<s>`, `store_client.RoundStore`), writes a proof naming its
 node and waits for every member's; gloo or NCCL then build the group through that store (their own connections are
-unauthenticated: docs/security.md). A failed group is destroyed, never reused. Store and arrivals wait at most
+unauthenticated: docs/security.md); an NCCL group is built directly over that store, its communicator made at once
+(`nccl_group`), never split from this process's own groups. A failed group is destroyed (NCCL: aborted), never
+reused; the NCCL variables it relies on (error-handling mode 2) are set once, when the group's process starts
+(`flwr_sharded.parallel.collectives.configure_nccl_watchdog`). Store and arrivals wait at most
 `rendezvous_timeout` (ended by `abort()`: a member is gone), the backend's rendezvous and collectives `sync_timeout`.
 A member is named missing only if the store turned nobody away meanwhile (a stranger flooding the port is nobody's
 fault).
@@ -14,20 +17,20 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import secrets
 import socket
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from flwr_sharded.errors import first_line
+from flwr_sharded.parallel.collectives import group_options, nccl_class
 from flwr_sharded.flower.store_client import RoundClosed, RoundStore, StoreAborted, StoreUnreachable
 from flwr_sharded.flower.store_server import StoreServer
 
@@ -38,7 +41,7 @@ GLOO_CONNECT_ATTEMPTS = 5
 """How many times gloo retries connecting a pair, each with the group's timeout (measured: torch 2.13)."""
 MIN_CONNECT_S = 10.0
 """Shortest timeout a federation group is built with (then raised to sync_timeout for its collectives)."""
-NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+GROUP_DESC = "flwr_sharded federation group"
 
 
 class RendezvousError(RuntimeError):
@@ -131,10 +134,11 @@ def join(*, host: str, port: int, prefix: str, rank: int, size: int, rendezvous_
         connect_s = min(sync_timeout, max(MIN_CONNECT_S, sync_timeout / GLOO_CONNECT_ATTEMPTS))
     store.set_timeout(timedelta(seconds=connect_s))
     try:
-        with _nccl_errors_raise(backend):
+        if backend == "nccl":
+            pg = nccl_group(store, rank, size, name, timedelta(seconds=connect_s), device)
+        else:
             pg, _ = c10d._new_process_group_helper(size, rank, [], backend, store, group_name=name,
-                                                   timeout=timedelta(seconds=connect_s),
-                                                   group_desc="flwr_sharded federation group")
+                                                   timeout=timedelta(seconds=connect_s), group_desc=GROUP_DESC)
         if connect_s != sync_timeout:
             pg.set_timeout(timedelta(seconds=sync_timeout))
     except Exception as exc:
@@ -219,20 +223,32 @@ def _check_proof(proof: object, prefix: str, r: int, members: list[str], nonce: 
                               f"took this member's slot (index {r}, node {members[r]!r}): refused")
 
 
-@contextmanager
-def _nccl_errors_raise(backend: str) -> Iterator[None]:
-    """Build an NCCL federation group in error-handling mode 2 (CleanUpOnly): a failed collective raises here and the
-    rank rolls back, instead of the watchdog killing the process (mode 1, kept by the process's other groups: the
-    variable is read when a group is built)."""
-    if backend != "nccl":
-        yield
-        return
-    saved = os.environ.get(NCCL_ERROR_HANDLING)
-    os.environ[NCCL_ERROR_HANDLING] = "2"
+def nccl_group(store: dist.Store, rank: int, size: int, name: str, timeout: timedelta,
+               device: torch.device | None = None, *, nccl: Any = None) -> dist.ProcessGroup:
+    """An NCCL process group of `size` members over the round's `store`, built directly (as torchft builds its
+    groups): never split from this process's default group (`_new_process_group_helper` would split from it once it
+    is bound to a device, and hang); its communicator made at once and nonblocking, so that a member gone since the
+    store's rendezvous fails it within TORCH_NCCL_NONBLOCKING_TIMEOUT rather than at the first collective. Registered
+    like a sub-group of this world (destroy, abort); its communicator is `device`'s (default: the current GPU, which
+    the topology set). `nccl`: the backend class (default torch's ProcessGroupNCCL)."""
+    nccl = nccl or nccl_class()
+    device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
+    options = group_options("nccl", timeout, nccl)
+    options.config.blocking = False
+    options.group_name = name
+    prefix = dist.PrefixStore(f"{name}/", store)
+    pg = dist.ProcessGroup(prefix, rank, size)
+    pg._set_default_backend(dist.ProcessGroup.BackendType.NCCL)
+    backend = nccl(dist.PrefixStore("cuda/", prefix), rank, size, options)
+    backend._set_sequence_number_for_group()
+    pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, backend)
+    pg._set_group_name(name)
+    pg._set_group_desc(GROUP_DESC)
+    c10d._register_pg_in_world(pg, backend_name="nccl", store=prefix, group_name=name, backend_config="cuda:nccl",
+                               add_to_default_tag=True)
     try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ[NCCL_ERROR_HANDLING]
-        else:
-            os.environ[NCCL_ERROR_HANDLING] = saved
+        backend.eager_connect_single_device(device)
+    except BaseException:
+        c10d._abort_process_group(pg)
+        raise
+    return pg

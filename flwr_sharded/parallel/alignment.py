@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from flwr_sharded.parallel.collectives import bounded
+
 
 class ShardAlignmentError(RuntimeError):
     """Federation groups shard the model differently, so their shards cannot be averaged."""
@@ -50,7 +52,7 @@ def _mismatch(descriptors: list[str], group: dist.ProcessGroup, device: torch.de
     """'' when every member of `group` has the same descriptors; else the first difference, explained."""
     mine = int(hashlib.sha256("\n".join(descriptors).encode()).hexdigest()[:15], 16)
     gathered = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, torch.tensor([mine], dtype=torch.int64, device=device), group=group)
+    bounded(dist.all_gather, gathered, torch.tensor([mine], dtype=torch.int64, device=device), group=group)
     if all(int(g.item()) == mine for g in gathered):
         return ""
     everyone: list[list[str] | None] = [None] * len(gathered)

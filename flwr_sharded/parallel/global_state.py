@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from flwr_sharded.parallel.buckets import Bucket, BucketLayout
+from flwr_sharded.parallel.collectives import bounded
 from flwr_sharded.parallel.quantize import ErrorFeedback
 from flwr_sharded.parallel.rules import ShardRule
 
@@ -77,9 +78,9 @@ class GlobalState:
         if self.shards is None:
             raise RuntimeError("no global state to broadcast: capture it first")
         for k, (global_k, group) in enumerate(zip(self.shards, groups)):
-            dist.broadcast(global_k, group=group, group_src=source)
+            bounded(dist.broadcast, global_k, group=group, group_src=source)
             for name in sorted(self.rule_state[k]):
-                dist.broadcast(self.rule_state[k][name], group=group, group_src=source)
+                bounded(dist.broadcast, self.rule_state[k][name], group=group, group_src=source)
 
     @torch.no_grad()
     def relayout(self, old: list[Bucket], layout: BucketLayout) -> None:

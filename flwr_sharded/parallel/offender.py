@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from flwr_sharded.parallel.admission import all_finite
+from flwr_sharded.parallel.collectives import bounded
 from flwr_sharded.parallel.plausibility import MoveBound, norm_of
 
 
@@ -52,12 +53,12 @@ def identify(flat: torch.Tensor, intact: bool, weights: list[float], bound: Move
     `group`: the values, the judgements."""
     size, me = dist.get_world_size(group), dist.get_rank(group)
     gathered = [torch.empty_like(flat) for _ in range(size)]
-    dist.all_gather(gathered, flat, group=group)
+    bounded(dist.all_gather, gathered, flat, group=group)
     named = judge(gathered, weights, me, intact, bound, k)
     del gathered
     mine = torch.tensor([1.0 if j in named else 0.0 for j in range(size)], device=flat.device)
     masks = torch.empty(size * size, dtype=torch.float32, device=flat.device)
-    dist.all_gather_single(masks, mine, group=group)
+    bounded(dist.all_gather_single, masks, mine, group=group)
     counts = masks.view(size, size).sum(dim=0).tolist()
     return [j for j, count in enumerate(counts) if 2 * count > size]
 

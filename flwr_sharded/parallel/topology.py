@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.alignment import ShardAlignmentError
+from flwr_sharded.parallel.collectives import configure_nccl_watchdog, group_options
 from flwr_sharded.parallel.sync_plan import Owners, Seat, SyncPlan, channel_ranks
 
 MESH_DIMS = ("fed", "rep", "shard")
@@ -54,6 +55,8 @@ class Topology:
     """The layout the mesh was built from."""
     group_mesh: DeviceMesh
     """All ranks of this federation group as one flattened dimension (group-wide reductions, checkpoints)."""
+    timeout: timedelta
+    """Every process group's timeout (the run's `--timeout`): a group made later (`new_group`) takes it too."""
     own_fed_group: dist.ProcessGroup | None = None
     """The federation group when it spans the world (R = S = 1), as a group of its own rather than the mesh's default
     group: an overlapped sync's thread must not share a group with the main thread's collectives (the metrics')."""
@@ -146,8 +149,9 @@ def check_world_size(config: MeshLayout, world_size: int) -> None:
                           f"{config.shards} = {ranks}; launch {ranks} processes or change federations/replicas/shards")
 
 
-def _start_world(config: MeshLayout, ranks: int, timeout_s: float) -> str:
-    """Start the default process group unless running; ConfigError unless it has `ranks` processes; the device type."""
+def _start_world(config: MeshLayout, ranks: int, timeout: timedelta, recoverable: bool) -> str:
+    """Start the default process group unless running (NCCL's process-wide variables set first:
+    `configure_nccl_watchdog`); ConfigError unless it has `ranks` processes; the device type."""
     device = device_type()
     if not dist.is_initialized():
         size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -157,27 +161,35 @@ def _start_world(config: MeshLayout, ranks: int, timeout_s: float) -> str:
         if device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         backend = backend_for(device) if config.backend == "auto" else config.backend
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        configure_nccl_watchdog(timeout, recoverable=recoverable)
+        dist.init_process_group(backend, timeout=timeout)
     elif dist.get_world_size() != ranks:
         raise ConfigError(f"world size {dist.get_world_size()} != {ranks} ranks of the layout")
     return device
 
 
-def init_topology(config: MeshLayout, timeout_s: float = 600.0) -> Topology | GroupsTopology:
+def init_topology(config: MeshLayout, timeout_s: float = 600.0, *,
+                  recoverable: bool = False) -> Topology | GroupsTopology:
     """Start the default process group (NCCL on GPUs, gloo on CPU) and build the (F, R, S) mesh, or each group's mesh
-    when they shard differently (`init_groups_topology`). Expects the torchrun environment and a validated layout
+    when they shard differently (`init_groups_topology`); every group they make has the timeout `timeout_s`.
+    `recoverable`: a failed NCCL collective must raise rather than end the process (a Flower group, whose
+    federation groups are rebuilt every round). Expects the torchrun environment and a validated layout
     (`flwr_sharded.validation.validate_parallel`); checks that the world makes the mesh."""
+    timeout = timedelta(seconds=timeout_s)
     layouts = tuple(getattr(config, "layouts", ()) or (config.shards,) * config.federations)
     if len(set(layouts)) > 1:
-        return init_groups_topology(config, layouts, timeout_s)
+        return init_groups_topology(config, layouts, timeout_s, recoverable=recoverable)
     check_world_size(config, dist.get_world_size() if dist.is_initialized() else
                      int(os.environ.get("WORLD_SIZE", "1")))
-    device = _start_world(config, config.federations * config.replicas * config.shards, timeout_s)
-    mesh = init_device_mesh(device, (config.federations, config.replicas, config.shards), mesh_dim_names=MESH_DIMS)
+    device = _start_world(config, config.federations * config.replicas * config.shards, timeout, recoverable)
+    backend = dist.get_backend()  # the world's, whatever `config.backend` said; options of its own for each dimension
+    mesh = init_device_mesh(device, (config.federations, config.replicas, config.shards), mesh_dim_names=MESH_DIMS,
+                            backend_override={dim: group_options(backend, timeout) for dim in MESH_DIMS})
     own = None
     if config.federations > 1 and config.replicas * config.shards == 1:  # every rank calls new_group, in this order
-        own = dist.new_group(list(range(dist.get_world_size())))
-    return Topology(mesh=mesh, config=config, group_mesh=mesh["rep", "shard"]._flatten("group"), own_fed_group=own)
+        own = dist.new_group(list(range(dist.get_world_size())), timeout=timeout)
+    group_mesh = mesh["rep", "shard"]._flatten("group", backend_override=group_options(backend, timeout))
+    return Topology(mesh=mesh, config=config, group_mesh=group_mesh, timeout=timeout, own_fed_group=own)
 
 
 @dataclass
@@ -195,6 +207,8 @@ class GroupsTopology:
     """All ranks of this federation group."""
     leaders: dist.ProcessGroup
     """Rank 0 of every group (the members' commit vote)."""
+    timeout: timedelta
+    """Every process group's timeout (the run's `--timeout`), the channels' too."""
     channels: dict[Owners, dist.ProcessGroup] = field(default_factory=dict)
     """The channels' process groups made so far (`sync_groups`)."""
 
@@ -269,7 +283,7 @@ class GroupsTopology:
         bases = [self.base(f) for f in range(len(self.layouts))]
         for owners in SyncPlan(self.layouts, tuple(shapes)).channels():
             if owners not in self.channels:
-                self.channels[owners] = dist.new_group(channel_ranks(owners, bases))
+                self.channels[owners] = dist.new_group(channel_ranks(owners, bases), timeout=self.timeout)
         return self.channels
 
     def describe(self) -> str:
@@ -278,11 +292,13 @@ class GroupsTopology:
                 f"{sum(self.group_worlds)} ranks")
 
 
-def init_groups_topology(config: MeshLayout, layouts: tuple[int, ...], timeout_s: float = 600.0) -> GroupsTopology:
+def init_groups_topology(config: MeshLayout, layouts: tuple[int, ...], timeout_s: float = 600.0, *,
+                         recoverable: bool = False) -> GroupsTopology:
     """Start the world of R x sum(S_g) ranks, group after group, and build this rank's group mesh; every rank makes
-    every group's process groups, in the same order."""
+    every group's process groups, in the same order, each with the timeout `timeout_s`."""
     R = config.replicas
-    device = _start_world(config, R * sum(layouts), timeout_s)
+    timeout = timedelta(seconds=timeout_s)
+    device = _start_world(config, R * sum(layouts), timeout, recoverable)
     rank = dist.get_rank()
     bases = [R * sum(layouts[:f]) for f in range(len(layouts))]
     fed = max(f for f, base in enumerate(bases) if base <= rank)
@@ -290,16 +306,16 @@ def init_groups_topology(config: MeshLayout, layouts: tuple[int, ...], timeout_s
     own: dict[str, object] = {}
     for f, S in enumerate(layouts):
         grid = torch.arange(bases[f], bases[f] + R * S).view(R, S)
-        whole = dist.new_group(grid.flatten().tolist())
-        reps = [dist.new_group(grid[:, j].tolist()) for j in range(S)] if R > 1 else []
-        shards = [dist.new_group(grid[i].tolist()) for i in range(R)]
+        whole = dist.new_group(grid.flatten().tolist(), timeout=timeout)
+        reps = [dist.new_group(grid[:, j].tolist(), timeout=timeout) for j in range(S)] if R > 1 else []
+        shards = [dist.new_group(grid[i].tolist(), timeout=timeout) for i in range(R)]
         if f == fed:
             own = {"grid": grid, "whole": whole, "rep": reps[s] if reps else None, "shard": shards[r]}
-    leaders = dist.new_group(bases)
+    leaders = dist.new_group(bases, timeout=timeout)
     if R > 1:
         mesh = DeviceMesh.from_group([own["rep"], own["shard"]], device, mesh=own["grid"],
                                      mesh_dim_names=("rep", "shard"))
     else:
         mesh = DeviceMesh.from_group(own["shard"], device, mesh=own["grid"][0], mesh_dim_names=("shard",))
     return GroupsTopology(mesh=mesh, config=config, layouts=layouts, fed_index=fed, group_pg=own["whole"],
-                          leaders=leaders)
+                          leaders=leaders, timeout=timeout)

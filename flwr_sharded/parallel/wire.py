@@ -19,8 +19,10 @@ class PlainWire(Wire):
     def reduce(self, flat, global_k, scale, group, workspace, residual=None) -> int:
         import torch.distributed as dist
 
+        from flwr_sharded.parallel.collectives import bounded
+
         flat.mul_(scale)
-        dist.all_reduce(flat, group=group)
+        bounded(dist.all_reduce, flat, group=group)
         return flat.numel() * flat.element_size()
 
 
@@ -34,12 +36,14 @@ class CastWire(Wire):
         import torch
         import torch.distributed as dist
 
+        from flwr_sharded.parallel.collectives import bounded
+
         wire = workspace.get("wire", flat.numel(), self.torch_dtype(), flat.device)
         if scale:
             torch.mul(flat.sub_(global_k), scale, out=wire)  # the weighted delta in fp32, rounded once
         else:
             wire.zero_()
-        dist.all_reduce(wire, group=group)
+        bounded(dist.all_reduce, wire, group=group)
         torch.add(global_k, wire, out=flat)  # global + the summed deltas, in fp32
         return wire.numel() * wire.element_size()
 

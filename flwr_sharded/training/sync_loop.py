@@ -85,9 +85,11 @@ class StaticFederation:
         self.topo, self.wait_timeout = topo, wait_timeout
         self.member_index, self.members = topo.fed_index, topo.config.federations
         self._groups = topo.sync_groups(shapes)  # a collective of the world: every rank makes every group
-        controls = [dist.new_group(topo.group_ranks(f), backend="gloo") for f in range(self.members)]
+        controls = [dist.new_group(topo.group_ranks(f), backend="gloo", timeout=topo.timeout)
+                    for f in range(self.members)]
         self.control = controls[topo.fed_index]
-        self.leaders = topo.leaders or dist.new_group([topo.group_ranks(f)[0] for f in range(self.members)])
+        self.leaders = topo.leaders or dist.new_group([topo.group_ranks(f)[0] for f in range(self.members)],
+                                                      timeout=topo.timeout)
         """Rank 0 of every group (their times after each period)."""
         self._joined = False
 

@@ -161,8 +161,8 @@ def _trainer_equals_todays_loop(rank: int, world: int, data_dir: str) -> tuple[b
 
     def counted(*args, **kwargs):
         frames = [f.function for f in inspect.stack()]
-        if "run" in frames and frames[1] == "reduce":  # a bucket's, issued by its wire below SyncLoop.run
-            depths.add(frames.index("run") + 1)
+        if "run" in frames and frames[1:3] == ["bounded", "reduce"]:  # a bucket's, issued by its wire below run
+            depths.add(frames.index("run"))  # the frames from run to the all-reduce, its bounded wait not counted
         return all_reduce(*args, **kwargs)
 
     dist.all_reduce = counted

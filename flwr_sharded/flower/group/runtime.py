@@ -57,7 +57,7 @@ class GroupRuntime:
 
         self.args = args
         self.pconfig = ParallelConfig(method=args.method, federations=1, replicas=args.replicas, shards=args.shards)
-        self.topo = init_topology(self.pconfig, timeout_s=args.collective_timeout)
+        self.topo = init_topology(self.pconfig, timeout_s=args.collective_timeout, recoverable=True)
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         wait_s = args.idle_timeout + 300.0 if args.idle_timeout > 0 else FOREVER_S
