@@ -264,6 +264,8 @@ class ShardSync:
             self._reserved = True
         flight = _Flight(weight, True, None, None, None, time.perf_counter())
         if overlap:
+            if self._stream is not None:  # the last flight's side stream is done with the snapshot before it is reused
+                torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
             flight.sends = self.snapshot.views([flat for flat, _, _ in views])
             for k, (send, (_, shard_segments, _)) in enumerate(zip(flight.sends, views)):
                 torch._foreach_copy_(self.layout.segments_of(k, send), shard_segments)
