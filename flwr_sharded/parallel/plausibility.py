@@ -96,12 +96,17 @@ def _blocks(means: list[torch.Tensor], contribution: list[torch.Tensor], *, ever
 
 def _distance(ours: list[torch.Tensor], theirs: list[torch.Tensor], every: int) -> float:
     """|| ours - theirs ||_2 x sqrt(every): one foreach difference and norm (a temporary of 1/every of a bucket)."""
+    return float(_unscaled_distance(ours, theirs)) * every ** 0.5
+
+
+def _unscaled_distance(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> torch.Tensor | float:
+    """|| ours - theirs ||_2, on their device (no host sync); 0.0 for no blocks."""
     import torch
 
     if not ours:
         return 0.0
     differences = torch._foreach_sub([m.float() for m in ours], [c.float() for c in theirs])
-    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(differences)))) * every ** 0.5
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(differences)))
 
 
 def _move(means: list[torch.Tensor], contribution: list[torch.Tensor], *, every: int, offset: int) -> float:
@@ -158,19 +163,26 @@ class MoveBound:
 
         from flwr_sharded.parallel.admission import all_finite
 
-        measured, read = self._own is None, [whole] if whole is not None else means
-        norms = torch._foreach_norm([*read, *contribution] if measured else read)  # one pass over each
-        norm = float(torch.linalg.vector_norm(torch.stack(norms[:len(read)])))
-        own = float(torch.linalg.vector_norm(torch.stack(norms[len(read):]))) if measured else self._own[k]
         if not self.judges:
             return True
+        measured, read = self._own is None, [whole] if whole is not None else means
+        norms = torch._foreach_norm([*read, *contribution] if measured else read)  # one pass over each
+        every = 1 if sum(m.numel() for m in means) < EXACT_BELOW else SAMPLE
+        # the mean's norm, this rank's and the move, read to the host at once: one host sync per bucket
+        figures = [torch.linalg.vector_norm(torch.stack(norms[:len(read)]))]
+        if measured:
+            figures.append(torch.linalg.vector_norm(torch.stack(norms[len(read):])))
+        distance = _unscaled_distance(*self._sample(k, means, contribution, every))
+        if isinstance(distance, torch.Tensor):
+            figures.append(distance.to(figures[0].device))
+        read_back = torch.stack(figures).tolist()
+        norm, own = read_back[0], read_back[1] if measured else self._own[k]
+        move = (read_back[-1] if isinstance(distance, torch.Tensor) else distance) * every ** 0.5
         if not norm < float("inf"):
             return False
         if not own < float("inf") and not all_finite(contribution):
             return True  # its own values are not finite: it cannot judge (an inf norm may be finite values' overflow)
         allowed = self.allowed(k, own)
-        every = 1 if sum(m.numel() for m in means) < EXACT_BELOW else SAMPLE
-        move = _distance(*self._sample(k, means, contribution, every), every)
         ok = abs(norm - own) <= allowed and move <= allowed  # |‖a‖ - ‖b‖| <= ‖a - b‖: exact, every element
         if ok and move > NEGLIGIBLE_MOVE * own:
             self._pending[k] = move / self.weight

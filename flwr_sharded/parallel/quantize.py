@@ -8,12 +8,17 @@ negatives, qmax 6), rounded to nearest with ties to the smaller magnitude; the 4
 W chunks of whole blocks reduce-scattered, each partial sum quantized to travel, then each rank's whole sum quantized
 once more and all-gathered as uint8 rows (gloo refuses float8), so every rank decodes the same bytes. A rank sends
 2 (W - 1) rows (`all_reduce_bytes`), about (1 + 4 / block) / 4 of a ring fp32 all-reduce ((1/2 + 4 / block) / 4 at
-4 bits); the result carries W roundings per element, which `ErrorFeedback` keeps from accumulating.
+4 bits); the result carries W roundings per element, which `ErrorFeedback` keeps from accumulating. Where the group's
+backend cannot send device tensors point to point (gloo: its send/recv have no CUDA path), the ring's steps travel
+through persistent pinned host buffers (`p2p_carries_device_tensors`); its all-gather needs none (gloo's all-gather
+copies CUDA tensors through host memory itself).
 """
 
 from __future__ import annotations
 
+import datetime
 import functools
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +29,7 @@ import torch.distributed as dist
 from flwr_sharded.parallel.wire_base import QUANT_BLOCK
 
 _BYTES = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+_log = logging.getLogger(__name__)
 
 
 class Workspace:
@@ -32,11 +38,15 @@ class Workspace:
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
 
-    def get(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def get(self, name: str, numel: int, dtype: torch.dtype, device: torch.device | str, *,
+            pinned: bool = False) -> torch.Tensor:
+        """`numel` elements of `dtype` on `device`; `pinned`: in page-locked host memory where CUDA is available
+        (`device` is then the CPU)."""
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         buf = self._buffers.get(name)
-        if buf is None or buf.numel() < nbytes or buf.device != device:
-            buf = self._buffers[name] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        if buf is None or buf.numel() < nbytes or buf.device != torch.device(device):
+            pin = pinned and torch.cuda.is_available()
+            buf = self._buffers[name] = torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
         return buf[:nbytes].view(dtype)
 
 
@@ -372,17 +382,68 @@ class ErrorFeedback:
         self.residuals = {k: v.clone() for k, v in state["residuals"].items()}
 
 
+def p2p_carries_device_tensors(group: dist.ProcessGroup | None, device: torch.device | str) -> bool:
+    """Whether `group`'s point-to-point send/recv carry tensors on `device` as they are: always on the CPU; on a
+    device, unless the group's backend for that device type is gloo, whose send/recv hand the tensor's pointer to
+    its TCP transport with no CUDA path (its all-reduce, all-gather and broadcast copy CUDA tensors through host
+    memory themselves, so only point to point needs staging)."""
+    device = torch.device(device)
+    return device.type == "cpu" or _backend_for(group, device.type) != "gloo"
+
+
+def _backend_for(group: dist.ProcessGroup | None, device_type: str) -> str:
+    """The name of `group`'s backend for `device_type` ("cpu:gloo,cuda:nccl" names one per device type)."""
+    config = dist.get_backend_config(group)
+    for part in config.split(","):
+        where, _, name = part.strip().rpartition(":")
+        if where in ("", device_type):
+            return name
+    return str(dist.get_backend(group))
+
+
+_staging_logged = False
+
+
+def _log_staging(group: dist.ProcessGroup | None, device: torch.device, forced: bool) -> None:
+    global _staging_logged
+    if not _staging_logged:
+        _staging_logged = True
+        why = "as asked" if forced else f"its {_backend_for(group, device.type)} send/recv cannot carry them"
+        _log.info("the quantized ring stages its %s tensors through pinned host buffers (%s)", device.type, why)
+
+
+def _exchange(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup | None, nxt: int, prev: int,
+              host: tuple[torch.Tensor, torch.Tensor] | None, timeout: float | None) -> None:
+    """One ring step: `send` to rank `nxt` while `recv` comes from `prev`; `host`: through these host buffers."""
+    out, into = (send, recv) if host is None else host
+    if host is not None:
+        out.copy_(send)  # a blocking copy: the bytes are in host memory before the send reads them
+    ops = [dist.P2POp(dist.isend, out, group=group, group_peer=nxt),
+           dist.P2POp(dist.irecv, into, group=group, group_peer=prev)]
+    for work in dist.batch_isend_irecv(ops):
+        if timeout is None:
+            work.wait()
+        else:
+            work.wait(datetime.timedelta(seconds=timeout))
+    if host is not None:
+        recv.copy_(into)  # blocking too: `into` is free for the next step's receive
+
+
 @torch.no_grad()
 def quantized_all_reduce(flat: torch.Tensor, group: dist.ProcessGroup | None = None, *,
                          dtype: WireFormat = torch.int8, block: int = QUANT_BLOCK,
-                         residual: torch.Tensor | None = None, workspace: Workspace | None = None) -> int:
+                         residual: torch.Tensor | None = None, workspace: Workspace | None = None,
+                         stage: bool | None = None, timeout: float | None = None) -> int:
     """SUM a flat fp32 tensor over `group` in place, through a quantized wire (module docstring); return bytes sent.
 
     `residual` (from `ErrorFeedback.residual`) is added to `flat` first and replaced by the rounding errors this
     rank made. Every rank ends with bit-identical `flat`. One rank: nothing is sent and `flat` stays exact. A ring
     of W - 1 point-to-point steps, then one all_gather_single, on uint8 rows: the same on gloo and NCCL. The input
     must be finite (a NaN or inf spoils its block). If a collective fails, `flat` and `residual` are left
-    undefined (`flat` is the scratch).
+    undefined (`flat` is the scratch). `stage`: send and receive the ring's steps through pinned host buffers
+    (None: where `p2p_carries_device_tensors` says the group cannot carry `flat`'s device; True also on the CPU,
+    which the tests use: the result is the same bytes). `timeout`: seconds each ring step may wait (None: the
+    group's own).
     """
     fmt = _format(dtype, block)
     if flat.dtype != torch.float32 or flat.dim() != 1 or not flat.is_contiguous():
@@ -411,6 +472,12 @@ def quantized_all_reduce(flat: torch.Tensor, group: dist.ProcessGroup | None = N
                 ).view(bpr, block)
 
     send, recv = (ws.get(name, row, torch.uint8, dev) for name in ("send", "recv"))
+    forced = bool(stage)
+    host = None
+    if stage or stage is None and not p2p_carries_device_tensors(group, dev):
+        host = ws.get("host_send", row, torch.uint8, "cpu", pinned=True), ws.get("host_recv", row, torch.uint8,
+                                                                                  "cpu", pinned=True)
+        _log_staging(group, dev, forced)
     part = ws.get("part", chunk, torch.float32, dev).view(bpr, block)
     scales = ws.get("scales", bpr, torch.float32, dev)
 
@@ -423,9 +490,7 @@ def quantized_all_reduce(flat: torch.Tensor, group: dist.ProcessGroup | None = N
     nxt, prev = (me + 1) % world, (me - 1) % world
     for k in range(world - 1):
         encode((me - k) % world, send)
-        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, send, group=group, group_peer=nxt),
-                                            dist.P2POp(dist.irecv, recv, group=group, group_peer=prev)]):
-            work.wait()
+        _exchange(send, recv, group, nxt, prev, host, timeout)
         fmt.decode(recv[:payload].view(bpr, -1), part, ws)
         acc((me - k - 1) % world).addcmul_(part, _floats(recv[payload:]).unsqueeze(-1))  # the sum, in fp32
     # 2. rank r holds the whole sum of chunk r + 1: round it once more and gather every rank's, in rank order

@@ -154,6 +154,10 @@ class ShardSync:
         self._reserved = False
         self._refused: dict[int, SyncRejected] = {}
         self._flight: _Flight | None = None
+        self._abandoned: threading.Thread | None = None
+        """The thread of an abandoned flight that was still running: it may yet write into the snapshot."""
+        self.abandoned_wait = 60.0
+        """Seconds `start` waits for an abandoned flight's thread before it refuses to begin."""
         self._stream = None
         self.bind(fed_group)
 
@@ -243,6 +247,7 @@ class ShardSync:
             raise ValueError(f"FedAvg weight must be > 0, got {weight}")
         if self._flight is not None:
             raise RuntimeError("a sync of this fragment is already in flight")
+        self._await_abandoned()
         if self.groups[0] is None:
             raise RuntimeError("this sync is not bound to a federation's process groups")
         if overlap and not self.rule.linear:
@@ -259,6 +264,8 @@ class ShardSync:
             self._reserved = True
         flight = _Flight(weight, True, None, None, None, time.perf_counter())
         if overlap:
+            if self._stream is not None:  # the last flight's side stream is done with the snapshot before it is reused
+                torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
             flight.sends = self.snapshot.views([flat for flat, _, _ in views])
             for k, (send, (_, shard_segments, _)) in enumerate(zip(flight.sends, views)):
                 torch._foreach_copy_(self.layout.segments_of(k, send), shard_segments)
@@ -302,24 +309,46 @@ class ShardSync:
             elif flight.error is not None:
                 raise flight.error
             else:
+                if self._stream is not None:  # the merge reads what the side stream wrote
+                    torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
                 for k, (send, (_, shard_segments, _)) in enumerate(zip(flight.sends, self.layout.views())):
                     self._merge_bucket(k, send, shard_segments, self.layout.segments_of(k, send), flight)
         return SyncStats(seconds=time.perf_counter() - flight.started, buckets=len(self.layout.buckets),
                          bytes=flight.bytes, total_weight=flight.total)
 
     def abandon(self, timeout: float = 5.0) -> None:
-        """Drop a sync in flight (its round failed, or training ended): wait a little for its thread."""
-        if self._flight is not None and self._flight.thread is not None:
-            self._flight.thread.join(timeout)
+        """Drop a sync in flight (its round failed, or training ended): wait up to `timeout` s for its thread. One
+        still running is remembered: the next `start` waits for it (`abandoned_wait`), as it writes into the
+        snapshot that every fragment shares."""
+        thread = self._flight.thread if self._flight is not None else None
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():
+                self._abandoned = thread
         self._flight = None
 
+    def _await_abandoned(self) -> None:
+        """Wait for an abandoned flight's thread; RuntimeError if it outlives `abandoned_wait`."""
+        thread = self._abandoned
+        if thread is None:
+            return
+        thread.join(self.abandoned_wait)
+        if thread.is_alive():
+            raise RuntimeError(f"an abandoned sync of this fragment is still running after {self.abandoned_wait} s "
+                               f"more (its collective has not returned); a new sync would share its buffers")
+        self._abandoned = None
+
     def _reduce_in_background(self, flight: _Flight) -> None:
+        stream = self._stream
         try:
-            stream = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
-            with torch.no_grad(), stream:
-                self._reduce(flight)
-                if self._stream is not None:
-                    self._stream.synchronize()
+            if stream is not None:  # the thread's current device: else CUDA makes a context on device 0
+                torch.cuda.set_device(stream.device)
+            with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                try:
+                    self._reduce(flight)
+                finally:  # the side stream's work is done before finish() (or a new flight) touches the buffers
+                    if stream is not None:
+                        stream.synchronize()
         except BaseException as exc:  # noqa: BLE001 - raised by finish() on the main thread
             flight.error = exc
 

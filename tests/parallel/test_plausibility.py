@@ -217,3 +217,28 @@ def test_a_lying_member_is_rejected_on_every_rank_and_named():
             assert third[1] == [2], (name, rank, third[2])  # every rank names the liar
             assert "member(s) [2] of the federation group sent it" in third[2]
             assert third[3], (name, rank)  # a rejected blocking sync wrote nothing; an overlapped one merged nothing
+
+
+def test_a_bucket_is_judged_with_one_host_read_and_the_figures_of_separate_ones(monkeypatch):
+    g = torch.Generator().manual_seed(5)
+    mine = [torch.randn(n, generator=g) for n in (300, 4000, 17)]
+    cases = [[t * 1.01 for t in mine], [t * 40.0 for t in mine], [t.bfloat16() for t in mine]]
+    expected = []
+    for means in cases:  # the figures as separate reads give them: norms, move, bound
+        norm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(means))))
+        own = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(mine))))
+        move = plausibility._distance(*plausibility._blocks(means, mine, every=1, offset=0), 1)
+        allowed = 10.0 * own
+        expected.append((abs(norm - own) <= allowed and move <= allowed, move))
+    reads = []
+    for name in ("tolist", "item", "__float__"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name,
+                            lambda self, *a, _f=original, _n=name: reads.append(_n) or _f(self, *a))
+    for means, (verdict, move) in zip(cases, expected):
+        bound = MoveBound(10.0)
+        bound.begin(1.0)
+        reads.clear()
+        assert bound.plausible(0, means, mine) is verdict
+        assert reads == ["tolist"]
+        assert bound._pending.get(0) == (move if verdict else None)
