@@ -25,7 +25,7 @@ from flwr_sharded import host_memory, schema
 from flwr_sharded.config import TrainConfig, config_to_dict, load_config
 from flwr_sharded.validation import validate, validate_static
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.training.preflight import check_static_retries, preflight
+from flwr_sharded.training.preflight import preflight
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -151,7 +151,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         join_world(cfg, argv)
         preflight(cfg, int(os.environ["WORLD_SIZE"]))
-        check_static_retries(cfg)
     except ConfigError as exc:
         if leader:
             print(f"flwr-sharded: error: {exc}", file=sys.stderr)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from flwr_sharded.parallel.collectives import CollectiveTimeout, bounded, group_timeout
 from flwr_sharded.parallel.wire_base import QUANT_BLOCK
 
 _BYTES = torch.arange(256, dtype=torch.int32).to(torch.uint8)
@@ -420,11 +421,10 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup |
         out.copy_(send)  # a blocking copy: the bytes are in host memory before the send reads them
     ops = [dist.P2POp(dist.isend, out, group=group, group_peer=nxt),
            dist.P2POp(dist.irecv, into, group=group, group_peer=prev)]
+    bound = group_timeout(group, send.device) if timeout is None else datetime.timedelta(seconds=timeout)
     for work in dist.batch_isend_irecv(ops):
-        if timeout is None:
-            work.wait()
-        else:
-            work.wait(datetime.timedelta(seconds=timeout))
+        if not work.wait(bound):
+            raise CollectiveTimeout(f"a ring step did not complete within {bound.total_seconds():g} s")
     if host is not None:
         recv.copy_(into)  # blocking too: `into` is free for the next step's receive
 
@@ -501,7 +501,7 @@ def quantized_all_reduce(flat: torch.Tensor, group: dist.ProcessGroup | None = N
         if tail is not None:
             residual[full * chunk:].copy_(tail[:rest])
     rows = ws.get("rows", world * row, torch.uint8, dev).view(world, row)
-    dist.all_gather_single(rows.view(-1), mine, group=group)
+    bounded(dist.all_gather_single, rows.view(-1), mine, group=group)
     # 3. every rank decodes the same bytes: row j is chunk j + 1
     for j in range(world):
         c = (j + 1) % world

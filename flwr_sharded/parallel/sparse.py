@@ -205,6 +205,8 @@ class SparseWire(Wire):
         import torch
         import torch.distributed as dist
 
+        from flwr_sharded.parallel.collectives import bounded
+
         if residual is None and scale:
             raise ValueError("a top-k sync keeps what it does not send in the error-feedback residual; pass one")
         layout, world, dev = self.layout(flat.numel()), dist.get_world_size(group), flat.device
@@ -213,7 +215,7 @@ class SparseWire(Wire):
         mine = workspace.get("mine", layout.bytes, torch.uint8, dev)
         contribute(flat, residual, layout, mine, workspace.get("magnitude", flat.numel(), torch.float32, dev), scale)
         rows = workspace.get("rows", world * layout.bytes, torch.uint8, dev).view(world, layout.bytes)
-        dist.all_gather_single(rows.view(-1), mine, group=group)
+        bounded(dist.all_gather_single, rows.view(-1), mine, group=group)
         accumulate(flat, rows, layout, base=global_k)
         return (world - 1) * layout.bytes
 

@@ -21,6 +21,7 @@ from typing import Iterable, Mapping
 import torch
 import torch.distributed as dist
 
+from flwr_sharded.parallel.collectives import bounded
 from flwr_sharded.parallel.admission import Admission, SyncRejected, admit, all_finite, healthy, vote
 from flwr_sharded.parallel.alignment import check_descriptors, describe, fingerprint, local_shard
 from flwr_sharded.parallel.buckets import BucketLayout
@@ -376,7 +377,7 @@ class ShardSync:
                                                  self._workspace, residual)
             else:  # every member's values, and the rule's result of them
                 members = [torch.empty_like(send) for _ in admission.weights]
-                dist.all_gather(members, send, group=group)
+                bounded(dist.all_gather, members, send, group=group)
                 admitted = [(m, w) for m, w in zip(members, admission.weights) if w > 0]
                 self.state.step(k, send, lambda g, st: self.rule.aggregate(g, admitted, st))
                 flight.bytes += send.numel() * send.element_size()
@@ -490,7 +491,7 @@ class ShardSync:
             sends = dist.get_rank(over) == source
             if sends:
                 torch._foreach_copy_(buffer_segments, shard_segments)
-            dist.broadcast(flat, group=over, group_src=source)
+            bounded(dist.broadcast, flat, group=over, group_src=source)
             if not sends:
                 torch._foreach_copy_(shard_segments, buffer_segments)
 

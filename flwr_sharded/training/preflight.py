@@ -71,23 +71,6 @@ def check_devices(cfg: TrainConfig) -> None:
                           f"{gpus} ranks per node, or use --backend gloo to let ranks share GPUs")
 
 
-def check_static_retries(cfg: TrainConfig) -> None:
-    """The static engine's `sync-retries` recover a failed sync only over gloo: its cross-group groups are made once,
-    and a timed-out or lost NCCL peer leaves their communicators aborted (a Flower group rebuilds them every round).
-    ConfigError for retries over NCCL (`--backend nccl`, or auto on a GPU machine) in a federated run that syncs."""
-    p = cfg.parallel
-    if not (p.federated and p.sync and p.sync_retries > 0) or p.backend == "gloo":
-        return
-    import torch
-
-    if p.backend == "nccl" or torch.cuda.is_available():
-        raise ConfigError(f"--sync-retries {p.sync_retries}: the static engine recovers a failed sync only over "
-                          f"gloo; on NCCL a timed-out or lost peer aborts the federation's communicators, which it "
-                          f"cannot rebuild (a retry would fail again); use --sync-retries 0 (stop at the first failed "
-                          f"sync), --backend gloo (slower collectives, failed syncs retried), or a Flower run (its "
-                          f"rounds rebuild their NCCL groups)")
-
-
 def check_sync(cfg: TrainConfig) -> None:
     """The shard sync against the model and the device: fragments are groups of whole transformer blocks, and a wire
     with a `requirement` (fp8) needs a device that runs it."""

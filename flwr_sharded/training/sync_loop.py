@@ -31,6 +31,7 @@ import torch.distributed as dist
 from flwr_sharded.errors import first_line
 from flwr_sharded.parallel.admission import SyncRejected, commit_vote
 from flwr_sharded.parallel.alignment import local_shard
+from flwr_sharded.parallel.collectives import bounded
 from flwr_sharded.parallel.token_weights import expected_weight_of, tokens_of
 from flwr_sharded.parallel.rollback import RollbackPoint
 from flwr_sharded.parallel.schedule import Schedule, fragment_parameters, local_steps
@@ -111,7 +112,7 @@ class StaticFederation:
 
     def flags(self, values: list[int]) -> list[int]:
         box = torch.tensor(values, dtype=torch.int32)
-        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.control)
+        bounded(dist.all_reduce, box, op=dist.ReduceOp.MAX, group=self.control)
         return box.tolist()
 
     def period_times(self, step_s: float, sync_s: float, steps: int) -> dict[str, list[float]]:
@@ -119,8 +120,8 @@ class StaticFederation:
         box = torch.zeros(self.members * 3, dtype=torch.float64, device=self._device)
         if self.topo.group_rank == 0:
             mine = torch.tensor([step_s, sync_s, float(steps)], dtype=torch.float64, device=self._device)
-            dist.all_gather_single(box, mine, group=self.leaders)
-        dist.broadcast(box, group=self.topo.group_pg, group_src=0)
+            bounded(dist.all_gather_single, box, mine, group=self.leaders)
+        bounded(dist.broadcast, box, group=self.topo.group_pg, group_src=0)
         step_times, sync, counts = box.view(self.members, 3).T.tolist()
         return {"step_time_s": step_times, "sync_s": sync, "idle_s": [s - min(sync) for s in sync],
                 "steps": [int(c) for c in counts]}
@@ -519,7 +520,7 @@ class SyncLoop:
                     s.broadcast_global(over, source=0)
                 if group is not None:  # the clock travels on shard index 0's group
                     box = torch.tensor([step], dtype=torch.int64, device=t.device)
-                    dist.broadcast(box, group=group, group_src=0)
+                    bounded(dist.broadcast, box, group=group, group_src=0)
                     step = int(box.item())
             except Exception as exc:  # noqa: BLE001 - rendezvous, timeout, peer gone
                 error = f"shard {self.topo.shard_index}: {first_line(exc)}"

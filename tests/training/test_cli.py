@@ -59,8 +59,6 @@ BAD = [
     (4, ["--shards", "4", "--method", "fsdp", "--proximal-mu", "0.1"], ["--proximal-mu", "FL method"]),
     (4, ["--method", "fl-fsdp", "--federations", "4", "--outer", "nesterov", "--outer-lr", "-1"],
      ["--outer-lr", "> 0"]),
-    (4, ["--method", "fl-fsdp", "--federations", "4", "--backend", "nccl"],
-     ["--sync-retries 3", "recovers a failed sync only over gloo", "use --sync-retries 0", "--backend gloo"]),
 ]
 
 
@@ -159,28 +157,3 @@ def test_command_line_overrides_yaml(tmp_path):
                                                     "--sync-dtype", "bfloat16"]))
     assert cfg.parallel.sync_dtype == "bfloat16" and TrainConfig().parallel.sync_dtype == "float32"
     validate(cfg, 4)
-
-
-def test_sync_retries_are_refused_on_nccl_only(monkeypatch):
-    """The static engine retries a failed sync over gloo; over NCCL (chosen, or auto on a GPU machine) it refuses
-    `sync-retries` > 0 before any process group exists, and lets 0, gloo, no sync and non-federated runs pass."""
-    import torch
-
-    from flwr_sharded.training.preflight import check_static_retries
-
-    def config(**parallel) -> TrainConfig:
-        cfg = TrainConfig()
-        cfg.parallel.method, cfg.parallel.federations = "fl-fsdp", 2
-        for key, value in parallel.items():
-            setattr(cfg.parallel, key, value)
-        return cfg
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    for refused in (config(), config(backend="nccl"), config(backend="nccl", sync_retries=1)):
-        with pytest.raises(ConfigError, match=r"--sync-retries \d+: the static engine recovers a failed sync only"):
-            check_static_retries(refused)
-    for allowed in (config(sync_retries=0), config(backend="gloo"), config(sync=False),
-                    config(method="fsdp", federations=1)):
-        check_static_retries(allowed)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    check_static_retries(config())  # auto on a machine without GPUs: gloo
