@@ -12,6 +12,7 @@ import torch
 
 from flwr_sharded.errors import ConfigError
 from tests.multiproc import run_ranks
+from tests.training.test_pretrained import _tensors
 
 BASE = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -56,15 +57,6 @@ def _model(family: str, seed: int = 0, **overrides):
 def _saved(family: str, directory: Path) -> Path:
     _model(family).save_pretrained(directory)
     return directory
-
-
-def _tensors(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    out = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        out.update(load_file(file))
-    return out
 
 
 def _by_hand(family: str, model, directory: Path) -> Path:
