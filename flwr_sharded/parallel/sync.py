@@ -21,10 +21,10 @@ from typing import Iterable, Mapping
 import torch
 import torch.distributed as dist
 
-from flwr_sharded.parallel.collectives import bounded
 from flwr_sharded.parallel.admission import Admission, SyncRejected, admit, all_finite, healthy, vote
 from flwr_sharded.parallel.alignment import check_descriptors, describe, fingerprint, local_shard
 from flwr_sharded.parallel.buckets import BucketLayout
+from flwr_sharded.parallel.collectives import bounded
 from flwr_sharded.parallel.global_state import GlobalState
 from flwr_sharded.parallel.offender import identify
 from flwr_sharded.parallel.plausibility import DEFAULT_MAX_MOVE, MoveBound, bucket_norms
