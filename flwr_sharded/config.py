@@ -108,9 +108,9 @@ class ParallelConfig:
     """Static engine: a sync that fails on any member (an error, a timeout, a rejected result) puts every rank back at
     the last adopted sync (shards, outer state, inner optimizer, step, schedule) and training goes on with fresh
     batches, at most this many times in a row. 0: stop at the first, keeping no rollback copy in host memory. On
-    NCCL a rejected result (not finite, implausible, a lying member) is retried like on gloo, but a timed-out or lost
-    peer aborts communicators the static engine cannot rebuild: NCCL's watchdog ends the job (resume it from its
-    last checkpoint; a Flower round rebuilds its groups instead)."""
+    NCCL a rejected result (not finite, implausible, a lying member) is retried like on gloo, but a failed collective
+    (a timeout, a lost peer) aborts communicators the static engine cannot rebuild: the run stops with the error
+    (continue it with --resume from its last checkpoint; a Flower round rebuilds its groups instead)."""
     sync_max_move: float = option(DEFAULT_MAX_MOVE, ge=0)
     """Adopt a sync only if, on every rank, the result moves each bucket of its shards by at most this many times the
     median of that bucket's recent adopted moves, per token of the rank's weight (at first: this many times the

@@ -97,3 +97,9 @@ def bounded(collective: Callable[..., Any], *args: Any, group: dist.ProcessGroup
                                 f"{timeout.total_seconds():g} s: {reason}") from exc
     if not done:
         raise CollectiveTimeout(f"{collective.__name__} did not complete within {timeout.total_seconds():g} s")
+
+
+def rebuildable(group: dist.ProcessGroup | None = None) -> bool:
+    """Whether `group` (None: the default group) can run collectives again after one of them failed: gloo's pairs
+    do, NCCL's communicators are aborted by the failure (only a new group can follow)."""
+    return "nccl" not in dist.get_backend(group)

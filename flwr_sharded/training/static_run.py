@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from flwr_sharded.parallel.collectives import rebuildable
 from flwr_sharded.parallel.token_weights import tokens_of
 from flwr_sharded.run_dir import perplexity
 from flwr_sharded.training.checkpoint import CheckpointWriteError, latest_checkpoint
@@ -121,6 +122,10 @@ class StaticRun:
         where = f"the sync of fragment {outcome.fragment} after step {failed_at} failed: {outcome.error}"
         if failures > retries:
             raise SyncFailed(f"{where}; {failures} failed sync(s) in a row, --sync-retries {retries}: stopping")
+        if outcome.collective_failed and not rebuildable():
+            raise SyncFailed(f"{where}; a collective failed on NCCL, whose aborted communicators the static engine "
+                             f"cannot rebuild (--sync-retries retries rejected results only): stopping; continue "
+                             f"with --resume from the last checkpoint")
         if t.is_logger:
             logger.warning("%s; every rank is back at step %d (the last adopted sync), retry %d of %d "
                            "(--sync-retries)", where, t.step_count, failures, retries)

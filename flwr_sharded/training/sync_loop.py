@@ -31,7 +31,7 @@ import torch.distributed as dist
 from flwr_sharded.errors import first_line
 from flwr_sharded.parallel.admission import SyncRejected, commit_vote
 from flwr_sharded.parallel.alignment import local_shard
-from flwr_sharded.parallel.collectives import bounded
+from flwr_sharded.parallel.collectives import CollectiveTimeout, bounded
 from flwr_sharded.parallel.token_weights import expected_weight_of, tokens_of
 from flwr_sharded.parallel.rollback import RollbackPoint
 from flwr_sharded.parallel.schedule import Schedule, fragment_parameters, local_steps
@@ -148,6 +148,9 @@ class SyncOutcome:
     """Members an adopted sync left out (weight out of bounds, or values not finite)."""
     stats: SyncStats | None = None
     """This rank's part of the reduction (replica 0 of a sync that reached it)."""
+    collective_failed: bool = False
+    """A collective of the sync failed or timed out on some rank (not a rejected result): on NCCL its communicators
+    are aborted."""
 
     @property
     def adopted(self) -> bool:
@@ -236,7 +239,7 @@ class SyncLoop:
         """Seconds of inner steps in the current period (its step time, `Federation.period_times`)."""
         self.report = RunReport()
         """What the current (or last) `run` did."""
-        self._start_errors: dict[int, tuple[str, list[int]]] = {}
+        self._start_errors: dict[int, tuple[str, list[int], bool]] = {}
         if topo.replica_index == 0:
             for s in self.syncs:
                 s.capture_global()  # the start of the first sync period
@@ -399,7 +402,8 @@ class SyncLoop:
             self._bind(federation)
             self.syncs[i].start(self._take_weight(i), overlap=True)
         except Exception as exc:  # noqa: BLE001 - rendezvous, peer gone, misaligned shards
-            self._start_errors[i] = (f"shard {self.topo.shard_index}: {first_line(exc)}", at_fault(exc))
+            self._start_errors[i] = (f"shard {self.topo.shard_index}: {first_line(exc)}", at_fault(exc),
+                                     isinstance(exc, CollectiveTimeout))
 
     def _merge(self, i: int, federation: Federation, apply_rule: bool) -> SyncOutcome:
         """Fragment i's sync with the members (blocking, or the merge of the overlapped one started `sync-delay`
@@ -407,7 +411,7 @@ class SyncLoop:
         and no sync is left in flight. A rank whose own collective failed does not vote (its peers' vote then fails
         too, within the sync timeout, or at once when its group is released)."""
         outcome, sync = SyncOutcome(fragment=i), self.syncs[i]
-        error, blame = self._start_errors.pop(i, ("", []))
+        error, blame, broken = self._start_errors.pop(i, ("", [], False))
         agreed = reached = False  # agreed: a rejection every member reached too (nobody's to vote no for)
         if self.replica0 and not error:
             try:
@@ -419,9 +423,10 @@ class SyncLoop:
             except Exception as exc:  # noqa: BLE001 - rendezvous, timeout, peer gone, rejected, misaligned shards
                 error = f"shard {self.topo.shard_index}: {first_line(exc)}"
                 blame, agreed = at_fault(exc), isinstance(exc, SyncRejected)
+                broken = isinstance(exc, CollectiveTimeout)
         elif not self.replica0 and self.schedule.delay == 0:
             self._take_weight(i)  # a replica > 0 receives the result by broadcast below
-        errors = self._agree(i, federation, (error, blame, agreed), reached, outcome)
+        errors = self._agree(i, federation, (error, blame, agreed), reached, outcome, broken)
         if errors:
             self.restore()
             outcome.error = "; ".join(errors)
@@ -435,13 +440,16 @@ class SyncLoop:
         return outcome
 
     def _agree(self, i: int, federation: Federation, mine: tuple[str, list[int], bool], reached: bool,
-               outcome: SyncOutcome) -> list[str]:
+               outcome: SyncOutcome, broken: bool = False) -> list[str]:
         """The commit's two phases: every error any rank of any member saw; fills the outcome's blame and left-out
         members. `mine`: this rank's (error, members at fault, whether the error is a rejection every member
-        reached). When nothing went wrong each phase is one small all-reduce over the group."""
+        reached; `broken`: this rank's own collective failed, `outcome.collective_failed` says if any did). When
+        nothing went wrong each phase is one small all-reduce over the group."""
         error, blame, _ = mine
         phase_one = [mine]
-        if federation.flags([int(bool(error or blame))])[0]:
+        failed, any_broken = federation.flags([int(bool(error or blame)), int(broken)])
+        outcome.collective_failed = bool(any_broken)
+        if failed:
             phase_one = federation.gather(mine)
         errors = sorted({e for e, _, _ in phase_one if e})
         own = [e for e, _, agreed in phase_one if e and not agreed]  # a rejection all members reached is nobody's

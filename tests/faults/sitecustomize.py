@@ -4,6 +4,8 @@ Put this directory first on the PYTHONPATH of a static world's ranks (or of a gr
 `FLWR_SHARDED_TEST_FAULTS` (see `tests.multiproc.faults_env`):
 
 - `fail_sync=N`: rank 0's N-th fragment sync attempt fails after its reduction succeeded everywhere (the commit vote);
+- `collective_sync=1`: that failure is reported as a failed collective (a timeout, a lost peer), not a rejection;
+- `no_rebuild=1`: the static engine's groups are taken for ones a failed collective leaves unusable (NCCL's);
 - `nan_sync=N`: rank 0 brings NaN in its first shard and in its moments to its N-th sync attempt (admission, healing);
 - `exit_after_syncs=N`: a group's ranks exit abruptly (code 17) once N periods' syncs were adopted;
 - `step_delay=SECONDS` or `step_delay=G:SECONDS`: every rank (of federation group G) sleeps after each inner step;
@@ -89,13 +91,19 @@ def _install(faults: dict[str, str]) -> None:
         finally:
             lying[0] = False
 
-    def faulty_agree(self, i, federation, mine, reached, outcome):  # noqa: ANN001 - its reduction reached the end
+    def faulty_agree(self, i, federation, mine, reached, outcome, broken=False):  # noqa: ANN001 - reached the end
         if failing[0] and reached:
             mine = (f"injected fault: sync attempt {fail_sync} fails after the reduction", [], False)
-        return agree(self, i, federation, mine, reached, outcome)
+            broken = broken or "collective_sync" in faults
+        return agree(self, i, federation, mine, reached, outcome, broken)
 
     sync_loop.SyncLoop._merge, sync_loop.SyncLoop._start, sync_loop.SyncLoop._agree = (faulty_merge, faulty_start,
                                                                                        faulty_agree)
+
+    if "no_rebuild" in faults:
+        from flwr_sharded.training import static_run
+
+        static_run.rebuildable = lambda group=None: False
 
     if "step_delay" in faults:
         group, _, seconds = faults["step_delay"].rpartition(":")

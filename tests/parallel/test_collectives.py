@@ -180,3 +180,12 @@ def test_nccl_variables_are_set_once_before_any_group(monkeypatch):
     monkeypatch.setattr(collectives.dist, "is_initialized", lambda: True)
     with pytest.raises(RuntimeError, match="before the first process group"):
         collectives.configure_nccl_watchdog(timedelta(seconds=90), recoverable=True)
+
+
+def test_only_groups_without_nccl_are_rebuildable(monkeypatch):
+    """A failed collective leaves a gloo group usable and an NCCL one (or a mixed one's device half) aborted."""
+    from flwr_sharded.parallel import collectives
+
+    for backend, usable in (("gloo", True), ("nccl", False), ("cpu:gloo,cuda:nccl", False)):
+        monkeypatch.setattr(collectives.dist, "get_backend", lambda group=None, b=backend: b)
+        assert collectives.rebuildable() is usable, backend

@@ -119,6 +119,22 @@ def test_a_sync_that_fails_on_one_member_is_rolled_back_everywhere_and_training_
 
 
 @pytest.mark.timeout(300)
+def test_a_failed_collective_is_retried_where_its_groups_recover_and_stops_the_run_where_they_cannot(data_dir,
+                                                                                                  tmp_path):
+    """Member 0's second sync fails as a collective (injected): every rank learns it was a failed collective; over
+    gloo the run rolls back and trains on; where the groups cannot be rebuilt (NCCL's, emulated) every rank stops
+    with the error and the way to resume, whatever --sync-retries says."""
+    _run(2, [*FAILED_SYNC, *_common(data_dir, tmp_path, "gloo")], env=faults_env(fail_sync=2, collective_sync=1))
+    assert [(r["step"], r["restored_step"]) for r in _records(tmp_path / "gloo", "sync_failed")] == [(4, 2)]
+
+    result = torchrun(2, [*FAILED_SYNC, *_common(data_dir, tmp_path, "nccl")], timeout=200,
+                      env=faults_env(fail_sync=2, collective_sync=1, no_rebuild=1))
+    assert result.returncode != 0
+    assert "a collective failed on NCCL" in result.stderr and "--resume" in result.stderr, result.stderr[-3000:]
+    assert json.loads((tmp_path / "nccl" / "summary.json").read_text())["status"] == "failed"
+
+
+@pytest.mark.timeout(300)
 def test_a_member_lying_about_its_values_is_rolled_back_everywhere_named_and_training_goes_on(data_dir, tmp_path):
     """Member 2 of three sends 1e30 to its second sync and reports itself healthy (the test-only hook of
     `tests/faults`): every rank rejects the result, names member 2, returns to the first sync (step 2) and
