@@ -338,7 +338,8 @@ def _load_loss_save(rank: int, world: int, src: str, out: str, batch: torch.Tens
 
 @pytest.mark.dist
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("family,ranks", [(f, 4 if f in ("llama", "mixtral") else 2) for f in FAMILIES])
+@pytest.mark.parametrize("family,ranks", [(f, 4 if f in ("llama", "mixtral") else 2) for f in FAMILIES] + [
+    pytest.param(f, 2 if f in ("llama", "mixtral") else 4, marks=pytest.mark.slow) for f in FAMILIES])  # the rest
 def test_sharded_pretrained_loss_equals_transformers_and_export_round_trips(family, ranks, tmp_path):
     """The converted families' checkpoints are written by hand in their published layout, the others by
     save_pretrained; the export must equal what save_pretrained writes."""
