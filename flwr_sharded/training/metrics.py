@@ -68,7 +68,10 @@ def model_flops_per_token(model: nn.Module, seq_len: int) -> float:
             matmul += param.numel() * routed // param.shape[0]
     attention = 0.0
     if config is not None and hasattr(config, "num_hidden_layers") and hasattr(config, "hidden_size"):
-        attention = 12.0 * config.num_hidden_layers * config.hidden_size * seq_len
+        heads = getattr(config, "num_attention_heads", None)
+        head_dim = getattr(config, "head_dim", None)
+        width = heads * head_dim if heads and head_dim else config.hidden_size  # query width (Qwen3: != hidden)
+        attention = 12.0 * config.num_hidden_layers * width * seq_len
     return 6.0 * matmul + attention
 
 

@@ -245,7 +245,21 @@ def test_a_mixtures_flops_count_the_routed_experts(family):
     model = build_meta_model(family_config(family))
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
-    assert experts and model_flops_per_token(model, 16) == 6 * (linear + experts // 2) + 12 * 2 * 32 * 16
+    config = family_config(family)
+    width = config.num_attention_heads * (getattr(config, "head_dim", None) or 32 // config.num_attention_heads)
+    assert experts and model_flops_per_token(model, 16) == 6 * (linear + experts // 2) + 12 * 2 * width * 16
+
+
+def test_attention_flops_count_the_query_width_not_the_hidden_size():
+    """Qwen3 with head_dim 16 and 4 heads: attention's scores and values are 64 wide, not hidden_size 32."""
+    from torch import nn
+
+    from flwr_sharded.training.metrics import model_flops_per_token
+    from flwr_sharded.training.models import build_meta_model
+
+    model = build_meta_model(family_config("qwen3"))
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    assert model_flops_per_token(model, 16) == 6 * linear + 12 * 2 * (4 * 16) * 16
 
 
 @pytest.mark.parametrize("family", FAMILIES)
