@@ -19,6 +19,7 @@ def _check(script: str, *args: str, timeout: float = 240) -> subprocess.Complete
 
 
 @pytest.mark.dist
+@pytest.mark.slow  # two dry runs of every stage (~1 min); the refusals below run in `make test`
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("script,skipped", [("gpu_check.py", set()), ("gpu_check_multi.py", {"overlap"})])
 def test_the_dry_run_passes_every_stage_it_can_run_on_cpu(script, skipped, data_dir, tmp_path):

@@ -81,6 +81,7 @@ def test_bad_run_config_is_a_clear_error_before_any_training(data_dir, tmp_path)
 
 
 @pytest.mark.dist
+@pytest.mark.slow  # a simulation killed with kill -9 and resumed (~1.5 min): `make test-slow`, which CI runs
 @pytest.mark.timeout(900)
 def test_a_killed_run_resumes_after_its_last_checkpointed_round(data_dir, tmp_path):
     """Checkpoints after rounds 2 and 4; the whole run (SuperLink, ServerApp, Ray, groups) is killed -9 after round 3's
