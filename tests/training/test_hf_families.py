@@ -269,7 +269,7 @@ def test_a_transposed_tensor_is_read_and_written_column_by_column_and_other_conv
     back by row ranges into the same file; a conversion that is neither row-wise nor a transpose is refused."""
     import transformers.conversion_mapping as mapping
     from safetensors.torch import load_file, save_file
-    from transformers.core_model_loading import Interleave, Transpose, WeightConverter
+    from transformers.core_model_loading import PermuteForRope, Transpose, WeightConverter
 
     from flwr_sharded.training import hf_checkpoint
     from flwr_sharded.training.models import build_meta_model
@@ -305,9 +305,9 @@ def test_a_transposed_tensor_is_read_and_written_column_by_column_and_other_conv
     written = load_file(tmp_path / "out" / "model.safetensors")
     assert written.keys() == tensors.keys() and all(torch.equal(written[k], v) for k, v in tensors.items())
 
-    op = Interleave(dim=0)
+    op = PermuteForRope()  # a conversion of every transformers 5 from the floor on
     with pytest.raises(ConfigError, match=r"lm_head.weight is converted from \['lm_head.kernel'\] by transformers' "
-                                          r"Interleave, which the sharded loader does not read"):
+                                          r"PermuteForRope, which the sharded loader does not read"):
         hf_checkpoint.check_pretrained(str(directory))
 
 
