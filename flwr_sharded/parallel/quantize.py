@@ -414,14 +414,13 @@ def _log_staging(group: dist.ProcessGroup | None, device: torch.device, forced: 
 
 
 def _exchange(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup | None, nxt: int, prev: int,
-              host: tuple[torch.Tensor, torch.Tensor] | None, timeout: float | None) -> None:
+              host: tuple[torch.Tensor, torch.Tensor] | None, bound: datetime.timedelta) -> None:
     """One ring step: `send` to rank `nxt` while `recv` comes from `prev`; `host`: through these host buffers."""
     out, into = (send, recv) if host is None else host
     if host is not None:
         out.copy_(send)  # a blocking copy: the bytes are in host memory before the send reads them
     ops = [dist.P2POp(dist.isend, out, group=group, group_peer=nxt),
            dist.P2POp(dist.irecv, into, group=group, group_peer=prev)]
-    bound = group_timeout(group, send.device) if timeout is None else datetime.timedelta(seconds=timeout)
     for work in dist.batch_isend_irecv(ops):
         if not work.wait(bound):
             raise CollectiveTimeout(f"a ring step did not complete within {bound.total_seconds():g} s")
@@ -488,9 +487,10 @@ def quantized_all_reduce(flat: torch.Tensor, group: dist.ProcessGroup | None = N
     # 1. reduce-scatter around the ring: at step k rank r passes chunk r - k on (its own values at k = 0, else the
     #    partial sum it received and added to), and adds its own fp32 values to chunk r - k - 1 coming from r - 1
     nxt, prev = (me + 1) % world, (me - 1) % world
+    bound = group_timeout(group, dev) if timeout is None else datetime.timedelta(seconds=timeout)
     for k in range(world - 1):
         encode((me - k) % world, send)
-        _exchange(send, recv, group, nxt, prev, host, timeout)
+        _exchange(send, recv, group, nxt, prev, host, bound)
         fmt.decode(recv[:payload].view(bpr, -1), part, ws)
         acc((me - k - 1) % world).addcmul_(part, _floats(recv[payload:]).unsqueeze(-1))  # the sum, in fp32
     # 2. rank r holds the whole sum of chunk r + 1: round it once more and gather every rank's, in rank order
