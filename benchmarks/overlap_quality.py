@@ -49,6 +49,10 @@ VARIANTS = {
     "top-2% float32 + EF": SyncVariant(dtype="float32", error_feedback=True, topk=0.02),
     "N=2 tau=3 alpha=0 carry, int4 + EF": SyncVariant(dtype="int4", error_feedback=True, fragments=2, delay=3,
                                                       carry=True),
+    "int2 + EF": SyncVariant(dtype="int2", error_feedback=True),
+    "int2": SyncVariant(dtype="int2"),
+    "N=2 tau=3 alpha=0 carry, int2 + EF": SyncVariant(dtype="int2", error_feedback=True, fragments=2, delay=3,
+                                                      carry=True),
     "N=2 tau=3 alpha=0 carry, top-2% int8 + EF": SyncVariant(dtype="int8", error_feedback=True, topk=0.02,
                                                              fragments=2, delay=3, carry=True),
 }

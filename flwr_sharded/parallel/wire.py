@@ -144,8 +144,8 @@ class Float4E2M1(BlockwiseWire):
 
 @register
 class Int2(BlockwiseWire):
-    """four levels, +-0.5 and +-1.5 times the block's RMS, four to a byte (MuLoCo's 2 bits; a block's scale is its
-    RMS, not its absmax)"""
+    """four levels per block, four to a byte: +-a and +-b, the mean magnitudes below and above the block's RMS (two
+    bf16 in the bytes of its scale; MuLoCo's 2 bits)"""
     name, order, bytes_per_value = "int2", 70, 0.25 + SCALE_BYTES / QUANT_BLOCK
 
 

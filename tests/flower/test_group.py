@@ -399,11 +399,11 @@ def test_a_restarted_group_catches_up_with_the_members_before_training(procs, da
 
 
 @pytest.mark.timeout(300)
-def test_a_dead_group_during_an_overlapped_int8_sync_makes_the_survivors_roll_back(procs, data_dir):
-    """As above, with each sync started one step before its merge (tau = 1 of A = 2) and an int8 wire: C crashes
+def test_a_dead_group_during_an_overlapped_int2_sync_makes_the_survivors_roll_back(procs, data_dir):
+    """As above, with each sync started one step before its merge (tau = 1 of A = 2) and the 2-bit wire: C crashes
     after the first sync, so the next one, already in flight in A and B while they take their next step, fails
     within the sync timeout; both restore the shards and outer state of sync 1, and the next round syncs again."""
-    s = spec(data_dir, shards=1, syncs_per_round=2, aggregate_every=2, rounds=2, sync_delay=1, sync_dtype="int8",
+    s = spec(data_dir, shards=1, syncs_per_round=2, aggregate_every=2, rounds=2, sync_delay=1, sync_dtype="int2",
              sync_error_feedback=True, sync_carry=False)  # no carry: the groups hold the same shards after a merge
     groups = start_groups(procs, [(f"g{i}", dict(shards=1, env=faults_env(exit_after_syncs=1) if i == 2 else None))
                                   for i in range(3)])
