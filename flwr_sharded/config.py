@@ -99,6 +99,20 @@ class ParallelConfig:
     """Keep the local steps taken while an overlapped sync travelled (unset: on when `sync-delay` > 0; off:
     `--no-sync-carry`, or `false`): a merge mixes in global + (local - snapshot), so a shard becomes local + (1 -
     alpha) * (global - snapshot). One more copy of the largest fragment's shards; an error with `sync-delay` 0."""
+    sync_dense_warmup: int = option(0, ge=0)
+    """With `sync-topk`: the syncs of the first this many periods send every entry through the `sync-dtype` wire
+    (a dense ring), as Deep Gradient Compression and PowerSGD warm up, since early errors are not recovered; what
+    top-k held back and the dense wire's rounding errors share one residual."""
+    sync_dense_flush: bool = option(False, not_flat="a Flower run's last round is the server's to know; the static "
+                                                    "engine's last step is its own")
+    """With `sync-topk`: the run's last sync (the static engine's last period) sends every entry through the
+    `sync-dtype` wire, so what top-k held back in the residual reaches the final model."""
+    sync_restart: Literal["global", "residual"] = option("global", not_flat="groups then differ between syncs, "
+                                                                           "where a Flower round compares them")
+    """Where each group goes on from after a top-k sync: the global model (SparseLoCo), or the global model plus its
+    own residual (what it did not send), which then travels in its shards instead of the error-feedback buffer. The
+    groups then differ between syncs while their global models (kept for the next delta) agree; a rollback restores
+    both. The static engine only."""
     reset_optimizer_state: bool = False
     """Clear the inner optimizer's state (e.g. Adam moments) after each sync; by default it stays local and kept."""
     sync: bool = option(True, not_flat="a Flower run always syncs; the no-sync limit is a static-engine benchmark")

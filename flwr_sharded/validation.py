@@ -103,8 +103,9 @@ def validate_sync(p: ParallelConfig, rule: Any, surface: Surface = CLI) -> None:
 
     L = labeler(surface)
     defaults = ParallelConfig()  # an option off (even spelled out) shapes nothing
+    sparse = ("sync-dense-warmup", "sync-dense-flush", "sync-restart")
     streaming = [name for name in ("sync-fragments", "sync-delay", "sync-alpha", "sync-carry", "sync-error-feedback",
-                                   "sync-topk") if getattr(p, name.replace("-", "_")) not in
+                                   "sync-topk", *sparse) if getattr(p, name.replace("-", "_")) not in
                  (getattr(defaults, name.replace("-", "_")), False)]
     if streaming and not p.federated:
         raise surface.error(f"{', '.join(L(n) for n in streaming)} shape the shard sync of FL methods; "
@@ -115,6 +116,9 @@ def validate_sync(p: ParallelConfig, rule: Any, surface: Surface = CLI) -> None:
                             f"or {L('sync-topk')}, got {L('sync-dtype')} {p.sync_dtype}")
     if p.sync_topk is not None:
         validate_topk(p, rule, surface)
+    elif any(name in streaming for name in sparse):
+        raise surface.error(f"{', '.join(L(n) for n in sparse if n in streaming)} shape a top-k sync: add "
+                            f"{L('sync-topk')}")
     if p.sync_fragments > p.aggregate_every:
         raise surface.error(f"{L('sync-fragments')} {p.sync_fragments} is more than the {p.aggregate_every} steps of "
                             f"a period ({L('aggregate-every')}): each fragment syncs after its own step; allowed: "

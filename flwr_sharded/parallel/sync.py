@@ -84,6 +84,8 @@ class _Flight:
     origins: list[torch.Tensor] | None
     """The shards at the start (overlapped, when the move is bounded or the merge carries)."""
     started: float
+    dense: bool = False
+    """A top-k sync that sends every entry this time."""
     alpha: float = 0.0
     apply_rule: bool = True
     thread: threading.Thread | None = None
@@ -112,13 +114,15 @@ class ShardSync:
         snapshot, origin: the buffers an overlapped sync copies its buckets and its shards into (shared by the
             fragments of one model); None: its own.
         carry: an overlapped merge keeps the local steps taken since the sync started.
+        restart_residual: after a top-k sync, this rank's shards become the global values plus its residual (what it
+            did not send), which leaves the error-feedback buffer: the residual travels in the model.
     """
 
     def __init__(self, named_params: Iterable[tuple[str, torch.Tensor]], *, fed_group: Groups,
                  bucket_bytes: int = 64 << 20, rule: ShardRule | None = None, wire_dtype: torch.dtype | None = None,
                  error_feedback: bool = False, max_move: float = DEFAULT_MAX_MOVE, topk: float | None = None,
                  seat: Seat | None = None, snapshot: Snapshot | None = None, origin: Snapshot | None = None,
-                 carry: bool = False) -> None:
+                 carry: bool = False, restart_residual: bool = False) -> None:
         named = list(named_params)
         if not named:
             raise ValueError("ShardSync needs at least one parameter")
@@ -142,6 +146,9 @@ class ShardSync:
                              f"{wire_dtype}")
         if topk is not None and not error_feedback:
             raise ValueError("a top-k sync needs error feedback")
+        if restart_residual and topk is None:
+            raise ValueError("restarting from the global values plus the residual needs a top-k sync")
+        self.restart_residual = restart_residual
         self.state = GlobalState(self.rule, self.rule.stateful or self.delta,
                                  ErrorFeedback() if error_feedback else None)
         self.bound = MoveBound(max_move)
@@ -235,15 +242,16 @@ class ShardSync:
     def in_flight(self) -> bool:
         return self._flight is not None
 
-    def sync(self, weight: float, *, alpha: float = 0.0, apply_rule: bool = True) -> SyncStats:
+    def sync(self, weight: float, *, alpha: float = 0.0, apply_rule: bool = True, dense: bool = False) -> SyncStats:
         """A blocking sync: `start` and `finish` at once."""
-        self.start(weight, overlap=False)
+        self.start(weight, overlap=False, dense=dense)
         return self.finish(alpha=alpha, apply_rule=apply_rule)
 
     @torch.no_grad()
-    def start(self, weight: float, *, overlap: bool) -> None:
+    def start(self, weight: float, *, overlap: bool, dense: bool = False) -> None:
         """Begin a sync of this member's `weight` (its tokens since the last one; the same on every rank of the
-        group). `overlap`: copy the buckets out now and reduce them in the background (linear rules only)."""
+        group). `overlap`: copy the buckets out now and reduce them in the background (linear rules only). `dense`:
+        a top-k sync sends every entry through its values' wire this time (a warm-up or a flush)."""
         if not weight > 0:
             raise ValueError(f"FedAvg weight must be > 0, got {weight}")
         if self._flight is not None:
@@ -263,7 +271,7 @@ class ShardSync:
         if self.delta and not self._reserved:
             self.wire.reserve(self._workspace, self.layout.largest(), views[0][0].device)
             self._reserved = True
-        flight = _Flight(weight, True, None, None, None, time.perf_counter())
+        flight = _Flight(weight, True, None, None, None, time.perf_counter(), dense=dense)
         if overlap:
             if self._stream is not None:  # the last flight's side stream is done with the snapshot before it is reused
                 torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
@@ -373,8 +381,9 @@ class ShardSync:
                 if scale == 0.0:
                     send.zero_()  # left out: it sends zeros (NaN * 0 is NaN)
                 residual = self.state.feedback.residual(k, send) if self.state.feedback is not None and scale else None
-                flight.bytes += self.wire.reduce(send, self.state.shards[k] if self.delta else None, scale, group,
-                                                 self._workspace, residual)
+                wire = self.wire.dense() if flight.dense else self.wire
+                flight.bytes += wire.reduce(send, self.state.shards[k] if self.delta else None, scale, group,
+                                            self._workspace, residual)
             else:  # every member's values, and the rule's result of them
                 members = [torch.empty_like(send) for _ in admission.weights]
                 bounded(dist.all_gather, members, send, group=group)
@@ -410,6 +419,16 @@ class ShardSync:
         else:
             for shard, new in zip(shard_segments, mean_segments):
                 shard.mul_(alpha).add_(new, alpha=1.0 - alpha)
+        if self.restart_residual and self.state.feedback is not None:
+            self._restart_from_residual(k, shard_segments)
+
+    def _restart_from_residual(self, k: int, shard_segments: list[torch.Tensor]) -> None:
+        """Bucket k's shards += this rank's residual, which then starts anew from zero (`restart_residual`)."""
+        residual = self.state.feedback.residuals.get(str(k))
+        if residual is None:
+            return  # left out of this sync: nothing of its own was held back
+        torch._foreach_add_(shard_segments, self.layout.segments_of(k, self.wire.carried(residual)))
+        residual.zero_()
 
     def _admit(self, weight: float, ok: bool) -> list[Admission | None]:
         """Each channel's admitted weights (one all-gather each), None for a channel where no member may contribute

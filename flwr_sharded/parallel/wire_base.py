@@ -41,6 +41,10 @@ class Wire:
         """None if `device` (a torch device or its name) runs this wire; else why not, as a phrase."""
         return None
 
+    def dense(self) -> Wire:
+        """The wire of a sync that sends every entry (a top-k wire's warm-up or flush); a dense wire is its own."""
+        return self
+
     def reserve(self, workspace: Any, numel: int, device: Any) -> None:
         """Allocate, before the first sync, what `reduce` needs for buckets of up to `numel` values."""
 

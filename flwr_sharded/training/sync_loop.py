@@ -226,7 +226,8 @@ class SyncLoop:
                                     rule=outer_rule(p), wire_dtype=WIRES[p.sync_dtype].torch_dtype(),
                                     error_feedback=p.sync_error_feedback, max_move=p.sync_max_move,
                                     topk=p.sync_topk, seat=topo.seat, snapshot=snapshot, origin=origin,
-                                    carry=p.carries)
+                                    carry=p.carries,
+                                    restart_residual=p.sync_restart == "residual")
                           for part in fragment_parameters(model, transformer_blocks(model), p.sync_fragments)]
         self.tokens = [0] * len(self.syncs)
         """This rank's tokens since each fragment's last sync started (its weight in the next one)."""
@@ -240,6 +241,8 @@ class SyncLoop:
         self.report = RunReport()
         """What the current (or last) `run` did."""
         self._start_errors: dict[int, tuple[str, list[int], bool]] = {}
+        self.until: int | None = None
+        """The run's last clock step, where the static engine ends (None: a Flower round's)."""
         if topo.replica_index == 0:
             for s in self.syncs:
                 s.capture_global()  # the start of the first sync period
@@ -297,6 +300,7 @@ class SyncLoop:
         sync at the weighted mean (a facility's sync on the server path)."""
         t, failures = self.trainer, 0
         report = self.report = RunReport()
+        self.until = until
         self.period_start = t.step_count - (t.step_count % self.steps if until is not None else 0)
         try:
             while periods is None or report.periods < periods:
@@ -400,10 +404,20 @@ class SyncLoop:
             return
         try:
             self._bind(federation)
-            self.syncs[i].start(self._take_weight(i), overlap=True)
+            self.syncs[i].start(self._take_weight(i), overlap=True, dense=self._dense(self.schedule.delay))
         except Exception as exc:  # noqa: BLE001 - rendezvous, peer gone, misaligned shards
             self._start_errors[i] = (f"shard {self.topo.shard_index}: {first_line(exc)}", at_fault(exc),
                                      isinstance(exc, CollectiveTimeout))
+
+    def _dense(self, ahead: int) -> bool:
+        """Whether a top-k sync started now, merged `ahead` steps later, sends every entry: within the first
+        `sync-dense-warmup` periods, or the run's last sync (`sync-dense-flush`: no merge of it before `until`)."""
+        p = self.cfg.parallel
+        if p.sync_topk is None:
+            return False
+        merged = self.reference() + ahead * self.A / self.steps  # on the run's clock
+        return (math.ceil(merged / self.A - 1e-9) <= p.sync_dense_warmup
+                or p.sync_dense_flush and self.until is not None and merged + self.A > self.until)
 
     def _merge(self, i: int, federation: Federation, apply_rule: bool) -> SyncOutcome:
         """Fragment i's sync with the members (blocking, or the merge of the overlapped one started `sync-delay`
@@ -417,7 +431,7 @@ class SyncLoop:
             try:
                 self._bind(federation)
                 if self.schedule.delay == 0:
-                    sync.start(self._take_weight(i), overlap=False)
+                    sync.start(self._take_weight(i), overlap=False, dense=self._dense(0))
                 outcome.stats = sync.finish(alpha=self.alpha, apply_rule=apply_rule, timeout=federation.wait_timeout)
                 outcome.weight, reached = outcome.stats.total_weight, True
             except Exception as exc:  # noqa: BLE001 - rendezvous, timeout, peer gone, rejected, misaligned shards
