@@ -104,8 +104,8 @@ def validate_sync(p: ParallelConfig, rule: Any, surface: Surface = CLI) -> None:
     L = labeler(surface)
     defaults = ParallelConfig()  # an option off (even spelled out) shapes nothing
     streaming = [name for name in ("sync-fragments", "sync-delay", "sync-alpha", "sync-carry", "sync-error-feedback",
-                                   "sync-topk") if getattr(p, name.replace("-", "_")) not in
-                 (getattr(defaults, name.replace("-", "_")), False)]
+                                   "sync-topk", "sync-topk-merge", "sync-error-decay")
+                 if getattr(p, name.replace("-", "_")) not in (getattr(defaults, name.replace("-", "_")), False)]
     if streaming and not p.federated:
         raise surface.error(f"{', '.join(L(n) for n in streaming)} shape the shard sync of FL methods; "
                             f"{L('method')} {p.method} has none (use fl-fsdp or fl-hsdp)")
@@ -115,6 +115,11 @@ def validate_sync(p: ParallelConfig, rule: Any, surface: Surface = CLI) -> None:
                             f"or {L('sync-topk')}, got {L('sync-dtype')} {p.sync_dtype}")
     if p.sync_topk is not None:
         validate_topk(p, rule, surface)
+    topk_only = [name for name in ("sync-topk-merge", "sync-error-decay")
+                 if getattr(p, name.replace("-", "_")) != getattr(defaults, name.replace("-", "_"))]
+    if topk_only and p.sync_topk is None:
+        raise surface.error(f"{', '.join(L(n) for n in topk_only)} shape the top-k sync's merge and residual; without "
+                            f"{L('sync-topk')} there is none: set {L('sync-topk')} or leave them unset")
     if p.sync_fragments > p.aggregate_every:
         raise surface.error(f"{L('sync-fragments')} {p.sync_fragments} is more than the {p.aggregate_every} steps of "
                             f"a period ({L('aggregate-every')}): each fragment syncs after its own step; allowed: "
