@@ -1,17 +1,25 @@
 """Blockwise quantization of a flat fp32 tensor and the quantized all-reduce, summed in fp32.
 
-A block has one fp32 scale, absmax / the format's largest code (`qmax`); the code formats map scaled values to codes
-and bytes: int8 and int4 symmetric integer codes (qmax 127, 7) rounded half to even; float8_e4m3fn and float8_e5m2
-through torch's casts (qmax 448, 57344); float4_e2m1, OCP's 4-bit float (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their
-negatives, qmax 6), rounded to nearest with ties to the smaller magnitude; the 4-bit ones pack two codes to a byte
-(lo + 16 hi) and decode through a 256-entry table of code pairs. `quantized_all_reduce` is a ring (as INTELLECT-1's):
-W chunks of whole blocks reduce-scattered, each partial sum quantized to travel, then each rank's whole sum quantized
-once more and all-gathered as uint8 rows (gloo refuses float8), so every rank decodes the same bytes. A rank sends
-2 (W - 1) rows (`all_reduce_bytes`), about (1 + 4 / block) / 4 of a ring fp32 all-reduce ((1/2 + 4 / block) / 4 at
-4 bits); the result carries W roundings per element, which `ErrorFeedback` keeps from accumulating. Where the group's
-backend cannot send device tensors point to point (gloo: its send/recv have no CUDA path), the ring's steps travel
-through persistent pinned host buffers (`p2p_carries_device_tensors`); its all-gather needs none (gloo's all-gather
-copies CUDA tensors through host memory itself).
+A block has one fp32 scale, absmax / the format's largest code (`qmax`), except int2's (below); the code formats map
+scaled values to codes and bytes: int8 and int4 symmetric integer codes (qmax 127, 7) rounded half to even;
+float8_e4m3fn and float8_e5m2 through torch's casts (qmax 448, 57344); float4_e2m1, OCP's 4-bit float (0, 0.5, 1,
+1.5, 2, 3, 4, 6 and their negatives, qmax 6), rounded to nearest with ties to the smaller magnitude; int2, four
+symmetric levels -b, -a, a, b per block: the magnitudes below the block's RMS decode as their mean a, those at or
+above it as theirs b. For a Gaussian that is the 4-level Lloyd-Max quantizer almost exactly (levels 0.46 and 1.53
+sigma split at 1 sigma, against 0.45 and 1.51 at 0.98), and for any block a contraction: each class's mean is its
+least-squares level, so a block's error is smaller than the block, which error feedback needs to stay bounded (fixed
+levels +-0.5, +-1.5 times a scale send a block of one large value and small ones back with more error than it had);
+a and b travel as two bf16 in the 4 bytes of a block's scale. The 4- and 2-bit
+The 4- and 2-bit
+formats pack two or four codes to a byte (the first in the low bits) and decode through a 256-entry table of each
+byte's codes. `quantized_all_reduce` is a ring (as INTELLECT-1's): W chunks of whole blocks reduce-scattered, each
+partial sum quantized to travel, then each rank's whole sum quantized once more and all-gathered as uint8 rows (gloo
+refuses float8), so every rank decodes the same bytes. A rank sends 2 (W - 1) rows (`all_reduce_bytes`), about
+(bits / 8 + 4 / block) / 4 of a ring fp32 all-reduce; the result carries W roundings per element, which
+`ErrorFeedback` keeps from accumulating. Where the group's backend cannot send device tensors point to point (gloo:
+its send/recv have no CUDA path), the ring's steps travel through persistent pinned host buffers
+(`p2p_carries_device_tensors`); its all-gather needs none (gloo's all-gather copies CUDA tensors through host memory
+itself).
 """
 
 from __future__ import annotations
@@ -86,6 +94,29 @@ class CodeFormat:
         """The payload of `numel` codes in the bytes `raw`, as `Quantized.values` holds it."""
         return raw.view(self.dtype)[:numel]
 
+    def quantize_blocks(self, src: torch.Tensor, raw: torch.Tensor, scales: torch.Tensor, scratch: torch.Tensor,
+                        error: bool, ws: Workspace) -> None:
+        """Quantize `src` (..., block) into the bytes `raw` (..., payload per block) and `scales` (...), through
+        `scratch` (`src` itself unless `error`); with `error`, `src` ends holding its rounding error, in fp32."""
+        absmax = torch.maximum(src.amax(-1), src.amin(-1).neg_())  # no |x| temporary (aminmax is slower on CPU)
+        torch.div(absmax, self.qmax, out=scales).clamp_(min=_TINY)
+        torch.mul(src, scales.reciprocal().unsqueeze(-1), out=scratch)  # |.| <= qmax (+ an ulp: rounds back to it)
+        self.encode(scratch, raw, ws, keep=error)
+        if error:
+            src.addcmul_(scratch, scales.unsqueeze(-1), value=-1)
+
+    def dequantize_blocks(self, raw: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, ws: Workspace) -> None:
+        """out (..., block) = the values of the codes `raw` and `scales`, in fp32 (a decode and a multiply: a
+        mixed-dtype multiply is ~3x slower)."""
+        self.decode(raw, out, ws)
+        out.mul_(scales.unsqueeze(-1))
+
+    def accumulate_blocks(self, raw: torch.Tensor, scales: torch.Tensor, into: torch.Tensor, part: torch.Tensor,
+                          ws: Workspace) -> None:
+        """into (..., block) += the values of `raw` and `scales`, in fp32, through `part` (shaped like `into`)."""
+        self.decode(raw, part, ws)
+        into.addcmul_(part, scales.unsqueeze(-1))
+
     def encode(self, scaled: torch.Tensor, raw: torch.Tensor, ws: Workspace, keep: bool) -> None:
         """raw (uint8, `payload_bytes` of `scaled`) = the codes of `scaled` (fp32, |.| <= qmax, contiguous); with
         `keep`, `scaled` ends holding the code values (fp32), else it is scratch."""
@@ -124,52 +155,60 @@ class Float8Codes(CodeFormat):
         torch.index_select(_float8_table(self.dtype), 0, index, out=out.view(-1))
 
 
-class _PairCodes(CodeFormat):
-    """A 4-bit format: two codes per byte, decoded through a table of each byte's pair of code values."""
+class _PackedCodes(CodeFormat):
+    """A format of 4 or 2 bits: `codes_per_byte` codes to a byte, the first in the low bits, decoded through a table
+    of each byte's code values."""
 
     codes_per_byte = 2
 
     def values(self, raw, numel) -> torch.Tensor:
         return raw[:self.payload_bytes(numel)]
 
-    def pairs(self) -> torch.Tensor:
-        """byte -> its (lo, hi) code values, (256, 2) fp32."""
+    def table(self) -> torch.Tensor:
+        """byte -> its code values, (256, codes_per_byte) fp32."""
         raise NotImplementedError
 
-    @staticmethod
-    def pack(codes: torch.Tensor, raw: torch.Tensor, ws: Workspace) -> None:
-        """raw = lo + 16 hi of each pair of consecutive `codes` (fp32 nibbles, exact in `raw`'s dtype)."""
-        pairs = codes.view(-1, 2)
-        packed = ws.get("pack", pairs.shape[0], torch.float32, codes.device)  # contiguous: 2x faster than in place
-        torch.add(pairs[:, 0], pairs[:, 1], alpha=16, out=packed)
+    def pack(self, codes: torch.Tensor, raw: torch.Tensor, ws: Workspace) -> None:
+        """raw = the sum of each group of `codes_per_byte` consecutive `codes` (fp32 integers of 8 / codes_per_byte
+        bits, exact in `raw`'s dtype), the i-th shifted left by i x those bits."""
+        groups = codes.view(-1, self.codes_per_byte)
+        packed = ws.get("pack", groups.shape[0], torch.float32, codes.device)  # contiguous: 2x faster than in place
+        if self.codes_per_byte == 2:
+            torch.add(groups[:, 0], groups[:, 1], alpha=16, out=packed)
+        else:
+            torch.mv(groups, _place_values(self.codes_per_byte, codes.device), out=packed)
         raw.view(-1).copy_(packed)
 
     def decode(self, raw, out, ws) -> None:
         flat = out.view(-1)
-        aligned = flat.storage_offset() % 2 == 0
-        target = flat if aligned else ws.get("unpack", flat.numel(), torch.float32, flat.device)
         index = ws.get("index", raw.numel(), torch.int32, raw.device)
         index.copy_(raw.reshape(-1))
+        table = _code_table(self, raw.device)
+        if self.codes_per_byte != 2:
+            torch.index_select(table, 0, index, out=flat.view(-1, self.codes_per_byte))
+            return
         # one 8-byte gather per byte: the table holds each byte's pair of fp32 code values as one int64
-        torch.index_select(_pair_table(self, raw.device), 0, index, out=target.view(torch.int64))
+        aligned = flat.storage_offset() % 2 == 0
+        target = flat if aligned else ws.get("unpack", flat.numel(), torch.float32, flat.device)
+        torch.index_select(table, 0, index, out=target.view(torch.int64))
         if not aligned:
             flat.copy_(target)
 
 
-class Int4Codes(_PairCodes):
+class Int4Codes(_PackedCodes):
     """int4: signed integer codes in [-7, 7] rounded to nearest, two per byte (module docstring)."""
 
     def encode(self, scaled, raw, ws, keep) -> None:
         scaled.round_()
         self.pack(scaled, raw.view(torch.int8), ws)  # in [-119, 119]: an int8's range
 
-    def pairs(self) -> torch.Tensor:
+    def table(self) -> torch.Tensor:
         signed = _BYTES.view(torch.int8).int()
         lo = (signed + 8) % 16 - 8
         return torch.stack([lo, (signed - lo) // 16], 1).float()
 
 
-class Float4Codes(_PairCodes):
+class Float4Codes(_PackedCodes):
     """float4_e2m1: sign-magnitude 4-bit floats, two per byte (module docstring)."""
 
     torch_name = "float4_e2m1fn_x2"
@@ -195,9 +234,54 @@ class Float4Codes(_PairCodes):
         mags = torch.tensor(self.magnitudes)
         return torch.cat([mags, -mags])
 
-    def pairs(self) -> torch.Tensor:
+    def table(self) -> torch.Tensor:
         table = self.nibbles()
         return torch.stack([table[_BYTES.long() % 16], table[_BYTES.long() // 16]], 1)
+
+
+class Int2Codes(_PackedCodes):
+    """int2: the levels -b, -a, a, b of each block (module docstring), four to a byte as the level's index 0 .. 3;
+    a block's 4 scale bytes hold (a, b) as two bf16."""
+
+    codes_per_byte = 4
+
+    def table(self) -> torch.Tensor:
+        """byte -> its codes' signed classes: -1.5, -0.5, 0.5, 1.5 for -b, -a, a, b."""
+        byte = _BYTES.long()
+        return torch.stack([(byte >> 2 * i) % 4 for i in range(4)], 1).float() - 1.5
+
+    def quantize_blocks(self, src, raw, scales, scratch, error, ws) -> None:
+        n, dev = src.numel(), src.device
+        magnitude = torch.abs(src, out=ws.get("magnitude", n, torch.float32, dev).view(src.shape))
+        absmax = magnitude.amax(-1)
+        # the RMS in fp32, held within [absmax / sqrt(block), absmax], where the true RMS lies: a block whose squares
+        # underflow or overflow fp32 still splits at a value of its own size
+        root = src.shape[-1] ** -0.5
+        threshold = torch.linalg.vector_norm(src, dim=-1).mul_(root)
+        threshold = torch.clamp(threshold, min=absmax.mul(root), max=absmax).unsqueeze(-1)
+        outer = torch.ge(magnitude, threshold, out=ws.get("outer", n, torch.float32, dev).view(src.shape))
+        count = outer.sum(-1)
+        outer_sum = torch.linalg.vecdot(magnitude, outer, dim=-1)
+        inner = magnitude.sum(-1).sub_(outer_sum).div_(count.neg().add_(src.shape[-1]).clamp_(min=1))
+        levels = scales.view(torch.bfloat16).view(-1, 2)
+        levels.copy_(torch.stack([inner, outer_sum.div_(count.clamp_(min=1))], 1))  # rounded to bf16
+        a, b = (levels[:, i].float().view(threshold.shape) for i in (0, 1))
+        codes = torch.add(outer, 0.5, out=magnitude)  # |signed class| - 1: 0.5 inner, 1.5 outer
+        torch.copysign(codes, src, out=codes)
+        if error:  # src -= sign x (a + outer (b - a)), the decoded value
+            src.sub_(torch.copysign(outer.mul_(b - a).add_(a), codes))
+        self.pack(codes.add_(1.5), raw, ws)
+
+    def dequantize_blocks(self, raw, scales, out, ws) -> None:
+        self.decode(raw, out, ws)  # the signed classes
+        levels = scales.view(torch.bfloat16).view(-1, 2).float()
+        a, b = levels[:, :1], levels[:, 1:]
+        value = torch.abs(out, out=ws.get("levels", out.numel(), torch.float32, out.device).view(out.shape))
+        torch.copysign(value.sub_(0.5).mul_(b - a).add_(a), out, out=out)
+
+    def accumulate_blocks(self, raw, scales, into, part, ws) -> None:
+        self.dequantize_blocks(raw, scales, part, ws)
+        into.add_(part)
 
 
 @functools.cache
@@ -207,9 +291,16 @@ def _float8_table(dtype: torch.dtype) -> torch.Tensor:
 
 
 @functools.cache
-def _pair_table(fmt: _PairCodes, device: torch.device) -> torch.Tensor:
-    """byte -> its pair of fp32 code values, viewed as one int64 per byte."""
-    return fmt.pairs().contiguous().view(torch.int64).view(-1).to(device)
+def _code_table(fmt: _PackedCodes, device: torch.device) -> torch.Tensor:
+    """byte -> its fp32 code values: a pair viewed as one int64, more as a row."""
+    table = fmt.table().contiguous()
+    return (table.view(torch.int64).view(-1) if fmt.codes_per_byte == 2 else table).to(device)
+
+
+@functools.cache
+def _place_values(codes_per_byte: int, device: torch.device) -> torch.Tensor:
+    """The multiplier of each code's position in a byte: 1, then shifted left by 8 / codes_per_byte bits each."""
+    return torch.tensor([float(1 << (8 // codes_per_byte) * i) for i in range(codes_per_byte)], device=device)
 
 
 _QUARTERS = 26
@@ -233,6 +324,7 @@ FORMATS: dict[str, CodeFormat] = {f.name: f for f in (
     Float8Codes("float8_e5m2", float(torch.finfo(torch.float8_e5m2).max)),
     Int4Codes("int4", 7.0),
     Float4Codes("float4_e2m1", 6.0),
+    Int2Codes("int2", 1.5),  # its qmax: the largest signed class
 )}
 """Every code format by name."""
 _BY_TORCH_NAME = {f.torch_name: f for f in FORMATS.values() if f.torch_name}
@@ -261,14 +353,15 @@ torch.float4_e2m1fn_x2), a wire name ("int4", "float4_e2m1") or a `CodeFormat`."
 
 def qmax(dtype: WireFormat) -> float:
     """The largest code of a format (127 for int8, 448 for e4m3, 57344 for e5m2, 7 for int4, 6 for e2m1): a block's
-    absmax maps onto it."""
+    absmax maps onto it (int2: 1.5, its largest class, which decodes as the block's own level b)."""
     return code_format(dtype).qmax
 
 
 @dataclass(frozen=True)
 class Quantized:
     """A flat tensor blockwise quantized: `values`, the codes as they travel (for a one-byte format `numel` of them in
-    its dtype; for a 4-bit one ceil(numel / 2) uint8 bytes, two codes each), and one fp32 scale per block."""
+    its dtype; for a 4- or 2-bit one ceil(numel / 2) or ceil(numel / 4) uint8 bytes), and one fp32 scale per
+    block."""
 
     values: torch.Tensor
     scales: torch.Tensor
@@ -317,8 +410,8 @@ def quantize(x: torch.Tensor, dtype: WireFormat = torch.int8, block: int = QUANT
     work[:n].copy_(x.reshape(-1))
     raw = torch.empty(fmt.payload_bytes(blocks * block), dtype=torch.uint8, device=x.device)
     scales = torch.empty(blocks, dtype=torch.float32, device=x.device)
-    _quantize(fmt, work.view(blocks, block), raw.view(blocks, -1), scales, work.view(blocks, block), False,
-              Workspace())
+    fmt.quantize_blocks(work.view(blocks, block), raw.view(blocks, -1), scales, work.view(blocks, block), False,
+                        Workspace())
     return Quantized(fmt.values(raw, n), scales, n, block, fmt)
 
 
@@ -329,7 +422,7 @@ def dequantize(q: Quantized) -> torch.Tensor:
     padded = torch.zeros(fmt.payload_bytes(blocks * q.block), dtype=torch.uint8, device=q.values.device)
     raw = q.values.view(torch.uint8)
     padded[:raw.numel()].copy_(raw)
-    _dequantize(fmt, padded.view(blocks, -1), q.scales, out.view(blocks, q.block), Workspace())
+    fmt.dequantize_blocks(padded.view(blocks, -1), q.scales, out.view(blocks, q.block), Workspace())
     return out[:q.numel]
 
 
@@ -337,24 +430,6 @@ def _format(dtype: WireFormat, block: int) -> CodeFormat:
     fmt = code_format(dtype)
     fmt.check_block(block)
     return fmt
-
-
-def _quantize(fmt: CodeFormat, src: torch.Tensor, raw: torch.Tensor, scales: torch.Tensor, scratch: torch.Tensor,
-              error: bool, ws: Workspace) -> None:
-    """Quantize `src` (..., block) into the bytes `raw` (..., payload per block) and `scales` (...), through
-    `scratch` (`src` itself unless `error`); with `error`, `src` ends holding its rounding error, in fp32."""
-    absmax = torch.maximum(src.amax(-1), src.amin(-1).neg_())  # no |x| temporary (aminmax is slower on CPU)
-    torch.div(absmax, fmt.qmax, out=scales).clamp_(min=_TINY)
-    torch.mul(src, scales.reciprocal().unsqueeze(-1), out=scratch)  # |.| <= qmax (+ an ulp: rounds back to it)
-    fmt.encode(scratch, raw, ws, keep=error)
-    if error:
-        src.addcmul_(scratch, scales.unsqueeze(-1), value=-1)
-
-
-def _dequantize(fmt: CodeFormat, raw: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, ws: Workspace) -> None:
-    """out (..., block) = codes * scales, in fp32 (a decode and a multiply: a mixed-dtype multiply is ~3x slower)."""
-    fmt.decode(raw, out, ws)
-    out.mul_(scales.unsqueeze(-1))
 
 
 class ErrorFeedback:
@@ -481,7 +556,7 @@ def quantized_all_reduce(flat: torch.Tensor, group: dist.ProcessGroup | None = N
     scales = ws.get("scales", bpr, torch.float32, dev)
 
     def encode(c: int, out: torch.Tensor) -> None:  # chunk c -> out (codes, then scales); errors stay in chunk c
-        _quantize(fmt, acc(c), out[:payload].view(bpr, -1), scales, part if ef else acc(c), ef, ws)
+        fmt.quantize_blocks(acc(c), out[:payload].view(bpr, -1), scales, part if ef else acc(c), ef, ws)
         out[payload:].copy_(scales.view(torch.uint8))
 
     # 1. reduce-scatter around the ring: at step k rank r passes chunk r - k on (its own values at k = 0, else the
@@ -491,8 +566,8 @@ def quantized_all_reduce(flat: torch.Tensor, group: dist.ProcessGroup | None = N
     for k in range(world - 1):
         encode((me - k) % world, send)
         _exchange(send, recv, group, nxt, prev, host, bound)
-        fmt.decode(recv[:payload].view(bpr, -1), part, ws)
-        acc((me - k - 1) % world).addcmul_(part, _floats(recv[payload:]).unsqueeze(-1))  # the sum, in fp32
+        fmt.accumulate_blocks(recv[:payload].view(bpr, -1), _floats(recv[payload:]), acc((me - k - 1) % world), part,
+                              ws)  # the sum, in fp32
     # 2. rank r holds the whole sum of chunk r + 1: round it once more and gather every rank's, in rank order
     mine = ws.get("mine", row, torch.uint8, dev)
     encode((me + 1) % world, mine)
@@ -509,9 +584,9 @@ def quantized_all_reduce(flat: torch.Tensor, group: dist.ProcessGroup | None = N
             continue  # padding
         codes, row_scales = rows[j, :payload].view(bpr, -1), _floats(rows[j, payload:])
         if c < full:
-            _dequantize(fmt, codes, row_scales, flat[c * chunk:(c + 1) * chunk].view(bpr, block), ws)
+            fmt.dequantize_blocks(codes, row_scales, flat[c * chunk:(c + 1) * chunk].view(bpr, block), ws)
         else:
-            _dequantize(fmt, codes, row_scales, part, ws)
+            fmt.dequantize_blocks(codes, row_scales, part, ws)
             flat[c * chunk:].copy_(part.view(-1)[:rest])
     return 2 * (world - 1) * row
 

@@ -142,10 +142,17 @@ class Float4E2M1(BlockwiseWire):
     name, torch_name, order, bytes_per_value = "float4_e2m1", "float4_e2m1fn_x2", 60, 0.5 + SCALE_BYTES / QUANT_BLOCK
 
 
+@register
+class Int2(BlockwiseWire):
+    """four levels, +-0.5 and +-1.5 times the block's RMS, four to a byte (MuLoCo's 2 bits; a block's scale is its
+    RMS, not its absmax)"""
+    name, order, bytes_per_value = "int2", 70, 0.25 + SCALE_BYTES / QUANT_BLOCK
+
+
 SyncDtype = Literal[tuple(WIRES)]  # type: ignore[valid-type]
 """What the cross-group all-reduce carries: one of `WIRES`."""
 QUANTIZED: tuple[str, ...] = tuple(name for name, w in WIRES.items() if w.error_feedback)
-"""The blockwise quantized wire dtypes (8 or 4 bits a value; error feedback allowed)."""
+"""The blockwise quantized wire dtypes (8, 4 or 2 bits a value; error feedback allowed)."""
 SYNC_DTYPE_BYTES: dict[str, float] = {name: w.bytes_per_value for name, w in WIRES.items()}
 """Wire bytes per parameter of each sync dtype in an all-reduce of a large bucket, scales included; the quantized
 all-reduce sends 2 (W - 1) / W of them per parameter, as a ring does."""

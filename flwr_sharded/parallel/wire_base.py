@@ -28,7 +28,7 @@ class Wire:
     delta: ClassVar[bool] = True
     """Sends the weighted delta from the global model (fp32 shards, a linear rule; keeps the global shards)."""
     error_feedback: ClassVar[bool] = False
-    """Rounds blockwise (to 8 or 4 bits), so `--sync-error-feedback` can carry its rounding errors."""
+    """Rounds blockwise (to 8, 4 or 2 bits), so `--sync-error-feedback` can carry its rounding errors."""
     requirement: ClassVar[str] = ""
     """What the device must offer, in words ("" when any device runs it); `unsupported` checks it."""
 

@@ -24,7 +24,7 @@ def test_the_option_the_8_bit_wires_and_the_bytes_derive_from_the_registry():
     assert tuple(sync_dtype.choices) == names
     assert QUANTIZED == tuple(n for n, w in WIRES.items() if w.error_feedback) == ("int8", "float8_e4m3fn",
                                                                                     "float8_e5m2", "int4",
-                                                                                    "float4_e2m1")
+                                                                                    "float4_e2m1", "int2")
     assert [n for n, w in WIRES.items() if not w.delta] == ["float32"]
 
 
