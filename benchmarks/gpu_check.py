@@ -289,6 +289,9 @@ def stage_kernels(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                                                                                  device=device)
             sent = sparse.encode(idx, val, layout, row)  # the CPU's selection, on both devices
             dsent = sparse.encode(idx.to(device), val.to(device), layout, drow)
+            if layout.coded:  # a codebook's bin means are sums, rounded as each device sums: decode the CPU's row
+                drow.copy_(row)
+                dsent = sparse.decode(drow, layout)[1]
             di, dv = sparse.decode(drow, layout)
             ci, cv = sparse.decode(row, layout)
             dense, ddense = torch.zeros_like(x), torch.zeros_like(dev_x)

@@ -17,7 +17,7 @@ from flwr_sharded import schema
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.rules import RULES, rule_options
 from flwr_sharded.parallel.plausibility import DEFAULT_MAX_MOVE
-from flwr_sharded.parallel.sparse import CHUNK
+from flwr_sharded.parallel.sparse import CHUNK, DEFAULT_ERROR_DECAY, DEFAULT_MERGE, TopkMerge
 from flwr_sharded.parallel.wire import QUANT_BLOCK, QUANTIZED, SyncDtype, described
 from flwr_sharded.presets import PRESETS
 from flwr_sharded.schema import Surface, option
@@ -79,11 +79,23 @@ class ParallelConfig:
     """With a quantized `sync-dtype` ({quantized}) or `sync-topk`: carry each rank's rounding errors (and what top-k
     did not send) into its next sync, so they do not accumulate over syncs; one more fp32 copy of the rank's shards."""
     sync_topk: float | None = option(None, gt=0, le=1, facts={"chunk": str(CHUNK)})
-    """Send only this fraction (e.g. 0.02) of each rank's weighted delta, the largest entries of each chunk of {chunk}
-    values, as (index, value) rows in the `sync-dtype` format, all-gathered and summed on every rank (SparseLoCo):
-    about W x fraction x (2 + value bytes) / 8 of the fp32 all-reduce's bytes over W groups (0.015x for 2 groups at
-    2% with int8). Needs `sync-error-feedback` (the residual keeps what is not sent) and a linear outer rule; one
-    fp32 copy of the shards for fedavg, as a reduced wire. Unset: dense."""
+    """Send only this fraction (e.g. 0.015625, SparseLoCo's 64 of 4096) of each rank's delta plus its decayed
+    residual (`sync-error-decay`), the largest entries of each chunk of {chunk} values, as rows of 12-bit indices and
+    values in the `sync-dtype` format (int2: 2-bit codes through a 4-bin codebook), all-gathered and merged on every
+    rank (`sync-topk-merge`, SparseLoCo): about W x fraction x (1.5 + value bytes) / 8 of the fp32 all-reduce's bytes
+    over W groups (at 1.5625% with int2: 0.0069x for 2 groups, 0.014x for 4). Needs `sync-error-feedback` (the
+    residual keeps what is not sent) and a linear outer rule; one fp32 copy of the shards for fedavg, as a reduced
+    wire. Unset: dense."""
+    sync_topk_merge: TopkMerge = DEFAULT_MERGE
+    """How every rank merges the members' top-k rows (`sync-topk` only): scatter-mean (SparseLoCo's, as Templar
+    deploys it) moves each coordinate by the weighted mean of what the members that sent it sent, each member's row
+    first scaled down to the median of the members' row norms, so that a coordinate few members sent is not shrunk
+    and one outsized member cannot dominate; sum adds every member's weighted row (with `sync-error-decay` 1: the
+    top-k sync before scatter-mean)."""
+    sync_error_decay: float = option(DEFAULT_ERROR_DECAY, gt=0, le=1)
+    """The top-k residual's decay (SparseLoCo's beta, `sync-topk` only): before each selection the residual becomes
+    decay x itself + the delta, and only what was sent, as decoded, leaves it. A dense quantized wire's residual
+    (`sync-error-feedback`) carries its rounding errors whole."""
     sync_fragments: int = option(1, ge=1)
     """N: sync the model in N fragments of contiguous transformer blocks (Streaming DiLoCo), fragment i after step
     round((i + 1) A / N) of each period, so the link carries about 1/N of the model at a time, each fragment with its
@@ -182,7 +194,8 @@ class ParallelConfig:
         if not self.sync:
             return "off (independent groups)"
         feedback = (f" top-k {self.sync_topk:g}" if self.sync_topk else "") + (
-            " with error feedback" if self.sync_error_feedback else "")
+            " with error feedback" if self.sync_error_feedback else "") + (
+            f" ({self.sync_topk_merge}, decay {self.sync_error_decay:g})" if self.sync_topk else "")
         fragments = f"{self.sync_fragments} fragment{'s' if self.sync_fragments > 1 else ''}"
         lr = "" if self.outer_lr is None else f" lr {self.outer_lr:g}"
         overlap = (f"overlap tau={self.sync_delay} alpha={self.sync_alpha:g} {'carry' if self.carries else 'no carry'}"

@@ -103,10 +103,10 @@ def validate_sync(p: ParallelConfig, rule: Any, surface: Surface = CLI) -> None:
 
     L = labeler(surface)
     defaults = ParallelConfig()  # an option off (even spelled out) shapes nothing
-    sparse = ("sync-dense-warmup", "sync-dense-flush", "sync-restart")
+    sparse = ("sync-topk-merge", "sync-error-decay", "sync-dense-warmup", "sync-dense-flush", "sync-restart")
     streaming = [name for name in ("sync-fragments", "sync-delay", "sync-alpha", "sync-carry", "sync-error-feedback",
-                                   "sync-topk", *sparse) if getattr(p, name.replace("-", "_")) not in
-                 (getattr(defaults, name.replace("-", "_")), False)]
+                                   "sync-topk", *sparse)
+                 if getattr(p, name.replace("-", "_")) not in (getattr(defaults, name.replace("-", "_")), False)]
     if streaming and not p.federated:
         raise surface.error(f"{', '.join(L(n) for n in streaming)} shape the shard sync of FL methods; "
                             f"{L('method')} {p.method} has none (use fl-fsdp or fl-hsdp)")
@@ -116,9 +116,11 @@ def validate_sync(p: ParallelConfig, rule: Any, surface: Surface = CLI) -> None:
                             f"or {L('sync-topk')}, got {L('sync-dtype')} {p.sync_dtype}")
     if p.sync_topk is not None:
         validate_topk(p, rule, surface)
-    elif any(name in streaming for name in sparse):
-        raise surface.error(f"{', '.join(L(n) for n in sparse if n in streaming)} shape a top-k sync: add "
-                            f"{L('sync-topk')}")
+    topk_only = [name for name in sparse if name in streaming]
+    if topk_only and p.sync_topk is None:
+        raise surface.error(f"{', '.join(L(n) for n in topk_only)} shape the top-k sync (its merge, residual and "
+                            f"dense syncs); without {L('sync-topk')} there is none: set {L('sync-topk')} or leave "
+                            f"them unset")
     if p.sync_fragments > p.aggregate_every:
         raise surface.error(f"{L('sync-fragments')} {p.sync_fragments} is more than the {p.aggregate_every} steps of "
                             f"a period ({L('aggregate-every')}): each fragment syncs after its own step; allowed: "

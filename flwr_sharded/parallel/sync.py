@@ -30,7 +30,7 @@ from flwr_sharded.parallel.offender import identify
 from flwr_sharded.parallel.plausibility import DEFAULT_MAX_MOVE, MoveBound, bucket_norms
 from flwr_sharded.parallel.quantize import ErrorFeedback, Workspace
 from flwr_sharded.parallel.rules import FedAvg, ShardRule
-from flwr_sharded.parallel.sparse import SparseWire
+from flwr_sharded.parallel.sparse import DEFAULT_ERROR_DECAY, DEFAULT_MERGE, SparseWire, TopkMerge
 from flwr_sharded.parallel.sync_plan import Owners, Seat
 from flwr_sharded.parallel.wire import QUANTIZED, WIRES, wire_of
 
@@ -110,6 +110,7 @@ class ShardSync:
         max_move: a result is adopted only if it moves no bucket by more than this many times its recent moves
             (`flwr_sharded.parallel.plausibility`); 0: finiteness only.
         topk: send only this fraction of each chunk's delta entries (`flwr_sharded.parallel.sparse`); None: dense.
+        topk_merge, error_decay: how the top-k rows merge, and the factor on its residual before each selection.
         seat: where this rank sits among groups that shard differently; None: every group shards alike.
         snapshot, origin: the buffers an overlapped sync copies its buckets and its shards into (shared by the
             fragments of one model); None: its own.
@@ -121,6 +122,7 @@ class ShardSync:
     def __init__(self, named_params: Iterable[tuple[str, torch.Tensor]], *, fed_group: Groups,
                  bucket_bytes: int = 64 << 20, rule: ShardRule | None = None, wire_dtype: torch.dtype | None = None,
                  error_feedback: bool = False, max_move: float = DEFAULT_MAX_MOVE, topk: float | None = None,
+                 topk_merge: TopkMerge = DEFAULT_MERGE, error_decay: float = DEFAULT_ERROR_DECAY,
                  seat: Seat | None = None, snapshot: Snapshot | None = None, origin: Snapshot | None = None,
                  carry: bool = False, restart_residual: bool = False) -> None:
         named = list(named_params)
@@ -140,7 +142,7 @@ class ShardSync:
             raise ValueError(f"a wire dtype ({wire_dtype}) other than the shards' needs fp32 shards, got "
                              f"{sorted({str(b.dtype) for b in buckets})}")
         values = wire_of(wire_dtype or torch.float32) if self.delta else WIRES["float32"]
-        self.wire = SparseWire(values, topk) if topk is not None else values
+        self.wire = SparseWire(values, topk, topk_merge, error_decay) if topk is not None else values
         if error_feedback and not self.wire.error_feedback:
             raise ValueError(f"error feedback needs a quantized wire dtype ({', '.join(QUANTIZED)}) or top-k, not "
                              f"{wire_dtype}")

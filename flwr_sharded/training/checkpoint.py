@@ -142,9 +142,11 @@ def check_compatible(cfg: TrainConfig, checkpoint: Path) -> None:
             raise ConfigError(f"--resume: the checkpoint {checkpoint} was written with {key}={old!r}, this run has "
                               f"{new!r}{why}")
     # the outer state's layout: a reduced (or top-k) wire keeps the global shards (fp32 fedavg never did), fragments
-    # have their own, error feedback its residuals; checkpoints from before an option hold its default
+    # have their own, error feedback its residuals (a top-k sync's: weighted by the sum merge, not by scatter-mean);
+    # checkpoints from before an option hold what the sync did without it
+    topk_merge = (("sync_topk_merge", "sum"),) if cfg.parallel.sync_topk is not None else ()
     for key, default in (("sync_dtype", "float32"), ("sync_fragments", 1), ("sync_error_feedback", False),
-                         ("sync_topk", None)):
+                         ("sync_topk", None), *topk_merge):
         saved_value = _setting(saved, f"parallel.{key}")
         saved_value = default if saved_value is KeyError else saved_value
         if saved_value != getattr(cfg.parallel, key):

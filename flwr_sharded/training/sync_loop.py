@@ -225,9 +225,9 @@ class SyncLoop:
             self.syncs = [ShardSync(part, fed_group=None, bucket_bytes=int(p.bucket_mb * (1 << 20)),
                                     rule=outer_rule(p), wire_dtype=WIRES[p.sync_dtype].torch_dtype(),
                                     error_feedback=p.sync_error_feedback, max_move=p.sync_max_move,
-                                    topk=p.sync_topk, seat=topo.seat, snapshot=snapshot, origin=origin,
-                                    carry=p.carries,
-                                    restart_residual=p.sync_restart == "residual")
+                                    topk=p.sync_topk, topk_merge=p.sync_topk_merge,
+                                    error_decay=p.sync_error_decay, seat=topo.seat, snapshot=snapshot, origin=origin,
+                                    carry=p.carries, restart_residual=p.sync_restart == "residual")
                           for part in fragment_parameters(model, transformer_blocks(model), p.sync_fragments)]
         self.tokens = [0] * len(self.syncs)
         """This rank's tokens since each fragment's last sync started (its weight in the next one)."""

@@ -10,20 +10,26 @@ from tests.multiproc import run_ranks
 NUMEL = 3 * 4096 + 1000  # three whole chunks and a partial one
 
 
-def _layout(values: str, fraction: float = 0.02, numel: int = NUMEL):
-    from flwr_sharded.parallel.sparse import RowLayout
+def _wire(values: str):
     from flwr_sharded.parallel.wire import WIRES
 
-    return RowLayout(numel, fraction, WIRES[values])
+    return WIRES[values]
 
 
-def _rank_rows(xs: list[torch.Tensor], residuals: list[torch.Tensor], layout) -> torch.Tensor:
+def _layout(values: str, fraction: float = 0.02, numel: int = NUMEL):
+    from flwr_sharded.parallel.sparse import RowLayout
+
+    return RowLayout(numel, fraction, _wire(values))
+
+
+def _rank_rows(xs: list[torch.Tensor], residuals: list[torch.Tensor | None], layout, scales=None,
+               merge: str = "sum", decay: float = 1.0) -> torch.Tensor:
     """Every emulated rank's row of its delta (`xs`, overwritten), residuals updated: (W, row bytes)."""
     from flwr_sharded.parallel.sparse import contribute
 
     rows = torch.empty(len(xs), layout.bytes, dtype=torch.uint8)
-    for x, residual, row in zip(xs, residuals, rows):
-        contribute(x, residual, layout, row, torch.empty_like(x))
+    for x, residual, row, scale in zip(xs, residuals, rows, scales or [1.0] * len(xs)):
+        contribute(x, residual, layout, row, torch.empty_like(x), scale, merge=merge, decay=decay)
     return rows
 
 
@@ -81,17 +87,49 @@ def test_error_feedback_keeps_the_running_sum_within_the_residuals():
 
 def test_sent_bytes_counts_the_rows_of_a_ring_all_gather():
     from flwr_sharded.parallel.sparse import sent_bytes
-    from flwr_sharded.parallel.wire import WIRES
 
     n = 16 << 20
-    int8 = sent_bytes(n, 2, 0.02, WIRES["int8"])
-    assert int8 == _layout("int8", numel=n).bytes and 0.014 < int8 / (4 * n) < 0.016  # (2 + 1 + 4/256) x 2% x N
-    assert sent_bytes(n, 4, 0.02, WIRES["int8"]) == 3 * int8 and sent_bytes(n, 1, 0.02, WIRES["int8"]) == 0
-    assert sent_bytes(n, 2, 0.02, WIRES["float32"]) == _layout("float32", numel=n).bytes == 6 * _layout(
-        "float32", numel=n).kept
+    int8 = sent_bytes(n, 2, 0.02, _wire("int8"))
+    assert int8 == _layout("int8", numel=n).bytes and 0.0125 < int8 / (4 * n) < 0.0127  # (1.5 + 1 + 4/256) x 2%
+    assert sent_bytes(n, 4, 0.02, _wire("int8")) == 3 * int8 and sent_bytes(n, 1, 0.02, _wire("int8")) == 0
+    fp32 = _layout("float32", numel=n)
+    assert sent_bytes(n, 2, 0.02, _wire("float32")) == fp32.bytes == 4 + 5.5 * fp32.kept  # header, 12 + 32 bits
 
 
-@pytest.mark.parametrize("values", ["float32", "bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("values", ["float32", "bfloat16", "int8", "int4", "int2"])
+@pytest.mark.parametrize("numel", [NUMEL, 4096, 4096 * 2 + 1, 5000, 3, 70 * 4096])
+def test_the_row_layout_counts_the_bytes_encode_writes(values, numel):
+    """Every byte of the row is accounted for: encode writes within `RowLayout.bytes` (bytes after it untouched), and
+    the packed indices and codes fill their fields."""
+    from flwr_sharded.parallel.sparse import CHUNK, HEADER_BYTES, _align, encode, select
+
+    for fraction in (0.02, 0.015625, 0.5):
+        layout = _layout(values, fraction, numel)
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+        row = torch.full((layout.bytes + 16,), 0xAB, dtype=torch.uint8)
+        encode(*select(x, layout, torch.empty_like(x)), layout, row[:layout.bytes])
+        assert torch.all(row[layout.bytes:] == 0xAB)
+        assert layout.index_bytes == 3 * -(-layout.kept // 2) and layout.kept <= -(-numel // CHUNK) * CHUNK
+        assert layout.bytes == HEADER_BYTES + layout.scale_bytes + _align(layout.index_bytes) + _align(
+            layout.code_bytes)
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 64, 4096])
+def test_twelve_bit_indices_round_trip(n):
+    from flwr_sharded.parallel.sparse import pack_indices, unpack_indices
+
+    gen = torch.Generator().manual_seed(n)
+    for indices in (torch.randint(0, 4096, (n,), generator=gen), torch.zeros(n, dtype=torch.long),
+                    torch.full((n,), 4095), torch.arange(n) % 2 * 4095, torch.arange(n) % 4096):
+        packed = torch.empty(3 * -(-n // 2), dtype=torch.uint8)
+        pack_indices(indices, packed)
+        assert torch.equal(unpack_indices(packed, n), indices)
+    packed = torch.empty(3, dtype=torch.uint8)
+    pack_indices(torch.tensor([0xABC, 0x123]), packed)
+    assert packed.tolist() == [0xBC, 0x3A, 0x12]  # low byte of the first, its high nibble and the second's low one
+
+
+@pytest.mark.parametrize("values", ["float32", "bfloat16", "int8", "int4", "int2"])
 def test_the_cost_models_ratio_is_the_rows_over_the_fp32_ring_all_reduce(values):
     from flwr_sharded.parallel.sparse import sent_bytes
     from flwr_sharded.parallel.wire import WIRES, sync_wire_ratio
@@ -108,43 +146,243 @@ def test_the_cost_models_ratio_is_the_rows_over_the_fp32_ring_all_reduce(values)
     assert sync_wire_ratio(values, 0.02, 8) == pytest.approx(4 * sync_wire_ratio(values, 0.02, 2))  # rows grow with F
 
 
-def _gloo_reduce(rank: int, world: int, values: str) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+def test_sparselocos_rows_take_about_a_145th_of_the_fp32_values():
+    """Top-64 of 4096 with int2 values: 12 index bits and 2 code bits a kept value, plus 4 fp32 per 1024 of them
+    (0.22 bits a value of the bucket, SparseLoCo's 146x); 0.0069x the fp32 ring all-reduce for 2 groups, 0.014x for
+    4."""
+    from flwr_sharded.parallel.sparse import sent_bytes
+    from flwr_sharded.parallel.wire import sync_wire_ratio
+
+    layout = _layout("int2", 0.015625, numel=16 << 20)
+    assert layout.kept == 64 * 4096 and 32 * layout.numel / (8 * layout.bytes) == pytest.approx(144.97, rel=1e-3)
+    assert layout.bytes == 4 + 16 * 256 + 1.5 * layout.kept + 0.25 * layout.kept
+    for world, ratio in ((2, 0.006897), (4, 0.013794)):
+        exact = sent_bytes(layout.numel, world, 0.015625, _wire("int2")) / (2 * (world - 1) / world * 4 * layout.numel)
+        assert exact == pytest.approx(ratio, rel=1e-3) and sync_wire_ratio("int2", 0.015625, world) == pytest.approx(
+            exact, rel=1e-4)
+
+
+def test_each_codebook_entry_is_the_mean_of_its_bins_values():
+    """Four bins of 1.5 sigma around each block's mean: a value decodes as the mean of its bin's values (so each
+    block's sum is kept), inner bins within their width, an empty bin as its centre; a partial last block alone."""
+    from flwr_sharded.parallel import codebook
+
+    gen = torch.Generator().manual_seed(3)
+    values = torch.cat([torch.randn(2 * codebook.BLOCK + 300, generator=gen) * 3 + 1, torch.full((5,), 40.0)])
+    codes, book = codebook.encode(values)
+    decoded = codebook.decode(codes, book)
+    assert book.shape == (3, codebook.BINS) and codes.max() < codebook.BINS
+    for b in range(3):
+        v = values[b * codebook.BLOCK:(b + 1) * codebook.BLOCK].double()
+        c, d = codes[b * codebook.BLOCK:(b + 1) * codebook.BLOCK], decoded[b * codebook.BLOCK:(b + 1) * codebook.BLOCK]
+        mean, sigma = v.mean(), v.std(unbiased=False)
+        expected = torch.bucketize(v - mean, torch.tensor([-1.5, 0.0, 1.5], dtype=torch.float64) * sigma, right=True)
+        assert torch.equal(c.long(), expected)
+        for k in range(codebook.BINS):
+            inside = c == k
+            assert inside.any()
+            assert torch.allclose(d[inside].double(), v[inside].mean().expand(int(inside.sum())), rtol=1e-5)
+        inner = (c == 1) | (c == 2)
+        assert float((d[inner].double() - v[inner]).abs().max()) <= 1.5 * float(sigma) * (1 + 1e-5)
+        assert abs(float(d.double().sum() - v.sum())) < 1e-3 * float(v.abs().sum())
+    two = torch.tensor([-1.0, 1.0] * 8)  # mean 0, sigma 1: bins 0 and 3 are empty
+    _, book = codebook.encode(two)
+    assert book[0].tolist() == [-2.25, -1.0, 1.0, 2.25]
+    same = torch.full((10,), 0.5)
+    assert torch.equal(codebook.decode(*codebook.encode(same)), same)
+
+
+@pytest.mark.parametrize("n", [1, 3, 4, 1027])
+def test_two_bit_codes_round_trip(n):
+    from flwr_sharded.parallel import codebook
+
+    codes = torch.randint(0, 4, (n,), generator=torch.Generator().manual_seed(n), dtype=torch.uint8)
+    packed = torch.empty(-(-n // 4), dtype=torch.uint8)
+    codebook.pack(codes, packed)
+    assert torch.equal(codebook.unpack(packed, n), codes)
+
+
+def _today(xs, residuals, scales, global_k, layout) -> torch.Tensor:
+    """The top-k sync before scatter-mean, decay and packed indices: x = residual + scale x delta, its top entries
+    rounded by the value wire, summed in rank order onto the global values; the residual keeps x less what was
+    sent."""
+    from flwr_sharded.parallel.quantize import dequantize, quantize
+    from flwr_sharded.parallel.sparse import scatter, select
+
+    out = global_k.clone()
+    for x, residual, scale in zip(xs, residuals, scales):
+        total = residual.add_(x, alpha=scale)
+        indices, values = select(total, layout, torch.empty_like(total))
+        if layout.quantized:
+            sent = dequantize(quantize(values, layout.values.torch_dtype()))
+        else:
+            sent = values.to(layout.values.torch_dtype()).float()
+        scatter(residual, layout, indices, values - sent, add=False)
+        scatter(out, layout, indices, sent, add=True)
+    return out
+
+
+@pytest.mark.parametrize("values", ["float32", "bfloat16", "int8", "int4"])
+def test_the_sum_merge_without_decay_is_the_earlier_top_k_sync_bit_for_bit(values):
+    from flwr_sharded.parallel.sparse import accumulate
+
+    layout, gen = _layout(values), torch.Generator().manual_seed(4)
+    global_k, scales = torch.randn(NUMEL, generator=gen), [0.2, 0.5, 0.3]
+    xs = [torch.randn(NUMEL, generator=gen) for _ in scales]
+    residuals = [torch.randn(NUMEL, generator=gen) * 0.1 for _ in scales]
+    theirs = [r.clone() for r in residuals]
+    expected = _today([x.clone() for x in xs], theirs, scales, global_k, layout)
+    out = torch.empty(NUMEL)
+    accumulate(out, _rank_rows([x.clone() for x in xs], residuals, layout, scales, "sum", 1.0), layout, global_k)
+    assert torch.equal(out, expected) and all(torch.equal(a, b) for a, b in zip(residuals, theirs))
+
+
+def _central_mean(rows, layout, global_k) -> torch.Tensor:
+    """The scatter-mean in fp64 from the rows' decoded entries: each row clipped to the lower median norm of the
+    members with a weight, each coordinate the weighted mean of its senders' clipped values."""
+    from flwr_sharded.parallel.sparse import CHUNK, decode, share_of
+
+    entries = []
+    for row in rows:
+        indices, values = decode(row, layout)
+        chunk = torch.arange(layout.kept) // layout.per_chunk if layout.per_chunk else torch.zeros(0)
+        chunk = torch.minimum(chunk, torch.tensor(layout.full))  # the partial chunk's entries follow the whole ones
+        entries.append((chunk * CHUNK + indices, values.double(), float(share_of(row))))
+    norms = [float(v.norm()) for _, v, _ in entries]
+    included = sorted(n for n, (_, _, s) in zip(norms, entries) if s > 0)
+    median = included[(len(included) - 1) // 2]
+    numerator, denominator = torch.zeros(layout.numel, dtype=torch.float64), torch.zeros(layout.numel,
+                                                                                        dtype=torch.float64)
+    for (positions, values, share), norm in zip(entries, norms):
+        clip = min(1.0, median / norm) if norm > 0 else 1.0
+        numerator.index_add_(0, positions, share * clip * values)
+        denominator.index_add_(0, positions, torch.full_like(values, share))
+    sent = denominator > 0
+    return torch.where(sent, global_k.double() + numerator / denominator.clamp_min(1e-300), global_k.double())
+
+
+def _members(gen, overlap: bool = True) -> list[torch.Tensor]:
+    """Four members' deltas: large entries shared by members 0 and 1 in chunk 0 (overlapping index sets), each
+    member's own large entries in chunk 1 (disjoint ones)."""
+    xs = [torch.randn(NUMEL, generator=gen) * 0.01 for _ in range(4)]
+    for m, x in enumerate(xs):
+        if overlap and m < 2:
+            x[100:180] += 5.0 + m
+        x[4096 + 200 * m:4096 + 200 * m + 80] -= 3.0 * (m + 1)
+    return xs
+
+
+@pytest.mark.parametrize("values", ["float32", "int8", "int2"])
+def test_the_scatter_mean_is_the_central_weighted_mean_over_each_coordinates_senders(values):
+    """Four members, one left out (weight 0, no residual): every coordinate is the global value plus the weighted
+    mean of the clipped values of the members (with a weight) that sent it; a coordinate nobody sent keeps it."""
+    from flwr_sharded.parallel.sparse import scatter_mean
+
+    layout, gen = _layout(values), torch.Generator().manual_seed(5)
+    global_k, scales = torch.randn(NUMEL, generator=gen), [0.2, 0.5, 0.3, 0.0]
+    xs = _members(gen)
+    xs[3].zero_()
+    residuals = [torch.randn(NUMEL, generator=gen) * 0.01 for _ in range(3)] + [None]
+    rows = _rank_rows(xs, residuals, layout, scales, "scatter-mean", 0.95)
+    out = torch.empty(NUMEL)
+    scatter_mean(out, rows, layout, global_k, torch.empty(NUMEL))
+    expected = _central_mean(rows, layout, global_k)
+    assert torch.allclose(out.double(), expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(out[(expected == global_k.double())], global_k[(expected == global_k.double())])
+    assert float((out[100:180] - global_k[100:180]).abs().min()) > 1.0  # sent by two: their mean, not shrunk
+    assert float((out[4096 + 600:4096 + 680] - global_k[4096 + 600:4096 + 680]).abs().max()) < 1e-6  # left out
+    again = torch.empty(NUMEL)
+    scatter_mean(again, rows, layout, global_k, torch.empty(NUMEL))
+    assert torch.equal(out, again)
+
+
+def test_an_outsized_member_moves_the_scatter_mean_no_more_than_the_median_norm_allows():
+    from flwr_sharded.parallel.sparse import decode, scatter_mean
+
+    layout, gen = _layout("int8"), torch.Generator().manual_seed(6)
+    global_k = torch.randn(NUMEL, generator=gen)
+    moves = []
+    for factor in (1.0, 1000.0):
+        xs = _members(torch.Generator().manual_seed(7))[:3]
+        xs[2].mul_(factor)
+        rows = _rank_rows(xs, [torch.zeros(NUMEL) for _ in xs], layout, [1 / 3] * 3, "scatter-mean", 0.95)
+        norms = sorted(float(decode(row, layout)[1].norm()) for row in rows)
+        out = torch.empty(NUMEL)
+        scatter_mean(out, rows, layout, global_k, torch.empty(NUMEL))
+        moves.append(float((out - global_k).norm()))
+        assert moves[-1] <= 3 * norms[1] * (1 + 1e-5)  # each coordinate a mean of values clipped to the median
+    assert moves[1] < 2 * moves[0], moves  # not 1000x
+
+
+@pytest.mark.parametrize("values", ["float32", "int8", "int2"])
+def test_the_decayed_residual_stays_bounded_over_many_syncs(values):
+    """200 syncs of random deltas (|delta| <= D) at 1.5625% with decay 0.95: an entry not sent becomes 0.95 e +
+    delta, a sent one x less its decoded value, within |x| for these wires; so max |e| <= D / (1 - 0.95) = 20 D."""
+    layout, gen = _layout(values, 0.015625, numel=2 * 4096 + 100), torch.Generator().manual_seed(8)
+    residual, bound = torch.zeros(layout.numel), 0.0
+    row, scratch = torch.empty(layout.bytes, dtype=torch.uint8), torch.empty(layout.numel)
+    from flwr_sharded.parallel.sparse import contribute
+
+    for _ in range(200):
+        delta = torch.randn(layout.numel, generator=gen)
+        bound = max(bound, float(delta.abs().max()) / (1 - 0.95))
+        contribute(delta, residual, layout, row, scratch, 0.5, merge="scatter-mean", decay=0.95)
+        assert float(residual.abs().max()) <= bound
+
+
+WEIGHTS = [0.25, 0.75, 0.0]
+"""The gloo ranks' weight shares (a third rank is left out: it sends zeros and keeps no residual)."""
+
+
+def _gloo_reduce(rank: int, world: int, values: str, merge: str,
+                 decay: float) -> tuple[torch.Tensor, torch.Tensor | None, int, int]:
     """SparseWire.reduce of each rank's own bucket against the global one: (result, residual, bytes, expected)."""
     import torch.distributed as dist
 
     from flwr_sharded.parallel.quantize import Workspace
     from flwr_sharded.parallel.sparse import SparseWire, sent_bytes
-    from flwr_sharded.parallel.wire import WIRES
 
     dist.init_process_group("gloo")
+    flat, residual, global_k = _gloo_inputs(rank)
+    wire = SparseWire(_wire(values), 0.02, merge, decay)
+    nbytes = wire.reduce(flat, global_k, WEIGHTS[rank], None, Workspace(), residual)
+    return flat, residual, nbytes, sent_bytes(NUMEL, world, 0.02, _wire(values))
+
+
+def _gloo_inputs(rank: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """A rank's (bucket, residual, global values); a left-out rank's bucket holds zeros, as the shard sync's."""
     gen = torch.Generator().manual_seed(rank + 10)
     global_k = torch.randn(NUMEL, generator=torch.Generator().manual_seed(7))
     flat, residual = global_k + torch.randn(NUMEL, generator=gen), torch.randn(NUMEL, generator=gen) * 0.1
-    wire = SparseWire(WIRES[values], 0.02)
-    nbytes = wire.reduce(flat, global_k, [0.25, 0.75][rank], None, Workspace(), residual)
-    return flat, residual, nbytes, sent_bytes(NUMEL, world, 0.02, WIRES[values])
+    return (flat, residual, global_k) if WEIGHTS[rank] else (torch.zeros(NUMEL), None, global_k)
 
 
 @pytest.mark.dist
 @pytest.mark.timeout(120)
-def test_sparse_wire_reduce_on_two_gloo_ranks_equals_the_central_sum_on_both():
-    from flwr_sharded.parallel.sparse import accumulate
+@pytest.mark.parametrize("values,merge,decay,world", [("int8", "sum", 1.0, 2), ("int8", "scatter-mean", 0.95, 3),
+                                                      ("int2", "scatter-mean", 0.95, 2)])
+def test_sparse_wire_reduce_on_gloo_ranks_equals_the_central_merge_on_each(values, merge, decay, world):
+    from flwr_sharded.parallel.sparse import accumulate, scatter_mean
 
-    results = run_ranks(_gloo_reduce, 2, "int8", timeout=90)
-    (a, res_a, bytes_a, expected), (b, res_b, _, _) = results
-    assert torch.equal(a, b) and bytes_a == expected > 0
-    # the central computation: each rank's weighted delta plus residual, its top entries, summed, on the global
-    layout = _layout("int8")
-    global_k = torch.randn(NUMEL, generator=torch.Generator().manual_seed(7))
-    xs, residuals = [], []
-    for rank, weight in enumerate([0.25, 0.75]):
-        gen = torch.Generator().manual_seed(rank + 10)
-        xs.append((global_k + torch.randn(NUMEL, generator=gen) - global_k) * weight)  # as the wire computes it
-        residuals.append(torch.randn(NUMEL, generator=gen) * 0.1)
+    results = run_ranks(_gloo_reduce, world, values, merge, decay, timeout=90)
+    first, bytes_a, expected = results[0][0], results[0][2], results[0][3]
+    assert all(torch.equal(first, r[0]) for r in results) and bytes_a == expected > 0
+    # the central computation from the same inputs: each rank's row, merged on the global values
+    layout = _layout(values)
+    inputs = [_gloo_inputs(rank) for rank in range(world)]
+    global_k = inputs[0][2]
+    xs = [flat - global_k if WEIGHTS[rank] else flat for rank, (flat, _, _) in enumerate(inputs)]
+    residuals = [residual for _, residual, _ in inputs]
+    rows = _rank_rows(xs, residuals, layout, WEIGHTS[:world], merge, decay)
     out = torch.empty(NUMEL)
-    accumulate(out, _rank_rows(xs, residuals, layout), layout)
-    assert torch.allclose(a, global_k + out, atol=1e-6)
-    assert torch.allclose(res_a, residuals[0], atol=1e-6) and torch.allclose(res_b, residuals[1], atol=1e-6)
+    if merge == "sum":
+        accumulate(out, rows, layout, global_k)
+    else:
+        scatter_mean(out, rows, layout, global_k, torch.empty(NUMEL))
+    assert torch.allclose(first, out, atol=1e-6)
+    for (_, residual, _, _), expected_residual in zip(results, residuals):
+        assert (residual is None) == (expected_residual is None)
+        assert residual is None or torch.allclose(residual, expected_residual, atol=1e-6)
 
 
 def test_the_shard_sync_refuses_top_k_without_error_feedback():
@@ -165,6 +403,14 @@ def test_the_shard_sync_refuses_top_k_without_error_feedback():
     ({"sync_topk": 0.02, "sync_error_feedback": True, "outer": "median"}, r"--sync-topk 0.02 .* --outer median"),
     ({"sync_topk": 0.02, "sync_error_feedback": True, "method": "fsdp", "federations": 1},
      r"--sync-error-feedback, --sync-topk shape the shard sync of FL methods"),
+    ({"sync_topk": 0.02, "sync_error_feedback": True, "sync_error_decay": 0.0},
+     r"--sync-error-decay must be in \(0, 1\], got 0.0"),
+    ({"sync_topk": 0.02, "sync_error_feedback": True, "sync_error_decay": 1.5},
+     r"--sync-error-decay must be in \(0, 1\], got 1.5"),
+    ({"sync_topk": 0.02, "sync_error_feedback": True, "sync_topk_merge": "mean"}, r"--sync-topk-merge"),
+    ({"sync_topk_merge": "sum"}, r"--sync-topk-merge shape the top-k sync's merge .* set --sync-topk"),
+    ({"sync_dtype": "int8", "sync_error_feedback": True, "sync_error_decay": 0.5},
+     r"--sync-error-decay shape the top-k sync's merge and residual; without --sync-topk"),
 ])
 def test_bad_top_k_options_are_refused_naming_the_option(options, message):
     from flwr_sharded.config import TrainConfig

@@ -102,6 +102,12 @@ def test_resume_refuses_a_missing_or_incompatible_checkpoint(data_dir, tmp_path,
     assert main([*ARGS, "--data-dir", str(data_dir), "--checkpoint-dir", str(tmp_path / "ckpt"), "--resume",
                  "--sync-dtype", "int8", "--sync-error-feedback"]) == 2
     assert "parallel.sync_topk=0.02" in capsys.readouterr().err
+    # the sum merge's residuals are weighted, scatter-mean's are not: a checkpoint from before the option summed
+    del saved["parallel"]["sync_topk_merge"]
+    (series / "meta.json").write_text(json.dumps({"step": 4, "config": saved}))
+    assert main([*ARGS, "--data-dir", str(data_dir), "--checkpoint-dir", str(tmp_path / "ckpt"), "--resume",
+                 "--sync-dtype", "int8", "--sync-error-feedback", "--sync-topk", "0.02"]) == 2
+    assert "parallel.sync_topk_merge='sum'" in capsys.readouterr().err
 
 
 def _start_torchrun(nproc: int, args: list[str], log: Path, **env: str) -> subprocess.Popen:
