@@ -145,6 +145,10 @@ def validate_topk(p: ParallelConfig, rule: Any, surface: Surface = CLI) -> None:
     if not rule.linear:
         raise surface.error(f"{L('sync-topk')} {p.sync_topk:g} sums every group's sparse delta, but {L('outer')} "
                             f"{p.outer} needs every member's shards; use a linear rule ({', '.join(LINEAR_RULES)})")
+    if p.sync_restart == "residual" and p.sync_topk_merge == "sum":
+        raise surface.error(f"{L('sync-restart')} residual puts each member's residual back into its shards, but "
+                            f"{L('sync-topk-merge')} sum weighs it by the member's share; use {L('sync-topk-merge')} "
+                            f"scatter-mean")
     if not p.sync_error_feedback:
         raise surface.error(f"{L('sync-topk')} {p.sync_topk:g} sends a fraction of each delta and keeps the rest "
                             f"for later syncs in an error-feedback residual: add {L('sync-error-feedback')}")

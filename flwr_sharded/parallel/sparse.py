@@ -263,6 +263,16 @@ class SparseWire(Wire):
     def layout(self, numel: int) -> RowLayout:
         return RowLayout(numel, self.fraction, self.values)
 
+    def dense(self) -> Wire:
+        return DenseFlush(self)
+
+    def carried(self, residual: torch.Tensor) -> torch.Tensor:
+        """What of a residual a rank's shards take in when it restarts from the global model plus it (`scatter-mean`:
+        the unweighted residual, decayed as the next selection would; in place)."""
+        if self.merge == "sum":
+            raise ValueError("a sum merge weighs the residual by the member's share: its shards cannot carry it")
+        return residual.mul_(self.decay)
+
     def unsupported(self, device: Any) -> str | None:
         return self.values.unsupported(device)
 
@@ -350,3 +360,27 @@ def scatter_mean(flat: torch.Tensor, rows: torch.Tensor, layout: RowLayout, base
         scatter(flat, layout, indices, values * factor, add=True)  # values may view the row (float32)
         scatter(weights, layout, indices, torch.ones_like(values).mul_(share), add=True)
     flat.div_(weights.clamp_min_(torch.finfo(torch.float32).tiny)).add_(base)
+
+
+class DenseFlush(Wire):
+    """A top-k sync that sends every entry this time (a warm-up or a flush): each rank's delta plus its decayed
+    residual, through the top-k wire's `values` wire (its dense reduction); the residual is emptied into it and then
+    holds only that wire's rounding errors (unweighted again for `scatter-mean`)."""
+
+    delta: ClassVar[bool] = True
+    error_feedback: ClassVar[bool] = True
+
+    def __init__(self, top: SparseWire) -> None:
+        self.top, self.name, self.order = top, top.values.name, top.values.order
+        self.bytes_per_value = top.values.bytes_per_value
+
+    def reduce(self, flat, global_k, scale, group, workspace, residual=None) -> int:
+        top, feedback = self.top, residual is not None and bool(scale)
+        if feedback:  # flat = global + delta + decay x residual (`sum`: its weighted residual, unweighted here)
+            flat.add_(residual, alpha=top.decay / (scale if top.merge == "sum" else 1.0))
+            residual.zero_()
+        sent = top.values.reduce(flat, global_k, scale, group, workspace,
+                                 residual if feedback and top.values.error_feedback else None)
+        if feedback and top.values.error_feedback and top.merge != "sum":
+            residual.div_(scale)  # the ring's rounding errors of the weighted delta
+        return sent

@@ -148,8 +148,9 @@ class ShardSync:
                              f"{wire_dtype}")
         if topk is not None and not error_feedback:
             raise ValueError("a top-k sync needs error feedback")
-        if restart_residual and topk is None:
-            raise ValueError("restarting from the global values plus the residual needs a top-k sync")
+        if restart_residual and (topk is None or self.wire.merge == "sum"):
+            raise ValueError("restarting from the global values plus the residual needs a top-k sync merged by "
+                             "scatter-mean")
         self.restart_residual = restart_residual
         self.state = GlobalState(self.rule, self.rule.stateful or self.delta,
                                  ErrorFeedback() if error_feedback else None)

@@ -334,9 +334,10 @@ WEIGHTS = [0.25, 0.75, 0.0]
 """The gloo ranks' weight shares (a third rank is left out: it sends zeros and keeps no residual)."""
 
 
-def _gloo_reduce(rank: int, world: int, values: str, merge: str,
-                 decay: float) -> tuple[torch.Tensor, torch.Tensor | None, int, int]:
-    """SparseWire.reduce of each rank's own bucket against the global one: (result, residual, bytes, expected)."""
+def _gloo_reduce(rank: int, world: int, values: str, merge: str, decay: float,
+                 dense: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, int, int]:
+    """SparseWire.reduce (`dense`: its dense flush's) of each rank's own bucket against the global one: (result,
+    residual, bytes, expected)."""
     import torch.distributed as dist
 
     from flwr_sharded.parallel.quantize import Workspace
@@ -345,7 +346,9 @@ def _gloo_reduce(rank: int, world: int, values: str, merge: str,
     dist.init_process_group("gloo")
     flat, residual, global_k = _gloo_inputs(rank)
     wire = SparseWire(_wire(values), 0.02, merge, decay)
-    nbytes = wire.reduce(flat, global_k, WEIGHTS[rank], None, Workspace(), residual)
+    nbytes = (wire.dense() if dense else wire).reduce(flat, global_k, WEIGHTS[rank], None, Workspace(), residual)
+    if dense:
+        return flat, residual, nbytes, 0
     return flat, residual, nbytes, sent_bytes(NUMEL, world, 0.02, _wire(values))
 
 
@@ -385,6 +388,84 @@ def test_sparse_wire_reduce_on_gloo_ranks_equals_the_central_merge_on_each(value
         assert residual is None or torch.allclose(residual, expected_residual, atol=1e-6)
 
 
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("merge", ["scatter-mean", "sum"])
+def test_a_dense_flush_sends_each_delta_with_its_whole_residual_through_the_values_ring(merge):
+    """Three gloo ranks (one left out), int8 values: the result is global + sum_i s_i (delta_i + 0.95 e_i) (`sum`:
+    its residual is already weighted) within the int8 ring's roundings; each residual then holds only those."""
+    from flwr_sharded.parallel.quantize import all_reduce_bytes
+
+    world, decay = 3, 0.95
+    results = run_ranks(_gloo_reduce, world, "int8", merge, decay, True, timeout=90)
+    inputs = [_gloo_inputs(rank) for rank in range(world)]
+    global_k = inputs[0][2]
+    exact = global_k.double().clone()
+    for rank, (flat, residual, _) in enumerate(inputs):
+        if WEIGHTS[rank]:
+            weighted = residual.double() * (1.0 if merge == "sum" else WEIGHTS[rank])
+            exact += WEIGHTS[rank] * (flat.double() - global_k.double()) + decay * weighted
+    step = float((exact - global_k.double()).abs().max()) / 127  # one int8 step of the largest block
+    assert all(torch.equal(results[0][0], r[0]) for r in results)
+    assert float((results[0][0].double() - exact).abs().max()) <= world * step
+    assert results[0][2] == all_reduce_bytes(NUMEL, world, torch.int8)
+    for rank, (_, residual, _, _) in enumerate(results):
+        if WEIGHTS[rank]:  # the ring's roundings only (unweighted for scatter-mean)
+            assert float(residual.abs().max()) <= world * step / (1.0 if merge == "sum" else WEIGHTS[rank])
+
+
+def _restart_worker(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from flwr_sharded.parallel.sync import ShardSync
+
+    dist.init_process_group("gloo")
+    gen = torch.Generator().manual_seed(3)
+    param = torch.nn.Parameter(torch.randn(1000, generator=gen))  # the same start on every rank
+    sync = ShardSync([("w", param)], fed_group=dist.group.WORLD, topk=0.1, error_feedback=True,
+                     restart_residual=True, max_move=0)
+    sync.capture_global()
+    delta = torch.randn(1000, generator=torch.Generator().manual_seed(rank + 20))
+    with torch.no_grad():
+        param.add_(delta)
+    sync.sync(1.0)
+    return {"param": param.detach().clone(), "global": sync.state.shards[0].clone(), "delta": delta,
+            "residual": sync.state.feedback.residuals["0"].clone()}
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_restarting_from_the_residual_puts_what_was_not_sent_into_the_shards():
+    """Two ranks, top-10% fp32 values: each rank's shards become the (common) global values plus 0.95 x its delta
+    less its sent entries; the residual buffer is empty; the global values are the scatter-mean of the sent ones."""
+    out = run_ranks(_restart_worker, 2, timeout=90)
+    assert torch.equal(out[0]["global"], out[1]["global"]) and not torch.equal(out[0]["param"], out[1]["param"])
+    for o in out:
+        kept = torch.zeros(1000, dtype=torch.bool)
+        kept[o["delta"].abs().topk(100).indices] = True
+        expected = torch.where(kept, 0.0, 0.95 * o["delta"])
+        assert torch.allclose(o["param"] - o["global"], expected, atol=1e-5)
+        assert not o["residual"].any()
+
+
+def test_the_dense_syncs_are_the_warm_up_periods_and_the_last_one():
+    from types import SimpleNamespace
+
+    from flwr_sharded.training.sync_loop import SyncLoop
+
+    def dense(clock: float, ahead: int = 0, warmup: int = 2, flush: bool = True, until: int | None = 32,
+              topk: float | None = 0.02) -> bool:
+        p = SimpleNamespace(sync_topk=topk, sync_dense_warmup=warmup, sync_dense_flush=flush)
+        loop = SimpleNamespace(cfg=SimpleNamespace(parallel=p), A=8, steps=8, until=until, reference=lambda: clock)
+        return SyncLoop._dense(loop, ahead)
+
+    assert [dense(c) for c in (8, 16, 24, 32)] == [True, True, False, True]  # warm-up 2, the last at 32 of 32
+    assert [dense(c, warmup=0, until=30) for c in (8, 16, 24)] == [False, False, True]  # the last before a mid-period end
+    assert dense(29, ahead=3) and not dense(21, ahead=3, warmup=0)  # an overlapped sync: where it merges
+    assert not dense(32, flush=True, until=None, warmup=0)  # a Flower round: no end known
+    assert not dense(8, topk=None)
+
+
 def test_the_shard_sync_refuses_top_k_without_error_feedback():
     from flwr_sharded.parallel.sync import ShardSync
 
@@ -408,9 +489,14 @@ def test_the_shard_sync_refuses_top_k_without_error_feedback():
     ({"sync_topk": 0.02, "sync_error_feedback": True, "sync_error_decay": 1.5},
      r"--sync-error-decay must be in \(0, 1\], got 1.5"),
     ({"sync_topk": 0.02, "sync_error_feedback": True, "sync_topk_merge": "mean"}, r"--sync-topk-merge"),
-    ({"sync_topk_merge": "sum"}, r"--sync-topk-merge shape the top-k sync's merge .* set --sync-topk"),
+    ({"sync_topk_merge": "sum"}, r"--sync-topk-merge shape the top-k sync .* set --sync-topk"),
     ({"sync_dtype": "int8", "sync_error_feedback": True, "sync_error_decay": 0.5},
-     r"--sync-error-decay shape the top-k sync's merge and residual; without --sync-topk"),
+     r"--sync-error-decay shape the top-k sync \(its merge, residual and dense syncs\); without --sync-topk"),
+    ({"sync_dense_warmup": 2, "sync_dense_flush": True},
+     r"--sync-dense-warmup, --sync-dense-flush shape the top-k sync .* set --sync-topk"),
+    ({"sync_restart": "residual"}, r"--sync-restart shape the top-k sync"),
+    ({"sync_topk": 0.02, "sync_error_feedback": True, "sync_restart": "residual", "sync_topk_merge": "sum"},
+     r"--sync-restart residual puts each member's residual back .* use --sync-topk-merge scatter-mean"),
 ])
 def test_bad_top_k_options_are_refused_naming_the_option(options, message):
     from flwr_sharded.config import TrainConfig
