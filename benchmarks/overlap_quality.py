@@ -56,13 +56,31 @@ VARIANTS = {
     "N=2 tau=3 alpha=0 carry, top-2% int8 + EF": SyncVariant(dtype="int8", error_feedback=True, topk=0.02,
                                                              fragments=2, delay=3, carry=True),
 }
+RECIPE = ("--sync-topk-merge", "scatter-mean", "--sync-error-decay", "0.95")
+"""SparseLoCo's merge and residual (the defaults, spelled out); `sum` with decay 1 is the earlier top-k sync."""
+SPARSE = {  # top-1% (41 of each 4096: <= 0.01x the fp32 sync's bytes over 4 groups) with int2 codebook values
+    name: (SyncVariant(dtype="int2", error_feedback=True, topk=0.01), (*RECIPE, *extra)) for name, extra in {
+        "top-1% int2, scatter-mean": (),
+        "top-1% int2, scatter-mean, restart at residual": ("--sync-restart", "residual"),
+        "top-1% int2, scatter-mean, dense warm-up 1": ("--sync-dense-warmup", "1"),
+        "top-1% int2, scatter-mean, dense flush": ("--sync-dense-flush",),
+        "top-1% int2, scatter-mean, warm-up 1 + flush": ("--sync-dense-warmup", "1", "--sync-dense-flush"),
+        "top-1% int2, scatter-mean, restart at residual + flush": ("--sync-restart", "residual",
+                                                                    "--sync-dense-flush"),
+    }.items()}
+SPARSE["top-1% int2, sum, no decay"] = (SyncVariant(dtype="int2", error_feedback=True, topk=0.01),
+                                        ("--sync-topk-merge", "sum", "--sync-error-decay", "1"))
+SPARSE["top-1% int8, sum, no decay"] = (SyncVariant(dtype="int8", error_feedback=True, topk=0.01),
+                                        ("--sync-topk-merge", "sum", "--sync-error-decay", "1"))
+VARIANTS.update({name: variant for name, (variant, _) in SPARSE.items()})
 
 
-def run(variant: SyncVariant, data_dir: str, work: Path, steps: int) -> dict:
+def run(variant: SyncVariant, data_dir: str, work: Path, steps: int, extra: tuple[str, ...] = ()) -> dict:
     run_dir = work / "run"
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8", "--standalone",
             "-m", "flwr_sharded.train", "--method", "fl-fsdp", "--federations", "4", "--replicas", "1",
-            "--shards", "2", "--aggregate-every", "8", *variant.train_args(), "--model", "small", "--seq-len", "64",
+            "--shards", "2", "--aggregate-every", "8", *variant.train_args(), *extra, "--model", "small",
+            "--seq-len", "64",
             "--batch-size", "1", "--steps", str(steps), "--lr", "0.001", "--seed", "42", "--log-every", "8",
             "--eval-every", "16", "--eval-blocks", "32", "--data-dir", data_dir, "--no-progress",
             "--run-dir", str(run_dir), "--no-save-model", "--timeout", "300"]
@@ -89,7 +107,9 @@ def main() -> int:
     rows = {}
     for name in names:
         with tempfile.TemporaryDirectory() as tmp:
-            rows[name] = {**run(VARIANTS[name], args.data_dir, Path(tmp), args.steps), "load_avg": os.getloadavg()[0]}
+            extra = SPARSE[name][1] if name in SPARSE else ()
+            rows[name] = {**run(VARIANTS[name], args.data_dir, Path(tmp), args.steps, extra),
+                          "load_avg": os.getloadavg()[0]}
         ref = rows.get("blocking fp32", {}).get("eval_ppl")
         rel = f"{rows[name]['eval_ppl'] / ref - 1:+.2%}" if ref else "-"
         print(f"{name:32s} eval ppl {rows[name]['eval_ppl']:8.1f} ({rel} vs blocking fp32), train ppl "

@@ -20,6 +20,7 @@ from flwr_sharded_perf.model_shape import ModelShape, model_from_name
 from flwr_sharded_perf.planner import (Candidate, FederationCandidate, PaperRow, evaluate, explain, paper_layouts, plan,
                                        plan_federation)
 from flwr_sharded.schema import option, same_as
+from flwr_sharded_perf.wire_choice import advice
 
 PHASES = ("forward", "backward", "optimizer", "aggregation", "overall")
 
@@ -51,6 +52,10 @@ class PlanOptions:
     sync_topk: float | None = same_as(ParallelConfig, "sync_topk")
     """The FL shard sync's top-k fraction (`flwr-sharded train --sync-topk`): its rows, all-gathered, instead of the
     all-reduce (their bytes grow with F); unset: dense."""
+    steps: int | None = option(None, ge=1)
+    """The run's optimizer steps: with `sync-topk`, the recommended layout's syncs (steps / A) are checked against
+    the syncs top-k needs for the dense sync's quality, and the dense 2-bit wire is recommended below them
+    (`flwr_sharded_perf.wire_choice`)."""
     state_bytes_per_param: float | None = option(None, gt=0)
     """Bytes per parameter of parameters + gradients + optimizer state together; unset: the trainer's (fp32 weights,
     gradients and AdamW moments: 16)."""
@@ -212,10 +217,12 @@ def run(parsed: argparse.Namespace) -> int:
         return 1
     best = candidates[0]
     reason = explain(best, reference, min(candidates, key=lambda c: c.step_time), args.fl_margin)
+    wire = (advice(args.sync_topk, args.steps // best.A, best.F)
+            if args.sync_topk and args.steps and best.federated else None)
     if args.json:
         print(json.dumps({"cluster": cluster.name, "model": model.name,
                           "candidates": [_candidate_dict(c) for c in candidates[:args.top]],
-                          "recommended": _candidate_dict(best), "reason": reason}, indent=2))
+                          "recommended": _candidate_dict(best), "reason": reason, "wire_advice": wire}, indent=2))
         return 0
     groups = f", node groups of {cluster.nodes_per_group} nodes" if cluster.nodes_per_group else ""
     print(f"Cluster {cluster.name}: {cluster.nodes} x {cluster.gpus_per_node} GPUs = {cluster.gpus}{groups}; "
@@ -230,6 +237,8 @@ def run(parsed: argparse.Namespace) -> int:
         print(f"{i:>3} {c.method:<8} {c.F:>4} {c.R:>4} {c.S:>4} {c.A:>3} {c.comm.total:>11.4g} {c.step_time:>12.4g} "
               f"{c.batch_tokens:>14,} {c.memory.total / GiB:>11.1f}  {tiers}")
     print(f"Recommended: {reason}")
+    if wire:
+        print(f"Wire: {wire}")
     return 0
 
 
