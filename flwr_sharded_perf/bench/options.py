@@ -10,14 +10,16 @@ from typing import Any
 
 from flwr_sharded import schema, tool_options
 from flwr_sharded.config import DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
-from flwr_sharded.parallel.wire import SyncDtype
-from flwr_sharded_perf.bench.runs import UNEQUAL_RUNS, VARIANT_RUNS
+from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES, SyncDtype
+from flwr_sharded_perf.bench.runs import UNEQUAL_RUNS, VARIANT_RUNS, variant_wire
 from flwr_sharded_perf.plan_cli import PlanOptions
 from flwr_sharded.schema import option, same_as
 
 REPO = Path(__file__).resolve().parents[2]
-RUN_KEYS = ("fsdp", "hsdp", "fl-fsdp", "fl-hsdp", "no-sync", *VARIANT_RUNS)
-"""The runs the benchmark can do: the four methods, the no-sync limit and FL+FSDP with the other syncs."""
+RUN_KEYS = ("fsdp", "hsdp", "fl-fsdp", "fl-hsdp", "no-sync",
+            *(k for k in VARIANT_RUNS if variant_wire(k) in (None, "topk", *SYNC_DTYPE_BYTES)))
+"""The runs the benchmark can do: the four methods, the no-sync limit and FL+FSDP with the other syncs whose wire the
+trainer has (`--sync-dtype`)."""
 
 
 @dataclass
@@ -42,8 +44,9 @@ class BenchOptions:
     """Layouts of the main cluster instead of the default ones, e.g. fsdp=1x1x8,fl-fsdp=4x1x2 (F x R x S)."""
     methods: str = ",".join(RUN_KEYS)
     """Runs to do, comma-separated, among fsdp, hsdp, fl-fsdp, fl-hsdp, no-sync and the FL+FSDP variants
-    fl-fsdp-overlap, fl-fsdp-int8, fl-fsdp-overlap-int8, fl-fsdp-int4, fl-fsdp-overlap-int4, fl-fsdp-topk and
-    fl-fsdp-overlap-topk; `none` skips the main cluster's scenario (e.g. for the unequal one alone)."""
+    fl-fsdp-overlap, fl-fsdp-int8, fl-fsdp-overlap-int8, fl-fsdp-int4, fl-fsdp-overlap-int4, fl-fsdp-int2,
+    fl-fsdp-overlap-int2 (where the trainer has the int2 wire), fl-fsdp-topk and fl-fsdp-overlap-topk; `none` skips the
+    main cluster's scenario (e.g. for the unequal one alone)."""
     model: str = same_as(ModelConfig, "name")
     """Model preset of every run (its traffic is predicted from the preset)."""
     seq_len: int = same_as(DataConfig, "seq_len", default=64)
@@ -86,6 +89,8 @@ class BenchOptions:
     lr: float = same_as(OptimConfig, "lr", default=1e-3)
     seed: int = same_as(TrainConfig, "seed")
     eval_every: int = same_as(TrainConfig, "eval_every", default=16)
+    """Evaluate held-out perplexity every N steps (and at the end; 0: only at the end), the points the time-to-target
+    table interpolates between, so it needs N <= A (e.g. 8 with A = 8) for a curve."""
     eval_blocks: int = same_as(DataConfig, "eval_blocks", default=32)
     fl_margin: float = same_as(PlanOptions, "fl_margin")
     measure_planner_choice: bool = option(True, name="planner-run")

@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from flwr_sharded_perf.bench.convergence import compute_utilisation, time_to_target
 from flwr_sharded_perf.bench.runs import (LABELS, UNEQUAL_LABELS, VARIANT_RUNS, WIRE_BYTES_TARGETS, SyncVariant,
                                           variant_wire)
 from flwr_sharded_perf.bench.options import REPO
@@ -19,6 +20,14 @@ IDLE_TARGET = 0.10
 """The most idle time of the fastest group per sync, as a fraction of its sync period, with `--group-steps speed`."""
 PPL_TARGET = 0.02
 """The largest relative difference of eval perplexity at equal tokens from the equal-speed federation's."""
+TIME_TARGET = 0.5
+"""The most training time the best sync variant may take to reach the blocking sync's final eval perplexity, as a
+fraction of the blocking run's time to it."""
+UTILISATION_TARGET = 0.95
+"""The least compute utilisation of that variant (`compute_utilisation`)."""
+TTT_RUNS = ("fl-fsdp", "no-sync", *VARIANT_RUNS)
+"""The runs of the time-to-target table: the FL+FSDP layout's, blocking (the reference), without syncs, and the
+variants."""
 
 
 def _json_default(value: Any) -> Any:
@@ -50,6 +59,7 @@ def checks(results: dict[str, Any]) -> list[dict[str, Any]]:
         out.append(_check("(same, within the FL+FSDP run: sync time over the other phases)", v, "delta", "<= +20%",
                           v <= 0.20))
     out += sync_variant_checks(runs)
+    out += time_to_target_checks(time_to_target_summary(runs))
     if "unequal" in results["scenarios"]:
         out += unequal_checks(results["scenarios"]["unequal"])
     for name, scen in results["scenarios"].items():
@@ -103,6 +113,68 @@ def sync_variant_checks(runs: dict[str, Any]) -> list[dict[str, Any]]:
             out.append(_check(f"{LABELS[key]}: eval perplexity against the blocking "
                               f"{reference['sync_variant']['dtype']} sync (same samples)", ppl / base - 1, "delta",
                               "within +-2%", abs(ppl / base - 1) <= 0.02))
+    return out
+
+
+def time_to_target_summary(runs: dict[str, Any]) -> dict[str, Any] | None:
+    """Against the blocking FL+FSDP run's final eval ppl (the target), per run of `TTT_RUNS` with an eval curve: its
+    final eval ppl, its time to the target (`time_to_target`) and that over the blocking run's own, its compute
+    utilisation (`compute_utilisation`) and cross-group bytes per sync over the blocking run's. Times come from each
+    run's first repeat, step times from all repeats. None without the blocking run's eval curve."""
+    ref = runs.get("fl-fsdp")
+    target = ((ref or {}).get("final") or {}).get("eval_ppl")
+    if not ref or not ref.get("eval") or not target:
+        return None
+    ref_time, ref_bytes, no_sync = time_to_target(ref["eval"], target), cross_group_bytes_per_sync(ref), \
+        runs.get("no-sync")
+    rows = {}
+    for key in (k for k in TTT_RUNS if runs.get(k, {}).get("eval")):
+        r = runs[key]
+        t, sent = time_to_target(r["eval"], target), cross_group_bytes_per_sync(r)
+        rows[key] = {"final_eval_ppl": r["final"]["eval_ppl"], "time_to_target_s": t,
+                     "vs_reference": t / ref_time if t is not None and ref_time else None,
+                     "train_time_s": r["final"]["train_time_s"], "eval_points": len(r["eval"]),
+                     "compute_utilisation": compute_utilisation(r, no_sync) if no_sync else None,
+                     "cross_group_bytes_per_sync": sent,
+                     "bytes_vs_reference": 0.0 if not r["sync"] else sent / ref_bytes if sent is not None and
+                     ref_bytes else None}
+    return {"reference": "fl-fsdp", "reference_dtype": (ref.get("sync_variant") or {}).get("dtype", "float32"),
+            "target_eval_ppl": target, "reference_time_s": ref_time,
+            "time": "training wall time (steps and the syncs they wait for, not evaluation) to the first eval at or "
+                    "below the target, linear in log perplexity between the eval points around it",
+            "utilisation": "the no-sync run's mean step time over the run's", "runs": rows}
+
+
+def _dtype_name(dtype: str) -> str:
+    return {"float32": "fp32", "bfloat16": "bf16"}.get(dtype, dtype)
+
+
+def time_to_target_checks(summary: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The best sync variant reaches the blocking sync's final eval ppl in at most `TIME_TARGET` of that run's time,
+    with compute utilisation >= `UTILISATION_TARGET`. The best: the fastest to it of the variants meeting both, else
+    the fastest to it; no rows without variants."""
+    variants = {k: r for k, r in (summary or {}).get("runs", {}).items() if k in VARIANT_RUNS}
+    if not variants:
+        return []
+    ref = _dtype_name(summary["reference_dtype"])
+    what = f"time to the blocking {ref} sync's final eval ppl, over the {ref} run's time to it"
+    reached = {k: r for k, r in variants.items() if r["vs_reference"] is not None}
+    if not reached:
+        return [_check(f"best sync variant: {what} (none of {len(variants)} reached it)", None, "ratio",
+                       f"<= {TIME_TARGET:g}x", False)]
+
+    def meets(r: dict[str, Any]) -> bool:
+        u = r["compute_utilisation"]
+        return r["vs_reference"] <= TIME_TARGET and u is not None and u >= UTILISATION_TARGET
+
+    best = min([k for k, r in reached.items() if meets(r)] or reached, key=lambda k: reached[k]["vs_reference"])
+    r = reached[best]
+    out = [_check(f"best sync variant, {LABELS.get(best, best)}: {what}", r["vs_reference"], "ratio",
+                  f"<= {TIME_TARGET:g}x", r["vs_reference"] <= TIME_TARGET)]
+    u = r["compute_utilisation"]
+    if u is not None:
+        out.append(_check("(same run: compute utilisation, the no-sync run's mean step time over its own)", u, "share",
+                          f">= {UTILISATION_TARGET:.0%}", u >= UTILISATION_TARGET))
     return out
 
 
@@ -258,6 +330,7 @@ def _scenario(name: str, scen: dict[str, Any], settings: dict[str, Any]) -> list
              f"per step, {scen['steps']} steps per run, {scen['repeats']} repeat(s) (interleaved). "
              + " ".join(f"Note: {n}." for n in scen.get("notes", []))]
     lines += _step_times(scen, table) + _phases(scen["runs"], table) + _sync_variants(scen["runs"])
+    lines += _time_to_target(scen, settings)
     lines += _tier_bytes(scen, table) + _sweep(scen) + _quality(scen, table, settings["eval_blocks"])
     if scen.get("planner"):
         lines += _planner(scen)
@@ -318,6 +391,28 @@ def _sync_variants(runs: dict[str, Any]) -> list[str]:
                      f"{r['step_s_mean']:.3f} | {_fmt(r['step_s_mean'] / ref - 1 if ref else None, '+.1%')} | "
                      f"{_ratio(base, r['step_s'])} | {r['sync_s_mean']:.3f} | "
                      f"{_mb(cross_group_bytes_per_sync(r), '.2f')} | {_fmt(r['final']['eval_ppl'], '.1f')} |")
+    return lines
+
+
+def _time_to_target(scen: dict[str, Any], settings: dict[str, Any]) -> list[str]:
+    summary = time_to_target_summary(scen["runs"])
+    if not summary or set(summary["runs"]) <= {"fl-fsdp"}:
+        return []
+    ref = _dtype_name(summary["reference_dtype"])
+    lines = _section("Time to target on this cluster",
+                     f"Target: the blocking {ref} sync's final eval ppl, {summary['target_eval_ppl']:.1f}. Time: "
+                     f"training wall time (the steps and the syncs they wait for, evaluation left out) to the first "
+                     f"eval at or below it, interpolated linearly in log perplexity between the eval points around it "
+                     f"(`--eval-every {settings.get('eval_every')}` and the last step); `-`: not reached in the run's "
+                     f"{scen['steps']} steps. Compute utilisation: the no-sync run's mean step time over the run's, "
+                     f"the fraction of wall time spent computing (above 100%: load noise between runs).",
+                     f"run | final eval ppl | time to {ref}'s final ppl (s) | vs {ref}'s time | compute utilisation | "
+                     f"cross-group bytes per sync vs {ref}")
+    for key, r in summary["runs"].items():
+        vs, sent = r["vs_reference"], r["bytes_vs_reference"]
+        lines.append(f"| {_label(key, scen['runs'][key])} | {_fmt(r['final_eval_ppl'], '.1f')} | "
+                     f"{_fmt(r['time_to_target_s'], '.1f')} | {'-' if vs is None else f'{vs:.2f}x'} | "
+                     f"{_fmt(r['compute_utilisation'], '.1%')} | {'-' if sent is None else f'{sent:.3f}x'} |")
     return lines
 
 

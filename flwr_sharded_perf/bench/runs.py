@@ -23,10 +23,10 @@ from flwr_sharded_perf.netemu.network import EmuTopology, Fabric, RankFailure
 from flwr_sharded_perf.placement import Placement
 
 VARIANT_RUNS = ("fl-fsdp-overlap", "fl-fsdp-int8", "fl-fsdp-overlap-int8", "fl-fsdp-int4", "fl-fsdp-overlap-int4",
-                "fl-fsdp-topk", "fl-fsdp-overlap-topk")
-"""Runs of the FL+FSDP layout with another sync: overlapped (the run's dtype); the int8 and int4 wires and the top-k
-sync (int8 values), all with error feedback; each of them overlapped too."""
-WIRE_BYTES_TARGETS = {"int8": 0.27, "int4": 0.14, "topk": 0.04}
+                "fl-fsdp-int2", "fl-fsdp-overlap-int2", "fl-fsdp-topk", "fl-fsdp-overlap-topk")
+"""Runs of the FL+FSDP layout with another sync: overlapped (the run's dtype); the int8, int4 and int2 wires and the
+top-k sync (int8 values), all with error feedback; each of them overlapped too."""
+WIRE_BYTES_TARGETS = {"int8": 0.27, "int4": 0.14, "int2": 0.07, "topk": 0.04}
 """The most cross-group bytes per sync each variant's wire may send, as a fraction of the fp32 sync's."""
 UNEQUAL_RUNS = ("equal", "unequal", "unequal-slow", "unequal-slow-speed")
 """The equal federation (as many groups of their mean S), the unequal one, and the unequal one with a slow group,
@@ -37,7 +37,8 @@ UNEQUAL_LABELS = {"equal": "equal federation", "unequal": "unequal federation",
 LABELS = {"fsdp": "FSDP", "hsdp": "HSDP", "fl-fsdp": "FL+FSDP", "fl-hsdp": "FL+HSDP", "no-sync": "FL+FSDP no-sync",
           "fl-fsdp-overlap": "FL+FSDP overlapped", "fl-fsdp-int8": "FL+FSDP int8",
           "fl-fsdp-overlap-int8": "FL+FSDP overlapped int8", "fl-fsdp-int4": "FL+FSDP int4",
-          "fl-fsdp-overlap-int4": "FL+FSDP overlapped int4", "fl-fsdp-topk": "FL+FSDP top-k",
+          "fl-fsdp-overlap-int4": "FL+FSDP overlapped int4", "fl-fsdp-int2": "FL+FSDP int2",
+          "fl-fsdp-overlap-int2": "FL+FSDP overlapped int2", "fl-fsdp-topk": "FL+FSDP top-k",
           "fl-fsdp-overlap-topk": "FL+FSDP overlapped top-k"}
 
 
@@ -110,7 +111,7 @@ class SyncVariant:
 
 
 def variant_wire(key: str) -> str | None:
-    """The wire a variant run is named after (int8, int4, topk), None for the run's own dtype."""
+    """The wire a variant run is named after (int8, int4, int2, topk), None for the run's own dtype."""
     wire = key.rsplit("-", 1)[-1]
     return wire if wire in WIRE_BYTES_TARGETS else None
 
@@ -195,8 +196,23 @@ def _median(values: list[float]) -> float:
 PHASE_NAMES = ("forward", "backward", "optimizer", "sync")
 
 
+def time_at(step: int, times: dict[int, float]) -> float:
+    """Training time at `step` from the logged steps' `times`: the logged one, else prorated within the window that
+    holds it (the run starts at step 0, time 0), else the last logged time."""
+    if step in times:
+        return times[step]
+    before = max((s for s in times if s < step), default=0)
+    after = min((s for s in times if s > step), default=None)
+    start = times.get(before, 0.0)
+    if after is None:
+        return start
+    return start + (times[after] - start) * (step - before) / (after - before)
+
+
 def summarize_metrics(path: Path) -> dict[str, Any]:
-    """Windows, curves and final perplexities from a run's JSON-lines metrics (rank 0)."""
+    """Windows, curves and final perplexities from a run's JSON-lines metrics (rank 0). A curve's `time_s` is the
+    training wall time up to its step: the sum of the logged windows' times, which hold the steps and the syncs they
+    wait for and leave evaluation out (`StaticRun`)."""
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     config = next((r for r in records if r.get("kind") == "start"), {})
     train = [r for r in records if r.get("kind") == "train"]
@@ -210,7 +226,7 @@ def summarize_metrics(path: Path) -> dict[str, Any]:
         times[r["step"]] = elapsed
         curve.append({"step": r["step"], "time_s": elapsed, "loss": r["loss"], "ppl": r["ppl"]})
         windows.append({"steps": n, "step_s": r["step_s"], **{k: r.get(f"{k}_s", 0.0) for k in PHASE_NAMES}})
-    eval_curve = [{"step": e["step"], "time_s": times.get(e["step"], elapsed), "eval_ppl": e["eval_ppl"],
+    eval_curve = [{"step": e["step"], "time_s": time_at(e["step"], times), "eval_ppl": e["eval_ppl"],
                    "eval_loss": e["eval_loss"]} for e in evals]
     return {"windows": windows, "syncs": train[-1].get("syncs", 0), "train": curve, "eval": eval_curve,
             "final": {"train_loss": train[-1]["loss"], "train_ppl": train[-1]["ppl"],

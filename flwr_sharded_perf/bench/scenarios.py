@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES, sync_wire_ratio
-from flwr_sharded_perf.bench.report import _json_default, agreement, checks, render
+from flwr_sharded_perf.bench.report import _json_default, agreement, checks, render, time_to_target_summary
 from flwr_sharded_perf.bench.runs import (LABELS, UNEQUAL_LABELS, UNEQUAL_RUNS, VARIANT_RUNS, BenchLayout, SyncVariant,
                                           model_units, parse_layouts, run_training, step_stats, sync_variant,
                                           vocab_size_of)
@@ -136,6 +136,7 @@ def _scenario(name: str, cluster_path: Path, opts: argparse.Namespace, work: Pat
             result["sweep"].append(run)
             print(f"   {run['step_s_mean']:.3f} s/step (mean after the first window)")
     result["agreement"] = agreement(result)
+    result["time_to_target"] = time_to_target_summary(result["runs"])
     return result
 
 

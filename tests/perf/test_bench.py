@@ -192,8 +192,16 @@ def test_quick_bench_end_to_end(data_dir, tmp_path):
     assert (tmp_path / "out" / "time_to_ppl.png").stat().st_size > 10_000
     report = (tmp_path / "out" / "bench.md").read_text()
     for heading in ("Step time and speedups", "Phase breakdown", "Overlapped, quantized and sparse syncs",
-                    "Bytes per tier", "Learning quality", "Planner agreement", "Targets"):
+                    "Time to target on this cluster", "Bytes per tier", "Learning quality", "Planner agreement",
+                    "Targets"):
         assert heading in report
+    ttt = res["scenarios"]["main"]["time_to_target"]  # evaluations at steps 4 and 8 (--quick: --eval-every 4)
+    assert set(ttt["runs"]) == {"fl-fsdp", "no-sync", "fl-fsdp-overlap-int8"}
+    assert ttt["target_eval_ppl"] == runs["fl-fsdp"]["final"]["eval_ppl"]
+    assert [e["step"] for e in runs["fl-fsdp"]["eval"]] == [4, 8]
+    assert 0 < runs["fl-fsdp"]["eval"][0]["time_s"] < runs["fl-fsdp"]["eval"][1]["time_s"] == \
+        runs["fl-fsdp"]["final"]["train_time_s"]
+    assert ttt["runs"]["fl-fsdp"]["vs_reference"] == 1.0 and ttt["runs"]["no-sync"]["compute_utilisation"] == 1.0
 
 
 @pytest.mark.dist
