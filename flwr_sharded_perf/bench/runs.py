@@ -95,16 +95,31 @@ class SyncVariant:
     error_feedback: bool = False
     topk: float | None = None
     """The fraction of each chunk's delta entries sent (`--sync-topk`); None: dense."""
+    restart: str = "global"
+    """Where a group goes on from after a top-k sync (`--sync-restart`)."""
+    dense_flush: bool = False
+    """The run's last top-k sync sends every entry (`--sync-dense-flush`)."""
 
     def train_args(self) -> list[str]:
         return ["--sync-dtype", self.dtype, "--sync-fragments", str(self.fragments), "--sync-delay", str(self.delay),
                 "--sync-alpha", str(self.alpha),
                 *([f"--{'' if self.carry else 'no-'}sync-carry"] if self.delay or self.carry else []),
                 *(["--sync-error-feedback"] if self.error_feedback else []),
-                *(["--sync-topk", f"{self.topk:g}"] if self.topk else [])]
+                *(["--sync-topk", f"{self.topk:g}"] if self.topk else []),
+                *(["--sync-restart", self.restart] if self.restart != "global" else []),
+                *(["--sync-dense-flush"] if self.dense_flush else [])]
+
+    def wire_ratio(self, groups: int, syncs: int) -> float:
+        """Cross-group bytes per sync over the fp32 sync's, on average over `syncs` syncs (a dense flush's last one
+        sends the dense wire's)."""
+        sparse = sync_wire_ratio(self.dtype, self.topk, groups)
+        if not (self.topk and self.dense_flush and syncs):
+            return sparse
+        return ((syncs - 1) * sparse + sync_wire_ratio(self.dtype)) / syncs
 
     def text(self) -> str:
-        wire = (f"top-{self.topk * 100:g}% " if self.topk else "") + self.dtype + " + EF" * self.error_feedback
+        wire = (f"top-{self.topk * 100:g}% " if self.topk else "") + self.dtype + " + EF" * self.error_feedback + (
+            ", restart at residual" if self.restart == "residual" else "") + ", dense flush" * self.dense_flush
         if not (self.fragments > 1 or self.delay):
             return f"{wire}, blocking"
         return f"{wire}, N={self.fragments} tau={self.delay} alpha={self.alpha:g}" + " carry" * self.carry
@@ -122,7 +137,8 @@ def sync_variant(key: str, opts) -> SyncVariant:
                    carry=opts.sync_carry) if "overlap" in key else {}
     wire = variant_wire(key)
     if wire == "topk":
-        return SyncVariant(dtype="int8", error_feedback=True, topk=opts.sync_topk, **overlap)
+        return SyncVariant(dtype="int2", error_feedback=True, topk=opts.sync_topk, restart="residual",
+                           dense_flush=True, **overlap)
     return SyncVariant(dtype=wire, error_feedback=True, **overlap) if wire else SyncVariant(opts.sync_dtype, **overlap)
 
 
@@ -296,7 +312,7 @@ def run_training(fab: Fabric, layout: BenchLayout, opts: argparse.Namespace, *, 
                               nodes_per_group=topo.nodes_per_group)
         cmp = compare(load_probes(traffic_dir), layout.method, placement, units, A=out["A"], backend="gloo",
                       reshard_root=True, ranks_per_node=topo.ranks_per_node, uplinks=topo.uplinks(),
-                      wire_ratio=sync_wire_ratio(variant.dtype, variant.topk, layout.F),  # over the fp32 units
+                      wire_ratio=variant.wire_ratio(layout.F, steps // out["A"]),  # over the fp32 units
                       fragments=variant.fragments)
         out.update(traffic=cmp.to_dict(), traffic_max_error=cmp.max_error())
     return out

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES, sync_wire_ratio
+from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES
 from flwr_sharded_perf.bench.report import _json_default, agreement, checks, render, time_to_target_summary
 from flwr_sharded_perf.bench.runs import (LABELS, UNEQUAL_LABELS, UNEQUAL_RUNS, VARIANT_RUNS, BenchLayout, SyncVariant,
                                           model_units, parse_layouts, run_training, step_stats, sync_variant,
@@ -269,7 +269,7 @@ def _inspect(run: dict[str, Any], layout: BenchLayout, shapes: list[tuple[int, .
                if line.strip()]
     run["cross_group"] = cross_group_traffic(load_probes(run_dir / "traffic"), layout.group_ranks())
     run["predicted_sync"] = predicted_sync(layout.shards_per_group, layout.R, shapes, bandwidth_bps=bps,
-                                           wire_ratio=sync_wire_ratio(variant.dtype, variant.topk, layout.F))
+                                           wire_ratio=variant.wire_ratio(layout.F, run["steps"] // run["A"]))
     run["group_shards"] = list(layout.shards_per_group)
     run["sync_groups"] = sync_group_records(records)
     run["group_timing"] = group_timing(run["sync_groups"])

@@ -119,6 +119,23 @@ def test_bad_layouts(text, words):
         parse_layouts(text, _topo())
 
 
+def test_the_top_k_runs_train_the_sparse_recipe_and_count_its_dense_flush():
+    from argparse import Namespace
+
+    from flwr_sharded.parallel.wire import sync_wire_ratio
+    from flwr_sharded_perf.bench.runs import sync_variant
+
+    opts = Namespace(sync_fragments=2, sync_delay=3, sync_alpha=0.0, sync_carry=True, sync_topk=0.01,
+                     sync_dtype="float32")
+    v = sync_variant("fl-fsdp-overlap-topk", opts)
+    args = v.train_args()
+    assert args[args.index("--sync-dtype") + 1] == "int2" and args[args.index("--sync-topk") + 1] == "0.01"
+    assert args[args.index("--sync-restart") + 1] == "residual" and "--sync-dense-flush" in args
+    sparse, dense = sync_wire_ratio("int2", 0.01, 4), sync_wire_ratio("int2")
+    assert v.wire_ratio(4, 4) == pytest.approx((3 * sparse + dense) / 4) and sparse < 0.01 < v.wire_ratio(4, 4)
+    assert sync_variant("fl-fsdp-int2", opts).wire_ratio(4, 4) == dense
+
+
 def test_step_stats_leave_out_the_warm_up_window():
     windows = [{"steps": 4, "step_s": 9.0, "forward": 1, "backward": 1, "optimizer": 1, "sync": 0},
                {"steps": 4, "step_s": 1.0, "forward": 0.2, "backward": 0.5, "optimizer": 0.1, "sync": 0.2},
