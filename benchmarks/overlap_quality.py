@@ -67,6 +67,8 @@ SPARSE = {  # top-1% (41 of each 4096: <= 0.01x the fp32 sync's bytes over 4 gro
         "top-1% int2, scatter-mean, warm-up 1 + flush": ("--sync-dense-warmup", "1", "--sync-dense-flush"),
         "top-1% int2, scatter-mean, restart at residual + flush": ("--sync-restart", "residual",
                                                                     "--sync-dense-flush"),
+        "top-1% int2, scatter-mean, restart at residual + flush, no decay": (
+            "--sync-restart", "residual", "--sync-dense-flush", "--sync-error-decay", "1"),
     }.items()}
 SPARSE["top-1% int2, sum, no decay"] = (SyncVariant(dtype="int2", error_feedback=True, topk=0.01),
                                         ("--sync-topk-merge", "sum", "--sync-error-decay", "1"))
