@@ -54,6 +54,10 @@ class BenchOptions:
     steps: int = same_as(TrainConfig, "steps", default=32)
     repeats: int = option(1, ge=1)
     """Runs of each method on the main cluster, interleaved."""
+    variant_steps: int | None = option(None, ge=1)
+    """Steps of the no-sync and sync-variant runs of the main scenario (unset: `steps`): more than the blocking
+    reference's let a faster sync reach the reference's final perplexity later in steps but sooner in time (the
+    time-to-target table)."""
     contrast_steps: int = option(32, ge=1)
     """Optimizer steps per run on the contrasting cluster."""
     contrast_repeats: int = option(1, ge=1)

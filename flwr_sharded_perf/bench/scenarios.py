@@ -114,7 +114,9 @@ def _scenario(name: str, cluster_path: Path, opts: argparse.Namespace, work: Pat
                 print(f"-- {LABELS.get(key, key)} {lay.method} {lay.text()} A={a}"
                       f"{f' ({variant.text()})' if variant else ''} (repeat {rep + 1}) ...")
                 # windows of the benchmark's A steps for every method: each holds one sync of the FL runs
-                run = run_training(fab, lay, opts, A=a, steps=steps, sync=sync, label=f"{key}-r{rep}",
+                longer = main and opts.variant_steps and (key == "no-sync" or key in VARIANT_RUNS)
+                run = run_training(fab, lay, opts, A=a, steps=opts.variant_steps if longer else steps, sync=sync,
+                                   label=f"{key}-r{rep}",
                                    log_every=max(a, opts.aggregate_every), units=units(lay.S), work=work / name,
                                    variant=variant)
                 collected[key].append({**run, "label": key})
