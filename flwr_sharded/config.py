@@ -122,9 +122,9 @@ class ParallelConfig:
     sync_restart: Literal["global", "residual"] = option("global", not_flat="groups then differ between syncs, "
                                                                            "where a Flower round compares them")
     """Where each group goes on from after a top-k sync: the global model (SparseLoCo), or the global model plus its
-    own residual (what it did not send), which then travels in its shards instead of the error-feedback buffer. The
-    groups then differ between syncs while their global models (kept for the next delta) agree; a rollback restores
-    both. The static engine only."""
+    own residual (what it did not send), which then travels in its shards instead of the error-feedback buffer (with
+    `sync-error-decay` 1 nothing of it is lost). The groups then differ between syncs while their global models (kept
+    for the next delta) agree; a rollback restores both. The static engine only."""
     reset_optimizer_state: bool = False
     """Clear the inner optimizer's state (e.g. Adam moments) after each sync; by default it stays local and kept."""
     sync: bool = option(True, not_flat="a Flower run always syncs; the no-sync limit is a static-engine benchmark")

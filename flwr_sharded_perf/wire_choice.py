@@ -37,8 +37,8 @@ class SparseParity:
 MEASURED = SparseParity(fraction=0.10, syncs=32, longest_run_syncs=32, longest_run_gap=0.0067,
                         recipe="--sync-dtype int8 --sync-error-feedback --sync-topk-merge sum --sync-error-decay 1")
 """Where the benchmark saw top-k at parity (benchmarks/README.md, 2026-12-02 and 2026-12-04): top-10% after 32
-syncs, +0.67% (3.2 model-equivalents sent); at 0.32 of them (top-1% x 32 syncs) the best recipe of SparseLoCo's
-merge, the restart at the residual and a dense flush was still +11.0%, at 0.64 (top-2%) +13.7%."""
+syncs, +0.67% (3.2 model-equivalents sent); at 0.32 of them (top-1% x 32 syncs) the best recipe (SparseLoCo's
+merge, the restart at the residual without decay, a dense flush) was still +4.9%, at 0.64 (top-2%, sum) +13.7%."""
 
 
 def syncs_needed(fraction: float, measured: SparseParity = MEASURED) -> float | None:

@@ -83,7 +83,8 @@ class BenchOptions:
     sync_dtype: SyncDtype = same_as(ParallelConfig, "sync_dtype")
     sync_topk: float = same_as(ParallelConfig, "sync_topk", default=0.01)
     """The fraction of each chunk's delta the top-k runs send (fl-fsdp-topk, fl-fsdp-overlap-topk: int2 codebook
-    values, error feedback, each group restarting from the global model plus its residual, a dense flush at the end)."""
+    values, error feedback without decay, each group restarting from the global model plus its residual, a dense
+    flush at the end)."""
     overlap: OverlapOptions = field(default_factory=OverlapOptions)
     """The trainer's sync options as the overlapped runs set them (the other FL runs sync in one fragment, blocking)."""
     sweep: str = "1,2,4,8,16,32"

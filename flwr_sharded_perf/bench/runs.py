@@ -99,6 +99,8 @@ class SyncVariant:
     """Where a group goes on from after a top-k sync (`--sync-restart`)."""
     dense_flush: bool = False
     """The run's last top-k sync sends every entry (`--sync-dense-flush`)."""
+    error_decay: float | None = None
+    """The top-k residual's decay (`--sync-error-decay`); None: the trainer's default."""
 
     def train_args(self) -> list[str]:
         return ["--sync-dtype", self.dtype, "--sync-fragments", str(self.fragments), "--sync-delay", str(self.delay),
@@ -107,7 +109,8 @@ class SyncVariant:
                 *(["--sync-error-feedback"] if self.error_feedback else []),
                 *(["--sync-topk", f"{self.topk:g}"] if self.topk else []),
                 *(["--sync-restart", self.restart] if self.restart != "global" else []),
-                *(["--sync-dense-flush"] if self.dense_flush else [])]
+                *(["--sync-dense-flush"] if self.dense_flush else []),
+                *(["--sync-error-decay", f"{self.error_decay:g}"] if self.error_decay is not None else [])]
 
     def wire_ratio(self, groups: int, syncs: int) -> float:
         """Cross-group bytes per sync over the fp32 sync's, on average over `syncs` syncs (a dense flush's last one
@@ -138,7 +141,7 @@ def sync_variant(key: str, opts) -> SyncVariant:
     wire = variant_wire(key)
     if wire == "topk":
         return SyncVariant(dtype="int2", error_feedback=True, topk=opts.sync_topk, restart="residual",
-                           dense_flush=True, **overlap)
+                           dense_flush=True, error_decay=1.0, **overlap)
     return SyncVariant(dtype=wire, error_feedback=True, **overlap) if wire else SyncVariant(opts.sync_dtype, **overlap)
 
 

@@ -131,6 +131,7 @@ def test_the_top_k_runs_train_the_sparse_recipe_and_count_its_dense_flush():
     args = v.train_args()
     assert args[args.index("--sync-dtype") + 1] == "int2" and args[args.index("--sync-topk") + 1] == "0.01"
     assert args[args.index("--sync-restart") + 1] == "residual" and "--sync-dense-flush" in args
+    assert args[args.index("--sync-error-decay") + 1] == "1"
     sparse, dense = sync_wire_ratio("int2", 0.01, 4), sync_wire_ratio("int2")
     assert v.wire_ratio(4, 4) == pytest.approx((3 * sparse + dense) / 4) and sparse < 0.01 < v.wire_ratio(4, 4)
     assert sync_variant("fl-fsdp-int2", opts).wire_ratio(4, 4) == dense
