@@ -109,7 +109,7 @@ def sync_variant_checks(runs: dict[str, Any]) -> list[dict[str, Any]]:
     base = (reference or {}).get("final", {}).get("eval_ppl")
     for key in VARIANT_RUNS:
         ppl = runs.get(key, {}).get("final", {}).get("eval_ppl")
-        if key in runs and base and ppl:
+        if key in runs and base and ppl and runs[key].get("steps") == reference.get("steps"):  # the same samples
             out.append(_check(f"{LABELS[key]}: eval perplexity against the blocking "
                               f"{reference['sync_variant']['dtype']} sync (same samples)", ppl / base - 1, "delta",
                               "within +-2%", abs(ppl / base - 1) <= 0.02))
@@ -404,7 +404,7 @@ def _time_to_target(scen: dict[str, Any], settings: dict[str, Any]) -> list[str]
                      f"training wall time (the steps and the syncs they wait for, evaluation left out) to the first "
                      f"eval at or below it, interpolated linearly in log perplexity between the eval points around it "
                      f"(`--eval-every {settings.get('eval_every')}` and the last step); `-`: not reached in the run's "
-                     f"{scen['steps']} steps. Compute utilisation: the no-sync run's mean step time over the run's, "
+                     f"steps. Compute utilisation: the no-sync run's mean step time over the run's, "
                      f"the fraction of wall time spent computing (above 100%: load noise between runs).",
                      f"run | final eval ppl | time to {ref}'s final ppl (s) | vs {ref}'s time | compute utilisation | "
                      f"cross-group bytes per sync vs {ref}")
