@@ -75,8 +75,10 @@ def stage_ring(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             f"{len(results[0])} wires over {ranks} ranks: equal on every rank and to gloo on CPU, within roundings"}
 
 
-RING_TOLERANCE = {"int8": 0.02, "float8_e4m3fn": 0.1, "float8_e5m2": 0.2, "int4": 0.3, "float4_e2m1": 0.4}
-"""Relative error of a quantized ring's sum (max |error| over max |sum|) that each wire stays within."""
+RING_TOLERANCE = {"int8": 0.02, "float8_e4m3fn": 0.1, "float8_e5m2": 0.2, "int4": 0.3, "float4_e2m1": 0.4,
+                  "int2": 1.0}
+"""Relative error of a quantized ring's sum (max |error| over max |sum|) that each wire stays within (int2: a block's
+largest value decodes as the mean of its class, off by most of its size at each of the ring's roundings)."""
 
 
 def worker_ring(args: argparse.Namespace) -> None:
