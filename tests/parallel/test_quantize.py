@@ -1,4 +1,5 @@
-"""The quantized all-reduce (int8, fp8, int4, int2): blockwise rounding bounds, the reduced sum on 2 and 3 gloo ranks, bytes, feedback."""
+"""The quantized all-reduce (int8, fp8, int4, int2): blockwise rounding bounds, the reduced sum on 2 and 3 gloo ranks,
+bytes, feedback."""
 
 from __future__ import annotations
 
@@ -392,8 +393,9 @@ def test_check_wire_dtype_allows_int8_everywhere_and_fp8_where_the_device_casts_
         if ok:
             assert wire.check_wire_dtype("float8_e4m3fn", "cuda:0") == FP8
         else:
-            with pytest.raises(ConfigError, match=r"--sync-dtype float8_e4m3fn needs .*capability >= 8.9.*: int8, int4, float4_e2m1, int2$"):
+            with pytest.raises(ConfigError, match=r"--sync-dtype float8_e4m3fn needs .*capability >= 8.9.*: "
+                                                  r"int8, int4, float4_e2m1, int2$"):
                 wire.check_wire_dtype("float8_e4m3fn", "cuda:0")
     monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: (_ for _ in ()).throw(RuntimeError("no e4m3")))
-    with pytest.raises(ConfigError, match="on cpu: int8, int4, float4_e2m1, int2$"):  # a CPU build that cannot cast to e4m3
+    with pytest.raises(ConfigError, match="on cpu: int8, int4, float4_e2m1, int2$"):  # a CPU that cannot cast to e4m3
         wire.check_wire_dtype("float8_e4m3fn", "cpu")

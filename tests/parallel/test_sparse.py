@@ -460,7 +460,8 @@ def test_the_dense_syncs_are_the_warm_up_periods_and_the_last_one():
         return SyncLoop._dense(loop, ahead)
 
     assert [dense(c) for c in (8, 16, 24, 32)] == [True, True, False, True]  # warm-up 2, the last at 32 of 32
-    assert [dense(c, warmup=0, until=30) for c in (8, 16, 24)] == [False, False, True]  # the last before a mid-period end
+    # the last sync before an end mid-period
+    assert [dense(c, warmup=0, until=30) for c in (8, 16, 24)] == [False, False, True]
     assert dense(29, ahead=3) and not dense(21, ahead=3, warmup=0)  # an overlapped sync: where it merges
     assert not dense(32, flush=True, until=None, warmup=0)  # a Flower round: no end known
     assert not dense(8, topk=None)
