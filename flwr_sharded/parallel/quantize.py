@@ -9,10 +9,8 @@ above it as theirs b. For a Gaussian that is the 4-level Lloyd-Max quantizer alm
 sigma split at 1 sigma, against 0.45 and 1.51 at 0.98), and for any block a contraction: each class's mean is its
 least-squares level, so a block's error is smaller than the block, which error feedback needs to stay bounded (fixed
 levels +-0.5, +-1.5 times a scale send a block of one large value and small ones back with more error than it had);
-a and b travel as two bf16 in the 4 bytes of a block's scale. The 4- and 2-bit
-The 4- and 2-bit
-formats pack two or four codes to a byte (the first in the low bits) and decode through a 256-entry table of each
-byte's codes. `quantized_all_reduce` is a ring (as INTELLECT-1's): W chunks of whole blocks reduce-scattered, each
+a and b travel as two bf16 in the 4 bytes of a block's scale. The 4- and 2-bit formats pack two or four codes to a
+byte (the first in the low bits) and decode through a 256-entry table of each byte's codes. `quantized_all_reduce` is a ring (as INTELLECT-1's): W chunks of whole blocks reduce-scattered, each
 partial sum quantized to travel, then each rank's whole sum quantized once more and all-gathered as uint8 rows (gloo
 refuses float8), so every rank decodes the same bytes. A rank sends 2 (W - 1) rows (`all_reduce_bytes`), about
 (bits / 8 + 4 / block) / 4 of a ring fp32 all-reduce; the result carries W roundings per element, which
