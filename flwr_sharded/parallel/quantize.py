@@ -2,22 +2,22 @@
 
 A block has one fp32 scale, absmax / the format's largest code (`qmax`), except int2's (below); the code formats map
 scaled values to codes and bytes: int8 and int4 symmetric integer codes (qmax 127, 7) rounded half to even;
-float8_e4m3fn and float8_e5m2 through torch's casts (qmax 448, 57344); float4_e2m1, OCP's 4-bit float (0, 0.5, 1,
-1.5, 2, 3, 4, 6 and their negatives, qmax 6), rounded to nearest with ties to the smaller magnitude; int2, four
-symmetric levels -b, -a, a, b per block: the magnitudes below the block's RMS decode as their mean a, those at or
-above it as theirs b. For a Gaussian that is the 4-level Lloyd-Max quantizer almost exactly (levels 0.46 and 1.53
-sigma split at 1 sigma, against 0.45 and 1.51 at 0.98), and for any block a contraction: each class's mean is its
-least-squares level, so a block's error is smaller than the block, which error feedback needs to stay bounded (fixed
-levels +-0.5, +-1.5 times a scale send a block of one large value and small ones back with more error than it had);
-a and b travel as two bf16 in the 4 bytes of a block's scale. The 4- and 2-bit formats pack two or four codes to a
-byte (the first in the low bits) and decode through a 256-entry table of each byte's codes. `quantized_all_reduce` is a ring (as INTELLECT-1's): W chunks of whole blocks reduce-scattered, each
-partial sum quantized to travel, then each rank's whole sum quantized once more and all-gathered as uint8 rows (gloo
-refuses float8), so every rank decodes the same bytes. A rank sends 2 (W - 1) rows (`all_reduce_bytes`), about
-(bits / 8 + 4 / block) / 4 of a ring fp32 all-reduce; the result carries W roundings per element, which
-`ErrorFeedback` keeps from accumulating. Where the group's backend cannot send device tensors point to point (gloo:
-its send/recv have no CUDA path), the ring's steps travel through persistent pinned host buffers
-(`p2p_carries_device_tensors`); its all-gather needs none (gloo's all-gather copies CUDA tensors through host memory
-itself).
+float8_e4m3fn and float8_e5m2 through torch's casts (qmax 448, 57344); float4_e2m1, OCP's 4-bit float (0, 0.5, 1, 1.5,
+2, 3, 4, 6 and their negatives, qmax 6), rounded to nearest with ties to the smaller magnitude; int2, four symmetric
+levels -b, -a, a, b per block: the magnitudes below the block's RMS decode as their mean a, those at or above it as
+theirs b. For a Gaussian that is the 4-level Lloyd-Max quantizer almost exactly (levels 0.46 and 1.53 sigma split at 1
+sigma, against 0.45 and 1.51 at 0.98), and for any block a contraction: each class's mean is its least-squares level,
+so a block's error is smaller than the block, which error feedback needs to stay bounded (fixed levels +-0.5, +-1.5
+times a scale send a block of one large value and small ones back with more error than it had); a and b travel as two
+bf16 in the 4 bytes of a block's scale. The 4- and 2-bit formats pack two or four codes to a byte (the first in the
+low bits) and decode through a 256-entry table of each byte's codes. `quantized_all_reduce` is a ring (as
+INTELLECT-1's): W chunks of whole blocks reduce-scattered, each partial sum quantized to travel, then each rank's
+whole sum quantized once more and all-gathered as uint8 rows (gloo refuses float8), so every rank decodes the same
+bytes. A rank sends 2 (W - 1) rows (`all_reduce_bytes`), about (bits / 8 + 4 / block) / 4 of a ring fp32 all-reduce;
+the result carries W roundings per element, which `ErrorFeedback` keeps from accumulating. Where the group's backend
+cannot send device tensors point to point (gloo: its send/recv have no CUDA path), the ring's steps travel through
+persistent pinned host buffers (`p2p_carries_device_tensors`); its all-gather needs none (gloo's all-gather copies
+CUDA tensors through host memory itself).
 """
 
 from __future__ import annotations
