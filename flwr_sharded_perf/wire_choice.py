@@ -38,7 +38,8 @@ MEASURED = SparseParity(fraction=0.10, syncs=32, longest_run_syncs=32, longest_r
                         recipe="--sync-dtype int8 --sync-error-feedback --sync-topk-merge sum --sync-error-decay 1")
 """Where the benchmark saw top-k at parity (benchmarks/README.md, 2026-12-02 and 2026-12-04): top-10% after 32
 syncs, +0.67% (3.2 model-equivalents sent); at 0.32 of them (top-1% x 32 syncs) the best recipe (SparseLoCo's
-merge, the restart at the residual without decay, a dense flush) was still +4.9%, at 0.64 (top-2%, sum) +13.7%."""
+merge, the restart at the residual without decay, a dense flush) was still +4.9%, and +11.6% after 64 syncs; at 0.64
+with top-2% and the sum merge, +13.7%."""
 
 
 def syncs_needed(fraction: float, measured: SparseParity = MEASURED) -> float | None:
