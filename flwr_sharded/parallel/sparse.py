@@ -351,12 +351,12 @@ def scatter_mean(flat: torch.Tensor, rows: torch.Tensor, layout: RowLayout, base
     import torch
 
     shares = torch.cat([share_of(row) for row in rows])
-    norms = torch.stack([torch.linalg.vector_norm(decode(row, layout)[1]) for row in rows])
+    decoded = [decode(row, layout) for row in rows]
+    norms = torch.stack([torch.linalg.vector_norm(values) for _, values in decoded])
     factors = shares * clip_factors(norms, shares > 0)
     flat.zero_()
     weights.zero_()
-    for row, share, factor in zip(rows, shares, factors):
-        indices, values = decode(row, layout)
+    for (indices, values), share, factor in zip(decoded, shares, factors):
         scatter(flat, layout, indices, values * factor, add=True)  # values may view the row (float32)
         scatter(weights, layout, indices, torch.ones_like(values).mul_(share), add=True)
     flat.div_(weights.clamp_min_(torch.finfo(torch.float32).tiny)).add_(base)
