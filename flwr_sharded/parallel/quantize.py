@@ -258,9 +258,9 @@ class Int2Codes(_PackedCodes):
         threshold = torch.linalg.vector_norm(src, dim=-1).mul_(root)
         threshold = torch.clamp(threshold, min=absmax.mul(root), max=absmax).unsqueeze(-1)
         outer = torch.ge(magnitude, threshold, out=ws.get("outer", n, torch.float32, dev).view(src.shape))
-        count = outer.sum(-1)
-        outer_sum = torch.linalg.vecdot(magnitude, outer, dim=-1)
-        inner = magnitude.sum(-1).sub_(outer_sum).div_(count.neg().add_(src.shape[-1]).clamp_(min=1))
+        count, total = outer.sum(-1), magnitude.sum(-1)
+        outer_sum = magnitude.mul_(outer).sum(-1)  # ~10x faster than vecdot on CPU; the magnitudes are not needed again
+        inner = total.sub_(outer_sum).div_(count.neg().add_(src.shape[-1]).clamp_(min=1))
         levels = scales.view(torch.bfloat16).view(-1, 2)
         levels.copy_(torch.stack([inner, outer_sum.div_(count.clamp_(min=1))], 1))  # rounded to bf16
         a, b = (levels[:, i].float().view(threshold.shape) for i in (0, 1))
