@@ -3,7 +3,9 @@
 The emulated benchmark's FL+FSDP run (`flwr-sharded bench`: 4 x 1 x 2 on 8 ranks, the `small` model, 1 x 64 tokens
 per rank per step, AdamW lr 1e-3, seed 42, A = 8, 32 steps, 32 eval blocks) with one sync variant at a time; only
 the sync differs, so the network does not matter and the ranks talk over loopback. Quality is deterministic for a
-given variant (the same numbers as the bench's runs of the same variant).
+given variant (the same numbers as the bench's runs of the same variant). Each run's result holds its final eval and
+train perplexity, its wall time and its eval curve (`[step, eval ppl]`, one point every 16 steps); `--steps` sets the
+length, the learning-rate schedule following it.
 
     PYTHONPATH=. .venv/bin/python benchmarks/overlap_quality.py --data-dir .data --out results/overlap_quality.json
 """
@@ -19,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from flwr_sharded.run_dir import read_records
 from flwr_sharded_perf.bench.runs import SyncVariant
 
 VARIANTS = {
@@ -88,11 +91,13 @@ def run(variant: SyncVariant, data_dir: str, work: Path, steps: int, extra: tupl
             "--run-dir", str(run_dir), "--no-save-model", "--timeout", "300"]
     start = time.perf_counter()
     done = subprocess.run(argv, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, text=True, timeout=1800)
+                          stderr=subprocess.PIPE, text=True, timeout=max(1800, 3 * steps))
     if done.returncode:
         raise SystemExit(f"the run failed (exit code {done.returncode}):\n{done.stderr[-4000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())
-    return {"eval_ppl": summary["eval_ppl"], "train_ppl": summary["ppl"], "wall_s": time.perf_counter() - start}
+    curve = [[r["step"], r["eval_ppl"]] for r in read_records(run_dir) if r.get("kind") == "eval"]
+    return {"eval_ppl": summary["eval_ppl"], "train_ppl": summary["ppl"], "wall_s": time.perf_counter() - start,
+            "eval_curve": curve}
 
 
 def main() -> int:

@@ -289,14 +289,20 @@ def test_cli_sync_dtype(capsys):
 def test_the_planner_recommends_the_dense_2_bit_wire_where_top_k_lacks_syncs_or_sends_more(capsys):
     from flwr_sharded_perf.wire_choice import SparseParity, advice
 
-    reached = SparseParity(fraction=0.01, syncs=200, longest_run_syncs=256, longest_run_gap=0.01, recipe="")
+    reached = (SparseParity(fraction=0.01, syncs=200, longest_run_syncs=256, longest_run_gap=0.01, recipe=""),)
     assert advice(0.01, 400, 4, reached) is None  # enough syncs, fewer bytes than int2 (0.0088x against 0.066x)
     few = advice(0.01, 100, 4, reached)
     assert "needs about 200 syncs" in few and "--sync-dtype int2 --sync-error-feedback" in few
     assert "needs about 100 syncs" in advice(0.02, 50, 4, reached)  # the same exposure: fraction x syncs
     assert "grow with the groups" in advice(0.01, 10_000, 64, reached)  # 64 groups: rows worth 0.14x
-    unreached = SparseParity(fraction=0.01, syncs=None, longest_run_syncs=32, longest_run_gap=0.05, recipe="R")
-    assert "still +5.0% from the fp32 sync after 32 syncs" in advice(0.01, 10_000, 4, unreached)
+    unreached = (SparseParity(fraction=0.01, syncs=None, longest_run_syncs=32, longest_run_gap=0.05, recipe="R"),
+                 SparseParity(fraction=0.02, syncs=None, longest_run_syncs=256, longest_run_gap=0.12, recipe="Q"),
+                 SparseParity(fraction=0.04, syncs=80, longest_run_syncs=80, longest_run_gap=0.0, recipe=""))
+    assert "at 0.02 (Q) was still +12.0% from it after 256 syncs" in advice(0.01, 10_000, 4, unreached)
+    assert "at 0.01 (R) was still +5.0% from it after 32 syncs" in advice(0.005, 10_000, 4, unreached[:1])
+    assert "at 0.02 (Q)" in advice(0.03, 10_000, 4, unreached)  # parity at 4% bounds nothing below it
+    assert advice(0.05, 64, 4, unreached) is None and "needs about 64 syncs" in advice(0.05, 10, 4, unreached)
+    assert "after 256 syncs" in advice(0.01, 10_000, 4)  # the benchmark's: top-1% never reached parity
     assert _cli("--cluster", str(CLUSTERS / "leonardo.yaml"), "--model", "llama3.1-8b", "--methods", "fl-fsdp",
                 "--aggregate-every", "8", "--sync-dtype", "int2", "--sync-topk", "0.01", "--steps", "64",
                 "--json") == 0
