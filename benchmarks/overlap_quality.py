@@ -1,11 +1,11 @@
 """How the overlapped, quantized and sparse syncs move learning quality: eval perplexity after the same samples.
 
 The emulated benchmark's FL+FSDP run (`flwr-sharded bench`: 4 x 1 x 2 on 8 ranks, the `small` model, 1 x 64 tokens
-per rank per step, AdamW lr 1e-3, seed 42, A = 8, 32 steps, 32 eval blocks) with one sync variant at a time; only
-the sync differs, so the network does not matter and the ranks talk over loopback. Quality is deterministic for a
-given variant (the same numbers as the bench's runs of the same variant). Each run's result holds its final eval and
-train perplexity, its wall time and its eval curve (`[step, eval ppl]`, one point every 16 steps); `--steps` sets the
-length, the learning-rate schedule following it.
+per rank per step, AdamW lr 1e-3, seed 42, A = 8 unless `--aggregate-every`, 32 steps, 32 eval blocks) with one sync
+variant at a time; only the sync differs, so the network does not matter and the ranks talk over loopback. Quality is
+deterministic for a given variant (the same numbers as the bench's runs of the same variant). Each run's result holds
+its final eval and train perplexity, its wall time and its eval curve (`[step, eval ppl]`, one point every 16 steps);
+`--steps` sets the length, the learning-rate schedule following it.
 
     PYTHONPATH=. .venv/bin/python benchmarks/overlap_quality.py --data-dir .data --out results/overlap_quality.json
 """
@@ -80,12 +80,13 @@ SPARSE["top-1% int8, sum, no decay"] = (SyncVariant(dtype="int8", error_feedback
 VARIANTS.update({name: variant for name, (variant, _) in SPARSE.items()})
 
 
-def run(variant: SyncVariant, data_dir: str, work: Path, steps: int, extra: tuple[str, ...] = ()) -> dict:
+def run(variant: SyncVariant, data_dir: str, work: Path, steps: int, extra: tuple[str, ...] = (),
+        aggregate_every: int = 8) -> dict:
     run_dir = work / "run"
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8", "--standalone",
             "-m", "flwr_sharded.train", "--method", "fl-fsdp", "--federations", "4", "--replicas", "1",
-            "--shards", "2", "--aggregate-every", "8", *variant.train_args(), *extra, "--model", "small",
-            "--seq-len", "64",
+            "--shards", "2", "--aggregate-every", str(aggregate_every), *variant.train_args(), *extra,
+            "--model", "small", "--seq-len", "64",
             "--batch-size", "1", "--steps", str(steps), "--lr", "0.001", "--seed", "42", "--log-every", "8",
             "--eval-every", "16", "--eval-blocks", "32", "--data-dir", data_dir, "--no-progress",
             "--run-dir", str(run_dir), "--no-save-model", "--timeout", "300"]
@@ -102,12 +103,13 @@ def run(variant: SyncVariant, data_dir: str, work: Path, steps: int, extra: tupl
 
 def main() -> int:
     from flwr_sharded import schema, tool_options
-    from flwr_sharded.config import DataConfig, TrainConfig
+    from flwr_sharded.config import DataConfig, ParallelConfig, TrainConfig
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=schema.HelpFormatter)
     tool_options.add_option(parser, DataConfig, "data_dir", required=True)
     parser.add_argument("--out", type=Path, required=True, help="result JSON")
     tool_options.add_option(parser, TrainConfig, "steps", default=32)
+    tool_options.add_option(parser, ParallelConfig, "aggregate_every")
     parser.add_argument("--only", default="", help="variant names separated by '|' (empty: all)")
     args = parser.parse_args()
     names = [n for n in VARIANTS if not args.only or n in args.only.split("|")]
@@ -115,14 +117,15 @@ def main() -> int:
     for name in names:
         with tempfile.TemporaryDirectory() as tmp:
             extra = SPARSE[name][1] if name in SPARSE else ()
-            rows[name] = {**run(VARIANTS[name], args.data_dir, Path(tmp), args.steps, extra),
-                          "load_avg": os.getloadavg()[0]}
+            result = run(VARIANTS[name], args.data_dir, Path(tmp), args.steps, extra, args.aggregate_every)
+            rows[name] = {**result, "load_avg": os.getloadavg()[0]}
         ref = rows.get("blocking fp32", {}).get("eval_ppl")
         rel = f"{rows[name]['eval_ppl'] / ref - 1:+.2%}" if ref else "-"
         print(f"{name:32s} eval ppl {rows[name]['eval_ppl']:8.1f} ({rel} vs blocking fp32), train ppl "
               f"{rows[name]['train_ppl']:8.1f}, {rows[name]['wall_s']:.0f} s", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "steps": args.steps, "runs": rows}, indent=1))
+    args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "steps": args.steps,
+                                    "aggregate_every": args.aggregate_every, "runs": rows}, indent=1))
     print(f"wrote {args.out}")
     return 0
 

@@ -47,8 +47,8 @@ MEASURED = (
 """What the benchmark saw of top-k against the fp32 sync (benchmarks/README.md, 2026-12-02 to 2026-12-05): top-10%
 at parity after 32 syncs (+0.67%, 3.2 model-equivalents sent); top-2% +13.7% after 32; top-1% with the best recipe
 (SparseLoCo's merge, the restart at the residual without decay, a dense flush) +4.9% after 32 syncs, +11.6% after
-64 and +12.1% after 256 (2,048 steps): the exposure that brought 10% to parity (2.56 at 256 syncs) does not bring 1%
-there."""
+64 and +12.1% after 256 (2,048 steps); with A = 2, +9.1% after 128 syncs and +15.7% after 256 (512 steps): the
+exposure that brought 10% to parity does not bring 1% there, at any sync count measured."""
 
 
 def syncs_needed(fraction: float, measured: tuple[SparseParity, ...] = MEASURED) -> float | None:
