@@ -80,8 +80,8 @@ SPARSE["top-1% int8, sum, no decay"] = (SyncVariant(dtype="int8", error_feedback
 VARIANTS.update({name: variant for name, (variant, _) in SPARSE.items()})
 
 
-def run(variant: SyncVariant, data_dir: str, work: Path, steps: int, extra: tuple[str, ...] = (),
-        aggregate_every: int = 8) -> dict:
+def run(variant: SyncVariant, data_dir: str, work: Path, steps: int, extra: tuple[str, ...] = (), *,
+        aggregate_every: int) -> dict:
     run_dir = work / "run"
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8", "--standalone",
             "-m", "flwr_sharded.train", "--method", "fl-fsdp", "--federations", "4", "--replicas", "1",
@@ -117,7 +117,8 @@ def main() -> int:
     for name in names:
         with tempfile.TemporaryDirectory() as tmp:
             extra = SPARSE[name][1] if name in SPARSE else ()
-            result = run(VARIANTS[name], args.data_dir, Path(tmp), args.steps, extra, args.aggregate_every)
+            result = run(VARIANTS[name], args.data_dir, Path(tmp), args.steps, extra,
+                         aggregate_every=args.aggregate_every)
             rows[name] = {**result, "load_avg": os.getloadavg()[0]}
         ref = rows.get("blocking fp32", {}).get("eval_ppl")
         rel = f"{rows[name]['eval_ppl'] / ref - 1:+.2%}" if ref else "-"
