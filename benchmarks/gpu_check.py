@@ -8,8 +8,9 @@ benchmarks/results/gpu_check-<date>. Each stage runs in a process of its own und
 --budget seconds), so a crash or a hang fails that stage only; runs and checkpoints go to a temporary directory.
 The corpus must be prepared in --data-dir (`flwr-sharded prepare-data`): the check never downloads. Stages:
 
-  env       torch, CUDA, NCCL, transformers and flwr versions, the device and its compute capability, whether
-            `torch.distributed.all_gather_single` exists (the package needs it: torch >= 2.13)
+  env       torch, CUDA, NCCL, transformers and flwr versions, the device and its compute capability, the all-gather
+            the sync uses (`all_gather_single`, or `all_gather_into_tensor` before torch 2.13); fails only where torch
+            or transformers is below pyproject.toml's floor (no stage imports flwr: its absence is reported)
   kernels   every quantized wire's quantize/dequantize (int8, fp8 e4m3/e5m2, int4, fp4) and the top-k wire's
             select/encode/decode/scatter on CUDA, bit-equal to CPU on random, zero, huge and subnormal values
   sync      two processes on the one GPU over gloo: blocking and overlapped `ShardSync`s (float32, bfloat16 and int8
@@ -195,7 +196,8 @@ def stage_env(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
     out: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
                            "transformers": version("transformers"), "flwr": version("flwr"),
-                           "all_gather_single": hasattr(dist, "all_gather_single"),
+                           "all_gather": "all_gather_single" if hasattr(dist, "all_gather_single") else
+                           "all_gather_into_tensor",
                            "nccl_available": dist.is_nccl_available(), "cuda": torch.version.cuda,
                            "cuda_available": torch.cuda.is_available()}
     if torch.cuda.is_available():
@@ -204,14 +206,18 @@ def stage_env(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                    memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
                    nccl=".".join(map(str, torch.cuda.nccl.version())), cudnn=torch.backends.cudnn.version(),
                    bf16=torch.cuda.is_bf16_supported())
-    problems = [] if out["all_gather_single"] else [f"torch {torch.__version__} has no dist.all_gather_single"]
     out["floors"] = floors()
-    problems += [f"{name} {out[name]} is below the floor {floor} (pyproject.toml)" for name, floor in
-                 out["floors"].items() if name in out and _below(out[name], floor)]
+    problems = [f"{name} {out[name]} is below the floor {floor} (pyproject.toml)" for name, floor in
+                out["floors"].items() if name in NEEDED and _below(out[name], floor)]
     if not args.dry and not out["cuda_available"]:
         problems.append("no CUDA GPU")
     return {"ok": not problems, "reason": "; ".join(problems) or
-            f"torch {out['torch']}, CUDA {out['cuda']}, NCCL {out.get('nccl')}, {out.get('device', 'CPU')}", **out}
+            f"torch {out['torch']}, CUDA {out['cuda']}, NCCL {out.get('nccl')}, {out.get('device', 'CPU')}, "
+            f"transformers {out['transformers']}, flwr {out['flwr']}", **out}
+
+
+NEEDED = ("torch", "transformers")
+"""What the stages import of the floors pyproject.toml declares (flwr: none of them)."""
 
 
 def floors() -> dict[str, str]:
@@ -222,7 +228,7 @@ def floors() -> dict[str, str]:
 
 
 def _below(version: str, floor: str) -> bool:
-    """Whether a release (2.11.0+cu130; "not installed") is below a floor (2.13)."""
+    """Whether a release (2.11.0+cu130; "not installed") is below a floor (2.8)."""
     def numbers(v: str) -> tuple[int, ...]:
         return tuple(int(x) for x in re.findall(r"\d+", v.split("+")[0])[:3])
 
@@ -588,9 +594,10 @@ def stage_rollback(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                       f"(median of 3)"}
 
 
-STAGES = [Stage("env", 60, stage_env), Stage("kernels", 90, stage_kernels), Stage("sync", 150, stage_sync),
-          Stage("train", 180, stage_train), Stage("rdv", 60, stage_rdv), Stage("llama-1b", 240, stage_llama),
-          Stage("rollback", 120, stage_rollback)]
+STAGES = [Stage("env", 30, stage_env), Stage("kernels", 45, stage_kernels), Stage("sync", 90, stage_sync),
+          Stage("train", 120, stage_train), Stage("rdv", 30, stage_rdv), Stage("llama-1b", 120, stage_llama),
+          Stage("rollback", 45, stage_rollback)]
+"""Each stage's seconds add up to the budget (BUDGET_S): every stage fits, and one that overruns fails alone."""
 WORKERS = {"sync": worker_sync}
 
 

@@ -258,8 +258,9 @@ def worker_peer(args: argparse.Namespace) -> None:
     os._exit(0)  # the group's threads may still wait on the dead peer
 
 
-STAGES = [Stage("env", 60, stage_env), Stage("ring", 150, stage_ring),
-          Stage("overlap", 240, stage_overlap, needs_cuda=True), Stage("abort", 150, stage_abort)]
+STAGES = [Stage("env", 30, stage_env), Stage("ring", 120, stage_ring),
+          Stage("overlap", 210, stage_overlap, needs_cuda=True), Stage("abort", 120, stage_abort)]
+"""Each stage's seconds add up to the budget (gpu_check.BUDGET_S), as in gpu_check."""
 WORKERS = {"ring": worker_ring, "peer": worker_peer}
 
 if __name__ == "__main__":

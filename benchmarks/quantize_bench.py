@@ -46,6 +46,7 @@ def parse() -> argparse.Namespace:
 def main() -> None:
     args = parse()
     from flwr_sharded.parallel.quantize import ErrorFeedback, Workspace, all_reduce_bytes, quantized_all_reduce
+    from flwr_sharded.parallel.torch_compat import all_gather_single
     from flwr_sharded.parallel.wire import check_wire_dtype
 
     load_before = os.getloadavg()[0]
@@ -76,7 +77,7 @@ def main() -> None:
             for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, send, (rank + 1) % world),
                                                 dist.P2POp(dist.irecv, received, (rank - 1) % world)]):
                 work.wait()
-        dist.all_gather_single(rows, send)
+        all_gather_single(rows, send)
 
     def bf16_casts() -> None:
         wire.copy_(flat)

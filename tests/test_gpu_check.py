@@ -60,3 +60,15 @@ def test_a_missing_corpus_is_named_before_any_stage(tmp_path):
     finally:
         sys.argv = sys_argv
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("script", ["gpu_check.py", "gpu_check_multi.py"])
+def test_the_stages_seconds_fit_the_budget(script, monkeypatch):
+    """Every stage's cap, added up, within the check's budget (8 minutes of the GPU's 15): no stage can starve the
+    ones after it."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    module = importlib.import_module(script.removesuffix(".py"))
+    base = importlib.import_module("gpu_check")
+    assert sum(stage.timeout for stage in module.STAGES) <= base.BUDGET_S == 480

@@ -31,6 +31,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from flwr_sharded.errors import first_line
 from flwr_sharded.parallel.collectives import group_options, nccl_class
+from flwr_sharded.parallel.torch_compat import register_pg_in_world, set_timeout
 from flwr_sharded.flower.store_client import RoundClosed, RoundStore, StoreAborted, StoreUnreachable
 from flwr_sharded.flower.store_server import StoreServer
 
@@ -140,7 +141,7 @@ def join(*, host: str, port: int, prefix: str, rank: int, size: int, rendezvous_
             pg, _ = c10d._new_process_group_helper(size, rank, [], backend, store, group_name=name,
                                                    timeout=timedelta(seconds=connect_s), group_desc=GROUP_DESC)
         if connect_s != sync_timeout:
-            pg.set_timeout(timedelta(seconds=sync_timeout))
+            set_timeout(pg, timedelta(seconds=sync_timeout))
     except Exception as exc:
         store.close()
         raise RendezvousError(f"federation group {prefix}: backend {backend} rendezvous failed: "
@@ -244,8 +245,7 @@ def nccl_group(store: dist.Store, rank: int, size: int, name: str, timeout: time
     pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, backend)
     pg._set_group_name(name)
     pg._set_group_desc(GROUP_DESC)
-    c10d._register_pg_in_world(pg, backend_name="nccl", store=prefix, group_name=name, backend_config="cuda:nccl",
-                               add_to_default_tag=True)
+    register_pg_in_world(pg, backend_name="nccl", store=prefix, group_name=name, backend_config="cuda:nccl")
     try:
         backend.eager_connect_single_device(device)
     except BaseException:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from flwr_sharded.parallel.collectives import bounded
+from flwr_sharded.parallel.torch_compat import all_gather_single
 from flwr_sharded.parallel.token_weights import weight_verdict
 from flwr_sharded.parallel.verdict import NOT_FINITE, Verdict
 
@@ -96,7 +97,7 @@ def admit(weight: float, ok: bool, max_weight: float | None, fed_group: dist.Pro
     size = dist.get_world_size(fed_group)
     mine = torch.tensor([weight, 1.0 if ok else 0.0], dtype=torch.float64, device=device)  # ADMISSION_BYTES
     gathered = torch.empty(size * 2, dtype=torch.float64, device=device)
-    bounded(dist.all_gather_single, gathered, mine, group=fed_group)
+    bounded(all_gather_single, gathered, mine, group=fed_group)
     weights, verdicts, me, speak = [], [], dist.get_rank(fed_group), dist.get_rank() == 0
     for j, (w, ok) in enumerate(gathered.view(size, 2).tolist()):
         verdict = weight_verdict(j, w, at_most=max_weight) or (
@@ -137,7 +138,7 @@ def commit_vote(succeeded: bool, fed_group: dist.ProcessGroup, device: torch.dev
     size = dist.get_world_size(fed_group)
     mine = torch.tensor([1.0 if succeeded else 0.0], dtype=torch.float32, device=device)  # COMMIT_BYTES
     gathered = torch.empty(size, dtype=torch.float32, device=device)
-    bounded(dist.all_gather_single, gathered, mine, group=fed_group)
+    bounded(all_gather_single, gathered, mine, group=fed_group)
     return [j for j, flag in enumerate(gathered.tolist()) if flag != 1.0]
 
 

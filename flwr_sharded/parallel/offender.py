@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from flwr_sharded.parallel.admission import all_finite
 from flwr_sharded.parallel.collectives import bounded
+from flwr_sharded.parallel.torch_compat import all_gather_single
 from flwr_sharded.parallel.plausibility import MoveBound, norm_of
 
 
@@ -58,7 +59,7 @@ def identify(flat: torch.Tensor, intact: bool, weights: list[float], bound: Move
     del gathered
     mine = torch.tensor([1.0 if j in named else 0.0 for j in range(size)], device=flat.device)
     masks = torch.empty(size * size, dtype=torch.float32, device=flat.device)
-    bounded(dist.all_gather_single, masks, mine, group=group)
+    bounded(all_gather_single, masks, mine, group=group)
     counts = masks.view(size, size).sum(dim=0).tolist()
     return [j for j, count in enumerate(counts) if 2 * count > size]
 

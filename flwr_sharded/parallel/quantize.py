@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from flwr_sharded.parallel.collectives import CollectiveTimeout, bounded, group_timeout
+from flwr_sharded.parallel.torch_compat import all_gather_single
 from flwr_sharded.parallel.wire_base import QUANT_BLOCK
 
 _BYTES = torch.arange(256, dtype=torch.int32).to(torch.uint8)
@@ -574,7 +575,7 @@ def quantized_all_reduce(flat: torch.Tensor, group: dist.ProcessGroup | None = N
         if tail is not None:
             residual[full * chunk:].copy_(tail[:rest])
     rows = ws.get("rows", world * row, torch.uint8, dev).view(world, row)
-    bounded(dist.all_gather_single, rows.view(-1), mine, group=group)
+    bounded(all_gather_single, rows.view(-1), mine, group=group)
     # 3. every rank decodes the same bytes: row j is chunk j + 1
     for j in range(world):
         c = (j + 1) % world

@@ -287,6 +287,7 @@ class SparseWire(Wire):
         import torch.distributed as dist
 
         from flwr_sharded.parallel.collectives import bounded
+        from flwr_sharded.parallel.torch_compat import all_gather_single
 
         if residual is None and scale:
             raise ValueError("a top-k sync keeps what it does not send in the error-feedback residual; pass one")
@@ -297,7 +298,7 @@ class SparseWire(Wire):
         scratch = workspace.get("magnitude", flat.numel(), torch.float32, dev)
         contribute(flat, residual, layout, mine, scratch, scale, merge=self.merge, decay=self.decay)
         rows = workspace.get("rows", world * layout.bytes, torch.uint8, dev).view(world, layout.bytes)
-        bounded(dist.all_gather_single, rows.view(-1), mine, group=group)
+        bounded(all_gather_single, rows.view(-1), mine, group=group)
         if self.merge == "sum":
             accumulate(flat, rows, layout, base=global_k)
         else:

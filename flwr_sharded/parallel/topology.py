@@ -11,11 +11,12 @@ from typing import Protocol, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.alignment import ShardAlignmentError
 from flwr_sharded.parallel.collectives import configure_nccl_watchdog, group_options
+from flwr_sharded.parallel.torch_compat import device_mesh, flatten
 from flwr_sharded.parallel.sync_plan import Owners, Seat, SyncPlan, channel_ranks
 
 MESH_DIMS = ("fed", "rep", "shard")
@@ -183,12 +184,12 @@ def init_topology(config: MeshLayout, timeout_s: float = 600.0, *,
                      int(os.environ.get("WORLD_SIZE", "1")))
     device = _start_world(config, config.federations * config.replicas * config.shards, timeout, recoverable)
     backend = dist.get_backend()  # the world's, whatever `config.backend` said; options of its own for each dimension
-    mesh = init_device_mesh(device, (config.federations, config.replicas, config.shards), mesh_dim_names=MESH_DIMS,
-                            backend_override={dim: group_options(backend, timeout) for dim in MESH_DIMS})
+    mesh = device_mesh(device, (config.federations, config.replicas, config.shards), MESH_DIMS,
+                       group_options(backend, timeout))
     own = None
     if config.federations > 1 and config.replicas * config.shards == 1:  # every rank calls new_group, in this order
         own = dist.new_group(list(range(dist.get_world_size())), timeout=timeout)
-    group_mesh = mesh["rep", "shard"]._flatten("group", backend_override=group_options(backend, timeout))
+    group_mesh = flatten(mesh["rep", "shard"], "group", group_options(backend, timeout))
     return Topology(mesh=mesh, config=config, group_mesh=group_mesh, timeout=timeout, own_fed_group=own)
 
 

@@ -18,6 +18,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from flwr_sharded.parallel.torch_compat import dcp_metadata_path
+
 META = "meta.json"
 
 
@@ -76,7 +78,7 @@ class SafeReader(dcp.FileSystemReader):
     """DCP's file-system reader whose `.metadata` is read by `_MetadataUnpickler` instead of `pickle.load`."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as fh:
+        with self.fs.create_stream(dcp_metadata_path(self, kwargs.get("rank")), "rb") as fh:
             metadata = _MetadataUnpickler(fh).load()
         if not isinstance(metadata, Metadata):
             raise pickle.UnpicklingError(f"a checkpoint's .metadata holds a {type(metadata).__name__}, not DCP "

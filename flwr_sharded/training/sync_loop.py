@@ -33,6 +33,7 @@ from flwr_sharded.parallel.admission import SyncRejected, commit_vote
 from flwr_sharded.parallel.alignment import local_shard
 from flwr_sharded.parallel.collectives import CollectiveTimeout, bounded
 from flwr_sharded.parallel.token_weights import expected_weight_of, tokens_of
+from flwr_sharded.parallel.torch_compat import all_gather_single
 from flwr_sharded.parallel.rollback import RollbackPoint
 from flwr_sharded.parallel.schedule import Schedule, fragment_parameters, local_steps
 from flwr_sharded.parallel.sync import Groups, ShardSync, Snapshot, SyncStats
@@ -120,7 +121,7 @@ class StaticFederation:
         box = torch.zeros(self.members * 3, dtype=torch.float64, device=self._device)
         if self.topo.group_rank == 0:
             mine = torch.tensor([step_s, sync_s, float(steps)], dtype=torch.float64, device=self._device)
-            bounded(dist.all_gather_single, box, mine, group=self.leaders)
+            bounded(all_gather_single, box, mine, group=self.leaders)
         bounded(dist.broadcast, box, group=self.topo.group_pg, group_src=0)
         step_times, sync, counts = box.view(self.members, 3).T.tolist()
         return {"step_time_s": step_times, "sync_s": sync, "idle_s": [s - min(sync) for s in sync],

@@ -23,14 +23,19 @@ def _timeout_of(group) -> float:
     return group_timeout(group, torch.device("cpu")).total_seconds()
 
 
-def _every_group(rank: int, world: int, layout: dict) -> dict[str, float]:
+def _every_group(rank: int, world: int, layout: dict, older_torch: bool = False) -> dict[str, float]:
     """Every group a static run of `layout` makes (the mesh's, the flattened group, the federation's own, the
-    channels, StaticFederation's control and leader groups, WORLD): its timeout, by name."""
+    channels, StaticFederation's control and leader groups, WORLD): its timeout, by name. `older_torch`: the mesh
+    built as before torch 2.9 (`torch_compat`: no `backend_override`, the timeouts set on the groups made)."""
     import torch.distributed as dist
 
     from flwr_sharded.config import ParallelConfig
+    from flwr_sharded.parallel import torch_compat
     from flwr_sharded.parallel.topology import GroupsTopology, init_topology
     from flwr_sharded.training.sync_loop import StaticFederation
+
+    if older_torch:
+        torch_compat._takes_backend_override = lambda: False
 
     topo = init_topology(ParallelConfig(**layout), timeout_s=TIMEOUT_S)
     fed = StaticFederation(topo, [(8, 3), (5,)], wait_timeout=None)
@@ -50,13 +55,14 @@ def _every_group(rank: int, world: int, layout: dict) -> dict[str, float]:
 
 @pytest.mark.dist
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("layout, world", [
-    ({"method": "fl-hsdp", "federations": 2, "replicas": 1, "shards": 2}, 4),  # every mesh dimension, flattened
-    ({"method": "fl-fsdp", "federations": 2, "shards": 1}, 2),  # the federation's own group (R = S = 1)
-    ({"method": "fl-fsdp", "federations": 2, "group_shards": "1,2"}, 3),  # groups that shard differently: channels
-], ids=["mesh", "own-fed", "channels"])
-def test_every_process_group_has_the_configured_timeout(layout, world):
-    for timeouts in run_ranks(_every_group, world, layout, timeout=200):
+@pytest.mark.parametrize("layout, world, older_torch", [
+    ({"method": "fl-hsdp", "federations": 2, "replicas": 1, "shards": 2}, 4, False),  # every mesh dimension, flattened
+    ({"method": "fl-hsdp", "federations": 2, "replicas": 1, "shards": 2}, 4, True),  # the same, built as before 2.9
+    ({"method": "fl-fsdp", "federations": 2, "shards": 1}, 2, False),  # the federation's own group (R = S = 1)
+    ({"method": "fl-fsdp", "federations": 2, "group_shards": "1,2"}, 3, False),  # groups that shard differently
+], ids=["mesh", "mesh-before-2.9", "own-fed", "channels"])
+def test_every_process_group_has_the_configured_timeout(layout, world, older_torch):
+    for timeouts in run_ranks(_every_group, world, layout, older_torch, timeout=200):
         assert len(timeouts) >= 5, timeouts
         assert timeouts == {name: TIMEOUT_S for name in timeouts}, timeouts
 

@@ -12,6 +12,8 @@ import torch
 from tests.multiproc import run_ranks
 
 U = 2.0**-24  # fp32 unit roundoff
+GATHER = "all_gather_single" if hasattr(torch.distributed, "all_gather_single") else "all_gather_into_tensor"
+"""The gather's name in this torch (the same collective; `parallel.torch_compat.all_gather_single` picks it)."""
 INT8, FP8, INT4 = torch.int8, torch.float8_e4m3fn, torch.int4  # torch.int4: a placeholder dtype naming the format
 FP4 = torch.float4_e2m1fn_x2  # two e2m1 values in torch; names the float4_e2m1 format
 INT2 = torch.int2  # a placeholder dtype too: four 2-bit codes to a byte
@@ -238,7 +240,7 @@ def test_quantized_all_reduce_is_the_sum_within_its_roundings_bit_identical_and_
             # only quantized rows travel (no fp32 fall-back): W - 1 sends to the ring's next rank, then one gather of
             # W rows (the meter counts the gather's full payload)
             ops = res[name]["ops"]
-            assert [op for op, _ in ops] == ["send"] * (world - 1) + ["all_gather_single"], ops
+            assert [op for op, _ in ops] == ["send"] * (world - 1) + [GATHER], ops
             row = sent // (2 * (world - 1))
             assert all(nbytes == row for op, nbytes in ops[:-1]) and ops[-1][1] == world * row
     for name in FEEDBACK_CASES:
