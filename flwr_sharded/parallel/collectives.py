@@ -89,14 +89,20 @@ def bounded(collective: Callable[..., Any], *args: Any, group: dist.ProcessGroup
     work = collective(*args, group=group, async_op=True, **kwargs)
     if work is None:  # not a member either (torch's collectives return no work then)
         return
+    wait_for(work, collective.__name__, timeout)
+
+
+def wait_for(work: Any, what: str, timeout: timedelta) -> None:
+    """Wait for an async collective's or point-to-point op's `work` at most `timeout`: CollectiveTimeout, naming
+    `what` and the bound, if it fails (gloo raises its own error on a timeout) or does not complete."""
     try:
         done = work.wait(timeout)
     except Exception as exc:  # noqa: BLE001 - the backend's own error, named with the collective and its bound
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise CollectiveTimeout(f"{collective.__name__} failed or did not complete within "
-                                f"{timeout.total_seconds():g} s: {reason}") from exc
+        raise CollectiveTimeout(f"{what} failed or did not complete within {timeout.total_seconds():g} s: "
+                                f"{reason}") from exc
     if not done:
-        raise CollectiveTimeout(f"{collective.__name__} did not complete within {timeout.total_seconds():g} s")
+        raise CollectiveTimeout(f"{what} did not complete within {timeout.total_seconds():g} s")
 
 
 def rebuildable(group: dist.ProcessGroup | None = None) -> bool:

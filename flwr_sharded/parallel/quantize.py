@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flwr_sharded.parallel.collectives import CollectiveTimeout, bounded, group_timeout
+from flwr_sharded.parallel.collectives import bounded, group_timeout, wait_for
 from flwr_sharded.parallel.torch_compat import all_gather_single
 from flwr_sharded.parallel.wire_base import QUANT_BLOCK
 
@@ -496,8 +496,7 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup |
     ops = [dist.P2POp(dist.isend, out, group=group, group_peer=nxt),
            dist.P2POp(dist.irecv, into, group=group, group_peer=prev)]
     for work in dist.batch_isend_irecv(ops):
-        if not work.wait(bound):
-            raise CollectiveTimeout(f"a ring step did not complete within {bound.total_seconds():g} s")
+        wait_for(work, "a ring step", bound)
     if host is not None:
         recv.copy_(into)  # blocking too: `into` is free for the next step's receive
 

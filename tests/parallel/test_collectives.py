@@ -68,16 +68,19 @@ def test_every_process_group_has_the_configured_timeout(layout, world, older_tor
 
 
 def _a_peer_never_joins(rank: int, world: int) -> dict[str, float | str]:
-    """Rank 0 runs a sync's collectives (admission, the vote, the commit vote, a bucket's all-reduce) over groups of
-    a 2 s timeout that rank 1 never joins; each must raise in its caller within the bound."""
+    """Rank 0 runs a sync's collectives (admission, the vote, the commit vote, a bucket's all-reduce, a quantized
+    ring's first step, a Flower round's flags over the group's control group) over groups of a 2 s timeout that
+    rank 1 never joins; each must raise in its caller within the bound."""
     import torch.distributed as dist
 
+    from flwr_sharded.flower.group.round import RoundFederation
     from flwr_sharded.parallel import admission
     from flwr_sharded.parallel.collectives import CollectiveTimeout
+    from flwr_sharded.parallel.quantize import quantized_all_reduce
     from flwr_sharded.parallel.wire import WIRES
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    groups = [dist.new_group([0, 1], timeout=timedelta(seconds=2)) for _ in range(4)]
+    groups = [dist.new_group([0, 1], timeout=timedelta(seconds=2)) for _ in range(6)]
     if rank == 1:
         dist.distributed_c10d._get_default_store().wait(["rank 0 done"], timedelta(seconds=90))
         return {}
@@ -87,6 +90,8 @@ def _a_peer_never_joins(rank: int, world: int) -> dict[str, float | str]:
         "vote": lambda g: admission.vote(True, g, cpu),
         "commit_vote": lambda g: admission.commit_vote(True, g, cpu),
         "all_reduce": lambda g: WIRES["float32"].reduce(torch.ones(8), torch.zeros(8), 0.5, g, None),
+        "ring step": lambda g: quantized_all_reduce(torch.ones(512), g, dtype=torch.int8),
+        "flags": lambda g: RoundFederation.flags(SimpleNamespace(rt=SimpleNamespace(ctrl=g)), [0, 1]),
     }
     for (name, call), group in zip(calls.items(), groups):
         start = time.monotonic()
@@ -104,7 +109,7 @@ def _a_peer_never_joins(rank: int, world: int) -> dict[str, float | str]:
 @pytest.mark.timeout(180)
 def test_a_collective_a_peer_never_joins_raises_in_its_caller_within_the_timeout():
     out, _ = run_ranks(_a_peer_never_joins, 2, timeout=150)
-    for name in ("admit", "vote", "commit_vote", "all_reduce"):
+    for name in ("admit", "vote", "commit_vote", "all_reduce", "ring step", "flags"):
         assert isinstance(out[name], float), (name, out[name])
         assert 1.5 <= out[name] < 10.0, (name, out[name])  # the 2 s bound, on a shared machine
         assert "within 2 s" in out[f"{name} error"], out[f"{name} error"]

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from flwr_sharded.flower import rendezvous
 from flwr_sharded.flower.group import channels
 from flwr_sharded.flower.messages import TrainArgs
+from flwr_sharded.parallel.collectives import bounded
 from flwr_sharded.parallel.token_weights import tokens_of
 from flwr_sharded.parallel.sync import Groups
 from flwr_sharded.parallel.sync_plan import Owners
@@ -79,7 +80,7 @@ class RoundFederation:
 
     def flags(self, values: list[int]) -> list[int]:
         box = torch.tensor(values, dtype=torch.int32)
-        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.rt.ctrl)  # the group's gloo control group
+        bounded(dist.all_reduce, box, op=dist.ReduceOp.MAX, group=self.rt.ctrl)  # the group's gloo control group
         return box.tolist()
 
     def period_times(self, step_s: float, sync_s: float, steps: int) -> None:
