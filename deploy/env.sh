@@ -13,7 +13,7 @@ fi
 : "${FLWR_SHARDED_SHARED:=$HOME/flwr_sharded-deploy}"      # shared filesystem: certs, keys, addresses, logs
 : "${FLWR_SHARDED_CERTS:=$FLWR_SHARDED_SHARED/certs}"      # ca.crt, server.pem, server.key (deploy/tls/make-certs.sh)
 : "${FLWR_SHARDED_KEYS:=$FLWR_SHARDED_SHARED/keys}"        # SuperNode auth keys (deploy/auth/make-supernode-keys.sh)
-: "${FLWR_SHARDED_INSECURE:=0}"                            # 1: plaintext Flower (loopback tests only)
+: "${FLWR_SHARDED_INSECURE:=0}"                            # 1: plaintext Flower, refused off loopback
 if [[ -d "$FLWR_SHARDED_VENV/bin" ]]; then
     export PATH="$FLWR_SHARDED_VENV/bin:$PATH"
 fi
@@ -101,11 +101,32 @@ fabric_address() {
     fi
 }
 
-# Flower's TLS + SuperNode-auth options as arrays (plaintext only with FLWR_SHARDED_INSECURE=1):
-#   superlink_tls_args; flower-superlink "${TLS_ARGS[@]}" ...
-#   supernode_tls_args KEY; flower-supernode "${TLS_ARGS[@]}" ...
+# is_loopback ADDRESS: whether ADDRESS (a host, host:port, [v6]:port) is 127.0.0.0/8, ::1 or localhost.
+is_loopback() {
+    local host="$1"
+    if [[ "$host" == \[* ]]; then host="${host#[}"; host="${host%%]*}";   # [::1]:9093
+    elif [[ "$host" == *:*:* ]]; then :;                                   # ::1, a bare IPv6 address
+    else host="${host%%:*}"; fi                                            # 127.0.0.1:9093, localhost
+    [[ "$host" == localhost || "$host" == ::1 || "$host" =~ ^127\.[0-9]+\.[0-9]+\.[0-9]+$ ]]
+}
+
+# plaintext_on_loopback_only WHAT ADDRESS: with FLWR_SHARDED_INSECURE=1, stop (exit 2, before anything starts)
+# unless ADDRESS is a loopback address: plaintext Flower carries the model and the run's secrets unencrypted.
+plaintext_on_loopback_only() {
+    if [[ "$FLWR_SHARDED_INSECURE" == 1 ]] && ! is_loopback "$2"; then
+        echo "FLWR_SHARDED_INSECURE=1 (plaintext Flower) is for loopback addresses only (127.0.0.0/8, ::1), and $1" \
+             "is $2: use TLS and SuperNode authentication instead (deploy/tls/make-certs.sh," \
+             "deploy/auth/make-supernode-keys.sh; docs/security.md)" >&2
+        exit 2
+    fi
+}
+
+# Flower's TLS + SuperNode-auth options as arrays (plaintext only with FLWR_SHARDED_INSECURE=1, and only on loopback):
+#   superlink_tls_args BIND_HOST; flower-superlink "${TLS_ARGS[@]}" --host BIND_HOST ...
+#   supernode_tls_args KEY SUPERLINK; flower-supernode "${TLS_ARGS[@]}" --superlink SUPERLINK ...
 # shellcheck disable=SC2034  # TLS_ARGS is read by the caller
 superlink_tls_args() {
+    plaintext_on_loopback_only "the SuperLink's bind address" "$1"
     if [[ "$FLWR_SHARDED_INSECURE" == 1 ]]; then
         TLS_ARGS=(--insecure)
     else
@@ -115,6 +136,7 @@ superlink_tls_args() {
 }
 # shellcheck disable=SC2034
 supernode_tls_args() {
+    plaintext_on_loopback_only "the SuperLink's address" "$2"
     if [[ "$FLWR_SHARDED_INSECURE" == 1 ]]; then
         TLS_ARGS=(--insecure)
     else

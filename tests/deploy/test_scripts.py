@@ -137,3 +137,67 @@ def test_firewall_rules_restrict_the_unauthenticated_ports_to_the_federation(tmp
         path.write_text(_rules(fmt, 12, **env).stdout)
         out = subprocess.run([*check, str(path)], capture_output=True, text=True, timeout=30)
         assert out.returncode == 0, (fmt, out.stderr)
+
+
+LOOPBACK = ["127.0.0.1", "127.0.0.1:9093", "127.4.5.6:1", "localhost", "localhost:9093", "::1", "[::1]:9093"]
+ELSEWHERE = ["0.0.0.0", "0.0.0.0:9093", "10.0.0.7:9093", "192.168.1.2", "login1.cluster.org:9093",
+             "127.0.0.1.nip.io:9093", "[fe80::1]:9093", "::", ""]
+
+
+@pytest.mark.dist
+def test_only_loopback_addresses_count_as_loopback():
+    checks = " ".join(f'is_loopback "{a}" && echo "yes {a}" || echo "no {a}";' for a in LOOPBACK + ELSEWHERE)
+    out = subprocess.run(["bash", "-c", f'source "{DEPLOY / "env.sh"}"; {checks}'], capture_output=True, text=True,
+                         timeout=30, env=base_env())
+    assert out.stdout.splitlines() == [f"yes {a}" for a in LOOPBACK] + [f"no {a}" for a in ELSEWHERE], out.stderr
+
+
+def _sbatch(script: str, tmp_path, **env: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """deploy/slurm/SCRIPT run by bash (no Slurm), with the commands it would start replaced by stubs that record
+    their command line and fail: (its outcome, the commands it started)."""
+    stubs, started = tmp_path / "bin", tmp_path / "started"
+    stubs.mkdir(exist_ok=True)
+    for name in ("flower-superlink", "flower-supernode", "srun", "torchrun"):
+        (stubs / name).write_text(f'#!/usr/bin/env bash\necho "{name} $*" >> "{started}"\nexit 3\n')
+        (stubs / name).chmod(0o755)
+    clean = {k: v for k, v in base_env().items() if not k.startswith(("FLWR_", "SLURM_"))}
+    out = subprocess.run(["bash", str(DEPLOY / "slurm" / script)], capture_output=True, text=True, timeout=60,
+                         cwd=REPO, env={**clean, "PATH": f"{stubs}:{clean['PATH']}", "FLWR_SHARDED_REPO": str(REPO),
+                                        "FLWR_SHARDED_SHARED": str(tmp_path / "shared"),
+                                        "FLWR_SHARDED_VENV": str(tmp_path / "no-venv"), **env})
+    return out, started.read_text().splitlines() if started.exists() else []
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("bind", ["0.0.0.0", "10.0.0.7", None], ids=["any", "fabric", "default"])
+def test_a_plaintext_superlink_off_loopback_is_refused_before_anything_starts(tmp_path, bind):
+    out, started = _sbatch("superlink.sbatch", tmp_path, FLWR_SHARDED_INSECURE="1",
+                           **({"FLWR_SUPERLINK_BIND": bind} if bind else {}))
+    assert out.returncode == 2 and not started, (out.stderr, started)
+    assert "FLWR_SHARDED_INSECURE=1" in out.stderr and "loopback" in out.stderr
+    assert "deploy/tls/make-certs.sh" in out.stderr and f"is {bind or '0.0.0.0'}:" in out.stderr
+    assert not (tmp_path / "shared").exists()  # not even its state directory
+
+
+@pytest.mark.dist
+def test_a_plaintext_superlink_on_loopback_starts(tmp_path):
+    out, started = _sbatch("superlink.sbatch", tmp_path, FLWR_SHARDED_INSECURE="1", FLWR_SUPERLINK_BIND="127.0.0.1",
+                           FLWR_SUPERLINK_ADDRESS="127.0.0.1:9093")
+    assert len(started) == 1 and started[0].startswith("flower-superlink --insecure --host 127.0.0.1 "), started
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("superlink", ["10.0.0.7:9093", "login1.cluster.org:9093"])
+def test_a_plaintext_supernode_to_a_superlink_off_loopback_is_refused_before_anything_starts(tmp_path, superlink):
+    out, started = _sbatch("group.sbatch", tmp_path, FLWR_SHARDED_INSECURE="1", FLWR_SUPERLINK=superlink,
+                           FLWR_NPROC_PER_NODE="1", FLWR_METHOD="fl-fsdp")
+    assert out.returncode == 2 and not started, (out.stderr, started)
+    assert f"the SuperLink's address is {superlink}:" in out.stderr and "docs/security.md" in out.stderr
+    assert not (tmp_path / "shared").exists()  # no run directory, no group key
+
+
+@pytest.mark.dist
+def test_a_plaintext_supernode_to_a_loopback_superlink_goes_on_to_start_its_group(tmp_path):
+    out, started = _sbatch("group.sbatch", tmp_path, FLWR_SHARDED_INSECURE="1", FLWR_SUPERLINK="127.0.0.1:9093",
+                           FLWR_NPROC_PER_NODE="1", FLWR_METHOD="fl-fsdp")
+    assert "loopback" not in out.stderr and started and started[0].startswith("srun "), (out.stderr, started)
