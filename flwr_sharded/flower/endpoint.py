@@ -7,6 +7,7 @@ authkey, each connection in its own thread. The group's main loop takes instruct
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import queue
@@ -64,6 +65,25 @@ def parse_address(text: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def is_loopback(host: str) -> bool:
+    """Whether `host` is a loopback address (127.0.0.0/8, ::1) or `localhost`."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name other than localhost
+        return False
+
+
+def loopback_address(text: str, what: str = "the group endpoint's address") -> tuple[str, int]:
+    """`parse_address`, refusing any host outside loopback: the endpoint's messages are authenticated but not
+    encrypted, and it serves only the ClientApp on its own node."""
+    host, port = parse_address(text)
+    if not is_loopback(host):
+        raise ConfigError(f"{what} {text!r} is not a loopback address (127.0.0.0/8, ::1): the group endpoint "
+                          f"speaks plaintext and serves only the ClientApp on its own node; run the SuperNode on the "
+                          f"group's rank-0 node and use 127.0.0.1 (deploy/slurm/group.sbatch does)")
+    return host, port
+
+
 def format_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -113,7 +133,7 @@ class GroupClient:
 
     def __init__(self, address: str, authkey: bytes, *, connect_timeout: float = 15.0) -> None:
         self.address = address
-        self.host, self.port = parse_address(address)
+        self.host, self.port = loopback_address(address)
         self._authkey = authkey
         self.connect_timeout = connect_timeout
 
@@ -276,6 +296,7 @@ class EndpointServer:
     def __init__(self, address: tuple[str, int], authkey: bytes, *, auth_timeout: float = AUTH_TIMEOUT_S,
                  max_unauthenticated: int = MAX_UNAUTHENTICATED, max_per_peer: int = MAX_HANDSHAKES_PER_PEER,
                  max_connections: int = MAX_CONNECTIONS) -> None:
+        loopback_address(format_address(*address))
         self._authkey = authkey
         self.auth_timeout = auth_timeout
         self.handshakes = Handshakes(auth_timeout, max_unauthenticated, max_per_peer)

@@ -275,3 +275,28 @@ def test_hand_off_and_run_directories_are_fresh_and_private(tmp_path):
     (tmp_path / "link").symlink_to(made)
     with pytest.raises(ConfigError, match="not a directory"):
         launch.private_dir(tmp_path / "link")
+
+
+@pytest.mark.parametrize("address", ["0.0.0.0:7100", "10.0.0.7:7100", "node12.cluster.org:7100", "[fe80::1]:7100"])
+def test_the_endpoint_listens_and_is_reached_on_loopback_only(tmp_path, address, capsys):
+    """Its messages are authenticated, not encrypted: the group's rank 0 listens, and the ClientApp connects, only on
+    a loopback address; anything else is refused before a socket is opened."""
+    from types import SimpleNamespace
+
+    from flwr_sharded.flower import clientapp
+    from flwr_sharded.flower.group import runtime
+
+    key_file = tmp_path / "key"
+    E.write_authkey(key_file)
+    host, port = E.parse_address(address)
+    with pytest.raises(ConfigError, match="not a loopback address"):
+        E.EndpointServer((host, port), KEY)
+    with pytest.raises(ConfigError, match="not a loopback address"):
+        E.GroupClient(address, KEY)
+    node = SimpleNamespace(node_config={clientapp.NODE_ADDRESS: address, clientapp.NODE_AUTHKEY: str(key_file)})
+    with pytest.raises(ConfigError, match=r"use 127\.0\.0\.1"):
+        clientapp.find_group(node, {}, launch=False)
+    assert runtime.main(["--authkey-file", str(key_file), "--address", address]) == 2
+    assert f"--address {address!r} is not a loopback address" in capsys.readouterr().err
+    for loopback in ("127.0.0.1:7100", "127.0.0.9:7100", "localhost:7100", "[::1]:7100"):
+        assert E.GroupClient(loopback, KEY).port == 7100

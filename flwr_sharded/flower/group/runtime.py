@@ -461,7 +461,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         validate_parallel(ParallelConfig(method=args.method, federations=1, replicas=args.replicas,
                                          shards=args.shards), world)
         endpoint.read_authkey(args.authkey_file)
-        endpoint.parse_address(args.address)
+        endpoint.loopback_address(args.address, "--address")
     except ConfigError as exc:
         if rank == 0:
             print(f"flwr_sharded.flower.group: error: {exc}", file=sys.stderr)
