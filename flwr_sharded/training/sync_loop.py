@@ -200,6 +200,8 @@ class RunReport:
     left_out: set[int] = field(default_factory=set)
     weight: float = 0.0
     """The members' total weight over the adopted syncs of the last fragment."""
+    sync_bytes: int = 0
+    """Payload bytes this rank sent over the federation's groups in the adopted syncs (the wire's, not fp32's)."""
 
 
 class SyncLoop:
@@ -332,6 +334,7 @@ class SyncLoop:
                                     failed = True
                                     break
                                 report.syncs += 1
+                                report.sync_bytes += outcome.stats.bytes if outcome.stats is not None else 0
                                 report.weight += outcome.weight if i == self.schedule.fragments - 1 else 0.0
                             else:
                                 for i in self.schedule.starts(position):

@@ -317,12 +317,13 @@ def test_error_feedback_keeps_the_running_sum_within_one_rounds_error_and_withou
     # the W - 1 partial sums that travel and of the whole sum, the j-th partial's block absmax <= j absmax (1 +
     # 1/100): each error <= absmax / (2 qmax) of it (int2: 15/16 of it, `rounding_bound`): <= (1 + 2 + ... + W) x
     # that, whatever the number of rounds.
-    # int2's residual is not one rounding's error: it settles over tens of rounds (the in-process test below)
+    # int2's residual is not one rounding's error: it settles over tens of rounds (the in-process test below bounds
+    # it), so only its drift is checked here
     if dtype != INT2:
         bound = world * (world + 1) / 2 * absmax / (2 * qmax(dtype)) * 1.01
         assert max(errors["feedback"]) <= bound, (max(errors["feedback"]), bound)
-        assert max(errors["feedback"][ROUNDS // 2:]) <= 2 * max(errors["feedback"][:ROUNDS // 2])  # no drift
         assert errors["none"][-1] > 4 * bound, errors["none"]
+    assert max(errors["feedback"][ROUNDS // 2:]) <= 2 * max(errors["feedback"][:ROUNDS // 2])  # no drift
     # without feedback the nearly constant rounding error adds up round after round
     assert errors["none"][-1] > 3 * errors["none"][ROUNDS // 5 - 1], errors["none"]
     assert errors["none"][-1] > 2 * errors["feedback"][-1], (errors["none"][-1], errors["feedback"][-1])
@@ -333,20 +334,27 @@ def test_error_feedback_keeps_the_running_sum_within_one_rounds_error_and_withou
 
 @pytest.mark.parametrize("signal", ["constant", "fresh"])
 def test_int2_error_feedback_residual_settles_over_many_syncs(signal):
-    """e <- x - Q(x), x = s + e: bounded, as a contraction makes it (||e|| <= c / (1 - c) ||s|| for ||x - Q(x)|| <= c
-    ||x||); a signal that never changes is the slowest case: its residual settles near 1.5 ||s||."""
+    """e <- x - Q(x), x = s + e: bounded, as a contraction makes it. With c the largest ||x - Q(x)|| / ||x|| met
+    (c < 1: Q is a contraction), ||e_t+1|| <= c (||s_t|| + ||e_t||) <= c / (1 - c) max ||s|| by induction from
+    e_0 = 0; a signal that never changes is the slowest case, its residual settling near 1.5 ||s||."""
     from flwr_sharded.parallel.quantize import Workspace, code_format
 
     fmt, ws, gen = code_format(INT2), Workspace(), torch.Generator().manual_seed(11)
     s, e, norms = torch.randn(16 * 256, generator=gen), torch.zeros(16 * 256), []
+    ratios, signal_norms = [], []
     for _ in range(300):
         if signal == "fresh":
             s = torch.randn(16 * 256, generator=gen)
-        src = (s + e).view(16, 256)
+        x = s + e
+        src = x.clone().view(16, 256)
         fmt.quantize_blocks(src, torch.empty(16, 64, dtype=torch.uint8), torch.empty(16), src, True, ws)
         e = src.reshape(-1)
-        norms.append(float(e.norm() / s.norm()))
-    assert max(norms) < (2.0 if signal == "constant" else 0.5), max(norms)
+        ratios.append(float(e.norm() / x.norm()))
+        signal_norms.append(float(s.norm()))
+        norms.append(float(e.norm()))
+    c = max(ratios)
+    assert c < 1, c
+    assert max(norms) <= c / (1 - c) * max(signal_norms) * (1 + 1e-5), (max(norms), c)
     assert max(norms[200:]) <= 1.05 * max(norms[100:200])  # settled
 
 

@@ -99,19 +99,24 @@ def test_sent_bytes_counts_the_rows_of_a_ring_all_gather():
 @pytest.mark.parametrize("values", ["float32", "bfloat16", "int8", "int4", "int2"])
 @pytest.mark.parametrize("numel", [NUMEL, 4096, 4096 * 2 + 1, 5000, 3, 70 * 4096])
 def test_the_row_layout_counts_the_bytes_encode_writes(values, numel):
-    """Every byte of the row is accounted for: encode writes within `RowLayout.bytes` (bytes after it untouched), and
-    the packed indices and codes fill their fields."""
-    from flwr_sharded.parallel.sparse import CHUNK, HEADER_BYTES, _align, encode, select
+    """The row is as long as what encode writes and no longer: nothing past `RowLayout.bytes` is touched, and the
+    bytes encode leaves alone (found by encoding into a row of zeros and one of 0xFF) are only the header, which the
+    caller writes, and each field's padding to 4 bytes; what it wrote decodes to the entries it kept."""
+    from flwr_sharded.parallel.sparse import CHUNK, HEADER_BYTES, decode, encode, select
 
     for fraction in (0.02, 0.015625, 0.5):
         layout = _layout(values, fraction, numel)
         x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
-        row = torch.full((layout.bytes + 16,), 0xAB, dtype=torch.uint8)
-        encode(*select(x, layout, torch.empty_like(x)), layout, row[:layout.bytes])
-        assert torch.all(row[layout.bytes:] == 0xAB)
-        assert layout.index_bytes == 3 * -(-layout.kept // 2) and layout.kept <= -(-numel // CHUNK) * CHUNK
-        assert layout.bytes == HEADER_BYTES + layout.scale_bytes + _align(layout.index_bytes) + _align(
-            layout.code_bytes)
+        rows = [torch.full((layout.bytes + 16,), fill, dtype=torch.uint8) for fill in (0x00, 0xFF)]
+        for row in rows:
+            indices, kept = select(x, layout, torch.empty_like(x))
+            sent = encode(indices, kept, layout, row[:layout.bytes])
+        assert all(torch.all(row[layout.bytes:] == row[-1]) for row in rows)  # nothing written past the row
+        untouched = (rows[0][:layout.bytes] != rows[1][:layout.bytes]).nonzero().view(-1)
+        assert untouched[untouched >= HEADER_BYTES].numel() <= 3 * 3, (fraction, untouched.tolist())  # 3 fields
+        assert set(range(HEADER_BYTES)) <= set(untouched.tolist())  # the weight share is the caller's
+        got_indices, got_values = decode(rows[0][:layout.bytes], layout)
+        assert torch.equal(got_indices, indices % CHUNK) and torch.equal(got_values, sent)
 
 
 @pytest.mark.parametrize("n", [1, 2, 7, 64, 4096])

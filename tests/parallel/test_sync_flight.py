@@ -46,12 +46,24 @@ def test_a_start_waits_for_an_abandoned_flight_and_refuses_while_it_runs_on():
 
 
 def test_a_flight_abandoned_after_its_thread_ended_does_not_hold_back_the_next():
-    sync = _sync(lambda flight: None)
+    """A flight whose thread had ended is forgotten by `abandon`: the next sync starts at once, even with no time
+    to wait (`abandoned_wait` 0), reduces and merges."""
+    reduced = []
+    sync = _sync(lambda flight: reduced.append(flight))
     sync.start(1.0, overlap=True)
+    first = sync._flight.thread
+    first.join(5.0)
+    assert not first.is_alive() and len(reduced) == 1
     sync.abandon(timeout=5.0)
+    assert not sync.in_flight and sync._abandoned is None  # nothing left to wait for
     sync.abandoned_wait = 0.0
+    with torch.no_grad():
+        sync.params[0].add_(1.0)  # the next sync copies the shards as they are now
     sync.start(1.0, overlap=True)
-    sync.finish()
+    assert sync.in_flight
+    sync.finish(timeout=5.0)
+    assert len(reduced) == 2 and reduced[1] is not reduced[0] and not sync.in_flight
+    assert torch.equal(sync.params[0], torch.arange(8.0) + 1.0)  # one member's mean is its own shard
 
 
 def test_the_reductions_error_reaches_finish_and_the_next_sync_starts():

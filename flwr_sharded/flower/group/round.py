@@ -153,6 +153,8 @@ class GroupRound:
             stacked = torch.stack(losses).to(torch.float64)
             dist.all_reduce(stacked)
             group_losses = (stacked / self.rt.world).tolist()
+        sent = torch.tensor([report.sync_bytes], dtype=torch.int64)
+        dist.all_reduce(sent)  # every rank sends its own shard's bytes: the group's total
         tokens = tokens_of(t.cfg, steps=len(losses), ranks=self.rt.world)
         self.rt.tokens += tokens
         phases = t.timer.collect()  # frees the round's CUDA timing events
@@ -161,7 +163,8 @@ class GroupRound:
         equal = p.sync_fragments == 1 and p.sync_alpha == 0 and not p.carries
         return {"steps": len(losses), "losses": group_losses, "tokens": tokens, "total_tokens": self.rt.tokens,
                 "train_s": report.train_s, "sync_s": catch_up_s + report.sync_s,
-                "rendezvous_s": self.federation.rendezvous_s, "syncs": report.periods, "sync_failed": bool(failure),
+                "rendezvous_s": self.federation.rendezvous_s, "syncs": report.periods, "sync_bytes": int(sent),
+                "sync_failed": bool(failure),
                 "sync_error": failure, **({"checksums": checksums} if equal else {}), "step": t.step_count,
                 "lr": t.scheduler.get_last_lr()[0], "members": len(self.args.members),
                 "catch_up_checksums": caught_up, "sync_blame": sorted(report.blame),

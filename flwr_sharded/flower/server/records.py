@@ -45,6 +45,7 @@ def round_record(server_round: int, members: list[int], ok: dict[int, dict[str, 
         "checksums_equal": int(all(checksums_equal(same, syncs, world)
                                    for world, same in by_layout(checksums, layouts or {}, group_world))),
         "losses": step_losses, "checksums": checksums,
+        "sync_bytes": {str(n): int(m["sync_bytes"]) for n, m in alive.items() if "sync_bytes" in m},
         "errors": {str(n): e for n, e in dropped.items()} | {
             str(n): str(m.get("sync_error", "")) for n, m in rolled_back.items()},
     }
