@@ -112,6 +112,29 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
     return find_checkpoint(directory)[0]
 
 
+def intact_steps(directory: str | Path) -> tuple[dict[int, Path], list[str]]:
+    """Every step of a series that has a complete checkpoint, preferred first (`candidates` order: the one `latest`
+    names, then the newest), each with its preferred directory; and what was skipped and why."""
+    intact: dict[int, Path] = {}
+    skipped: list[str] = []
+    for path in candidates(directory):
+        step = step_of(path)
+        if step is None or step in intact:
+            continue
+        reason = checkpoint_files.incomplete_reason(path)
+        if reason:
+            skipped.append(f"{path.name} ({reason})")
+        else:
+            intact[step] = path
+    return intact, skipped
+
+
+def holdings(held: Sequence[tuple[int, Sequence[int]]]) -> str:
+    """What each federation group holds, for an error: `held` is (group index, its intact steps) per rank."""
+    by_group = {f: sorted(steps, reverse=True) for f, steps in held}
+    return "; ".join(f"group {f}: {', '.join(map(str, steps)) or 'none'}" for f, steps in sorted(by_group.items()))
+
+
 def _setting(config: dict[str, Any], dotted: str) -> Any:
     for part in dotted.split("."):
         if not isinstance(config, dict) or part not in config:
@@ -183,12 +206,20 @@ def resumed_line(checkpoint: Path, meta: dict[str, Any], cfg: TrainConfig) -> st
     return line
 
 
-def check_resumable(cfg: TrainConfig, root: str | Path, fed_index: int = 0) -> Path:
-    """Before any work: group `fed_index`'s series has a complete checkpoint written by a compatible run."""
-    checkpoint, skipped = find_checkpoint(group_dir(root, fed_index))
-    if checkpoint is None:
-        raise ConfigError(f"--resume: no complete checkpoint in {group_dir(root, fed_index)}"
-                          + (f" (skipped {'; '.join(skipped)})" if skipped else ""))
+def check_resumable(cfg: TrainConfig, root: str | Path) -> Path:
+    """Before any work: every federation group's series has a complete checkpoint of one common step, written by a
+    compatible run; group 0's of the newest such step (the step every group resumes from)."""
+    groups = range(cfg.parallel.federations)
+    held = [intact_steps(group_dir(root, f)) for f in groups]
+    common = set.intersection(*(set(intact) for intact, _ in held))
+    if not common:
+        skipped = "; ".join(f"{'' if len(groups) == 1 else f'group {f}: '}{'; '.join(s)}"
+                            for f, (_, s) in zip(groups, held) if s)
+        what = (f"no complete checkpoint in {group_dir(root, 0)}" if len(groups) == 1 else
+                f"no complete checkpoint of a step that every federation group holds, under {root} "
+                f"({holdings([(f, list(intact)) for f, (intact, _) in zip(groups, held)])})")
+        raise ConfigError(f"--resume: {what}" + (f" (skipped {skipped})" if skipped else ""))
+    checkpoint = next(path for step, path in held[0][0].items() if step in common)  # group 0's preference
     check_compatible(cfg, checkpoint)
     return checkpoint
 
@@ -235,6 +266,7 @@ class Checkpointer:
     def __init__(self, root: str | Path, *, fed_index: int, group_rank: int, group_pg: dist.ProcessGroup,
                  keep: int = 2, async_save: bool = False, async_pg: dist.ProcessGroup | None = None) -> None:
         self.directory = group_dir(root, fed_index)
+        self.fed_index = fed_index
         self.group_rank, self.group_pg, self.async_pg = group_rank, group_pg, async_pg
         self.keep, self.async_save = keep, async_save
         self._pending: _Pending | None = None
@@ -251,14 +283,17 @@ class Checkpointer:
         return ""
 
     # ----- agreement within the group --------------------------------------------------------------------------
-    def _errors(self, error: str) -> list[str]:
-        """Every rank's `error` ('' for none), each once: as is when every rank has the same, else named by group
-        rank (a collective)."""
-        out: list[Any] = [None] * dist.get_world_size(self.group_pg)
-        dist.all_gather_object(out, error, group=self.group_pg)
+    def _errors(self, error: str, group: Any = None) -> list[str]:
+        """Every rank's `error` ('' for none) over `group` (default: the group's ranks), each once: as is when every
+        rank has the same, else named by its rank in `group` (a collective)."""
+        group = self.group_pg if group is None else group
+        size = dist.get_world_size(group)
+        label = "group rank" if size == dist.get_world_size(self.group_pg) else "rank"  # one group: the same ranks
+        out: list[Any] = [None] * size
+        dist.all_gather_object(out, error, group=group)
         if out[0] and all(e == out[0] for e in out) and not out[0].startswith("group rank "):
             return [out[0]]
-        named = [e if e.startswith("group rank ") else f"group rank {r}: {e}" for r, e in enumerate(out) if e]
+        named = [e if e.startswith("group rank ") else f"{label} {r}: {e}" for r, e in enumerate(out) if e]
         return list(dict.fromkeys(named))
 
     def _phase(self, what: str, tmp: Path, action: Callable[[], Any]) -> None:
@@ -325,7 +360,8 @@ class Checkpointer:
             raise earlier
 
     def wait(self) -> None:
-        """Finish the pending save: wait for its writes on every rank, record its files, then commit and prune."""
+        """Finish the pending save: wait for its writes on every rank, record its files, then commit it (`prune`
+        rotates the series after)."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
@@ -367,13 +403,24 @@ class Checkpointer:
         os.replace(pointer, self.directory / LATEST)
         checkpoint_files.fsync_dir(self.directory)
         shutil.rmtree(old, ignore_errors=True)
-        self._prune(step_of(final) or 0)
+
+    def prune(self) -> None:
+        """Rotate the series (group rank 0) once the newest checkpoint is committed, and in the static engine
+        committed by every federation group (the caller's agreement): never before, so that the newest step every
+        group holds complete is never the one removed."""
+        newest = latest_checkpoint(self.directory)
+        if self.group_rank == 0 and newest is not None:
+            self._prune(step_of(newest) or 0)
 
     def _prune(self, committed: int) -> None:
         """Keep the `keep` newest checkpoints up to `committed`; drop later ones (a timeline abandoned by a resume
-        from an earlier checkpoint), leftovers of commits cut short and partial writes."""
+        from an earlier checkpoint), leftovers of commits cut short and partial writes (not an async save's still
+        being written)."""
+        writing = self._pending.tmp if self._pending is not None else None
         for path in self.directory.glob("step-*"):
             step = step_of(path)
+            if path == writing:
+                continue
             if path.name.endswith(TMP) or path.name.endswith(OLD) or (step is not None and step > committed):
                 shutil.rmtree(path, ignore_errors=True)
         complete = sorted((p for p in self.directory.glob("step-*") if step_of(p) is not None), key=step_of)
@@ -393,25 +440,31 @@ class Checkpointer:
 
     def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 check: Callable[[Path], None] | None = None) -> tuple[Path, dict[str, Any], dict[str, Any], list[str]]:
-        """Load the newest usable checkpoint (collective): complete on every rank, `check` passes, and its files
-        load. Returns (its path, meta, this rank's state, what was skipped and why); RuntimeError if none is."""
-        skipped = []
-        for path in candidates(self.directory):
-            errors = self._errors(checkpoint_files.incomplete_reason(path))
+        """Load the newest step that every rank of the job holds complete and loads (collective over the default
+        group: in the static engine every federation group resumes from the same step; `check` passes). Returns
+        (its path, meta, this rank's state, what was skipped and why); RuntimeError on every rank if none is."""
+        intact, skipped = intact_steps(self.directory)
+        held: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(held, (self.fed_index, list(intact)))
+        common = set.intersection(*(set(steps) for _, steps in held))
+        skipped += [f"{path.name} (not complete in every federation group)" for s, path in intact.items()
+                    if s not in common]
+        for step in [s for s in held[0][1] if s in common]:  # rank 0's preference, the same on every rank
+            path = intact[step]
+            if check is not None:
+                check(path)  # the same on every rank (it reads meta.json)
+            error = ""
+            try:
+                meta, rank_state = self.load(path, model, optimizer)
+            except (Exception, CheckpointException) as exc:  # noqa: BLE001 - agreed on below; the next
+                error = describe(exc)                          # candidate overwrites it all
+            errors = self._errors(error, dist.group.WORLD)
             if not errors:
-                if check is not None:
-                    check(path)  # the same on every rank (it reads meta.json)
-                error = ""
-                try:
-                    meta, rank_state = self.load(path, model, optimizer)
-                except (Exception, CheckpointException) as exc:  # noqa: BLE001 - agreed on below; the next
-                    error = describe(exc)                          # candidate overwrites it all
-                errors = [f"failed to load on {e}" for e in self._errors(error)]
-                if not errors:
-                    return path, meta, rank_state, skipped
-            skipped.append(f"{path.name} ({errors[0]})")
-        raise RuntimeError(f"no usable checkpoint in {self.directory}"
-                           + (f" (skipped {'; '.join(skipped)})" if skipped else ""))
+                return path, meta, rank_state, skipped
+            skipped.append(f"{path.name} (failed to load on {errors[0]})")
+        raise RuntimeError(f"no checkpoint step that every rank of the run holds complete and loads, in "
+                           f"{self.directory.parent} ({holdings(held)})"
+                           + (f"; skipped {'; '.join(skipped)}" if skipped else ""))
 
 
 def export_pretrained(checkpoint: str | Path, out: str | Path, *, dtype: torch.dtype | None = None,

@@ -34,7 +34,9 @@ class StaticRun:
                                 initial=self.t.step_count)
         self.started = self.window_start = time.perf_counter()
         self.loss_sum = torch.zeros((), device=self.t.device)
-        self.window_steps, self.last_tick, self.last = 0, 0, {}
+        self.window_steps, self.last, self.last_tick = 0, {}, self.t.step_count
+        """The last tick seen: a resumed run's first records and checkpoint are the ones its schedule says, after the
+        step it resumed from (not one at its first step)."""
 
     def run(self) -> dict[str, Any]:
         """Train `steps` steps with syncs every A steps, logging and evaluating; returns the final metrics."""
@@ -98,7 +100,8 @@ class StaticRun:
         errors: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(errors, error)  # the default group: only this thread uses it
         failed = list(dict.fromkeys(e for e in errors if e))
-        if not failed:
+        if not failed:  # committed by every group: only now may a series drop an older step
+            self.t.checkpointer.prune()
             return
         checkpointer = self.t.checkpointer
         try:

@@ -240,6 +240,7 @@ class Trainer:
             if self.topo.group_rank == 0:
                 logger.error("%s; training goes on", exc)
             return str(exc)
+        self.checkpointer.prune()
         return ""
 
     def resume(self) -> tuple[dict[str, Any], dict[str, Any]]:

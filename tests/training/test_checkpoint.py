@@ -86,25 +86,33 @@ def test_resume_refuses_a_missing_or_incompatible_checkpoint(data_dir, tmp_path,
     saved["parallel"].update(method="fl-fsdp", federations=4, replicas=1, shards=1)
     (series / "meta.json").write_text(json.dumps({"step": 4, "config": saved}))
     (series.parent / LATEST).write_text(series.name)
+    # one group's checkpoint is not the run's: both groups resume from the same step, which group 1 lacks
+    assert main([*ARGS, "--data-dir", str(data_dir), "--checkpoint-dir", str(tmp_path / "ckpt"), "--resume"]) == 2
+    assert "every federation group holds" in capsys.readouterr().err
+    shutil.copytree(series.parent, tmp_path / "ckpt" / "group-1")
+    series_1 = tmp_path / "ckpt" / "group-1" / series.name
     assert main([*ARGS, "--data-dir", str(data_dir), "--checkpoint-dir", str(tmp_path / "ckpt"), "--resume"]) == 2
     assert "parallel.method='fl-fsdp'" in capsys.readouterr().err
     # a bfloat16 sync needs the global shards, which a float32 fedavg checkpoint does not hold
     from flwr_sharded.train import build_parser, resolve_config
 
     saved = config_to_dict(resolve_config(build_parser().parse_args([*ARGS, "--data-dir", str(data_dir)])))
-    (series / "meta.json").write_text(json.dumps({"step": 4, "config": saved}))
+    for meta in (series / "meta.json", series_1 / "meta.json"):
+        meta.write_text(json.dumps({"step": 4, "config": saved}))
     assert main([*ARGS, "--data-dir", str(data_dir), "--checkpoint-dir", str(tmp_path / "ckpt"), "--resume",
                  "--sync-dtype", "bfloat16"]) == 2
     assert "parallel.sync_dtype='float32'" in capsys.readouterr().err
     # a top-k sync's residuals hold what it has not sent yet: a dense sync cannot take them over
     saved["parallel"].update(sync_dtype="int8", sync_error_feedback=True, sync_topk=0.02)
-    (series / "meta.json").write_text(json.dumps({"step": 4, "config": saved}))
+    for meta in (series / "meta.json", series_1 / "meta.json"):
+        meta.write_text(json.dumps({"step": 4, "config": saved}))
     assert main([*ARGS, "--data-dir", str(data_dir), "--checkpoint-dir", str(tmp_path / "ckpt"), "--resume",
                  "--sync-dtype", "int8", "--sync-error-feedback"]) == 2
     assert "parallel.sync_topk=0.02" in capsys.readouterr().err
     # the sum merge's residuals are weighted, scatter-mean's are not: a checkpoint from before the option summed
     del saved["parallel"]["sync_topk_merge"]
-    (series / "meta.json").write_text(json.dumps({"step": 4, "config": saved}))
+    for meta in (series / "meta.json", series_1 / "meta.json"):
+        meta.write_text(json.dumps({"step": 4, "config": saved}))
     assert main([*ARGS, "--data-dir", str(data_dir), "--checkpoint-dir", str(tmp_path / "ckpt"), "--resume",
                  "--sync-dtype", "int8", "--sync-error-feedback", "--sync-topk", "0.02"]) == 2
     assert "parallel.sync_topk_merge='sum'" in capsys.readouterr().err
@@ -255,3 +263,60 @@ def test_resume_extends_a_run_in_its_run_directory(data_dir, tmp_path):
     elapsed = [r["elapsed_s"] for r in records if r["kind"] == "train"]
     assert elapsed == sorted(elapsed)  # the time axis goes on from the earlier run's
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 30
+
+
+def _damage(checkpoint: Path) -> str:
+    """Cut the largest file of a checkpoint to half its size (a copy interrupted, a disk that lost blocks)."""
+    victim = max((p for p in checkpoint.iterdir() if p.is_file()), key=lambda p: p.stat().st_size)
+    with open(victim, "r+b") as fh:
+        fh.truncate(victim.stat().st_size // 2)
+    return victim.name
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(600)
+def test_groups_resume_together_from_the_newest_step_every_group_holds_intact(data_dir, tmp_path, monkeypatch,
+                                                                                capsys):
+    """Two groups; group 0's newest checkpoint damaged: both resume from the step before (group 1 passes over its
+    intact newest one), take the same steps as the run straight through, and write no checkpoint off schedule. With
+    no step intact in both, --resume stops before any work, naming what each group holds. A write that fails in one
+    group leaves the other's previous checkpoint in place (keep 1), so the run resumes from it."""
+    from flwr_sharded.train import main
+
+    ckpt = tmp_path / "ckpt"
+    common = [*ARGS, "--data-dir", str(data_dir), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "4"]
+    _run([*common, "--run-dir", str(tmp_path / "straight")])
+    cut = _damage(ckpt / "group-0" / "step-00000012")
+    out = torchrun(4, [*common, "--resume", "--run-dir", str(tmp_path / "resumed")], timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"resume: skipped step-00000012 ({cut} has" in out.stderr, out.stderr[-3000:]  # group 0 says why
+    assert "skipped step-00000012 (not complete in every federation group)" in out.stderr  # and group 1
+    straight, resumed = _losses(tmp_path / "straight"), _losses(tmp_path / "resumed", resumed=True)
+    assert sorted(resumed) == [9, 10, 11, 12]  # from step 8, in both groups (else the syncs would not line up)
+    for step in resumed:
+        assert resumed[step] == pytest.approx(straight[step], abs=1e-6)
+    for group in ("group-0", "group-1"):  # step 12 written again, nothing off schedule (no step 9)
+        assert sorted(p.name for p in (ckpt / group).iterdir()) == [LATEST, "step-00000008", "step-00000012"]
+        assert latest_checkpoint(ckpt / group).name == "step-00000012"
+
+    # no step intact in both: stopped before any process group, each group's steps named
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    _damage(ckpt / "group-0" / "step-00000008")
+    _damage(ckpt / "group-1" / "step-00000012")
+    capsys.readouterr()
+    assert main([*common, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "every federation group holds" in err and "group 0: 12; group 1: 8" in err, err
+
+    # keep 1: step 8's write fails in group 1 only (its directory's name is taken by a file); group 0's step 4,
+    # the newest step both hold, is not rotated away, and the run resumes from it
+    shutil.rmtree(ckpt)
+    (ckpt / "group-1").mkdir(parents=True)
+    (ckpt / "group-1" / "step-00000008.tmp").write_text("in the way")
+    one = [*common, "--keep-checkpoints", "1", "--steps", "8"]
+    failed = torchrun(4, [*one, "--run-dir", str(tmp_path / "failed")], timeout=240)
+    assert failed.returncode != 0 and "checkpoint step-00000008 not written" in failed.stderr, failed.stderr[-3000:]
+    assert (ckpt / "group-0" / "step-00000004").is_dir() and (ckpt / "group-1" / "step-00000004").is_dir()
+    (ckpt / "group-1" / "step-00000008.tmp").unlink()
+    _run([*one, "--resume", "--run-dir", str(tmp_path / "again")])
+    assert sorted(_losses(tmp_path / "again", resumed=True)) == [5, 6, 7, 8]
