@@ -13,7 +13,6 @@ rounds and the policy's ratio to the default go to `--out`. Needs root (the emul
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -22,6 +21,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from flwr_sharded_perf.provenance import provenance
 
 REPO = Path(__file__).resolve().parents[1]
 METHODS = ("no-sync", "fl-fsdp-overlap-int8")
@@ -56,10 +57,7 @@ def main() -> int:
             print(f"round {r + 1} {name}: " + ", ".join(f"{m} {s:.3f} s/step" for m, s in measured[name][-1].items()),
                   file=sys.stderr, flush=True)
     medians = {name: {m: statistics.median(run[m] for run in runs) for m in METHODS} for name, runs in measured.items()}
-    result = {"date": datetime.date.today().isoformat(), "command": " ".join(["python", *sys.argv]),
-              "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                                    text=True).stdout.strip(),
-              "load_avg_start": load_start, "load_avg_end": os.getloadavg(), "seconds": time.time() - started,
+    result = {"provenance": provenance(), "load_avg_start": load_start, "load_avg_end": os.getloadavg(), "seconds": time.time() - started,
               "step_s": measured, "median_step_s": medians,
               "policy_over_default": {m: medians["policy"][m] / medians["glibc_default"][m] for m in METHODS}}
     text = json.dumps(result, indent=1)

@@ -35,6 +35,7 @@ sys.path.insert(0, str(REPO))  # tests.local_flower: the loopback deployment
 
 from tests.local_flower import Procs, deployment_rounds  # noqa: E402
 from tests.multiproc import faults_env  # noqa: E402
+from flwr_sharded_perf.provenance import provenance  # noqa: E402
 
 APP = REPO / "apps" / "llama_fl_hsdp"
 
@@ -142,9 +143,8 @@ def main() -> None:
           f"tokens ({matched[-1]['eval_ppl']:.2f}); {100 * vs['equal_speeds_same_tokens_mid_schedule']:+.2f}% "
           f"against equal speeds at {at} of its {equal[-1]['tokens_seen']} tokens ({mid_schedule:.2f})")
     if args.out:
-        Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "command": " ".join(
-            ["python", "benchmarks/flower_group_speeds.py", *sys.argv[1:]]), "config": vars(args),
-            "slow_delay_s": delay, "results": results}, indent=1) + "\n")
+        Path(args.out).write_text(json.dumps({"provenance": provenance(), "config": vars(args),
+                                              "slow_delay_s": delay, "results": results}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

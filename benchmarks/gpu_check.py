@@ -139,8 +139,7 @@ def write_report(title: str, results: dict[str, Any], args: argparse.Namespace) 
     out = Path(args.out)
     ok = all(r["status"] != "fail" for r in results.values())
     report = {"check": title, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "dry": args.dry, "ok": ok,
-              "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-              "stages": results}
+              "provenance": args.provenance, "stages": results}
     (out / f"{title}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     lines = [f"# {title} ({'dry run on CPU' if args.dry else 'GPU'}, {report['date']})", "",
              f"{'no stage failed' if ok else 'FAILED'}: " + ", ".join(
@@ -648,6 +647,11 @@ def main(title: str = "gpu_check", stages: list[Stage] = STAGES, workers: dict[s
     if not (Path(args.data_dir) / "tokenizer" / "tokenizer.json").is_file():
         raise SystemExit(f"--data-dir {args.data_dir}: no prepared corpus (tokenizer/tokenizer.json); run "
                          f"`flwr-sharded prepare-data --data-dir {args.data_dir}` where the network is, and carry it")
+    if str(REPO) not in sys.path:  # the package need not be installed (the lent image has it only as this tree)
+        sys.path.insert(0, str(REPO))
+    from flwr_sharded_perf.provenance import provenance
+
+    args.provenance = provenance()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"{title}.log").write_text("")
     print(f"{title}: {'dry run on CPU' if args.dry else 'GPU'}; results in {args.out}", flush=True)

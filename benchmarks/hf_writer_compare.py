@@ -23,6 +23,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from flwr_sharded_perf.provenance import provenance  # noqa: E402
 
 
 def _save(rank: int, world: int, how: str, out: str, vocab: int, hidden: int) -> dict:
@@ -96,7 +97,7 @@ def main() -> None:
             for row in run_ranks(_save, args.world, how, str(out), args.vocab, args.hidden, timeout=600)]
     hand, dcp = _tensors(out / "hand"), _tensors(out / "dcp")
     print(json.dumps({
-        "rows": rows, "load_avg": [load_start, os.getloadavg()[0]],
+        "provenance": provenance(), "rows": rows, "load_avg": [load_start, os.getloadavg()[0]],
         "model_mib": sum(t.numel() * t.element_size() for t in hand.values()) / 2**20,
         "largest_tensor_mib": max(t.numel() * t.element_size() for t in hand.values()) / 2**20,
         "same_tensors": sorted(hand) == sorted(dcp) and all(torch.equal(hand[k], dcp[k]) for k in hand),

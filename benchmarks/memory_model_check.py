@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from flwr_sharded_perf.provenance import provenance
+
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
 
@@ -155,8 +157,7 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
         env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
     data = ["--data-dir", args.data_dir]
     out: dict[str, Any] = {
-        "date": datetime.date.today().isoformat(), "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "load_avg_start": os.getloadavg()[0], "host": {"cpus": os.cpu_count(), "python": platform.python_version(),
+        "provenance": provenance(), "load_avg_start": os.getloadavg()[0], "host": {"cpus": os.cpu_count(), "python": platform.python_version(),
                                                        "torch": _torch_version(), "platform": platform.platform()},
         "malloc_mmap_threshold": args.mmap_threshold, "model": {**CHECK_MODEL, "vocab_size": VOCAB,
                                                                 "parameters": shape.num_params},

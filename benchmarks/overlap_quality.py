@@ -23,6 +23,7 @@ from pathlib import Path
 
 from flwr_sharded.run_dir import read_records
 from flwr_sharded_perf.bench.runs import SyncVariant
+from flwr_sharded_perf.provenance import provenance
 
 VARIANTS = {
     "blocking fp32": SyncVariant(),
@@ -125,7 +126,7 @@ def main() -> int:
         print(f"{name:32s} eval ppl {rows[name]['eval_ppl']:8.1f} ({rel} vs blocking fp32), train ppl "
               f"{rows[name]['train_ppl']:8.1f}, {rows[name]['wall_s']:.0f} s", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "steps": args.steps,
+    args.out.write_text(json.dumps({"provenance": provenance(), "steps": args.steps,
                                     "aggregate_every": args.aggregate_every, "runs": rows}, indent=1))
     print(f"wrote {args.out}")
     return 0

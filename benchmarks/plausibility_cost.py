@@ -22,6 +22,7 @@ import torch
 from flwr_sharded.parallel import plausibility
 from flwr_sharded.parallel.admission import all_finite
 from flwr_sharded.parallel.plausibility import MoveBound, bucket_norms
+from flwr_sharded_perf.provenance import provenance
 
 
 def llama_segments(layers: int, hidden: int, shards: int, vocab: int = 8192) -> list[int]:
@@ -82,7 +83,7 @@ def main() -> None:
           f"{med['unchecked']:.3f} ms: +{result['extra_ms']:.3f} ms")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"date": time.strftime("%Y-%m-%d"), "args": vars(args), **result}, f, indent=1)
+            json.dump({"provenance": provenance(), "args": vars(args), **result}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from flwr_sharded_perf.provenance import provenance
+
 
 def parse() -> argparse.Namespace:
     from flwr_sharded import schema
@@ -120,7 +122,7 @@ def main() -> None:
                        "int8": all_reduce_bytes(n, world, torch.int8, args.block)},
         "int8_profile_self_ms": {e.key: round(e.self_cpu_time_total / 1e3 / args.repeats, 2) for e in top},
         "load_avg": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-        "torch": torch.__version__,
+        "provenance": provenance(),
     }
     if rank == 0:
         line = json.dumps(result)

@@ -14,7 +14,6 @@ with the same virtual environment.
 from __future__ import annotations
 
 import argparse
-import datetime
 import hashlib
 import json
 import os
@@ -24,6 +23,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from flwr_sharded_perf.provenance import provenance
 
 TINY = ["--model", "tiny", "--seq-len", "32", "--batch-size", "2", "--steps", "12", "--eval-every", "6",
         "--eval-blocks", "8", "--log-every", "2", "--no-progress", "--save-model", "--timeout", "120"]
@@ -153,9 +154,7 @@ def main() -> int:
         runs[name] = run_flower(name, work, args.data_dir) if name in FLOWER_RUNS else run_static(
             name, *STATIC[name], work, args.data_dir, args.port)
         print(f"{name}: {runs[name]['model_sha256'][:16]} in {runs[name]['seconds']:.0f} s", file=sys.stderr)
-    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parent).stdout.strip()
-    out = {"date": datetime.date.today().isoformat(), "git": git, "runs": runs}
+    out = {"provenance": provenance(), "runs": runs}
     text = json.dumps(out, indent=1)
     if args.out:
         Path(args.out).write_text(text + "\n")

@@ -40,6 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # tests.local_flower: the loopback deployment
 
 from tests.local_flower import Procs, deployment_rounds  # noqa: E402
+from flwr_sharded_perf.provenance import provenance  # noqa: E402
 
 APP = REPO / "apps" / "llama_fl_hsdp"
 STRATEGY = "benchmarks.server_memory_flower:PeakMemoryServerShardFedAvg"
@@ -135,9 +136,8 @@ def main() -> None:
                   f"{row['pull_chunks']} chunks pulled, {row['apply_chunks']} sent per group; server sync "
                   f"{row['server_sync_s_median']:.1f} s (median); {row['seconds']:.0f} s", flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "command": " ".join(
-            ["python", "benchmarks/server_memory_flower.py", *sys.argv[1:]]), "config": vars(args),
-            "results": results}, indent=1) + "\n")
+        Path(args.out).write_text(json.dumps({"provenance": provenance(), "config": vars(args),
+                                              "results": results}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

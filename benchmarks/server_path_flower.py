@@ -36,6 +36,7 @@ from flwr_sharded import schema, tool_options
 from flwr_sharded.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from flwr_sharded.flower.run_config import FederationConfig
 from flwr_sharded.schema import same_as
+from flwr_sharded_perf.provenance import provenance
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "apps" / "llama_fl_hsdp" / "run_simulation.sh"
@@ -104,8 +105,7 @@ def main() -> None:
                     samples[aggregation]["round"].append(r["round_s"])
                     samples[aggregation]["train"].append(r["train_s"])
     med = {a: {k: statistics.median(v) for k, v in s.items()} for a, s in samples.items()}
-    result = {"date": time.strftime("%Y-%m-%d"), "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-              "config": vars(args), "load_average": os.getloadavg(), "medians_s": med, "samples_s": samples}
+    result = {"provenance": provenance(), "config": vars(args), "medians_s": med, "samples_s": samples}
     print(f"{'path':<14} {'sync s':>8} {'train s':>8} {'round s':>8}")
     for a in med:
         print(f"{a:<14} {med[a]['sync']:8.3f} {med[a]['train']:8.3f} {med[a]['round']:8.3f}")

@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+from flwr_sharded_perf.provenance import provenance
+
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = dict(vocab_size=8192, hidden_size=2048, num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=4,
              intermediate_size=2048, tie_word_embeddings=False, max_position_embeddings=2048)
@@ -313,7 +315,8 @@ def main() -> int:
         "per_rank": per_rank, "max_startup_x": max(r["startup_x"] for r in per_rank),
         "max_startup_step_x": max(r["startup_step_x"] for r in per_rank),
         "max_later_steps_x": max(r["later_steps_x"] for r in per_rank), "export": export,
-        "random_init": startup_summary(init), "pretrained_bf16_file": startup_summary(bf16)}
+        "random_init": startup_summary(init), "pretrained_bf16_file": startup_summary(bf16),
+        "provenance": provenance()}
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

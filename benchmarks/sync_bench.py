@@ -37,6 +37,7 @@ import torch.distributed as dist
 from flwr_sharded import schema, tool_options
 from flwr_sharded.config import ParallelConfig
 from flwr_sharded.schema import same_as
+from flwr_sharded_perf.provenance import provenance
 
 
 @dataclass
@@ -263,6 +264,7 @@ def main() -> None:
                        for name in robust},
             "sync_sent_bytes": sent["sync"],
             "wires_sent_over_fp32": {name: sent[name] / sent["sync"] for name in wires},
+            "provenance": provenance(),
         }
         print(json.dumps(result, indent=2))
         if args.out:

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES
+from flwr_sharded_perf.provenance import provenance
 from flwr_sharded_perf.bench.report import _json_default, agreement, checks, render, time_to_target_summary
 from flwr_sharded_perf.bench.runs import (LABELS, UNEQUAL_LABELS, UNEQUAL_RUNS, VARIANT_RUNS, BenchLayout, SyncVariant,
                                           model_units, parse_layouts, run_training, step_stats, sync_variant,
@@ -356,7 +357,7 @@ def _inner_main(opts: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="flwr-bench-") as tmp:
         work = Path(opts.keep_runs) if opts.keep_runs else Path(tmp)
         results: dict[str, Any] = {
-            "date": opts.date or _dt.date.today().isoformat(), "machine": _machine(),
+            "date": opts.date or _dt.date.today().isoformat(), "machine": _machine(), "provenance": provenance(),
             "settings": {k: v for k, v in vars(opts).items() if k not in ("func",)},
             "vocab_size": vocab, "scenarios": {}}
         if opts.method_list:
