@@ -57,7 +57,8 @@ def main() -> int:
             print(f"round {r + 1} {name}: " + ", ".join(f"{m} {s:.3f} s/step" for m, s in measured[name][-1].items()),
                   file=sys.stderr, flush=True)
     medians = {name: {m: statistics.median(run[m] for run in runs) for m in METHODS} for name, runs in measured.items()}
-    result = {"provenance": provenance(), "load_avg_start": load_start, "load_avg_end": os.getloadavg(), "seconds": time.time() - started,
+    result = {"provenance": provenance(), "load_avg_start": load_start, "load_avg_end": os.getloadavg(),
+              "seconds": time.time() - started,
               "step_s": measured, "median_step_s": medians,
               "policy_over_default": {m: medians["policy"][m] / medians["glibc_default"][m] for m in METHODS}}
     text = json.dumps(result, indent=1)

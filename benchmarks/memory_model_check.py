@@ -157,8 +157,9 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
         env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
     data = ["--data-dir", args.data_dir]
     out: dict[str, Any] = {
-        "provenance": provenance(), "load_avg_start": os.getloadavg()[0], "host": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                                                       "torch": _torch_version(), "platform": platform.platform()},
+        "provenance": provenance(), "load_avg_start": os.getloadavg()[0],
+        "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": _torch_version(),
+                 "platform": platform.platform()},
         "malloc_mmap_threshold": args.mmap_threshold, "model": {**CHECK_MODEL, "vocab_size": VOCAB,
                                                                 "parameters": shape.num_params},
         "common_flags": COMMON, "tiny_flags": TINY, "layouts": {}}
