@@ -65,7 +65,7 @@ def render_group_table() -> str:
 
     lines = ["| option | default | meaning |", "|---|---|---|"]
     lines += [_row(o, "required" if o.required else _default(o.default), flag=True)
-              for o in schema.options(GroupOptions) if not o.hidden]
+              for o in schema.options(GroupOptions)]
     return "\n".join(lines) + "\n"
 
 

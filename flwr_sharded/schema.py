@@ -37,17 +37,15 @@ def _field(default: Any, factory: Callable[[], Any] | None, meta: dict[str, Any]
 
 def option(default: Any = MISSING, *, factory: Callable[[], Any] | None = None, name: str | None = None,
            ge: float | None = None, gt: float | None = None, le: float | None = None, lt: float | None = None,
-           not_flat: str | None = None, required: bool = False, hidden: bool = False,
-           facts: Mapping[str, str] | None = None) -> Any:
+           not_flat: str | None = None, required: bool = False, facts: Mapping[str, str] | None = None) -> Any:
     """A dataclass field that is an option: its default, flat name and numeric bounds.
 
     `not_flat`: why this option is not among the flat keys (the Flower run config); the docs show the reason.
     `required`: the command line must give it (its default, None, is only the unset value of the dataclass).
-    `hidden`: left out of `--help` and the docs (test-only switches).
     `facts`: the values of the docstring's `{name}` placeholders (what another module declares: the wires, the rules).
     """
     return _field(default, factory, {"name": name, "ge": ge, "gt": gt, "le": le, "lt": lt, "not_flat": not_flat,
-                                     "required": required, "hidden": hidden, "facts": facts})
+                                     "required": required, "facts": facts})
 
 
 def same_as(cls: type, field_name: str, *, default: Any = MISSING, name: str | None = None,
@@ -115,8 +113,6 @@ class Option:
     """Why this option is not a flat key (the Flower run config), or None if it is one."""
     required: bool = False
     """The command line must give it."""
-    hidden: bool = False
-    """Left out of `--help` and the docs."""
     many: bool = False
     """A list of `kind` values, each checked (for messages between programs, not for the command line)."""
 
@@ -289,8 +285,7 @@ def _options(cls: type) -> tuple[Option, ...]:
                               optional=optional, choices=choices, default=default,
                               doc=docs.get(f.name) or (field_docs(source[0]).get(source[1], "") if source else ""),
                               bounds=tuple((op, meta[op]) for op in _OPS if meta.get(op) is not None),
-                              not_flat=meta.get("not_flat"), required=bool(meta.get("required")),
-                              hidden=bool(meta.get("hidden")), many=many))
+                              not_flat=meta.get("not_flat"), required=bool(meta.get("required")), many=many))
 
     walk(cls, instance, ())
     names = [o.name for o in out]
@@ -395,7 +390,7 @@ def add_arguments(parser: Any, root: Any, *, skip: Iterable[str] = ()) -> None:
             groups[section] = parser.add_argument_group(section[-1], field_docs(klass).get(section[0])
                                                         if len(section) == 1 else None)
         kwargs: dict[str, Any] = dict(dest=o.dest, default=None, required=o.required,
-                                      help=argparse.SUPPRESS if o.hidden else help_text(o).replace("%", "%%"))
+                                      help=help_text(o).replace("%", "%%"))
         if o.kind is bool:
             action = groups[section].add_argument(f"--{o.name}", action=argparse.BooleanOptionalAction, **kwargs)
         else:
