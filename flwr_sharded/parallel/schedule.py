@@ -15,26 +15,26 @@ from typing import Any, Sequence
 
 @dataclass(frozen=True)
 class Schedule:
-    """When each fragment starts and merges within a period of A steps (steps counted 1..A)."""
+    """When each fragment starts and merges within a period of `steps` local steps (counted 1..steps)."""
 
-    aggregate_every: int
-    """A: local steps per period."""
+    steps: int
+    """This group's local steps per period: A, or a slower group's fewer (`group-steps speed`, `local_steps`)."""
     fragments: int = 1
     """N: fragments synced at staggered points of the period."""
     delay: int = 0
     """tau: steps between a fragment's start and its merge (0: a blocking sync at the boundary)."""
 
     def __post_init__(self) -> None:
-        if not 1 <= self.fragments <= self.aggregate_every:
-            raise ValueError(f"{self.fragments} fragments in a period of {self.aggregate_every} steps: between 1 and "
-                             f"{self.aggregate_every} (one boundary per step at most)")
+        if not 1 <= self.fragments <= self.steps:
+            raise ValueError(f"{self.fragments} fragments in a period of {self.steps} steps: between 1 and "
+                             f"{self.steps} (one boundary per step at most)")
         if not 0 <= self.delay < self.shortest_share():
             raise ValueError(f"a delay of {self.delay} steps: it must be in [0, {self.shortest_share()}), the fewest "
                              f"steps between two fragments' syncs")
 
     def boundary(self, i: int) -> int:
-        """The step after which fragment i's sync is merged: round((i + 1) A / N); the last one is A."""
-        return round((i + 1) * self.aggregate_every / self.fragments)
+        """The step after which fragment i's sync is merged: round((i + 1) steps / N); the last one is `steps`."""
+        return round((i + 1) * self.steps / self.fragments)
 
     def starts(self, step: int) -> list[int]:
         """Fragments whose overlapped sync starts after `step` of the period (none when the delay is 0)."""
@@ -53,9 +53,9 @@ class Schedule:
         return min(self.boundary(i) - (self.boundary(i - 1) if i else 0) for i in range(self.fragments))
 
     @staticmethod
-    def shortest_share_of(aggregate_every: int, fragments: int) -> int:
-        """`shortest_share` of N fragments in a period of A steps (for checks before a Schedule can be built)."""
-        return Schedule(aggregate_every, max(1, min(fragments, aggregate_every))).shortest_share()
+    def shortest_share_of(steps: int, fragments: int) -> int:
+        """`shortest_share` of N fragments in a period of `steps` steps (for checks before a Schedule is built)."""
+        return Schedule(steps, max(1, min(fragments, steps))).shortest_share()
 
 
 def fragment_parameters(model: Any, blocks: Sequence[Any], fragments: int) -> list[list[tuple[str, Any]]]:

@@ -253,7 +253,7 @@ class SyncLoop:
     @property
     def steps(self) -> int:
         """This group's local steps per period."""
-        return self.schedule.aggregate_every
+        return self.schedule.steps
 
     @property
     def replica0(self) -> bool:
@@ -269,7 +269,7 @@ class SyncLoop:
     def configure(self, plan: PeriodPlan) -> None:
         """Run the periods to come as `plan` says (a Flower round). ValueError (nothing else changed) if its steps
         do not fit the fragments and delay; ConfigError if this rank's shards cannot sit at its seat."""
-        schedule = dataclasses.replace(self.schedule, aggregate_every=plan.steps)
+        schedule = dataclasses.replace(self.schedule, steps=plan.steps)
         if self.syncs and plan.seat != self.syncs[0].seat:
             for s in self.syncs:
                 s.reseat(plan.seat, None)
@@ -376,7 +376,7 @@ class SyncLoop:
                                        for n, world in zip(times["steps"], self.topo.group_worlds))
             if self.adapt and all(s > 0 and math.isfinite(s) for s in times["step_time_s"]):
                 mine = local_steps(self.A, times["step_time_s"])[federation.member_index]
-                self.schedule = dataclasses.replace(self.schedule, aggregate_every=mine)
+                self.schedule = dataclasses.replace(self.schedule, steps=mine)
             times = {"reference_step": self.clock_start + self.A, **times}
         self.period_start = self.trainer.step_count
         if on_period is not None:

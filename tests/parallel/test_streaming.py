@@ -12,15 +12,15 @@ from tests.parallel.test_sync import WEIGHTS, _sharded_tiny_model, central_mean
 def test_schedule_staggers_fragments_and_bounds_the_delay():
     from flwr_sharded.parallel.schedule import Schedule
 
-    s = Schedule(aggregate_every=8, fragments=3, delay=1)
+    s = Schedule(steps=8, fragments=3, delay=1)
     assert [s.boundary(i) for i in range(3)] == [3, 5, 8]
     assert s.shortest_share() == 2 and Schedule.shortest_share_of(8, 3) == 2  # shares of 3, 2 and 3 steps
     with pytest.raises(ValueError, match=r"\[0, 2\)"):
-        Schedule(aggregate_every=8, fragments=3, delay=2)
+        Schedule(steps=8, fragments=3, delay=2)
     starts = {step: s.starts(step) for step in range(1, 9) if s.starts(step)}
     merges = {step: s.merges(step) for step in range(1, 9) if s.merges(step)}
     assert starts == {2: [0], 4: [1], 7: [2]} and merges == {3: [0], 5: [1], 8: [2]}
-    blocking = Schedule(aggregate_every=8)
+    blocking = Schedule(steps=8)
     assert blocking.merges(8) == [0] and not any(blocking.starts(k) for k in range(1, 9))
 
 

@@ -62,7 +62,7 @@ def _ticks(group_steps: str, steps: int) -> list[tuple[int, int | None, int]]:
     cfg.parallel.method, cfg.parallel.aggregate_every, cfg.parallel.group_steps = "fsdp", 4, group_steps
     t = _Trainer(cfg)
     loop = SyncLoop(t)
-    loop.schedule = dataclasses.replace(loop.schedule, aggregate_every=steps)  # what an exchange of step times sets
+    loop.schedule = dataclasses.replace(loop.schedule, steps=steps)  # what an exchange of step times sets
     out = []
     loop.run(None, until=cfg.steps, on_step=lambda loss, tick: out.append((t.step_count, tick, t.schedule_step)))
     return out
