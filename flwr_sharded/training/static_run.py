@@ -1,5 +1,5 @@
-"""The static engine's run: `SyncLoop.run` until the run's last step over the static world's federation, with the
-records around it (train windows, evaluations and checkpoints at the run's ticks, failed syncs and their retries).
+"""The static engine's run: `SyncLoop.run` until the run's last step over the static world's federation
+(`StaticFederation`: the mesh's groups, fixed for the whole run), with the records around it (train windows, evaluations and checkpoints at the run's ticks, failed syncs and their retries).
 A checkpoint that could not be written stops the run on every rank (`CheckpointWriteError`)."""
 
 from __future__ import annotations
@@ -12,14 +12,72 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from flwr_sharded.parallel.collectives import rebuildable
+from flwr_sharded.parallel.collectives import bounded, rebuildable
+from flwr_sharded.parallel.sync import Groups
 from flwr_sharded.parallel.token_weights import tokens_of
+from flwr_sharded.parallel.topology import Topology
+from flwr_sharded.parallel.torch_compat import all_gather_single
 from flwr_sharded.run_dir import perplexity
 from flwr_sharded.training.checkpoint import CheckpointWriteError, latest_checkpoint
 from flwr_sharded.training.metrics import progress_bar, train_line
-from flwr_sharded.training.sync_loop import StaticFederation, SyncFailed, SyncLoop
+from flwr_sharded.training.sync_loop import SyncFailed, SyncLoop
 
 logger = logging.getLogger(__name__)
+
+
+class StaticFederation:
+    """The static torchrun world's federation: the mesh's "fed" groups (or the channels of groups that shard
+    differently). The group's ranks agree over a gloo group of their own: the group's process group also carries an
+    async checkpoint's collectives, from its thread."""
+
+    def __init__(self, topo: Topology, shapes: list[tuple[int, ...]], wait_timeout: float | None) -> None:
+        self.topo, self.wait_timeout = topo, wait_timeout
+        self.member_index, self.members = topo.fed_index, topo.config.federations
+        self._groups = topo.sync_groups(shapes)  # a collective of the world: every rank makes every group
+        controls = [dist.new_group(topo.group_ranks(f), backend="gloo", timeout=topo.timeout)
+                    for f in range(self.members)]
+        self.control = controls[topo.fed_index]
+        self.leaders = topo.leaders or dist.new_group([topo.group_ranks(f)[0] for f in range(self.members)],
+                                                      timeout=topo.timeout)
+        """Rank 0 of every group (their times after each period)."""
+        self._joined = False
+
+    def join(self) -> Groups:
+        if self._joined:
+            return None
+        self._joined = True
+        return self._groups
+
+    def vote_group(self) -> dist.ProcessGroup | None:
+        if self.topo.leaders is not None:  # groups that shard differently: their rank 0s vote for them
+            return self.topo.leaders if self.topo.group_rank == 0 else None
+        return self.topo.fed_group if self.topo.replica_index == 0 else None
+
+    def gather(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.topo.group_world
+        dist.all_gather_object(out, obj, group=self.control)
+        return out
+
+    def flags(self, values: list[int]) -> list[int]:
+        box = torch.tensor(values, dtype=torch.int32)
+        bounded(dist.all_reduce, box, op=dist.ReduceOp.MAX, group=self.control)
+        return box.tolist()
+
+    def period_times(self, step_s: float, sync_s: float, steps: int) -> dict[str, list[float]]:
+        """Every group's times over the leaders, then to every rank of the group (two small collectives)."""
+        box = torch.zeros(self.members * 3, dtype=torch.float64, device=self._device)
+        if self.topo.group_rank == 0:
+            mine = torch.tensor([step_s, sync_s, float(steps)], dtype=torch.float64, device=self._device)
+            bounded(all_gather_single, box, mine, group=self.leaders)
+        bounded(dist.broadcast, box, group=self.topo.group_pg, group_src=0)
+        step_times, sync, counts = box.view(self.members, 3).T.tolist()
+        return {"step_time_s": step_times, "sync_s": sync, "idle_s": [s - min(sync) for s in sync],
+                "steps": [int(c) for c in counts]}
+
+    @property
+    def _device(self) -> torch.device:
+        device = self.topo.mesh.device_type
+        return torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
 
 
 class StaticRun:

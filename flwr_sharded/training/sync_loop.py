@@ -4,7 +4,8 @@ members' agreement on each sync (a two-phase commit) and the rollback of one tha
 As torchft's DiLoCo owns sync, commit and rollback, `SyncLoop` owns everything around the inner steps: the schedule
 (A, fragments, delay, alpha, carry), the clock of `group-steps speed`, each fragment's tokens (its weight), starting
 an overlapped sync and merging it, the commit and the rollback point. `SyncLoop.run` is the one loop over periods:
-the static engine runs it until its last step over its static federation (`StaticFederation`), a Flower round for
+the static engine runs it until its last step over its static federation (`static_run.StaticFederation`), a Flower
+round for
 the round's periods over the round's members (`flwr_sharded.flower.group.round`). A sync is adopted only when every
 rank of every member succeeded:
 
@@ -33,12 +34,10 @@ from flwr_sharded.parallel.admission import SyncRejected, commit_vote
 from flwr_sharded.parallel.alignment import local_shard
 from flwr_sharded.parallel.collectives import CollectiveTimeout, bounded
 from flwr_sharded.parallel.token_weights import expected_weight_of, tokens_of
-from flwr_sharded.parallel.torch_compat import all_gather_single
 from flwr_sharded.parallel.rollback import RollbackPoint
 from flwr_sharded.parallel.schedule import Schedule, fragment_parameters, local_steps
 from flwr_sharded.parallel.sync import Groups, ShardSync, Snapshot, SyncStats
 from flwr_sharded.parallel.sync_plan import Seat
-from flwr_sharded.parallel.topology import Topology
 from flwr_sharded.parallel.wire import WIRES
 from flwr_sharded.training.models import transformer_blocks
 from flwr_sharded.training.trainer import Trainer
@@ -76,61 +75,6 @@ class Federation(Protocol):
     def period_times(self, step_s: float, sync_s: float, steps: int) -> dict[str, list[float]] | None:
         """After a period: every member's step time, sync seconds, idle seconds and steps (collective over the
         world); None where they are not exchanged (a Flower round: the strategy times its members)."""
-
-
-class StaticFederation:
-    """The static torchrun world's federation: the mesh's "fed" groups (or the channels of groups that shard
-    differently). The group's ranks agree over a gloo group of their own: the group's process group also carries an
-    async checkpoint's collectives, from its thread."""
-
-    def __init__(self, topo: Topology, shapes: list[tuple[int, ...]], wait_timeout: float | None) -> None:
-        self.topo, self.wait_timeout = topo, wait_timeout
-        self.member_index, self.members = topo.fed_index, topo.config.federations
-        self._groups = topo.sync_groups(shapes)  # a collective of the world: every rank makes every group
-        controls = [dist.new_group(topo.group_ranks(f), backend="gloo", timeout=topo.timeout)
-                    for f in range(self.members)]
-        self.control = controls[topo.fed_index]
-        self.leaders = topo.leaders or dist.new_group([topo.group_ranks(f)[0] for f in range(self.members)],
-                                                      timeout=topo.timeout)
-        """Rank 0 of every group (their times after each period)."""
-        self._joined = False
-
-    def join(self) -> Groups:
-        if self._joined:
-            return None
-        self._joined = True
-        return self._groups
-
-    def vote_group(self) -> dist.ProcessGroup | None:
-        if self.topo.leaders is not None:  # groups that shard differently: their rank 0s vote for them
-            return self.topo.leaders if self.topo.group_rank == 0 else None
-        return self.topo.fed_group if self.topo.replica_index == 0 else None
-
-    def gather(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * self.topo.group_world
-        dist.all_gather_object(out, obj, group=self.control)
-        return out
-
-    def flags(self, values: list[int]) -> list[int]:
-        box = torch.tensor(values, dtype=torch.int32)
-        bounded(dist.all_reduce, box, op=dist.ReduceOp.MAX, group=self.control)
-        return box.tolist()
-
-    def period_times(self, step_s: float, sync_s: float, steps: int) -> dict[str, list[float]]:
-        """Every group's times over the leaders, then to every rank of the group (two small collectives)."""
-        box = torch.zeros(self.members * 3, dtype=torch.float64, device=self._device)
-        if self.topo.group_rank == 0:
-            mine = torch.tensor([step_s, sync_s, float(steps)], dtype=torch.float64, device=self._device)
-            bounded(all_gather_single, box, mine, group=self.leaders)
-        bounded(dist.broadcast, box, group=self.topo.group_pg, group_src=0)
-        step_times, sync, counts = box.view(self.members, 3).T.tolist()
-        return {"step_time_s": step_times, "sync_s": sync, "idle_s": [s - min(sync) for s in sync],
-                "steps": [int(c) for c in counts]}
-
-    @property
-    def _device(self) -> torch.device:
-        device = self.topo.mesh.device_type
-        return torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
 
 
 @dataclass
@@ -600,5 +544,5 @@ class SyncLoop:
         return meta
 
 
-__all__ = ["Federation", "PeriodPlan", "RunReport", "StaticFederation", "SyncFailed", "SyncLoop", "SyncOutcome",
+__all__ = ["Federation", "PeriodPlan", "RunReport", "SyncFailed", "SyncLoop", "SyncOutcome",
            "at_fault"]

@@ -32,7 +32,7 @@ def _every_group(rank: int, world: int, layout: dict, older_torch: bool = False)
     from flwr_sharded.config import ParallelConfig
     from flwr_sharded.parallel import torch_compat
     from flwr_sharded.parallel.topology import GroupsTopology, init_topology
-    from flwr_sharded.training.sync_loop import StaticFederation
+    from flwr_sharded.training.static_run import StaticFederation
 
     if older_torch:
         torch_compat._takes_backend_override = lambda: False

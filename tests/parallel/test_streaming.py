@@ -145,7 +145,8 @@ def _trainer_equals_todays_loop(rank: int, world: int, data_dir: str) -> tuple[b
     from flwr_sharded.parallel.alignment import local_shard
     from flwr_sharded.parallel.sync import ShardSync
     from flwr_sharded.parallel.topology import init_topology
-    from flwr_sharded.training.sync_loop import StaticFederation, SyncLoop
+    from flwr_sharded.training.static_run import StaticFederation
+    from flwr_sharded.training.sync_loop import SyncLoop
     from flwr_sharded.training.trainer import Trainer
 
     cfg = TrainConfig()
