@@ -100,7 +100,7 @@ def group_log_file(run_dir: str | None, partition_id: int) -> Path | None:
     return None
 
 
-def to_records(ok: bool, error: str, result: Mapping[str, Any]) -> RecordDict:
+def reply_records(ok: bool, error: str, result: Mapping[str, Any]) -> RecordDict:
     """A reply's RecordDict: numbers (and lists of numbers) in 'metrics', strings and flags in 'info'."""
     metrics: dict[str, Any] = {}
     info: dict[str, Any] = {"ok": bool(ok), "error": str(error)}
@@ -126,7 +126,7 @@ def handle(message: Any, context: Any, verb: str) -> Any:
     timeout = float(config.get("timeout", 600.0))
 
     def reply(result: Mapping[str, Any], ok: bool = True, error: str = "") -> Any:
-        return Message(to_records(ok, error, result), reply_to=message)
+        return Message(reply_records(ok, error, result), reply_to=message)
 
     try:
         if verb == messages.FINISH:
@@ -186,7 +186,7 @@ def _hello(message: Any, context: Any, config: Mapping[str, Any], client: GroupC
             launched.worker_pids = [int(p) for p in result["pids"]]
             _remember(context, launched)
     ok = bool(result.get("compatible", False))
-    return Message(to_records(ok, "" if ok else str(result.get("error", "incompatible")), result), reply_to=message)
+    return Message(reply_records(ok, "" if ok else str(result.get("error", "incompatible")), result), reply_to=message)
 
 
 def _train_reply_with_manifest(message: Any, context: Any, result: dict[str, Any], server_round: int) -> Any:
@@ -198,11 +198,11 @@ def _train_reply_with_manifest(message: Any, context: Any, result: dict[str, Any
     context.state.config_records[EXPORT_KEY] = ConfigRecord({"round": server_round, "weight": weight,
                                                              "files": files})
     try:
-        shapes, meta = shard_files.manifest(files)
+        shapes, meta = shard_files.shard_manifest(files)
     except (OSError, ValueError) as exc:
         _drop_export(context)
-        return Message(to_records(False, f"cannot read the exported shards: {exc}", result), reply_to=message)
-    content = to_records(True, "", result)
+        return Message(reply_records(False, f"cannot read the exported shards: {exc}", result), reply_to=message)
+    content = reply_records(True, "", result)
     for name, record in shard_files.manifest_records(shapes, meta, server_round, weight).items():
         content[name] = record
     return Message(content, reply_to=message)
@@ -218,11 +218,11 @@ def _pull(message: Any, context: Any, config: Mapping[str, Any], applied: dict[s
         raise ValueError(f"no exported shards of round {server_round} on this node (it holds {held})")
     requests = [(key, int(start), int(stop)) for key, start, stop in
                 (str(text).rsplit("|", 2) for text in config.get("pieces", []))]
-    arrays, meta = shard_files.read_rows([str(f) for f in export["files"]], requests)
-    content = RecordDict(shard_files.to_records(arrays, meta, server_round, float(export["weight"])))
+    arrays, meta = shard_files.read_shard_rows([str(f) for f in export["files"]], requests)
+    content = RecordDict(shard_files.shard_records(arrays, meta, server_round, float(export["weight"])))
     del arrays
     if applied is not None:
-        for name, record in to_records(True, "", applied).items():
+        for name, record in reply_records(True, "", applied).items():
             content[name] = record
     return Message(content, reply_to=message)
 

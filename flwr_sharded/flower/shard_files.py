@@ -66,7 +66,7 @@ def _rows(fh: Any, key: str, start: int, stop: int) -> np.ndarray:
     return piece[start:stop] if piece.get_shape() else fh.get_tensor(key)
 
 
-def manifest(paths: Iterable[str | Path]) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+def shard_manifest(paths: Iterable[str | Path]) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
     """(key -> local shape, key -> "dtype|global shape") of the pieces in the files, reading no values."""
     with ExitStack() as stack:
         found = _open_pieces(stack, paths)
@@ -74,7 +74,7 @@ def manifest(paths: Iterable[str | Path]) -> tuple[dict[str, tuple[int, ...]], d
                 {k: tag for k, (_, tag) in found.items()})
 
 
-def read_rows(paths: Iterable[str | Path], requests: Iterable[tuple[str, int, int]]
+def read_shard_rows(paths: Iterable[str | Path], requests: Iterable[tuple[str, int, int]]
               ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Rows `[start, stop)` of each requested piece `(key, start, stop)`, keyed by where they start (`row_key`),
     reading only those rows. KeyError for a key no file holds, ValueError for rows outside the piece."""
@@ -130,7 +130,7 @@ def _info(round: int, weight: float) -> MetricRecord:
     return MetricRecord({"round": int(round), "weight": float(weight)})
 
 
-def to_records(arrays: Mapping[str, np.ndarray], meta: Mapping[str, str], round: int, weight: float) -> dict[str, Any]:
+def shard_records(arrays: Mapping[str, np.ndarray], meta: Mapping[str, str], round: int, weight: float) -> dict[str, Any]:
     """The records that carry pieces in a Flower Message (merge them into its RecordDict)."""
     return {SHARDS: ArrayRecord(array_dict={k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()}),
             SHARD_META: ConfigRecord(dict(meta)), SHARD_INFO: _info(round, weight)}
@@ -153,7 +153,7 @@ def _unpack(content: Any, first: str) -> tuple[Any, dict[str, str], dict[str, fl
 
 
 def from_records(content: Any) -> tuple[dict[str, np.ndarray], dict[str, str], dict[str, float]]:
-    """(arrays, meta, info) of a RecordDict made by `to_records`; ValueError names what is missing."""
+    """(arrays, meta, info) of a RecordDict made by `shard_records`; ValueError names what is missing."""
     records, meta, info = _unpack(content, SHARDS)
     return {k: array_view(records[k]) for k in records.keys()}, meta, info
 

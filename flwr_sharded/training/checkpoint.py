@@ -376,7 +376,7 @@ class Checkpointer:
 
         def record() -> None:
             if self.group_rank == 0:  # every rank's files are there: the manifest of what resume must find
-                files = checkpoint_files.manifest(pending.tmp, exclude=(META_PART,))
+                files = checkpoint_files.file_sizes(pending.tmp, exclude=(META_PART,))
                 checkpoint_files.write_json(pending.tmp / META_PART, {**pending.meta, "files": files})
 
         self._phase("recording its files", pending.tmp, record)

@@ -98,7 +98,7 @@ def read_meta(checkpoint: str | Path) -> dict[str, Any]:
     return json.loads((Path(checkpoint) / META).read_text())
 
 
-def manifest(directory: str | Path, exclude: tuple[str, ...] = ()) -> dict[str, int]:
+def file_sizes(directory: str | Path, exclude: tuple[str, ...] = ()) -> dict[str, int]:
     """name -> size of every file directly in `directory` (but `exclude`)."""
     return {p.name: p.stat().st_size for p in sorted(Path(directory).iterdir()) if p.is_file()
             and p.name not in exclude}

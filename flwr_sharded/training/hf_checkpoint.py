@@ -123,7 +123,7 @@ def ignored(model: nn.Module, name: str) -> bool:
 
 
 @dataclass(frozen=True)
-class Piece:
+class StoredPart:
     """One checkpoint tensor inside a model tensor: `model_tensor[index]` is `stored`, whole (`index`: an int for each
     dimension the tensor is stacked along, a slice for each of the others, one entry per model dimension), or its
     transpose (`transposed`: a 2-D tensor alone, the model's row r its column r)."""
@@ -133,7 +133,7 @@ class Piece:
     transposed: bool = False
 
 
-Plan = dict[str, list[Piece]]
+Plan = dict[str, list[StoredPart]]
 """Model tensor name -> the checkpoint tensors it is made of (one, or several a conversion fuses)."""
 
 ROW_WISE_OPS = ("MergeModulelist", "Concatenate")
@@ -154,11 +154,11 @@ def _shift(entry: int | slice, offset: int) -> int | slice:
 
 
 def _assemble(converter: Any, target: str, sources: dict[str, list[str]], shapes: dict[str, tuple[int, ...]],
-              expected: tuple[int, ...] | None) -> tuple[tuple[int, ...], list[Piece]]:
+              expected: tuple[int, ...] | None) -> tuple[tuple[int, ...], list[StoredPart]]:
     """(shape, pieces) of `target` (model shape `expected`) as transformers' `converter` builds it from the checkpoint
     keys `sources` (by source pattern, in checkpoint order); ConfigError for an operation that is neither row-wise
     (`ROW_WISE_OPS`) nor a transpose (`COLUMN_OPS`)."""
-    parts = {pattern: [(shapes[k], [Piece(k, _full(shapes[k]))]) for k in keys] for pattern, keys in sources.items()}
+    parts = {pattern: [(shapes[k], [StoredPart(k, _full(shapes[k]))]) for k in keys] for pattern, keys in sources.items()}
     for op in converter.operations:
         kind, dim = type(op).__name__, getattr(op, "dim", 0)
         if kind == "MergeModulelist":
@@ -168,7 +168,7 @@ def _assemble(converter: Any, target: str, sources: dict[str, list[str]], shapes
                     raise ConfigError(f"--model: {target} stacks tensors of different shapes "
                                       f"({sorted({shape for shape, _ in group})})")
                 shape = group[0][0]
-                pieces = [Piece(p.stored, p.index[:dim] + (i,) + p.index[dim:])
+                pieces = [StoredPart(p.stored, p.index[:dim] + (i,) + p.index[dim:])
                           for i, (_, ps) in enumerate(group) for p in ps]
                 parts[pattern] = [(shape[:dim] + (len(group),) + shape[dim:], pieces)]
         elif kind == "Concatenate":
@@ -178,14 +178,14 @@ def _assemble(converter: Any, target: str, sources: dict[str, list[str]], shapes
                                   f"({[list(shape) for shape, _ in group]})")
             offset, pieces = 0, []
             for shape, ps in group:
-                pieces += [Piece(p.stored, p.index[:dim] + (_shift(p.index[dim], offset),) + p.index[dim + 1:])
+                pieces += [StoredPart(p.stored, p.index[:dim] + (_shift(p.index[dim], offset),) + p.index[dim + 1:])
                            for p in ps]
                 offset += shape[dim]
             parts = {converter.target_patterns[0]: [(group[0][0][:dim] + (offset,) + group[0][0][dim + 1:], pieces)]}
         elif kind == "Transpose" and _transposable(parts, op):
             [(pattern, [(shape, [piece])])] = parts.items()
             if not (op.check_dims and shape == expected):  # check_dims: transformers transposes only a misfit
-                parts = {pattern: [(shape[::-1], [Piece(piece.stored, _full(shape[::-1]), transposed=True)])]}
+                parts = {pattern: [(shape[::-1], [StoredPart(piece.stored, _full(shape[::-1]), transposed=True)])]}
         else:
             raise ConfigError(f"--model: {target} is converted from {sorted(sources)} by transformers' {kind}, which "
                               f"the sharded loader does not read (it reads {', '.join(ROW_WISE_OPS)} row by row and "
@@ -208,7 +208,7 @@ def _check_numbered(target: str, pattern: str, keys: list[str]) -> None:
                           f"{len(keys) - 1}")
 
 
-def _transposable(parts: dict[str, list[tuple[tuple[int, ...], list[Piece]]]], op: Any) -> bool:
+def _transposable(parts: dict[str, list[tuple[tuple[int, ...], list[StoredPart]]]], op: Any) -> bool:
     """Whether a Transpose applies to one whole 2-D checkpoint tensor (the one transpose read column by column)."""
     group = [part for parts_of in parts.values() for part in parts_of]
     if len(group) != 1 or len(group[0][1]) != 1 or {op.dim0 % 2, op.dim1 % 2} != {0, 1}:
@@ -254,7 +254,7 @@ def conversion_plan(model: nn.Module, stored: dict[str, tuple[int, ...]], where:
         elif name in plan:
             raise ConfigError(f"--model: the checkpoint{where} holds {name} twice ({plan[name][0].stored}, {key})")
         elif pattern is None:
-            plan[name] = [Piece(key, _full(stored[key]))]
+            plan[name] = [StoredPart(key, _full(stored[key]))]
         else:
             fused.setdefault(name, (by_pattern[pattern], {}))[1].setdefault(pattern, []).append(key)
     wrong = []
@@ -356,7 +356,7 @@ def load_local_shards(model: nn.Module, directory: str | Path) -> None:
             _read_local(plan[name], stored, buffer, 0)
 
 
-def _read_local(pieces: list[Piece], stored: dict[str, StoredTensor], local: torch.Tensor, start: int) -> None:
+def _read_local(pieces: list[StoredPart], stored: dict[str, StoredTensor], local: torch.Tensor, start: int) -> None:
     """Rows `[start, start + len(local))` of a model tensor, from its pieces."""
     if local.numel() == 0:
         return
@@ -364,15 +364,15 @@ def _read_local(pieces: list[Piece], stored: dict[str, StoredTensor], local: tor
     for piece in pieces:
         file = stored[piece.stored].file
         if piece.transposed:  # the rank's rows are the checkpoint's columns [start, start + rows)
-            read_rows(file, piece.stored, local.T, 0, column=start)
+            read_file_rows(file, piece.stored, local.T, 0, column=start)
             continue
         hit = _overlap(piece.index, stored[piece.stored].shape, start, start + rows)
         if hit is not None:
             where, first, _ = hit
-            read_rows(file, piece.stored, local[where] if where else local, first)
+            read_file_rows(file, piece.stored, local[where] if where else local, first)
 
 
-def read_rows(file: Path, name: str, local: torch.Tensor, start: int, *, column: int | None = None) -> None:
+def read_file_rows(file: Path, name: str, local: torch.Tensor, start: int, *, column: int | None = None) -> None:
     """Copy rows `[start, start + len(local))` of tensor `name` of a safetensors file into `local` (with `column`:
     only columns `[column, column + local.shape[1])` of a 2-D tensor), in pieces of about `CHUNK_BYTES`, each through
     its own `safe_open` (memory map), so at most one piece is ever resident."""
@@ -541,7 +541,7 @@ def writes_rows(tensor: torch.Tensor, group_rank: int) -> bool:
                                           if isinstance(p, Replicate))
 
 
-def write_local(directory: str | Path, layout: Layout, pieces: list[Piece], local: torch.Tensor, start: int) -> None:
+def write_local(directory: str | Path, layout: Layout, pieces: list[StoredPart], local: torch.Tensor, start: int) -> None:
     """Write rows `[start, start + len(local))` of a model tensor into the checkpoint tensors it is made of."""
     rows = local.shape[0] if local.dim() else 1
     for piece in pieces:

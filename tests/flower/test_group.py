@@ -337,7 +337,7 @@ def test_server_path_export_and_apply_check_every_piece_before_writing(procs, da
     assert len(files) == 2 and out["facility_tokens"] == out["tokens"] > 0  # one file per rank, a group alone
     from safetensors.numpy import load_file
 
-    _, meta = shard_files.manifest(files)  # also refuses a key in two files
+    _, meta = shard_files.shard_manifest(files)  # also refuses a key in two files
     per_file = [load_file(f) for f in files]
     arrays = {k: v for values in per_file for k, v in values.items()}
     assert not per_file[0].keys() & per_file[1].keys() and set(arrays) == set(meta)  # each rank: its own rows

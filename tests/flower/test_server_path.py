@@ -73,7 +73,7 @@ def test_bf16_round_trip_is_lossless():
     pieces = [p for rank in _chunks(model, 2) for p in rank]
     arrays, meta = encode_pieces(pieces)
     assert {a.dtype.name for a in arrays.values()} == {"int16"}
-    records = shard_files.to_records(arrays, meta, 0, 1.0)
+    records = shard_files.shard_records(arrays, meta, 0, 1.0)
     for decoded in (decode_pieces(arrays, meta), decode_pieces(*shard_files.from_records(records)[:2])):
         assert [p.key for p in decoded] == [p.key for p in pieces]
         for a, b in zip(decoded, pieces):
@@ -403,7 +403,7 @@ def test_flower_records_round_trip_and_malformed_records_are_rejected(caplog):
     from flwr_sharded.flower.server.aggregation import add_content
 
     def reply_content(pieces, round, weight):
-        return RecordDict(shard_files.to_records(*encode_pieces(pieces), round, weight))
+        return RecordDict(shard_files.shard_records(*encode_pieces(pieces), round, weight))
 
     models = [_model(1, torch.bfloat16), _model(2, torch.bfloat16)]
     agg = StreamingShardAggregator(FedAvg(), 3, spec=spec_of(models[0]))

@@ -97,7 +97,7 @@ class FakeGroup:
             if self.corrupt:
                 self.corrupt(self.pulls, rows)
             meta = {k: self.meta[f"{k.rpartition('@')[0]}@0"] for k in rows}
-            return 0.0, RecordDict(shard_files.to_records(rows, meta, cfg["server-round"], self.weight))
+            return 0.0, RecordDict(shard_files.shard_records(rows, meta, cfg["server-round"], self.weight))
         if kind == P.MSG_APPLY:
             self.apply(m, cfg)
             last = cfg["chunk"] == cfg["chunks"] - 1

@@ -242,7 +242,7 @@ def test_export_streams_one_tensor_at_a_time_into_split_bf16_files(tmp_path, mon
 
 
 def test_rows_are_read_and_written_in_pieces_at_their_offsets(tmp_path, monkeypatch):
-    """The chunked paths of `read_rows` and `write_rows` (one row per piece), bf16 conversion, a scalar."""
+    """The chunked paths of `read_file_rows` and `write_rows` (one row per piece), bf16 conversion, a scalar."""
     from safetensors.torch import load_file, save_file
 
     from flwr_sharded.training import hf_checkpoint
@@ -252,10 +252,10 @@ def test_rows_are_read_and_written_in_pieces_at_their_offsets(tmp_path, monkeypa
     save_file(tensors, str(tmp_path / "src.safetensors"))
     monkeypatch.setattr(hf_checkpoint, "CHUNK_BYTES", 1)
     rows = torch.empty(4, 3, dtype=torch.bfloat16)
-    hf_checkpoint.read_rows(tmp_path / "src.safetensors", "a", rows, 5)
+    hf_checkpoint.read_file_rows(tmp_path / "src.safetensors", "a", rows, 5)
     assert torch.equal(rows, tensors["a"][5:9].bfloat16())
     scalar = torch.empty(())
-    hf_checkpoint.read_rows(tmp_path / "src.safetensors", "c", scalar, 0)
+    hf_checkpoint.read_file_rows(tmp_path / "src.safetensors", "c", scalar, 0)
     assert float(scalar) == 2.5
 
     layout = hf_checkpoint.plan_layout([(k, tuple(v.shape)) for k, v in tensors.items()], torch.float32)

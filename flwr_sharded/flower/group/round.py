@@ -52,7 +52,7 @@ class RoundFederation:
         backend = rendezvous.backend_for_device(t.device, self.rt.args.sync_backend)
         abort = self.rt.abort_check(a.prefix)
         if self.plan is not None:
-            for owners, group in channels.join(a, self.plan, s, backend=backend, abort=abort):
+            for owners, group in channels.join_channels(a, self.plan, s, backend=backend, abort=abort):
                 self.groups.append(group)
                 self.channel_groups[owners] = group
             joined: Groups = {k: g.pg for k, g in self.channel_groups.items()}

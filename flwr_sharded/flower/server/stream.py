@@ -230,7 +230,7 @@ class Stream:
         aggregator, self.aggregator = self.aggregator, None
         pieces = [ShardPiece(name, a, self.spec[name].shape,
                              aggregator.result(name, a, b - a).to(self.spec[name].dtype)) for name, a, b in chunk]
-        content = shard_files.to_records(*encode_pieces(pieces), self.round, aggregator.report.total_weight)
+        content = shard_files.shard_records(*encode_pieces(pieces), self.round, aggregator.report.total_weight)
         del pieces, aggregator
         last = c == len(self.chunks) - 1
         config = {"server-round": self.round, "chunk": c, "chunks": len(self.chunks), "attempt": self.attempt,
