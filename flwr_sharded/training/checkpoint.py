@@ -206,16 +206,17 @@ def resumed_line(checkpoint: Path, meta: dict[str, Any], cfg: TrainConfig) -> st
     return line
 
 
-def check_resumable(cfg: TrainConfig, root: str | Path) -> Path:
-    """Before any work: every federation group's series has a complete checkpoint of one common step, written by a
-    compatible run; group 0's of the newest such step (the step every group resumes from)."""
-    groups = range(cfg.parallel.federations)
+def check_resumable(cfg: TrainConfig, root: str | Path, groups: Sequence[int] | None = None) -> Path:
+    """Before any work: the series of every group in `groups` (default: the run's federation groups; a Flower group
+    names its own) has a complete checkpoint of one common step, written by a compatible run; the first group's of
+    the newest such step (the step every group resumes from)."""
+    groups = list(range(cfg.parallel.federations) if groups is None else groups)
     held = [intact_steps(group_dir(root, f)) for f in groups]
     common = set.intersection(*(set(intact) for intact, _ in held))
     if not common:
         skipped = "; ".join(f"{'' if len(groups) == 1 else f'group {f}: '}{'; '.join(s)}"
                             for f, (_, s) in zip(groups, held) if s)
-        what = (f"no complete checkpoint in {group_dir(root, 0)}" if len(groups) == 1 else
+        what = (f"no complete checkpoint in {group_dir(root, groups[0])}" if len(groups) == 1 else
                 f"no complete checkpoint of a step that every federation group holds, under {root} "
                 f"({holdings([(f, list(intact)) for f, (intact, _) in zip(groups, held)])})")
         raise ConfigError(f"--resume: {what}" + (f" (skipped {skipped})" if skipped else ""))

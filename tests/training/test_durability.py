@@ -5,6 +5,7 @@ refused naming the option, and every file loads with `weights_only=True`. Two gl
 from __future__ import annotations
 
 import json
+import shutil
 import os
 import time
 from pathlib import Path
@@ -186,6 +187,18 @@ def test_resume_may_extend_the_steps(tmp_path):
     longer = _config("/data", str(tmp_path / "ckpt"))
     longer.steps = 24  # the schedule keeps the checkpoint's span (12); the extra steps run at the final rate
     check_resumable(longer, tmp_path / "ckpt")
+
+
+def test_a_flower_group_resumes_from_its_own_series(tmp_path):
+    """A Flower group's series follows its partition (`group-<partition id>`): it is checked alone, whatever the
+    other partitions hold."""
+    cfg = _config("/data", str(tmp_path / "ckpt"))
+    step = _fake_checkpoint(tmp_path, cfg)
+    with pytest.raises(ConfigError, match=r"no complete checkpoint in .*group-1"):
+        check_resumable(cfg, tmp_path / "ckpt", groups=[1])
+    (tmp_path / "ckpt" / "group-1").mkdir()
+    shutil.copytree(step, tmp_path / "ckpt" / "group-1" / step.name)
+    assert check_resumable(cfg, tmp_path / "ckpt", groups=[1]) == tmp_path / "ckpt" / "group-1" / step.name
 
 
 def test_resume_always_refuses_another_optimizer(tmp_path):

@@ -297,7 +297,7 @@ class GroupRuntime:
                 from flwr_sharded.training.checkpoint import check_resumable, group_dir, latest_checkpoint
 
                 if cfg.checkpoint.resume:
-                    check_resumable(cfg, cfg.checkpoint.dir, fed_index=partition_id)
+                    check_resumable(cfg, cfg.checkpoint.dir, groups=[partition_id])
                 elif rejoin and latest_checkpoint(group_dir(cfg.checkpoint.dir, partition_id)):
                     cfg.checkpoint.resume = True  # a restarted group rejoining: its own data position and state
         except ConfigError as exc:
