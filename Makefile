@@ -79,7 +79,7 @@ floors-venv:
 	$(call cached_venv,$(FLOORS_VENV),$(PYTHON),$(foreach spec,$(FLOORS),"$(spec)") ".[dev]",pyproject.toml,\
 		$(FLOORS_VENV)/bin/pip uninstall --quiet --yes flwr_sharded)
 
-test-floors: floors-venv  ## the tests that prove pyproject.toml's floors, on the floors (~4 min; the first ~2 more)
+test-floors: floors-venv  ## the tests that prove pyproject.toml's floors, on the floors (~80 s; ~3 min the first time)
 	$(FLOORS_VENV)/bin/python -c 'import sys; from importlib.metadata import version; \
 		from packaging.requirements import Requirement; \
 		bad = [f"{r.name} {version(r.name)}" for r in map(Requirement, sys.argv[1:]) \
