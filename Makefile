@@ -11,8 +11,8 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 export FLWR_SHARDED_DATA := $(abspath $(DATA))
 
-.PHONY: setup data demo train-demo test test-fast test-slow floors-venv test-floors gpu-bundle image-venv gpu-rehearsal \
-	plan clean
+.PHONY: setup data demo train-demo test test-fast test-slow floors-venv test-floors gpu-bundle image-venv \
+	gpu-rehearsal plan clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)

@@ -10,6 +10,7 @@ set -euo pipefail
 bundle="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 python="${PYTHON:-python3}"
 site="${SITE:-$(mktemp -d -t flwr-sharded-site.XXXXXX)}"
-"$python" -m pip install --quiet --no-index --no-deps --disable-pip-version-check --target "$site" "$bundle"/wheels/*.whl
+"$python" -m pip install --quiet --no-index --no-deps --disable-pip-version-check --target "$site" \
+    "$bundle"/wheels/*.whl
 export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 exec "$python" benchmarks/gpu_check.py --data-dir "$bundle/data" "$@"

@@ -75,7 +75,7 @@ def shard_manifest(paths: Iterable[str | Path]) -> tuple[dict[str, tuple[int, ..
 
 
 def read_shard_rows(paths: Iterable[str | Path], requests: Iterable[tuple[str, int, int]]
-              ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+                    ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Rows `[start, stop)` of each requested piece `(key, start, stop)`, keyed by where they start (`row_key`),
     reading only those rows. KeyError for a key no file holds, ValueError for rows outside the piece."""
     requests = list(requests)
@@ -130,7 +130,8 @@ def _info(round: int, weight: float) -> MetricRecord:
     return MetricRecord({"round": int(round), "weight": float(weight)})
 
 
-def shard_records(arrays: Mapping[str, np.ndarray], meta: Mapping[str, str], round: int, weight: float) -> dict[str, Any]:
+def shard_records(arrays: Mapping[str, np.ndarray], meta: Mapping[str, str], round: int,
+                  weight: float) -> dict[str, Any]:
     """The records that carry pieces in a Flower Message (merge them into its RecordDict)."""
     return {SHARDS: ArrayRecord(array_dict={k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()}),
             SHARD_META: ConfigRecord(dict(meta)), SHARD_INFO: _info(round, weight)}

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from flwr_sharded.parallel.collectives import bounded
-from flwr_sharded.parallel.torch_compat import all_gather_single
 from flwr_sharded.parallel.token_weights import weight_verdict
+from flwr_sharded.parallel.torch_compat import all_gather_single
 from flwr_sharded.parallel.verdict import NOT_FINITE, Verdict
 
 log = logging.getLogger(__name__)

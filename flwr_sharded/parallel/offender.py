@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from flwr_sharded.parallel.admission import all_finite
 from flwr_sharded.parallel.collectives import bounded
-from flwr_sharded.parallel.torch_compat import all_gather_single
 from flwr_sharded.parallel.plausibility import MoveBound, norm_of
+from flwr_sharded.parallel.torch_compat import all_gather_single
 
 
 def judge(gathered: list[torch.Tensor], weights: list[float], me: int, intact: bool, bound: MoveBound,

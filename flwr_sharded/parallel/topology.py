@@ -16,8 +16,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.alignment import ShardAlignmentError
 from flwr_sharded.parallel.collectives import configure_nccl_watchdog, group_options
-from flwr_sharded.parallel.torch_compat import device_mesh, flatten
 from flwr_sharded.parallel.sync_plan import Owners, Seat, SyncPlan, channel_ranks
+from flwr_sharded.parallel.torch_compat import device_mesh, flatten
 
 MESH_DIMS = ("fed", "rep", "shard")
 

@@ -409,8 +409,10 @@ class Checkpointer:
         """Rotate the series (group rank 0) once the newest checkpoint is committed, and in the static engine
         committed by every federation group (the caller's agreement): never before, so that the newest step every
         group holds complete is never the one removed."""
+        if self.group_rank != 0:
+            return
         newest = latest_checkpoint(self.directory)
-        if self.group_rank == 0 and newest is not None:
+        if newest is not None:
             self._prune(step_of(newest) or 0)
 
     def _prune(self, committed: int) -> None:

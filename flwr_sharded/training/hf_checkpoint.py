@@ -158,7 +158,8 @@ def _assemble(converter: Any, target: str, sources: dict[str, list[str]], shapes
     """(shape, pieces) of `target` (model shape `expected`) as transformers' `converter` builds it from the checkpoint
     keys `sources` (by source pattern, in checkpoint order); ConfigError for an operation that is neither row-wise
     (`ROW_WISE_OPS`) nor a transpose (`COLUMN_OPS`)."""
-    parts = {pattern: [(shapes[k], [StoredPart(k, _full(shapes[k]))]) for k in keys] for pattern, keys in sources.items()}
+    parts = {pattern: [(shapes[k], [StoredPart(k, _full(shapes[k]))]) for k in keys]
+             for pattern, keys in sources.items()}
     for op in converter.operations:
         kind, dim = type(op).__name__, getattr(op, "dim", 0)
         if kind == "MergeModulelist":
@@ -541,7 +542,8 @@ def writes_rows(tensor: torch.Tensor, group_rank: int) -> bool:
                                           if isinstance(p, Replicate))
 
 
-def write_local(directory: str | Path, layout: Layout, pieces: list[StoredPart], local: torch.Tensor, start: int) -> None:
+def write_local(directory: str | Path, layout: Layout, pieces: list[StoredPart], local: torch.Tensor,
+                start: int) -> None:
     """Write rows `[start, start + len(local))` of a model tensor into the checkpoint tensors it is made of."""
     rows = local.shape[0] if local.dim() else 1
     for piece in pieces:

@@ -1,6 +1,6 @@
 """The static engine's run: `SyncLoop.run` until the run's last step over the static world's federation
-(`StaticFederation`: the mesh's groups, fixed for the whole run), with the records around it (train windows, evaluations and checkpoints at the run's ticks, failed syncs and their retries).
-A checkpoint that could not be written stops the run on every rank (`CheckpointWriteError`)."""
+(`StaticFederation`: the mesh's groups, fixed for the whole run), with the records around it (train windows,
+evaluations and checkpoints at the run's ticks, failed syncs and their retries). A checkpoint that could not be written stops the run on every rank (`CheckpointWriteError`)."""
 
 from __future__ import annotations
 

@@ -5,9 +5,8 @@ As torchft's DiLoCo owns sync, commit and rollback, `SyncLoop` owns everything a
 (A, fragments, delay, alpha, carry), the clock of `group-steps speed`, each fragment's tokens (its weight), starting
 an overlapped sync and merging it, the commit and the rollback point. `SyncLoop.run` is the one loop over periods:
 the static engine runs it until its last step over its static federation (`static_run.StaticFederation`), a Flower
-round for
-the round's periods over the round's members (`flwr_sharded.flower.group.round`). A sync is adopted only when every
-rank of every member succeeded:
+round for the round's periods over the round's members (`flwr_sharded.flower.group.round`). A sync is adopted only
+when every rank of every member succeeded:
 
 - phase one: replica 0 of each shard index runs its part of the sync; the group's ranks learn each other's outcome
   (`Federation.gather`);
@@ -544,5 +543,4 @@ class SyncLoop:
         return meta
 
 
-__all__ = ["Federation", "PeriodPlan", "RunReport", "SyncFailed", "SyncLoop", "SyncOutcome",
-           "at_fault"]
+__all__ = ["Federation", "PeriodPlan", "RunReport", "SyncFailed", "SyncLoop", "SyncOutcome", "at_fault"]

@@ -72,7 +72,7 @@ def host_scopes(args: TrainArgs, shards: int, shapes: tuple[tuple[int, ...], ...
 
 
 def join_channels(args: TrainArgs, plan: SyncPlan, shard: int, *, backend: str,
-         abort: Callable[[], str]) -> Iterator[tuple[Owners, rendezvous.FederationGroup]]:
+                  abort: Callable[[], str]) -> Iterator[tuple[Owners, rendezvous.FederationGroup]]:
     """Join this rank's channels one by one, in the plan's order (the same on every member: deadlock-free); each
     joined group is yielded at once, so that the caller releases it whatever comes after."""
     for owners in plan.channels_of(args.member_index, shard):
