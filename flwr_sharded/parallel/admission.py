@@ -9,8 +9,12 @@
   itself makes all roll back. The vote agrees on the first bucket any member rejected, where
   `flwr_sharded.parallel.offender` looks for the culprit (the server path, which sees each facility's values,
   excludes that facility instead: `flwr_sharded.flower.server.aggregation`).
-- `commit_vote` (the second phase of each sync's commit): adopted only if every member, replicas included, finished its
-  part; otherwise all roll back at once instead of diverging.
+- `commit_vote` (the second phase of a blocking sync's commit): adopted only if every member, replicas included,
+  finished its part; otherwise all roll back at once instead of diverging.
+- An overlapped sync has no commit vote of its own: each member brings the count of merges its group adopted to the
+  next sync's admission (or to `confirm` where no sync follows: a run's end, a checkpoint). Equal counts confirm
+  every merge since the last confirmation; a member behind the others makes every member roll back
+  (`flwr_sharded.training.sync_loop` and `docs/flower.md` give the argument).
 """
 
 from __future__ import annotations
@@ -28,14 +32,16 @@ from flwr_sharded.parallel.verdict import NOT_FINITE, Verdict
 
 log = logging.getLogger(__name__)
 
-ADMISSION_BYTES = 16
-"""What each member contributes to `admit`'s all-gather: its weight and verdict, two float64."""
+ADMISSION_BYTES = 24
+"""What each member contributes to `admit`'s all-gather: its weight, verdict and adopted merges, three float64."""
 VOTE_BYTES = 8
 """What a member sends in `vote`'s all-reduce: two float32 (its verdict, the first bucket it rejected)."""
 NO_BUCKET = float(1 << 24)
 """`vote`'s bucket when a member rejected none (float32 holds every integer below it)."""
 COMMIT_BYTES = 4
 """What a member contributes to `commit_vote`'s all-gather: one float32."""
+CONFIRM_BYTES = 8
+"""What a member contributes to `confirm`'s all-gather: its adopted merges, one float64."""
 
 
 class SyncRejected(RuntimeError):
@@ -74,6 +80,8 @@ class Admission:
     """This rank's index in the federation group."""
     verdicts: tuple[Verdict, ...] = ()
     """Why each member left out is (`Verdict.member`: its index in the federation group)."""
+    adopted: tuple[int, ...] = ()
+    """Each member's count of adopted merges, as it brought it (see `behind`)."""
 
     @property
     def total(self) -> float:
@@ -90,16 +98,24 @@ class Admission:
         return [j for j, w in enumerate(self.weights) if w == 0]
 
 
+def behind(adopted: list[int] | tuple[int, ...]) -> list[int]:
+    """The members (indices) whose count of adopted merges is below another's: they rolled back a merge the others
+    kept, so no member may keep it."""
+    return [j for j, n in enumerate(adopted) if n < max(adopted)]
+
+
 def admit(weight: float, ok: bool, max_weight: float | None, fed_group: dist.ProcessGroup,
-          device: torch.device) -> Admission:
-    """Admit the members healthy and in bounds, the same set everywhere (one all-gather over `fed_group`); each one
-    left out is logged by itself and by global rank 0. `SyncRejected` if none is left."""
+          device: torch.device, adopted: int = 0) -> Admission:
+    """Admit the members healthy and in bounds, the same set everywhere (one all-gather over `fed_group`, which also
+    carries each member's count of `adopted` merges); each one left out is logged by itself and by global rank 0.
+    `SyncRejected` if none is left."""
     size = dist.get_world_size(fed_group)
-    mine = torch.tensor([weight, 1.0 if ok else 0.0], dtype=torch.float64, device=device)  # ADMISSION_BYTES
-    gathered = torch.empty(size * 2, dtype=torch.float64, device=device)
+    mine = torch.tensor([weight, 1.0 if ok else 0.0, adopted], dtype=torch.float64, device=device)  # ADMISSION_BYTES
+    gathered = torch.empty(size * 3, dtype=torch.float64, device=device)
     bounded(all_gather_single, gathered, mine, group=fed_group)
     weights, verdicts, me, speak = [], [], dist.get_rank(fed_group), dist.get_rank() == 0
-    for j, (w, ok) in enumerate(gathered.view(size, 2).tolist()):
+    rows = gathered.view(size, 3).tolist()
+    for j, (w, ok, _) in enumerate(rows):
         verdict = weight_verdict(j, w, at_most=max_weight) or (
             None if ok == 1.0 else Verdict(j, "its values are not finite", NOT_FINITE))
         if verdict is not None:
@@ -109,7 +125,7 @@ def admit(weight: float, ok: bool, max_weight: float | None, fed_group: dist.Pro
             verdicts.append(verdict)
             w = 0.0
         weights.append(w)
-    admission = Admission(weights=weights, me=me, verdicts=tuple(verdicts))
+    admission = Admission(weights=weights, me=me, verdicts=tuple(verdicts), adopted=tuple(int(n) for *_, n in rows))
     if not admission.total > 0:
         raise SyncRejected("no member of the federation group may contribute to this sync (see the log lines)")
     return admission
@@ -142,6 +158,16 @@ def commit_vote(succeeded: bool, fed_group: dist.ProcessGroup, device: torch.dev
     return [j for j, flag in enumerate(gathered.tolist()) if flag != 1.0]
 
 
-__all__ = ["ADMISSION_BYTES", "COMMIT_BYTES", "NO_BUCKET", "VOTE_BYTES", "Admission", "SyncRejected", "admit",
-           "all_finite",
-           "commit_vote", "healthy", "vote"]
+def confirm(adopted: int, fed_group: dist.ProcessGroup, device: torch.device) -> list[int]:
+    """The members (indices in the group) `behind` the others in adopted merges (one all-gather over `fed_group`),
+    the same list everywhere: the merges since the last confirmation stand only if it is empty (where no sync's
+    admission follows them: a run's end, a checkpoint)."""
+    size = dist.get_world_size(fed_group)
+    mine = torch.tensor([adopted], dtype=torch.float64, device=device)  # CONFIRM_BYTES
+    gathered = torch.empty(size, dtype=torch.float64, device=device)
+    bounded(all_gather_single, gathered, mine, group=fed_group)
+    return behind([int(n) for n in gathered.tolist()])
+
+
+__all__ = ["ADMISSION_BYTES", "COMMIT_BYTES", "CONFIRM_BYTES", "NO_BUCKET", "VOTE_BYTES", "Admission",
+           "SyncRejected", "admit", "all_finite", "behind", "commit_vote", "confirm", "healthy", "vote"]

@@ -10,7 +10,13 @@ and the main stream waits (on the device) for an event recorded after the copies
 overwrite what is being copied; `restore()` waits for that event before it reads them. `restore()` writes into the
 existing device tensors (shards, moments, outer state) rather than allocating new ones.
 `restore()` puts every fragment back and the clock to the newest commit (the local steps since are undone; the data
-stream goes on with fresh batches). `restore_optimizer(i)` serves a member left out for non-finite values: it adopts
+stream goes on with fresh batches).
+
+A commit may be held `pending` (an overlapped sync's merge, which the members confirm only at their next exchange):
+it goes to a second set of buffers of that fragment, allocated the first time, and `confirm()` makes every pending
+commit the rollback point at once; `restore()` returns to the confirmed one. At most a fragment or two are pending
+at a time (the merges since the last exchange), so the second set costs a fragment's share of the copy, not the
+model's. `restore_optimizer(i)` serves a member left out for non-finite values: it adopts
 the others' mean, and its moments, which may hold the same NaN, go back to the last commit.
 """
 
@@ -47,6 +53,11 @@ class RollbackPoint:
         """Per fragment and parameter: its optimizer state at the commit (tensors: this rank's local values on the
         host), or None where the optimizer had none yet."""
         self._clock: dict[str, Any] = {}
+        self._pending: dict[int, tuple[list[torch.Tensor], list[dict[str, Any] | None], dict[str, Any] | None]] = {}
+        """Per fragment with a pending commit: its shards, moments and outer state as of that commit."""
+        self._pending_clock: dict[str, Any] = {}
+        self._spare: dict[int, tuple[list[torch.Tensor], list[dict[str, Any] | None], dict[str, Any] | None]] = {}
+        """Buffers a confirmed or dropped pending commit left, reused by the next pending commit of the fragment."""
         devices = {local_shard(p).device for params, _, _ in self._parts for p in params}
         cuda = [d for d in devices if d.type == "cuda"]
         self._stream = torch.cuda.Stream(cuda[0]) if cuda else None
@@ -80,29 +91,70 @@ class RollbackPoint:
             self._copied = None
 
     @torch.no_grad()
-    def commit(self, fragment: int | None = None) -> None:
-        """Make the current state (of one fragment, or all) and clock what `restore()` returns to."""
+    def commit(self, fragment: int | None = None, *, pending: bool = False) -> None:
+        """Make the current state (of one fragment, or all) and clock what `restore()` returns to; `pending`: only
+        once `confirm()` is called (a commit of all drops every pending one)."""
+        if fragment is None and pending:
+            raise ValueError("a pending commit is of one fragment")
         side = self._stream
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(side.device))  # what was queued so far is what is kept
         with torch.cuda.stream(side) if side is not None else nullcontext():
-            for i, (params, sync, saved) in enumerate(self._parts):
+            for i, (params, sync, confirmed) in enumerate(self._parts):
                 if fragment is not None and i != fragment:
                     continue
+                if pending:
+                    saved, moments, outer = self._pending.pop(i, None) or self._spare.pop(i, None) or (
+                        [self._host_like(local_shard(p)) for p in params], [None] * len(params), None)
+                else:
+                    saved, moments, outer = confirmed, self._moments[i], self._outer[i]
+                    if i in self._pending:  # older than this commit
+                        self._spare[i] = self._pending.pop(i)
                 for j, (param, copy) in enumerate(zip(params, saved)):
                     copy.copy_(local_shard(param), non_blocking=True)
-                    self._moments[i][j] = self._save_state(self.optimizer.state.get(param), self._moments[i][j])
+                    moments[j] = self._save_state(self.optimizer.state.get(param), moments[j])
                 if sync is not None and sync.keeps and sync.captured:
-                    self._outer[i] = self._host_copy(sync.state_dict(), self._outer[i])
+                    outer = self._host_copy(sync.state_dict(), outer)
+                if pending:
+                    self._pending[i] = (saved, moments, outer)
+                else:
+                    self._outer[i] = outer
         if side is not None:
             self._copied = side.record_event()
             torch.cuda.current_stream(side.device).wait_event(self._copied)  # later kernels may overwrite sources
+        if pending:
+            self._pending_clock = self._clock_of()
+            return
         self._clock = self._clock_of()
+        if fragment is None:
+            self._drop_pending()
+
+    def confirm(self) -> None:
+        """Every pending commit becomes the rollback point of its fragment (no copy: the buffers trade places)."""
+        for i, (saved, moments, outer) in self._pending.items():
+            params, sync, confirmed = self._parts[i]
+            self._spare[i] = (confirmed, self._moments[i], self._outer[i])
+            self._parts[i] = (params, sync, saved)
+            self._moments[i], self._outer[i] = moments, outer
+        if self._pending:
+            self._clock = self._pending_clock
+        self._pending.clear()
+
+    @property
+    def pending(self) -> list[int]:
+        """The fragments with a pending commit."""
+        return sorted(self._pending)
+
+    def _drop_pending(self) -> None:
+        self._spare.update(self._pending)
+        self._pending.clear()
 
     @torch.no_grad()
     def restore(self) -> None:
-        """Put back every fragment's state as of its last commit, and the clock as of the newest commit."""
+        """Put back every fragment's state as of its last confirmed commit, and the clock as of the newest one; pending
+        commits are dropped."""
         self._wait_for_copies()
+        self._drop_pending()
         for i, ((params, sync, saved), outer) in enumerate(zip(self._parts, self._outer)):
             for param, copy in zip(params, saved):
                 local_shard(param).copy_(copy, non_blocking=True)

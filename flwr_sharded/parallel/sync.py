@@ -21,7 +21,7 @@ from typing import Iterable, Mapping
 import torch
 import torch.distributed as dist
 
-from flwr_sharded.parallel.admission import Admission, SyncRejected, admit, all_finite, healthy, vote
+from flwr_sharded.parallel.admission import Admission, SyncRejected, admit, all_finite, behind, healthy, vote
 from flwr_sharded.parallel.alignment import check_descriptors, describe, fingerprint, local_shard
 from flwr_sharded.parallel.buckets import BucketLayout
 from flwr_sharded.parallel.collectives import bounded
@@ -86,6 +86,8 @@ class _Flight:
     started: float
     dense: bool = False
     """A top-k sync that sends every entry this time."""
+    adopted: int = 0
+    """The merges this member's group adopted so far, brought to the admission (`admission.behind`)."""
     alpha: float = 0.0
     apply_rule: bool = True
     thread: threading.Thread | None = None
@@ -160,11 +162,16 @@ class ShardSync:
         """The largest weight a member may bring (`flwr_sharded.parallel.admission`); None: unchecked."""
         self.left_out: list[int] = []
         """The members (indices in the federation group) the last sync's admission left out."""
+        self.confirmed: bool | None = None
+        """Whether the last sync's admission found every member with the same count of adopted merges (every merge
+        before it stands); None: its admission was not reached."""
         self.snapshot, self.origin, self.carry = snapshot or Snapshot(), origin, carry
         self._workspace = Workspace() if self.delta else None
         self._reserved = False
         self._refused: dict[int, SyncRejected] = {}
         self._flight: _Flight | None = None
+        self._received: _Flight | None = None
+        """An overlapped sync whose reduction arrived (`receive`), not merged yet."""
         self._abandoned: threading.Thread | None = None
         """The thread of an abandoned flight that was still running: it may yet write into the snapshot."""
         self.abandoned_wait = 60.0
@@ -243,7 +250,7 @@ class ShardSync:
     # ----- a sync: start, then finish ---------------------------------------------------------------------------
     @property
     def in_flight(self) -> bool:
-        return self._flight is not None
+        return self._flight is not None or self._received is not None
 
     def sync(self, weight: float, *, alpha: float = 0.0, apply_rule: bool = True, dense: bool = False) -> SyncStats:
         """A blocking sync: `start` and `finish` at once."""
@@ -251,13 +258,14 @@ class ShardSync:
         return self.finish(alpha=alpha, apply_rule=apply_rule)
 
     @torch.no_grad()
-    def start(self, weight: float, *, overlap: bool, dense: bool = False) -> None:
+    def start(self, weight: float, *, overlap: bool, dense: bool = False, adopted: int = 0) -> None:
         """Begin a sync of this member's `weight` (its tokens since the last one; the same on every rank of the
         group). `overlap`: copy the buckets out now and reduce them in the background (linear rules only). `dense`:
-        a top-k sync sends every entry through its values' wire this time (a warm-up or a flush)."""
+        a top-k sync sends every entry through its values' wire this time (a warm-up or a flush). `adopted`: the
+        merges this member's group adopted so far; the sync is rejected everywhere if a member is `behind`."""
         if not weight > 0:
             raise ValueError(f"FedAvg weight must be > 0, got {weight}")
-        if self._flight is not None:
+        if self.in_flight:
             raise RuntimeError("a sync of this fragment is already in flight")
         self._await_abandoned()
         if self.groups[0] is None:
@@ -274,7 +282,8 @@ class ShardSync:
         if self.delta and not self._reserved:
             self.wire.reserve(self._workspace, self.layout.largest(), views[0][0].device)
             self._reserved = True
-        flight = _Flight(weight, True, None, None, None, time.perf_counter(), dense=dense)
+        flight = _Flight(weight, True, None, None, None, time.perf_counter(), dense=dense, adopted=adopted)
+        self.confirmed = None
         if overlap:
             if self._stream is not None:  # the last flight's side stream is done with the snapshot before it is reused
                 torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
@@ -299,11 +308,17 @@ class ShardSync:
             flight.thread.start()
 
     def finish(self, *, alpha: float = 0.0, apply_rule: bool = True, timeout: float | None = None) -> SyncStats:
-        """Complete the sync and write the result into the shards: every shard becomes alpha * local + (1 - alpha) *
-        global (with `carry`: local + (1 - alpha) * (global - its value at the start)). `apply_rule=False` (a linear
-        rule) stops at the weighted mean (a facility's sync on the server path). Raises `SyncRejected` (nothing was
-        merged; a blocking sync's merged buckets are then to be rolled back), `TimeoutError` (the sync is still in
-        flight: `abandon` it) or the reduction's error."""
+        """Complete the sync and write the result into the shards: `receive`, then `merge`."""
+        self.receive(alpha=alpha, apply_rule=apply_rule, timeout=timeout)
+        return self.merge()
+
+    def receive(self, *, alpha: float = 0.0, apply_rule: bool = True, timeout: float | None = None) -> None:
+        """Complete the sync's reduction; `merge` then writes its result into the shards, where every shard becomes
+        alpha * local + (1 - alpha) * global (with `carry`: local + (1 - alpha) * (global - its value at the start)).
+        `apply_rule=False` (a linear rule) stops at the weighted mean (a facility's sync on the server path). A
+        blocking sync merges as it reduces. Raises `SyncRejected` (nothing was merged; a blocking sync's merged
+        buckets are then to be rolled back), `TimeoutError` (the sync is still in flight: `abandon` it) or the
+        reduction's error."""
         flight = self._flight
         if flight is None:
             raise RuntimeError("no sync of this fragment was started")
@@ -315,16 +330,24 @@ class ShardSync:
             if flight.thread.is_alive():
                 raise TimeoutError(f"the overlapped sync did not complete within {timeout} s")
         self._flight = None
-        with torch.no_grad():
-            if flight.thread is None:
+        if flight.thread is None:
+            with torch.no_grad():
                 self._reduce(flight)
-            elif flight.error is not None:
-                raise flight.error
-            else:
-                if self._stream is not None:  # the merge reads what the side stream wrote
-                    torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
-                for k, (send, (_, shard_segments, _)) in enumerate(zip(flight.sends, self.layout.views())):
-                    self._merge_bucket(k, send, shard_segments, self.layout.segments_of(k, send), flight)
+        elif flight.error is not None:
+            raise flight.error
+        self._received = flight
+
+    @torch.no_grad()
+    def merge(self) -> SyncStats:
+        """Write the received sync's result into the shards (an overlapped one's; a blocking one's already is)."""
+        flight, self._received = self._received, None
+        if flight is None:
+            raise RuntimeError("no sync of this fragment was received")
+        if flight.thread is not None:
+            if self._stream is not None:  # the merge reads what the side stream wrote
+                torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
+            for k, (send, (_, shard_segments, _)) in enumerate(zip(flight.sends, self.layout.views())):
+                self._merge_bucket(k, send, shard_segments, self.layout.segments_of(k, send), flight)
         return SyncStats(seconds=time.perf_counter() - flight.started, buckets=len(self.layout.buckets),
                          bytes=flight.bytes, total_weight=flight.total)
 
@@ -337,7 +360,7 @@ class ShardSync:
             thread.join(timeout)
             if thread.is_alive():
                 self._abandoned = thread
-        self._flight = None
+        self._flight = self._received = None
 
     def _await_abandoned(self) -> None:
         """Wait for an abandoned flight's thread; RuntimeError if it outlives `abandoned_wait`."""
@@ -368,7 +391,7 @@ class ShardSync:
         """Admission, each bucket's reduction (`flat` holds this rank's values of it, then the members' mean or the
         rule's result) and check, then the members' vote. A blocking sync copies each bucket into the buffer first and
         merges it at once."""
-        admissions = self._admit(flight.weight, flight.ok)
+        admissions = self._admit(flight.weight, flight.ok, flight.adopted)
         self.bound.begin(flight.weight, flight.ok, flight.norms)
         flight.total = admissions[0].total if admissions[0] is not None else 0.0
         staged, bad = flight.sends is not None, {}  # bad: channel -> its first bucket rejected here
@@ -433,19 +456,27 @@ class ShardSync:
         torch._foreach_add_(shard_segments, self.layout.segments_of(k, self.wire.carried(residual)))
         residual.zero_()
 
-    def _admit(self, weight: float, ok: bool) -> list[Admission | None]:
+    def _admit(self, weight: float, ok: bool, adopted: int) -> list[Admission | None]:
         """Each channel's admitted weights (one all-gather each), None for a channel where no member may contribute
-        (its `SyncRejected` is raised when the sync concludes, after the other channels' collectives)."""
+        (its `SyncRejected` is raised when the sync concludes, after the other channels' collectives). Every
+        member's count of adopted merges sets `confirmed`; with a member `behind`, `SyncRejected` at once (on every
+        member: each channel holds one rank of every member, and a member's count is its group's)."""
         device = local_shard(self.params[0]).device
         admissions: list[Admission | None] = []
         self._refused = {}
         for c, group in enumerate(self.groups):
             try:
-                admissions.append(admit(weight, ok, self.max_weight, group, device))
+                admissions.append(admit(weight, ok, self.max_weight, group, device, adopted))
             except SyncRejected as exc:
                 self._refused[c] = exc
                 admissions.append(None)
         self.left_out = sorted({j for a in admissions if a is not None for j in a.left_out})
+        lagging = sorted({j for a in admissions if a is not None for j in behind(a.adopted)})
+        if any(a is not None for a in admissions):
+            self.confirmed = not lagging
+        if lagging:
+            raise SyncRejected(f"member(s) {lagging} of the federation group rolled back a merge the others adopted "
+                               f"since the last confirmation: no member keeps it", offenders=lagging)
         return admissions
 
     def _conclude(self, bad: dict[int, int], admissions: list[Admission | None], flight: _Flight) -> None:

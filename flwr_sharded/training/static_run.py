@@ -12,7 +12,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from flwr_sharded.parallel.collectives import bounded, rebuildable
+from flwr_sharded.parallel.admission import behind
+from flwr_sharded.parallel.collectives import bounded, group_timeout, rebuildable, wait_for
 from flwr_sharded.parallel.sync import Groups
 from flwr_sharded.parallel.token_weights import tokens_of
 from flwr_sharded.parallel.topology import Topology
@@ -41,6 +42,8 @@ class StaticFederation:
                                                       timeout=topo.timeout)
         """Rank 0 of every group (their times after each period)."""
         self._joined = False
+        self._times: tuple[torch.Tensor, Any] | None = None
+        """The members' times of the last period, exchanged with `now=False` and not returned yet."""
 
     def join(self) -> Groups:
         if self._joined:
@@ -63,12 +66,36 @@ class StaticFederation:
         bounded(dist.all_reduce, box, op=dist.ReduceOp.MAX, group=self.control)
         return box.tolist()
 
-    def period_times(self, step_s: float, sync_s: float, steps: int) -> dict[str, list[float]]:
-        """Every group's times over the leaders, then to every rank of the group (two small collectives)."""
+    def behind(self, adopted: int) -> list[int]:
+        """Over the leaders (a group only the training thread uses: a sync may be in flight), then to every rank of
+        the group."""
+        box = torch.zeros(self.members, dtype=torch.float64, device=self._device)
+        if self.topo.group_rank == 0:
+            mine = torch.tensor([float(adopted)], dtype=torch.float64, device=self._device)
+            bounded(all_gather_single, box, mine, group=self.leaders)
+        bounded(dist.broadcast, box, group=self.topo.group_pg, group_src=0)
+        return behind([int(n) for n in box.tolist()])
+
+    def period_times(self, step_s: float, sync_s: float, steps: int, *, now: bool) -> dict[str, list[float]] | None:
+        """Every group's times over the leaders, then to every rank of the group (two small collectives); `now=False`
+        starts the leaders' exchange and returns the one started a period before."""
         box = torch.zeros(self.members * 3, dtype=torch.float64, device=self._device)
+        work = None
         if self.topo.group_rank == 0:
             mine = torch.tensor([step_s, sync_s, float(steps)], dtype=torch.float64, device=self._device)
-            bounded(all_gather_single, box, mine, group=self.leaders)
+            work = all_gather_single(box, mine, group=self.leaders, async_op=True)
+        if not now:
+            self._times, started = (box, work), self._times
+            return self._received_times(*started) if started is not None else None
+        return self._received_times(box, work)
+
+    def last_times(self) -> dict[str, list[float]] | None:
+        started, self._times = self._times, None
+        return self._received_times(*started) if started is not None else None
+
+    def _received_times(self, box: torch.Tensor, work: Any) -> dict[str, list[float]]:
+        if work is not None:
+            wait_for(work, "the members' times", group_timeout(self.leaders, box.device))
         bounded(dist.broadcast, box, group=self.topo.group_pg, group_src=0)
         step_times, sync, counts = box.view(self.members, 3).T.tolist()
         return {"step_time_s": step_times, "sync_s": sync, "idle_s": [s - min(sync) for s in sync],
@@ -106,7 +133,7 @@ class StaticRun:
                 self.loop.keep_rollback_point()
         try:
             self.loop.run(federation, until=cfg.steps, on_step=self.on_step, on_period=self.on_period,
-                          on_failure=self.on_failure)
+                          on_failure=self.on_failure, confirm_at=self.checkpoint_due)
             if t.checkpointer is not None:
                 self.checkpoint(t.checkpointer.wait)
         finally:
@@ -140,10 +167,15 @@ class StaticRun:
             evaluated = time.perf_counter()
             self.last.update(self.stamp({"kind": "eval", "step": t.step_count, **t.evaluate()}))
             self.window_start += time.perf_counter() - evaluated  # evaluation is not training time
-        every = cfg.checkpoint.every
-        if t.checkpointer is not None and ((every and tick // every > self.last_tick // every) or end):
+        if self.checkpoint_due(tick):
             self.checkpoint(self.loop.save_checkpoint)
         self.last_tick = tick
+
+    def checkpoint_due(self, tick: int) -> bool:
+        """Whether a checkpoint is written at `tick` (every `checkpoint.every` ticks, and at the end)."""
+        every = self.cfg.checkpoint.every
+        return self.t.checkpointer is not None and (
+            (every and tick // every > self.last_tick // every) or tick >= self.cfg.steps)
 
     def checkpoint(self, write: Callable[[], None]) -> None:
         """Run `write` (a save, or the pending async one's commit) on every rank of the world at the same tick; if it

@@ -9,11 +9,16 @@ round for the round's periods over the round's members (`flwr_sharded.flower.gro
 when every rank of every member succeeded:
 
 - phase one: replica 0 of each shard index runs its part of the sync; the group's ranks learn each other's outcome
-  (`Federation.gather`);
-- phase two: each replica 0 tells the members whether its whole group succeeded (`commit_vote`); FL+HSDP's other
-  replicas then receive the result by broadcast.
+  (`Federation.flags`, one small all-reduce inside the group);
+- phase two, a blocking sync: each replica 0 tells the members whether its whole group succeeded (`commit_vote`);
+- phase two, an overlapped sync: nothing at the merge. The group merges, keeps the commit pending and counts the
+  merge; its count travels in the members' next exchange (the next sync's admission, on the communication thread,
+  or `confirm_merges` at a run's end and before a checkpoint). Equal counts confirm every pending commit; a member
+  behind makes every member reject that sync and return to the last confirmed commit. The training thread so waits
+  for the other members only for the data of a sync, never for a vote.
 
-A sync that fails anywhere puts every rank of every member back at its last commit (`RollbackPoint.restore`).
+FL+HSDP's other replicas receive an adopted result by broadcast. A sync that fails anywhere puts every rank of every
+member back at its last (confirmed) commit (`RollbackPoint.restore`).
 """
 
 from __future__ import annotations
@@ -71,9 +76,19 @@ class Federation(Protocol):
     def flags(self, values: list[int]) -> list[int]:
         """The element-wise maximum of `values` over this group's ranks (one small all-reduce)."""
 
-    def period_times(self, step_s: float, sync_s: float, steps: int) -> dict[str, list[float]] | None:
+    def behind(self, adopted: int) -> list[int]:
+        """The members whose count of `adopted` merges is below another's (`admission.behind`), from one exchange
+        between the members that no sync in flight uses; [] on a rank that does not take part (its group's outcome
+        reaches it through `flags`)."""
+
+    def period_times(self, step_s: float, sync_s: float, steps: int, *, now: bool) -> dict[str, list[float]] | None:
         """After a period: every member's step time, sync seconds, idle seconds and steps (collective over the
-        world); None where they are not exchanged (a Flower round: the strategy times its members)."""
+        world); None where they are not exchanged (a Flower round: the strategy times its members). `now=False`:
+        the exchange is only started (no rank waits for another member) and the times returned are the previous
+        period's (None after the first); `last_times` returns the newest."""
+
+    def last_times(self) -> dict[str, list[float]] | None:
+        """The times of the last period exchanged with `now=False` that no call returned yet (None if none)."""
 
 
 @dataclass
@@ -187,6 +202,10 @@ class SyncLoop:
         self.report = RunReport()
         """What the current (or last) `run` did."""
         self._start_errors: dict[int, tuple[str, list[int], bool]] = {}
+        self.adopted = 0
+        """Merges of overlapped syncs this group adopted in the current run (brought to the next admission)."""
+        self._confirmed = 0
+        """`adopted` as of the last confirmation (what a rollback returns it to)."""
         self.until: int | None = None
         """The run's last clock step, where the static engine ends (None: a Flower round's)."""
         if topo.replica_index == 0:
@@ -235,95 +254,139 @@ class SyncLoop:
             on_step: Callable[[torch.Tensor, int | None], None] | None = None,
             on_period: Callable[[dict[str, Any] | None], None] | None = None,
             on_failure: Callable[[SyncOutcome, int, int], None] | None = None,
-            apply_rule: bool = True) -> RunReport:
+            confirm_at: Callable[[int], bool] | None = None, apply_rule: bool = True) -> RunReport:
         """Train periods of inner steps with the syncs the schedule puts between them: `periods` of them (a Flower
         round), or until the run's clock reaches `until` (the static engine, which may end mid-period).
 
         After each step, `on_step(loss, tick)` (`tick`: the run's clock where every group may act together, else
         None); after each period, `on_period(times)` (`Federation.period_times`, with the period's `reference_step`).
-        A failed sync (every rank back at its last commit) ends the run, unless `on_failure(outcome, failures in a
-        row, step)` is given: it may raise, else training goes on from the commit. `apply_rule=False` stops each
-        sync at the weighted mean (a facility's sync on the server path)."""
-        t, failures = self.trainer, 0
+        `confirm_at(tick)`: whether every member confirms the merges before `on_step` sees that tick (a checkpoint
+        is written there); the run's end is always confirmed. A failed sync (every rank back at its last commit)
+        ends the run, unless `on_failure(outcome, failures in a row, step)` is given: it may raise, else training
+        goes on from the commit. `apply_rule=False` stops each sync at the weighted mean (a facility's sync on the
+        server path)."""
+        t = self.trainer
         report = self.report = RunReport()
-        self.until = until
+        self.until, self.adopted, self._confirmed, self._failures = until, 0, 0, 0
+        self._times_reference = 0
         self.period_start = t.step_count - (t.step_count % self.steps if until is not None else 0)
         try:
-            while periods is None or report.periods < periods:
-                self.clock_start = t.schedule_step - (t.step_count - self.period_start)
-                mark, sync_s, self.compute_s, failed = time.perf_counter(), 0.0, 0.0, False
-                for position in range(t.step_count - self.period_start + 1, self.steps + 1):
-                    if until is not None and self.reference() >= until:
+            while True:
+                outcome, at = self._periods(federation, report, until, periods, on_step, on_period, confirm_at,
+                                            apply_rule)
+                if outcome is None:  # the run's end: its merges confirmed by every member
+                    at = t.step_count
+                    outcome = self.confirm_merges(federation)
+                    if outcome.adopted:
+                        self._last_period(federation, on_period)
                         return report
-                    began = time.perf_counter()
-                    loss = t.step()
-                    if self.adapt and t.device.type == "cuda":  # the step's kernels, not their launch, set the steps
-                        torch.cuda.current_stream(t.device).synchronize()
-                    self.compute_s += time.perf_counter() - began
-                    self.tokens = [n + tokens_of(self.cfg, steps=1) for n in self.tokens]
-                    if self.steps != self.A:  # the learning-rate schedule on the fastest group's clock
-                        t.move_schedule(self.clock_start + position * self.A / self.steps)
-                    if federation is not None and self.schedule.due(position):
-                        if t.device.type == "cuda":
-                            torch.cuda.synchronize()
-                        report.train_s += time.perf_counter() - mark
-                        mark, at = time.perf_counter(), t.step_count
-                        with t.timer.phase("sync"):
-                            for i in self.schedule.merges(position):
-                                outcome = self._merge(i, federation, apply_rule)
-                                report.blame.update(outcome.blame)
-                                report.left_out.update(outcome.left_out)
-                                if not outcome.adopted:
-                                    failed = True
-                                    break
-                                report.syncs += 1
-                                report.sync_bytes += outcome.stats.bytes if outcome.stats is not None else 0
-                                report.weight += outcome.weight if i == self.schedule.fragments - 1 else 0.0
-                            else:
-                                for i in self.schedule.starts(position):
-                                    self._start(i, federation)
-                        sync_s = time.perf_counter() - mark
-                        report.sync_s += sync_s
-                        mark = time.perf_counter()
-                        failures = 0 if self.schedule.merges(position) and not failed else failures
-                    tick: int | None = None if self.adapt or failed else t.step_count
-                    if position == self.steps and not failed:
-                        report.train_s += time.perf_counter() - mark
-                        tick = tick if tick is not None else int(self.reference())  # the period's end
-                        self._end_period(federation, sync_s, on_period)
-                        report.periods += 1
-                    if on_step is not None:
-                        on_step(loss, tick)
-                    if failed:
-                        failures += 1
-                        if on_failure is None:
-                            report.error = outcome.error
-                            return report
-                        on_failure(outcome, failures, at)
-                        break
+                self._failures += 1
+                if on_failure is None:
+                    report.error = outcome.error
+                    return report
+                on_failure(outcome, self._failures, at)
         finally:
             if self.in_flight:
                 self.abandon(federation.wait_timeout if federation is not None else 5.0)
-        return report
+
+    def _periods(self, federation: Federation | None, report: RunReport, until: int | None, periods: int | None,
+                 on_step: Callable[[torch.Tensor, int | None], None] | None,
+                 on_period: Callable[[dict[str, Any] | None], None] | None,
+                 confirm_at: Callable[[int], bool] | None, apply_rule: bool) -> tuple[SyncOutcome | None, int]:
+        """`run`'s periods until its end (None) or a failed sync (it, and the step it failed at; every rank is then
+        back at its last commit)."""
+        t = self.trainer
+        while periods is None or report.periods < periods:
+            self.clock_start = t.schedule_step - (t.step_count - self.period_start)
+            mark, sync_s, self.compute_s = time.perf_counter(), 0.0, 0.0
+            for position in range(t.step_count - self.period_start + 1, self.steps + 1):
+                if until is not None and self.reference() >= until:
+                    return None, 0
+                began = time.perf_counter()
+                loss = t.step()
+                if self.adapt and t.device.type == "cuda":  # the step's kernels, not their launch, set the steps
+                    torch.cuda.current_stream(t.device).synchronize()
+                self.compute_s += time.perf_counter() - began
+                self.tokens = [n + tokens_of(self.cfg, steps=1) for n in self.tokens]
+                if self.steps != self.A:  # the learning-rate schedule on the fastest group's clock
+                    t.move_schedule(self.clock_start + position * self.A / self.steps)
+                failed: SyncOutcome | None = None
+                at = t.step_count
+                if federation is not None and self.schedule.due(position):
+                    if t.device.type == "cuda":
+                        torch.cuda.synchronize()
+                    report.train_s += time.perf_counter() - mark
+                    mark = time.perf_counter()
+                    with t.timer.phase("sync"):
+                        failed = self._syncs_after(position, federation, apply_rule, report)
+                    sync_s = time.perf_counter() - mark
+                    report.sync_s += sync_s
+                    mark = time.perf_counter()
+                    self._failures = 0 if self.schedule.merges(position) and failed is None else self._failures
+                tick: int | None = None if self.adapt or failed else t.step_count
+                if position == self.steps and not failed:
+                    report.train_s += time.perf_counter() - mark
+                    tick = tick if tick is not None else int(self.reference())  # the period's end
+                    self._end_period(federation, sync_s, on_period)
+                    report.periods += 1
+                if tick is not None and confirm_at is not None and confirm_at(tick):
+                    confirmed = self.confirm_merges(federation)
+                    failed, tick = (None, tick) if confirmed.adopted else (confirmed, None)
+                if on_step is not None:
+                    on_step(loss, tick)
+                if failed:
+                    return failed, at
+        return None, 0
+
+    def _syncs_after(self, position: int, federation: Federation, apply_rule: bool,
+                     report: RunReport) -> SyncOutcome | None:
+        """The merges and starts the schedule puts after `position`; the first failed merge (every rank is then back
+        at its last commit, and nothing starts), or None."""
+        for i in self.schedule.merges(position):
+            outcome = self._merge(i, federation, apply_rule)
+            report.blame.update(outcome.blame)
+            report.left_out.update(outcome.left_out)
+            if not outcome.adopted:
+                return outcome
+            report.syncs += 1
+            report.sync_bytes += outcome.stats.bytes if outcome.stats is not None else 0
+            report.weight += outcome.weight if i == self.schedule.fragments - 1 else 0.0
+        for i in self.schedule.starts(position):
+            self._start(i, federation)
+        return None
 
     def _end_period(self, federation: Federation | None, sync_s: float,
                     on_period: Callable[[dict[str, Any] | None], None] | None) -> None:
         """A period ended with its syncs adopted: the members' times where exchanged (and, with `adapt`, this
-        group's next steps), then a new period."""
+        group's next steps, which need this period's times now; else they are the period before's, and no rank
+        waits here for another member), then a new period."""
         steps = self.steps
         times = None
         if federation is not None:
-            times = federation.period_times(self.compute_s / max(1, steps), sync_s, steps)
+            times = federation.period_times(self.compute_s / max(1, steps), sync_s, steps, now=self.adapt)
+        reference = self.clock_start + self.A
+        if not self.adapt:  # the times are those of the period before
+            reference, self._times_reference = self._times_reference, reference
         if times is not None:
             self.tokens_trained += sum(tokens_of(self.cfg, steps=n, ranks=world)
                                        for n, world in zip(times["steps"], self.topo.group_worlds))
             if self.adapt and all(s > 0 and math.isfinite(s) for s in times["step_time_s"]):
                 mine = local_steps(self.A, times["step_time_s"])[federation.member_index]
                 self.schedule = dataclasses.replace(self.schedule, steps=mine)
-            times = {"reference_step": self.clock_start + self.A, **times}
+            times = {"reference_step": reference, **times}
         self.period_start = self.trainer.step_count
         if on_period is not None:
             on_period(times)
+
+    def _last_period(self, federation: Federation | None,
+                     on_period: Callable[[dict[str, Any] | None], None] | None) -> None:
+        """The run ended: the times of its last period, where they are still outstanding."""
+        times = federation.last_times() if federation is not None and not self.adapt else None
+        if times is not None:
+            self.tokens_trained += sum(tokens_of(self.cfg, steps=n, ranks=world)
+                                       for n, world in zip(times["steps"], self.topo.group_worlds))
+            if on_period is not None:
+                on_period({"reference_step": self._times_reference, **times})
 
     # ----- one fragment's sync ----------------------------------------------------------------------------
     def _bind(self, federation: Federation) -> None:
@@ -351,7 +414,8 @@ class SyncLoop:
             return
         try:
             self._bind(federation)
-            self.syncs[i].start(self._take_weight(i), overlap=True, dense=self._dense(self.schedule.delay))
+            self.syncs[i].start(self._take_weight(i), overlap=True, dense=self._dense(self.schedule.delay),
+                                adopted=self.adopted)
         except Exception as exc:  # noqa: BLE001 - rendezvous, peer gone, misaligned shards
             self._start_errors[i] = (f"shard {self.topo.shard_index}: {first_line(exc)}", at_fault(exc),
                                      isinstance(exc, CollectiveTimeout))
@@ -367,38 +431,118 @@ class SyncLoop:
                 or p.sync_dense_flush and self.until is not None and merged + self.A > self.until)
 
     def _merge(self, i: int, federation: Federation, apply_rule: bool) -> SyncOutcome:
-        """Fragment i's sync with the members (blocking, or the merge of the overlapped one started `sync-delay`
-        steps ago), adopted by a two-phase commit; on failure every rank of every member is back at its last commit
-        and no sync is left in flight. A rank whose own collective failed does not vote (its peers' vote then fails
-        too, within the sync timeout, or at once when its group is released)."""
+        """Fragment i's sync with the members: an overlapped one's merge (`_merge_overlapped`), or a blocking sync
+        adopted by a two-phase commit; on failure every rank of every member is back at its last commit and no sync
+        is left in flight. A rank whose own collective failed does not vote (its peers' vote then fails too, within
+        the sync timeout, or at once when its group is released)."""
+        if self.schedule.delay:
+            return self._merge_overlapped(i, federation, apply_rule)
         outcome, sync = SyncOutcome(fragment=i), self.syncs[i]
-        error, blame, broken = self._start_errors.pop(i, ("", [], False))
+        error, blame, broken = "", [], False
         agreed = reached = False  # agreed: a rejection every member reached too (nobody's to vote no for)
-        if self.replica0 and not error:
+        if self.replica0:
             try:
                 self._bind(federation)
-                if self.schedule.delay == 0:
-                    sync.start(self._take_weight(i), overlap=False, dense=self._dense(0))
-                outcome.stats = sync.finish(alpha=self.alpha, apply_rule=apply_rule, timeout=federation.wait_timeout)
+                sync.start(self._take_weight(i), overlap=False, dense=self._dense(0))
+                sync.receive(alpha=self.alpha, apply_rule=apply_rule, timeout=federation.wait_timeout)
+                outcome.stats = sync.merge()
                 outcome.weight, reached = outcome.stats.total_weight, True
             except Exception as exc:  # noqa: BLE001 - rendezvous, timeout, peer gone, rejected, misaligned shards
                 error = f"shard {self.topo.shard_index}: {first_line(exc)}"
                 blame, agreed = at_fault(exc), isinstance(exc, SyncRejected)
                 broken = isinstance(exc, CollectiveTimeout)
-        elif not self.replica0 and self.schedule.delay == 0:
+        else:
             self._take_weight(i)  # a replica > 0 receives the result by broadcast below
         errors = self._agree(i, federation, (error, blame, agreed), reached, outcome, broken)
         if errors:
             self.restore()
             outcome.error = "; ".join(errors)
             return outcome
+        self._adopt(i, federation, outcome)
+        self.commit(i)
+        return outcome
+
+    def _merge_overlapped(self, i: int, federation: Federation, apply_rule: bool) -> SyncOutcome:
+        """The merge of fragment i's overlapped sync, started `sync-delay` steps ago: its reduction awaited, then one
+        small all-reduce over this group (every rank's outcome, whether its admission confirmed the merges before,
+        the members left out). No exchange with the other members: the merge is counted and its commit pending
+        until their next exchange confirms it (module docstring)."""
+        outcome, sync = SyncOutcome(fragment=i), self.syncs[i]
+        error, blame, broken = self._start_errors.pop(i, ("", [], False))
+        confirmed = reached = False
+        if self.replica0 and not error:
+            try:
+                sync.receive(alpha=self.alpha, apply_rule=apply_rule, timeout=federation.wait_timeout)
+                reached = True
+            except Exception as exc:  # noqa: BLE001 - timeout, peer gone, rejected, a member behind
+                error = f"shard {self.topo.shard_index}: {first_line(exc)}"
+                blame, broken = at_fault(exc), isinstance(exc, CollectiveTimeout)
+            confirmed = sync.confirmed is True
+        elif not self.replica0:
+            confirmed = True  # replica 0 of its shard index speaks for it
+        mask = [int(j in sync.left_out) if reached else 0 for j in range(federation.members)]
+        failed, any_broken, unconfirmed, *left_out = federation.flags(
+            [int(bool(error or blame)), int(broken), int(not confirmed), *mask])
+        outcome.collective_failed = bool(any_broken)
+        if not unconfirmed:  # every member adopted every merge before this sync
+            self._confirm()
+        if failed:
+            phase_one = federation.gather((error, blame))
+            outcome.error = "; ".join(sorted({e for e, _ in phase_one if e}))
+            outcome.blame = sorted({j for _, js in phase_one for j in js})
+            self.restore()
+            return outcome
+        outcome.left_out = [j for j, out in enumerate(left_out) if out]
+        if self.replica0:
+            outcome.stats = sync.merge()
+            outcome.weight = outcome.stats.total_weight
+        self._adopt(i, federation, outcome)
+        if self.rollback is not None:
+            self.rollback.commit(i, pending=True)
+        self.adopted += 1
+        return outcome
+
+    def _adopt(self, i: int, federation: Federation, outcome: SyncOutcome) -> None:
+        """Every rank takes in fragment i's adopted sync: FL+HSDP's replicas receive it, the optimizer state follows,
+        and a member left out for non-finite values gets its moments back from the last commit."""
         if self.topo.rep_group is not None:
-            sync.broadcast(self.topo.rep_group)
+            self.syncs[i].broadcast(self.topo.rep_group)
         self._after_sync(i)
         if federation.member_index in outcome.left_out and self.rollback is not None:
             self.rollback.restore_optimizer(i)  # healed by the others' mean; its moments may hold the same NaN
-        self.commit(i)
+
+    def confirm_merges(self, federation: Federation | None) -> SyncOutcome:
+        """Every member confirms the overlapped syncs' merges no later admission confirmed (a run's end, before a
+        checkpoint): one exchange of their counts between the members (`Federation.behind`), one small all-reduce
+        inside the group. Where a member is behind, every rank goes back to its last confirmed commit; the outcome says why.
+        Nothing to do for blocking syncs, whose merges are committed at once."""
+        outcome = SyncOutcome(fragment=self.schedule.fragments - 1)
+        if federation is None or not self.schedule.delay or not self.syncs:
+            return outcome
+        error, blame, broken = "", [], False
+        try:
+            blame = federation.behind(self.adopted)
+        except Exception as exc:  # noqa: BLE001 - a member gone since the last sync
+            error, broken = f"shard {self.topo.shard_index}: confirming the merges: {first_line(exc)}", True
+        if blame:
+            error = (f"member(s) {blame} rolled back a merge the others adopted since the last confirmation: no "
+                     f"member keeps it")
+        failed, any_broken = federation.flags([int(bool(error)), int(broken)])
+        outcome.collective_failed = bool(any_broken)
+        if not failed:
+            self._confirm()
+            return outcome
+        phase_one = federation.gather((error, blame))
+        outcome.error = "; ".join(sorted({e for e, _ in phase_one if e}))
+        outcome.blame = sorted({j for _, js in phase_one for j in js})
+        self.restore()
         return outcome
+
+    def _confirm(self) -> None:
+        """The pending commits stand: every member adopted the merges they hold."""
+        if self.rollback is not None:
+            self.rollback.confirm()
+        self._confirmed = self.adopted
 
     def _agree(self, i: int, federation: Federation, mine: tuple[str, list[int], bool], reached: bool,
                outcome: SyncOutcome, broken: bool = False) -> list[str]:
@@ -450,20 +594,34 @@ class SyncLoop:
         """Keep a host copy of the last adopted sync from now on (what `restore` returns to), committed now."""
         if self.rollback is None:
             t = self.trainer
-            self.rollback = RollbackPoint([(s.params, s.state) for s in self.syncs], t.optimizer, clock=t.clock,
-                                          set_clock=t.set_clock)
+            self.rollback = RollbackPoint([(s.params, s.state) for s in self.syncs], t.optimizer, clock=self._clock,
+                                          set_clock=self._set_clock)
         self.rollback.commit()
 
+    def _clock(self) -> dict[str, Any]:
+        """The trainer's clock and where its period started (a commit at a period's end: the next one)."""
+        step = self.trainer.step_count
+        return {**self.trainer.clock(),
+                "period_start": step if step - self.period_start >= self.steps else self.period_start}
+
+    def _set_clock(self, state: dict[str, Any]) -> None:
+        self.trainer.set_clock(state)
+        self.period_start = state["period_start"]
+
     def commit(self, fragment: int | None = None) -> None:
-        """The current state (of one fragment, or all) is what a failed sync returns to."""
+        """The current state (of one fragment, or all) is what a failed sync returns to (of all: every merge stands,
+        pending or not)."""
         if self.rollback is not None:
             self.rollback.commit(fragment)
+        if fragment is None:
+            self._confirmed = self.adopted
 
     def restore(self) -> None:
         """Every fragment back at its last commit, the step and schedule at the newest one; no sync in flight."""
         self.abandon()
         if self.rollback is not None:
             self.rollback.restore()
+        self.adopted = self._confirmed
 
     def abandon(self, timeout: float = 5.0) -> None:
         """Drop the syncs in flight and restart every fragment's token count."""

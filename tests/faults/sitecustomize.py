@@ -3,7 +3,8 @@
 Put this directory first on the PYTHONPATH of a static world's ranks (or of a group's) and set, space-separated,
 `FLWR_SHARDED_TEST_FAULTS` (see `tests.multiproc.faults_env`):
 
-- `fail_sync=N`: rank 0's N-th fragment sync attempt fails after its reduction succeeded everywhere (the commit vote);
+- `fail_sync=N`: rank 0's N-th fragment sync attempt fails after its reduction succeeded everywhere (a blocking
+  sync's at the commit vote; an overlapped sync's when its result arrives, before the merge);
 - `collective_sync=1`: that failure is reported as a failed collective (a timeout, a lost peer), not a rejection;
 - `no_rebuild=1`: the static engine's groups are taken for ones a failed collective leaves unusable (NCCL's);
 - `nan_sync=N`: rank 0 brings NaN in its first shard and in its moments to its N-th sync attempt (admission, healing);
@@ -97,8 +98,19 @@ def _install(faults: dict[str, str]) -> None:
             broken = broken or "collective_sync" in faults
         return agree(self, i, federation, mine, reached, outcome, broken)
 
+    receive = sync.ShardSync.receive
+
+    def faulty_receive(self, **kwargs):  # noqa: ANN001 - an overlapped sync's result arrived everywhere
+        receive(self, **kwargs)
+        if failing[0] and self._received.thread is not None:
+            from flwr_sharded.parallel.collectives import CollectiveTimeout
+
+            error = CollectiveTimeout if "collective_sync" in faults else RuntimeError
+            raise error(f"injected fault: sync attempt {fail_sync} fails after the reduction")
+
     sync_loop.SyncLoop._merge, sync_loop.SyncLoop._start, sync_loop.SyncLoop._agree = (faulty_merge, faulty_start,
                                                                                        faulty_agree)
+    sync.ShardSync.receive = faulty_receive
 
     if "no_rebuild" in faults:
         from flwr_sharded.training import static_run

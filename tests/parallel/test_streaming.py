@@ -180,10 +180,11 @@ def _trainer_equals_todays_loop(rank: int, world: int, data_dir: str) -> tuple[b
 
 @pytest.mark.dist
 @pytest.mark.timeout(300)
-def test_one_fragment_without_delay_is_the_blocking_sync_six_frames_below_the_loop(data_dir):
+def test_one_fragment_without_delay_is_the_blocking_sync_eight_frames_below_the_loop(data_dir):
     for equal, depths in run_ranks(_trainer_equals_todays_loop, 2, str(data_dir), timeout=240):
         assert equal
-        assert depths and max(depths) <= 6, depths  # run -> _merge -> finish -> _reduce -> Wire.reduce -> all_reduce
+        # run -> _periods -> _syncs_after -> _merge -> receive -> _reduce -> Wire.reduce -> all_reduce
+        assert depths and max(depths) <= 8, depths
 
 
 @pytest.mark.parametrize("options,message", [
@@ -264,3 +265,83 @@ def test_an_overlapped_sync_carries_unless_told_not_to(tmp_path):
         FlowerRun.from_run_config({"sync-carry": True}).validate()
     cfg.parallel.sync_carry, cfg.parallel.method, cfg.parallel.federations = False, "fsdp", 1
     validate(cfg)  # off shapes nothing: accepted without an FL method
+
+
+def _exchanges_of_an_overlapped_run(rank: int, world: int, data_dir: str, delay: int) -> dict[str, list[str]]:
+    """Two groups of two shards, two fragments, A = 4, 8 steps (4 fragment syncs, int8 wire): every collective issued
+    on the training thread and on the sync's thread, named, whether its group spans both groups ("across") or stays
+    inside one, and whether the caller waits for it at once ("bounded") or later ("started")."""
+    import sys
+    import threading
+
+    import torch.distributed as dist
+
+    from flwr_sharded.config import TrainConfig
+    from flwr_sharded.parallel.topology import init_topology
+    from flwr_sharded.training.static_run import StaticFederation
+    from flwr_sharded.training.sync_loop import SyncLoop
+    from flwr_sharded.training.trainer import Trainer
+
+    cfg = TrainConfig()
+    p = cfg.parallel
+    p.method, p.federations, p.shards, p.aggregate_every, p.sync_fragments, p.sync_delay = "fl-fsdp", 2, 2, 4, 2, delay
+    p.sync_dtype, p.sync_error_feedback = "int8", True
+    cfg.model.name, cfg.data.data_dir, cfg.data.seq_len, cfg.batch_size, cfg.steps = "tiny", data_dir, 32, 2, 8
+    topo = init_topology(p)
+    loop = SyncLoop(Trainer(cfg, topo))
+    member = [set(topo.group_ranks(f)) for f in range(2)]
+    seen: dict[str, list[str]] = {"training": [], "sync": []}
+
+    def recorded(name, collective):
+        def call(*args, **kwargs):
+            group = kwargs.get("group") or next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
+            if name == "batch_isend_irecv":  # a ring step: its ops name the group
+                group = args[0][0].group
+            ranks = set(dist.get_process_group_ranks(group)) if group is not None else set(range(world))
+            where = "across" if all(ranks & m for m in member) else "inside"
+            caller = sys._getframe(1 if sys._getframe(1).f_code.co_name != "all_gather_single" else 2)
+            waited = "bounded" if caller.f_code.co_name == "bounded" or not kwargs.get("async_op") else "started"
+            thread = "training" if threading.current_thread() is threading.main_thread() else "sync"
+            seen[thread].append(f"{name} {where} {waited}")
+            return collective(*args, **kwargs)
+        return call
+
+    names = ["all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "broadcast", "barrier",
+             "all_gather_object", "batch_isend_irecv", "reduce_scatter_tensor", "broadcast_object_list"]
+    originals = {n: getattr(dist, n) for n in names}
+    federation = StaticFederation(topo, [tuple(q.shape) for q in loop.trainer.model.parameters()], 60.0)
+    for n in names:
+        setattr(dist, n, recorded(n, originals[n]))
+    try:
+        report = loop.run(federation, until=cfg.steps)
+    finally:
+        for n in names:
+            setattr(dist, n, originals[n])
+    assert (report.syncs, report.error) == (4, ""), report
+    return seen
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_an_overlapped_merge_waits_for_no_other_member_on_the_training_thread(data_dir):
+    """What the training thread waits on with the other members in an overlapped run of 4 fragment syncs: the
+    fragments' alignment check (once each) and the run's end confirmation (group rank 0), never anything per sync or
+    per period: each sync's admission (which carries the commit of the merges before it), its reduction and its
+    result vote run on the sync's thread, and the members' times of a period are started and collected a period
+    later. Inside the group, one small all-reduce per merge and one at the end. A blocking run waits on the
+    members for every sync, its commit vote included."""
+    overlapped, blocking = (run_ranks(_exchanges_of_an_overlapped_run, 4, str(data_dir), delay, timeout=240)
+                            for delay in (1, 0))
+    for rank, seen in enumerate(overlapped):
+        lead = rank % 2 == 0  # rank 0 of its group
+        waited = [c for c in seen["training"] if c.endswith("across bounded")]
+        assert waited == ["all_gather across bounded"] * 2 + ["all_gather_single across bounded"] * lead, waited
+        started = [c for c in seen["training"] if c.endswith("across started")]
+        assert started == ["all_gather_single across started"] * 2 * lead, started  # the members' times, per period
+        assert seen["training"].count("all_reduce inside bounded") == 4 + 1, seen["training"]
+        assert seen["sync"].count("all_reduce across bounded") == 4  # each sync's result vote
+        assert not [c for c in seen["sync"] if "inside" in c]
+    for seen in blocking:
+        assert not seen["sync"]
+        assert seen["training"].count("all_reduce across bounded") == 4  # the result votes
+        assert len([c for c in seen["training"] if c.endswith("across bounded")]) >= 2 + 4 * 3  # + admission, commit

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from flwr_sharded.flower import rendezvous
 from flwr_sharded.flower.group import channels
 from flwr_sharded.flower.messages import TrainArgs
+from flwr_sharded.parallel.admission import confirm
 from flwr_sharded.parallel.collectives import bounded
 from flwr_sharded.parallel.token_weights import tokens_of
 from flwr_sharded.parallel.sync import Groups
@@ -78,13 +79,21 @@ class RoundFederation:
     def gather(self, obj: Any) -> list[Any]:
         return self.rt.gather(obj)
 
+    def behind(self, adopted: int) -> list[int]:
+        """Over the vote group (at the round's end: no sync is in flight on it); [] where this rank has none."""
+        group = self.vote_group()
+        return confirm(adopted, group, self.rt.loop.trainer.device) if group is not None else []
+
     def flags(self, values: list[int]) -> list[int]:
         box = torch.tensor(values, dtype=torch.int32)
         bounded(dist.all_reduce, box, op=dist.ReduceOp.MAX, group=self.rt.ctrl)  # the group's gloo control group
         return box.tolist()
 
-    def period_times(self, step_s: float, sync_s: float, steps: int) -> None:
+    def period_times(self, step_s: float, sync_s: float, steps: int, *, now: bool) -> None:
         return None  # the strategy times the members from their replies
+
+    def last_times(self) -> None:
+        return None
 
     def release(self, failed: bool) -> None:
         for g in self.groups:
