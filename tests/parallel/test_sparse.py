@@ -167,51 +167,11 @@ def test_sparselocos_rows_take_about_a_145th_of_the_fp32_values():
             exact, rel=1e-4)
 
 
-def test_each_codebook_entry_is_the_mean_of_its_bins_values():
-    """Four bins of 1.5 sigma around each block's mean: a value decodes as the mean of its bin's values (so each
-    block's sum is kept), inner bins within their width, an empty bin as its centre; a partial last block alone."""
-    from flwr_sharded.parallel import codebook
-
-    gen = torch.Generator().manual_seed(3)
-    values = torch.cat([torch.randn(2 * codebook.BLOCK + 300, generator=gen) * 3 + 1, torch.full((5,), 40.0)])
-    codes, book = codebook.encode(values)
-    decoded = codebook.decode(codes, book)
-    assert book.shape == (3, codebook.BINS) and codes.max() < codebook.BINS
-    for b in range(3):
-        v = values[b * codebook.BLOCK:(b + 1) * codebook.BLOCK].double()
-        c, d = codes[b * codebook.BLOCK:(b + 1) * codebook.BLOCK], decoded[b * codebook.BLOCK:(b + 1) * codebook.BLOCK]
-        mean, sigma = v.mean(), v.std(unbiased=False)
-        expected = torch.bucketize(v - mean, torch.tensor([-1.5, 0.0, 1.5], dtype=torch.float64) * sigma, right=True)
-        assert torch.equal(c.long(), expected)
-        for k in range(codebook.BINS):
-            inside = c == k
-            assert inside.any()
-            assert torch.allclose(d[inside].double(), v[inside].mean().expand(int(inside.sum())), rtol=1e-5)
-        inner = (c == 1) | (c == 2)
-        assert float((d[inner].double() - v[inner]).abs().max()) <= 1.5 * float(sigma) * (1 + 1e-5)
-        assert abs(float(d.double().sum() - v.sum())) < 1e-3 * float(v.abs().sum())
-    two = torch.tensor([-1.0, 1.0] * 8)  # mean 0, sigma 1: bins 0 and 3 are empty
-    _, book = codebook.encode(two)
-    assert book[0].tolist() == [-2.25, -1.0, 1.0, 2.25]
-    same = torch.full((10,), 0.5)
-    assert torch.equal(codebook.decode(*codebook.encode(same)), same)
-
-
-@pytest.mark.parametrize("n", [1, 3, 4, 1027])
-def test_two_bit_codes_round_trip(n):
-    from flwr_sharded.parallel import codebook
-
-    codes = torch.randint(0, 4, (n,), generator=torch.Generator().manual_seed(n), dtype=torch.uint8)
-    packed = torch.empty(-(-n // 4), dtype=torch.uint8)
-    codebook.pack(codes, packed)
-    assert torch.equal(codebook.unpack(packed, n), codes)
-
-
 def _today(xs, residuals, scales, global_k, layout) -> torch.Tensor:
     """The top-k sync before scatter-mean, decay and packed indices: x = residual + scale x delta, its top entries
     rounded by the value wire, summed in rank order onto the global values; the residual keeps x less what was
     sent."""
-    from flwr_sharded.parallel.quantize import dequantize, quantize
+    from flwr_sharded.parallel.codecs.blockwise import dequantize, quantize
     from flwr_sharded.parallel.sparse import scatter, select
 
     out = global_k.clone()
@@ -345,7 +305,7 @@ def _gloo_reduce(rank: int, world: int, values: str, merge: str, decay: float,
     residual, bytes, expected)."""
     import torch.distributed as dist
 
-    from flwr_sharded.parallel.quantize import Workspace
+    from flwr_sharded.parallel.workspace import Workspace
     from flwr_sharded.parallel.sparse import SparseWire, sent_bytes
 
     dist.init_process_group("gloo")
@@ -399,7 +359,7 @@ def test_sparse_wire_reduce_on_gloo_ranks_equals_the_central_merge_on_each(value
 def test_a_dense_flush_sends_each_delta_with_its_whole_residual_through_the_values_ring(merge):
     """Three gloo ranks (one left out), int8 values: the result is global + sum_i s_i (delta_i + 0.95 e_i) (`sum`:
     its residual is already weighted) within the int8 ring's roundings; each residual then holds only those."""
-    from flwr_sharded.parallel.quantize import all_reduce_bytes
+    from flwr_sharded.parallel.ring import all_reduce_bytes
 
     world, decay = 3, 0.95
     results = run_ranks(_gloo_reduce, world, "int8", merge, decay, True, timeout=90)
