@@ -293,14 +293,14 @@ def stage_kernels(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 failures.append(f"topk-{values}/{case}: select keeps other entries")
             row, drow = torch.zeros(layout.bytes, dtype=torch.uint8), torch.zeros(layout.bytes, dtype=torch.uint8,
                                                                                  device=device)
-            sent = sparse.encode(idx, val, layout, row)  # the CPU's selection, on both devices
-            dsent = sparse.encode(idx.to(device), val.to(device), layout, drow)
+            sent = sparse.encode_row(idx, val, layout, row)  # the CPU's selection, on both devices
+            dsent = sparse.encode_row(idx.to(device), val.to(device), layout, drow)
             if layout.codec is not None and not layout.codec.exact_across_devices:  # (a codebook's bin means are
                 # sums, rounded as each device sums): decode the CPU's row
                 drow.copy_(row)
-                dsent = sparse.decode(drow, layout)[1]
-            di, dv = sparse.decode(drow, layout)
-            ci, cv = sparse.decode(row, layout)
+                dsent = sparse.decode_row(drow, layout)[1]
+            di, dv = sparse.decode_row(drow, layout)
+            ci, cv = sparse.decode_row(row, layout)
             dense, ddense = torch.zeros_like(x), torch.zeros_like(dev_x)
             sparse.scatter(dense, layout, ci, cv, add=True)
             sparse.scatter(ddense, layout, di, dv, add=True)

@@ -169,7 +169,7 @@ def select(x: torch.Tensor, layout: RowLayout, scratch: torch.Tensor) -> tuple[t
     return torch.cat(indices), torch.cat(values)
 
 
-def encode(indices: torch.Tensor, values: torch.Tensor, layout: RowLayout, row: torch.Tensor) -> torch.Tensor:
+def encode_row(indices: torch.Tensor, values: torch.Tensor, layout: RowLayout, row: torch.Tensor) -> torch.Tensor:
     """Write the kept entries into `row` (uint8, `layout.bytes`; the weight share is the caller's); return the values
     as every rank will decode them."""
     _, scales, index_field, codes = _fields(row, layout)
@@ -182,7 +182,7 @@ def encode(indices: torch.Tensor, values: torch.Tensor, layout: RowLayout, row: 
     return wire.float()
 
 
-def decode(row: torch.Tensor, layout: RowLayout) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_row(row: torch.Tensor, layout: RowLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """A row's (indices within their chunks, int64; values, fp32)."""
     _, scales, index_field, codes = _fields(row, layout)
     indices = unpack_indices(index_field, layout.kept)
@@ -292,7 +292,7 @@ def contribute(delta: torch.Tensor, residual: torch.Tensor | None, layout: RowLa
     else:
         x = (residual.mul_(decay) if decay != 1.0 else residual).add_(delta, alpha=weight)
     indices, values = select(x, layout, scratch)
-    sent = encode(indices, values, layout, row)
+    sent = encode_row(indices, values, layout, row)
     share_of(row).fill_(scale)
     if residual is not None:
         scatter(residual, layout, indices, values.sub_(sent), add=False)  # the kept entries: what was not sent
@@ -305,7 +305,7 @@ def accumulate(flat: torch.Tensor, rows: torch.Tensor, layout: RowLayout, base: 
     else:
         flat.copy_(base)
     for row in rows:
-        scatter(flat, layout, *decode(row, layout), add=True)
+        scatter(flat, layout, *decode_row(row, layout), add=True)
 
 
 def clip_factors(norms: torch.Tensor, included: torch.Tensor) -> torch.Tensor:
@@ -327,7 +327,7 @@ def scatter_mean(flat: torch.Tensor, rows: torch.Tensor, layout: RowLayout, base
     import torch
 
     shares = torch.cat([share_of(row) for row in rows])
-    decoded = [decode(row, layout) for row in rows]
+    decoded = [decode_row(row, layout) for row in rows]
     norms = torch.stack([torch.linalg.vector_norm(values) for _, values in decoded])
     factors = shares * clip_factors(norms, shares > 0)
     flat.zero_()
