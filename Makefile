@@ -70,7 +70,7 @@ FLOORS := torch==$(call floor,torch) transformers==$(call floor,transformers) fl
 RING_TEST := test_quantized_all_reduce_is_the_sum_within_its_roundings_bit_identical_and_sends_a_quarter
 FLOOR_TESTS := tests/training/test_model_init.py \
 	"tests/parallel/test_sync.py::test_fl_fsdp_sync_is_token_weighted_average[67108864]" \
-	"tests/parallel/test_quantize.py::$(RING_TEST)[2]" \
+	"tests/parallel/test_ring.py::$(RING_TEST)[2]" \
 	"tests/training/test_checkpoint.py::test_resume_continues_the_same_run[sync-write]" \
 	"tests/parallel/test_collectives.py::test_every_process_group_has_the_configured_timeout[mesh]" \
 	tests/flower/test_rendezvous_groups.py

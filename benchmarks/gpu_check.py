@@ -258,7 +258,8 @@ def _bits(t: Any) -> Any:
 def stage_kernels(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     import torch
 
-    from flwr_sharded.parallel import quantize, sparse
+    from flwr_sharded.parallel import sparse
+    from flwr_sharded.parallel.codecs.blockwise import dequantize, quantize
     from flwr_sharded.parallel.wire import QUANTIZED, WIRES
 
     device = torch.device(device_of(args))
@@ -270,10 +271,10 @@ def stage_kernels(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             skipped.append(f"{name}: {why}")
             continue
         for case, x in _values(4096, 0).items():
-            ref = quantize.quantize(x, wire.torch_dtype())
-            got = quantize.quantize(x.to(device), wire.torch_dtype())
+            ref = quantize(x, wire.torch_dtype())
+            got = quantize(x.to(device), wire.torch_dtype())
             pairs = [("codes", ref.values, got.values), ("scales", ref.scales, got.scales),
-                     ("dequantized", quantize.dequantize(ref), quantize.dequantize(got))]
+                     ("dequantized", dequantize(ref), dequantize(got))]
             for what, a, b in pairs:
                 if not torch.equal(_bits(a), _bits(b)):
                     failures.append(f"{name}/{case}: {what} differ")
@@ -292,13 +293,14 @@ def stage_kernels(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 failures.append(f"topk-{values}/{case}: select keeps other entries")
             row, drow = torch.zeros(layout.bytes, dtype=torch.uint8), torch.zeros(layout.bytes, dtype=torch.uint8,
                                                                                  device=device)
-            sent = sparse.encode(idx, val, layout, row)  # the CPU's selection, on both devices
-            dsent = sparse.encode(idx.to(device), val.to(device), layout, drow)
-            if layout.coded:  # a codebook's bin means are sums, rounded as each device sums: decode the CPU's row
+            sent = sparse.encode_row(idx, val, layout, row)  # the CPU's selection, on both devices
+            dsent = sparse.encode_row(idx.to(device), val.to(device), layout, drow)
+            if layout.codec is not None and not layout.codec.exact_across_devices:  # (a codebook's bin means are
+                # sums, rounded as each device sums): decode the CPU's row
                 drow.copy_(row)
-                dsent = sparse.decode(drow, layout)[1]
-            di, dv = sparse.decode(drow, layout)
-            ci, cv = sparse.decode(row, layout)
+                dsent = sparse.decode_row(drow, layout)[1]
+            di, dv = sparse.decode_row(drow, layout)
+            ci, cv = sparse.decode_row(row, layout)
             dense, ddense = torch.zeros_like(x), torch.zeros_like(dev_x)
             sparse.scatter(dense, layout, ci, cv, add=True)
             sparse.scatter(ddense, layout, di, dv, add=True)

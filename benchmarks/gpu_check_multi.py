@@ -6,7 +6,7 @@ The same runner, outputs and options as `benchmarks/gpu_check.py` (DIR/gpu_check
 DIR/gpu_check_multi.log). Stages:
 
   env       as gpu_check's, and at least two GPUs
-  ring      every quantized wire's all-reduce (`parallel.quantize.quantized_all_reduce`, the point-to-point ring
+  ring      every quantized wire's all-reduce (`parallel.ring.quantized_all_reduce`, the point-to-point ring
             then `all_gather_single`) on NCCL over min(GPUs, 4) ranks: bit-equal on every rank, bit-equal to the same
             ring over gloo on CPU copies, within its roundings of the fp64 sum
   overlap   the static engine, FL+FSDP with 2 groups over all GPUs (up to 8), 2 fragments with an overlapped sync
@@ -87,7 +87,7 @@ def worker_ring(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from flwr_sharded.parallel.quantize import quantized_all_reduce
+    from flwr_sharded.parallel.ring import quantized_all_reduce
     from flwr_sharded.parallel.wire import QUANTIZED, WIRES
 
     device = torch.device(args.device)

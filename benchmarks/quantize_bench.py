@@ -47,7 +47,9 @@ def parse() -> argparse.Namespace:
 
 def main() -> None:
     args = parse()
-    from flwr_sharded.parallel.quantize import ErrorFeedback, Workspace, all_reduce_bytes, quantized_all_reduce
+    from flwr_sharded.parallel.global_state import ErrorFeedback
+    from flwr_sharded.parallel.ring import all_reduce_bytes, quantized_all_reduce
+    from flwr_sharded.parallel.workspace import Workspace
     from flwr_sharded.parallel.torch_compat import all_gather_single
     from flwr_sharded.parallel.wire import check_wire_dtype
 

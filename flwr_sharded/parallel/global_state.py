@@ -11,11 +11,36 @@ import torch.distributed as dist
 
 from flwr_sharded.parallel.buckets import Bucket, BucketLayout
 from flwr_sharded.parallel.collectives import bounded
-from flwr_sharded.parallel.quantize import ErrorFeedback
 from flwr_sharded.parallel.rules import ShardRule
 
 RuleStep = Callable[[torch.Tensor | None, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """(global values, rule state) -> (new global values, new state): one bucket's step of a rule."""
+
+
+class ErrorFeedback:
+    """One fp32 residual per buffer (key), carried from one quantized all-reduce of that buffer to the next: every
+    rounding error rank r made in its reduction (of its own values, of each partial sum it passed on, of the whole sum
+    it rounded for the gather), so the residuals sum to exactly what the result misses and no error accumulates."""
+
+    def __init__(self) -> None:
+        self.residuals: dict[str, torch.Tensor] = {}
+
+    def residual(self, key: Any, like: torch.Tensor) -> torch.Tensor:
+        """The residual of buffer `key` (zeros at first), shaped like the flat fp32 tensor `like`."""
+        res = self.residuals.get(str(key))
+        if res is None:
+            res = self.residuals[str(key)] = torch.zeros(like.numel(), dtype=torch.float32, device=like.device)
+        elif res.numel() != like.numel() or res.device != like.device:
+            raise ValueError(f"error feedback residual {key!r} has {res.numel()} elements on {res.device}, "
+                             f"the buffer {like.numel()} on {like.device}")
+        return res
+
+    def state_dict(self) -> dict[str, Any]:
+        """Copies of the residuals (a checkpoint, or a snapshot to roll back to)."""
+        return {"residuals": {k: v.clone() for k, v in self.residuals.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.residuals = {k: v.clone() for k, v in state["residuals"].items()}
 
 
 class GlobalState:
@@ -105,4 +130,4 @@ class GlobalState:
             self.feedback.residuals = {str(k): t for k, t in enumerate(layout.move(residuals, old))}
 
 
-__all__ = ["GlobalState", "RuleStep"]
+__all__ = ["ErrorFeedback", "GlobalState", "RuleStep"]

@@ -1,11 +1,11 @@
 """The top-k wire (`--sync-topk FRACTION`, SparseLoCo): per bucket, each rank keeps the ceil(FRACTION x length)
 largest |x| of every chunk of `CHUNK` values of x = its delta + `decay` x its error-feedback residual (which keeps
-what is not sent), as 12-bit indices (two to 3 bytes) and values in the `--sync-dtype` wire's format (2-bit
-codebooks for int2: `flwr_sharded.parallel.codebook`), behind its weight share. Rows have the same length on every
-rank (`RowLayout`): one `all_gather_single`, then every rank merges all W rows in rank order, in fp32: each
-coordinate becomes the global value plus the weighted mean of what the members that sent it sent, each row first
-clipped to the members' median norm (`scatter-mean`, Templar's), or plus the sum of the weighted rows (`sum`). A rank
-sends (W - 1) rows, about W x FRACTION x (1.5 + value bytes) / 8 of the fp32 ring all-reduce (at 1.5625% with int2
+what is not sent), as 12-bit indices (two to 3 bytes) and values in the codec the `--sync-dtype` wire names for rows
+(`Wire.row_codec`: int2's is the 2-bit codebook, `flwr_sharded.parallel.codecs.codebook`), behind its weight
+share. Rows have the same length on every rank (`RowLayout`): one `all_gather_single`, then every rank merges all W
+rows in rank order, in fp32: each coordinate becomes the global value plus the weighted mean of what the members
+that sent it sent, each row first clipped to the members' median norm (`scatter-mean`, Templar's), or plus the sum of
+the weighted rows (`sum`). A rank sends (W - 1) rows, about W x FRACTION x (1.5 + value bytes) / 8 of the fp32 ring all-reduce (at 1.5625% with int2
 values: 0.0069x for 2 groups, 0.014x for 4). Torch-free to import.
 """
 
@@ -16,7 +16,6 @@ import typing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from flwr_sharded.parallel import codebook
 from flwr_sharded.parallel.wire_base import QUANT_BLOCK, SCALE_BYTES, Wire
 
 if TYPE_CHECKING:
@@ -28,8 +27,6 @@ INDEX_BITS = 12
 """Bits of one kept entry's index within its chunk: two indices share 3 bytes (an odd count is padded by one)."""
 HEADER_BYTES = 4
 """A row's header: its member's weight share (fp32; 0 for a member left out)."""
-CODEBOOK_WIRE = "int2"
-"""The value wire whose kept values a row carries as 2-bit codes through codebooks (`codebook`)."""
 TopkMerge = Literal["scatter-mean", "sum"]
 """How the members' rows combine: each coordinate's weighted mean over its senders, or the sum of weighted rows."""
 MERGES: tuple[str, ...] = typing.get_args(TopkMerge)
@@ -81,15 +78,14 @@ class RowLayout:
         return self.values.error_feedback
 
     @property
-    def coded(self) -> bool:
-        """The kept values travel as codes through codebooks (`CODEBOOK_WIRE`)."""
-        return self.values.name == CODEBOOK_WIRE
+    def codec(self) -> Any:
+        """The codec of the kept values (`Wire.row_codec`; None: cast to the wire's dtype)."""
+        return self.values.row_codec()
 
     @property
     def scale_bytes(self) -> int:
-        if self.coded:
-            return _align(codebook.ENTRY_BYTES * codebook.BINS * codebook.blocks(self.kept))
-        return _align(SCALE_BYTES * math.ceil(self.kept / QUANT_BLOCK)) if self.quantized else 0
+        """Bytes of the scales or codebooks (`Wire.row_side_bytes`), padded."""
+        return _align(self.values.row_side_bytes(self.kept))
 
     @property
     def index_bytes(self) -> int:
@@ -116,7 +112,7 @@ def sent_bytes(numel: int, world: int, fraction: float, values: Wire) -> int:
 def over_dense(fraction: float, value_bytes: float, world: int) -> float:
     """What a top-k sync of a large bucket sends over what the dense sync of the same value format sends (a ring
     all-reduce, 2 (W - 1) / W x `value_bytes` per value): W x fraction x (index + value bytes) / (2 x value bytes).
-    A coded row's values take the dense wire's bytes (`codebook.BLOCK`)."""
+    A coded row's values take the dense wire's bytes (`wire_base.CODEBOOK_BLOCK`)."""
     return world * fraction * (INDEX_BITS / 8 + value_bytes) / (2 * value_bytes)
 
 
@@ -173,48 +169,27 @@ def select(x: torch.Tensor, layout: RowLayout, scratch: torch.Tensor) -> tuple[t
     return torch.cat(indices), torch.cat(values)
 
 
-def encode(indices: torch.Tensor, values: torch.Tensor, layout: RowLayout, row: torch.Tensor) -> torch.Tensor:
+def encode_row(indices: torch.Tensor, values: torch.Tensor, layout: RowLayout, row: torch.Tensor) -> torch.Tensor:
     """Write the kept entries into `row` (uint8, `layout.bytes`; the weight share is the caller's); return the values
     as every rank will decode them."""
-    from flwr_sharded.parallel.quantize import dequantize, quantize
-
     _, scales, index_field, codes = _fields(row, layout)
     pack_indices(indices, index_field)
-    if layout.coded:
-        code, book = codebook.encode(values)
-        codebook.pack(code, codes)
-        scales[:book.numel()].copy_(book.view(-1))
-        return codebook.decode(code, book)
-    if layout.quantized:
-        q = quantize(values, layout.values.torch_dtype())
-        raw = q.values.contiguous().view(-1).view(codes.dtype)
-        if raw.numel() != codes.numel():
-            raise ValueError(f"{layout.values.name} codes of {layout.kept} values take {raw.numel()} bytes, the row "
-                             f"has {codes.numel()}")
-        codes.copy_(raw)
-        scales.copy_(q.scales)
-        return dequantize(q)
+    codec = layout.codec
+    if codec is not None:
+        return codec.encode_values(values, codes, scales)
     wire = codes.view(layout.values.torch_dtype())
     wire.copy_(values)
     return wire.float()
 
 
-def decode(row: torch.Tensor, layout: RowLayout) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_row(row: torch.Tensor, layout: RowLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """A row's (indices within their chunks, int64; values, fp32)."""
-    from flwr_sharded.parallel.quantize import Quantized, code_format, dequantize
-
     _, scales, index_field, codes = _fields(row, layout)
     indices = unpack_indices(index_field, layout.kept)
-    if layout.coded:
-        book = scales[:codebook.BINS * codebook.blocks(layout.kept)].view(-1, codebook.BINS)
-        return indices, codebook.decode(codebook.unpack(codes, layout.kept), book)
-    dtype = layout.values.torch_dtype()
-    if layout.quantized:
-        fmt = code_format(dtype)  # its payload of `kept` codes (two to a byte in a 4-bit format)
-        values = dequantize(Quantized(fmt.values(codes, layout.kept), scales, layout.kept, QUANT_BLOCK, fmt))
-    else:
-        values = codes.view(dtype).float()
-    return indices, values
+    codec = layout.codec
+    if codec is not None:
+        return indices, codec.decode_values(codes, scales, layout.kept)
+    return indices, codes.view(layout.values.torch_dtype()).float()
 
 
 def share_of(row: torch.Tensor) -> torch.Tensor:
@@ -317,7 +292,7 @@ def contribute(delta: torch.Tensor, residual: torch.Tensor | None, layout: RowLa
     else:
         x = (residual.mul_(decay) if decay != 1.0 else residual).add_(delta, alpha=weight)
     indices, values = select(x, layout, scratch)
-    sent = encode(indices, values, layout, row)
+    sent = encode_row(indices, values, layout, row)
     share_of(row).fill_(scale)
     if residual is not None:
         scatter(residual, layout, indices, values.sub_(sent), add=False)  # the kept entries: what was not sent
@@ -330,7 +305,7 @@ def accumulate(flat: torch.Tensor, rows: torch.Tensor, layout: RowLayout, base: 
     else:
         flat.copy_(base)
     for row in rows:
-        scatter(flat, layout, *decode(row, layout), add=True)
+        scatter(flat, layout, *decode_row(row, layout), add=True)
 
 
 def clip_factors(norms: torch.Tensor, included: torch.Tensor) -> torch.Tensor:
@@ -352,7 +327,7 @@ def scatter_mean(flat: torch.Tensor, rows: torch.Tensor, layout: RowLayout, base
     import torch
 
     shares = torch.cat([share_of(row) for row in rows])
-    decoded = [decode(row, layout) for row in rows]
+    decoded = [decode_row(row, layout) for row in rows]
     norms = torch.stack([torch.linalg.vector_norm(values) for _, values in decoded])
     factors = shares * clip_factors(norms, shares > 0)
     flat.zero_()

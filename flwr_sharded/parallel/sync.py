@@ -25,14 +25,14 @@ from flwr_sharded.parallel.admission import Admission, SyncRejected, admit, all_
 from flwr_sharded.parallel.alignment import check_descriptors, describe, fingerprint, local_shard
 from flwr_sharded.parallel.buckets import BucketLayout
 from flwr_sharded.parallel.collectives import bounded
-from flwr_sharded.parallel.global_state import GlobalState
+from flwr_sharded.parallel.global_state import ErrorFeedback, GlobalState
 from flwr_sharded.parallel.offender import identify
 from flwr_sharded.parallel.plausibility import DEFAULT_MAX_MOVE, MoveBound, bucket_norms
-from flwr_sharded.parallel.quantize import ErrorFeedback, Workspace
 from flwr_sharded.parallel.rules import FedAvg, ShardRule
 from flwr_sharded.parallel.sparse import DEFAULT_ERROR_DECAY, DEFAULT_MERGE, SparseWire, TopkMerge
 from flwr_sharded.parallel.sync_plan import Owners, Seat
 from flwr_sharded.parallel.wire import QUANTIZED, WIRES, wire_of
+from flwr_sharded.parallel.workspace import Workspace
 
 Groups = dist.ProcessGroup | Mapping[Owners, dist.ProcessGroup] | None
 """What a sync runs over: one process group (groups shard alike), each channel's keyed by its owners, or none."""

@@ -12,7 +12,7 @@ Where an earlier release has an equivalent, a function here takes the newer API 
 - 2.9 `ProcessGroup.set_timeout` (`flower.rendezvous.join`); before it c10d's `_set_pg_timeout`: `set_timeout`.
 - 2.9 `FileSystemReader._get_metadata_path` (`training.checkpoint_files.SafeReader`); before it the checkpoint's one
   `.metadata`: `dcp_metadata_path`.
-- 2.8 `torch.float4_e2m1fn_x2`, the `float4_e2m1` wire's dtype (`parallel.wire`, `parallel.quantize`): none before.
+- 2.8 `torch.float4_e2m1fn_x2`, the `float4_e2m1` wire's dtype (`parallel.wire`, `parallel.codecs.floats`): none before.
 - 2.8 FSDP2's gradient reduction over gloo (every FSDP/HSDP run on CPU): 2.7 reduces with `ReduceOp.AVG`, which gloo
   refuses; none before.
 - 2.7 `dcp.save` and `dcp.load` with `no_dist=` (`training.checkpoint`'s one-process export).

@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Literal
 
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.sparse import over_dense
-from flwr_sharded.parallel.wire_base import QUANT_BLOCK, SCALE_BYTES, Wire
+from flwr_sharded.parallel.wire_base import CODEBOOK_BINS, CODEBOOK_BLOCK, QUANT_BLOCK, SCALE_BYTES, Wire
 
 
 class PlainWire(Wire):
@@ -50,8 +50,8 @@ class CastWire(Wire):
 
 class BlockwiseWire(Wire):
     """The weighted delta, blockwise quantized (one fp32 scale per `QUANT_BLOCK` values, absmax -> the format's
-    largest code; the formats are `flwr_sharded.parallel.quantize`'s), summed in fp32 around a ring
-    (`flwr_sharded.parallel.quantize.quantized_all_reduce`), added back in fp32. One byte a value unless a wire says
+    largest code; the format is the codec of the wire's name, `flwr_sharded.parallel.codecs`), summed in fp32 around a
+    ring (`flwr_sharded.parallel.ring.quantized_all_reduce`), added back in fp32. One byte a value unless a wire says
     otherwise."""
 
     bytes_per_value: ClassVar[float] = 1.0 + SCALE_BYTES / QUANT_BLOCK
@@ -60,21 +60,31 @@ class BlockwiseWire(Wire):
     """Values the cast must carry exactly on a CPU for it to run there (none: integer codes, rounded by torch)."""
     short: ClassVar[str] = ""
     """The format's short name in messages (e.g. e4m3)."""
+    row_codec_name: ClassVar[str | None] = None
+    """The codec its values take in a top-k row where it is not the wire's own (None: the wire's)."""
+
+    def row_codec(self) -> Any:
+        from flwr_sharded.parallel.codecs.registry import codec_of
+
+        return codec_of(self.row_codec_name or self.name)
+
+    def row_side_bytes(self, kept: int) -> int:
+        return SCALE_BYTES * -(-kept // QUANT_BLOCK)
 
     def unsupported(self, device: Any) -> str | None:
         if not self.probe:
             return None
         import torch
 
-        from flwr_sharded.parallel import quantize
+        from flwr_sharded.parallel.codecs import floats
 
-        if quantize.fp8_supported(device, self.torch_dtype(), self.probe):
+        if floats.fp8_supported(device, self.torch_dtype(), self.probe):
             return None
         return (f"needs a CPU whose torch casts to {self.short} or CUDA compute capability >= 8.9, not "
                 f"{torch.device(device)}")
 
     def reduce(self, flat, global_k, scale, group, workspace, residual=None) -> int:
-        from flwr_sharded.parallel.quantize import quantized_all_reduce
+        from flwr_sharded.parallel.ring import quantized_all_reduce
 
         if scale:
             flat.sub_(global_k).mul_(scale)
@@ -147,6 +157,10 @@ class Int2(BlockwiseWire):
     """four levels per block, four to a byte: +-a and +-b, the mean magnitudes below and above the block's RMS (two
     bf16 in the bytes of its scale; MuLoCo's 2 bits)"""
     name, order, bytes_per_value = "int2", 70, 0.25 + SCALE_BYTES / QUANT_BLOCK
+    row_codec_name = "codebook2"  # a top-k row's values: 2-bit codes through 4-bin codebooks
+
+    def row_side_bytes(self, kept: int) -> int:
+        return SCALE_BYTES * CODEBOOK_BINS * -(-kept // CODEBOOK_BLOCK)
 
 
 SyncDtype = Literal[tuple(WIRES)]  # type: ignore[valid-type]

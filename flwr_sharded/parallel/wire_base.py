@@ -1,5 +1,6 @@
 """The `Wire` interface that every wire dtype of the shard sync implements (the kinds in `flwr_sharded.parallel.wire`,
-the top-k wire in `flwr_sharded.parallel.sparse`), and the blockwise format of the quantized ones; torch-free."""
+the top-k wire in `flwr_sharded.parallel.sparse`), and the sizes of the codecs' blocks and codebooks (the codecs
+are `flwr_sharded.parallel.codecs`); torch-free."""
 
 from __future__ import annotations
 
@@ -12,6 +13,11 @@ QUANT_BLOCK = 256
 """Values per fp32 scale of a blockwise quantized wire."""
 SCALE_BYTES = 4
 """Bytes of one block's scale (fp32)."""
+CODEBOOK_BINS = 4
+"""Codes of a 2-bit codebook value (`flwr_sharded.parallel.codecs.codebook`)."""
+CODEBOOK_BLOCK = CODEBOOK_BINS * QUANT_BLOCK
+"""Values per codebook: its `CODEBOOK_BINS` fp32 entries per 1024 values cost what one fp32 scale per `QUANT_BLOCK`
+does, so a coded value takes the 2-bit dense wire's bytes."""
 
 
 class Wire:
@@ -44,6 +50,15 @@ class Wire:
     def dense(self) -> Wire:
         """The wire of a sync that sends every entry (a top-k wire's warm-up or flush); a dense wire is its own."""
         return self
+
+    def row_codec(self) -> Any:
+        """The codec (`flwr_sharded.parallel.codecs`) of this wire's values in a top-k row; None: they travel cast to
+        its dtype."""
+        return None
+
+    def row_side_bytes(self, kept: int) -> int:
+        """Bytes of the side values (scales or codebooks) of `kept` values in a top-k row (unpadded)."""
+        return 0
 
     def reserve(self, workspace: Any, numel: int, device: Any) -> None:
         """Allocate, before the first sync, what `reduce` needs for buckets of up to `numel` values."""

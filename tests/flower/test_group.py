@@ -427,7 +427,7 @@ def test_a_dead_group_during_an_overlapped_int2_sync_makes_the_survivors_roll_ba
     assert out[0]["checksums"] == out[1]["checksums"]
     # what crossed was the 2-bit wire: each sync of the model's N values over 2 members sent the quantized ring's
     # bytes (a quarter of a byte a value plus a scale a block), 1/15 of the fp32 ring's 4 N
-    from flwr_sharded.parallel.quantize import all_reduce_bytes
+    from flwr_sharded.parallel.ring import all_reduce_bytes
     from flwr_sharded.training.models import build_meta_model, model_config
 
     n = sum(p.numel() for p in build_meta_model(model_config("tiny", vocab_size=8192, max_seq_len=32)).parameters())

@@ -76,7 +76,7 @@ def _a_peer_never_joins(rank: int, world: int) -> dict[str, float | str]:
     from flwr_sharded.flower.group.round import RoundFederation
     from flwr_sharded.parallel import admission
     from flwr_sharded.parallel.collectives import CollectiveTimeout
-    from flwr_sharded.parallel.quantize import quantized_all_reduce
+    from flwr_sharded.parallel.ring import quantized_all_reduce
     from flwr_sharded.parallel.wire import WIRES
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))

@@ -21,14 +21,14 @@ from tests.multiproc import run_ranks
 def test_only_gloo_point_to_point_on_a_device_needs_staging(monkeypatch, config, device, carries):
     import torch.distributed as dist
 
-    from flwr_sharded.parallel.quantize import p2p_carries_device_tensors
+    from flwr_sharded.parallel.ring import p2p_carries_device_tensors
 
     monkeypatch.setattr(dist, "get_backend_config", lambda group=None: config)
     assert p2p_carries_device_tensors(object(), device) is carries
 
 
 def test_pinned_workspace_buffers_live_on_the_host_and_are_reused():
-    from flwr_sharded.parallel.quantize import Workspace
+    from flwr_sharded.parallel.workspace import Workspace
 
     ws = Workspace()
     buf = ws.get("host_send", 10, torch.uint8, "cpu", pinned=True)
@@ -50,13 +50,14 @@ def _staged_worker(rank: int, world: int) -> dict:
 
     import torch.distributed as dist
 
-    from flwr_sharded.parallel.quantize import Workspace, quantized_all_reduce
+    from flwr_sharded.parallel.ring import quantized_all_reduce
+    from flwr_sharded.parallel.workspace import Workspace
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append
-    log = logging.getLogger("flwr_sharded.parallel.quantize")
+    log = logging.getLogger("flwr_sharded.parallel.ring")
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     out = {}

@@ -38,7 +38,7 @@ def test_the_sparse_sum_is_the_dense_sum_of_each_ranks_largest_entries(values):
     """Three emulated ranks: each keeps ceil(2% x chunk) entries per chunk, the largest in magnitude; the summed rows
     equal a dense fp64 sum of those entries as the wire rounds them, and each rank's residual is its input minus
     what it sent."""
-    from flwr_sharded.parallel.sparse import CHUNK, accumulate, decode, kept_of
+    from flwr_sharded.parallel.sparse import CHUNK, accumulate, decode_row, kept_of
 
     layout, gen = _layout(values), torch.Generator().manual_seed(0)
     inputs = [torch.randn(NUMEL, generator=gen) for _ in range(3)]
@@ -52,7 +52,7 @@ def test_the_sparse_sum_is_the_dense_sum_of_each_ranks_largest_entries(values):
             chunk, kept = total[start:start + CHUNK], sent[start:start + CHUNK] != 0
             assert int(kept.sum()) == kept_of(chunk.numel(), 0.02)
             assert chunk[kept].abs().min() >= chunk[~kept].abs().max()  # the largest entries, and only those
-        indices, decoded = decode(row, layout)
+        indices, decoded = decode_row(row, layout)
         starts = torch.cat([torch.arange(layout.full).repeat_interleave(layout.per_chunk) * CHUNK,
                             torch.full((layout.kept - layout.full * layout.per_chunk,), layout.full * CHUNK)])
         dense.index_add_(0, starts + indices, decoded.double())
@@ -99,10 +99,10 @@ def test_sent_bytes_counts_the_rows_of_a_ring_all_gather():
 @pytest.mark.parametrize("values", ["float32", "bfloat16", "int8", "int4", "int2"])
 @pytest.mark.parametrize("numel", [NUMEL, 4096, 4096 * 2 + 1, 5000, 3, 70 * 4096])
 def test_the_row_layout_counts_the_bytes_encode_writes(values, numel):
-    """The row is as long as what encode writes and no longer: nothing past `RowLayout.bytes` is touched, and the
-    bytes encode leaves alone (found by encoding into a row of zeros and one of 0xFF) are only the header, which the
+    """The row is as long as what encode_row writes and no longer: nothing past `RowLayout.bytes` is touched, and the
+    bytes encode_row leaves alone (found by encoding into a row of zeros and one of 0xFF) are only the header, which the
     caller writes, and each field's padding to 4 bytes; what it wrote decodes to the entries it kept."""
-    from flwr_sharded.parallel.sparse import CHUNK, HEADER_BYTES, decode, encode, select
+    from flwr_sharded.parallel.sparse import CHUNK, HEADER_BYTES, decode_row, encode_row, select
 
     for fraction in (0.02, 0.015625, 0.5):
         layout = _layout(values, fraction, numel)
@@ -110,12 +110,12 @@ def test_the_row_layout_counts_the_bytes_encode_writes(values, numel):
         rows = [torch.full((layout.bytes + 16,), fill, dtype=torch.uint8) for fill in (0x00, 0xFF)]
         for row in rows:
             indices, kept = select(x, layout, torch.empty_like(x))
-            sent = encode(indices, kept, layout, row[:layout.bytes])
+            sent = encode_row(indices, kept, layout, row[:layout.bytes])
         assert all(torch.all(row[layout.bytes:] == row[-1]) for row in rows)  # nothing written past the row
         untouched = (rows[0][:layout.bytes] != rows[1][:layout.bytes]).nonzero().view(-1)
         assert untouched[untouched >= HEADER_BYTES].numel() <= 3 * 3, (fraction, untouched.tolist())  # 3 fields
         assert set(range(HEADER_BYTES)) <= set(untouched.tolist())  # the weight share is the caller's
-        got_indices, got_values = decode(rows[0][:layout.bytes], layout)
+        got_indices, got_values = decode_row(rows[0][:layout.bytes], layout)
         assert torch.equal(got_indices, indices % CHUNK) and torch.equal(got_values, sent)
 
 
@@ -167,51 +167,11 @@ def test_sparselocos_rows_take_about_a_145th_of_the_fp32_values():
             exact, rel=1e-4)
 
 
-def test_each_codebook_entry_is_the_mean_of_its_bins_values():
-    """Four bins of 1.5 sigma around each block's mean: a value decodes as the mean of its bin's values (so each
-    block's sum is kept), inner bins within their width, an empty bin as its centre; a partial last block alone."""
-    from flwr_sharded.parallel import codebook
-
-    gen = torch.Generator().manual_seed(3)
-    values = torch.cat([torch.randn(2 * codebook.BLOCK + 300, generator=gen) * 3 + 1, torch.full((5,), 40.0)])
-    codes, book = codebook.encode(values)
-    decoded = codebook.decode(codes, book)
-    assert book.shape == (3, codebook.BINS) and codes.max() < codebook.BINS
-    for b in range(3):
-        v = values[b * codebook.BLOCK:(b + 1) * codebook.BLOCK].double()
-        c, d = codes[b * codebook.BLOCK:(b + 1) * codebook.BLOCK], decoded[b * codebook.BLOCK:(b + 1) * codebook.BLOCK]
-        mean, sigma = v.mean(), v.std(unbiased=False)
-        expected = torch.bucketize(v - mean, torch.tensor([-1.5, 0.0, 1.5], dtype=torch.float64) * sigma, right=True)
-        assert torch.equal(c.long(), expected)
-        for k in range(codebook.BINS):
-            inside = c == k
-            assert inside.any()
-            assert torch.allclose(d[inside].double(), v[inside].mean().expand(int(inside.sum())), rtol=1e-5)
-        inner = (c == 1) | (c == 2)
-        assert float((d[inner].double() - v[inner]).abs().max()) <= 1.5 * float(sigma) * (1 + 1e-5)
-        assert abs(float(d.double().sum() - v.sum())) < 1e-3 * float(v.abs().sum())
-    two = torch.tensor([-1.0, 1.0] * 8)  # mean 0, sigma 1: bins 0 and 3 are empty
-    _, book = codebook.encode(two)
-    assert book[0].tolist() == [-2.25, -1.0, 1.0, 2.25]
-    same = torch.full((10,), 0.5)
-    assert torch.equal(codebook.decode(*codebook.encode(same)), same)
-
-
-@pytest.mark.parametrize("n", [1, 3, 4, 1027])
-def test_two_bit_codes_round_trip(n):
-    from flwr_sharded.parallel import codebook
-
-    codes = torch.randint(0, 4, (n,), generator=torch.Generator().manual_seed(n), dtype=torch.uint8)
-    packed = torch.empty(-(-n // 4), dtype=torch.uint8)
-    codebook.pack(codes, packed)
-    assert torch.equal(codebook.unpack(packed, n), codes)
-
-
 def _today(xs, residuals, scales, global_k, layout) -> torch.Tensor:
     """The top-k sync before scatter-mean, decay and packed indices: x = residual + scale x delta, its top entries
     rounded by the value wire, summed in rank order onto the global values; the residual keeps x less what was
     sent."""
-    from flwr_sharded.parallel.quantize import dequantize, quantize
+    from flwr_sharded.parallel.codecs.blockwise import dequantize, quantize
     from flwr_sharded.parallel.sparse import scatter, select
 
     out = global_k.clone()
@@ -245,11 +205,11 @@ def test_the_sum_merge_without_decay_is_the_earlier_top_k_sync_bit_for_bit(value
 def _central_mean(rows, layout, global_k) -> torch.Tensor:
     """The scatter-mean in fp64 from the rows' decoded entries: each row clipped to the lower median norm of the
     members with a weight, each coordinate the weighted mean of its senders' clipped values."""
-    from flwr_sharded.parallel.sparse import CHUNK, decode, share_of
+    from flwr_sharded.parallel.sparse import CHUNK, decode_row, share_of
 
     entries = []
     for row in rows:
-        indices, values = decode(row, layout)
+        indices, values = decode_row(row, layout)
         chunk = torch.arange(layout.kept) // layout.per_chunk if layout.per_chunk else torch.zeros(0)
         chunk = torch.minimum(chunk, torch.tensor(layout.full))  # the partial chunk's entries follow the whole ones
         entries.append((chunk * CHUNK + indices, values.double(), float(share_of(row))))
@@ -302,7 +262,7 @@ def test_the_scatter_mean_is_the_central_weighted_mean_over_each_coordinates_sen
 
 
 def test_an_outsized_member_moves_the_scatter_mean_no_more_than_the_median_norm_allows():
-    from flwr_sharded.parallel.sparse import decode, scatter_mean
+    from flwr_sharded.parallel.sparse import decode_row, scatter_mean
 
     layout, gen = _layout("int8"), torch.Generator().manual_seed(6)
     global_k = torch.randn(NUMEL, generator=gen)
@@ -311,7 +271,7 @@ def test_an_outsized_member_moves_the_scatter_mean_no_more_than_the_median_norm_
         xs = _members(torch.Generator().manual_seed(7))[:3]
         xs[2].mul_(factor)
         rows = _rank_rows(xs, [torch.zeros(NUMEL) for _ in xs], layout, [1 / 3] * 3, "scatter-mean", 0.95)
-        norms = sorted(float(decode(row, layout)[1].norm()) for row in rows)
+        norms = sorted(float(decode_row(row, layout)[1].norm()) for row in rows)
         out = torch.empty(NUMEL)
         scatter_mean(out, rows, layout, global_k, torch.empty(NUMEL))
         moves.append(float((out - global_k).norm()))
@@ -345,7 +305,7 @@ def _gloo_reduce(rank: int, world: int, values: str, merge: str, decay: float,
     residual, bytes, expected)."""
     import torch.distributed as dist
 
-    from flwr_sharded.parallel.quantize import Workspace
+    from flwr_sharded.parallel.workspace import Workspace
     from flwr_sharded.parallel.sparse import SparseWire, sent_bytes
 
     dist.init_process_group("gloo")
@@ -399,7 +359,7 @@ def test_sparse_wire_reduce_on_gloo_ranks_equals_the_central_merge_on_each(value
 def test_a_dense_flush_sends_each_delta_with_its_whole_residual_through_the_values_ring(merge):
     """Three gloo ranks (one left out), int8 values: the result is global + sum_i s_i (delta_i + 0.95 e_i) (`sum`:
     its residual is already weighted) within the int8 ring's roundings; each residual then holds only those."""
-    from flwr_sharded.parallel.quantize import all_reduce_bytes
+    from flwr_sharded.parallel.ring import all_reduce_bytes
 
     world, decay = 3, 0.95
     results = run_ranks(_gloo_reduce, world, "int8", merge, decay, True, timeout=90)

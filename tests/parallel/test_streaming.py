@@ -211,7 +211,7 @@ def test_bad_sync_options_are_refused_naming_the_option(options, message):
 def test_more_fragments_than_blocks_and_fp8_without_support_are_refused(monkeypatch, data_dir):
     from flwr_sharded.config import TrainConfig
     from flwr_sharded.errors import ConfigError
-    from flwr_sharded.parallel import quantize
+    from flwr_sharded.parallel.codecs import floats
     from flwr_sharded.training.preflight import check_sync
 
     cfg = TrainConfig()
@@ -219,7 +219,7 @@ def test_more_fragments_than_blocks_and_fp8_without_support_are_refused(monkeypa
     with pytest.raises(ConfigError, match=r"--sync-fragments 3: model tiny has 2 transformer blocks.*1\.\.2"):
         check_sync(cfg)
     cfg.parallel.sync_fragments, cfg.parallel.sync_dtype = 2, "float8_e4m3fn"
-    monkeypatch.setattr(quantize, "fp8_supported", lambda device, dtype, probe: False)
+    monkeypatch.setattr(floats, "fp8_supported", lambda device, dtype, probe: False)
     with pytest.raises(ConfigError, match=r"--sync-dtype float8_e4m3fn needs .*quantized wire dtypes on cpu: int8"):
         check_sync(cfg)
 

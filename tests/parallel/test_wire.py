@@ -56,3 +56,31 @@ def test_the_registry_loads_without_torch():
                          env={"PYTHONPATH": str(REPO), "PATH": ""})
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[1] == "False", out.stdout
+
+
+def test_check_wire_dtype_allows_int8_everywhere_and_fp8_where_the_device_casts_it(monkeypatch):
+    import torch
+
+    from flwr_sharded.errors import ConfigError
+    from flwr_sharded.parallel import wire
+
+    assert wire.check_wire_dtype("int8", "cpu") == torch.int8
+    assert wire.check_wire_dtype("float8_e4m3fn", "cpu") == torch.float8_e4m3fn  # torch >= 2.1 casts to e4m3 on CPU
+    assert wire.check_wire_dtype("int4", "cpu") == torch.int4  # torch's placeholder dtype names the format
+    assert wire.check_wire_dtype("float4_e2m1", "cpu") == torch.float4_e2m1fn_x2  # decoded through a table: anywhere
+    assert wire.check_wire_dtype("int2", "cpu") == torch.int2
+    with pytest.raises(ConfigError, match=r"--sync-dtype float16 is not a quantized wire dtype.*int8, float8_e4m3fn"):
+        wire.check_wire_dtype("float16", "cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for capability, ok in (((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert wire.check_wire_dtype("int8", "cuda:0") == torch.int8
+        if ok:
+            assert wire.check_wire_dtype("float8_e4m3fn", "cuda:0") == torch.float8_e4m3fn
+        else:
+            with pytest.raises(ConfigError, match=r"--sync-dtype float8_e4m3fn needs .*capability >= 8.9.*: "
+                                                  r"int8, int4, float4_e2m1, int2$"):
+                wire.check_wire_dtype("float8_e4m3fn", "cuda:0")
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: (_ for _ in ()).throw(RuntimeError("no e4m3")))
+    with pytest.raises(ConfigError, match="on cpu: int8, int4, float4_e2m1, int2$"):  # a CPU that cannot cast to e4m3
+        wire.check_wire_dtype("float8_e4m3fn", "cpu")

@@ -40,7 +40,7 @@ def sample(n: int, seed: int) -> torch.Tensor:
 
 
 def test_the_wire_is_registered_with_the_blockwise_scheme():
-    from flwr_sharded.parallel.quantize import qmax
+    from flwr_sharded.parallel.codecs.blockwise import qmax
     from flwr_sharded.parallel.wire import QUANTIZED, SYNC_DTYPE_BYTES, WIRES, check_wire_dtype
 
     wire = WIRES["float8_e5m2"]
@@ -50,7 +50,7 @@ def test_the_wire_is_registered_with_the_blockwise_scheme():
 
 
 def test_e5m2_dequantize_is_within_an_eighth_of_each_value():
-    from flwr_sharded.parallel.quantize import dequantize, quantize, wire_bytes
+    from flwr_sharded.parallel.codecs.blockwise import dequantize, quantize, wire_bytes
 
     n = 4 * BLOCK + 77
     x = sample(n, 3)
@@ -69,7 +69,7 @@ def _sync_worker(rank: int, world: int, n: int):
 
     import torch.distributed as dist
 
-    from flwr_sharded.parallel.quantize import all_reduce_bytes
+    from flwr_sharded.parallel.ring import all_reduce_bytes
     from flwr_sharded.parallel.sync import ShardSync
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))

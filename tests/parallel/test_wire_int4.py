@@ -16,7 +16,7 @@ WEIGHTS = {0: 1.0, 1: 3.0}
 
 
 def test_the_wire_is_registered_with_half_of_int8s_bytes():
-    from flwr_sharded.parallel.quantize import qmax
+    from flwr_sharded.parallel.codecs.blockwise import qmax
     from flwr_sharded.parallel.wire import QUANTIZED, SYNC_DTYPE_BYTES, WIRES, check_wire_dtype
 
     wire = WIRES["int4"]
@@ -26,7 +26,7 @@ def test_the_wire_is_registered_with_half_of_int8s_bytes():
 
 
 def test_float4_e2m1_shares_int4s_bytes_and_is_found_by_torchs_dtype():
-    from flwr_sharded.parallel.quantize import qmax, quantize
+    from flwr_sharded.parallel.codecs.blockwise import qmax, quantize
     from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES, WIRES, check_wire_dtype, wire_of
 
     fp4 = torch.float4_e2m1fn_x2  # torch's dtype holds two e2m1 values
@@ -38,7 +38,7 @@ def test_float4_e2m1_shares_int4s_bytes_and_is_found_by_torchs_dtype():
 
 
 def _sync_worker(rank: int, world: int):
-    from flwr_sharded.parallel.quantize import all_reduce_bytes
+    from flwr_sharded.parallel.ring import all_reduce_bytes
     from flwr_sharded.parallel.alignment import local_shard
     from flwr_sharded.parallel.sync import ShardSync
 
