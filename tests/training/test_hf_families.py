@@ -312,6 +312,40 @@ def test_a_transposed_tensor_is_read_and_written_column_by_column_and_other_conv
         hf_reader.check_pretrained(str(directory))
 
 
+def test_a_family_quirk_registered_in_the_adapter_is_read_written_and_loaded_by_transformers_alike(tmp_path,
+                                                                                                    monkeypatch):
+    """A renaming transformers lacks (a Llama head stored as `lm_head.kernel`), added by the adapter's
+    `register_family_conversion` alone: the plan reads it, the published layout writes it, `from_pretrained` loads it."""
+    import copy
+
+    import transformers.conversion_mapping as mapping
+    from safetensors.torch import save_file
+    from transformers.core_model_loading import WeightRenaming
+
+    from flwr_sharded.training import hf_conversion, hf_reader
+    from flwr_sharded.training.models import build_meta_model
+    from flwr_sharded.training.transformers_adapter import register_family_conversion
+
+    mapping.get_checkpoint_conversion_mapping("llama")  # builds transformers' table, restored after the test
+    monkeypatch.setattr(mapping, "_checkpoint_conversion_mapping_cache",
+                        copy.deepcopy(mapping._checkpoint_conversion_mapping_cache))
+    if hasattr(mapping, "USER_REGISTERED_MAPPINGS"):  # not in transformers 5.6
+        monkeypatch.setattr(mapping, "USER_REGISTERED_MAPPINGS", set(mapping.USER_REGISTERED_MAPPINGS))
+    directory = _saved("llama", tmp_path / "llama")
+    tensors = _tensors(directory)
+    head = tensors.pop("lm_head.weight")
+    tensors["lm_head.kernel"] = head
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=r"missing, e.g. \['lm_head.weight'\]"):
+        hf_reader.check_pretrained(str(directory))
+    register_family_conversion("llama", [WeightRenaming("lm_head.kernel", "lm_head.weight")])
+    hf_reader.check_pretrained(str(directory))
+    assert torch.equal(_read_in_row_ranges(directory, 5)["lm_head.weight"], head)
+    assert torch.equal(_reference(directory)["lm_head.weight"], head)
+    shapes, _ = hf_conversion.published_layout(build_meta_model(_config("llama")))
+    assert "lm_head.kernel" in dict(shapes) and "lm_head.weight" not in dict(shapes)
+
+
 # ------------------------------------------------------------------------------------------------ several ranks
 
 def _load_loss_save(rank: int, world: int, src: str, out: str, batch: torch.Tensor) -> tuple[float, float]:
