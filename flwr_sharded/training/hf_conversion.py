@@ -105,7 +105,7 @@ class Fusion:
     groups: dict[str, Group]
 
 
-def _merge(fusion: Fusion, op: Operation) -> None:
+def _stack(fusion: Fusion, op: Operation) -> None:
     """MergeModulelist: each pattern's tensors stacked along `dim` (experts: numbered 0, 1, ...)."""
     dim = op.fields["dim"]
     for pattern, group in fusion.groups.items():
@@ -146,7 +146,7 @@ def _transpose(fusion: Fusion, op: Operation) -> None:
 
 
 OPERATIONS: dict[str, Callable[[Fusion, Operation], None]] = {
-    "MergeModulelist": _merge, "Concatenate": _concatenate, "Transpose": _transpose}
+    "MergeModulelist": _stack, "Concatenate": _concatenate, "Transpose": _transpose}
 """How the plan reads each operation of transformers' converters it can read (`ROW_WISE_OPS`, `COLUMN_OPS`); the
 attributes each needs come from `transformers_adapter.OPERATION_FIELDS`."""
 

@@ -202,13 +202,13 @@ class _Recorder:
         """`transformers.initialization`'s functions replaced by this recorder (torch.nn.init's too, through
         `guard_torch_init_functions`, which installs them)."""
         def recorder(func_name: str) -> Callable[..., torch.Tensor]:
-            def record(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            def recorded(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
                 self.depth += 1
                 try:
                     return self.record(func_name, tensor, *args, **kwargs)
                 finally:
                     self.depth -= 1
-            return record
+            return recorded
 
         with replaced_init_functions({name: recorder(name) for name in (*_RECORDED, *_UNSUPPORTED)}):
             yield
