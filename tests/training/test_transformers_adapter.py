@@ -3,6 +3,8 @@ API when one is missing (fast tier: no processes)."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import transformers
 from transformers import PreTrainedModel
@@ -17,6 +19,9 @@ def test_every_wrapped_internal_is_found_on_the_installed_transformers():
     adapter.check_available()
     assert set(adapter.OPERATION_FIELDS) == set(OPERATIONS)  # every operation the plan reads, its fields looked up
     assert set(_RECORDED) <= set(adapter.INIT_FUNCTIONS)
+    for name, (_, parse) in _RECORDED.items():  # the recorder reads each call's arguments as transformers names them
+        wrapped = adapter.internal("initialization", name)
+        assert list(inspect.signature(wrapped).parameters)[1:] == list(inspect.signature(parse).parameters), name
 
 
 def test_the_wrapped_calls_work_on_a_model():
