@@ -3,7 +3,7 @@
     PYTHONPATH=. .venv/bin/python benchmarks/hf_writer_compare.py --out /tmp/hf_writer_compare
 
 An untied Llama (2 blocks, `--vocab` x `--hidden` embedding and head: 0.57 GiB in fp32 at the defaults), FSDP2 over
-`--world` CPU gloo ranks (fsdp, S = world), is saved twice: by `hf_checkpoint.save_sharded_pretrained` (every rank
+`--world` CPU gloo ranks (fsdp, S = world), is saved twice: by `hf_writer.save_sharded_pretrained` (every rank
 writes its own rows in place) and by `dcp.save` with `HuggingFaceStorageWriter(save_distributed=True,
 enable_consolidation=True)` (every rank writes its shards to `sharded/`, then the coordinator merges them into the
 consolidated files). Per rank: the peak RSS over the save above the RSS before it (`VmHWM`, reset), and the seconds;
@@ -54,7 +54,7 @@ def _save(rank: int, world: int, how: str, out: str, vocab: int, hidden: int) ->
     memory = PeakRSS(current_rss())
     start = time.perf_counter()
     if how == "hand":
-        from flwr_sharded.training.hf_checkpoint import save_sharded_pretrained
+        from flwr_sharded.training.hf_writer import save_sharded_pretrained
 
         save_sharded_pretrained(model, Path(out) / how, group=topo.group_pg)
     else:

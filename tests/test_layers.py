@@ -11,6 +11,7 @@ to `pkg`'s `__init__`: Python runs it, but the package's `__init__`s only docume
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import os
 import subprocess
@@ -211,3 +212,48 @@ def test_planner_runs_without_torch():
     code, loaded = json.loads(proc.stdout.strip().splitlines()[-1])
     assert code == 0 and "Recommended:" in proc.stdout, proc.stdout + proc.stderr
     assert loaded == [], f"the planner loaded torch: {loaded[:5]}"
+
+
+ADAPTER = f"{PACKAGE}.training.transformers_adapter"
+
+
+def transformers_private_names() -> set[str]:
+    """The private members transformers adds to a model (`PreTrainedModel`'s beyond `nn.Module`'s) and the flag its
+    init functions read on tensors."""
+    from torch import nn
+    from transformers import PreTrainedModel
+
+    from flwr_sharded.training.transformers_adapter import HF_INITIALIZED
+
+    return {name for name in dir(PreTrainedModel) if name.startswith("_") and not name.startswith("__")
+            and not hasattr(nn.Module, name)} | {HF_INITIALIZED}
+
+
+def transformers_internals_used(path: Path, private: set[str]) -> list[str]:
+    """What a module takes from transformers beyond its public top-level names: an import of or from a submodule
+    (`transformers.initialization`, `transformers.core_model_loading`, ...) or of an underscore name, and any use
+    (attribute or string) of one of `private`."""
+    found = []
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in _imports(tree):
+        modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+        names = [] if isinstance(node, ast.Import) else [a.name for a in node.names]
+        if any(m.startswith("transformers.") for m in modules) or (modules == ["transformers"] and any(
+                n.startswith("_") or importlib.util.find_spec(f"transformers.{n}") for n in names)):
+            found.append(f"line {node.lineno}: imports {', '.join(modules)} {', '.join(names)}".strip())
+    for node in ast.walk(tree):
+        name = node.attr if isinstance(node, ast.Attribute) else node.value if isinstance(node, ast.Constant) else None
+        if isinstance(name, str) and name in private:
+            found.append(f"line {node.lineno}: {name}")
+    return found
+
+
+def test_only_the_adapter_reaches_into_transformers_internals():
+    """Every private or version-dependent internal of transformers is used through
+    `training/transformers_adapter.py` alone, so that a release that renames one breaks that file only."""
+    private = transformers_private_names()
+    assert {"_init_weights", "_no_split_modules", "_is_hf_initialized"} <= private
+    offending = [f"{module} {use}" for module, path in module_files().items() if module != ADAPTER
+                 for use in transformers_internals_used(path, private)]
+    assert not offending, "\n".join(offending)
+    assert transformers_internals_used(module_files()[ADAPTER], private)  # the check sees what the adapter does

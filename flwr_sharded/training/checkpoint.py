@@ -477,9 +477,10 @@ def export_pretrained(checkpoint: str | Path, out: str | Path, *, dtype: torch.d
     at its offset in the pre-sized safetensors file(s) and freed. Peak memory: about the largest tensor (usually the
     embedding), whatever the model's size or the ranks that wrote the checkpoint."""
     from flwr_sharded.config import config_from_dict
-    from flwr_sharded.training import hf_checkpoint
+    from flwr_sharded.training import hf_writer
     from flwr_sharded.training.data import load_tokenizer
-    from flwr_sharded.training.models import build_meta_model, model_config
+    from flwr_sharded.training.hf_conversion import published_layout
+    from flwr_sharded.training.models import build_meta_model, model_config, saved_tensors
 
     checkpoint = Path(checkpoint)
     if not (checkpoint / "meta.json").is_file():
@@ -492,14 +493,14 @@ def export_pretrained(checkpoint: str | Path, out: str | Path, *, dtype: torch.d
     model = build_meta_model(model_config(cfg.model.name, vocab_size=meta["vocab_size"],
                                           max_seq_len=cfg.data.seq_len))  # names and shapes only
     stored = checkpoint_files.SafeReader(str(checkpoint)).read_metadata().state_dict_metadata
-    tensors = [name for name, _ in hf_checkpoint.saved_tensors(model)]
+    tensors = [name for name, _ in saved_tensors(model)]
     missing = [name for name in tensors if f"model.{name}" not in stored]
     if missing:
         raise ConfigError(f"--checkpoint: {checkpoint} lacks the model's {missing[:3]}")
     dtype = dtype or stored[f"model.{tensors[0]}"].properties.dtype
-    shapes, plan = hf_checkpoint.published_layout(model)  # the names and expert layout save_pretrained writes
-    layout = hf_checkpoint.plan_layout(shapes, dtype, max_file_bytes=max_file_bytes or hf_checkpoint.MAX_FILE_BYTES)
-    hf_checkpoint.create_files(out, layout)
+    shapes, plan = published_layout(model)  # the names and expert layout save_pretrained writes
+    layout = hf_writer.plan_layout(shapes, dtype, max_file_bytes=max_file_bytes or hf_writer.MAX_FILE_BYTES)
+    hf_writer.create_files(out, layout)
     for name in tensors:
         info = stored[f"model.{name}"]
         tensor = torch.empty(tuple(info.size), dtype=info.properties.dtype)
@@ -507,8 +508,8 @@ def export_pretrained(checkpoint: str | Path, out: str | Path, *, dtype: torch.d
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # single-process by design
             dcp.load({"model": {name: tensor}}, storage_reader=checkpoint_files.SafeReader(str(checkpoint)),
                      no_dist=True)
-        hf_checkpoint.write_local(out, layout, plan[name], tensor, 0)
+        hf_writer.write_local(out, layout, plan[name], tensor, 0)
         del tensor
-    hf_checkpoint.commit(out, layout)
-    hf_checkpoint.write_config(out, model, dtype, load_tokenizer(cfg.data, cfg.model.name))
+    hf_writer.commit(out, layout)
+    hf_writer.write_config(out, model, dtype, load_tokenizer(cfg.data, cfg.model.name))
     return Path(out)

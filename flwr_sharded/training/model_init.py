@@ -5,7 +5,7 @@ and filled, from a pretrained checkpoint or by a seeded init. The seeded init is
 which rows; each rank then applies those ops to its own rows, every random op drawn in fixed blocks of
 `INIT_BLOCK_ROWS` rows of the full parameter (a 3-D parameter's rows: all its dimensions but the last flattened),
 each block seeded by (seed, name, block): the same full parameters for any F, R, S and device. Buffers come from the
-model's own `_init_weights` too.
+model's own `_init_weights` too. Each of those reaches into transformers goes through `transformers_adapter`.
 """
 
 from __future__ import annotations
@@ -26,9 +26,11 @@ from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.shard_transport import row_offset
 from flwr_sharded.parallel.sharding import apply_activation_checkpointing, apply_fsdp
 from flwr_sharded.parallel.alignment import local_shard
-from flwr_sharded.training import hf_checkpoint
+from flwr_sharded.training.hf_reader import load_local_shards, resolve_pretrained
 from flwr_sharded.training.models import build_meta_model, is_preset, model_config, owned_parameters, transformer_blocks
 from flwr_sharded.training.partition import seeded_generator
+from flwr_sharded.training.transformers_adapter import (INIT_FUNCTIONS, init_module_buffers, replaced_init_functions,
+                                                        run_initialize_weights)
 
 INIT_BLOCK_ROWS = 64
 """Rows of a parameter's full shape drawn from one generator: a fixed grid, whatever the sharding."""
@@ -59,7 +61,7 @@ def build_sharded_model(name: str, *, vocab_size: int, max_seq_len: int, mesh: D
     """Build, shard and initialise by `seed` (or load, if `pretrained` and not a preset) the causal LM `name` (as
     `--model`) on the FSDP `mesh`, ("shard",) or ("rep", "shard"); collective-free. `vocab_size`: the tokenizer's,
     for presets that fix none."""
-    directory = hf_checkpoint.resolve_pretrained(name) if pretrained and not is_preset(name) else None
+    directory = resolve_pretrained(name) if pretrained and not is_preset(name) else None
     model = build_meta_model(model_config(str(directory or name), vocab_size=vocab_size, max_seq_len=max_seq_len))
     plan = record_init(model, name) if directory is None else {}  # recorded before sharding
     if activation_checkpointing:
@@ -68,7 +70,7 @@ def build_sharded_model(name: str, *, vocab_size: int, max_seq_len: int, mesh: D
                reshard_after_forward=reshard_after_forward)
     materialize(model, device)
     if directory is not None:
-        hf_checkpoint.load_local_shards(model, directory)
+        load_local_shards(model, directory)
     else:
         init_local_shards(model, seed, plan)
     return model
@@ -91,7 +93,6 @@ def materialize(model: nn.Module, device: torch.device | str) -> None:
 @torch.no_grad()
 def reset_buffers(model: nn.Module) -> None:
     """Recompute the buffers of a materialised model with its `_init_weights` (parameters untouched)."""
-    init_weights = getattr(model, "_init_weights", None)
     for module in model.modules():
         buffers = [b for b in module._buffers.values() if b is not None]
         if not buffers:
@@ -99,15 +100,7 @@ def reset_buffers(model: nn.Module) -> None:
         for buffer in buffers:
             if buffer.is_floating_point():
                 buffer.fill_(float("nan"))  # whatever `_init_weights` does not set is caught below
-        own = [p for p in module._parameters.values() if p is not None]
-        for param in own:  # Hugging Face's init functions skip tensors marked initialised
-            param._is_hf_initialized = True
-        try:
-            if init_weights is not None:
-                init_weights(module)
-        finally:
-            for param in own:
-                del param._is_hf_initialized
+        init_module_buffers(model, module)
         unset = [n for n, b in module._buffers.items() if b is not None and b.is_floating_point() and b.isnan().any()]
         if unset:
             raise NotImplementedError(f"cannot recompute buffers {unset} of {type(module).__name__} after "
@@ -136,9 +129,9 @@ _RECORDED = {  # transformers.initialization function -> (kind, its args as reco
     "zeros_": ("constant", lambda: (0.0,)),
     "copy_": ("copy", lambda other: (other,)),
 }
-_UNSUPPORTED = ("eye_", "dirac_", "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_",
-                "orthogonal_", "sparse_", "lecun_normal_", "default_flax_embed_init_")
-"""Whole-tensor inits (they depend on the full shape, or draw the tensor as one): refused by name."""
+_UNSUPPORTED = tuple(name for name in INIT_FUNCTIONS if name not in _RECORDED)
+"""Whole-tensor inits (they depend on the full shape, or draw the tensor as one: `eye_`, `xavier_uniform_`, ...),
+and any other function of `transformers.initialization`: refused by name."""
 
 
 class _Recorder:
@@ -208,26 +201,17 @@ class _Recorder:
     def patched(self) -> Iterator[None]:
         """`transformers.initialization`'s functions replaced by this recorder (torch.nn.init's too, through
         `guard_torch_init_functions`, which installs them)."""
-        from transformers import initialization
-
-        saved = {name: getattr(initialization, name) for name in (*_RECORDED, *_UNSUPPORTED)}
-
         def recorder(func_name: str) -> Callable[..., torch.Tensor]:
-            def record(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            def recorded(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
                 self.depth += 1
                 try:
                     return self.record(func_name, tensor, *args, **kwargs)
                 finally:
                     self.depth -= 1
-            return record
+            return recorded
 
-        try:
-            for name in saved:
-                setattr(initialization, name, recorder(name))
+        with replaced_init_functions({name: recorder(name) for name in (*_RECORDED, *_UNSUPPORTED)}):
             yield
-        finally:
-            for name, func in saved.items():
-                setattr(initialization, name, func)
 
 
 _NOT_WRITES = ("requires_grad_", "share_memory_", "retain_grad")
@@ -257,30 +241,15 @@ def record_init(model: nn.Module, label: str = "") -> InitPlan:
     """What the model's own `initialize_weights` does to each parameter of `model` (on the meta device, before
     sharding), as row-wise ops; a ConfigError naming the parameter and op for what cannot be sharded, or for a
     parameter it leaves unset."""
-    from transformers import PreTrainedModel
-
     recorder = _Recorder(model, label or type(model).__name__)
-    subs = [m for m in model.modules() if isinstance(m, PreTrainedModel)]
 
-    def tracking(sub: PreTrainedModel) -> Callable[[nn.Module], None]:
-        own = type(sub)._init_weights.__get__(sub)
+    def around(module: nn.Module, init_weights: Callable[[], None]) -> None:
+        recorder.module = module
+        init_weights()
+        recorder.module = None
 
-        def init_weights(module: nn.Module) -> None:
-            recorder.module = module
-            own(module)
-            recorder.module = None
-        return init_weights
-
-    try:
-        for sub in subs:
-            sub._init_weights = tracking(sub)
-        with recorder.patched(), _InPlaceWatch(recorder):
-            model.initialize_weights()
-    finally:
-        for sub in subs:
-            sub.__dict__.pop("_init_weights", None)
-        for module in model.modules():
-            module.__dict__.pop("_is_hf_initialized", None)
+    with recorder.patched(), _InPlaceWatch(recorder):
+        run_initialize_weights(model, around)
     unset = [name for name, ops in recorder.ops.items() if not any(op.rows is None for op in ops)]
     if unset:
         raise ConfigError(f"--model {recorder.label}: its _init_weights leaves {len(unset)} parameter(s) unset, e.g. "

@@ -12,6 +12,7 @@ from torch import nn
 
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.presets import PRESETS, Preset
+from flwr_sharded.training.transformers_adapter import block_class_names
 
 __all__ = ["PRESETS", "Preset", "build_meta_model", "build_model", "canonical_name", "check_hub_cache",
            "check_model_name", "is_preset", "model_config", "owned_parameters", "saved_tensors", "transformer_blocks"]
@@ -88,7 +89,7 @@ def build_meta_model(config: Any) -> nn.Module:
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks of a Hugging Face model, found from its `_no_split_modules` class names (before or after
     `fully_shard`, which subclasses each block's class)."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
+    names = block_class_names(model)
     blocks = [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
     if not blocks:
         raise ValueError(f"cannot find the transformer blocks of {type(model).__name__}: no module is one of its "

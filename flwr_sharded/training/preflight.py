@@ -48,7 +48,7 @@ def check_model_and_data(cfg: TrainConfig) -> None:
     check_hub_cache(cfg.model.name)
     check_sync(cfg)
     if cfg.model.pretrained and not is_preset(cfg.model.name):
-        from flwr_sharded.training.hf_checkpoint import check_pretrained
+        from flwr_sharded.training.hf_reader import check_pretrained
 
         check_pretrained(cfg.model.name)  # config.json and safetensors headers only
     else:

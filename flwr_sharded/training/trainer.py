@@ -26,7 +26,7 @@ from flwr_sharded.training.metrics import PhaseTimer, Throughput
 from flwr_sharded.training.model_init import build_sharded_model
 from flwr_sharded.training.partition import BatchStream, eval_batches
 from flwr_sharded.training.proximal import ProximalTerm
-from flwr_sharded.training.hf_checkpoint import save_sharded_pretrained
+from flwr_sharded.training.hf_writer import save_sharded_pretrained
 
 logger = logging.getLogger(__name__)
 

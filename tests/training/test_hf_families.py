@@ -93,21 +93,21 @@ def _by_hand(family: str, model, directory: Path) -> Path:
 
 def _read_in_row_ranges(directory: Path, rows_per_rank: int) -> dict[str, torch.Tensor]:
     """Every model tensor read as ranks owning `rows_per_rank` rows each would read it, through the plan."""
-    from flwr_sharded.training import hf_checkpoint
+    from flwr_sharded.training import hf_conversion, hf_reader
     from flwr_sharded.training.models import build_meta_model, saved_tensors
 
     from transformers import AutoConfig
 
     model = build_meta_model(AutoConfig.from_pretrained(directory))
-    stored = hf_checkpoint.stored_tensors(directory)
-    plan, unexpected = hf_checkpoint.conversion_plan(model, {k: t.shape for k, t in stored.items()})
+    stored = hf_reader.stored_tensors(directory)
+    plan, unexpected = hf_conversion.conversion_plan(model, {k: t.shape for k, t in stored.items()})
     assert not unexpected
     out = {}
     for name, meta in saved_tensors(model):
         full = torch.full(meta.shape, float("nan"))
         for start in range(0, max(1, full.shape[0] if full.dim() else 1), rows_per_rank):
-            hf_checkpoint._read_local(plan[name], stored, full[start:start + rows_per_rank] if full.dim() else full,
-                                      start)
+            hf_reader._read_local(plan[name], stored, full[start:start + rows_per_rank] if full.dim() else full,
+                                  start)
         out[name] = full
     return out
 
@@ -120,15 +120,15 @@ def _reference(directory: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_save_pretrained_layout_is_read_row_by_row_and_is_the_export_layout(family, tmp_path):
-    from flwr_sharded.training import hf_checkpoint
+    from flwr_sharded.training import hf_conversion, hf_reader
     from flwr_sharded.training.models import build_meta_model
 
     directory = _saved(family, tmp_path / family)
     written = _tensors(directory)
     if family in PUBLISHED_KEYS:
         assert PUBLISHED_KEYS[family] in written  # transformers 5 saves the published layout
-    assert hf_checkpoint.check_pretrained(str(directory)) == directory
-    shapes, _ = hf_checkpoint.published_layout(build_meta_model(_config(family)))
+    assert hf_reader.check_pretrained(str(directory)) == directory
+    shapes, _ = hf_conversion.published_layout(build_meta_model(_config(family)))
     assert dict(shapes) == {k: tuple(v.shape) for k, v in written.items()}  # the export's names and shapes
     reference = _reference(directory)
     for rows in (1, 3):
@@ -138,7 +138,7 @@ def test_save_pretrained_layout_is_read_row_by_row_and_is_the_export_layout(fami
 
 @pytest.mark.parametrize("family", list(PUBLISHED_KEYS))
 def test_a_hand_written_published_checkpoint_is_what_transformers_reads_and_writes(family, tmp_path):
-    from flwr_sharded.training import hf_checkpoint
+    from flwr_sharded.training import hf_reader
 
     model = _model(family, seed=1)
     directory = _by_hand(family, model, tmp_path / "published")
@@ -146,7 +146,7 @@ def test_a_hand_written_published_checkpoint_is_what_transformers_reads_and_writ
     assert all(torch.equal(reference[k], v) for k, v in model.state_dict().items())
     model.save_pretrained(tmp_path / "saved")
     assert _tensors(directory).keys() == _tensors(tmp_path / "saved").keys()
-    hf_checkpoint.check_pretrained(str(directory))
+    hf_reader.check_pretrained(str(directory))
     loaded = _read_in_row_ranges(directory, 1)
     assert all(torch.equal(loaded[k], reference[k]) for k in loaded)
 
@@ -155,7 +155,7 @@ def test_an_expert_is_read_in_pieces_of_at_most_chunk_bytes(tmp_path, monkeypatc
     """However large one expert (one row of a fused 3-D tensor) is, a read holds at most `CHUNK_BYTES` of it."""
     import safetensors
 
-    from flwr_sharded.training import hf_checkpoint
+    from flwr_sharded.training import hf_reader
 
     directory = _saved("mixtral", tmp_path / "mixtral")
     real_open, reads = safetensors.safe_open, []
@@ -184,7 +184,7 @@ def test_an_expert_is_read_in_pieces_of_at_most_chunk_bytes(tmp_path, monkeypatc
             return Slice(self.inner.get_slice(name))
 
     monkeypatch.setattr(safetensors, "safe_open", Handle)
-    monkeypatch.setattr(hf_checkpoint, "CHUNK_BYTES", 1024)  # an expert's w1 is 48 x 32 fp32: 6 KiB
+    monkeypatch.setattr(hf_reader, "CHUNK_BYTES", 1024)  # an expert's w1 is 48 x 32 fp32: 6 KiB
     loaded = _read_in_row_ranges(directory, 1)
     assert reads and max(reads) <= 1024
     reference = _reference(directory)
@@ -193,14 +193,14 @@ def test_an_expert_is_read_in_pieces_of_at_most_chunk_bytes(tmp_path, monkeypatc
 
 def test_experts_split_over_several_files_in_bf16_load(tmp_path):
     """A Qwen3-MoE saved by transformers in bf16 over several files (its index): each expert from its own file."""
-    from flwr_sharded.training import hf_checkpoint
+    from flwr_sharded.training import hf_reader
 
     directory = tmp_path / "qwen3_moe"
     _model("qwen3_moe").to(torch.bfloat16).save_pretrained(directory, max_shard_size="8KB")
     index = json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"]
     experts = {file for key, file in index.items() if ".experts." in key and "layers.0." in key}
     assert len(experts) > 1
-    hf_checkpoint.check_pretrained(str(directory))
+    hf_reader.check_pretrained(str(directory))
     reference = _reference(directory)
     for rows in (1, 3):
         loaded = _read_in_row_ranges(directory, rows)
@@ -211,14 +211,14 @@ def test_a_fused_checkpoint_loads_under_the_model_names(tmp_path):
     """A Mixtral stored with transformers 5's fused module names (no conversion) loads as from_pretrained does."""
     from safetensors.torch import save_file
 
-    from flwr_sharded.training import hf_checkpoint
+    from flwr_sharded.training import hf_reader
 
     model = _model("mixtral", seed=2)
     (tmp_path / "fused").mkdir()
     model.config.save_pretrained(tmp_path / "fused")
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "fused" / "model.safetensors"),
               metadata={"format": "pt"})
-    hf_checkpoint.check_pretrained(str(tmp_path / "fused"))
+    hf_reader.check_pretrained(str(tmp_path / "fused"))
     loaded = _read_in_row_ranges(tmp_path / "fused", 1)
     assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
 
@@ -229,7 +229,7 @@ def test_a_converted_checkpoint_that_does_not_fit_is_refused_in_one_line_before_
     from safetensors.torch import save_file
 
     from flwr_sharded.train import main
-    from flwr_sharded.training.hf_checkpoint import check_pretrained
+    from flwr_sharded.training.hf_reader import check_pretrained
 
     directory = _saved("mixtral", tmp_path / "mixtral")
     good = _tensors(directory)
@@ -271,7 +271,7 @@ def test_a_transposed_tensor_is_read_and_written_column_by_column_and_other_conv
     from safetensors.torch import load_file, save_file
     from transformers.core_model_loading import PermuteForRope, Transpose, WeightConverter
 
-    from flwr_sharded.training import hf_checkpoint
+    from flwr_sharded.training import hf_conversion, hf_reader, hf_writer
     from flwr_sharded.training.models import build_meta_model
 
     directory = _saved("llama", tmp_path / "llama")
@@ -286,29 +286,64 @@ def test_a_transposed_tensor_is_read_and_written_column_by_column_and_other_conv
         return [WeightConverter("lm_head.kernel", "lm_head.weight", operations=[op]), *original(model, *args, **kwargs)]
 
     monkeypatch.setattr(mapping, "get_model_conversion_mapping", with_head)
-    monkeypatch.setattr(hf_checkpoint, "CHUNK_BYTES", 64)  # several pieces of checkpoint rows
-    hf_checkpoint.check_pretrained(str(directory))
+    monkeypatch.setattr(hf_reader, "CHUNK_BYTES", 64)  # several pieces of checkpoint rows
+    monkeypatch.setattr(hf_writer, "CHUNK_BYTES", 64)
+    hf_reader.check_pretrained(str(directory))
     for rows in (1, 5, 96):
         assert torch.equal(_read_in_row_ranges(directory, rows)["lm_head.weight"], head)
 
     model = build_meta_model(_config("llama"))
-    shapes, plan = hf_checkpoint.published_layout(model)
+    shapes, plan = hf_conversion.published_layout(model)
     assert dict(shapes)["lm_head.kernel"] == (32, 96)  # save_pretrained's reverse conversion transposes it back
-    layout = hf_checkpoint.plan_layout(shapes, torch.float32)
-    hf_checkpoint.create_files(tmp_path / "out", layout)
+    layout = hf_writer.plan_layout(shapes, torch.float32)
+    hf_writer.create_files(tmp_path / "out", layout)
     for name, _ in shapes:
         if name != "lm_head.kernel":
-            hf_checkpoint.write_rows(tmp_path / "out", layout, name, 0, tensors[name])
+            hf_writer.write_rows(tmp_path / "out", layout, name, 0, tensors[name])
     for start in range(0, 96, 7):  # ranks of 7 rows, the last one short
-        hf_checkpoint.write_local(tmp_path / "out", layout, plan["lm_head.weight"], head[start:start + 7], start)
-    hf_checkpoint.commit(tmp_path / "out", layout)
+        hf_writer.write_local(tmp_path / "out", layout, plan["lm_head.weight"], head[start:start + 7], start)
+    hf_writer.commit(tmp_path / "out", layout)
     written = load_file(tmp_path / "out" / "model.safetensors")
     assert written.keys() == tensors.keys() and all(torch.equal(written[k], v) for k, v in tensors.items())
 
     op = PermuteForRope()  # a conversion of every transformers 5 from the floor on
     with pytest.raises(ConfigError, match=r"lm_head.weight is converted from \['lm_head.kernel'\] by transformers' "
                                           r"PermuteForRope, which the sharded loader does not read"):
-        hf_checkpoint.check_pretrained(str(directory))
+        hf_reader.check_pretrained(str(directory))
+
+
+def test_a_family_quirk_registered_in_the_adapter_is_read_written_and_loaded_by_transformers_alike(tmp_path,
+                                                                                                    monkeypatch):
+    """A renaming transformers lacks (a Llama head stored as `lm_head.kernel`), added by the adapter's
+    `register_family_conversion` alone: the plan reads it, the published layout writes it, `from_pretrained` loads it."""
+    import copy
+
+    import transformers.conversion_mapping as mapping
+    from safetensors.torch import save_file
+    from transformers.core_model_loading import WeightRenaming
+
+    from flwr_sharded.training import hf_conversion, hf_reader
+    from flwr_sharded.training.models import build_meta_model
+    from flwr_sharded.training.transformers_adapter import register_family_conversion
+
+    mapping.get_checkpoint_conversion_mapping("llama")  # builds transformers' table, restored after the test
+    monkeypatch.setattr(mapping, "_checkpoint_conversion_mapping_cache",
+                        copy.deepcopy(mapping._checkpoint_conversion_mapping_cache))
+    if hasattr(mapping, "USER_REGISTERED_MAPPINGS"):  # not in transformers 5.6
+        monkeypatch.setattr(mapping, "USER_REGISTERED_MAPPINGS", set(mapping.USER_REGISTERED_MAPPINGS))
+    directory = _saved("llama", tmp_path / "llama")
+    tensors = _tensors(directory)
+    head = tensors.pop("lm_head.weight")
+    tensors["lm_head.kernel"] = head
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=r"missing, e.g. \['lm_head.weight'\]"):
+        hf_reader.check_pretrained(str(directory))
+    register_family_conversion("llama", [WeightRenaming("lm_head.kernel", "lm_head.weight")])
+    hf_reader.check_pretrained(str(directory))
+    assert torch.equal(_read_in_row_ranges(directory, 5)["lm_head.weight"], head)
+    assert torch.equal(_reference(directory)["lm_head.weight"], head)
+    shapes, _ = hf_conversion.published_layout(build_meta_model(_config("llama")))
+    assert "lm_head.kernel" in dict(shapes) and "lm_head.weight" not in dict(shapes)
 
 
 # ------------------------------------------------------------------------------------------------ several ranks
@@ -320,7 +355,7 @@ def _load_loss_save(rank: int, world: int, src: str, out: str, batch: torch.Tens
     from flwr_sharded.config import ParallelConfig
     from flwr_sharded.parallel.sharding import mixed_precision_policy
     from flwr_sharded.parallel.topology import init_topology
-    from flwr_sharded.training.hf_checkpoint import save_sharded_pretrained
+    from flwr_sharded.training.hf_writer import save_sharded_pretrained
     from flwr_sharded.training.model_init import build_sharded_model
 
     topo = init_topology(ParallelConfig(method="fsdp", shards=world))

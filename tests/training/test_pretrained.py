@@ -47,7 +47,7 @@ def _load_and_save(rank: int, world: int, layout: dict, cases: list[dict]):
     from flwr_sharded.parallel.sharding import mixed_precision_policy
     from flwr_sharded.parallel.topology import init_topology
     from flwr_sharded.training.model_init import build_sharded_model
-    from flwr_sharded.training.hf_checkpoint import save_sharded_pretrained
+    from flwr_sharded.training.hf_writer import save_sharded_pretrained
 
     topo = init_topology(ParallelConfig(**layout))
     diffs = []
@@ -127,7 +127,7 @@ def test_a_mismatched_checkpoint_is_a_config_error_before_any_process_group(tmp_
     import torch.distributed as dist
 
     from flwr_sharded.train import main
-    from flwr_sharded.training.hf_checkpoint import check_pretrained
+    from flwr_sharded.training.hf_reader import check_pretrained
 
     good = _write_checkpoint(tmp_path / "good", tied=True)
     assert check_pretrained(str(good)) == good
@@ -178,7 +178,7 @@ def test_a_mismatched_checkpoint_is_a_config_error_before_any_process_group(tmp_
 def test_a_hub_id_is_downloaded_with_snapshot_download(tmp_path, monkeypatch):
     import huggingface_hub
 
-    from flwr_sharded.training.hf_checkpoint import check_pretrained
+    from flwr_sharded.training.hf_reader import check_pretrained
 
     local = _write_checkpoint(tmp_path / "snapshot", tied=True)
     calls = []
@@ -245,27 +245,28 @@ def test_rows_are_read_and_written_in_pieces_at_their_offsets(tmp_path, monkeypa
     """The chunked paths of `read_file_rows` and `write_rows` (one row per piece), bf16 conversion, a scalar."""
     from safetensors.torch import load_file, save_file
 
-    from flwr_sharded.training import hf_checkpoint
+    from flwr_sharded.training import hf_reader, hf_writer
 
     gen = torch.Generator().manual_seed(0)
     tensors = {"a": torch.randn(10, 3, generator=gen), "b": torch.randn(7, generator=gen), "c": torch.tensor(2.5)}
     save_file(tensors, str(tmp_path / "src.safetensors"))
-    monkeypatch.setattr(hf_checkpoint, "CHUNK_BYTES", 1)
+    monkeypatch.setattr(hf_reader, "CHUNK_BYTES", 1)
+    monkeypatch.setattr(hf_writer, "CHUNK_BYTES", 1)
     rows = torch.empty(4, 3, dtype=torch.bfloat16)
-    hf_checkpoint.read_file_rows(tmp_path / "src.safetensors", "a", rows, 5)
+    hf_reader.read_file_rows(tmp_path / "src.safetensors", "a", rows, 5)
     assert torch.equal(rows, tensors["a"][5:9].bfloat16())
     scalar = torch.empty(())
-    hf_checkpoint.read_file_rows(tmp_path / "src.safetensors", "c", scalar, 0)
+    hf_reader.read_file_rows(tmp_path / "src.safetensors", "c", scalar, 0)
     assert float(scalar) == 2.5
 
-    layout = hf_checkpoint.plan_layout([(k, tuple(v.shape)) for k, v in tensors.items()], torch.float32)
-    hf_checkpoint.create_files(tmp_path / "out", layout)
-    hf_checkpoint.write_rows(tmp_path / "out", layout, "a", 6, tensors["a"][6:])  # any order, any split
-    hf_checkpoint.write_rows(tmp_path / "out", layout, "a", 0, tensors["a"][:6])
-    hf_checkpoint.write_rows(tmp_path / "out", layout, "b", 0, tensors["b"])
-    hf_checkpoint.write_rows(tmp_path / "out", layout, "c", 0, tensors["c"])
+    layout = hf_writer.plan_layout([(k, tuple(v.shape)) for k, v in tensors.items()], torch.float32)
+    hf_writer.create_files(tmp_path / "out", layout)
+    hf_writer.write_rows(tmp_path / "out", layout, "a", 6, tensors["a"][6:])  # any order, any split
+    hf_writer.write_rows(tmp_path / "out", layout, "a", 0, tensors["a"][:6])
+    hf_writer.write_rows(tmp_path / "out", layout, "b", 0, tensors["b"])
+    hf_writer.write_rows(tmp_path / "out", layout, "c", 0, tensors["c"])
     with pytest.raises(ValueError, match="do not fit"):
-        hf_checkpoint.write_rows(tmp_path / "out", layout, "a", 8, tensors["a"][:3])
-    hf_checkpoint.commit(tmp_path / "out", layout)
+        hf_writer.write_rows(tmp_path / "out", layout, "a", 8, tensors["a"][:3])
+    hf_writer.commit(tmp_path / "out", layout)
     saved = load_file(tmp_path / "out" / "model.safetensors")
     assert saved.keys() == tensors.keys() and all(torch.equal(saved[k], v) for k, v in tensors.items())
