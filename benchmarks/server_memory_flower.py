@@ -31,7 +31,7 @@ from flwr_sharded.config import DataConfig, ModelConfig, ParallelConfig
 from flwr_sharded.flower import shard_files
 from flwr_sharded.flower.run_config import FederationConfig
 from flwr_sharded.flower.server.aggregation import check_layout, fp32_bytes
-from flwr_sharded.flower.server.server_path import ServerShardFedAvg
+from flwr_sharded.flower.server.server_path_strategy import ServerShardFedAvg
 from flwr_sharded.parallel.shard_transport import decode_layouts
 from flwr_sharded.host_memory import PeakRSS, current_rss
 from flwr_sharded.schema import same_as

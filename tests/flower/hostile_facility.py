@@ -16,7 +16,7 @@ import numpy as np
 from flwr.app import Array, Message
 
 from flwr_sharded.flower import shard_files
-from flwr_sharded.flower.server.server_path import ServerShardFedAvg
+from flwr_sharded.flower.server.server_path_strategy import ServerShardFedAvg
 
 HOSTILE_WEIGHT = 1e300
 WEIGHT_ROUND, NAN_ROUND = 2, 3

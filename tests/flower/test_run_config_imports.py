@@ -12,7 +12,7 @@ from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower.run_config import FlowerRun
 from flwr_sharded.flower.server.app import load_run, strategy_class
 from flwr_sharded.flower.server.app import ALLOWED_IMPORTS_ENV
-from flwr_sharded.flower.server.server_path import ServerShardFedAvg
+from flwr_sharded.flower.server.server_path_strategy import ServerShardFedAvg
 from tests.flower.procs import APP
 
 SIDE_EFFECT = '''
@@ -66,7 +66,7 @@ def test_the_apps_own_modules_and_flwr_sharded_s_need_no_permission(monkeypatch)
     assert strategy_class(run, app_package="llama_fl_hsdp").__name__ == "FedProxShards"
     with pytest.raises(ConfigError, match="'strategy'.*FLWR_SHARDED_ALLOWED_IMPORTS"):  # another app's package
         load_run({"strategy": "llama_fl_hsdp.strategies.fedprox:FedProxShards"}, app_package="other_app")
-    own = load_run({"strategy": "flwr_sharded.flower.server.server_path:ServerShardFedAvg"})
+    own = load_run({"strategy": "flwr_sharded.flower.server.server_path_strategy:ServerShardFedAvg"})
     assert strategy_class(own) is ServerShardFedAvg
     for bad in ("no_colon", "a.b:", "a..b:C", "a.b:C.D"):
         with pytest.raises(ConfigError, match=f"'strategy' '{bad}' must be package.module:Class"):

@@ -18,7 +18,7 @@ from flwr_sharded.flower import shard_files
 from flwr_sharded.flower import messages as P
 from flwr_sharded.flower.run_config import FlowerRun
 from flwr_sharded.flower.server import stream
-from flwr_sharded.flower.server.server_path import ServerShardFedAvg
+from flwr_sharded.flower.server.server_path_strategy import ServerShardFedAvg
 from tests.flower.test_strategy import FakeGrid, config, fast, hello_ok, make, reply, spec, task_identity, train_ok
 
 __all__ = ["task_identity"]  # the autouse fixture, imported to be active here

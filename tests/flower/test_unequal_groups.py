@@ -14,7 +14,8 @@ import pytest
 
 from flwr_sharded.flower import messages as P
 from flwr_sharded.flower.group import channels
-from flwr_sharded.flower.group.server_path import InstructionError
+from flwr_sharded.flower.group.contract import InstructionError
+from flwr_sharded.flower.group.round_context import RoundContext
 from flwr_sharded.flower.run_config import FlowerRun
 from flwr_sharded.flower.server import records
 from flwr_sharded.flower.server.membership import check_layouts, empty_shards, rejoin_refusal, seat_refusal
@@ -81,13 +82,14 @@ def test_the_round_names_its_channels_and_the_records_compare_groups_of_one_layo
                        rendezvous_ports=[1], prefix="run/round1", rendezvous_timeout=1, sync_timeout=1,
                        secret="s" * 32, member_shards=[1, 2])
     shapes = ((16, 4), (3,))
-    plan = channels.round_plan(args, shapes)
-    assert plan == SyncPlan((1, 2), shapes) and channels.seat_of(args, 1).shard == 1
-    assert channels.host_scopes(args, 2, shapes) == ["run/round1/c0-0", "run/round1/c0-1"]
+    ctx = RoundContext.of(args, FlowerRun(), shapes, replicas=1, shards=2, shard=1)
+    assert ctx.plan == SyncPlan((1, 2), shapes) and ctx.seat.shard == 1
+    assert ctx.scopes == ("run/round1/c0-0", "run/round1/c0-1")
     assert P.TrainArgs.from_config(args.to_config()).member_shards == [1, 2]
-    args.member_shards = []
-    assert "member-shards" not in args.to_config() and channels.round_plan(args, shapes) is None
-    assert channels.host_scopes(args, 2, shapes) == ["run/round1/s0", "run/round1/s1"]
+    args.member_shards, args.rendezvous_ports = [], [1, 2]
+    ctx = RoundContext.of(args, FlowerRun(), shapes, replicas=1, shards=2, shard=1)
+    assert "member-shards" not in args.to_config() and ctx.plan is None and ctx.seat is None
+    assert ctx.scopes == ("run/round1/s0", "run/round1/s1")
     sums = {"1": [1.0], "2": [0.5, 0.5], "3": [0.5, 0.5]}
     assert all(records.checksums_equal(same, 1, world)
                for world, same in records.by_layout(sums, {"1": "1x1", "2": "1x2", "3": "1x2"}, 1))
@@ -112,21 +114,20 @@ class _RefusingLoop:
 
 
 def test_a_group_no_plan_can_serve_refuses_the_round_on_every_rank_before_training():
-    from flwr_sharded.flower.run_config import FlowerRun
-
     loop = _RefusingLoop()
-    runtime = SimpleNamespace(args=SimpleNamespace(shards=2, replicas=1), loop=loop, run=FlowerRun(),
-                              topo=SimpleNamespace(shard_index=1), gather=lambda x: [x, ""])
+    runtime = SimpleNamespace(loop=loop, gather=lambda x: [x, ""])
     args = P.TrainArgs(server_round=1, job="j", members=["a", "b"], member_index=1, rendezvous_host="h",
                        rendezvous_ports=[1], prefix="p", rendezvous_timeout=1, sync_timeout=1, secret="s" * 32,
                        member_shards=[1, 2])
+    shapes = channels.model_shapes(loop.trainer.model)
+    ctx = RoundContext.of(args, FlowerRun(), shapes, replicas=1, shards=2, shard=1)
     with pytest.raises(InstructionError, match=r"R=1 x S=2\) cannot sync with members of S=\[1, 2\]: shard 1"):
-        channels.prepare(runtime, args)
+        channels.prepare(runtime, ctx)
     assert loop.plans[-1].seat is None  # back to whole shards, the same on every rank
     assert loop.plans[-1].weight_world == 1 * 2  # weights bounded by this group's own world again
     args.member_shards = [1, 1]
     with pytest.raises(InstructionError, match="gives member 1 S=1, but this group runs S=2"):
-        channels.prepare(runtime, args)
+        RoundContext.of(args, FlowerRun(), shapes, replicas=1, shards=2, shard=1)
 
 
 def _train_round(clients, offer, prefix: str, shards: list[int], **flags) -> list[dict]:

@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 
 from flwr_sharded.flower import rendezvous
-from flwr_sharded.flower.group import channels
-from flwr_sharded.flower.messages import TrainArgs
+from flwr_sharded.flower.group import aborts, channels
+from flwr_sharded.flower.group.contract import RoundRuntime
+from flwr_sharded.flower.group.round_context import RoundContext
 from flwr_sharded.parallel.admission import confirm
 from flwr_sharded.parallel.collectives import bounded
 from flwr_sharded.parallel.token_weights import tokens_of
@@ -34,26 +35,24 @@ class RoundFederation:
     """A round's members as the loop's federation: its rendezvous (once per round, replica 0 of each shard index;
     when the members shard differently, of each of its channels: `channels`) and the group's control group."""
 
-    def __init__(self, runtime: Any, args: TrainArgs) -> None:
-        self.rt, self.args = runtime, args
-        self.member_index, self.members = args.member_index, len(args.members)
-        self.wait_timeout: float | None = args.sync_timeout + 5.0
+    def __init__(self, runtime: RoundRuntime, ctx: RoundContext) -> None:
+        self.rt, self.ctx = runtime, ctx
+        self.member_index, self.members = ctx.member_index, len(ctx.members)
+        self.wait_timeout: float | None = ctx.args.sync_timeout + 5.0
         self.groups: list[rendezvous.FederationGroup] = []
         self.channel_groups: dict[Owners, rendezvous.FederationGroup] = {}
-        self.plan = channels.round_plan(args, channels.model_shapes(runtime.loop.trainer.model))
-        """The round's sync plan when its members shard differently; None: one group per shard index."""
         self.joined = False
         self.rendezvous_s = 0.0
 
     def join(self) -> Groups:
         if self.joined:
             return None
-        a, s, t = self.args, self.rt.topo.shard_index, self.rt.loop.trainer
+        a, s, t = self.ctx.args, self.ctx.shard, self.rt.loop.trainer
         start = time.perf_counter()
         backend = rendezvous.backend_for_device(t.device, self.rt.args.sync_backend)
-        abort = self.rt.abort_check(a.prefix)
-        if self.plan is not None:
-            for owners, group in channels.join_channels(a, self.plan, s, backend=backend, abort=abort):
+        abort = aborts.abort_check(a.prefix)
+        if self.ctx.plan is not None:
+            for owners, group in channels.join_channels(self.ctx, backend=backend, abort=abort):
                 self.groups.append(group)
                 self.channel_groups[owners] = group
             joined: Groups = {k: g.pg for k, g in self.channel_groups.items()}
@@ -71,7 +70,7 @@ class RoundFederation:
     def vote_group(self) -> Any:
         """Shard index s's group; when the members shard differently, the channel of shard 0 of every member (its
         other shards' outcome reaches it over the group's control group)."""
-        if self.plan is not None:
+        if self.ctx.plan is not None:
             lead = self.channel_groups.get(channels.lead_channel(self.members))
             return lead.pg if lead is not None else None
         return self.groups[0].pg if self.groups else None
@@ -103,19 +102,15 @@ class RoundFederation:
 class GroupRound:
     """One round of one group; `run()` executes it on every rank and returns rank 0's reply."""
 
-    def __init__(self, runtime: Any, args: TrainArgs) -> None:
-        self.rt, self.args = runtime, args
+    def __init__(self, runtime: RoundRuntime, ctx: RoundContext) -> None:
+        self.rt, self.ctx = runtime, ctx
         self.loop = runtime.loop
-        self.federation = RoundFederation(runtime, args)
-        self.options = args.round.for_run(runtime.run)
-        """This round's A, K, peak learning rate and FedProx mu: the strategy's, else the run's."""
-        self.steps = args.local_steps(self.options.aggregate_every)
-        """This member's local steps per sync: A, or its own (`member_steps`: the fastest member's is A)."""
+        self.federation = RoundFederation(runtime, ctx)
 
     def run(self, *, apply_rule: bool = True) -> dict[str, Any]:
         """Train and sync; `apply_rule=False` stops each sync at the weighted mean (the server path's facility
         level, whose outer step runs after the server's mean arrives)."""
-        a, loop = self.args, self.loop
+        a, loop = self.ctx.args, self.loop
         losses: list[torch.Tensor] = []
         checksums: list[float] = []
         caught_up: list[float] = []
@@ -130,7 +125,7 @@ class GroupRound:
                 else:
                     caught_up = self.rt.checksums()
             if not failure:
-                report = loop.run(self.federation, periods=self.options.syncs_per_round,
+                report = loop.run(self.federation, periods=self.ctx.options.syncs_per_round,
                                   on_step=lambda loss, _: self._progress(losses, loss),
                                   on_period=lambda _: self._period_end(checksums), apply_rule=apply_rule)
                 failure = report.error
@@ -150,8 +145,8 @@ class GroupRound:
         losses.append(loss)
         every = self.rt.run.train.output.log_every
         if self.rt.rank == 0 and len(losses) % every == 0:
-            total = self.options.syncs_per_round * self.steps
-            logger.info("round %d: step %d/%d of the round (run step %d), loss %.4f", self.args.server_round,
+            total = self.ctx.options.syncs_per_round * self.ctx.steps
+            logger.info("round %d: step %d/%d of the round (run step %d), loss %.4f", self.ctx.args.server_round,
                         len(losses), total, self.loop.trainer.step_count, float(loss))
 
     def _result(self, losses: list[torch.Tensor], report: RunReport, catch_up_s: float, failure: str,
@@ -175,9 +170,9 @@ class GroupRound:
                 "rendezvous_s": self.federation.rendezvous_s, "syncs": report.periods, "sync_bytes": int(sent),
                 "sync_failed": bool(failure),
                 "sync_error": failure, **({"checksums": checksums} if equal else {}), "step": t.step_count,
-                "lr": t.scheduler.get_last_lr()[0], "members": len(self.args.members),
+                "lr": t.scheduler.get_last_lr()[0], "members": len(self.ctx.members),
                 "catch_up_checksums": caught_up, "sync_blame": sorted(report.blame),
                 "sync_left_out": sorted(report.left_out), "facility_tokens": report.weight,
-                "aggregate_every": self.options.aggregate_every, "local_steps": self.steps,
-                "syncs_per_round": self.options.syncs_per_round, "peak_lr": t.scheduler.base_lrs[0],
+                "aggregate_every": self.ctx.options.aggregate_every, "local_steps": self.ctx.steps,
+                "syncs_per_round": self.ctx.options.syncs_per_round, "peak_lr": t.scheduler.base_lrs[0],
                 "proximal_mu": t.proximal_mu, **{f"{name}_s_total": value for name, value in phases.items()}}

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import gc
 import hashlib
-import json
 import logging
 import os
 import queue
@@ -36,21 +35,21 @@ from flwr_sharded.config import ParallelConfig
 from flwr_sharded.validation import validate_parallel
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower import endpoint, messages, rendezvous
-from flwr_sharded.flower.group import channels, options, server_path
+from flwr_sharded.flower.group import aborts, channels, options, server_path_shards
+from flwr_sharded.flower.group.contract import InstructionError
 from flwr_sharded.flower.group.round import GroupRound
-from flwr_sharded.flower.group.server_path import InstructionError
+from flwr_sharded.flower.group.round_context import RoundContext
 from flwr_sharded.flower.node_policy import NodePolicy
 from flwr_sharded.flower.launch import exit_with_parent, fresh_private_dir, pid_alive
 
 logger = logging.getLogger("flwr_sharded.group")
 
 FOREVER_S = 365 * 24 * 3600.0
-ABORT_KEY = "flwr_sharded/abort/"
-"""Key prefix, in the group's own store, of the rounds whose members are gone (`GroupRuntime.abort_round`)."""
 
 
 class GroupRuntime:
-    """State and verbs of one group; every rank holds one and executes every instruction."""
+    """State and verbs of one group; every rank holds one and executes every instruction. A round's steps see it as
+    a `RoundRuntime` (`flwr_sharded.flower.group.contract`)."""
 
     def __init__(self, args: options.GroupOptions) -> None:
         from flwr_sharded.parallel.topology import init_topology
@@ -58,14 +57,12 @@ class GroupRuntime:
         self.args = args
         self.pconfig = ParallelConfig(method=args.method, federations=1, replicas=args.replicas, shards=args.shards)
         self.topo = init_topology(self.pconfig, timeout_s=args.collective_timeout, recoverable=True)
-        self.rank = dist.get_rank()
-        self.world = dist.get_world_size()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
         wait_s = args.idle_timeout + 300.0 if args.idle_timeout > 0 else FOREVER_S
         self.ctrl = dist.new_group(backend="gloo", timeout=timedelta(seconds=wait_s))
         self.pids = self.gather(os.getpid())
         self.trainer = None
-        self.loop = None
-        """The trainer's sync loop (`flwr_sharded.training.sync_loop.SyncLoop`), built with it at hello."""
+        self.loop = None  # the trainer's sync loop (`flwr_sharded.training.sync_loop.SyncLoop`), built at hello
         self.run = None  # the FlowerRun of the current trainer (this group's S)
         self.policy = NodePolicy()  # what the last hello's node config allowed (nothing until a hello)
         self.resumed_round = 0
@@ -75,8 +72,7 @@ class GroupRuntime:
         self.key = ""
         self.run_idle_s = 0.0
         """The run's group-idle-timeout (from its hello): drop the run after that long without an instruction."""
-        self.tokens = 0
-        self.syncs = 0
+        self.tokens, self.syncs = 0, 0
         self.started = time.time()
         self.store: rendezvous.StoreServer | None = None
         """Rank 0: the rendezvous store of the rounds this group hosts (member 0)."""
@@ -99,37 +95,12 @@ class GroupRuntime:
         dist.broadcast_object_list(box, src=0, group=self.ctrl)
         return box[0]
 
-    # ----- a round's members gone (the ServerApp says so) ----------------------------------------------------
-    def abort_round(self, args: dict[str, Any]) -> dict[str, Any]:
-        """Endpoint thread of rank 0: mark round `prefix` aborted in the group's own store (torchrun's, which every
-        rank reaches), so that each rank's rendezvous wait of that round ends at its next look."""
-        prefix, reason = str(args.get("prefix", "")), str(args.get("reason", "") or "gone")
-        gone = [int(i) for i in args.get("gone", [])]
-        if not prefix:
-            raise InstructionError("abort needs the round's prefix")
-        dist.distributed_c10d._get_default_store().set(ABORT_KEY + prefix, json.dumps({"gone": gone,
-                                                                                      "reason": reason[:500]}))
-        logger.warning("the ServerApp says member(s) %s of round %s are gone (%s): its rendezvous stops waiting", gone,
-                       prefix, reason[:200])
-        return {"prefix": prefix, "gone": gone}
-
-    def abort_check(self, prefix: str) -> Callable[[], str]:
-        """For round `prefix`: a function returning '' or why its waits end (see `abort_round`)."""
-        store, key = dist.distributed_c10d._get_default_store(), ABORT_KEY + prefix
-
-        def check() -> str:
-            if not store.check([key]):
-                return ""
-            info = json.loads(store.get(key))
-            return f"member(s) {info['gone']} are gone ({info['reason']}; the ServerApp said so): not waiting for them"
-        return check
-
     # ----- the two loops -------------------------------------------------------------------------------------
     def serve(self) -> int:
         """Rank 0: take instructions from the endpoint until shutdown, idle timeout or watched process exit."""
         authkey = endpoint.read_authkey(self.args.authkey_file)
         server = endpoint.EndpointServer(endpoint.parse_address(self.args.address), authkey)
-        server.on_abort = self.abort_round
+        server.on_abort = aborts.abort_round
         address = endpoint.format_address(*server.address)
         if self.args.address_file:
             tmp = f"{self.args.address_file}.tmp"
@@ -268,7 +239,7 @@ class GroupRuntime:
             out["error"] = str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
         errors = [e for e in self.gather(out["error"]) if e]  # every rank must agree before building anything
         if not errors and run.federation.aggregation == "server":  # (collective: once every rank got this far)
-            errors = [e for e in self.gather(server_path.check_handoff_dir(self)) if e]
+            errors = [e for e in self.gather(server_path_shards.check_handoff_dir(self)) if e]
         if errors:
             out["error"] = errors[0]
             return out
@@ -327,21 +298,25 @@ class GroupRuntime:
         return self.trainer
 
     def do_train(self, args: dict[str, Any]) -> dict[str, Any]:
-        """One round (`GroupRound`); on the server path, the facility's first member then exports its shards."""
+        """One round (`GroupRound`) of its `RoundContext`, built once (layouts checked, sync plan, seat, steps, lr,
+        mu); on the server path, the facility's first member then exports its shards."""
         t = self._need_trainer()
         a = messages.TrainArgs.from_config(args)
         on_server_path = self.run.federation.aggregation == "server"
         if a.export and not on_server_path:
             raise InstructionError("export asks for the server path, but this run's aggregation is decentralized")
-        channels.prepare(self, a)  # the round's steps, weight bound and layouts, its learning rate and FedProx mu
-        with self._hosting(a):
-            result = GroupRound(self, a).run(apply_rule=not on_server_path)
+        ctx = RoundContext.of(a, self.run, channels.model_shapes(t.model), replicas=self.args.replicas,
+                              shards=self.args.shards, shard=self.topo.shard_index)
+        channels.prepare(self, ctx)  # the sync loop configured for the round
+        with self._hosting(ctx):
+            result = GroupRound(self, ctx).run(apply_rule=not on_server_path)
         failed = result["sync_failed"]
         if a.checkpoint and not failed:
             result.update(self._checkpoint(a.server_round))
         if a.export and not failed:
             start = time.perf_counter()
-            result.update(export_files=server_path.export(self, a.prefix), export_s=time.perf_counter() - start)
+            files = server_path_shards.export(self, a.prefix)
+            result.update(export_files=files, export_s=time.perf_counter() - start)
         eval_s = 0.0
         if a.evaluate:
             start = time.perf_counter()
@@ -351,23 +326,22 @@ class GroupRuntime:
         return result
 
     @contextmanager
-    def _hosting(self, a: messages.TrainArgs) -> Iterator[None]:
+    def _hosting(self, ctx: RoundContext) -> Iterator[None]:
         """Rank 0 of the round's member 0: the round's scopes open on this group's store while the round runs (the
-        members prove `a.secret` there); its keys are dropped when it ends."""
-        hosting = self.store is not None and a.member_index == 0
-        scopes = channels.host_scopes(a, self.args.shards, channels.model_shapes(self.trainer.model))
+        members prove the round's secret there); its keys are dropped when it ends."""
+        hosting = self.store is not None and ctx.member_index == 0
         if hosting:
-            self.store.open_scopes(scopes, a.secret)
+            self.store.open_scopes(list(ctx.scopes), ctx.args.secret)
         try:
             yield
         finally:
             if hosting:
-                self.store.close_scopes(scopes)
+                self.store.close_scopes(list(ctx.scopes))
 
     def do_apply(self, args: dict[str, Any]) -> dict[str, Any]:
         """Server path: adopt the server's mean from the chunk files, then checkpoint and evaluate if asked."""
         t = self._need_trainer()
-        result: dict[str, Any] = {"apply_s": server_path.apply(self, [str(p) for p in args.get("paths", [])])}
+        result: dict[str, Any] = {"apply_s": server_path_shards.apply(self, [str(p) for p in args.get("paths", [])])}
         result.update(checksums=self.checksums(), step=t.step_count)
         if args.get("checkpoint", False):
             result.update(self._checkpoint(int(args.get("server_round", 0))))

@@ -85,7 +85,7 @@ def strategy_class(run: FlowerRun, app_package: str = "") -> type:
     name = run.federation.strategy
     if not name:
         if run.federation.aggregation == "server":
-            from flwr_sharded.flower.server.server_path import ServerShardFedAvg
+            from flwr_sharded.flower.server.server_path_strategy import ServerShardFedAvg
 
             return ServerShardFedAvg
         return DecentralizedFedAvg

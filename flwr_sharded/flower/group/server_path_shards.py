@@ -1,4 +1,4 @@
-"""The group's half of the server path: exporting a facility's shards after its round, adopting the server's mean.
+"""The server path's group side: exporting a facility's shards after its round, adopting the server's mean.
 
 Export: every replica-0 rank writes its own pieces (keyed by parameter name and global row offset) to a hand-off
 file; the ClientApp announces them in the round's reply and serves the server's pulls. Apply: every replica-0 rank
@@ -10,20 +10,16 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
 
 import torch
 
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower import shard_files
+from flwr_sharded.flower.group.contract import InstructionError, RoundRuntime
 from flwr_sharded.flower.launch import private_dir
 
 
-class InstructionError(Exception):
-    """An instruction this group refuses, identically on every rank (checked before any collective)."""
-
-
-def check_handoff_dir(rt: Any) -> str:
+def check_handoff_dir(rt: RoundRuntime) -> str:
     """'' if every rank can write and see the hand-off directory, else why not (checked at hello)."""
     probe = os.path.join(rt.handoff_dir, f".probe-{rt.pids[0]}")
     error = ""
@@ -43,7 +39,7 @@ def check_handoff_dir(rt: Any) -> str:
     return error
 
 
-def export(rt: Any, prefix: str) -> list[str]:
+def export(rt: RoundRuntime, prefix: str) -> list[str]:
     """Replica-0 ranks write their own pieces to a hand-off file each; returns every file (rank 0's view).
 
     Shards holding NaN or Inf are not exported (InstructionError on every rank), so the server refuses the whole
@@ -53,7 +49,7 @@ def export(rt: Any, prefix: str) -> list[str]:
 
     path, error = "", ""
     if rt.topo.replica_index == 0:
-        pieces = shard_pieces(rt.trainer.model.named_parameters())
+        pieces = shard_pieces(rt.loop.trainer.model.named_parameters())
         bad = [p.key for p in pieces if p.data.is_floating_point() and not bool(torch.isfinite(p.data).all())]
         if bad:
             error = f"rank {rt.rank}: {len(bad)} shard piece(s) hold NaN or Inf, e.g. {bad[:3]}"
@@ -70,12 +66,12 @@ def export(rt: Any, prefix: str) -> list[str]:
     return [p for p, _ in outcome if p]
 
 
-def apply(rt: Any, paths: list[str]) -> float:
+def apply(rt: RoundRuntime, paths: list[str]) -> float:
     """Adopt the server's mean from the chunk files; returns the seconds it took. Nothing changes unless every
     rank's rows fit (InstructionError)."""
     from flwr_sharded.parallel.shard_transport import check_pieces, decode_pieces, own_pieces
 
-    t = rt.trainer
+    t = rt.loop.trainer
     error, pairs = "", []
     if rt.topo.replica_index == 0:
         try:
