@@ -99,7 +99,7 @@ class Admission:
 
 
 def behind(adopted: list[int] | tuple[int, ...]) -> list[int]:
-    """The members (indices) whose count of adopted merges is below another's: they rolled back a merge the others
+    """The members (indices) whose count of adopted merges is below another's: they did not adopt a merge the others
     kept, so no member may keep it."""
     return [j for j, n in enumerate(adopted) if n < max(adopted)]
 

@@ -475,8 +475,8 @@ class ShardSync:
         if any(a is not None for a in admissions):
             self.confirmed = not lagging
         if lagging:
-            raise SyncRejected(f"member(s) {lagging} of the federation group rolled back a merge the others adopted "
-                               f"since the last confirmation: no member keeps it", offenders=lagging)
+            raise SyncRejected(f"member(s) {lagging} of the federation group did not adopt a merge the others "
+                               f"adopted since the last confirmation: no member keeps it", offenders=lagging)
         return admissions
 
     def _conclude(self, bad: dict[int, int], admissions: list[Admission | None], flight: _Flight) -> None:

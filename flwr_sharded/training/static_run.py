@@ -133,7 +133,7 @@ class StaticRun:
                 self.loop.keep_rollback_point()
         try:
             self.loop.run(federation, until=cfg.steps, on_step=self.on_step, on_period=self.on_period,
-                          on_failure=self.on_failure, confirm_at=self.checkpoint_due)
+                          on_failure=self.on_failure, confirm_at=self.records_due)
             if t.checkpointer is not None:
                 self.checkpoint(t.checkpointer.wait)
         finally:
@@ -151,31 +151,37 @@ class StaticRun:
 
     def on_step(self, loss: torch.Tensor, tick: int | None) -> None:
         """After a step (and its syncs): the window's loss, and at a tick the records due."""
-        cfg, t, out = self.cfg, self.t, self.cfg.output
+        t = self.t
         self.loss_sum += loss
         self.window_steps += 1
         self.bar.update(1)
         if tick is None:
             return
-        end = tick >= cfg.steps
-        if tick // out.log_every > self.last_tick // out.log_every or end:
+        if self.due("log", tick):
             self.last = self.stamp(self.train_record(time.perf_counter() - self.window_start))
             self.show(self.last)
             self.loss_sum.zero_()
             self.window_start, self.window_steps = time.perf_counter(), 0
-        if (cfg.eval_every and tick // cfg.eval_every > self.last_tick // cfg.eval_every) or end:
+        if self.due("eval", tick):
             evaluated = time.perf_counter()
             self.last.update(self.stamp({"kind": "eval", "step": t.step_count, **t.evaluate()}))
             self.window_start += time.perf_counter() - evaluated  # evaluation is not training time
-        if self.checkpoint_due(tick):
+        if self.due("checkpoint", tick):
             self.checkpoint(self.loop.save_checkpoint)
         self.last_tick = tick
 
-    def checkpoint_due(self, tick: int) -> bool:
-        """Whether a checkpoint is written at `tick` (every `checkpoint.every` ticks, and at the end)."""
-        every = self.cfg.checkpoint.every
-        return self.t.checkpointer is not None and (
-            (every and tick // every > self.last_tick // every) or tick >= self.cfg.steps)
+    def due(self, record: str, tick: int) -> bool:
+        """Whether `record` ("log", "eval", "checkpoint") is due at `tick`: every so many ticks, and at the end."""
+        if record == "checkpoint" and self.t.checkpointer is None:
+            return False
+        every = {"log": self.cfg.output.log_every, "eval": self.cfg.eval_every,
+                 "checkpoint": self.cfg.checkpoint.every}[record]
+        return bool(every and tick // every > self.last_tick // every) or tick >= self.cfg.steps
+
+    def records_due(self, tick: int) -> bool:
+        """Whether any record is due at `tick`: each takes every group (collectives over the world), so every member
+        confirms the merges first and all are at the same tick (`SyncLoop.run`'s `confirm_at`)."""
+        return any(self.due(record, tick) for record in ("log", "eval", "checkpoint"))
 
     def checkpoint(self, write: Callable[[], None]) -> None:
         """Run `write` (a save, or the pending async one's commit) on every rank of the world at the same tick; if it

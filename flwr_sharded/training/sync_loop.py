@@ -110,6 +110,10 @@ class SyncOutcome:
     collective_failed: bool = False
     """A collective of the sync failed or timed out on some rank (not a rejected result): on NCCL its communicators
     are aborted."""
+    deferred: bool = False
+    """An overlapped sync that failed in this group alone: nothing was merged or restored, and training goes on;
+    every member undoes the merges since the last confirmation at their next exchange (where this group's count of
+    adopted merges is behind)."""
 
     @property
     def adopted(self) -> bool:
@@ -346,6 +350,8 @@ class SyncLoop:
             outcome = self._merge(i, federation, apply_rule)
             report.blame.update(outcome.blame)
             report.left_out.update(outcome.left_out)
+            if outcome.deferred:
+                continue
             if not outcome.adopted:
                 return outcome
             report.syncs += 1
@@ -464,25 +470,30 @@ class SyncLoop:
 
     def _merge_overlapped(self, i: int, federation: Federation, apply_rule: bool) -> SyncOutcome:
         """The merge of fragment i's overlapped sync, started `sync-delay` steps ago: its reduction awaited, then one
-        small all-reduce over this group (every rank's outcome, whether its admission confirmed the merges before,
-        the members left out). No exchange with the other members: the merge is counted and its commit pending
-        until their next exchange confirms it (module docstring)."""
+        small all-reduce over this group (every rank's outcome, whether it must be undone at once, whether its
+        admission confirmed the merges before, the members left out). No exchange with the other members: the merge
+        is counted and its commit pending until their next exchange confirms it (module docstring). A failure that
+        every member meets (a rejection, a broken collective, a failed start) puts every rank back at its last
+        confirmed commit at once; one of this group alone (`SyncOutcome.deferred`) merges nothing and restores
+        nothing: its count stays behind, and at their next exchange every member undoes the merges since the last
+        confirmation together, at the same point of the schedule."""
         outcome, sync = SyncOutcome(fragment=i), self.syncs[i]
         error, blame, broken = self._start_errors.pop(i, ("", [], False))
-        confirmed = reached = False
+        at_once, confirmed, reached = bool(error), False, False
         if self.replica0 and not error:
             try:
                 sync.receive(alpha=self.alpha, apply_rule=apply_rule, timeout=federation.wait_timeout)
                 reached = True
             except Exception as exc:  # noqa: BLE001 - timeout, peer gone, rejected, a member behind
                 error = f"shard {self.topo.shard_index}: {first_line(exc)}"
-                blame, broken = at_fault(exc), isinstance(exc, CollectiveTimeout)
+                blame, broken = at_fault(exc), isinstance(exc, (CollectiveTimeout, TimeoutError))
+                at_once = broken or isinstance(exc, SyncRejected)  # the others' syncs fail too
             confirmed = sync.confirmed is True
         elif not self.replica0:
             confirmed = True  # replica 0 of its shard index speaks for it
         mask = [int(j in sync.left_out) if reached else 0 for j in range(federation.members)]
-        failed, any_broken, unconfirmed, *left_out = federation.flags(
-            [int(bool(error or blame)), int(broken), int(not confirmed), *mask])
+        failed, any_broken, any_at_once, unconfirmed, *left_out = federation.flags(
+            [int(bool(error or blame)), int(broken), int(at_once), int(not confirmed), *mask])
         outcome.collective_failed = bool(any_broken)
         if not unconfirmed:  # every member adopted every merge before this sync
             self._confirm()
@@ -490,7 +501,13 @@ class SyncLoop:
             phase_one = federation.gather((error, blame))
             outcome.error = "; ".join(sorted({e for e, _ in phase_one if e}))
             outcome.blame = sorted({j for _, js in phase_one for j in js})
-            self.restore()
+            if any_at_once:
+                self.restore()
+            else:
+                sync.abandon()
+                outcome.deferred = True
+                logger.warning("fragment %d's sync failed in this group alone (%s): not merged; every member undoes "
+                               "the merges since the last confirmation at their next exchange", i, outcome.error)
             return outcome
         outcome.left_out = [j for j, out in enumerate(left_out) if out]
         if self.replica0:
@@ -525,7 +542,7 @@ class SyncLoop:
         except Exception as exc:  # noqa: BLE001 - a member gone since the last sync
             error, broken = f"shard {self.topo.shard_index}: confirming the merges: {first_line(exc)}", True
         if blame:
-            error = (f"member(s) {blame} rolled back a merge the others adopted since the last confirmation: no "
+            error = (f"member(s) {blame} did not adopt a merge the others adopted since the last confirmation: no "
                      f"member keeps it")
         failed, any_broken = federation.flags([int(bool(error)), int(broken)])
         outcome.collective_failed = bool(any_broken)

@@ -119,6 +119,30 @@ def test_a_sync_that_fails_on_one_member_is_rolled_back_everywhere_and_training_
 
 
 @pytest.mark.timeout(300)
+def test_an_overlapped_sync_lost_by_one_member_is_undone_by_all_at_their_next_exchange(data_dir, tmp_path):
+    """Overlapped syncs (tau = 1, A = 2): member 0's second sync fails when its result arrives (injected), after
+    member 1 merged it. Member 0 merges nothing and restores nothing; at the members' next exchange its count of
+    adopted merges is behind, and both return to the last confirmed commit (step 2) together and train on to the
+    end. The next exchange is the next sync's admission (records every 8 steps: the failure is every member's at
+    the merge after step 6) or the confirmation before a record (every step: at step 4 already). Either way one
+    failure, restored to step 2, blaming member 0, and the same steps after it on both members (else their syncs
+    and records would not line up)."""
+    overlapped = ["--method", "fl-fsdp", "--federations", "2", "--shards", "1", "--aggregate-every", "2",
+                  "--sync-delay", "1", "--steps", "8", "--eval-every", "0", "--no-save-model", "--sync-retries", "3"]
+    for log_every, failed_at in ((8, 6), (1, 4)):
+        name = f"log{log_every}"
+        _run(2, [*overlapped, "--log-every", str(log_every), *_common(data_dir, tmp_path, name)],
+             env=faults_env(fail_sync=2))
+        failed = _records(tmp_path / name, "sync_failed")
+        assert [(r["step"], r["restored_step"], r["blame"]) for r in failed] == [(failed_at, 2, [0])], failed
+        assert "did not adopt a merge the others adopted" in failed[0]["error"]
+        train = _records(tmp_path / name, "train")
+        assert train[-1]["step"] == 8 and train[-1]["syncs"] == 4  # steps 3-8 again: syncs at 4, 6, 8 after 2
+        if log_every == 1:
+            assert [r["step"] for r in train] == [1, 2, 3, 3, 4, 5, 6, 7, 8]
+
+
+@pytest.mark.timeout(300)
 def test_a_failed_collective_is_retried_where_its_groups_recover_and_stops_the_run_where_they_cannot(data_dir,
                                                                                                   tmp_path):
     """Member 0's second sync fails as a collective (injected): every rank learns it was a failed collective; over
