@@ -210,9 +210,11 @@ class StaticRun:
                                    f"the checkpoint directory can be written")
 
     def on_period(self, times: dict[str, Any] | None) -> None:
-        """The groups' step and sync times after a period (rank 0 logs them)."""
+        """The groups' step and sync times of a period (rank 0 logs them): this one's with `group-steps speed` (at
+        this group's step count), else the one ending at its reference step (read a period later)."""
         if times is not None and self.run_dir is not None:
-            self.run_dir.log({"kind": "sync_groups", "step": self.t.step_count, **times})
+            step = self.t.step_count if self.loop.adapt else times["reference_step"]
+            self.run_dir.log({"kind": "sync_groups", "step": step, **times})
 
     def on_failure(self, outcome: Any, failures: int, failed_at: int) -> None:
         """A sync failed at step `failed_at` and every rank is back at the last adopted one: its record, or

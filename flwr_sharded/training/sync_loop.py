@@ -502,7 +502,7 @@ class SyncLoop:
             outcome.error = "; ".join(sorted({e for e, _ in phase_one if e}))
             outcome.blame = sorted({j for _, js in phase_one for j in js})
             if any_at_once:
-                self.restore()
+                self.restore(keep_pending=bool(any_broken))
             else:
                 sync.abandon()
                 outcome.deferred = True
@@ -552,7 +552,7 @@ class SyncLoop:
         phase_one = federation.gather((error, blame))
         outcome.error = "; ".join(sorted({e for e, _ in phase_one if e}))
         outcome.blame = sorted({j for _, js in phase_one for j in js})
-        self.restore()
+        self.restore(keep_pending=bool(any_broken))
         return outcome
 
     def _confirm(self) -> None:
@@ -633,8 +633,13 @@ class SyncLoop:
         if fragment is None:
             self._confirmed = self.adopted
 
-    def restore(self) -> None:
-        """Every fragment back at its last commit, the step and schedule at the newest one; no sync in flight."""
+    def restore(self, *, keep_pending: bool = False) -> None:
+        """Every fragment back at its last commit, the step and schedule at the newest one; no sync in flight.
+        `keep_pending`: the merges this group adopted since the last confirmation stand too (a collective broke:
+        a member is lost, and what it adopted cannot be learnt; the members still there kept the same merges unless
+        one of them lost one alone, which a Flower round's checksums and catch-up repair)."""
+        if keep_pending:
+            self._confirm()
         self.abandon()
         if self.rollback is not None:
             self.rollback.restore()

@@ -152,3 +152,32 @@ def test_commits_reuse_their_host_buffers_and_restore_writes_in_place():
     assert after == live  # written into the tensors that were there: no second copy on the device
     assert [x.data_ptr() for x in [*outer.shards, *[s["momentum"] for s in outer.rule_state],
                                    *outer.residuals.values()]] == live_outer
+
+
+def test_a_pending_commit_is_returned_to_only_once_confirmed():
+    """An overlapped sync's commit is pending until the members confirm it: a restore before that returns to the
+    confirmed commit (the pending one dropped), after `confirm` to the pending one, shards, moments and clock."""
+    t = _trainer()
+    _step(t, 2)
+    point = _point(t)
+    point.commit()
+    confirmed = _state(t)
+    _step(t, 2)
+    point.commit(0, pending=True)
+    assert point.pending == [0]
+    _step(t, 1)
+    point.restore()
+    assert point.pending == []
+    _assert_same(_state(t), confirmed)
+
+    _step(t, 3)
+    point.commit(0, pending=True)
+    pending = _state(t)
+    _step(t, 2)
+    point.confirm()
+    assert point.pending == []
+    point.restore()
+    _assert_same(_state(t), pending)
+    _step(t, 1)
+    point.restore()  # the confirmed commit stays what a restore returns to
+    _assert_same(_state(t), pending)
