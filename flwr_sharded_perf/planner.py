@@ -8,8 +8,7 @@ from dataclasses import dataclass, replace
 
 from flwr_sharded.config import METHODS
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.parallel.sparse import over_dense
-from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES
+from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES, wire_ratio
 from flwr_sharded_perf.cluster import Cluster, FacilityFederation
 from flwr_sharded_perf.costmodel import (ADAMW_BYTES_PER_PARAM, SGD_BYTES_PER_PARAM, CommTerms, Phases, allreduce_steps,
                                          check_layout, comm_terms, flow_bandwidth, optimizer_time, overlapped,
@@ -83,9 +82,8 @@ def check_aggregate_every(values: tuple[int, ...]) -> None:
 
 
 def _wire_ratio(sync_bytes: float, bytes_per_param: float, F: int, step: StepOptions | None) -> float:
-    """The sync's wire bytes per parameter over the units' (a top-k sync's: times `parallel.sparse.over_dense`)."""
-    ratio = sync_bytes / bytes_per_param
-    return ratio if step is None or step.sync_topk is None else ratio * over_dense(step.sync_topk, sync_bytes, F)
+    """The sync's wire bytes per parameter over the units' (`parallel.wire.wire_ratio`)."""
+    return wire_ratio(sync_bytes, step.sync_topk if step is not None else None, F, over=bytes_per_param)
 
 
 def evaluate(cluster: Cluster, model: ModelShape, method: str, *, F: int = 1, R: int = 1, S: int, A: int = 1,

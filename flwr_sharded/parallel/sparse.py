@@ -5,8 +5,8 @@ what is not sent), as 12-bit indices (two to 3 bytes) and values in the codec th
 share. Rows have the same length on every rank (`RowLayout`): one `all_gather_single`, then every rank merges all W
 rows in rank order, in fp32: each coordinate becomes the global value plus the weighted mean of what the members
 that sent it sent, each row first clipped to the members' median norm (`scatter-mean`, Templar's), or plus the sum of
-the weighted rows (`sum`). A rank sends (W - 1) rows, about W x FRACTION x (1.5 + value bytes) / 8 of the fp32 ring all-reduce (at 1.5625% with int2
-values: 0.0069x for 2 groups, 0.014x for 4). Torch-free to import.
+the weighted rows (`sum`). A rank sends (W - 1) rows, about W x FRACTION x (1.5 + value bytes) / 8 of the fp32 ring
+all-reduce (at 1.5625% with int2 values: 0.0069x for 2 groups, 0.014x for 4). Torch-free to import.
 """
 
 from __future__ import annotations

@@ -187,11 +187,16 @@ def wire_of(dtype: Any) -> Wire:
     return wire
 
 
+def wire_ratio(value_bytes: float, topk: float | None = None, world: int = 2, *, over: float = 4.0) -> float:
+    """What one rank sends in a sync of a large bucket over `world` members with `value_bytes` per value on the wire
+    (and `--sync-topk`), over the bytes of a sync of `over` bytes per value (fp32's by default)."""
+    dense = value_bytes / over
+    return dense if topk is None else dense * over_dense(topk, value_bytes, world)
+
+
 def sync_wire_ratio(dtype: str, topk: float | None = None, world: int = 2) -> float:
-    """What one rank sends in a sync of a large bucket over `world` members through `--sync-dtype` `dtype` (and
-    `--sync-topk`), over the fp32 sync's bytes."""
-    dense = SYNC_DTYPE_BYTES[dtype] / 4
-    return dense if topk is None else dense * over_dense(topk, SYNC_DTYPE_BYTES[dtype], world)
+    """`wire_ratio` of `--sync-dtype` `dtype` over the fp32 sync."""
+    return wire_ratio(SYNC_DTYPE_BYTES[dtype], topk, world)
 
 
 def check_wire_dtype(dtype_name: str, device: Any) -> Any:

@@ -374,8 +374,7 @@ class SyncLoop:
         if not self.adapt:  # the times are those of the period before
             reference, self._times_reference = self._times_reference, reference
         if times is not None:
-            self.tokens_trained += sum(tokens_of(self.cfg, steps=n, ranks=world)
-                                       for n, world in zip(times["steps"], self.topo.group_worlds))
+            self._count_tokens(times)
             if self.adapt and all(s > 0 and math.isfinite(s) for s in times["step_time_s"]):
                 mine = local_steps(self.A, times["step_time_s"])[federation.member_index]
                 self.schedule = dataclasses.replace(self.schedule, steps=mine)
@@ -384,13 +383,17 @@ class SyncLoop:
         if on_period is not None:
             on_period(times)
 
+    def _count_tokens(self, times: dict[str, Any]) -> None:
+        """Add the tokens every group trained in the period of `times` to `tokens_trained`."""
+        self.tokens_trained += sum(tokens_of(self.cfg, steps=n, ranks=world)
+                                   for n, world in zip(times["steps"], self.topo.group_worlds))
+
     def _last_period(self, federation: Federation | None,
                      on_period: Callable[[dict[str, Any] | None], None] | None) -> None:
         """The run ended: the times of its last period, where they are still outstanding."""
         times = federation.last_times() if federation is not None and not self.adapt else None
         if times is not None:
-            self.tokens_trained += sum(tokens_of(self.cfg, steps=n, ranks=world)
-                                       for n, world in zip(times["steps"], self.topo.group_worlds))
+            self._count_tokens(times)
             if on_period is not None:
                 on_period({"reference_step": self._times_reference, **times})
 
@@ -531,8 +534,8 @@ class SyncLoop:
     def confirm_merges(self, federation: Federation | None) -> SyncOutcome:
         """Every member confirms the overlapped syncs' merges no later admission confirmed (a run's end, before a
         checkpoint): one exchange of their counts between the members (`Federation.behind`), one small all-reduce
-        inside the group. Where a member is behind, every rank goes back to its last confirmed commit; the outcome says why.
-        Nothing to do for blocking syncs, whose merges are committed at once."""
+        inside the group. Where a member is behind, every rank goes back to its last confirmed commit; the outcome
+        says why. Nothing to do for blocking syncs, whose merges are committed at once."""
         outcome = SyncOutcome(fragment=self.schedule.fragments - 1)
         if federation is None or not self.schedule.delay or not self.syncs:
             return outcome

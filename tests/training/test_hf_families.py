@@ -315,7 +315,8 @@ def test_a_transposed_tensor_is_read_and_written_column_by_column_and_other_conv
 def test_a_family_quirk_registered_in_the_adapter_is_read_written_and_loaded_by_transformers_alike(tmp_path,
                                                                                                     monkeypatch):
     """A renaming transformers lacks (a Llama head stored as `lm_head.kernel`), added by the adapter's
-    `register_family_conversion` alone: the plan reads it, the published layout writes it, `from_pretrained` loads it."""
+    `register_family_conversion` alone: the plan reads it, the published layout writes it, `from_pretrained` loads
+    it."""
     import copy
 
     import transformers.conversion_mapping as mapping
