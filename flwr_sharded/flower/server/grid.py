@@ -152,7 +152,7 @@ def train_and_collect(grid: Grid, messages: list[Message], *, round_timeout: flo
         if node not in {n for n, _ in waiting.values()}:
             member.gone = "the SuperLink did not take its train message"
     _collect(grid, [m for m in members.values() if not m.gone], waiting, deadline, collect_interval)
-    told: set[tuple[int, int]] = set()  # (node told, gone node)
+    told: set[int] = set()  # the nodes told their round is aborted
     next_check = time.monotonic() + polling.node_check
 
     def running() -> bool:
@@ -212,18 +212,19 @@ def _take(grid: Grid, member: Member, kind: str, reply: Message, waiting: dict[s
             member.gone = f"its sync failed ({str(metrics.get('sync_error', ''))[:120]})"
 
 
-def _tell_survivors(grid: Grid, members: dict[int, Member], told: set[tuple[int, int]], deadline: float) -> None:
-    """An abort to each running member for the members of its round that are gone and it was not told of yet."""
+def _tell_survivors(grid: Grid, members: dict[int, Member], told: set[int], deadline: float) -> None:
+    """An abort to each running member of a round with members gone, once: its rendezvous of that round stops
+    waiting at the first (a later one could only name more members; a survivor that gives the round up is itself
+    no cause for another)."""
     left = deadline - time.monotonic()
     aborts = []
     for survivor in members.values():
-        if survivor.result is not None or survivor.gone or left <= 0:
+        if survivor.result is not None or survivor.gone or left <= 0 or survivor.node in told:
             continue
-        gone = [m for m in members.values() if m.gone and m.prefix == survivor.prefix
-                and (survivor.node, m.node) not in told]
+        gone = [m for m in members.values() if m.gone and m.prefix == survivor.prefix]
         if not gone:
             continue
-        told.update((survivor.node, m.node) for m in gone)
+        told.add(survivor.node)
         every = sorted(m.index for m in members.values() if m.gone and m.prefix == survivor.prefix)
         reason = "; ".join(f"member {m.index} (node {m.node}): {m.gone[:160]}" for m in gone)
         log(INFO, "round %s: telling node %d that member(s) %s are gone", survivor.prefix, survivor.node, every)
