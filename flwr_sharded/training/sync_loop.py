@@ -501,9 +501,7 @@ class SyncLoop:
         if not unconfirmed:  # every member adopted every merge before this sync
             self._confirm()
         if failed:
-            phase_one = federation.gather((error, blame))
-            outcome.error = "; ".join(sorted({e for e, _ in phase_one if e}))
-            outcome.blame = sorted({j for _, js in phase_one for j in js})
+            self._learn_failure(federation, (error, blame), outcome)
             if any_at_once:
                 self.restore(keep_pending=bool(any_broken))
             else:
@@ -552,11 +550,16 @@ class SyncLoop:
         if not failed:
             self._confirm()
             return outcome
-        phase_one = federation.gather((error, blame))
-        outcome.error = "; ".join(sorted({e for e, _ in phase_one if e}))
-        outcome.blame = sorted({j for _, js in phase_one for j in js})
+        self._learn_failure(federation, (error, blame), outcome)
         self.restore(keep_pending=bool(any_broken))
         return outcome
+
+    @staticmethod
+    def _learn_failure(federation: Federation, mine: tuple[str, list[int]], outcome: SyncOutcome) -> None:
+        """Every rank of the group's (error, members at fault) into `outcome` (collective over the group)."""
+        phase_one = federation.gather(mine)
+        outcome.error = "; ".join(sorted({e for e, _ in phase_one if e}))
+        outcome.blame = sorted({j for _, js in phase_one for j in js})
 
     def _confirm(self) -> None:
         """The pending commits stand: every member adopted the merges they hold."""
