@@ -54,6 +54,8 @@ def validate_parallel(p: ParallelConfig, world_size: int | None = None, surface:
                             f"but {L('outer')} {p.outer} needs every member's shards; use {L('sync-dtype')} float32 "
                             f"or a linear rule")
     validate_sync(p, rule, surface)
+    if p.sync_sites:
+        validate_sites(p, rule, surface)
     if world_size is not None and world_size != p.world_size:
         raise surface.error(f"world size {world_size} != {p.describe_layout()}; launch {p.world_size} processes or "
                             f"change {L('federations')}/{L('replicas')}/{L('shards')}/{L('group-shards')}")
@@ -137,6 +139,26 @@ def validate_sync(p: ParallelConfig, rule: Any, surface: Surface = CLI) -> None:
         raise surface.error(f"{L('sync-delay')} {p.sync_delay} reduces a weighted mean in the background, but "
                             f"{L('outer')} {p.outer} needs every member's shards; use a linear rule "
                             f"({', '.join(LINEAR_RULES)}) or {L('sync-delay')} 0")
+
+
+def validate_sites(p: ParallelConfig, rule: Any, surface: Surface = CLI) -> None:
+    """`sync-sites`: one site per federation group, as many groups at each, for a sync that can reduce in two
+    levels (groups that shard alike, a linear rule, a dense wire)."""
+    from flwr_sharded.parallel.sites import SiteLayout
+
+    L = labeler(surface)
+    try:
+        layout = SiteLayout.parse(p.sync_sites)
+    except ValueError as exc:
+        raise surface.error(f"{L('sync-sites')}: {exc}") from None
+    if not p.federated or len(layout.sites) != p.federations:
+        raise surface.error(f"{L('sync-sites')} {p.sync_sites} names {len(layout.sites)} site(s), one per federation "
+                            f"group: {L('federations')} is {p.federations} ({L('method')} {p.method})")
+    why = ("groups that shard differently" if p.unequal else f"{L('outer')} {p.outer} (not linear)" if not rule.linear
+           else f"{L('sync-topk')}" if p.sync_topk is not None else None)
+    if why:
+        raise surface.error(f"{L('sync-sites')} reduces each site's weighted shards first, which {why} cannot "
+                            f"take; leave {L('sync-sites')} unset")
 
 
 def validate_topk(p: ParallelConfig, rule: Any, surface: Surface = CLI) -> None:

@@ -29,13 +29,15 @@ from flwr_sharded.parallel.global_state import ErrorFeedback, GlobalState
 from flwr_sharded.parallel.offender import identify
 from flwr_sharded.parallel.plausibility import DEFAULT_MAX_MOVE, MoveBound, bucket_norms
 from flwr_sharded.parallel.rules import FedAvg, ShardRule
+from flwr_sharded.parallel.sites import SiteGroups
 from flwr_sharded.parallel.sparse import DEFAULT_ERROR_DECAY, DEFAULT_MERGE, SparseWire, TopkMerge
 from flwr_sharded.parallel.sync_plan import Owners, Seat
 from flwr_sharded.parallel.wire import QUANTIZED, WIRES, wire_of
 from flwr_sharded.parallel.workspace import Workspace
 
-Groups = dist.ProcessGroup | Mapping[Owners, dist.ProcessGroup] | None
-"""What a sync runs over: one process group (groups shard alike), each channel's keyed by its owners, or none."""
+Groups = dist.ProcessGroup | SiteGroups | Mapping[Owners, dist.ProcessGroup] | None
+"""What a sync runs over: one process group (groups shard alike), its two-level groups (`sites`), each channel's
+keyed by its owners, or none."""
 
 
 @dataclass
@@ -166,7 +168,7 @@ class ShardSync:
         """Whether the last sync's admission found every member with the same count of adopted merges (every merge
         before it stands); None: its admission was not reached."""
         self.snapshot, self.origin, self.carry = snapshot or Snapshot(), origin, carry
-        self._workspace = Workspace() if self.delta else None
+        self._workspace = Workspace()
         self._reserved = False
         self._refused: dict[int, SyncRejected] = {}
         self._flight: _Flight | None = None
@@ -193,8 +195,15 @@ class ShardSync:
         """Sync over these groups from now on (a round's members), keeping buckets, buffer and global state; the
         alignment with the new peers is checked before the next sync."""
         channels = self.layout.channels
+        self.sites = fed_group if isinstance(fed_group, SiteGroups) else None
+        """The two-level reduction's groups (`flwr_sharded.parallel.sites`); None: the flat ring."""
         if fed_group is None:
             self.groups: list[dist.ProcessGroup | None] = [None] * len(channels)
+        elif isinstance(fed_group, SiteGroups):
+            if self.seat is not None or isinstance(self.wire, SparseWire):
+                raise ValueError("a two-level (site-aware) sync needs groups that shard alike and a dense wire, "
+                                 "not " + ("groups that shard differently" if self.seat is not None else "top-k"))
+            self.groups = [fed_group.flat]
         elif self.seat is None:
             self.groups = [fed_group]
         else:
@@ -408,8 +417,8 @@ class ShardSync:
                     send.zero_()  # left out: it sends zeros (NaN * 0 is NaN)
                 residual = self.state.feedback.residual(k, send) if self.state.feedback is not None and scale else None
                 wire = self.wire.dense() if flight.dense else self.wire
-                flight.bytes += wire.reduce(send, self.state.shards[k] if self.delta else None, scale, group,
-                                            self._workspace, residual)
+                flight.bytes += wire.reduce(send, self.state.shards[k] if self.delta else None, scale,
+                                            self.sites or group, self._workspace, residual)
             else:  # every member's values, and the rule's result of them
                 members = [torch.empty_like(send) for _ in admission.weights]
                 bounded(dist.all_gather, members, send, group=group)

@@ -5,6 +5,8 @@ Where an earlier release has an equivalent, a function here takes the newer API 
 
 - 2.13 `dist.all_gather_single` (admission, offender, the quantized and top-k rings, the sync loop); before it
   `all_gather_into_tensor`, the same collective, which 2.13 made its deprecated wrapper: `all_gather_single`.
+- 2.13 `dist.reduce_scatter_single` (the two-level sync's reduction inside a site, `sites`); before it
+  `reduce_scatter_tensor`, the same collective.
 - 2.13 `c10d._register_pg_in_world` (`flower.rendezvous.nccl_group`); before it the same world entries written out:
   `register_pg_in_world`.
 - 2.9 `init_device_mesh(backend_override=)` and `DeviceMesh._flatten(backend_override=)` (`topology.init_topology`);
@@ -45,6 +47,14 @@ def all_gather_single(output_tensor: torch.Tensor, input_tensor: torch.Tensor, g
     so that a `TrafficMeter` wrapping either name counts it."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
+    """The SUM of every rank's `input`, its rank's 1/world slice into `output`: torch's `reduce_scatter_single` (2.13
+    on), else `reduce_scatter_tensor` (the same collective under its earlier name). Looked up when called, so that a
+    `TrafficMeter` wrapping either name counts it."""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return scatter(output, input, group=group, async_op=async_op)
 
 
 def register_pg_in_world(pg: dist.ProcessGroup, *, backend_name: str, store: dist.Store, group_name: str,

@@ -16,14 +16,13 @@ class PlainWire(Wire):
 
     delta: ClassVar[bool] = False
 
-    def reduce(self, flat, global_k, scale, group, workspace, residual=None) -> int:
+    def sum(self, x, group, workspace, residual=None) -> int:
         import torch.distributed as dist
 
         from flwr_sharded.parallel.collectives import bounded
 
-        flat.mul_(scale)
-        bounded(dist.all_reduce, flat, group=group)
-        return flat.numel() * flat.element_size()
+        bounded(dist.all_reduce, x, group=group)
+        return x.numel() * x.element_size()
 
 
 class CastWire(Wire):
@@ -32,19 +31,15 @@ class CastWire(Wire):
     def reserve(self, workspace, numel, device) -> None:
         workspace.get("wire", numel, self.torch_dtype(), device)
 
-    def reduce(self, flat, global_k, scale, group, workspace, residual=None) -> int:
-        import torch
+    def sum(self, x, group, workspace, residual=None) -> int:
         import torch.distributed as dist
 
         from flwr_sharded.parallel.collectives import bounded
 
-        wire = workspace.get("wire", flat.numel(), self.torch_dtype(), flat.device)
-        if scale:
-            torch.mul(flat.sub_(global_k), scale, out=wire)  # the weighted delta in fp32, rounded once
-        else:
-            wire.zero_()
+        wire = workspace.get("wire", x.numel(), self.torch_dtype(), x.device)
+        wire.copy_(x)  # rounded once
         bounded(dist.all_reduce, wire, group=group)
-        torch.add(global_k, wire, out=flat)  # global + the summed deltas, in fp32
+        x.copy_(wire)
         return wire.numel() * wire.element_size()
 
 
@@ -83,14 +78,10 @@ class BlockwiseWire(Wire):
         return (f"needs a CPU whose torch casts to {self.short} or CUDA compute capability >= 8.9, not "
                 f"{torch.device(device)}")
 
-    def reduce(self, flat, global_k, scale, group, workspace, residual=None) -> int:
+    def sum(self, x, group, workspace, residual=None) -> int:
         from flwr_sharded.parallel.ring import quantized_all_reduce
 
-        if scale:
-            flat.sub_(global_k).mul_(scale)
-        sent = quantized_all_reduce(flat, group, dtype=self.torch_dtype(), residual=residual, workspace=workspace)
-        flat.add_(global_k)
-        return sent
+        return quantized_all_reduce(x, group, dtype=self.torch_dtype(), residual=residual, workspace=workspace)
 
 
 WIRES: dict[str, Wire] = {}

@@ -67,5 +67,25 @@ class Wire:
                residual: torch.Tensor | None = None) -> int:
         """`flat` holds this rank's values of a bucket (zeros if `scale` is 0: left out); on return the groups'
         weighted mean, `scale` being this rank's share of the weight. `global_k`: the bucket's global values (delta
-        wires); `residual`: the error-feedback residual (quantized wires). Returns the bytes this rank sent."""
+        wires); `residual`: the error-feedback residual (quantized wires). `group`: the federation's process group,
+        or its `flwr_sharded.parallel.sites.SiteGroups` (a two-level reduction: the wire carries the sum across the
+        sites only). Returns the bytes this rank sent."""
+        from flwr_sharded.parallel.sites import SiteGroups
+
+        if scale:  # the weighted values, or the weighted delta from the global ones, in fp32
+            if self.delta:
+                flat.sub_(global_k)
+            flat.mul_(scale)
+        if isinstance(group, SiteGroups):
+            sent = group.reduce(flat, workspace, lambda share, res: self.sum(share, group.across, workspace, res),
+                                residual)
+        else:
+            sent = self.sum(flat, group, workspace, residual)
+        if self.delta:
+            flat.add_(global_k)
+        return sent
+
+    def sum(self, x: torch.Tensor, group: Any, workspace: Any, residual: torch.Tensor | None = None) -> int:
+        """SUM fp32 `x` over process group `group` in place, carried in this wire's format; returns the bytes this
+        rank sent."""
         raise NotImplementedError

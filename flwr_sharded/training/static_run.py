@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from flwr_sharded.parallel.admission import behind
 from flwr_sharded.parallel.collectives import bounded, group_timeout, rebuildable, wait_for
+from flwr_sharded.parallel.sites import SiteLayout, site_groups
 from flwr_sharded.parallel.sync import Groups
 from flwr_sharded.parallel.token_weights import tokens_of
 from flwr_sharded.parallel.topology import Topology
@@ -35,6 +36,10 @@ class StaticFederation:
         self.topo, self.wait_timeout = topo, wait_timeout
         self.member_index, self.members = topo.fed_index, topo.config.federations
         self._groups = topo.sync_groups(shapes)  # a collective of the world: every rank makes every group
+        sites = SiteLayout.parse(topo.config.sync_sites) if getattr(topo.config, "sync_sites", "") else None
+        if sites is not None and sites.two_level:  # every shard index's site and share groups
+            columns = [[topo.group_ranks(f)[i] for f in range(self.members)] for i in range(topo.group_world)]
+            self._groups = site_groups(sites, columns, topo.group_rank, topo.fed_index, self._groups, topo.timeout)
         controls = [dist.new_group(topo.group_ranks(f), backend="gloo", timeout=topo.timeout)
                     for f in range(self.members)]
         self.control = controls[topo.fed_index]

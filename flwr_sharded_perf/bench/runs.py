@@ -17,14 +17,16 @@ from typing import Any, Sequence
 
 from flwr_sharded.config import METHODS
 from flwr_sharded.errors import ConfigError
+from flwr_sharded.parallel.sites import SiteLayout
 from flwr_sharded.parallel.wire import sync_wire_ratio
 from flwr_sharded_perf.costmodel import Units, check_layout
 from flwr_sharded_perf.netemu.network import EmuTopology, Fabric, RankFailure
 from flwr_sharded_perf.placement import Placement
 
-VARIANT_RUNS = ("fl-fsdp-overlap", "fl-fsdp-int8", "fl-fsdp-overlap-int8", "fl-fsdp-int4", "fl-fsdp-overlap-int4",
+VARIANT_RUNS = ("fl-fsdp-flat", "fl-fsdp-overlap", "fl-fsdp-int8", "fl-fsdp-overlap-int8", "fl-fsdp-int4", "fl-fsdp-overlap-int4",
                 "fl-fsdp-int2", "fl-fsdp-overlap-int2", "fl-fsdp-topk", "fl-fsdp-overlap-topk")
-"""Runs of the FL+FSDP layout with another sync: overlapped (the run's dtype); the int8, int4 and int2 wires and the
+"""Runs of the FL+FSDP layout with another sync: the flat ring over every member (where the cluster's sites make the
+others two-level); overlapped (the run's dtype); the int8, int4 and int2 wires and the
 top-k sync (`sync_variant`'s recipe), all with error feedback; each of them overlapped too."""
 WIRE_BYTES_TARGETS = {"int8": 0.27, "int4": 0.14, "int2": 0.07, "topk": 0.04}
 """The most cross-group bytes per sync each variant's wire may send, as a fraction of the fp32 sync's."""
@@ -35,6 +37,7 @@ UNEQUAL_LABELS = {"equal": "equal federation", "unequal": "unequal federation",
                   "unequal-slow": "unequal, slow group, equal A",
                   "unequal-slow-speed": "unequal, slow group, --group-steps speed"}
 LABELS = {"fsdp": "FSDP", "hsdp": "HSDP", "fl-fsdp": "FL+FSDP", "fl-hsdp": "FL+HSDP", "no-sync": "FL+FSDP no-sync",
+          "fl-fsdp-flat": "FL+FSDP flat ring",
           "fl-fsdp-overlap": "FL+FSDP overlapped", "fl-fsdp-int8": "FL+FSDP int8",
           "fl-fsdp-overlap-int8": "FL+FSDP overlapped int8", "fl-fsdp-int4": "FL+FSDP int4",
           "fl-fsdp-overlap-int4": "FL+FSDP overlapped int4", "fl-fsdp-int2": "FL+FSDP int2",
@@ -74,12 +77,19 @@ class BenchLayout:
         shards = f"({','.join(map(str, self.group_shards))})" if self.group_shards else self.S
         return f"{self.F}x{self.R}x{shards}"
 
-    def train_args(self, A: int, sync: SyncVariant | None = None) -> list[str]:
-        fl = self.method.startswith("fl-")
+    def sites(self, ranks_per_node: int, nodes_per_site: int) -> SiteLayout:
+        """The site of each FL group on the emulated cluster: the cluster group (the nodes behind one uplink) of its
+        first rank."""
+        return SiteLayout(tuple(str(ranks[0] // ranks_per_node // nodes_per_site) for ranks in self.group_ranks()))
+
+    def train_args(self, A: int, sync: SyncVariant | None = None, sites: SiteLayout | None = None) -> list[str]:
+        """The trainer's layout and sync options; `sites`: sync in two levels where they make two (FL methods)."""
+        fl, sync = self.method.startswith("fl-"), sync or SyncVariant()
         shape = (["--group-shards", ",".join(map(str, self.group_shards))] if self.group_shards else
                  ["--federations", str(self.F), "--shards", str(self.S)])
+        two_level = fl and not sync.flat and sites is not None and sites.two_level and not self.group_shards
         return ["--method", self.method, *shape, "--replicas", str(self.R), "--aggregate-every", str(A if fl else 1),
-                *((sync or SyncVariant()).train_args() if fl else [])]
+                *(sync.train_args() if fl else []), *(["--sync-sites", ",".join(sites.sites)] if two_level else [])]
 
 
 @dataclass(frozen=True)
@@ -101,6 +111,8 @@ class SyncVariant:
     """The run's last top-k sync sends every entry (`--sync-dense-flush`)."""
     error_decay: float | None = None
     """The top-k residual's decay (`--sync-error-decay`); None: the trainer's default."""
+    flat: bool = False
+    """The flat ring over every member even where the cluster's sites would make the sync two-level."""
 
     def train_args(self) -> list[str]:
         return ["--sync-dtype", self.dtype, "--sync-fragments", str(self.fragments), "--sync-delay", str(self.delay),
@@ -122,7 +134,8 @@ class SyncVariant:
 
     def text(self) -> str:
         wire = (f"top-{self.topk * 100:g}% " if self.topk else "") + self.dtype + " + EF" * self.error_feedback + (
-            ", restart at residual" if self.restart == "residual" else "") + ", dense flush" * self.dense_flush
+            ", restart at residual" if self.restart == "residual" else "") + ", dense flush" * self.dense_flush + (
+            ", flat ring" * self.flat)
         if not (self.fragments > 1 or self.delay):
             return f"{wire}, blocking"
         return f"{wire}, N={self.fragments} tau={self.delay} alpha={self.alpha:g}" + " carry" * self.carry
@@ -136,6 +149,8 @@ def variant_wire(key: str) -> str | None:
 
 def sync_variant(key: str, opts) -> SyncVariant:
     """The sync of run `key` under the benchmark's `--sync-*` options."""
+    if key == "fl-fsdp-flat":
+        return SyncVariant(opts.sync_dtype, flat=True)
     overlap = dict(fragments=opts.sync_fragments, delay=opts.sync_delay, alpha=opts.sync_alpha,
                    carry=opts.sync_carry) if "overlap" in key else {}
     wire = variant_wire(key)
@@ -285,7 +300,8 @@ def run_training(fab: Fabric, layout: BenchLayout, opts: argparse.Namespace, *, 
     shutil.rmtree(outputs, ignore_errors=True)
     variant = variant or SyncVariant(dtype=opts.sync_dtype)
     entry = ["flwr_sharded_perf.bench.slow_train", slow] if slow else ["flwr_sharded.train"]
-    argv = [sys.executable, "-m", *entry, *layout.train_args(A, variant), "--model", opts.model,
+    sites = layout.sites(topo.ranks_per_node, topo.nodes_per_group)
+    argv = [sys.executable, "-m", *entry, *layout.train_args(A, variant, sites), "--model", opts.model,
             "--seq-len", str(opts.seq_len), "--batch-size", str(opts.batch_size), "--steps", str(steps),
             "--lr", str(opts.lr), "--seed", str(opts.seed), "--log-every", str(log_every or A),
             "--eval-every", str(opts.eval_every), "--eval-blocks", str(opts.eval_blocks),
@@ -307,6 +323,7 @@ def run_training(fab: Fabric, layout: BenchLayout, opts: argparse.Namespace, *, 
     summary = summarize_metrics(outputs / "metrics.jsonl")
     out = {"label": label, "method": layout.method, "layout": layout.text(), "F": layout.F, "R": layout.R,
            "S": layout.S, "A": A if fl else 1, "sync": sync, "steps": steps,
+           "sync_sites": ",".join(sites.sites) if "--sync-sites" in argv else None,
            "sync_variant": dataclasses.asdict(variant) if fl else None, "wall_s": wall,
            "attempts": attempt, "run_dir": str(run_dir), "load_avg": [load_before, os.getloadavg()[0]], **summary,
            **step_stats([summary["windows"]]), "repeats": 1}

@@ -49,7 +49,9 @@ SGD = ["--optimizer", "sgd", "--lr", "0.5", "--weight-decay", "0", "--grad-clip"
     (["--method", "fl-fsdp", "--federations", "2", "--shards", "2"], ["--method", "fsdp", "--shards", "4"], 4),
     (["--method", "fl-hsdp", "--federations", "2", "--replicas", "2", "--shards", "2"],
      ["--method", "hsdp", "--replicas", "4", "--shards", "2"], 8),
-], ids=["fl-fsdp=fsdp", "fl-hsdp=hsdp"])
+    (["--method", "fl-fsdp", "--federations", "4", "--shards", "1", "--sync-sites", "a,a,b,b"],
+     ["--method", "fsdp", "--shards", "4"], 4),
+], ids=["fl-fsdp=fsdp", "fl-hsdp=hsdp", "two-level-fl-fsdp=fsdp"])
 def test_fl_with_sgd_and_a1_equals_its_base_method(data_dir, tmp_path, fl, base, nproc):
     """Plain SGD, A = 1, no clipping: averaging the groups' updated shards equals one step on the averaged gradient.
 

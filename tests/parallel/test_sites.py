@@ -1,0 +1,87 @@
+"""The two-level (site-aware) reduction: the same weighted mean as a central computation, bit-identical on every
+member, and each member's share the only bytes that cross the sites."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flwr_sharded.parallel.sites import SiteLayout
+from tests.multiproc import run_ranks
+
+
+def test_a_site_layout_groups_members_by_site_in_order_of_appearance():
+    layout = SiteLayout.parse("b, a,b,a")
+    assert (layout.names, layout.count, layout.size, layout.two_level) == (["b", "a"], 2, 2, True)
+    assert [layout.members_of(g) for g in range(2)] == [[0, 2], [1, 3]]
+    assert [layout.position(m) for m in range(4)] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert [layout.across(j) for j in range(2)] == [[0, 1], [2, 3]]
+    assert not SiteLayout.parse("a,b,c").two_level and not SiteLayout.parse("a,a,a").two_level
+
+
+@pytest.mark.parametrize("text, why", [("a,a,b", "as many federation members"), ("a,,b", "empty site name")])
+def test_a_bad_site_layout_is_refused(text, why):
+    with pytest.raises(ValueError, match=why):
+        SiteLayout.parse(text)
+
+
+def _values(rank: int, n: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    gen = torch.Generator().manual_seed(rank)
+    return torch.randn(n, generator=gen), torch.randn(n, generator=torch.Generator().manual_seed(99)), 1.0 + rank
+
+
+def _reduce_worker(rank: int, world: int, sites: str, wire_name: str, n: int):
+    import torch.distributed as dist
+
+    from flwr_sharded.parallel.sites import site_groups
+    from flwr_sharded.parallel.traffic import TrafficMeter
+    from flwr_sharded.parallel.wire import WIRES
+    from flwr_sharded.parallel.workspace import Workspace
+
+    dist.init_process_group("gloo")
+    from datetime import timedelta
+    layout = SiteLayout.parse(sites)
+    flat = dist.new_group(list(range(world)))
+    groups = site_groups(layout, [list(range(world))], 0, rank, flat, timedelta(seconds=60))
+    wire, out = WIRES[wire_name], {}
+    total = sum(_values(r, n)[2] for r in range(world))
+    for name, over in (("flat", flat), ("sites", groups)):
+        x, global_k, weight = _values(rank, n)
+        residual = torch.zeros(n) if wire.error_feedback else None
+        with TrafficMeter() as meter:
+            wire.reduce(x, global_k if wire.delta else None, weight / total, over, Workspace(), residual)
+        out[name] = x
+        out[name + "_records"] = [(r.op, r.ranks, r.nbytes) for r in meter.records]
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("wire_name, tolerance", [("float32", 1e-6), ("bfloat16", 2e-2), ("int8", 2e-2)])
+def test_the_two_level_reduction_is_the_weighted_mean_and_crosses_the_sites_with_one_share(wire_name, tolerance):
+    n, world = 1001, 4  # not a multiple of the site's size: the last share is padded
+    results = run_ranks(_reduce_worker, world, "a,a,b,b", wire_name, n, timeout=120)
+    values = [_values(r, n) for r in range(world)]
+    total = sum(w for _, _, w in values)
+    if wire_name == "float32":
+        central = sum(x * w for x, _, w in values) / total
+    else:  # the delta wires: the global values plus the weighted mean of the deltas
+        g = values[0][1]
+        central = g + sum((x - g) * w for x, _, w in values) / total
+    for res in results:
+        assert torch.equal(res["sites"], results[0]["sites"]), "members differ after the two-level reduction"
+        for name in ("flat", "sites"):
+            err = (res[name] - central).abs().max().item()
+            assert err <= tolerance * central.abs().max().item(), (name, err)
+    # what crosses the sites (members 0, 1 at site a; 2, 3 at b): the two-level reduction's only exchanges between
+    # sites are this member's share (ceil(n / L) values in the wire's format) with the same share of the other site
+    def spans(ranks):
+        return len({r // 2 for r in ranks}) > 1
+
+    flat, sites = results[0]["flat_records"], results[0]["sites_records"]
+    crossing = [(op, r, b) for op, r, b in sites if spans(r)]
+    assert crossing and all(r == (0, 2) for _, r, _ in crossing), crossing
+    inside = {op for op, r, _ in sites if not spans(r)}
+    assert inside in ({"reduce_scatter_single", "all_gather_single"}, {"reduce_scatter_tensor", "all_gather_into_tensor"})
+    if wire_name == "float32":  # one all-reduce each: the whole bucket against one share of it
+        assert [b for op, r, b in flat if spans(r)] == [n * 4]
+        assert [b for _, _, b in crossing] == [-(-n // 2) * 4]
