@@ -519,7 +519,7 @@ def stage_rdv(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 
 def stage_llama(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    from flwr_sharded.train import build_parser, resolve_config
+    from flwr_sharded.train import resolve_config, train_parser
     from flwr_sharded_perf.memory_model import StepOptions, trainer_memory
     from flwr_sharded_perf.model_shape import model_from_preset
 
@@ -533,7 +533,7 @@ def stage_llama(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         return {"ok": False, "reason": f"exit {proc.returncode}, {len(train)} train record(s): " +
                 " ".join(proc.stderr.split()[-30:])[-400:]}
     last = train[-1]
-    cfg = resolve_config(build_parser().parse_args(flags))
+    cfg = resolve_config(train_parser().parse_args(flags))
     predicted = trainer_memory(model_from_preset(model, 8192), S=1, tokens=seq * batch,
                                options=StepOptions.from_config(cfg, device_of(args)))
     predicted_mib = predicted.total / 2**20

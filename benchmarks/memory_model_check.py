@@ -132,9 +132,9 @@ def launch(run_dir: Path, flags: list[str], env: dict[str, str], timeout: float)
 def predict(flags: list[str], model: str, shape: Any, tokens: int) -> Any:
     """The memory model's breakdown for the run these flags describe (its TrainConfig, on CPU)."""
     from flwr_sharded_perf.memory_model import StepOptions, trainer_memory
-    from flwr_sharded.train import build_parser, resolve_config
+    from flwr_sharded.train import resolve_config, train_parser
 
-    cfg = resolve_config(build_parser().parse_args([*flags, "--model", model]))
+    cfg = resolve_config(train_parser().parse_args([*flags, "--model", model]))
     p = cfg.parallel
     return trainer_memory(shape, S=p.shards, R=p.replicas, F=p.federations, tokens=tokens,
                           options=StepOptions.from_config(cfg, "cpu"))

@@ -30,7 +30,7 @@ from flwr_sharded import schema, tool_options
 from flwr_sharded.config import DataConfig, ModelConfig, ParallelConfig
 from flwr_sharded.flower import shard_files
 from flwr_sharded.flower.run_config import FederationConfig
-from flwr_sharded.flower.server.aggregation import check_layout, fp32_bytes
+from flwr_sharded.flower.server.aggregation import check_piece_layout, fp32_bytes
 from flwr_sharded.flower.server.server_path_strategy import ServerShardFedAvg
 from flwr_sharded.parallel.shard_transport import decode_layouts
 from flwr_sharded.host_memory import PeakRSS, current_rss
@@ -64,7 +64,7 @@ class PeakMemoryServerShardFedAvg(ServerShardFedAvg):
         for reply in replies:  # the model's size, from a facility's manifest
             if not reply.has_error() and shard_files.SHARD_SHAPES in reply.content:
                 shapes, meta, _ = shard_files.from_manifest_records(reply.content)
-                self._model_bytes = fp32_bytes(check_layout(None, decode_layouts(shapes, meta), complete=False))
+                self._model_bytes = fp32_bytes(check_piece_layout(None, decode_layouts(shapes, meta), complete=False))
         return super().aggregate_train(server_round, replies)
 
     def publish_round(self) -> None:

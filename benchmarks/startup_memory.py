@@ -110,12 +110,12 @@ def worker(args: argparse.Namespace, train_args: list[str]) -> None:
     import torch
 
     from flwr_sharded.parallel.topology import init_topology
-    from flwr_sharded.train import build_parser, resolve_config
+    from flwr_sharded.train import resolve_config, train_parser
     from flwr_sharded.training.preflight import preflight
     from flwr_sharded.training.trainer import Trainer
 
     torch.set_num_threads(1)
-    cfg = resolve_config(build_parser().parse_args(train_args))
+    cfg = resolve_config(train_parser().parse_args(train_args))
     preflight(cfg, int(os.environ["WORLD_SIZE"]))
     topo = init_topology(cfg.parallel, cfg.timeout_s)
     times: dict[str, float] = {}
@@ -158,7 +158,7 @@ def worker(args: argparse.Namespace, train_args: list[str]) -> None:
 
 def export_worker(args: argparse.Namespace) -> None:
     """Run `export_pretrained` in this fresh process; write its peak RSS."""
-    from flwr_sharded.training.checkpoint import export_pretrained
+    from flwr_sharded.training.checkpoint_export import export_pretrained
 
     start = time.perf_counter()
     export_pretrained(Path(args.work) / f"ckpt-{args.name}" / "group-0", Path(args.work) / f"exported-{args.name}")

@@ -10,7 +10,8 @@ from typing import Sequence
 from flwr_sharded.errors import ConfigError
 
 
-def build_parser() -> argparse.ArgumentParser:
+def command_parser() -> argparse.ArgumentParser:
+    """`flwr-sharded`'s parser: its sub-commands, each registered by its module."""
     from flwr_sharded import options_doc, plot
     from flwr_sharded.flower import check, superlink
     from flwr_sharded_perf import bench, plan_cli
@@ -43,10 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _export(args: argparse.Namespace) -> int:
-    """`flwr-sharded export`: `checkpoint.export_pretrained` (torch is imported when it runs)."""
+    """`flwr-sharded export`: `checkpoint_export.export_pretrained` (torch is imported when it runs)."""
     import torch
 
-    from flwr_sharded.training.checkpoint import export_pretrained
+    from flwr_sharded.training.checkpoint_export import export_pretrained
 
     try:
         print(f"wrote {export_pretrained(args.checkpoint, args.out, dtype=args.dtype and getattr(torch, args.dtype))}")
@@ -62,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from flwr_sharded.train import main as train_main
 
         return train_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    args = command_parser().parse_args(argv)
     return int(args.func(args) or 0)
 
 

@@ -28,7 +28,7 @@ from flwr_sharded.errors import ConfigError
 from flwr_sharded.training.preflight import preflight
 
 
-def build_parser() -> argparse.ArgumentParser:
+def train_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flwr-sharded train", description=__doc__,
                                      formatter_class=schema.HelpFormatter)
     parser.add_argument("--config", help="YAML file with the same options (sections parallel, model, data, optim, "
@@ -140,7 +140,7 @@ def run(cfg: TrainConfig, measure_traffic: str | None = None) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     host_memory.pin_thresholds()
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    args = train_parser().parse_args(argv)
     leader = int(os.environ.get("RANK", "0")) == 0
     try:
         cfg = resolve_config(args)

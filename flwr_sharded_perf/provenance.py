@@ -31,7 +31,7 @@ def command_line(argv: list[str] | None = None) -> str:
     return shlex.join([*head, *argv[1:]])
 
 
-def commit() -> dict[str, Any]:
+def head_commit() -> dict[str, Any]:
     """The repository's HEAD (short hash) and whether tracked files differed from it; empty where git is not."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10,
@@ -53,7 +53,7 @@ def provenance(argv: list[str] | None = None) -> dict[str, Any]:
         torch_version = version("torch")
     except Exception:  # noqa: BLE001 - reported as unknown
         torch_version = ""
-    return {"command": command_line(argv), **commit(),
+    return {"command": command_line(argv), **head_commit(),
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "load": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(),
             "python": platform.python_version(), "torch": torch_version}

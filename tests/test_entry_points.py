@@ -21,8 +21,8 @@ def _parsers() -> dict[str, argparse.ArgumentParser]:
     from flwr_sharded import cli, train
     from flwr_sharded.flower.group import runtime
 
-    out = {"flwr-sharded train": train.build_parser(), "python -m flwr_sharded.flower.group": runtime.build_parser()}
-    todo = [("flwr-sharded", cli.build_parser())]
+    out = {"flwr-sharded train": train.train_parser(), "python -m flwr_sharded.flower.group": runtime.runtime_parser()}
+    todo = [("flwr-sharded", cli.command_parser())]
     while todo:
         prog, parser = todo.pop()
         out.setdefault(prog, parser)

@@ -118,7 +118,7 @@ def check(app: str | Path, run_config: list[str], *, local: bool = True) -> Flow
     return run
 
 
-def describe(run: FlowerRun) -> str:
+def run_summary(run: FlowerRun) -> str:
     """One line: method, groups, rounds x K x A, model and the shard sync."""
     p, f, d = run.train.parallel, run.federation, run.deadlines
     groups = f"{d.num_groups} groups" if d.num_groups else "the groups connected within sample-timeout"
@@ -134,5 +134,5 @@ def _command(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"flwr-sharded check: error: {exc}", file=sys.stderr)
         return 2
-    print(f"run config OK: {describe(run)}")
+    print(f"run config OK: {run_summary(run)}")
     return 0

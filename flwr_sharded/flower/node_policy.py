@@ -34,7 +34,7 @@ def resolve(path: str) -> Path:
     return Path(os.path.realpath(os.path.join(os.getcwd(), os.path.expanduser(path))))
 
 
-def inside(path: str, root: str) -> bool:
+def is_under(path: str, root: str) -> bool:
     """Whether `path` resolves to `root` or below it."""
     p, r = resolve(path), resolve(root)
     return p == r or r in p.parents
@@ -114,6 +114,6 @@ class NodePolicy:
         if not root:
             return (f"{what} {path!r}: this node's config allows no such directory (set {key}=\"/some/dir\" in the "
                     f"SuperNode's --node-config to allow directories under it)")
-        if not inside(path, root):
+        if not is_under(path, root):
             return f"{what} {str(resolve(path))!r} is outside this node's {key} {root!r}"
         return ""

@@ -17,7 +17,7 @@ Where an earlier release has an equivalent, a function here takes the newer API 
 - 2.8 `torch.float4_e2m1fn_x2`, the `float4_e2m1` wire's dtype (`parallel.wire`, `parallel.codecs.floats`): none before.
 - 2.8 FSDP2's gradient reduction over gloo (every FSDP/HSDP run on CPU): 2.7 reduces with `ReduceOp.AVG`, which gloo
   refuses; none before.
-- 2.7 `dcp.save` and `dcp.load` with `no_dist=` (`training.checkpoint`'s one-process export).
+- 2.7 `dcp.save` and `dcp.load` with `no_dist=` (`training.checkpoint_export`'s one-process export).
 - 2.6 or earlier: FSDP2 in `torch.distributed.fsdp` (`fully_shard`, `FSDPModule.set_requires_all_reduce`,
   `MixedPrecisionPolicy`), `dist.get_backend_config`, `P2POp(group_peer=)`, `dcp.async_save(process_group=)`,
   `ProcessGroupNCCL.Options` (`config.blocking`), `eager_connect_single_device`, `c10d._abort_process_group`,

@@ -1,4 +1,5 @@
-"""Sharded checkpoints with `torch.distributed.checkpoint`, one series per federation group, in `DIR/group-<f>/`:
+"""Writing and loading one group's sharded checkpoints with `torch.distributed.checkpoint` (the series' layout and
+which checkpoints are complete: `checkpoint_series`; whether a run may resume: `checkpoint_resume`):
 
     step-00000100/   DCP files (model and optimizer shards, one per rank) + rank-<i>.pt (data position, RNG states,
                      tokens since the last sync; loaded with `weights_only=True`) + meta.json (step, schedule,
@@ -11,25 +12,18 @@ replaced atomically; each step fsync'd), so a complete checkpoint is on disk at 
 any rank (a full disk) removes `step-N.tmp/` and raises `CheckpointWriteError` on every rank of the group (the static
 engine stops there; a Flower group reports it to the ServerApp). An async save writes from a thread over a gloo group
 of the group's ranks (`write_group`) that carries nothing else: DCP needs a CPU backend for it, and a group the main
-thread also uses (the NCCL group, a control group) would interleave the two threads' collectives.
-
-Resume takes the checkpoint `latest` names if complete (`checkpoint_files.incomplete_reason`), else the newest
-complete one that loads, logging what it skipped and why. It refuses (ConfigError naming the option) a run whose
-optimizer, optimizer settings, learning rate, schedule or precision differ: the checkpoint's would silently win.
-`--steps` may change (not below the checkpoint's step): the schedule stays the series' first (warm-up and cosine over
-its first run's steps), and steps beyond it run at its final rate (`min-lr-ratio` x `lr`).
+thread also uses (the NCCL group, a control group) would interleave the two threads' collectives. Rotation (`prune`)
+keeps the `keep` newest committed checkpoints; a restore loads the newest step every rank of the job holds complete.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
-import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
-from pathlib import Path
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -38,25 +32,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from flwr_sharded.config import TrainConfig, config_to_dict
-from flwr_sharded.errors import ConfigError
 from flwr_sharded.training import checkpoint_files
 from flwr_sharded.training.checkpoint_files import META, read_meta
+from flwr_sharded.training.checkpoint_series import LATEST, OLD, TMP, group_dir, holdings, intact_steps, \
+    latest_checkpoint, step_name, step_of
 
-logger = logging.getLogger(__name__)
-
-LATEST = "latest"
-TMP, OLD = ".tmp", ".old"
 META_PART = META + ".part"
-
-MUST_MATCH = ("parallel.method", "parallel.federations", "parallel.replicas", "parallel.shards",
-              "parallel.group_shards", "parallel.outer", "model.name", "data.dataset", "data.seq_len",
-              "data.partition", "batch_size", "grad_accum", "seed", "optim.optimizer")
-"""What a resumed run must share with its checkpoint: layout, model, data, batches, seed and optimizer."""
-CHANGEABLE = ("optim.lr", "optim.beta1", "optim.beta2", "optim.weight_decay", "optim.warmup", "optim.min_lr_ratio",
-              "model.precision")
-"""What a resumed run must share with its checkpoint too, listed together when refused: learning rate, optimizer
-settings, schedule, precision."""
 
 
 class CheckpointWriteError(RuntimeError):
@@ -64,168 +45,7 @@ class CheckpointWriteError(RuntimeError):
     partial checkpoint is removed and the previous one is unchanged."""
 
 
-def group_dir(root: str | Path, fed_index: int) -> Path:
-    return Path(root) / f"group-{fed_index}"
-
-
-def step_name(step: int) -> str:
-    return f"step-{step:08d}"
-
-
-def step_of(path: Path) -> int | None:
-    """The step of a committed (`step-N`) or mid-commit (`step-N.old`) checkpoint directory; None otherwise."""
-    name = path.name[:-len(OLD)] if path.name.endswith(OLD) else path.name
-    if not name.startswith("step-") or not name[5:].isdigit():
-        return None
-    return int(name[5:])
-
-
-def candidates(directory: str | Path) -> list[Path]:
-    """The checkpoints of a series that may be complete, preferred first: the one `latest` names, then the others
-    (`step-N/`, and `step-N.old/` left by a commit cut short), newest step first."""
-    directory = Path(directory)
-    out: list[Path] = []
-    try:
-        named = (directory / LATEST).read_text().strip()
-    except OSError:
-        named = ""
-    if named and step_of(Path(named)) is not None and "/" not in named:
-        out.append(directory / named)
-    others = [p for p in directory.glob("step-*") if step_of(p) is not None and p.is_dir()]
-    others.sort(key=lambda p: (step_of(p), not p.name.endswith(OLD)), reverse=True)
-    return out + [p for p in others if p not in out]
-
-
-def find_checkpoint(directory: str | Path) -> tuple[Path | None, list[str]]:
-    """The newest complete checkpoint of a series (`candidates` order), and what was skipped on the way and why."""
-    skipped = []
-    for path in candidates(directory):
-        reason = checkpoint_files.incomplete_reason(path)
-        if not reason:
-            return path, skipped
-        skipped.append(f"{path.name} ({reason})")
-    return None, skipped
-
-
-def latest_checkpoint(directory: str | Path) -> Path | None:
-    """The newest complete checkpoint of one group's series, or None."""
-    return find_checkpoint(directory)[0]
-
-
-def intact_steps(directory: str | Path) -> tuple[dict[int, Path], list[str]]:
-    """Every step of a series that has a complete checkpoint, preferred first (`candidates` order: the one `latest`
-    names, then the newest), each with its preferred directory; and what was skipped and why."""
-    intact: dict[int, Path] = {}
-    skipped: list[str] = []
-    for path in candidates(directory):
-        step = step_of(path)
-        if step is None or step in intact:
-            continue
-        reason = checkpoint_files.incomplete_reason(path)
-        if reason:
-            skipped.append(f"{path.name} ({reason})")
-        else:
-            intact[step] = path
-    return intact, skipped
-
-
-def holdings(held: Sequence[tuple[int, Sequence[int]]]) -> str:
-    """What each federation group holds, for an error: `held` is (group index, its intact steps) per rank."""
-    by_group = {f: sorted(steps, reverse=True) for f, steps in held}
-    return "; ".join(f"group {f}: {', '.join(map(str, steps)) or 'none'}" for f, steps in sorted(by_group.items()))
-
-
-def _setting(config: dict[str, Any], dotted: str) -> Any:
-    for part in dotted.split("."):
-        if not isinstance(config, dict) or part not in config:
-            return KeyError
-        config = config[part]
-    return config
-
-
-def changed_settings(saved: dict[str, Any], cfg: TrainConfig) -> list[tuple[str, Any, Any]]:
-    """(option, checkpoint's value, this run's value) of every `CHANGEABLE` option that differs."""
-    mine = config_to_dict(cfg)
-    out = []
-    for key in CHANGEABLE:
-        old, new = _setting(saved, key), _setting(mine, key)
-        if old is not KeyError and old != new:  # an option the checkpoint predates cannot be compared
-            out.append((key, old, new))
-    return out
-
-
-def check_compatible(cfg: TrainConfig, checkpoint: Path) -> None:
-    """ConfigError unless `cfg` may resume from `checkpoint` (see `MUST_MATCH`, `CHANGEABLE`)."""
-    saved = read_meta(checkpoint)["config"]
-    mine = config_to_dict(cfg)
-    for key in MUST_MATCH:
-        old, new = _setting(saved, key), _setting(mine, key)
-        if old is not KeyError and old != new:
-            why = " (its state does not carry over to another optimizer)" if key == "optim.optimizer" else ""
-            raise ConfigError(f"--resume: the checkpoint {checkpoint} was written with {key}={old!r}, this run has "
-                              f"{new!r}{why}")
-    # the outer state's layout: a reduced (or top-k) wire keeps the global shards (fp32 fedavg never did), fragments
-    # have their own, error feedback its residuals (a top-k sync's: weighted by the sum merge, not by scatter-mean);
-    # checkpoints from before an option hold what the sync did without it
-    topk_merge = (("sync_topk_merge", "sum"),) if cfg.parallel.sync_topk is not None else ()
-    for key, default in (("sync_dtype", "float32"), ("sync_fragments", 1), ("sync_error_feedback", False),
-                         ("sync_topk", None), *topk_merge):
-        saved_value = _setting(saved, f"parallel.{key}")
-        saved_value = default if saved_value is KeyError else saved_value
-        if saved_value != getattr(cfg.parallel, key):
-            raise ConfigError(f"--resume: the checkpoint {checkpoint} was written with parallel.{key}={saved_value!r},"
-                              f" this run has {getattr(cfg.parallel, key)!r}")
-    step = int(read_meta(checkpoint)["step"])
-    if cfg.steps < step:
-        raise ConfigError(f"--resume: --steps {cfg.steps} is below the checkpoint's step {step} ({checkpoint}); "
-                          f"give at least {step} steps (more extend the run)")
-    changes = changed_settings(saved, cfg)
-    if changes:
-        raise ConfigError(
-            f"--resume: the checkpoint {checkpoint} was written with "
-            f"{', '.join(f'{k}={old!r}' for k, old, _ in changes)}; this run has "
-            f"{', '.join(f'{k}={new!r}' for k, _, new in changes)}. Resuming would keep the checkpoint's optimizer "
-            f"state and schedule: resume with the checkpoint's values")
-
-
-def schedule_span(meta: dict[str, Any]) -> int:
-    """The steps a checkpoint's learning-rate schedule spans: its series' first run's `steps`."""
-    return int(meta.get("schedule_steps", meta["config"]["steps"]))
-
-
-def resumed_line(checkpoint: Path, meta: dict[str, Any], cfg: TrainConfig) -> str:
-    """What a resume says: the step, the checkpoint, and what happens to the schedule when `--steps` changed."""
-    step, span = int(meta["step"]), schedule_span(meta)
-    line = f"resumed from step {step} (checkpoint {checkpoint})"
-    if cfg.steps > span:
-        final = cfg.optim.lr * cfg.optim.min_lr_ratio
-        line += (f"; --steps {cfg.steps} extends the run: the learning-rate schedule keeps its {span} steps, steps "
-                 f"{max(span, step) + 1}-{cfg.steps} run at its final rate {final:.3g}")
-    elif cfg.steps < span:
-        line += f"; the run ends at step {cfg.steps}, within its schedule of {span} steps"
-    return line
-
-
-def check_resumable(cfg: TrainConfig, root: str | Path, groups: Sequence[int] | None = None) -> Path:
-    """Before any work: the series of every group in `groups` (default: the run's federation groups; a Flower group
-    names its own) has a complete checkpoint of one common step, written by a compatible run; the first group's of
-    the newest such step (the step every group resumes from)."""
-    groups = list(range(cfg.parallel.federations) if groups is None else groups)
-    held = [intact_steps(group_dir(root, f)) for f in groups]
-    common = set.intersection(*(set(intact) for intact, _ in held))
-    if not common:
-        skipped = "; ".join(f"{'' if len(groups) == 1 else f'group {f}: '}{'; '.join(s)}"
-                            for f, (_, s) in zip(groups, held) if s)
-        what = (f"no complete checkpoint in {group_dir(root, groups[0])}" if len(groups) == 1 else
-                f"no complete checkpoint of a step that every federation group holds, under {root} "
-                f"({holdings([(f, list(intact)) for f, (intact, _) in zip(groups, held)])})")
-        raise ConfigError(f"--resume: {what}" + (f" (skipped {skipped})" if skipped else ""))
-    checkpoint = next(path for step, path in held[0][0].items() if step in common)  # group 0's preference
-    check_compatible(cfg, checkpoint)
-    return checkpoint
-
-
-def describe(exc: BaseException) -> str:
+def failure_line(exc: BaseException) -> str:
     """One line for an error of a write or load; DCP's gathered failures name the group rank each happened on."""
     if isinstance(exc, CheckpointException):
         return "; ".join(f"group rank {rank}: {type(e).__name__}: {e}" for rank, (e, _) in exc.failures.items())
@@ -303,7 +123,7 @@ class Checkpointer:
         try:
             action()
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported on every rank of the group
-            error = describe(exc)
+            error = failure_line(exc)
         self._agree(what, tmp, error)
 
     def _agree(self, what: str, tmp: Path, error: str) -> None:
@@ -352,7 +172,7 @@ class Checkpointer:
             else:
                 dcp.save(state, checkpoint_id=str(tmp), process_group=self.group_pg)
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - agreed on in `wait`
-            error = describe(exc)
+            error = failure_line(exc)
         # no collective of ours on `async_pg`: an async save's own collectives run there, in its thread
         self._pending = _Pending(future, tmp, final, {"step": step, **meta}, error)
         if not self.async_save:
@@ -371,7 +191,7 @@ class Checkpointer:
             try:
                 pending.future.result()
             except (Exception, CheckpointException) as exc:  # noqa: BLE001 - agreed on below
-                error = describe(exc)
+                error = failure_line(exc)
         self._agree("writing the model and optimizer shards", pending.tmp, error)
         self._phase("syncing the directory", pending.tmp, lambda: checkpoint_files.fsync_dir(pending.tmp))
 
@@ -460,7 +280,7 @@ class Checkpointer:
             try:
                 meta, rank_state = self.load(path, model, optimizer)
             except (Exception, CheckpointException) as exc:  # noqa: BLE001 - agreed on below; the next
-                error = describe(exc)                          # candidate overwrites it all
+                error = failure_line(exc)                         # candidate overwrites it all
             errors = self._errors(error, dist.group.WORLD)
             if not errors:
                 return path, meta, rank_state, skipped
@@ -468,48 +288,3 @@ class Checkpointer:
         raise RuntimeError(f"no checkpoint step that every rank of the run holds complete and loads, in "
                            f"{self.directory.parent} ({holdings(held)})"
                            + (f"; skipped {'; '.join(skipped)}" if skipped else ""))
-
-
-def export_pretrained(checkpoint: str | Path, out: str | Path, *, dtype: torch.dtype | None = None,
-                      max_file_bytes: int | None = None) -> Path:
-    """Write a checkpoint's model as a Hugging Face model (safetensors, config, tokenizer) from one process, no
-    process group: each tensor is read alone from the DCP files, converted to `dtype` (default: as stored), written
-    at its offset in the pre-sized safetensors file(s) and freed. Peak memory: about the largest tensor (usually the
-    embedding), whatever the model's size or the ranks that wrote the checkpoint."""
-    from flwr_sharded.config import config_from_dict
-    from flwr_sharded.training import hf_writer
-    from flwr_sharded.training.data import load_tokenizer
-    from flwr_sharded.training.hf_conversion import published_layout
-    from flwr_sharded.training.models import build_meta_model, model_config, saved_tensors
-
-    checkpoint = Path(checkpoint)
-    if not (checkpoint / "meta.json").is_file():
-        found = latest_checkpoint(checkpoint)
-        if found is None:
-            raise ConfigError(f"--checkpoint: {checkpoint} is neither a checkpoint nor a series with a '{LATEST}'")
-        checkpoint = found
-    meta = read_meta(checkpoint)
-    cfg = config_from_dict(meta["config"])
-    model = build_meta_model(model_config(cfg.model.name, vocab_size=meta["vocab_size"],
-                                          max_seq_len=cfg.data.seq_len))  # names and shapes only
-    stored = checkpoint_files.SafeReader(str(checkpoint)).read_metadata().state_dict_metadata
-    tensors = [name for name, _ in saved_tensors(model)]
-    missing = [name for name in tensors if f"model.{name}" not in stored]
-    if missing:
-        raise ConfigError(f"--checkpoint: {checkpoint} lacks the model's {missing[:3]}")
-    dtype = dtype or stored[f"model.{tensors[0]}"].properties.dtype
-    shapes, plan = published_layout(model)  # the names and expert layout save_pretrained writes
-    layout = hf_writer.plan_layout(shapes, dtype, max_file_bytes=max_file_bytes or hf_writer.MAX_FILE_BYTES)
-    hf_writer.create_files(out, layout)
-    for name in tensors:
-        info = stored[f"model.{name}"]
-        tensor = torch.empty(tuple(info.size), dtype=info.properties.dtype)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # single-process by design
-            dcp.load({"model": {name: tensor}}, storage_reader=checkpoint_files.SafeReader(str(checkpoint)),
-                     no_dist=True)
-        hf_writer.write_local(out, layout, plan[name], tensor, 0)
-        del tensor
-    hf_writer.commit(out, layout)
-    hf_writer.write_config(out, model, dtype, load_tokenizer(cfg.data, cfg.model.name))
-    return Path(out)

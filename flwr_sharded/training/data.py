@@ -47,8 +47,8 @@ def default_workers() -> int:
     return max(1, min(8, cpus))
 
 
-def encode(batch: dict[str, list[Any]], *, tokenizer: PreTrainedTokenizerBase, field: str,
-           eos: int) -> dict[str, list[list[int]]]:
+def tokenize_documents(batch: dict[str, list[Any]], *, tokenizer: PreTrainedTokenizerBase, field: str,
+                       eos: int) -> dict[str, list[list[int]]]:
     """Token ids of a batch's non-empty documents, an eos after each (a `Dataset.map` function)."""
     texts = [t for t in batch[field] if t]
     ids = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"] if texts else []
@@ -107,7 +107,8 @@ def _map_chunk(part: Any, field: str, tokenizer: PreTrainedTokenizerBase, worker
 
     procs = min(workers, len(part))
     ids = getattr(datasets, "List", datasets.Sequence)(datasets.Value("int32"))  # List: datasets >= 4
-    return part.map(encode, batched=True, batch_size=min(TOKENIZE_BATCH, max(1, math.ceil(len(part) / procs))),
+    return part.map(tokenize_documents, batched=True,
+                    batch_size=min(TOKENIZE_BATCH, max(1, math.ceil(len(part) / procs))),
                     num_proc=procs if procs > 1 else None, remove_columns=part.column_names,
                     features=datasets.Features({"ids": ids}),
                     fn_kwargs={"tokenizer": tokenizer, "field": field, "eos": tokenizer.eos_token_id},
@@ -162,14 +163,14 @@ def pack_stream(splits: Splits, cfg: DataConfig,
     train, held = Packer(cfg.seq_len, cfg.max_train_blocks), Packer(cfg.seq_len, cfg.eval_blocks)
     if splits.validation is not None and cfg.eval_blocks > 0:
         for batch in _batches(splits.validation, cfg, field):
-            held.take(encode(batch, tokenizer=tokenizer, field=field, eos=eos)["ids"])
+            held.take(tokenize_documents(batch, tokenizer=tokenizer, field=field, eos=eos)["ids"])
             if held.full:
                 break
     hold_out = splits.validation is None and cfg.eval_blocks > 0
     bar = tqdm(total=cfg.max_train_blocks, desc="tokenizing train (stream)", unit="block", mininterval=2.0,
                leave=False)
     for batch in _batches(splits.train, cfg, field):
-        docs = encode(batch, tokenizer=tokenizer, field=field, eos=eos)["ids"]
+        docs = tokenize_documents(batch, tokenizer=tokenizer, field=field, eos=eos)["ids"]
         if hold_out and not held.full:
             docs = docs[held.take(docs):]
         done = train.blocks_done

@@ -26,7 +26,7 @@ def preflight(cfg: TrainConfig, world_size: int) -> None:
     check_devices(cfg)
     check_model_and_data(cfg)
     if cfg.checkpoint.resume:
-        from flwr_sharded.training.checkpoint import check_resumable
+        from flwr_sharded.training.checkpoint_resume import check_resumable
         from flwr_sharded.training.checkpoint_files import read_meta
 
         checkpoint = check_resumable(cfg, cfg.checkpoint.dir)

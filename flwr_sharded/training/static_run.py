@@ -20,7 +20,8 @@ from flwr_sharded.parallel.token_weights import tokens_of
 from flwr_sharded.parallel.topology import Topology
 from flwr_sharded.parallel.torch_compat import all_gather_single
 from flwr_sharded.run_dir import perplexity
-from flwr_sharded.training.checkpoint import CheckpointWriteError, latest_checkpoint
+from flwr_sharded.training.checkpoint import CheckpointWriteError
+from flwr_sharded.training.checkpoint_series import latest_checkpoint
 from flwr_sharded.training.metrics import progress_bar, train_line
 from flwr_sharded.training.sync_loop import SyncFailed, SyncLoop
 

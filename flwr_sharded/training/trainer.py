@@ -20,8 +20,8 @@ from flwr_sharded.parallel.sharding import mixed_precision_policy, reshard_all
 from flwr_sharded.parallel.topology import Topology
 from flwr_sharded.run_dir import perplexity
 from flwr_sharded.training import data as data_lib
-from flwr_sharded.training.checkpoint import CheckpointWriteError, Checkpointer, check_compatible, resumed_line, \
-    schedule_span, write_group
+from flwr_sharded.training.checkpoint import CheckpointWriteError, Checkpointer, write_group
+from flwr_sharded.training.checkpoint_resume import check_compatible, resumed_line, schedule_span
 from flwr_sharded.training.metrics import PhaseTimer, Throughput
 from flwr_sharded.training.model_init import build_sharded_model
 from flwr_sharded.training.partition import BatchStream, eval_batches
@@ -94,7 +94,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.schedule_span = cfg.steps
-        """The steps the schedule spans: the run's, or a resumed checkpoint's (`checkpoint.schedule_span`)."""
+        """The steps the schedule spans: the run's, or a resumed checkpoint's (`checkpoint_resume.schedule_span`)."""
         self.resumed_from: tuple[int, Path] | None = None
         """(step, checkpoint) once `resume` ran."""
 

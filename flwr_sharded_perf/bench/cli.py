@@ -28,8 +28,8 @@ from flwr_sharded_perf.bench.runs import parse_layouts
 from flwr_sharded_perf.bench.options import REPO, BenchOptions, ExecOptions, LinkCheckOptions, SyncOptions, resolve
 from flwr_sharded_perf.bench.report import _fmt
 from flwr_sharded_perf.bench.scenarios import _inner_main, parse_group_shards, unequal_layouts
-from flwr_sharded_perf.netemu.isolation import (EmulationError, check_host, enter_private_run, host_leftovers, inside,
-                                                run_isolated)
+from flwr_sharded_perf.netemu.isolation import (EmulationError, check_host, enter_private_run, host_leftovers,
+                                                in_isolated_runner, run_isolated)
 from flwr_sharded_perf.netemu.network import EmuTopology, Fabric, RankFailure, _rate, load_topology, topology_dict
 
 ARGS_ENV = "FLWR_SHARDED_BENCH_ARGS"
@@ -133,7 +133,7 @@ def _run_mode(parsed: argparse.Namespace, mode: str, sub: type | None, prepare, 
     if args is None:
         return 2
     prepare(args)
-    if inside():
+    if in_isolated_runner():
         enter_private_run()
         return INNER[mode](args)
     try:

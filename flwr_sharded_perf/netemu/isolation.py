@@ -39,15 +39,15 @@ def check_host(tools: Sequence[str] = tuple(TOOLS)) -> dict[str, str]:
     return found
 
 
-def inside() -> bool:
+def in_isolated_runner() -> bool:
     """True in the runner that `run_isolated` started (private network, mount and pid namespaces)."""
     return bool(os.environ.get(INSIDE_ENV)) and os.getpid() == 1
 
 
 def run_isolated(argv: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float | None = None,
                  capture: bool = False) -> subprocess.CompletedProcess:
-    """Run `argv` as pid 1 of fresh network, mount and pid namespaces (`inside()` there), torn down by the kernel
-    when it exits or this process dies; a timeout kills it and raises TimeoutError."""
+    """Run `argv` as pid 1 of fresh network, mount and pid namespaces (`in_isolated_runner()` there), torn down by the
+    kernel when it exits or this process dies; a timeout kills it and raises TimeoutError."""
     tools = check_host()
     cmd = [tools["unshare"], "--net", "--mount", "--pid", "--fork", "--kill-child", "--", *argv]
     full_env = {**os.environ, **(env or {}), INSIDE_ENV: str(os.getpid())}
@@ -89,7 +89,7 @@ MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
 
 def enter_private_run() -> None:
     """In the isolated runner: a private tmpfs on /run (for `ip netns`) and a /proc of the new pid namespace."""
-    if not inside():
+    if not in_isolated_runner():
         raise EmulationError("enter_private_run() must run inside run_isolated() (pid 1 of a new pid namespace)")
     _mount("tmpfs", "/run", "tmpfs", MS_NOSUID | MS_NODEV, "mode=755")
     _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)

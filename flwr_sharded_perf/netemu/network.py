@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from flwr_sharded_perf.netemu.isolation import RANK_ENV, EmulationError, _die_with_parent, inside
+from flwr_sharded_perf.netemu.isolation import RANK_ENV, EmulationError, _die_with_parent, in_isolated_runner
 from flwr_sharded.parallel.traffic import NETDEV_ENV
 
 SUBNET = "10.77"
@@ -199,7 +199,7 @@ class Fabric:
     _procs: list[subprocess.Popen] = field(default_factory=list)
 
     def __enter__(self) -> Fabric:
-        if not inside():
+        if not in_isolated_runner():
             raise EmulationError("Fabric must be built inside run_isolated() (private namespaces); see "
                                  "flwr_sharded_perf.netemu")
         try:

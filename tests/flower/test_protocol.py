@@ -253,9 +253,9 @@ def test_addresses():
 
 
 def test_the_group_runtime_options_table_lists_every_flag():
-    from flwr_sharded.flower.group.runtime import build_parser
+    from flwr_sharded.flower.group.runtime import runtime_parser
 
-    flags = {a for action in build_parser()._actions for a in action.option_strings
+    flags = {a for action in runtime_parser()._actions for a in action.option_strings
              if a.startswith("--") and a != "--help" and action.help != "==SUPPRESS=="}
     text = (REPO / "docs" / "flower.md").read_text()
     table = text[text.index("### Group runtime options"):text.index("## Run config and outputs")]

@@ -193,10 +193,39 @@ def test_nccl_variables_are_set_once_before_any_group(monkeypatch):
         collectives.configure_nccl_watchdog(timedelta(seconds=90), recoverable=True)
 
 
-def test_only_groups_without_nccl_are_rebuildable(monkeypatch):
-    """A failed collective leaves a gloo group usable and an NCCL one (or a mixed one's device half) aborted."""
+class _StandInNCCL(torch.distributed.ProcessGroupGloo):
+    """What `rendezvous.nccl_group` takes for torch's ProcessGroupNCCL where torch has none (a CPU build): its
+    options and its eager connection (recorded in `connected`), the collectives gloo's."""
+
+    connected: list[torch.device] = []
+
+    class Options:
+        def __init__(self) -> None:
+            self.config, self.group_name, self.is_high_priority_stream = SimpleNamespace(blocking=True), "", True
+
+    def __init__(self, store, rank: int, size: int, options: "_StandInNCCL.Options") -> None:  # noqa: ANN001
+        super().__init__(store, rank, size, options._timeout)
+
+    def eager_connect_single_device(self, device: torch.device) -> None:
+        _StandInNCCL.connected.append(device)
+
+
+def test_only_groups_without_nccl_are_rebuildable():
+    """A failed collective leaves a gloo group usable and an NCCL one aborted: of the groups this package builds in a
+    world of one (in-process), the gloo world and a gloo sub-group are rebuildable, and the group a Flower round
+    builds for its shard sync with NCCL (`rendezvous.nccl_group`, torch's NCCL class stood in for) is not."""
+    import torch.distributed as dist
+
+    from flwr_sharded.flower.rendezvous import nccl_group
     from flwr_sharded.parallel import collectives
 
-    for backend, usable in (("gloo", True), ("nccl", False), ("cpu:gloo,cuda:nccl", False)):
-        monkeypatch.setattr(collectives.dist, "get_backend", lambda group=None, b=backend: b)
-        assert collectives.rebuildable() is usable, backend
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        sub = dist.new_group([0], backend="gloo", timeout=timedelta(seconds=TIMEOUT_S))
+        assert collectives.rebuildable() and collectives.rebuildable(sub)
+        nccl = nccl_group(dist.HashStore(), 0, 1, "rebuildable-nccl", timedelta(seconds=TIMEOUT_S),
+                          torch.device("cpu"), nccl=_StandInNCCL)
+        assert _StandInNCCL.connected == [torch.device("cpu")]  # built, and connected, as an NCCL group
+        assert not collectives.rebuildable(nccl)
+    finally:
+        dist.destroy_process_group()

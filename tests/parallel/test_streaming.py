@@ -242,12 +242,12 @@ def test_an_overlapped_sync_carries_unless_told_not_to(tmp_path):
     from flwr_sharded.validation import validate
     from flwr_sharded.errors import ConfigError
     from flwr_sharded.flower.run_config import FlowerRun
-    from flwr_sharded.train import build_parser, resolve_config
+    from flwr_sharded.train import resolve_config, train_parser
 
     assert ParallelConfig(sync_delay=1).carries and not ParallelConfig().carries
     assert not ParallelConfig(sync_delay=1, sync_carry=False).carries
     overlap = ["--sync-fragments", "2", "--sync-delay", "2"]
-    cli = {flags: resolve_config(build_parser().parse_args([*overlap, *flags])).parallel
+    cli = {flags: resolve_config(train_parser().parse_args([*overlap, *flags])).parallel
            for flags in ((), ("--no-sync-carry",), ("--sync-carry",))}
     assert [p.carries for p in cli.values()] == [True, False, True]
     assert cli[()].sync_carry is None

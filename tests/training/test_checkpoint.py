@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from flwr_sharded.flower.launch import pid_alive
-from flwr_sharded.training.checkpoint import LATEST, export_pretrained, latest_checkpoint, \
-    read_meta
+from flwr_sharded.training.checkpoint_export import export_pretrained
+from flwr_sharded.training.checkpoint_files import read_meta
+from flwr_sharded.training.checkpoint_series import LATEST, latest_checkpoint
 from tests.multiproc import REPO, faults_env, free_port, torchrun
 
 ARGS = ["--method", "fl-hsdp", "--federations", "2", "--replicas", "1", "--shards", "2", "--model", "tiny",
@@ -94,9 +95,9 @@ def test_resume_refuses_a_missing_or_incompatible_checkpoint(data_dir, tmp_path,
     assert main([*ARGS, "--data-dir", str(data_dir), "--checkpoint-dir", str(tmp_path / "ckpt"), "--resume"]) == 2
     assert "parallel.method='fl-fsdp'" in capsys.readouterr().err
     # a bfloat16 sync needs the global shards, which a float32 fedavg checkpoint does not hold
-    from flwr_sharded.train import build_parser, resolve_config
+    from flwr_sharded.train import resolve_config, train_parser
 
-    saved = config_to_dict(resolve_config(build_parser().parse_args([*ARGS, "--data-dir", str(data_dir)])))
+    saved = config_to_dict(resolve_config(train_parser().parse_args([*ARGS, "--data-dir", str(data_dir)])))
     for meta in (series / "meta.json", series_1 / "meta.json"):
         meta.write_text(json.dumps({"step": 4, "config": saved}))
     assert main([*ARGS, "--data-dir", str(data_dir), "--checkpoint-dir", str(tmp_path / "ckpt"), "--resume",

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from flwr_sharded.training import checkpoint as checkpoint_lib
-from flwr_sharded.training.checkpoint import LATEST, CheckpointWriteError, Checkpointer, latest_checkpoint
+from flwr_sharded.training.checkpoint import CheckpointWriteError, Checkpointer
+from flwr_sharded.training.checkpoint_series import LATEST, latest_checkpoint
 from tests.multiproc import free_port
 
 

@@ -145,15 +145,15 @@ def test_shipped_configs_are_valid(path):
 
 
 def test_command_line_overrides_yaml(tmp_path):
-    from flwr_sharded.train import build_parser, resolve_config
+    from flwr_sharded.train import resolve_config, train_parser
 
-    args = build_parser().parse_args(["--config", str(REPO / "configs/local/fl-hsdp.yaml"), "--aggregate-every", "3",
+    args = train_parser().parse_args(["--config", str(REPO / "configs/local/fl-hsdp.yaml"), "--aggregate-every", "3",
                                       "--no-sync"])
     cfg = resolve_config(args)
     assert cfg.parallel.aggregate_every == 3 and cfg.parallel.sync is False and cfg.parallel.replicas == 2
     with pytest.raises(ConfigError):
         validate(cfg, 8)
-    cfg = resolve_config(build_parser().parse_args(["--method", "fl-fsdp", "--federations", "4", "--outer", "nesterov",
+    cfg = resolve_config(train_parser().parse_args(["--method", "fl-fsdp", "--federations", "4", "--outer", "nesterov",
                                                     "--sync-dtype", "bfloat16"]))
     assert cfg.parallel.sync_dtype == "bfloat16" and TrainConfig().parallel.sync_dtype == "float32"
     validate(cfg, 4)

@@ -16,7 +16,8 @@ import torch
 from flwr_sharded.config import TrainConfig, config_to_dict
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.training import checkpoint_files
-from flwr_sharded.training.checkpoint import LATEST, check_resumable, find_checkpoint, latest_checkpoint
+from flwr_sharded.training.checkpoint_resume import check_resumable
+from flwr_sharded.training.checkpoint_series import LATEST, find_checkpoint, latest_checkpoint
 from tests.multiproc import run_ranks
 
 

@@ -431,7 +431,7 @@ def test_a_published_moe_trains_fl_fsdp_with_its_own_tokenizer_and_exports_its_p
     assert AutoTokenizer.from_pretrained(out).get_vocab() == tokenizer.get_vocab()
     assert type(AutoModelForCausalLM.from_pretrained(out)).__name__ == "MixtralForCausalLM"
     # `flwr-sharded export` from the DCP checkpoint writes the same published layout and values
-    from flwr_sharded.training.checkpoint import export_pretrained
+    from flwr_sharded.training.checkpoint_export import export_pretrained
 
     exported = _tensors(export_pretrained(tmp_path / "ckpt" / "group-0", tmp_path / "exported"))
     written = _tensors(out)

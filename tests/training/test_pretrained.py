@@ -207,7 +207,7 @@ def test_export_streams_one_tensor_at_a_time_into_split_bf16_files(tmp_path, mon
     from transformers import AutoModelForCausalLM
 
     from flwr_sharded.config import TrainConfig, config_to_dict
-    from flwr_sharded.training import checkpoint as checkpoint_lib
+    from flwr_sharded.training import checkpoint_export
     from flwr_sharded.training.models import build_model
 
     torch.manual_seed(0)
@@ -229,7 +229,7 @@ def test_export_streams_one_tensor_at_a_time_into_split_bf16_files(tmp_path, mon
     monkeypatch.setattr(dcp, "load", counting_load)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = checkpoint_lib.export_pretrained(step, tmp_path / "out", dtype=torch.bfloat16, max_file_bytes=20_000)
+        out = checkpoint_export.export_pretrained(step, tmp_path / "out", dtype=torch.bfloat16, max_file_bytes=20_000)
     assert all(len(keys) == 1 for keys in loads) and len(loads) == len(list(model.parameters()))
     assert len(set(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"].values())) > 2
     saved = _tensors(out)

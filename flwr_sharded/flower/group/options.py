@@ -1,5 +1,5 @@
 """The group runtime's command line (`python -m flwr_sharded.flower.group`): one `GroupOptions` field per option, from
-which `build_parser` derives the flags (`flwr_sharded.schema`) and `docs/flower.md`'s option table is generated
+which `group_parser` derives the flags (`flwr_sharded.schema`) and `docs/flower.md`'s option table is generated
 (`flwr_sharded.options_doc.render_group_table`).
 """
 
@@ -50,7 +50,7 @@ class GroupOptions:
     """Backend of the cross-group shard sync: auto (NCCL for CUDA shards, else gloo), gloo or nccl."""
 
 
-def build_parser(description: str | None = None) -> argparse.ArgumentParser:
+def group_parser(description: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description=description, formatter_class=schema.HelpFormatter)
     schema.add_arguments(parser, GroupOptions)
     return parser
@@ -58,4 +58,4 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
 
 def parse(argv: Sequence[str] | None = None, description: str | None = None) -> GroupOptions:
     """The options of a command line; a bad value is a ConfigError naming the flag."""
-    return schema.apply_arguments(GroupOptions(), build_parser(description).parse_args(argv))
+    return schema.apply_arguments(GroupOptions(), group_parser(description).parse_args(argv))

@@ -265,7 +265,8 @@ class GroupRuntime:
         try:
             preflight(cfg, self.world)
             if cfg.checkpoint.dir:  # series <dir>/group-<partition id>: it follows the data, whichever node trains
-                from flwr_sharded.training.checkpoint import check_resumable, group_dir, latest_checkpoint
+                from flwr_sharded.training.checkpoint_resume import check_resumable
+                from flwr_sharded.training.checkpoint_series import group_dir, latest_checkpoint
 
                 if cfg.checkpoint.resume:
                     check_resumable(cfg, cfg.checkpoint.dir, groups=[partition_id])
@@ -416,13 +417,14 @@ class GroupRuntime:
 
 # -------------------------------------------------------------------------------------------------------------- CLI
 
-def build_parser() -> argparse.ArgumentParser:
-    """The flags, from `GroupOptions` (`flwr_sharded.flower.group.options`)."""
-    return options.build_parser(__doc__)
+def runtime_parser() -> argparse.ArgumentParser:
+    """The runtime's command line, its --help this module's doc; the flags, from `GroupOptions`
+    (`flwr_sharded.flower.group.options`)."""
+    return options.group_parser(__doc__)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parsed = build_parser().parse_args(argv)
+    parsed = runtime_parser().parse_args(argv)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stderr,
                         format=f"%(asctime)s [group rank {rank}] %(levelname)s %(message)s")

@@ -82,7 +82,7 @@ class AggregationReport:
     excluded: dict[str, str] = field(default_factory=dict)
 
 
-def check_layout(spec: dict[str, ParamSpec] | None, pieces: Sequence[PieceLayout], *,
+def check_piece_layout(spec: dict[str, ParamSpec] | None, pieces: Sequence[PieceLayout], *,
                  complete: bool) -> dict[str, ParamSpec]:
     """Check where pieces sit (names, shapes, dtypes, overlaps; `complete`: every row exactly once) against `spec`,
     or against each other when it is None; returns the spec. RejectedReply names the first problem."""
@@ -294,7 +294,7 @@ class StreamingShardAggregator:
             raise RejectedReply(f"weight {reply.weight:.3g} is beyond the fp32 range of the sums")
         if self._stack is not None and len(self._stats) >= self._stack.slots:
             raise RejectedReply(f"more replies than the {self._stack.slots} this {self.combine} expects")
-        spec = check_layout(self.spec, [p.layout for p in reply.pieces], complete=self.complete)
+        spec = check_piece_layout(self.spec, [p.layout for p in reply.pieces], complete=self.complete)
         largest, rows = 0.0, {}
         for piece in reply.pieces:
             start, stop = self._rows_of(piece.name, spec)

@@ -24,7 +24,7 @@ from flwr.supercore import log
 from flwr_sharded.flower import shard_files
 from flwr_sharded.flower.run_config import RoundOptions
 from flwr_sharded.flower.server import records
-from flwr_sharded.flower.server.aggregation import ParamSpec, RejectedReply, check_layout
+from flwr_sharded.flower.server.aggregation import ParamSpec, RejectedReply, check_piece_layout
 from flwr_sharded.flower.server.grid import reply_payload, run_id
 from flwr_sharded.flower.server.membership import GroupInfo, GroupMembership
 from flwr_sharded.flower.server.stream import Stream, reject
@@ -150,7 +150,7 @@ class ServerShardFedAvg(DecentralizedFedAvg):
                 if verdict is not None:
                     raise RejectedReply(verdict.reason)
                 layouts = decode_layouts(shapes, meta)
-                specs[node] = check_layout(None, layouts, complete=False)
+                specs[node] = check_piece_layout(None, layouts, complete=False)
             except (RejectedReply, ShardPieceError, ValueError) as exc:
                 reject(server_round, rejected, source, f"manifest: {exc}")
                 continue
@@ -161,7 +161,7 @@ class ServerShardFedAvg(DecentralizedFedAvg):
         spec = next(s for s in specs.values() if frozenset(s.items()) == common)
         for node, (source, _, layouts) in list(manifests.items()):
             try:
-                check_layout(spec, layouts, complete=True)
+                check_piece_layout(spec, layouts, complete=True)
             except RejectedReply as exc:
                 reject(server_round, rejected, source, f"manifest: {exc} (the model most facilities announced)")
                 del manifests[node]
