@@ -44,7 +44,8 @@ class BenchOptions:
     """Layouts of the main cluster instead of the default ones, e.g. fsdp=1x1x8,fl-fsdp=4x1x2 (F x R x S)."""
     methods: str = ",".join(RUN_KEYS)
     """Runs to do, comma-separated, among fsdp, hsdp, fl-fsdp, fl-hsdp, no-sync and the FL+FSDP variants
-    fl-fsdp-flat (the flat ring where the cluster's sites make the other FL runs two-level), fl-fsdp-overlap, fl-fsdp-int8, fl-fsdp-overlap-int8, fl-fsdp-int4, fl-fsdp-overlap-int4, fl-fsdp-int2,
+    fl-fsdp-flat (the flat ring where the cluster's sites make the other FL runs two-level), fl-fsdp-overlap,
+    fl-fsdp-int8, fl-fsdp-overlap-int8, fl-fsdp-int4, fl-fsdp-overlap-int4, fl-fsdp-int2,
     fl-fsdp-overlap-int2 (where the trainer has the int2 wire), fl-fsdp-topk and fl-fsdp-overlap-topk; `none` skips the
     main cluster's scenario (e.g. for the unequal one alone)."""
     model: str = same_as(ModelConfig, "name")

@@ -23,7 +23,8 @@ from flwr_sharded_perf.costmodel import Units, check_layout
 from flwr_sharded_perf.netemu.network import EmuTopology, Fabric, RankFailure
 from flwr_sharded_perf.placement import Placement
 
-VARIANT_RUNS = ("fl-fsdp-flat", "fl-fsdp-overlap", "fl-fsdp-int8", "fl-fsdp-overlap-int8", "fl-fsdp-int4", "fl-fsdp-overlap-int4",
+VARIANT_RUNS = ("fl-fsdp-flat", "fl-fsdp-overlap", "fl-fsdp-int8", "fl-fsdp-overlap-int8", "fl-fsdp-int4",
+                "fl-fsdp-overlap-int4",
                 "fl-fsdp-int2", "fl-fsdp-overlap-int2", "fl-fsdp-topk", "fl-fsdp-overlap-topk")
 """Runs of the FL+FSDP layout with another sync: the flat ring over every member (where the cluster's sites make the
 others two-level); overlapped (the run's dtype); the int8, int4 and int2 wires and the
