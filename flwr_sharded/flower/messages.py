@@ -176,6 +176,9 @@ class TrainArgs:
     member_steps: list[int] = option(factory=list, ge=1)
     """Every member's local steps per sync of this round, in member order (`group-steps speed`); empty: the round's
     A."""
+    member_sites: list[str] = option(factory=list)
+    """Every member's site (facility), in member order, where the round reduces in two levels: inside each site, then
+    each member's share across sites (`flwr_sharded.parallel.sites`); empty: the flat ring."""
     round: RoundOptions = field(default_factory=RoundOptions)
     """The round options the strategy set for this round (the train config's `RoundOptions` keys)."""
 

@@ -31,6 +31,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from flwr_sharded.errors import first_line
 from flwr_sharded.parallel.collectives import group_options, nccl_class
+from flwr_sharded.parallel.sites import SiteGroups, SiteLayout
 from flwr_sharded.parallel.torch_compat import register_pg_in_world, set_timeout
 from flwr_sharded.flower.store_client import RoundClosed, RoundStore, StoreAborted, StoreUnreachable
 from flwr_sharded.flower.store_server import StoreServer
@@ -128,28 +129,58 @@ def join(*, host: str, port: int, prefix: str, rank: int, size: int, rendezvous_
         store.close()
         raise
     name = f"flwr-fed:{prefix}"
+    try:
+        pg = _process_group(store, rank, size, name, backend, sync_timeout, device)
+    except Exception as exc:
+        store.close()
+        raise RendezvousError(f"federation group {prefix}: backend {backend} rendezvous failed: "
+                              f"{first_line(exc)}") from exc
+    return FederationGroup(pg=pg, rank=rank, size=size, name=name, store=store, backend=backend)
+
+
+def _process_group(store: dist.Store, rank: int, size: int, name: str, backend: str, sync_timeout: float,
+                   device: torch.device | None) -> dist.ProcessGroup:
+    """A gloo or NCCL group of `size` members over `store`, registered like a sub-group of this world."""
     # gloo retries a silent peer GLOO_CONNECT_ATTEMPTS times with the group's timeout: build it with a share of
     # sync_timeout (at least MIN_CONNECT_S), then give the collectives the whole sync_timeout
     connect_s = sync_timeout
     if backend == "gloo":
         connect_s = min(sync_timeout, max(MIN_CONNECT_S, sync_timeout / GLOO_CONNECT_ATTEMPTS))
     store.set_timeout(timedelta(seconds=connect_s))
-    try:
-        if backend == "nccl":
-            pg = nccl_group(store, rank, size, name, timedelta(seconds=connect_s), device)
-        else:
-            pg, _ = c10d._new_process_group_helper(size, rank, [], backend, store, group_name=name,
-                                                   timeout=timedelta(seconds=connect_s), group_desc=GROUP_DESC)
-        if connect_s != sync_timeout:
-            set_timeout(pg, timedelta(seconds=sync_timeout))
-    except Exception as exc:
-        store.close()
-        raise RendezvousError(f"federation group {prefix}: backend {backend} rendezvous failed: "
-                              f"{first_line(exc)}") from exc
-    # registered like a sub-group of this world (get_rank, destroy); the other members get negative global ranks,
-    # which point-to-point ops (the 8-bit ring) map back to their group ranks
+    if backend == "nccl":
+        pg = nccl_group(store, rank, size, name, timedelta(seconds=connect_s), device)
+    else:
+        pg, _ = c10d._new_process_group_helper(size, rank, [], backend, store, group_name=name,
+                                               timeout=timedelta(seconds=connect_s), group_desc=GROUP_DESC)
+    if connect_s != sync_timeout:
+        set_timeout(pg, timedelta(seconds=sync_timeout))
+    # the other members get negative global ranks, which point-to-point ops (the 8-bit ring) map back to their
+    # group ranks
     c10d._world.pg_group_ranks[pg] = {dist.get_rank(): rank, **{-1 - j: j for j in range(size) if j != rank}}
-    return FederationGroup(pg=pg, rank=rank, size=size, name=name, store=store, backend=backend)
+    return pg
+
+
+def site_groups(group: FederationGroup, layout: SiteLayout, sync_timeout: float,
+                device: torch.device | None = None) -> tuple[SiteGroups, list[FederationGroup]]:
+    """The two-level reduction's groups of this member of `group` (`layout`: the site of each member, a two-level
+    one): its site's members and the members holding its share at every site, built over `group`'s store (only
+    their members take part). Returns them, and the groups to destroy with `group`."""
+    if group.store is None:
+        raise ValueError(f"{group.name} has no store to build its site groups over")
+    site, j = layout.position(group.rank)
+    made = []
+    for key, members in ((f"site{site}", layout.members_of(site)), (f"share{j}", layout.across(j))):
+        name = f"{group.name}/{key}"
+        try:
+            pg = _process_group(dist.PrefixStore(f"{key}/", group.store), members.index(group.rank), len(members),
+                                name, group.backend, sync_timeout, device)
+        except Exception as exc:
+            for g in made:
+                g.destroy(failed=True)
+            raise RendezvousError(f"{name}: backend {group.backend} rendezvous failed: {first_line(exc)}") from exc
+        made.append(FederationGroup(pg=pg, rank=members.index(group.rank), size=len(members), name=name, store=None,
+                                    backend=group.backend))
+    return SiteGroups(flat=group.pg, site=made[0].pg, across=made[1].pg, layout=layout), made
 
 
 def _connect(host: str, port: int, prefix: str, secret: str, deadline: float, timeout: float,

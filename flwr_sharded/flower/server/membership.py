@@ -33,7 +33,8 @@ class GroupInfo:
     resumed_round: int = 0
     """The round its checkpoint holds (resume)."""
     facility: str = ""
-    """Its facility on the server path ('' on the decentralised path)."""
+    """Its facility (the node config's `facility`, else the run config's `facilities`; '' where neither names one):
+    on the server path the groups it syncs with, on the decentralised path its site (two-level rounds)."""
     log_file: str = ""
     """Where a group launched in simulation logs."""
     model_digest: str = ""
@@ -210,8 +211,8 @@ class GroupMembership:
         return self.members[0] if self.members else None
 
     def facility_of(self, partition_id: int, hello_info: dict[str, Any]) -> str:
-        """A group's facility: none on the decentralised path."""
-        return ""
+        """A group's facility: the node config's `facility`, else the run config's `facilities[partition_id]`."""
+        return str(hello_info.get("facility", "")) or self.run.facility_of(partition_id)
 
     def drop(self, server_round: int, dropped: dict[int, str], *, rejoin: bool = True) -> None:
         """Take the groups of `dropped` (node -> why) out of the members, logged; `rejoin`: they may rejoin later."""

@@ -36,6 +36,29 @@ def member_shards(groups: dict[int, Any], members: list[int]) -> list[int]:
     return shards if len(set(shards)) > 1 else []
 
 
+def member_sites(groups: dict[int, Any], members: list[int], parallel: Any) -> tuple[list[str], str]:
+    """Every member's site (its facility), in member order, where the round reduces in two levels
+    (`flwr_sharded.parallel.sites`); else [] and why not ('' where no facility is named)."""
+    from flwr_sharded.parallel.sites import SiteLayout
+    from flwr_sharded.validation import outer_rule
+
+    sites = [groups[n].facility for n in members]
+    if not any(sites):
+        return [], ""
+    why = ("a member names no facility" if not all(sites) else
+           "its members shard differently" if member_shards(groups, members) else
+           f"outer rule {parallel.outer} is not linear" if not outer_rule(parallel).linear else
+           "the sync is top-k" if parallel.sync_topk is not None else "")
+    if not why:
+        try:
+            layout = SiteLayout(tuple(sites))
+        except ValueError:
+            why = "its facilities hold different numbers of members"
+        else:
+            why = "" if layout.two_level else "it has one facility, or one member per facility"
+    return ([], why) if why else (sites, "")
+
+
 def member_steps(groups: dict[int, Any], members: list[int], round_steps: int, group_steps: str) -> list[int]:
     """Every member's local steps per sync of a round of A = `round_steps` with `group-steps speed`, from its last
     round's step time (`pace.local_steps`); [] (every member A) with `equal`, before every member has a step time,
@@ -115,6 +138,10 @@ class DecentralizedFedAvg(Strategy):
         d, groups = self.deadlines, self.membership.groups
         secret = secrets.token_hex(32)  # the members' proof at the rendezvous; travels over Flower's TLS channel
         shards = member_shards(groups, members)
+        sites, flat = member_sites(groups, members, self.run.train.parallel)
+        if flat:
+            log(INFO, "round %d: the flat ring (%s): %s", server_round, flat,
+                ", ".join(f"{n}@{groups[n].facility or '-'}" for n in members))
         steps = member_steps(groups, members, round_options.for_run(self.run).aggregate_every,
                              self.run.train.parallel.group_steps)
         out = []
@@ -124,7 +151,8 @@ class DecentralizedFedAvg(Strategy):
                              rendezvous_ports=list(offer.rendezvous_ports), prefix=prefix,
                              rendezvous_timeout=d.rendezvous_timeout, sync_timeout=d.sync_timeout, secret=secret,
                              evaluate=evaluate, checkpoint=checkpoint, export=export_first and i == 0,
-                             catch_up=catch_up, member_shards=shards, member_steps=steps, round=round_options)
+                             catch_up=catch_up, member_shards=shards, member_steps=steps, member_sites=sites,
+                             round=round_options)
             out.append(message(node, MSG_TRAIN, {**args.to_config(), "timeout": START_TIMEOUT_S}, str(server_round),
                                d.round_timeout))
         return out
