@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -50,6 +51,206 @@ def positive_int(name: str, value: int) -> None:
     """ConfigError naming `name` unless `value` is an integer >= 1."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+FP32_BYTES = 4.0
+"""Bytes per value of the sync's staging buffers (fp32), which the two-level scheme's in-site stage moves."""
+
+
+@dataclass(frozen=True)
+class Sites:
+    """Where the federation's members are: `site_of[i]` is member i's site (a cluster file's group: the members behind
+    one slow uplink). G sites of L members each (equal); member i's in-site ring is its site's members in index order,
+    its cross-site ring the members of the same place in every site."""
+
+    site_of: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "site_of", tuple(self.site_of))
+        sizes = Counter(self.site_of)
+        if not sizes or len(set(sizes.values())) != 1:
+            raise ConfigError(f"sites must put the members in sites of equal size, got {list(self.site_of)!r}")
+
+    @classmethod
+    def even(cls, G: int, L: int) -> Sites:
+        """G sites of L members: member i in site i // L."""
+        positive_int("G", G)
+        positive_int("L", L)
+        return cls(tuple(i // L for i in range(G * L)))
+
+    @property
+    def G(self) -> int:
+        return len(set(self.site_of))
+
+    @property
+    def L(self) -> int:
+        return len(self.site_of) // self.G
+
+    @property
+    def members(self) -> int:
+        return len(self.site_of)
+
+    @property
+    def flat(self) -> bool:
+        """G = 1 or L = 1: the two-level scheme is the flat ring."""
+        return self.G == 1 or self.L == 1
+
+    def site_rings(self) -> list[list[int]]:
+        """The members of each site, sites in order of first appearance."""
+        return [[i for i, s in enumerate(self.site_of) if s == site] for site in dict.fromkeys(self.site_of)]
+
+    def cross_rings(self) -> list[list[int]]:
+        """For each place l < L, the l-th member of every site."""
+        rings = self.site_rings()
+        return [[ring[place] for ring in rings] for place in range(self.L)]
+
+
+def two_level_time(D: float, G: int, L: int, *, stage: float = 1.0, B_site: float | None,
+                   B_cross: float | None) -> float:
+    """Seconds of the two-level (site-aware) all-reduce of a shard of D bits on the wire among G sites of L members:
+    C_RS(stage D, L) at B_site + C_AR(D / L, G) at B_cross + C_AG(stage D, L) at B_site (`stage`: the in-site stage's
+    bytes over the wire's, fp32 staging / the wire's bytes); with G = 1 or L = 1 the flat ring C_AR(D, G L) at B_cross
+    (B_site when G = 1). B_cross is one cross-site flow's bandwidth (L of them leave each site at once)."""
+    positive_int("G", G)
+    positive_int("L", L)
+    if G == 1 or L == 1:
+        return all_reduce_time(D, G * L, B_cross if G > 1 else B_site)
+    in_site = reduce_scatter_time(D * stage, L, B_site) + all_gather_time(D * stage, L, B_site)
+    return in_site + all_reduce_time(D / L, G, B_cross)
+
+
+def site_sync_time(shard_bytes: float, G: int, L: int, *, wire_bytes: float = 4.0, B_site: float | None,
+                   B_cross: float | None) -> float:
+    """`two_level_time` of a shard of `shard_bytes` in the wire's fp32 staging, `wire_bytes` per value on the wire
+    (4: float32, 2: bfloat16, 1 + 4/256: int8)."""
+    if not wire_bytes > 0:
+        raise ConfigError(f"wire_bytes must be positive, got {wire_bytes!r}")
+    return two_level_time(8 * shard_bytes * wire_bytes / FP32_BYTES, G, L, stage=FP32_BYTES / wire_bytes,
+                          B_site=B_site, B_cross=B_cross)
+
+
+
+@dataclass(frozen=True)
+class SiteBytes:
+    """Bytes one member sends in one sync of its shard, by level."""
+
+    in_site: float
+    """Over the fast tier, inside its site (the reduce-scatter and all-gather of the staged shard)."""
+    cross: float
+    """Over the slow tier, to another site."""
+
+
+def site_sync_bytes(shard_bytes: float, G: int, L: int, *, wire_bytes: float = 4.0) -> SiteBytes:
+    """A member's bytes per sync of a shard of `shard_bytes` (fp32 staging): two-level 2 (L-1)/L S in its site and
+    2 (G-1)/G x S/L x wire_bytes/4 across; with G = 1 or L = 1 the flat ring's 2 (P-1)/P S wire_bytes/4, across sites
+    when G > 1. A site's uplink carries what its members send across it."""
+    positive_int("G", G)
+    positive_int("L", L)
+    wire = shard_bytes * wire_bytes / FP32_BYTES
+    if G == 1 or L == 1:
+        flat = 2 * wire * (G * L - 1) / (G * L)
+        return SiteBytes(in_site=0.0 if G > 1 else flat, cross=flat if G > 1 else 0.0)
+    return SiteBytes(in_site=2 * shard_bytes * (L - 1) / L, cross=2 * wire / L * (G - 1) / G)
+
+
+# ----- the sync protocol's exchanges (latency) ----------------------------------------------------------------------
+SyncKind = Literal["blocking", "overlapped"]
+Collective = Literal["all_gather", "all_reduce"]
+
+RING_STEPS: dict[str, int] = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}
+"""Sequential steps of a ring collective among n members, in units of n - 1 (each step waits for its slowest hop)."""
+
+
+def ring_steps(collective: str, n: int) -> int:
+    """Sequential steps of a ring `collective` among n members: n - 1, 2 (n - 1) for an all-reduce; 0 for n = 1."""
+    positive_int("n", n)
+    return RING_STEPS[collective] * (n - 1)
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One exchange between the members in a fragment sync, besides its reduction."""
+
+    name: str
+    collective: Collective
+    code: str
+    """Where the runtime issues it."""
+
+
+PROTOCOL: dict[SyncKind, tuple[Exchange, ...]] = {
+    "overlapped": (Exchange("admission", "all_gather", "parallel.admission.admit (ShardSync._admit)"),
+                   Exchange("result vote", "all_reduce", "parallel.admission.vote (ShardSync._conclude)")),
+    "blocking": (Exchange("admission", "all_gather", "parallel.admission.admit (ShardSync._admit)"),
+                 Exchange("result vote", "all_reduce", "parallel.admission.vote (ShardSync._conclude)"),
+                 Exchange("commit vote", "all_gather", "parallel.admission.commit_vote (SyncLoop._agree)")),
+}
+"""The exchanges between the members of one fragment sync besides its reduction, by kind of sync, each over all n
+members (one channel: equal groups), all in sequence with the reduction; the one table every count derives from.
+
+| exchange | collective | steps | overlapped | blocking |
+|---|---|---|---|---|
+| admission (weights, verdicts, adopted merges) | all-gather | n - 1 | 1 | 1 |
+| the reduction, one per unit (`reduction_steps`) | all-reduce | 2 (n - 1); two-level: 2 (G - 1) across | c | c |
+| result vote | all-reduce (MIN) | 2 (n - 1) | 1 | 1 |
+| commit vote | all-gather | n - 1 | 0 | 1 |
+
+An overlapped sync's commit is confirmed by the next admission (docs/flower.md, "Commit without lock-step").
+Not counted (not between sites, or not per sync): the flags inside a member's group, the first sync's alignment
+check, the round's rendezvous, `confirm_merges` at a run's end."""
+
+
+def protocol_steps(kind: SyncKind, n: int) -> int:
+    """Sequential steps of one fragment sync's exchanges besides its reduction (`PROTOCOL`): 3 (n-1) overlapped,
+    4 (n-1) blocking."""
+    if kind not in PROTOCOL:
+        raise ConfigError(f"sync kind must be one of {', '.join(PROTOCOL)}, got {kind!r}")
+    return sum(ring_steps(e.collective, n) for e in PROTOCOL[kind])
+
+
+def reduction_steps(n: int, collectives: float = 1, sites: Sites | None = None) -> tuple[float, float]:
+    """Sequential steps of a fragment sync's reduction among n members, (on the federation's slowest tier, inside
+    the sites): `collectives` x 2 (n-1) flat; two-level x 2 (G-1) across and x 2 (L-1) inside."""
+    if sites is None or sites.flat:
+        return collectives * ring_steps("all_reduce", n), 0.0
+    if sites.members != n:
+        raise ConfigError(f"sites place {sites.members} members, the federation group has {n}")
+    return (collectives * ring_steps("all_reduce", sites.G),
+            collectives * (ring_steps("reduce_scatter", sites.L) + ring_steps("all_gather", sites.L)))
+
+
+@dataclass(frozen=True)
+class FragmentSync:
+    """One fragment sync among `members`, to price at a latency: its bytes' seconds and its sequential steps."""
+
+    kind: SyncKind
+    members: int
+    data: float
+    """Seconds of its bytes (the bandwidth terms, blocking)."""
+    collectives: float
+    """Collectives of its reduction (one per unit of the fragment)."""
+    sites: Sites | None = None
+    alpha_site: float = 0.0
+    """Seconds per step inside a site (the two-level scheme's in-site stage)."""
+    steps: int | None = None
+    """Steps of one reduction collective across sites (NCCL's tree: `allreduce_steps`); None: `reduction_steps`'."""
+
+    def reduction(self, alpha: float) -> float:
+        """Seconds of its reduction's steps at `alpha` per step across sites."""
+        cross, in_site = reduction_steps(self.members, self.collectives, self.sites)
+        cross = cross if self.steps is None else self.collectives * self.steps
+        return cross * alpha + in_site * self.alpha_site
+
+    def protocol(self, alpha: float) -> float:
+        """Seconds of its other exchanges' steps at `alpha` per step (`protocol_steps`)."""
+        return protocol_steps(self.kind, self.members) * alpha
+
+    def time(self, alpha: float) -> float:
+        return self.data + self.reduction(alpha) + self.protocol(alpha)
+
+    def protocol_share(self, alpha: float) -> float:
+        """The exchanges' share of the fragment sync's time at `alpha` per step."""
+        total = self.time(alpha)
+        return self.protocol(alpha) / total if total > 0 else 0.0
 
 
 def _check_bandwidth(name: str, value: float | None, needed: bool, why: str) -> None:
@@ -134,34 +335,43 @@ class CommTerms:
     """Seconds of `shard` and `latency` that the forward's all-gathers take (included in them)."""
     sync_latency: float = 0.0
     """Seconds of `latency` that the sync's collectives take, amortised over A (included in it)."""
+    protocol: float = 0.0
+    """Seconds of the sync protocol's other exchanges (`PROTOCOL`: admission, votes), amortised over A; 0 unless
+    `comm_terms(protocol=...)`. An overlapped sync's thread runs them with its reduction: `overlapped` moves them
+    into `sync` and `hidden`."""
 
     @property
     def total(self) -> float:
-        return self.shard + self.replicate + self.sync + self.latency
+        return self.shard + self.replicate + self.sync + self.latency + self.protocol
 
 
 def overlapped(terms: CommTerms, *, A: int, fragments: int = 1, delay: int = 0, local_step: float) -> CommTerms:
     """`terms` with an overlapped sync (`--sync-fragments` N, `--sync-delay` tau): exposed sync = N max(0, sync A / N
-    - tau local_step) / A, the rest `hidden`."""
+    - tau local_step) / A, the rest `hidden`; the protocol's exchanges travel with the sync (`CommTerms.protocol`)."""
     for name, value in (("A", A), ("fragments", fragments)):
         positive_int(name, value)
     if delay < 0 or not local_step >= 0:
         raise ConfigError(f"delay and local_step must be >= 0, got {delay!r} and {local_step!r}")
     if delay == 0:
         return terms
-    per_fragment = terms.sync * A / fragments
+    per_fragment = (terms.sync + terms.protocol) * A / fragments
     exposed = max(0.0, per_fragment - delay * local_step) * fragments / A
-    return replace(terms, sync=exposed, hidden=terms.sync - exposed)
+    return replace(terms, sync=exposed, protocol=0.0, hidden=terms.sync + terms.protocol - exposed)
 
 
 def comm_terms(method: str, units: Units, *, S: int, R: int = 1, F: int = 1, A: int = 1, B_S: float | None,
                B_R: float | None = None, B_F: float | None = None, sizes: Sizes = "exact", backend: Backend = "nccl",
                reshard_after_forward: bool = True, reshard_root: bool = False, alpha_S: float = 0.0,
                alpha_R: float = 0.0, alpha_F: float = 0.0, wire_ratio: float = 1.0, steps_R: int | None = None,
-               steps_F: int | None = None) -> CommTerms:
+               steps_F: int | None = None, sites: Sites | None = None, B_site: float | None = None,
+               alpha_site: float = 0.0, stage_ratio: float | None = None, protocol: SyncKind | None = None,
+               fragments: int = 1) -> CommTerms:
     """Communication seconds per optimizer step by kind, with Eqs. 1-5's one message size (`sizes="paper"`) or each
     collective's own (docs/cost-model.md); `alpha_*`: seconds per sequential step of a collective, `steps_R` /
-    `steps_F`: an all-reduce's steps (None: the ring's); `wire_ratio`: the sync's wire bytes over the units'."""
+    `steps_F`: an all-reduce's steps (None: the ring's); `wire_ratio`: the sync's wire bytes over the units'.
+    `sites`: the F members' sites, a two-level sync (`two_level_time`: B_F and alpha_F across sites, B_site and
+    alpha_site inside; `stage_ratio`: its in-site stage's bytes over the units', None: `wire_ratio`); None: the flat
+    ring. `protocol`: count the `fragments` syncs' other exchanges of that kind at alpha_F (`protocol_steps`)."""
     check_layout(method, S=S, R=R, F=F, A=A)
     _check_bandwidths(method, S, R, F, B_S, B_R, B_F)
     if sizes not in ("exact", "paper"):
@@ -171,6 +381,11 @@ def comm_terms(method: str, units: Units, *, S: int, R: int = 1, F: int = 1, A: 
         raise ConfigError(f"wire_ratio must be positive, got {wire_ratio!r}")
     hsdp = method in ("hsdp", "fl-hsdp")
     syncs = method.startswith("fl-") and F > 1
+    if sites is not None and sites.members != F:
+        raise ConfigError(f"sites place {sites.members} members, the layout has F={F}")
+    two_level = syncs and sites is not None and not sites.flat
+    if two_level:
+        _check_bandwidth("B_site", B_site, True, "by a two-level sync")
     if sizes == "paper":
         L = units.count
         M = units.total * 8 / L
@@ -186,16 +401,26 @@ def comm_terms(method: str, units: Units, *, S: int, R: int = 1, F: int = 1, A: 
     shard += sum(k * reduce_scatter_time(D, S, B_S) for k, D in reduces)
     replicate = sum(all_reduce_time(D, R, B_R) for D in shard_msgs) if hsdp else 0.0
     broadcast = sum(broadcast_time(D, R, B_R) for D in shard_msgs) if method == "fl-hsdp" and syncs else 0.0
-    sync = (sum(all_reduce_time(D * wire_ratio, F, B_F) for D in shard_msgs) + broadcast) / A if syncs else 0.0
+    if two_level:
+        stage = (wire_ratio if stage_ratio is None else stage_ratio) / wire_ratio
+        reduced = sum(two_level_time(D * wire_ratio, sites.G, sites.L, stage=stage, B_site=B_site, B_cross=B_F)
+                      for D in shard_msgs)
+    else:
+        reduced = sum(all_reduce_time(D * wire_ratio, F, B_F) for D in shard_msgs)
+    sync = (reduced + broadcast) / A if syncs else 0.0
     n_units = len(shard_msgs)
-    steps_R = 2 * (R - 1) if steps_R is None else steps_R
-    steps_F = 2 * (F - 1) if steps_F is None else steps_F
+    steps_R = ring_steps("all_reduce", R) if steps_R is None else steps_R
+    cross_steps, site_steps = reduction_steps(F, 1, sites if two_level else None)
+    steps_F = cross_steps if steps_F is None else steps_F
     latency = (sum(k for k, _ in gathers) + len(reduces)) * (S - 1) * alpha_S + n_units * steps_R * alpha_R * hsdp
-    sync_latency = n_units * (steps_F * alpha_F + (R - 1 if method == "fl-hsdp" else 0) * alpha_R) / A if syncs else 0.0
+    sync_latency = n_units * (steps_F * alpha_F + site_steps * alpha_site
+                              + (R - 1 if method == "fl-hsdp" else 0) * alpha_R) / A if syncs else 0.0
+    positive_int("fragments", fragments)
+    exchanges = fragments * protocol_steps(protocol, F) * alpha_F / A if syncs and protocol is not None else 0.0
     # the forward gathers every unit once: its share of the all-gathers' time and steps
     forward = sum(all_gather_time(D, S, B_S) for _, D in gathers) + len(gathers) * (S - 1) * alpha_S
     return CommTerms(shard=shard, replicate=replicate, sync=sync, latency=latency + sync_latency, forward=forward,
-                     sync_latency=sync_latency)
+                     sync_latency=sync_latency, protocol=exchanges)
 
 
 ADAMW_BYTES_PER_PARAM = 28.0
@@ -235,7 +460,7 @@ def tree_allreduce_steps(nodes: int, ranks_per_node: int) -> int:
 
 def allreduce_steps(n: int, nodes: int, tree: bool) -> int:
     """Sequential steps of an all-reduce among n ranks on `nodes` nodes: the ring's, or with `tree` the fewer."""
-    ring = 2 * (n - 1)
+    ring = ring_steps("all_reduce", n)
     return min(ring, tree_allreduce_steps(nodes, n // nodes)) if tree and n >= 2 else ring
 
 

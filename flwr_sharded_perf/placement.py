@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from flwr_sharded.errors import ConfigError
-from flwr_sharded_perf.costmodel import Backend, Units, check_backend, check_layout, positive_int
+from flwr_sharded_perf.costmodel import (FP32_BYTES, Backend, Sites, Units, check_backend, check_layout, positive_int,
+                                         site_sync_bytes)
 
 TIERS = ("intra_node", "inter_node", "inter_group")
 """Network tiers, fastest first: same node, same node group (rack, cell, facility), different groups."""
@@ -90,14 +91,22 @@ class Placement:
 
     def dim_tier(self, dim: str, ranks: Sequence[int] | None = None) -> Tier | None:
         """Slowest tier the groups of a dimension (or of `ranks`) span (the paper's B_S, B_R, B_F); None for size 1."""
-        tiers = {self.span_tier(g) for g in self.groups(dim, ranks)}
+        return self.rings_tier(self.groups(dim, ranks))
+
+    def rings_tier(self, rings: Sequence[Sequence[int]]) -> Tier | None:
+        """Slowest tier that any of `rings` (lists of ranks) spans; None if each is a single rank."""
+        tiers = {self.span_tier(g) for g in rings}
         tiers.discard(None)
         return max(tiers, key=TIERS.index) if tiers else None
 
     def flows(self, dim: str, ranks: Sequence[int] | None = None) -> dict[str, int]:
         """Most ring edges leaving one node or node group when all groups of a dimension (or of `ranks`) run at once."""
+        return self.ring_flows(self.groups(dim, ranks))
+
+    def ring_flows(self, rings: Sequence[Sequence[int]]) -> dict[str, int]:
+        """Most ring edges leaving one node or node group when all `rings` (ranks in ring order) run at once."""
         leaving: dict[str, Counter] = {"inter_node": Counter(), "inter_group": Counter()}
-        for group in self.groups(dim, ranks):
+        for group in (list(g) for g in rings):
             if len(group) < 2:
                 continue
             for a, b in zip(group, group[1:] + group[:1]):
@@ -128,13 +137,18 @@ class Traffic:
 
 def rank_traffic(method: str, placement: Placement, units: Units, *, rank: int, A: int = 1,
                  backend: Backend = "nccl", reshard_after_forward: bool = True, reshard_root: bool = False,
-                 grad_ratio: float = 1.0, sync_ratio: float = 1.0, wire_ratio: float = 1.0) -> Traffic:
+                 grad_ratio: float = 1.0, sync_ratio: float = 1.0, wire_ratio: float = 1.0,
+                 sites: Sites | None = None, stage_ratio: float | None = None) -> Traffic:
     """Bytes `rank` sends per optimizer step and per shard sync, by tier (docs/cost-model.md, "Bytes per tier");
-    `grad_ratio` / `sync_ratio` scale gradient and sync bytes, `wire_ratio` the sync's all-reduce on top."""
+    `grad_ratio` / `sync_ratio` scale gradient and sync bytes, `wire_ratio` the sync's all-reduce on top. `sites`:
+    the F members' sites, a two-level sync (`site_sync_bytes`; `stage_ratio`: its in-site stage's bytes over the
+    units', None: `wire_ratio`); None: the flat ring."""
     check_layout(method, S=placement.S, R=placement.R, F=placement.F, A=A)
     check_backend(backend)
     S, R, F = placement.S, placement.R, placement.F
-    _, r, _ = placement.coords(rank)
+    f, r, s = placement.coords(rank)
+    if sites is not None and sites.members != F:
+        raise ConfigError(f"sites place {sites.members} members, the layout has F={F}")
 
     def out_tier(dim: str, ring: bool = True) -> Tier | None:
         group = placement.group(dim, rank)
@@ -153,8 +167,16 @@ def rank_traffic(method: str, placement: Placement, units: Units, *, rank: int, 
     if method in ("hsdp", "fl-hsdp") and R > 1:
         step[out_tier("replica")] += 2 * shard_bytes * grad_ratio * (R - 1) / R
     if method.startswith("fl-") and F > 1:
-        if method == "fl-fsdp" or r == 0:
+        if (method == "fl-fsdp" or r == 0) and (sites is None or sites.flat):
             sync[out_tier("federation")] += 2 * shard_bytes * sync_ratio * wire_ratio * (F - 1) / F
+        elif method == "fl-fsdp" or r == 0:
+            stage = wire_ratio if stage_ratio is None else stage_ratio
+            sent = site_sync_bytes(shard_bytes * sync_ratio * stage, sites.G, sites.L,
+                                   wire_bytes=FP32_BYTES * wire_ratio / stage)
+            for rings, nbytes in ((sites.site_rings(), sent.in_site), (sites.cross_rings(), sent.cross)):
+                ring = next(g for g in rings if f in g)
+                peer = placement.rank(ring[(ring.index(f) + 1) % len(ring)], r, s)
+                sync[placement.link_tier(rank, peer)] += nbytes
         if method == "fl-hsdp" and R > 1:
             tier = out_tier("replica", ring=False)
             if tier is not None:

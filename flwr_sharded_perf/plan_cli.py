@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Literal
 
 from flwr_sharded import schema, tool_options
@@ -23,6 +23,8 @@ from flwr_sharded.schema import option, same_as
 from flwr_sharded_perf.wire_choice import advice
 
 PHASES = ("forward", "backward", "optimizer", "aggregation", "overall")
+PROTOCOL_LATENCIES = (0.01, 0.05, 0.1)
+"""Seconds per step across sites at which `plan` shows the sync protocol's share, besides the cluster's own."""
 
 
 @dataclass
@@ -81,6 +83,12 @@ class PlanOptions:
     """Usable share of a GPU's memory."""
     fl_margin: float = option(0.1, ge=0)
     """FL must be this fraction faster than a synchronous method to rank above it."""
+    sites: Literal["groups"] | None = None
+    """`groups`: price the FL sync as the two-level (site-aware) scheme with the cluster's node groups as sites (a
+    layout whose members span groups, or fill them unequally, keeps the flat ring); unset: the flat ring."""
+    protocol: bool = False
+    """Count the sync's exchanges besides its reduction (admission, result vote, a blocking sync's commit vote:
+    `costmodel.PROTOCOL`) in the prediction, at the federation tier's latency (where latency counts)."""
     layouts: Literal["paper"] | None = None
     """`paper`: instead of planning, predict the paper's four 512-GPU layouts next to its Table 4."""
     json: bool = False
@@ -114,7 +122,7 @@ def resolve(parsed: argparse.Namespace) -> argparse.Namespace:
         tokens_per_gpu_batch=opts.tokens_per_gpu, bytes_per_param=opts.bytes_per_param, sizes=opts.sizes,
         state_bytes_per_param=opts.state_bytes_per_param, latency=opts.latency, memory_fraction=opts.memory_fraction,
         activation_checkpointing=opts.activation_checkpointing, step=step,
-        sync_bytes_per_param=SYNC_DTYPE_BYTES.get(opts.sync_dtype))
+        sync_bytes_per_param=SYNC_DTYPE_BYTES.get(opts.sync_dtype), sites=opts.sites, protocol=opts.protocol)
     return argparse.Namespace(**values)
 
 
@@ -219,10 +227,13 @@ def run(parsed: argparse.Namespace) -> int:
     reason = explain(best, reference, min(candidates, key=lambda c: c.step_time), args.fl_margin)
     wire = (advice(args.sync_topk, args.steps // best.A, best.F)
             if args.sync_topk and args.steps and best.federated else None)
+    fl = next((c for c in candidates if c.fragment_sync is not None), None)
+    protocol = _protocol_rows(fl, cluster) if fl is not None else []
     if args.json:
         print(json.dumps({"cluster": cluster.name, "model": model.name,
                           "candidates": [_candidate_dict(c) for c in candidates[:args.top]],
-                          "recommended": _candidate_dict(best), "reason": reason, "wire_advice": wire}, indent=2))
+                          "recommended": _candidate_dict(best), "reason": reason, "wire_advice": wire,
+                          "protocol_share": {"layout": fl.label(), "rows": protocol} if fl else None}, indent=2))
         return 0
     groups = f", node groups of {cluster.nodes_per_group} nodes" if cluster.nodes_per_group else ""
     print(f"Cluster {cluster.name}: {cluster.nodes} x {cluster.gpus_per_node} GPUs = {cluster.gpus}{groups}; "
@@ -236,10 +247,39 @@ def run(parsed: argparse.Namespace) -> int:
         tiers = "/".join(c.tiers[d] or "-" for d in ("shard", "replica", "federation"))
         print(f"{i:>3} {c.method:<8} {c.F:>4} {c.R:>4} {c.S:>4} {c.A:>3} {c.comm.total:>11.4g} {c.step_time:>12.4g} "
               f"{c.batch_tokens:>14,} {c.memory.total / GiB:>11.1f}  {tiers}")
+    if fl is not None:
+        _print_protocol(fl, protocol)
     print(f"Recommended: {reason}")
     if wire:
         print(f"Wire: {wire}")
     return 0
+
+
+def _protocol_rows(c: Candidate, cluster: Cluster) -> list[dict[str, Any]]:
+    """One fragment sync of `c` at the cluster's latency across its federation and at `PROTOCOL_LATENCIES`: its
+    bytes' seconds, its reduction's steps and each kind's other exchanges (`costmodel.PROTOCOL`), with their share."""
+    fs, tier = c.fragment_sync, c.tiers["federation"]
+    rows = []
+    for alpha, where in ((cluster.latency.get(tier, 0.0), tier),
+                         *((a, "") for a in PROTOCOL_LATENCIES)):
+        kinds = {k: replace(fs, kind=k) for k in ("blocking", "overlapped")}
+        rows.append({"latency_s": alpha, "where": where, "data_s": fs.data, "reduction_s": fs.reduction(alpha),
+                     "exchanges_s": {k: f.protocol(alpha) for k, f in kinds.items()},
+                     "share": {k: f.protocol_share(alpha) for k, f in kinds.items()}})
+    return rows
+
+
+def _print_protocol(c: Candidate, rows: list[dict[str, Any]]) -> None:
+    fs = c.fragment_sync
+    scheme = f"two-level over {fs.sites.G} sites of {fs.sites.L}" if fs.sites else "flat ring"
+    print(f"Sync protocol of {c.label()}: one fragment sync ({fs.members} members, {scheme}, {fs.collectives:.3g} "
+          f"reductions), seconds at the cluster's latency per step across sites and at others; the exchanges' share:")
+    print(f"{'latency per step':>25} {'bytes s':>9} {'reduction s':>11} {'blocking exchanges':>22} "
+          f"{'overlapped exchanges':>22}")
+    for r in rows:
+        latency = f"at {r['latency_s'] * 1e3:g} ms" + (f" ({r['where']})" if r["where"] else "")
+        cells = [f"{r['exchanges_s'][k]:.4g} ({r['share'][k]:.0%})" for k in ("blocking", "overlapped")]
+        print(f"{latency:>25} {r['data_s']:>9.4g} {r['reduction_s']:>11.4g} {cells[0]:>22} {cells[1]:>22}")
 
 
 def _run_federation(federation: FacilityFederation, model: ModelShape | None, args: argparse.Namespace) -> int:

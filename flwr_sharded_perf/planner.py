@@ -4,18 +4,20 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Literal, Union
 
 from flwr_sharded.config import METHODS
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES, wire_ratio
 from flwr_sharded_perf.cluster import Cluster, FacilityFederation
-from flwr_sharded_perf.costmodel import (ADAMW_BYTES_PER_PARAM, SGD_BYTES_PER_PARAM, CommTerms, Phases, allreduce_steps,
-                                         check_layout, comm_terms, flow_bandwidth, optimizer_time, overlapped,
-                                         phase_time, positive_int)
+from flwr_sharded_perf.costmodel import (ADAMW_BYTES_PER_PARAM, FP32_BYTES, SGD_BYTES_PER_PARAM, Calibration, CommTerms,
+                                         FragmentSync, Phases, Sites, allreduce_steps, check_layout, comm_terms,
+                                         flow_bandwidth, optimizer_time, overlapped, phase_time, positive_int)
 from flwr_sharded_perf.memory_model import GiB, MemoryBreakdown, StepOptions, memory_per_gpu
 from flwr_sharded_perf.model_shape import ModelShape, compute_time, model_from_preset
-from flwr_sharded_perf.placement import DIMENSIONS
+from flwr_sharded_perf.placement import DIMENSIONS, Placement
 from flwr_sharded_perf.unequal_sync_cost import UnequalSync, coarse_shapes, unequal_sync
 from flwr_sharded.parallel.schedule import idle_times, local_steps
 
@@ -45,6 +47,8 @@ class Candidate:
     phases: Phases | None = None
     calibrated: bool = False
     """Predicted with the cluster's calibrated model: then the step is the sum of `phases`."""
+    fragment_sync: FragmentSync | None = None
+    """One of its fragment syncs, to price at a latency (FL with F > 1)."""
 
     @property
     def step_time(self) -> float:
@@ -81,6 +85,30 @@ def check_aggregate_every(values: tuple[int, ...]) -> None:
             raise ConfigError(f"--aggregate-every: values must be integers >= 1, got {A!r}")
 
 
+SitesSpec = Union[Sites, Sequence[int], Literal["groups"], None]
+"""The federation members' sites: `Sites`, a list member index -> site, "groups" (each member's node group of the
+cluster), or None (the flat ring)."""
+
+
+def layout_sites(placement: Placement, spec: SitesSpec) -> Sites | None:
+    """The sites of the F members of `placement`; "groups": None where a member spans node groups or the groups hold
+    unequal numbers of members (the flat ring)."""
+    if spec is None or isinstance(spec, Sites):
+        return spec
+    if spec != "groups":
+        return Sites(tuple(spec))
+    site_of = []
+    for f in range(placement.F):
+        groups = {placement.node_group(placement.rank(f, r, s)) for r in range(placement.R) for s in range(placement.S)}
+        if len(groups) > 1:
+            return None
+        site_of += groups
+    try:
+        return Sites(tuple(site_of))
+    except ConfigError:
+        return None
+
+
 def _wire_ratio(sync_bytes: float, bytes_per_param: float, F: int, step: StepOptions | None) -> float:
     """The sync's wire bytes per parameter over the units' (`parallel.wire.wire_ratio`)."""
     return wire_ratio(sync_bytes, step.sync_topk if step is not None else None, F, over=bytes_per_param)
@@ -90,10 +118,13 @@ def evaluate(cluster: Cluster, model: ModelShape, method: str, *, F: int = 1, R:
              tokens_per_gpu_batch: int = 4096, bytes_per_param: float = 2.0,
              state_bytes_per_param: float | None = None, sizes: str = "exact", latency: bool = False,
              activation_checkpointing: bool = False, memory_fraction: float = 0.9,
-             sync_bytes_per_param: float | None = None, step: StepOptions | None = None) -> Candidate:
+             sync_bytes_per_param: float | None = None, step: StepOptions | None = None, sites: SitesSpec = None,
+             protocol: bool = False) -> Candidate:
     """Predict one layout's step on `cluster` (the options are `flwr-sharded plan`'s); `sync_bytes_per_param`: the FL
     sync's (None: `bytes_per_param`, and the trainer's float32 sync); `step`: the trainer's options, an overlapped
-    sync's included."""
+    sync's included; `sites`: the members' sites, a two-level sync (`layout_sites`; its in-site stage in fp32 with a
+    `sync_bytes_per_param`, else in `bytes_per_param`); `protocol`: count the sync's other exchanges
+    (`costmodel.PROTOCOL`) at the federation's latency."""
     check_layout(method, S=S, R=R, F=F, A=A)
     positive_int("tokens_per_gpu_batch", tokens_per_gpu_batch)
     if not 0 < memory_fraction <= 1:
@@ -103,22 +134,44 @@ def evaluate(cluster: Cluster, model: ModelShape, method: str, *, F: int = 1, R:
     if F * R * S != cluster.gpus:
         raise ConfigError(f"layout F={F} x R={R} x S={S} = {F * R * S} ranks, but the cluster has {cluster.gpus} GPUs")
     calibrated = cluster.calibration is not None and sizes == "exact"
-    tiers, bw, steps = _dimension_links(cluster, cluster.placement(F, R, S), method, calibrated)
+    placement = cluster.placement(F, R, S)
+    tiers, bw, steps = _dimension_links(cluster, placement, method, calibrated)
+    step = step or StepOptions()
+    syncs = method.startswith("fl-") and F > 1
+    two_level = layout_sites(placement, sites) if syncs else None
+    site_tier, B_site = None, None
+    if two_level is not None and not two_level.flat:
+        if step.sync_topk is not None:
+            raise ConfigError("sites: a top-k sync's two-level scheme is not priced (its rows are all-gathered)")
+        cal = cluster.calibration if calibrated else None
+        rings = [[[placement.rank(f, 0, s) for f in ring] for s in range(S) for ring in rs]
+                 for rs in (two_level.cross_rings(), two_level.site_rings())]
+        tiers["federation"], bw["federation"], steps["federation"] = _ring_link(cluster, placement, rings[0], cal)
+        site_tier, B_site, _ = _ring_link(cluster, placement, rings[1], cal)
     alpha = {dim: (cluster.latency[t] if t and (latency or calibrated) else 0.0) for dim, t in tiers.items()}
-    comm = comm_terms(method, model.units(bytes_per_param), S=S, R=R, F=F, A=A, B_S=bw["shard"],
+    alpha_site = cluster.latency[site_tier] if site_tier and (latency or calibrated) else 0.0
+    units = model.units(bytes_per_param)
+    kind = "overlapped" if step.sync_delay > 0 else "blocking"
+    comm = comm_terms(method, units, S=S, R=R, F=F, A=A, B_S=bw["shard"],
                       B_R=bw["replica"], B_F=bw["federation"], sizes=sizes, backend=cluster.backend,
                       alpha_S=alpha["shard"], alpha_R=alpha["replica"], alpha_F=alpha["federation"],
                       wire_ratio=_wire_ratio(sync_bytes_per_param or bytes_per_param, bytes_per_param, F, step),
-                      steps_R=steps["replica"], steps_F=steps["federation"])
+                      steps_R=steps["replica"], steps_F=steps["federation"], sites=two_level, B_site=B_site,
+                      alpha_site=alpha_site,
+                      stage_ratio=None if sync_bytes_per_param is None else FP32_BYTES / bytes_per_param,
+                      protocol=kind if protocol else None, fragments=step.sync_fragments)
+    fragment = FragmentSync(kind=kind, members=F, data=comm.sync * A / step.sync_fragments,
+                            collectives=units.count / step.sync_fragments,
+                            sites=two_level if two_level is not None and not two_level.flat else None,
+                            alpha_site=alpha_site, steps=steps["federation"]) if syncs else None
     flops_per_param_token = 8.0 if activation_checkpointing else 6.0
     compute = compute_time(model.compute_params, tokens_per_gpu_batch, cluster.flops_per_gpu,
                            flops_per_param_token=flops_per_param_token)
-    step = step or StepOptions()
     overlap = calibrated and cluster.calibration.overlap
     forward_compute = compute * 2.0 / flops_per_param_token
     forward = phase_time(forward_compute, comm.forward, overlap)
     backward = phase_time(compute - forward_compute,
-                          comm.total - comm.sync - comm.sync_latency - comm.forward, overlap)
+                          comm.total - comm.sync - comm.sync_latency - comm.protocol - comm.forward, overlap)
     if method.startswith("fl-"):
         local_step = forward + backward if calibrated else compute + comm.shard + comm.replicate
         comm = overlapped(comm, A=A, fragments=step.sync_fragments, delay=step.sync_delay, local_step=local_step)
@@ -126,7 +179,7 @@ def evaluate(cluster: Cluster, model: ModelShape, method: str, *, F: int = 1, R:
     optimizer = optimizer_time(model.num_params / S, opt_bytes,
                                cluster.calibration.memory_bandwidth if calibrated else 0.0)
     phases = Phases(forward=forward, backward=backward, optimizer=optimizer,
-                    aggregation=comm.sync + comm.sync_latency)
+                    aggregation=comm.sync + comm.sync_latency + comm.protocol)
     if sync_bytes_per_param is not None and step.sync_dtype == "float32":
         dtypes = {size: dtype for dtype, size in reversed(SYNC_DTYPE_BYTES.items())}  # int8 for fp8's size too
         if sync_bytes_per_param not in dtypes:
@@ -139,36 +192,48 @@ def evaluate(cluster: Cluster, model: ModelShape, method: str, *, F: int = 1, R:
     group_gpus = R * S if method.startswith("fl-") else cluster.gpus
     return Candidate(method=method, F=F, R=R, S=S, A=A, tiers=tiers, bandwidth=bw, comm=comm, compute=compute,
                      memory=memory, batch_tokens=group_gpus * tokens_per_gpu_batch,
-                     fits=memory.total <= memory_fraction * cluster.gpu_memory, phases=phases, calibrated=calibrated)
+                     fits=memory.total <= memory_fraction * cluster.gpu_memory, phases=phases, calibrated=calibrated,
+                     fragment_sync=fragment)
 
 
-def _dimension_links(cluster: Cluster, placement, method: str, calibrated: bool) -> tuple[dict, dict, dict]:
+def _dimension_links(cluster: Cluster, placement: Placement, method: str,
+                     calibrated: bool) -> tuple[dict, dict, dict]:
     """Per mesh dimension: the slowest tier its groups span, the bits/s one flow gets, an all-reduce's steps."""
     cal = cluster.calibration if calibrated else None
-    shared = set(cluster.shared) | (set(cal.uplink) if cal else set())
     tiers: dict[str, str | None] = {}
     bw: dict[str, float | None] = {}
-    steps: dict[str, int | None] = dict.fromkeys(DIMENSIONS)
+    steps: dict[str, int | None] = {}
     for dim in DIMENSIONS:
         # fl-hsdp: only replica r = 0 joins the cross-group all-reduce
         ranks = [placement.rank(0, 0, s) for s in range(placement.S)] if (dim, method) == ("federation", "fl-hsdp") \
             else None
-        tier = tiers[dim] = placement.dim_tier(dim, ranks)
-        bw[dim] = cluster.bandwidth[tier] if tier else None
-        if not tier:
-            continue
-        flows = placement.flows(dim, ranks) if shared else {}
-        if cal is None:
-            for t in cluster.shared:
-                if flows[t]:
-                    bw[dim] = min(bw[dim], cluster.bandwidth[t] / flows[t])
-            continue
-        uplinks = {t: (cal.uplink.get(t, cluster.bandwidth.get(t, 0.0)), flows[t]) for t in shared}
-        bw[dim] = flow_bandwidth(bw[dim], uplinks, cal.efficiency.get(tier, 1.0))
-        if cal.tree_allreduce and cluster.backend == "nccl" and dim != "shard":
-            group = placement.group(dim, ranks[0] if ranks else 0)
-            steps[dim] = allreduce_steps(len(group), len({placement.node(x) for x in group}), tree=True)
+        tiers[dim], bw[dim], steps[dim] = _ring_link(cluster, placement, placement.groups(dim, ranks), cal,
+                                                     all_reduce=dim != "shard")
     return tiers, bw, steps
+
+
+def _ring_link(cluster: Cluster, placement: Placement, rings: list[list[int]], cal: Calibration | None, *,
+               all_reduce: bool = True) -> tuple[str | None, float | None, int | None]:
+    """Rings (ranks) that run at once: the slowest tier they span, the bits/s one flow gets, an all-reduce's steps
+    (NCCL's tree when calibrated so; None: the ring's)."""
+    tier = placement.rings_tier(rings)
+    if not tier:
+        return None, None, None
+    shared = set(cluster.shared) | (set(cal.uplink) if cal else set())
+    bw = cluster.bandwidth[tier]
+    flows = placement.ring_flows(rings) if shared else {}
+    if cal is None:
+        for t in cluster.shared:
+            if flows[t]:
+                bw = min(bw, cluster.bandwidth[t] / flows[t])
+        return tier, bw, None
+    uplinks = {t: (cal.uplink.get(t, cluster.bandwidth.get(t, 0.0)), flows[t]) for t in shared}
+    bw = flow_bandwidth(bw, uplinks, cal.efficiency.get(tier, 1.0))
+    steps = None
+    if cal.tree_allreduce and cluster.backend == "nccl" and all_reduce:
+        group = rings[0]
+        steps = allreduce_steps(len(group), len({placement.node(x) for x in group}), tree=True)
+    return tier, bw, steps
 
 
 def plan(cluster: Cluster, model: ModelShape, *, aggregate_every: tuple[int, ...] = (1, 2, 4, 8, 16, 32),

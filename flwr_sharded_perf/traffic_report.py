@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from flwr_sharded.parallel.traffic import ALL_PHASES, PHASES
-from flwr_sharded_perf.costmodel import Units
+from flwr_sharded_perf.costmodel import Sites, Units
 from flwr_sharded_perf.placement import TIERS, Placement, traffic
 
 def load_probes(directory: str | os.PathLike) -> list[dict[str, Any]]:
@@ -111,11 +111,14 @@ class TierComparison:
 
 def compare(probes: list[dict[str, Any]], method: str, placement: Placement, units: Units, *, A: int,
             backend: str = "gloo", reshard_root: bool = True, ranks_per_node: int | None = None,
-            uplinks: list[str] | None = None, wire_ratio: float = 1.0, fragments: int = 1) -> TierComparison:
-    """Measured (collectives, and wire) against predicted bytes per tier for one run (`fragments`: its fragments)."""
+            uplinks: list[str] | None = None, wire_ratio: float = 1.0, fragments: int = 1, sites: Sites | None = None,
+            stage_ratio: float | None = None) -> TierComparison:
+    """Measured (collectives, and wire) against predicted bytes per tier for one run (`fragments`: its fragments;
+    `sites`, `stage_ratio`: a two-level sync's, `placement.rank_traffic`'s; None: the flat ring)."""
     steps = probes[0]["windows"]["step"]
     syncs = probes[0]["windows"]["sync"] / fragments  # whole-model syncs: one per fragment's sync of each
-    per_rank = traffic(method, placement, units, A=A, backend=backend, reshard_root=reshard_root, wire_ratio=wire_ratio)
+    per_rank = traffic(method, placement, units, A=A, backend=backend, reshard_root=reshard_root, wire_ratio=wire_ratio,
+                       sites=sites, stage_ratio=stage_ratio)
     predicted = {phase: {tier: sum(getattr(t, phase)[tier] for t in per_rank) * count for tier in TIERS}
                  for phase, count in (("step", steps), ("sync", syncs))}  # placement.traffic summed over ranks
     wire = wire_tiers(probes, ranks_per_node, uplinks or []) if ranks_per_node and any(p["netdev"] for p in probes) \

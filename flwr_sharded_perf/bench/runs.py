@@ -19,7 +19,7 @@ from flwr_sharded.config import METHODS
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.sites import SiteLayout
 from flwr_sharded.parallel.wire import sync_wire_ratio
-from flwr_sharded_perf.costmodel import Units, check_layout
+from flwr_sharded_perf.costmodel import Sites, Units, check_layout
 from flwr_sharded_perf.netemu.network import EmuTopology, Fabric, RankFailure
 from flwr_sharded_perf.placement import Placement
 
@@ -288,10 +288,12 @@ def step_stats(repeats: list[list[dict[str, Any]]]) -> dict[str, Any]:
 def run_training(fab: Fabric, layout: BenchLayout, opts: argparse.Namespace, *, A: int, steps: int,
                  sync: bool = True, label: str | None = None, log_every: int | None = None,
                  units: Units | None = None, work: Path, variant: SyncVariant | None = None,
-                 extra_args: Sequence[str] = (), slow: str | None = None) -> dict[str, Any]:
+                 extra_args: Sequence[str] = (), slow: str | None = None,
+                 sites: Sites | None = None) -> dict[str, Any]:
     """Train one layout on the fabric (outputs under `work`); its summary, and with the model's `units` its measured
     and predicted traffic per tier. `variant`: how an FL layout syncs (default `--sync-dtype`, blocking); `slow`:
-    GROUP:SECONDS, a group slowed down (`slow_train`)."""
+    GROUP:SECONDS, a group slowed down (`slow_train`); `sites`: the members' sites of a two-level sync, for the
+    predicted traffic (None: the flat ring)."""
     from flwr_sharded_perf.traffic_report import compare, load_probes
 
     topo, label = fab.topology, label or layout.method
@@ -334,6 +336,7 @@ def run_training(fab: Fabric, layout: BenchLayout, opts: argparse.Namespace, *, 
         cmp = compare(load_probes(traffic_dir), layout.method, placement, units, A=out["A"], backend="gloo",
                       reshard_root=True, ranks_per_node=topo.ranks_per_node, uplinks=topo.uplinks(),
                       wire_ratio=variant.wire_ratio(layout.F, steps // out["A"]),  # over the fp32 units
-                      fragments=variant.fragments)
+                      fragments=variant.fragments, sites=sites,
+                      stage_ratio=1.0 if sites is not None else None)  # the fp32 units are the sync's staging
         out.update(traffic=cmp.to_dict(), traffic_max_error=cmp.max_error())
     return out
