@@ -96,8 +96,8 @@ class ParallelConfig:
     """The top-k residual's decay (SparseLoCo's beta, `sync-topk` only): before each selection the residual becomes
     decay x itself + the delta, and only what was sent, as decoded, leaves it. A dense quantized wire's residual
     (`sync-error-feedback`) carries its rounding errors whole."""
-    sync_sites: str = option("", not_flat="a Flower run's members change from round to round; the static engine "
-                                          "only so far")
+    sync_sites: str = option("", not_flat="a Flower run's sites are its facilities (`facilities`, or each "
+                                          "SuperNode's node config `facility`), decided for each round's members")
     """The site of each federation group, comma-separated (e.g. a,a,b,b): groups at one site share a fast network
     behind one slow uplink. A linear sync then reduces inside each site first, crosses the slow tier once with each
     member carrying 1/L of its shard on its own uplink (L groups per site; a quantized `sync-dtype` rounds only

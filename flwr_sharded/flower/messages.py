@@ -220,10 +220,26 @@ class TrainArgs:
         if args.member_shards and len(args.member_shards) != len(args.members):
             raise ArgumentError(f"member-shards {args.member_shards} must name the S of each of the "
                                 f"{len(args.members)} members")
+        if args.member_sites:
+            _check_sites(args)
         if args.member_steps and len(args.member_steps) != len(args.members):
             raise ArgumentError(f"member-steps {args.member_steps} must name the local steps of each of the "
                                 f"{len(args.members)} members")
         return args
+
+
+def _check_sites(args: TrainArgs) -> None:
+    """`member-sites`: one site per member, sites of equal size making two levels, members that shard alike."""
+    from flwr_sharded.parallel.sites import SiteLayout
+
+    if len(args.member_sites) != len(args.members) or args.member_shards:
+        raise ArgumentError(f"member-sites {args.member_sites} must name the site of each of the "
+                            f"{len(args.members)} members, which shard alike")
+    try:
+        if not SiteLayout(tuple(args.member_sites)).two_level:
+            raise ValueError("one site, or one member per site, makes no two-level reduction")
+    except ValueError as exc:
+        raise ArgumentError(f"member-sites: {exc}") from None
 
 
 ROUTING_KEYS = ("timeout", "partition-id", "num-partitions", "node-data-dir", "node-facility")

@@ -45,8 +45,11 @@ class FederationConfig:
     the Flower server, for groups that share no network; groups of one facility still all-reduce)."""
     facilities: str | None = None
     """Server path: the facility of each group by partition id, comma-separated (e.g. "a,a,b,b"); a SuperNode's node
-    config `facility` overrides it; unset: every group is a facility of its own. Decentralised path: only names the
-    groups `facility-shards` gives their own S (every group still syncs with every other)."""
+    config `facility` overrides it; unset: every group is a facility of its own. Decentralised path: names the groups
+    `facility-shards` gives their own S, and the sites of a round's sync: where every facility holds as many of the
+    round's members (two or more each, at two or more facilities) and they shard alike, the sync reduces inside each
+    facility first and crosses between facilities once, each member carrying its share (`--sync-sites` of the static
+    engine); otherwise (a round that lost a member, one facility) the flat ring over every member, said in the log."""
     facility_shards: str | None = None
     """S of the groups of some facilities, e.g. "b=1" (the others use `shards`); the server combines their rows
     (server path), or the groups average their overlapping pieces (decentralised path). Needs partition iid-groups
@@ -290,10 +293,6 @@ class FlowerRun:
         if by_facility and self.train.data.partition == "iid":
             raise S.error(f"{L('facility-shards')}: with groups of different sizes, {L('partition')} \"iid\" would "
                           f"give some blocks to two groups; use \"iid-groups\" or \"document\"")
-        if f.facilities and f.aggregation != "server" and not by_facility:
-            raise S.error(f"{L('facilities')} groups clients for the server path, or names the groups "
-                          f"{L('facility-shards')} gives their own S; set {L('aggregation')} = \"server\", "
-                          f"{L('facility-shards')}, or leave it unset")
         if f.server_rule != "mean" and f.aggregation != "server":
             raise S.error(f"{L('server-rule')} {f.server_rule!r} combines facilities at the server; set "
                           f"{L('aggregation')} = \"server\" or leave it at \"mean\"")

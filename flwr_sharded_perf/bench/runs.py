@@ -288,12 +288,11 @@ def step_stats(repeats: list[list[dict[str, Any]]]) -> dict[str, Any]:
 def run_training(fab: Fabric, layout: BenchLayout, opts: argparse.Namespace, *, A: int, steps: int,
                  sync: bool = True, label: str | None = None, log_every: int | None = None,
                  units: Units | None = None, work: Path, variant: SyncVariant | None = None,
-                 extra_args: Sequence[str] = (), slow: str | None = None,
-                 sites: Sites | None = None) -> dict[str, Any]:
+                 extra_args: Sequence[str] = (), slow: str | None = None) -> dict[str, Any]:
     """Train one layout on the fabric (outputs under `work`); its summary, and with the model's `units` its measured
     and predicted traffic per tier. `variant`: how an FL layout syncs (default `--sync-dtype`, blocking); `slow`:
-    GROUP:SECONDS, a group slowed down (`slow_train`); `sites`: the members' sites of a two-level sync, for the
-    predicted traffic (None: the flat ring)."""
+    GROUP:SECONDS, a group slowed down (`slow_train`). An FL run syncs in two levels where the cluster's sites make
+    two (`BenchLayout.sites`) and the variant is not the flat ring; its traffic is predicted so."""
     from flwr_sharded_perf.traffic_report import compare, load_probes
 
     topo, label = fab.topology, label or layout.method
@@ -303,8 +302,11 @@ def run_training(fab: Fabric, layout: BenchLayout, opts: argparse.Namespace, *, 
     shutil.rmtree(outputs, ignore_errors=True)
     variant = variant or SyncVariant(dtype=opts.sync_dtype)
     entry = ["flwr_sharded_perf.bench.slow_train", slow] if slow else ["flwr_sharded.train"]
-    sites = layout.sites(topo.ranks_per_node, topo.nodes_per_group)
-    argv = [sys.executable, "-m", *entry, *layout.train_args(A, variant, sites), "--model", opts.model,
+    site_layout = layout.sites(topo.ranks_per_node, topo.nodes_per_group)
+    train_args = layout.train_args(A, variant, site_layout)
+    two_level = "--sync-sites" in train_args
+    sites = Sites(tuple(site_layout.names.index(x) for x in site_layout.sites)) if two_level else None
+    argv = [sys.executable, "-m", *entry, *train_args, "--model", opts.model,
             "--seq-len", str(opts.seq_len), "--batch-size", str(opts.batch_size), "--steps", str(steps),
             "--lr", str(opts.lr), "--seed", str(opts.seed), "--log-every", str(log_every or A),
             "--eval-every", str(opts.eval_every), "--eval-blocks", str(opts.eval_blocks),
@@ -326,7 +328,7 @@ def run_training(fab: Fabric, layout: BenchLayout, opts: argparse.Namespace, *, 
     summary = summarize_metrics(outputs / "metrics.jsonl")
     out = {"label": label, "method": layout.method, "layout": layout.text(), "F": layout.F, "R": layout.R,
            "S": layout.S, "A": A if fl else 1, "sync": sync, "steps": steps,
-           "sync_sites": ",".join(sites.sites) if "--sync-sites" in argv else None,
+           "sync_sites": ",".join(site_layout.sites) if two_level else None,
            "sync_variant": dataclasses.asdict(variant) if fl else None, "wall_s": wall,
            "attempts": attempt, "run_dir": str(run_dir), "load_avg": [load_before, os.getloadavg()[0]], **summary,
            **step_stats([summary["windows"]]), "repeats": 1}

@@ -38,8 +38,9 @@ def planner_view(cluster_path: Path, layouts: dict[str, BenchLayout], opts: argp
               sync_bytes_per_param=float(SYNC_DTYPE_BYTES[opts.sync_dtype]))
 
     def predict(method: str, lay: BenchLayout, **options: Any) -> dict[str, float]:
-        c = evaluate(cluster, shape, method, F=lay.F, R=lay.R, S=lay.S, A=A if method.startswith("fl-") else 1,
-                     **{**kw, **options})
+        fl = method.startswith("fl-")  # an FL run syncs by the cluster's sites (two levels where they make two)
+        c = evaluate(cluster, shape, method, F=lay.F, R=lay.R, S=lay.S, A=A if fl else 1,
+                     **{**kw, "sites": "groups" if fl else None, **options})
         return {"predicted_step_s": c.step_time, "comm_s": c.comm.total, "compute_s": c.compute,
                 "key": c.step_time * (1 + margin if c.federated else 1), "hidden_sync_s": c.comm.hidden}
 
@@ -48,6 +49,7 @@ def planner_view(cluster_path: Path, layouts: dict[str, BenchLayout], opts: argp
     for key in (k for k in VARIANT_RUNS if k in opts.method_list and "fl-fsdp" in layouts):
         v = sync_variant(key, opts)
         variants[key] = predict("fl-fsdp", layouts["fl-fsdp"], sync_bytes_per_param=SYNC_DTYPE_BYTES[v.dtype],
+                                sites=None if v.flat or v.topk else "groups",
                                 step=StepOptions(sync_fragments=v.fragments, sync_delay=v.delay, sync_carry=v.carry,
                                                  sync_error_feedback=v.error_feedback, sync_topk=v.topk))
     # the same A as the measured FL runs: a larger A always predicts faster (and drifts more)

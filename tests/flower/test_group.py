@@ -467,3 +467,33 @@ def test_an_injected_failed_sync_ends_the_same_in_a_flower_group_and_in_the_stat
     assert [r["step"] for r in records if r["kind"] == "sync_failed"] == [4]
     assert losses == pytest.approx(static[:len(losses)], abs=1e-5)
     assert evals == pytest.approx([r["eval_loss"] for r in records if r["kind"] == "eval"][:3], abs=1e-5)
+
+
+@pytest.mark.timeout(400)
+def test_a_round_of_members_at_two_sites_reduces_in_two_levels_as_the_static_engine_does(procs, data_dir, tmp_path):
+    """Four groups of one rank at sites a, a, b, b, one round of K=2 syncs x A=2 steps through the int8 wire (which
+    rounds only across sites in two levels): every member ends with the same shards, and the losses equal those of
+    `torchrun -m flwr_sharded.train --sync-sites a,a,b,b` bit for bit (a flat ring's differ from the third step on,
+    by about 5e-6)."""
+    sites = ["a", "a", "b", "b"]
+    s = spec(data_dir, shards=1, aggregate_every=2, rounds=1, sync_dtype="int8", sync_error_feedback=True)
+    groups = start_groups(procs, [(f"g{i}", dict(method="fl-fsdp", replicas=1, shards=1)) for i in range(4)])
+    clients = [client(a, k) for _, a, k in groups]
+    offer = [hello(c, s, i, 4) for i, c in enumerate(clients)][0]
+    jobs = [c.call(P.TRAIN, round_args(offer, "test/sites", i, 4, member_sites=sites), timeout=30,
+                   detach=True)["job"] for i, c in enumerate(clients)]
+    out = [c.collect(job, timeout=180) for c, job in zip(clients, jobs)]
+    assert all(o["two_level"] and not o["sync_failed"] and o["syncs"] == 2 for o in out), out
+    assert all(o["checksums"] == out[0]["checksums"] for o in out)
+    losses = [sum(o["losses"][k] for o in out) / 4 for k in range(len(out[0]["losses"]))]
+    result = torchrun(4, ["--method", "fl-fsdp", "--federations", "4", "--shards", "1", "--sync-sites", ",".join(sites),
+                          "--model", "tiny", "--data-dir", str(data_dir), "--seq-len", "32", "--batch-size", "2",
+                          "--eval-blocks", "8", "--steps", "4", "--aggregate-every", "2", "--lr", "3e-3", "--seed", "3",
+                          "--warmup", str(s.train.optim.warmup), "--min-lr-ratio", str(s.train.optim.min_lr_ratio),
+                          "--weight-decay", str(s.train.optim.weight_decay), "--grad-clip", str(s.train.optim.grad_clip),
+                          "--log-every", "1", "--eval-every", "0", "--run-dir", str(tmp_path / "static"),
+                          "--no-save-model", "--no-progress", "--sync-dtype", "int8", "--sync-error-feedback"],
+                      timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "static" / "metrics.jsonl").read_text().splitlines()]
+    assert losses == [r["loss"] for r in records if r["kind"] == "train"]  # bit for bit

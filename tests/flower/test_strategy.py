@@ -258,6 +258,22 @@ def test_config_only_messages_and_round_layout():
     assert all(m.metadata.ttl <= strategy.deadlines.round_timeout for m in trains)
 
 
+def test_members_at_facilities_of_equal_size_are_told_their_sites_and_any_other_round_runs_the_flat_ring(caplog):
+    """facilities a,a,b,b: the train messages carry every member's site (a two-level round); a, a, b (three groups)
+    or one group per facility: none, and the log says why."""
+    for facilities, groups, sites, why in [("a,a,b,b", 4, ["a", "a", "b", "b"], None),
+                                           ("a,a,b", 3, [], "different numbers of members"),
+                                           ("a,b", 2, [], "one member per facility")]:
+        caplog.clear()
+        grid = FakeGrid({10 + i: group(10 + i, i) for i in range(groups)})
+        strategy = make(spec(rounds=1, facilities=facilities), fast(num_groups=groups))
+        with caplog.at_level(logging.INFO):
+            strategy.start(grid)
+        trains = sorted(grid.sent(P.MSG_TRAIN), key=lambda m: config(m)["member-index"])
+        assert [config(m).get("member-sites", []) for m in trains] == [sites] * groups, facilities
+        assert why is None or any("the flat ring" in r.message and why in r.message for r in caplog.records)
+
+
 def test_failed_sync_survivors_roll_back_and_membership_reforms(caplog):
     def dies_in_round_2(m, n):
         return (0.0, reply(False, "lost the connection to the group (did the group die?)")) if n >= 2 \

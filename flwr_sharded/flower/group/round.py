@@ -23,6 +23,7 @@ from flwr_sharded.flower.group.contract import RoundRuntime
 from flwr_sharded.flower.group.round_context import RoundContext
 from flwr_sharded.parallel.admission import confirm
 from flwr_sharded.parallel.collectives import bounded
+from flwr_sharded.parallel.sites import SiteLayout
 from flwr_sharded.parallel.token_weights import tokens_of
 from flwr_sharded.parallel.sync import Groups
 from flwr_sharded.parallel.sync_plan import Owners
@@ -43,6 +44,8 @@ class RoundFederation:
         self.channel_groups: dict[Owners, rendezvous.FederationGroup] = {}
         self.joined = False
         self.rendezvous_s = 0.0
+        self.two_level = False
+        """This rank joined site groups (the round reduces in two levels: `flwr_sharded.parallel.sites`)."""
 
     def join(self) -> Groups:
         if self.joined:
@@ -63,6 +66,11 @@ class RoundFederation:
                              abort=abort)
             self.groups.append(group)
             joined = group.pg
+            if a.member_sites:  # the round reduces in two levels: this member's site and share groups
+                joined, made = rendezvous.site_groups(group, SiteLayout(tuple(a.member_sites)), a.sync_timeout,
+                                                      t.device if backend == "nccl" else None)
+                self.groups.extend(made)
+                self.two_level = True
         self.joined = True
         self.rendezvous_s += time.perf_counter() - start
         return joined
@@ -168,7 +176,7 @@ class GroupRound:
         return {"steps": len(losses), "losses": group_losses, "tokens": tokens, "total_tokens": self.rt.tokens,
                 "train_s": report.train_s, "sync_s": catch_up_s + report.sync_s,
                 "rendezvous_s": self.federation.rendezvous_s, "syncs": report.periods, "sync_bytes": int(sent),
-                "sync_failed": bool(failure),
+                "sync_failed": bool(failure), "two_level": self.federation.two_level,
                 "sync_error": failure, **({"checksums": checksums} if equal else {}), "step": t.step_count,
                 "lr": t.scheduler.get_last_lr()[0], "members": len(self.ctx.members),
                 "catch_up_checksums": caught_up, "sync_blame": sorted(report.blame),
