@@ -112,9 +112,10 @@ def run(cfg: TrainConfig, measure_traffic: str | None = None) -> dict[str, Any]:
         probe = None
         if measure_traffic:
             from flwr_sharded.parallel.traffic import TrafficProbe
+            from flwr_sharded.training.observer import TrafficWindows
 
             probe = TrafficProbe.from_env()
-            probe.attach(trainer, loop)
+            loop.observers.append(TrafficWindows(probe))
         final = StaticRun(loop, recorder).run()
         if probe is not None:
             probe.finish()

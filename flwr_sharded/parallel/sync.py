@@ -16,7 +16,7 @@ import contextlib
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -162,6 +162,9 @@ class ShardSync:
         """How far a result may move this rank's buckets, and the moves adopted so far."""
         self.max_weight: float | None = None
         """The largest weight a member may bring (`flwr_sharded.parallel.admission`); None: unchecked."""
+        self.verdict: Callable[[list[torch.Tensor], float, float | None, list[float] | None], bool] = healthy
+        """This member's verdict on what it sends, taken at `start` (`admission.healthy`'s arguments); the members
+        admit it as it says (a test's lying member replaces it)."""
         self.left_out: list[int] = []
         """The members (indices in the federation group) the last sync's admission left out."""
         self.confirmed: bool | None = None
@@ -305,7 +308,7 @@ class ShardSync:
                 torch._foreach_copy_(flight.origins, flight.sends)
         sent = [[send] for send in flight.sends] if overlap else [shard_segments for _, shard_segments, _ in views]
         flight.norms = bucket_norms(sent) if self.bound.enabled else None
-        flight.ok = healthy([seg for bucket in sent for seg in bucket], weight, self.max_weight, flight.norms)
+        flight.ok = self.verdict([seg for bucket in sent for seg in bucket], weight, self.max_weight, flight.norms)
         self._flight = flight
         if overlap:
             device = views[0][0].device

@@ -1,11 +1,11 @@
 """Counting the collectives a rank issues (op, process-group members, payload bytes): `TrafficMeter` wraps the
 `torch.distributed` functions while active, so it sees FSDP2's collectives, the shard sync's, and the quantized ring's
 sends (`batch_isend_irecv`), without changing them; `TrafficProbe` files them by optimizer steps and syncs for
-`train --measure-traffic` (compared with the cost model by `flwr_sharded_perf.traffic_report`)."""
+`train --measure-traffic` (compared with the cost model by `flwr_sharded_perf.traffic_report`), in the windows that
+`flwr_sharded.training.observer.TrafficWindows` opens and closes as the `SyncLoop` steps and syncs."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import json
@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 # Collective name -> (index, keyword) of the argument holding the tensor whose size is the payload.
 _COLLECTIVES = {
@@ -149,7 +149,8 @@ def _subtract(after: dict[str, dict[str, int]], before: dict[str, dict[str, int]
 
 @dataclass
 class TrafficProbe:
-    """One rank's collectives by optimizer steps, shard syncs and the rest, and interface counters, over its loop."""
+    """One rank's collectives by optimizer steps, shard syncs and the rest, and interface counters, over its loop:
+    the records of each window (`begin`, `end`) under its phase, those of an overlapped sync's thread under "sync"."""
 
     rank: int
     world_size: int
@@ -161,6 +162,8 @@ class TrafficProbe:
     _start: dict[str, dict[str, dict[str, int]]] | None = None
     _netdev: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
     _collectives: dict[tuple[str, str, tuple[int, ...]], list[int]] | None = None
+    _window: tuple[str, bool, int, float] | None = None
+    """The open window: (phase, counted, first record, start time)."""
 
     @classmethod
     def from_env(cls) -> TrafficProbe:
@@ -204,34 +207,21 @@ class TrafficProbe:
             slot[1] += rec.nbytes
         self._netdev = {label: _subtract(end[label], self._start[label]) for label in end if label in self._start}
 
-    @contextlib.contextmanager
-    def window(self, phase: str, count: bool = True) -> Iterator[None]:
-        """Count the body under `phase` ("step" or "sync"); `count=False`: its collectives, not as a window."""
+    def begin(self, phase: str, count: bool = True) -> None:
+        """Open a window of `phase` ("step" or "sync"), closed by `end`; `count=False`: its collectives and seconds,
+        not as a window."""
         self.start()
         i0 = len(self._meter.records) if self._meter is not None else 0
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[phase] += time.perf_counter() - start
-            self.windows[phase] += int(count)
-            if self._meter is not None:
-                self._spans.append((phase, i0, len(self._meter.records)))
+        self._window = (phase, count, i0, time.perf_counter())
 
-    def wrap(self, phase: str, fn: Callable[..., Any], count: bool = True) -> Callable[..., Any]:
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            with self.window(phase, count):
-                return fn(*args, **kwargs)
-
-        return wrapped
-
-    def attach(self, trainer: Any, loop: Any) -> None:
-        """Measure `trainer.step` (one optimizer step) and the shard syncs of its `SyncLoop` from now on: a window
-        per fragment sync on every rank (the merge: the reduction, the commit, the replicas' broadcast), and the
-        collectives of starting an overlapped one and of its communication thread under "sync" too."""
-        trainer.step = self.wrap("step", trainer.step)
-        loop._merge = self.wrap("sync", loop._merge)
-        loop._start = self.wrap("sync", loop._start, count=False)
+    def end(self) -> None:
+        """Close the open window: its seconds, and its records filed under its phase."""
+        phase, count, i0, start = self._window
+        self._window = None
+        self.seconds[phase] += time.perf_counter() - start
+        self.windows[phase] += int(count)
+        if self._meter is not None:
+            self._spans.append((phase, i0, len(self._meter.records)))
 
     def to_dict(self) -> dict[str, Any]:
         self.finish()

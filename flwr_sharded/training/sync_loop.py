@@ -19,6 +19,9 @@ when every rank of every member succeeded:
 
 FL+HSDP's other replicas receive an adopted result by broadcast. A sync that fails anywhere puts every rank of every
 member back at its last (confirmed) commit (`RollbackPoint.restore`).
+
+What watches the loop (the traffic probe, a bench's slowed group, a test's faults) is a `SyncObserver` in
+`loop.observers` (`flwr_sharded.training.observer`), called where the loop does what it names.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from flwr_sharded.parallel.sync import Groups, ShardSync, Snapshot, SyncStats
 from flwr_sharded.parallel.sync_plan import Seat
 from flwr_sharded.parallel.wire import WIRES
 from flwr_sharded.training.models import transformer_blocks
+from flwr_sharded.training.observer import SyncObserver, observers_for
 from flwr_sharded.training.trainer import Trainer
 from flwr_sharded.validation import outer_rule
 
@@ -215,6 +219,8 @@ class SyncLoop:
         if topo.replica_index == 0:
             for s in self.syncs:
                 s.capture_global()  # the start of the first sync period
+        self.observers: list[SyncObserver] = observers_for(self)
+        """What sees this loop's periods, steps and syncs, in this order (`flwr_sharded.training.observer`)."""
 
     @property
     def steps(self) -> int:
@@ -302,12 +308,18 @@ class SyncLoop:
         t = self.trainer
         while periods is None or report.periods < periods:
             self.clock_start = t.schedule_step - (t.step_count - self.period_start)
+            for o in self.observers:
+                o.on_period_start(self)
             mark, sync_s, self.compute_s = time.perf_counter(), 0.0, 0.0
             for position in range(t.step_count - self.period_start + 1, self.steps + 1):
                 if until is not None and self.reference() >= until:
                     return None, 0
                 began = time.perf_counter()
+                for o in self.observers:
+                    o.on_step_begin(self)
                 loss = t.step()
+                for o in self.observers:
+                    o.on_step_end(self, loss)
                 if self.adapt and t.device.type == "cuda":  # the step's kernels, not their launch, set the steps
                     torch.cuda.current_stream(t.device).synchronize()
                 self.compute_s += time.perf_counter() - began
@@ -347,7 +359,11 @@ class SyncLoop:
         """The merges and starts the schedule puts after `position`; the first failed merge (every rank is then back
         at its last commit, and nothing starts), or None."""
         for i in self.schedule.merges(position):
+            for o in self.observers:
+                o.on_merge(self, i)
             outcome = self._merge(i, federation, apply_rule)
+            for o in self.observers:
+                o.on_outcome(self, outcome)
             report.blame.update(outcome.blame)
             report.left_out.update(outcome.left_out)
             if outcome.deferred:
@@ -358,7 +374,11 @@ class SyncLoop:
             report.sync_bytes += outcome.stats.bytes if outcome.stats is not None else 0
             report.weight += outcome.weight if i == self.schedule.fragments - 1 else 0.0
         for i in self.schedule.starts(position):
+            for o in self.observers:
+                o.on_sync_start(self, i)
             self._start(i, federation)
+            for o in self.observers:
+                o.on_sync_started(self, i)
         return None
 
     def _end_period(self, federation: Federation | None, sync_s: float,
@@ -382,6 +402,8 @@ class SyncLoop:
         self.period_start = self.trainer.step_count
         if on_period is not None:
             on_period(times)
+        for o in self.observers:
+            o.on_period_end(self)
 
     def _count_tokens(self, times: dict[str, Any]) -> None:
         """Add the tokens every group trained in the period of `times` to `tokens_trained`."""
@@ -456,6 +478,8 @@ class SyncLoop:
                 sync.receive(alpha=self.alpha, apply_rule=apply_rule, timeout=federation.wait_timeout)
                 outcome.stats = sync.merge()
                 outcome.weight, reached = outcome.stats.total_weight, True
+                for o in self.observers:
+                    o.on_reduced(self, i)  # may raise: this rank, which reached the end, then votes no
             except Exception as exc:  # noqa: BLE001 - rendezvous, timeout, peer gone, rejected, misaligned shards
                 error = f"shard {self.topo.shard_index}: {first_line(exc)}"
                 blame, agreed = at_fault(exc), isinstance(exc, SyncRejected)
@@ -486,6 +510,8 @@ class SyncLoop:
         if self.replica0 and not error:
             try:
                 sync.receive(alpha=self.alpha, apply_rule=apply_rule, timeout=federation.wait_timeout)
+                for o in self.observers:
+                    o.on_reduced(self, i)  # may raise: as the reduction's own error
                 reached = True
             except Exception as exc:  # noqa: BLE001 - timeout, peer gone, rejected, a member behind
                 error = f"shard {self.topo.shard_index}: {first_line(exc)}"
@@ -729,4 +755,5 @@ class SyncLoop:
         return meta
 
 
-__all__ = ["Federation", "PeriodPlan", "RunReport", "SyncFailed", "SyncLoop", "SyncOutcome", "at_fault"]
+__all__ = ["Federation", "PeriodPlan", "RunReport", "SyncFailed", "SyncLoop", "SyncObserver", "SyncOutcome",
+           "at_fault"]

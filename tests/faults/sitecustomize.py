@@ -16,11 +16,20 @@ Put this directory first on the PYTHONPATH of a static world's ranks (or of a gr
   "x100": its own values times 100) and reports itself healthy whatever they hold, so admission admits it; RANKS
   (global ranks, comma-separated) limits the lie to those ranks of a static world. Everything else is the package's
   own code: the honest members, and the liar's own part of the vote and of the offender search.
+
+The sync faults, the slowed steps and the exits are observers of every `SyncLoop` of the process
+(`flwr_sharded.training.observer`); the lie's verdict is each fragment sync's `ShardSync.verdict`. `commit_delay` and
+`no_rebuild` replace a checkpointer's and the static engine's function.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
+import time
+
+from flwr_sharded.training.observer import SyncObserver, observe_every_loop
 
 
 def _lies(specs: str) -> dict[int, str]:
@@ -33,103 +42,127 @@ def _lies(specs: str) -> dict[int, str]:
     return lies
 
 
-def _install(faults: dict[str, str]) -> None:
-    import time
+class SyncFaults(SyncObserver):
+    """`fail_sync`, `collective_sync`, `nan_sync` and `lie`: one observer of every loop of the process (its counts
+    are the process's)."""
 
+    def __init__(self, faults: dict[str, str]) -> None:
+        rank0 = os.environ.get("RANK", "0") == "0"
+        self.faults, self.attempts, self.started, self.lying, self.failing = faults, 0, 0, False, False
+        self.fail_sync = int(faults.get("fail_sync", 0)) if rank0 else 0
+        self.nan_sync = int(faults.get("nan_sync", 0)) if rank0 else 0
+        self.lies = _lies(faults["lie"]) if "lie" in faults else {}
+
+    def verdict(self, *args):  # noqa: ANN002, ANN201 - `ShardSync.verdict`: healthy whatever it sends while lying
+        from flwr_sharded.parallel.admission import healthy
+
+        return True if self.lying else healthy(*args)
+
+    def on_merge(self, loop, i):  # noqa: ANN001 - a merge (a blocking sync's start too) is one attempt
+        self.attempts += 1
+        if self.attempts == self.nan_sync:
+            _nan(loop)
+        self.failing = self.attempts == self.fail_sync
+        if loop.schedule.delay == 0 and self.attempts in self.lies:
+            _poison(loop, i, self.lies[self.attempts])
+            self.lying = True
+
+    def on_reduced(self, loop, i):  # noqa: ANN001 - the reduction arrived everywhere: rank 0's part fails here
+        if self.failing:
+            from flwr_sharded.parallel.collectives import CollectiveTimeout
+
+            error = CollectiveTimeout if "collective_sync" in self.faults else RuntimeError
+            raise error(f"injected fault: sync attempt {self.fail_sync} fails after the reduction")
+
+    def on_outcome(self, loop, outcome):  # noqa: ANN001
+        self.lying = self.failing = False
+
+    def on_sync_start(self, loop, i):  # noqa: ANN001 - an overlapped sync's copy and verdict are taken here
+        self.started += 1
+        if self.started in self.lies:
+            _poison(loop, i, self.lies[self.started])
+            self.lying = True
+
+    def on_sync_started(self, loop, i):  # noqa: ANN001
+        self.lying = False
+
+
+def _poison(loop, i: int, value: str) -> None:  # noqa: ANN001
     import torch
 
-    from flwr_sharded.parallel import sync
     from flwr_sharded.parallel.alignment import local_shard
-    from flwr_sharded.training import checkpoint, sync_loop, trainer
 
-    rank0 = os.environ.get("RANK", "0") == "0"
-    attempts, lying, failing = [0], [False], [False]
-    fail_sync = int(faults.get("fail_sync", 0)) if rank0 else 0
-    nan_sync = int(faults.get("nan_sync", 0)) if rank0 else 0
-    lies = _lies(faults["lie"]) if "lie" in faults else {}
-
-    honest = sync.healthy
-    sync.healthy = lambda *args: True if lying[0] else honest(*args)
-
-    @torch.no_grad()
-    def poison(loop: sync_loop.SyncLoop, i: int, value: str) -> None:
+    with torch.no_grad():
         for param in loop.syncs[i].params:
             shard = local_shard(param)
             shard.mul_(100.0) if value == "x100" else shard.fill_(float(value))
 
-    @torch.no_grad()
-    def nan(loop: sync_loop.SyncLoop) -> None:
+
+def _nan(loop) -> None:  # noqa: ANN001 - NaN in rank 0's first shard and in its moments
+    import torch
+
+    from flwr_sharded.parallel.alignment import local_shard
+
+    with torch.no_grad():
         param = next(iter(loop.trainer.model.parameters()))
         local_shard(param).view(-1)[0] = float("nan")
         for value in loop.trainer.optimizer.state.get(param, {}).values():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 local_shard(value).fill_(float("nan"))
 
-    merge, start, agree = sync_loop.SyncLoop._merge, sync_loop.SyncLoop._start, sync_loop.SyncLoop._agree
 
-    def faulty_merge(self, i, federation, apply_rule):  # noqa: ANN001 - the patched method's own arguments
-        attempts[0] += 1
-        if attempts[0] == nan_sync:
-            nan(self)
-        failing[0] = attempts[0] == fail_sync
-        if self.schedule.delay == 0 and attempts[0] in lies:
-            poison(self, i, lies[attempts[0]])
-            lying[0] = True
-        try:
-            return merge(self, i, federation, apply_rule)
-        finally:
-            lying[0] = failing[0] = False
+class SlowSteps(SyncObserver):
+    """`step_delay`: every rank (of federation group `group`, None: of every group) sleeps after each inner step."""
 
-    started = [0]
+    def __init__(self, group: int | None, seconds: float) -> None:
+        self.group, self.seconds = group, seconds
 
-    def faulty_start(self, i, federation):  # noqa: ANN001 - an overlapped sync's copy and verdict are taken here
-        started[0] += 1
-        if started[0] in lies:
-            poison(self, i, lies[started[0]])
-            lying[0] = True
-        try:
-            return start(self, i, federation)
-        finally:
-            lying[0] = False
+    def on_step_end(self, loop, loss):  # noqa: ANN001 - within the step's time, as a slower device's step
+        if self.group is None or loop.topo.fed_index == self.group:
+            time.sleep(self.seconds)
 
-    def faulty_agree(self, i, federation, mine, reached, outcome, broken=False):  # noqa: ANN001 - reached the end
-        if failing[0] and reached:
-            mine = (f"injected fault: sync attempt {fail_sync} fails after the reduction", [], False)
-            broken = broken or "collective_sync" in faults
-        return agree(self, i, federation, mine, reached, outcome, broken)
 
-    receive = sync.ShardSync.receive
+class ExitAfterSyncs(SyncObserver):
+    """`exit_after_syncs`: the loop's ranks exit abruptly (code 17) once `syncs` of its periods were adopted (a group's
+    loop counts the periods since its trainer was built)."""
 
-    def faulty_receive(self, **kwargs):  # noqa: ANN001 - an overlapped sync's result arrived everywhere
-        receive(self, **kwargs)
-        if failing[0] and self._received.thread is not None:
-            from flwr_sharded.parallel.collectives import CollectiveTimeout
+    def __init__(self, syncs: int) -> None:
+        self.syncs, self.periods = syncs, 0
 
-            error = CollectiveTimeout if "collective_sync" in faults else RuntimeError
-            raise error(f"injected fault: sync attempt {fail_sync} fails after the reduction")
+    def on_period_end(self, loop):  # noqa: ANN001
+        self.periods += 1
+        if self.periods >= self.syncs:
+            logging.getLogger("flwr_sharded.group").error("injected fault: exiting after %d syncs", self.periods)
+            sys.stderr.flush()
+            os._exit(17)
 
-    sync_loop.SyncLoop._merge, sync_loop.SyncLoop._start, sync_loop.SyncLoop._agree = (faulty_merge, faulty_start,
-                                                                                       faulty_agree)
-    sync.ShardSync.receive = faulty_receive
+
+def _install(faults: dict[str, str]) -> None:
+    sync_faults = SyncFaults(faults)
+    slow = None
+    if "step_delay" in faults:
+        group, _, seconds = faults["step_delay"].rpartition(":")
+        slow = SlowSteps(int(group) if group else None, float(seconds))
+
+    def observe(loop):  # noqa: ANN001, ANN202 - each new loop: its syncs take the faults' verdict
+        for s in loop.syncs:
+            s.verdict = sync_faults.verdict
+        return sync_faults
+
+    observe_every_loop(observe)
+    if slow is not None:
+        observe_every_loop(lambda loop: slow)
+    if "exit_after_syncs" in faults:
+        observe_every_loop(lambda loop: ExitAfterSyncs(int(faults["exit_after_syncs"])))
 
     if "no_rebuild" in faults:
         from flwr_sharded.training import static_run
 
         static_run.rebuildable = lambda group=None: False
 
-    if "step_delay" in faults:
-        group, _, seconds = faults["step_delay"].rpartition(":")
-        step = trainer.Trainer.step
-
-        def slow_step(self):  # noqa: ANN001
-            loss = step(self)
-            if not group or self.topo.fed_index == int(group):
-                time.sleep(float(seconds))
-            return loss
-
-        trainer.Trainer.step = slow_step
-
     if "commit_delay" in faults:
+        from flwr_sharded.training import checkpoint
+
         phase = checkpoint.Checkpointer._phase
 
         def slow_phase(self, what, tmp, action):  # noqa: ANN001
@@ -138,23 +171,6 @@ def _install(faults: dict[str, str]) -> None:
             return phase(self, what, tmp, action)
 
         checkpoint.Checkpointer._phase = slow_phase
-
-    if "exit_after_syncs" in faults:
-        from flwr_sharded.flower.group import round as group_round
-
-        period_end = group_round.GroupRound._period_end
-
-        def exit_after(self, checksums):  # noqa: ANN001
-            period_end(self, checksums)
-            if self.rt.syncs >= int(faults["exit_after_syncs"]):
-                import logging
-                import sys
-
-                logging.getLogger("flwr_sharded.group").error("injected fault: exiting after %d syncs", self.rt.syncs)
-                sys.stderr.flush()
-                os._exit(17)
-
-        group_round.GroupRound._period_end = exit_after
 
 
 if os.environ.get("FLWR_SHARDED_TEST_FAULTS") and "LOCAL_RANK" in os.environ:

@@ -143,14 +143,12 @@ def _lying_worker(rank: int, world: int) -> dict:
 
     import torch.distributed as dist
 
-    from flwr_sharded.parallel import sync
-    from flwr_sharded.parallel.admission import SyncRejected
+    from flwr_sharded.parallel.admission import SyncRejected, healthy
     from flwr_sharded.parallel.sync import ShardSync
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     group = dist.group.WORLD
-    honest_verdict, lying = sync.healthy, [False]
-    sync.healthy = lambda *args: True if lying[0] else honest_verdict(*args)
+    lying = [False]
     base = torch.randn(3000, generator=torch.Generator().manual_seed(0))
     weights = [1.0, 2.0, 3.0]
 
@@ -162,6 +160,7 @@ def _lying_worker(rank: int, world: int) -> dict:
         params = [torch.nn.Parameter(base[:2000].clone()), torch.nn.Parameter(base[2000:].clone())]
         s = ShardSync([("a", params[0]), ("b", params[1])], fed_group=group, bucket_bytes=4000, wire_dtype=wire,
                       max_move=max_move)
+        s.verdict = lambda *args: True if lying[0] else healthy(*args)  # the liar's verdict on itself
         s.capture_global()
         out = []
         for step in range(3):

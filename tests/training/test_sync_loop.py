@@ -134,3 +134,99 @@ def test_a_step_time_that_sets_the_steps_waits_for_the_devices_kernels(monkeypat
         assert len(drained) == 4 and periods[-1] >= 4 * 0.02
     else:
         assert not drained and periods[-1] < 4 * 0.02
+
+
+class _Sync:
+    """A fragment's sync without collectives or parameters: a member alone, whose result is its own."""
+
+    def __init__(self) -> None:
+        self.params, self.left_out, self.confirmed, self.max_weight, self.in_flight = [], [], True, None, False
+
+    def start(self, weight: float, *, overlap: bool, dense: bool = False, adopted: int = 0) -> None:
+        self.in_flight = True
+
+    def receive(self, **kwargs) -> None:
+        pass
+
+    def merge(self):
+        from flwr_sharded.parallel.sync import SyncStats
+
+        self.in_flight = False
+        return SyncStats(seconds=0.0, buckets=1, bytes=0, total_weight=1.0)
+
+    def abandon(self, timeout: float = 5.0) -> None:
+        self.in_flight = False
+
+
+def _observed(delay: int, fail_at: int | None = None) -> tuple[list[str], str]:
+    """A member alone syncing one fragment every 2 steps over 4 (`delay`: an overlapped sync's), seen by an observer
+    that fails the `fail_at`-th reduction; its events and the run's error."""
+    from flwr_sharded.parallel.schedule import Schedule
+    from flwr_sharded.training.observer import SyncObserver
+    from flwr_sharded.training.sync_loop import SyncLoop
+
+    class Recorder(SyncObserver):
+        def __init__(self) -> None:
+            self.events: list[str] = []
+            self.reduced = 0
+
+        def on_period_start(self, loop):
+            self.events.append("period")
+
+        def on_step_begin(self, loop):
+            self.events.append(f"step {loop.trainer.step_count + 1}")
+
+        def on_step_end(self, loop, loss):
+            self.events.append("stepped")
+
+        def on_sync_start(self, loop, i):
+            self.events.append(f"start {i}")
+
+        def on_sync_started(self, loop, i):
+            self.events.append(f"started {i}")
+
+        def on_merge(self, loop, i):
+            self.events.append(f"merge {i}")
+
+        def on_reduced(self, loop, i):
+            self.events.append(f"reduced {i}")
+            self.reduced += 1
+            if self.reduced == fail_at:
+                raise RuntimeError("injected")
+
+        def on_outcome(self, loop, outcome):
+            self.events.append("adopted" if outcome.adopted else f"failed: {outcome.error}")
+
+        def on_period_end(self, loop):
+            self.events.append("end")
+
+    cfg = TrainConfig(steps=4)
+    cfg.parallel.method, cfg.parallel.aggregate_every = "fsdp", 2
+    t = _Trainer(cfg)
+    t.topo = SimpleNamespace(group_worlds=[1], replica_index=0, group_world=1, shard_index=0, rep_group=None)
+    t.set_anchor = lambda params=None: None
+    loop = SyncLoop(t)
+    loop.syncs, loop.tokens, loop.schedule = [_Sync()], [0], Schedule(2, 1, delay)
+    recorder = Recorder()
+    loop.observers.append(recorder)
+    federation = SimpleNamespace(member_index=0, members=1, wait_timeout=None, join=lambda: None,
+                                 vote_group=lambda: None, gather=lambda obj: [obj], flags=lambda values: values,
+                                 behind=lambda adopted: [], period_times=lambda *args, now: None,
+                                 last_times=lambda: None)
+    report = loop.run(federation, until=cfg.steps)
+    return recorder.events, report.error
+
+
+def test_an_observer_sees_the_loops_periods_steps_and_syncs_in_order():
+    one_period = ["period", "step 1", "stepped", "step 2", "stepped", "merge 0", "reduced 0", "adopted", "end"]
+    assert _observed(0) == ([*one_period, *[e.replace("1", "3").replace("2", "4") for e in one_period], "period"], "")
+    overlapped = ["period", "step 1", "stepped", "start 0", "started 0", "step 2", "stepped", "merge 0", "reduced 0",
+                  "adopted", "end"]
+    assert _observed(1)[0][:len(overlapped)] == overlapped
+
+
+def test_an_observer_that_raises_at_the_reduction_fails_that_sync():
+    """As the reduction's own error: this rank's part failed, the sync is not adopted, the run ends with it."""
+    events, error = _observed(0, fail_at=2)
+    assert events[-3:] == ["merge 0", "reduced 0", "failed: shard 0: RuntimeError: injected"]
+    assert "end" not in events[9:] and error == "shard 0: RuntimeError: injected"
