@@ -117,7 +117,7 @@ BAD_RUN_CONFIGS = [
     ("outer-momentum", {"outer": "fedadam", "outer-momentum": 0.5}, ["does not apply", "fedavgm, nesterov"]),
     ("outer-momentum", {"outer": "nesterov", "outer-momentum": 1.5}, ["[0, 1)"]),
     ("aggregation", {"aggregation": "p2p"}, ["decentralized, server"]),
-    ("facilities", {"facilities": "a,a,b"}, ["server"]),
+    ("facilities", {"facilities": "a,,b"}, ["non-empty"]),
     ("facilities", {"aggregation": "server", "facilities": "a,,b"}, ["non-empty"]),
     ("outer", {"aggregation": "server", "outer": "trimmed-mean"}, ["fedavg, fedavgm, nesterov, fedadam, fedyogi"]),
     ("checkpoint-rounds", {"checkpoint-rounds": 0}, [">= 1"]),
