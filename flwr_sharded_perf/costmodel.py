@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from flwr_sharded.config import METHODS
 from flwr_sharded.errors import ConfigError
+from flwr_sharded.parallel.sites import SiteLayout
 
 Backend = Literal["nccl", "gloo"]
 Sizes = Literal["exact", "paper"]
@@ -55,54 +55,6 @@ def positive_int(name: str, value: int) -> None:
 
 FP32_BYTES = 4.0
 """Bytes per value of the sync's staging buffers (fp32), which the two-level scheme's in-site stage moves."""
-
-
-@dataclass(frozen=True)
-class Sites:
-    """Where the federation's members are: `site_of[i]` is member i's site (a cluster file's group: the members behind
-    one slow uplink). G sites of L members each (equal); member i's in-site ring is its site's members in index order,
-    its cross-site ring the members of the same place in every site."""
-
-    site_of: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "site_of", tuple(self.site_of))
-        sizes = Counter(self.site_of)
-        if not sizes or len(set(sizes.values())) != 1:
-            raise ConfigError(f"sites must put the members in sites of equal size, got {list(self.site_of)!r}")
-
-    @classmethod
-    def even(cls, G: int, L: int) -> Sites:
-        """G sites of L members: member i in site i // L."""
-        positive_int("G", G)
-        positive_int("L", L)
-        return cls(tuple(i // L for i in range(G * L)))
-
-    @property
-    def G(self) -> int:
-        return len(set(self.site_of))
-
-    @property
-    def L(self) -> int:
-        return len(self.site_of) // self.G
-
-    @property
-    def members(self) -> int:
-        return len(self.site_of)
-
-    @property
-    def flat(self) -> bool:
-        """G = 1 or L = 1: the two-level scheme is the flat ring."""
-        return self.G == 1 or self.L == 1
-
-    def site_rings(self) -> list[list[int]]:
-        """The members of each site, sites in order of first appearance."""
-        return [[i for i, s in enumerate(self.site_of) if s == site] for site in dict.fromkeys(self.site_of)]
-
-    def cross_rings(self) -> list[list[int]]:
-        """For each place l < L, the l-th member of every site."""
-        rings = self.site_rings()
-        return [[ring[place] for ring in rings] for place in range(self.L)]
 
 
 def two_level_time(D: float, G: int, L: int, *, stage: float = 1.0, B_site: float | None,
@@ -207,10 +159,10 @@ def protocol_steps(kind: SyncKind, n: int) -> int:
     return sum(ring_steps(e.collective, n) for e in PROTOCOL[kind])
 
 
-def reduction_steps(n: int, collectives: float = 1, sites: Sites | None = None) -> tuple[float, float]:
+def reduction_steps(n: int, collectives: float = 1, sites: SiteLayout | None = None) -> tuple[float, float]:
     """Sequential steps of a fragment sync's reduction among n members, (on the federation's slowest tier, inside
     the sites): `collectives` x 2 (n-1) flat; two-level x 2 (G-1) across and x 2 (L-1) inside."""
-    if sites is None or sites.flat:
+    if sites is None or not sites.two_level:
         return collectives * ring_steps("all_reduce", n), 0.0
     if sites.members != n:
         raise ConfigError(f"sites place {sites.members} members, the federation group has {n}")
@@ -228,7 +180,7 @@ class FragmentSync:
     """Seconds of its bytes (the bandwidth terms, blocking)."""
     collectives: float
     """Collectives of its reduction (one per unit of the fragment)."""
-    sites: Sites | None = None
+    sites: SiteLayout | None = None
     alpha_site: float = 0.0
     """Seconds per step inside a site (the two-level scheme's in-site stage)."""
     steps: int | None = None
@@ -363,7 +315,7 @@ def comm_terms(method: str, units: Units, *, S: int, R: int = 1, F: int = 1, A: 
                B_R: float | None = None, B_F: float | None = None, sizes: Sizes = "exact", backend: Backend = "nccl",
                reshard_after_forward: bool = True, reshard_root: bool = False, alpha_S: float = 0.0,
                alpha_R: float = 0.0, alpha_F: float = 0.0, wire_ratio: float = 1.0, steps_R: int | None = None,
-               steps_F: int | None = None, sites: Sites | None = None, B_site: float | None = None,
+               steps_F: int | None = None, sites: SiteLayout | None = None, B_site: float | None = None,
                alpha_site: float = 0.0, stage_ratio: float | None = None, protocol: SyncKind | None = None,
                fragments: int = 1) -> CommTerms:
     """Communication seconds per optimizer step by kind, with Eqs. 1-5's one message size (`sizes="paper"`) or each
@@ -383,7 +335,7 @@ def comm_terms(method: str, units: Units, *, S: int, R: int = 1, F: int = 1, A: 
     syncs = method.startswith("fl-") and F > 1
     if sites is not None and sites.members != F:
         raise ConfigError(f"sites place {sites.members} members, the layout has F={F}")
-    two_level = syncs and sites is not None and not sites.flat
+    two_level = syncs and sites is not None and not not sites.two_level
     if two_level:
         _check_bandwidth("B_site", B_site, True, "by a two-level sync")
     if sizes == "paper":
