@@ -36,9 +36,9 @@ class SiteLayout:
         object.__setattr__(self, "sites", tuple(self.sites))
         sizes = {name: self.sites.count(name) for name in self.names}
         if not sizes or len(set(sizes.values())) > 1:
-            raise ConfigError(f"sync sites {','.join(map(str, self.sites))}: every site must hold as many federation members "
-                             f"for a two-level reduction (members per site: "
-                             f"{', '.join(f'{k}={v}' for k, v in sizes.items())})")
+            raise ConfigError(f"sync sites {','.join(map(str, self.sites))}: every site must hold as many federation "
+                              f"members for a two-level reduction (members per site: "
+                              f"{', '.join(f'{k}={v}' for k, v in sizes.items())})")
 
     @classmethod
     def parse(cls, text: str) -> SiteLayout:
