@@ -303,7 +303,7 @@ def run_training(fab: Fabric, layout: BenchLayout, opts: argparse.Namespace, *, 
     variant = variant or SyncVariant(dtype=opts.sync_dtype)
     entry = ["flwr_sharded_perf.bench.slow_train", slow] if slow else ["flwr_sharded.train"]
     site_layout = layout.sites(topo.ranks_per_node, topo.nodes_per_group)
-    train_args = layout.train_args(A, variant, site_layout)
+    train_args = layout.train_args(A, variant, site_layout if opts.sites == "cluster" else None)
     two_level = "--sync-sites" in train_args
     sites = site_layout if two_level else None
     argv = [sys.executable, "-m", *entry, *train_args, "--model", opts.model,
