@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from flwr_sharded.config import METHODS
 from flwr_sharded.errors import ConfigError
+from flwr_sharded.parallel.sites import SiteLayout
 
 Backend = Literal["nccl", "gloo"]
 Sizes = Literal["exact", "paper"]
@@ -57,65 +57,18 @@ FP32_BYTES = 4.0
 """Bytes per value of the sync's staging buffers (fp32), which the two-level scheme's in-site stage moves."""
 
 
-@dataclass(frozen=True)
-class Sites:
-    """Where the federation's members are: `site_of[i]` is member i's site (a cluster file's group: the members behind
-    one slow uplink). G sites of L members each (equal); member i's in-site ring is its site's members in index order,
-    its cross-site ring the members of the same place in every site."""
-
-    site_of: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "site_of", tuple(self.site_of))
-        sizes = Counter(self.site_of)
-        if not sizes or len(set(sizes.values())) != 1:
-            raise ConfigError(f"sites must put the members in sites of equal size, got {list(self.site_of)!r}")
-
-    @classmethod
-    def even(cls, G: int, L: int) -> Sites:
-        """G sites of L members: member i in site i // L."""
-        positive_int("G", G)
-        positive_int("L", L)
-        return cls(tuple(i // L for i in range(G * L)))
-
-    @property
-    def G(self) -> int:
-        return len(set(self.site_of))
-
-    @property
-    def L(self) -> int:
-        return len(self.site_of) // self.G
-
-    @property
-    def members(self) -> int:
-        return len(self.site_of)
-
-    @property
-    def flat(self) -> bool:
-        """G = 1 or L = 1: the two-level scheme is the flat ring."""
-        return self.G == 1 or self.L == 1
-
-    def site_rings(self) -> list[list[int]]:
-        """The members of each site, sites in order of first appearance."""
-        return [[i for i, s in enumerate(self.site_of) if s == site] for site in dict.fromkeys(self.site_of)]
-
-    def cross_rings(self) -> list[list[int]]:
-        """For each place l < L, the l-th member of every site."""
-        rings = self.site_rings()
-        return [[ring[place] for ring in rings] for place in range(self.L)]
-
-
 def two_level_time(D: float, G: int, L: int, *, stage: float = 1.0, B_site: float | None,
-                   B_cross: float | None) -> float:
+                   B_cross: float | None, rs_factor: float = 1.0) -> float:
     """Seconds of the two-level (site-aware) all-reduce of a shard of D bits on the wire among G sites of L members:
     C_RS(stage D, L) at B_site + C_AR(D / L, G) at B_cross + C_AG(stage D, L) at B_site (`stage`: the in-site stage's
     bytes over the wire's, fp32 staging / the wire's bytes); with G = 1 or L = 1 the flat ring C_AR(D, G L) at B_cross
-    (B_site when G = 1). B_cross is one cross-site flow's bandwidth (L of them leave each site at once)."""
+    (B_site when G = 1). B_cross is one cross-site flow's bandwidth (L of them leave each site at once). `rs_factor`:
+    the reduce-scatter's time over a ring's (2 on gloo, as `comm_terms` counts FSDP's)."""
     positive_int("G", G)
     positive_int("L", L)
     if G == 1 or L == 1:
         return all_reduce_time(D, G * L, B_cross if G > 1 else B_site)
-    in_site = reduce_scatter_time(D * stage, L, B_site) + all_gather_time(D * stage, L, B_site)
+    in_site = rs_factor * reduce_scatter_time(D * stage, L, B_site) + all_gather_time(D * stage, L, B_site)
     return in_site + all_reduce_time(D / L, G, B_cross)
 
 
@@ -140,17 +93,19 @@ class SiteBytes:
     """Over the slow tier, to another site."""
 
 
-def site_sync_bytes(shard_bytes: float, G: int, L: int, *, wire_bytes: float = 4.0) -> SiteBytes:
+def site_sync_bytes(shard_bytes: float, G: int, L: int, *, wire_bytes: float = 4.0,
+                    rs_factor: float = 1.0) -> SiteBytes:
     """A member's bytes per sync of a shard of `shard_bytes` (fp32 staging): two-level 2 (L-1)/L S in its site and
     2 (G-1)/G x S/L x wire_bytes/4 across; with G = 1 or L = 1 the flat ring's 2 (P-1)/P S wire_bytes/4, across sites
-    when G > 1. A site's uplink carries what its members send across it."""
+    when G > 1. A site's uplink carries what its members send across it. `rs_factor`: the reduce-scatter's bytes
+    over a ring's (2 on gloo, whose reduce-scatter sends as much as an all-reduce)."""
     positive_int("G", G)
     positive_int("L", L)
     wire = shard_bytes * wire_bytes / FP32_BYTES
     if G == 1 or L == 1:
         flat = 2 * wire * (G * L - 1) / (G * L)
         return SiteBytes(in_site=0.0 if G > 1 else flat, cross=flat if G > 1 else 0.0)
-    return SiteBytes(in_site=2 * shard_bytes * (L - 1) / L, cross=2 * wire / L * (G - 1) / G)
+    return SiteBytes(in_site=(1 + rs_factor) * shard_bytes * (L - 1) / L, cross=2 * wire / L * (G - 1) / G)
 
 
 # ----- the sync protocol's exchanges (latency) ----------------------------------------------------------------------
@@ -207,10 +162,10 @@ def protocol_steps(kind: SyncKind, n: int) -> int:
     return sum(ring_steps(e.collective, n) for e in PROTOCOL[kind])
 
 
-def reduction_steps(n: int, collectives: float = 1, sites: Sites | None = None) -> tuple[float, float]:
+def reduction_steps(n: int, collectives: float = 1, sites: SiteLayout | None = None) -> tuple[float, float]:
     """Sequential steps of a fragment sync's reduction among n members, (on the federation's slowest tier, inside
     the sites): `collectives` x 2 (n-1) flat; two-level x 2 (G-1) across and x 2 (L-1) inside."""
-    if sites is None or sites.flat:
+    if sites is None or not sites.two_level:
         return collectives * ring_steps("all_reduce", n), 0.0
     if sites.members != n:
         raise ConfigError(f"sites place {sites.members} members, the federation group has {n}")
@@ -228,7 +183,7 @@ class FragmentSync:
     """Seconds of its bytes (the bandwidth terms, blocking)."""
     collectives: float
     """Collectives of its reduction (one per unit of the fragment)."""
-    sites: Sites | None = None
+    sites: SiteLayout | None = None
     alpha_site: float = 0.0
     """Seconds per step inside a site (the two-level scheme's in-site stage)."""
     steps: int | None = None
@@ -363,7 +318,7 @@ def comm_terms(method: str, units: Units, *, S: int, R: int = 1, F: int = 1, A: 
                B_R: float | None = None, B_F: float | None = None, sizes: Sizes = "exact", backend: Backend = "nccl",
                reshard_after_forward: bool = True, reshard_root: bool = False, alpha_S: float = 0.0,
                alpha_R: float = 0.0, alpha_F: float = 0.0, wire_ratio: float = 1.0, steps_R: int | None = None,
-               steps_F: int | None = None, sites: Sites | None = None, B_site: float | None = None,
+               steps_F: int | None = None, sites: SiteLayout | None = None, B_site: float | None = None,
                alpha_site: float = 0.0, stage_ratio: float | None = None, protocol: SyncKind | None = None,
                fragments: int = 1) -> CommTerms:
     """Communication seconds per optimizer step by kind, with Eqs. 1-5's one message size (`sizes="paper"`) or each
@@ -383,15 +338,15 @@ def comm_terms(method: str, units: Units, *, S: int, R: int = 1, F: int = 1, A: 
     syncs = method.startswith("fl-") and F > 1
     if sites is not None and sites.members != F:
         raise ConfigError(f"sites place {sites.members} members, the layout has F={F}")
-    two_level = syncs and sites is not None and not sites.flat
+    two_level = syncs and sites is not None and sites.two_level
     if two_level:
         _check_bandwidth("B_site", B_site, True, "by a two-level sync")
+    rs_factor = 2.0 if backend == "gloo" else 1.0  # gloo's reduce-scatter sends as much as an all-reduce
     if sizes == "paper":
         L = units.count
         M = units.total * 8 / L
         gathers, reduces, shard_msgs = [(2, M)] * L, [(1.0, M)] * L, [M] * L
     else:
-        rs_factor = 2.0 if backend == "gloo" else 1.0
         gathers = [(2 if reshard_after_forward else 1, b * 8) for b in units.blocks]
         if units.root > 0:
             gathers.append((2 if reshard_root else 1, units.root * 8))
@@ -403,7 +358,8 @@ def comm_terms(method: str, units: Units, *, S: int, R: int = 1, F: int = 1, A: 
     broadcast = sum(broadcast_time(D, R, B_R) for D in shard_msgs) if method == "fl-hsdp" and syncs else 0.0
     if two_level:
         stage = (wire_ratio if stage_ratio is None else stage_ratio) / wire_ratio
-        reduced = sum(two_level_time(D * wire_ratio, sites.G, sites.L, stage=stage, B_site=B_site, B_cross=B_F)
+        reduced = sum(two_level_time(D * wire_ratio, sites.G, sites.L, stage=stage, B_site=B_site, B_cross=B_F,
+                                     rs_factor=rs_factor)
                       for D in shard_msgs)
     else:
         reduced = sum(all_reduce_time(D * wire_ratio, F, B_F) for D in shard_msgs)

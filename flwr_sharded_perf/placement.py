@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from flwr_sharded.errors import ConfigError
-from flwr_sharded_perf.costmodel import (FP32_BYTES, Backend, Sites, Units, check_backend, check_layout, positive_int,
+from flwr_sharded.parallel.sites import SiteLayout
+from flwr_sharded_perf.costmodel import (FP32_BYTES, Backend, Units, check_backend, check_layout, positive_int,
                                          site_sync_bytes)
 
 TIERS = ("intra_node", "inter_node", "inter_group")
@@ -138,7 +139,7 @@ class Traffic:
 def rank_traffic(method: str, placement: Placement, units: Units, *, rank: int, A: int = 1,
                  backend: Backend = "nccl", reshard_after_forward: bool = True, reshard_root: bool = False,
                  grad_ratio: float = 1.0, sync_ratio: float = 1.0, wire_ratio: float = 1.0,
-                 sites: Sites | None = None, stage_ratio: float | None = None) -> Traffic:
+                 sites: SiteLayout | None = None, stage_ratio: float | None = None) -> Traffic:
     """Bytes `rank` sends per optimizer step and per shard sync, by tier (docs/cost-model.md, "Bytes per tier");
     `grad_ratio` / `sync_ratio` scale gradient and sync bytes, `wire_ratio` the sync's all-reduce on top. `sites`:
     the F members' sites, a two-level sync (`site_sync_bytes`; `stage_ratio`: its in-site stage's bytes over the
@@ -167,12 +168,13 @@ def rank_traffic(method: str, placement: Placement, units: Units, *, rank: int, 
     if method in ("hsdp", "fl-hsdp") and R > 1:
         step[out_tier("replica")] += 2 * shard_bytes * grad_ratio * (R - 1) / R
     if method.startswith("fl-") and F > 1:
-        if (method == "fl-fsdp" or r == 0) and (sites is None or sites.flat):
+        if (method == "fl-fsdp" or r == 0) and (sites is None or not sites.two_level):
             sync[out_tier("federation")] += 2 * shard_bytes * sync_ratio * wire_ratio * (F - 1) / F
         elif method == "fl-fsdp" or r == 0:
             stage = wire_ratio if stage_ratio is None else stage_ratio
             sent = site_sync_bytes(shard_bytes * sync_ratio * stage, sites.G, sites.L,
-                                   wire_bytes=FP32_BYTES * wire_ratio / stage)
+                                   wire_bytes=FP32_BYTES * wire_ratio / stage,
+                                   rs_factor=2.0 if backend == "gloo" else 1.0)
             for rings, nbytes in ((sites.site_rings(), sent.in_site), (sites.cross_rings(), sent.cross)):
                 ring = next(g for g in rings if f in g)
                 peer = placement.rank(ring[(ring.index(f) + 1) % len(ring)], r, s)

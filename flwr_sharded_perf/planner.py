@@ -10,10 +10,11 @@ from typing import Literal, Union
 
 from flwr_sharded.config import METHODS
 from flwr_sharded.errors import ConfigError
+from flwr_sharded.parallel.sites import SiteLayout
 from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES, wire_ratio
 from flwr_sharded_perf.cluster import Cluster, FacilityFederation
 from flwr_sharded_perf.costmodel import (ADAMW_BYTES_PER_PARAM, FP32_BYTES, SGD_BYTES_PER_PARAM, Calibration, CommTerms,
-                                         FragmentSync, Phases, Sites, allreduce_steps, check_layout, comm_terms,
+                                         FragmentSync, Phases, allreduce_steps, check_layout, comm_terms,
                                          flow_bandwidth, optimizer_time, overlapped, phase_time, positive_int)
 from flwr_sharded_perf.memory_model import GiB, MemoryBreakdown, StepOptions, memory_per_gpu
 from flwr_sharded_perf.model_shape import ModelShape, compute_time, model_from_preset
@@ -85,18 +86,18 @@ def check_aggregate_every(values: tuple[int, ...]) -> None:
             raise ConfigError(f"--aggregate-every: values must be integers >= 1, got {A!r}")
 
 
-SitesSpec = Union[Sites, Sequence[int], Literal["groups"], None]
-"""The federation members' sites: `Sites`, a list member index -> site, "groups" (each member's node group of the
+SitesSpec = Union[SiteLayout, Sequence[int], Literal["groups"], None]
+"""The federation members' sites: `SiteLayout`, a list member index -> site, "groups" (each member's node group of the
 cluster), or None (the flat ring)."""
 
 
-def layout_sites(placement: Placement, spec: SitesSpec) -> Sites | None:
+def layout_sites(placement: Placement, spec: SitesSpec) -> SiteLayout | None:
     """The sites of the F members of `placement`; "groups": None where a member spans node groups or the groups hold
     unequal numbers of members (the flat ring)."""
-    if spec is None or isinstance(spec, Sites):
+    if spec is None or isinstance(spec, SiteLayout):
         return spec
     if spec != "groups":
-        return Sites(tuple(spec))
+        return SiteLayout(tuple(spec))
     site_of = []
     for f in range(placement.F):
         groups = {placement.node_group(placement.rank(f, r, s)) for r in range(placement.R) for s in range(placement.S)}
@@ -104,7 +105,7 @@ def layout_sites(placement: Placement, spec: SitesSpec) -> Sites | None:
             return None
         site_of += groups
     try:
-        return Sites(tuple(site_of))
+        return SiteLayout(tuple(site_of))
     except ConfigError:
         return None
 

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from flwr_sharded.parallel.traffic import ALL_PHASES, PHASES
-from flwr_sharded_perf.costmodel import Sites, Units
+from flwr_sharded.parallel.sites import SiteLayout
+from flwr_sharded_perf.costmodel import Units
 from flwr_sharded_perf.placement import TIERS, Placement, traffic
 
 def load_probes(directory: str | os.PathLike) -> list[dict[str, Any]]:
@@ -111,8 +112,8 @@ class TierComparison:
 
 def compare(probes: list[dict[str, Any]], method: str, placement: Placement, units: Units, *, A: int,
             backend: str = "gloo", reshard_root: bool = True, ranks_per_node: int | None = None,
-            uplinks: list[str] | None = None, wire_ratio: float = 1.0, fragments: int = 1, sites: Sites | None = None,
-            stage_ratio: float | None = None) -> TierComparison:
+            uplinks: list[str] | None = None, wire_ratio: float = 1.0, fragments: int = 1,
+            sites: SiteLayout | None = None, stage_ratio: float | None = None) -> TierComparison:
     """Measured (collectives, and wire) against predicted bytes per tier for one run (`fragments`: its fragments;
     `sites`, `stage_ratio`: a two-level sync's, `placement.rank_traffic`'s; None: the flat ring)."""
     steps = probes[0]["windows"]["step"]

@@ -5,63 +5,81 @@ reduce-scatter a bucket inside the site in fp32, all-reduce each member's 1/L sh
 With P members in G sites of L each and S bytes of fp32 shard, a flat ring sends 2 (P - 1) / P x S per member and
 crosses every site's uplink with it; the two-level reduction sends 2 (G - 1) / G x S / L per member across sites,
 the L members of a site each on 1/L of the shard (`flwr_sharded_perf.costmodel` prices both). With one site, or one
-member per site, it is the flat ring, which then runs instead (`SiteLayout.two_level`).
+member per site, it is the flat ring, which then runs instead (`SiteLayout.two_level`). `SiteLayout` is torch-free
+(the cost model and planner use it); the groups and the reduction import torch when used.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
-import torch
-import torch.distributed as dist
+from flwr_sharded.errors import ConfigError
 
-from flwr_sharded.parallel.collectives import bounded
-from flwr_sharded.parallel.torch_compat import all_gather_single, reduce_scatter_single
-from flwr_sharded.parallel.workspace import Workspace
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
+    from flwr_sharded.parallel.workspace import Workspace
 
 
 @dataclass(frozen=True)
 class SiteLayout:
-    """Which site each federation member is at (member index -> site name), and the groups it makes."""
+    """Which site each federation member is at (member index -> site: a name, or a cluster file's group index), and
+    the groups it makes: G sites of L members each."""
 
-    sites: tuple[str, ...]
+    sites: tuple[Hashable, ...]
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "sites", tuple(self.sites))
         sizes = {name: self.sites.count(name) for name in self.names}
-        if len(set(sizes.values())) > 1:
-            raise ValueError(f"sync sites {','.join(self.sites)}: every site must hold as many federation members "
-                             f"for a two-level reduction (members per site: "
-                             f"{', '.join(f'{k}={v}' for k, v in sizes.items())})")
+        if not sizes or len(set(sizes.values())) > 1:
+            raise ConfigError(f"sync sites {','.join(map(str, self.sites))}: every site must hold as many federation "
+                              f"members for a two-level reduction (members per site: "
+                              f"{', '.join(f'{k}={v}' for k, v in sizes.items())})")
 
     @classmethod
     def parse(cls, text: str) -> SiteLayout:
         """From a comma-separated list of site names, one per member (e.g. "a,a,b,b")."""
         names = tuple(s.strip() for s in text.split(","))
         if not all(names):
-            raise ValueError(f"sync sites {text!r}: an empty site name")
+            raise ConfigError(f"sync sites {text!r}: an empty site name")
         return cls(names)
 
+    @classmethod
+    def even(cls, G: int, L: int) -> SiteLayout:
+        """G sites of L members: member i at site i // L."""
+        if G < 1 or L < 1:
+            raise ConfigError(f"sites: G and L must be >= 1, got G={G}, L={L}")
+        return cls(tuple(i // L for i in range(G * L)))
+
     @property
-    def names(self) -> list[str]:
+    def names(self) -> list[Hashable]:
         """The sites in order of their first member."""
         return list(dict.fromkeys(self.sites))
 
     @property
-    def count(self) -> int:
-        """G: the number of sites."""
+    def G(self) -> int:
+        """The number of sites."""
         return len(self.names)
 
     @property
-    def size(self) -> int:
-        """L: members per site."""
-        return len(self.sites) // self.count
+    def L(self) -> int:
+        """Members per site."""
+        return len(self.sites) // self.G
+
+    @property
+    def members(self) -> int:
+        """Members in all (G L)."""
+        return len(self.sites)
 
     @property
     def two_level(self) -> bool:
-        """Whether the reduction has two levels: more than one site and more than one member per site."""
-        return self.count > 1 and self.size > 1
+        """Whether the reduction has two levels: more than one site and more than one member per site (else it is
+        the flat ring)."""
+        return self.G > 1 and self.L > 1
 
     def members_of(self, site: int) -> list[int]:
         """The member indices of site `site` (an index into `names`), in member order."""
@@ -74,7 +92,15 @@ class SiteLayout:
 
     def across(self, j: int) -> list[int]:
         """The j-th member of every site, in site order: the members that reduce share j across the sites."""
-        return [self.members_of(g)[j] for g in range(self.count)]
+        return [self.members_of(g)[j] for g in range(self.G)]
+
+    def site_rings(self) -> list[list[int]]:
+        """The members of each site (the first level's groups)."""
+        return [self.members_of(g) for g in range(self.G)]
+
+    def cross_rings(self) -> list[list[int]]:
+        """The j-th member of every site, for each j (the second level's groups)."""
+        return [self.across(j) for j in range(self.L)]
 
 
 @dataclass
@@ -96,7 +122,12 @@ class SiteGroups:
         `sum_across(share, residual_share)` (the wire's sum over `across`, returning the bytes it sent) on this
         rank's share, all-gather inside the site. `residual`: the wire's error-feedback residual of `flat`, of which
         the share's part is passed on. Returns the bytes this rank sent."""
-        L, j, n = self.layout.size, dist.get_rank(self.site), flat.numel()
+        import torch.distributed as dist
+
+        from flwr_sharded.parallel.collectives import bounded
+        from flwr_sharded.parallel.torch_compat import all_gather_single, reduce_scatter_single
+
+        L, j, n = self.layout.L, dist.get_rank(self.site), flat.numel()
         part = -(-n // L)  # the share of each site member, the last padded with zeros
         whole = workspace.get("site_whole", part * L, flat.dtype, flat.device)
         share = workspace.get("site_share", part, flat.dtype, flat.device)
@@ -117,11 +148,13 @@ def site_groups(layout: SiteLayout, columns: Sequence[Sequence[int]], column: in
     """Build the site and share groups of every federation column (`columns`: for each shard index, the global ranks
     of its members in member order) with `new_group`, a collective of the world: every rank calls this alike. Returns
     those of this rank, member `member` of column `column`, whose federation group is `flat`."""
+    import torch.distributed as dist
+
     made = []
     for ranks in columns:
         sites = [dist.new_group([ranks[m] for m in layout.members_of(g)], timeout=timeout)
-                 for g in range(layout.count)]
-        shares = [dist.new_group([ranks[m] for m in layout.across(j)], timeout=timeout) for j in range(layout.size)]
+                 for g in range(layout.G)]
+        shares = [dist.new_group([ranks[m] for m in layout.across(j)], timeout=timeout) for j in range(layout.L)]
         made.append((sites, shares))
     g, j = layout.position(member)
     sites, shares = made[column]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from flwr_sharded import schema, tool_options
 from flwr_sharded.config import DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
@@ -55,6 +55,9 @@ class BenchOptions:
     steps: int = same_as(TrainConfig, "steps", default=32)
     repeats: int = option(1, ge=1)
     """Runs of each method on the main cluster, interleaved."""
+    sites: Literal["cluster", "flat"] = "cluster"
+    """How the FL runs sync where the cluster's groups are sites (the nodes behind one `inter_group` uplink): in two
+    levels by them (`--sync-sites`), or the flat ring over every member (fl-fsdp-flat always runs the flat ring)."""
     variant_steps: int | None = option(None, ge=1)
     """Steps of the no-sync and sync-variant runs of the main scenario (unset: `steps`): more than the blocking
     reference's let a faster sync reach the reference's final perplexity later in steps but sooner in time (the

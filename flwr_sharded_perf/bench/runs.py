@@ -19,7 +19,7 @@ from flwr_sharded.config import METHODS
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.sites import SiteLayout
 from flwr_sharded.parallel.wire import sync_wire_ratio
-from flwr_sharded_perf.costmodel import Sites, Units, check_layout
+from flwr_sharded_perf.costmodel import Units, check_layout
 from flwr_sharded_perf.netemu.network import EmuTopology, Fabric, RankFailure
 from flwr_sharded_perf.placement import Placement
 
@@ -303,9 +303,9 @@ def run_training(fab: Fabric, layout: BenchLayout, opts: argparse.Namespace, *, 
     variant = variant or SyncVariant(dtype=opts.sync_dtype)
     entry = ["flwr_sharded_perf.bench.slow_train", slow] if slow else ["flwr_sharded.train"]
     site_layout = layout.sites(topo.ranks_per_node, topo.nodes_per_group)
-    train_args = layout.train_args(A, variant, site_layout)
+    train_args = layout.train_args(A, variant, site_layout if opts.sites == "cluster" else None)
     two_level = "--sync-sites" in train_args
-    sites = Sites(tuple(site_layout.names.index(x) for x in site_layout.sites)) if two_level else None
+    sites = site_layout if two_level else None
     argv = [sys.executable, "-m", *entry, *train_args, "--model", opts.model,
             "--seq-len", str(opts.seq_len), "--batch-size", str(opts.batch_size), "--steps", str(steps),
             "--lr", str(opts.lr), "--seed", str(opts.seed), "--log-every", str(log_every or A),

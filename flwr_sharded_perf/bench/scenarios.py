@@ -40,7 +40,7 @@ def planner_view(cluster_path: Path, layouts: dict[str, BenchLayout], opts: argp
     def predict(method: str, lay: BenchLayout, **options: Any) -> dict[str, float]:
         fl = method.startswith("fl-")  # an FL run syncs by the cluster's sites (two levels where they make two)
         c = evaluate(cluster, shape, method, F=lay.F, R=lay.R, S=lay.S, A=A if fl else 1,
-                     **{**kw, "sites": "groups" if fl else None, **options})
+                     **{**kw, "sites": "groups" if fl and opts.sites == "cluster" else None, **options})
         return {"predicted_step_s": c.step_time, "comm_s": c.comm.total, "compute_s": c.compute,
                 "key": c.step_time * (1 + margin if c.federated else 1), "hidden_sync_s": c.comm.hidden}
 

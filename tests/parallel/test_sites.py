@@ -12,7 +12,7 @@ from tests.multiproc import run_ranks
 
 def test_a_site_layout_groups_members_by_site_in_order_of_appearance():
     layout = SiteLayout.parse("b, a,b,a")
-    assert (layout.names, layout.count, layout.size, layout.two_level) == (["b", "a"], 2, 2, True)
+    assert (layout.names, layout.G, layout.L, layout.two_level) == (["b", "a"], 2, 2, True)
     assert [layout.members_of(g) for g in range(2)] == [[0, 2], [1, 3]]
     assert [layout.position(m) for m in range(4)] == [(0, 0), (1, 0), (0, 1), (1, 1)]
     assert [layout.across(j) for j in range(2)] == [[0, 1], [2, 3]]

@@ -11,8 +11,9 @@ from dataclasses import replace
 import pytest
 
 from flwr_sharded.errors import ConfigError
+from flwr_sharded.parallel.sites import SiteLayout
 from flwr_sharded_perf.cluster import load_cluster
-from flwr_sharded_perf.costmodel import (PROTOCOL, CommTerms, FragmentSync, Sites, Units, all_reduce_time, comm_terms,
+from flwr_sharded_perf.costmodel import (PROTOCOL, CommTerms, FragmentSync, Units, all_reduce_time, comm_terms,
                                          overlapped, protocol_steps, reduction_steps, site_sync_bytes, site_sync_time,
                                          two_level_time)
 from flwr_sharded_perf.memory_model import StepOptions
@@ -113,9 +114,9 @@ def test_one_site_or_one_member_per_site_is_the_flat_ring(G, L):
     units = Units(blocks=(1e6, 2e6), root=5e5)
     base = comm_terms("fl-fsdp", units, S=2, F=G * L, A=4, B_S=1e10, B_F=B_cross, alpha_F=1e-3, wire_ratio=0.5)
     sited = comm_terms("fl-fsdp", units, S=2, F=G * L, A=4, B_S=1e10, B_F=B_cross, alpha_F=1e-3, wire_ratio=0.5,
-                       sites=Sites.even(G, L), B_site=B_site, alpha_site=1e-6, stage_ratio=2.0)
+                       sites=SiteLayout.even(G, L), B_site=B_site, alpha_site=1e-6, stage_ratio=2.0)
     assert sited == base
-    assert reduction_steps(G * L, 3, Sites.even(G, L)) == reduction_steps(G * L, 3)
+    assert reduction_steps(G * L, 3, SiteLayout.even(G, L)) == reduction_steps(G * L, 3)
 
 
 def test_comm_terms_prices_the_two_level_sync_per_unit():
@@ -123,7 +124,7 @@ def test_comm_terms_prices_the_two_level_sync_per_unit():
     S, A, wire, stage = 2, 4, 0.25 + 4 / 256, 2.0  # bf16 units: an fp32 staging is 2x, the wire's int2 1/8x
     kw = dict(S=S, F=8, A=A, B_S=1e10, B_F=5e7, wire_ratio=wire, alpha_F=1e-3)
     flat = comm_terms("fl-fsdp", units, **kw)
-    sited = comm_terms("fl-fsdp", units, **kw, sites=Sites.even(2, 4), B_site=1e9, alpha_site=2e-5,
+    sited = comm_terms("fl-fsdp", units, **kw, sites=SiteLayout.even(2, 4), B_site=1e9, alpha_site=2e-5,
                        stage_ratio=stage)
     expected = sum(site_sync_time(u / S * stage, 2, 4, wire_bytes=4 * wire / stage, B_site=1e9, B_cross=5e7)
                    for u in units.all()) / A
@@ -133,18 +134,18 @@ def test_comm_terms_prices_the_two_level_sync_per_unit():
     assert sited.sync_latency == pytest.approx(3 * (2 * 1e-3 + 6 * 2e-5) / A)
     assert flat.sync_latency == pytest.approx(3 * 14 * 1e-3 / A)
     with pytest.raises(ConfigError, match="sites place 6 members"):
-        comm_terms("fl-fsdp", units, **kw, sites=Sites.even(2, 3), B_site=1e9)
+        comm_terms("fl-fsdp", units, **kw, sites=SiteLayout.even(2, 3), B_site=1e9)
     with pytest.raises(ConfigError, match="B_site"):
-        comm_terms("fl-fsdp", units, **kw, sites=Sites.even(2, 4))
+        comm_terms("fl-fsdp", units, **kw, sites=SiteLayout.even(2, 4))
 
 
 def test_sites_from_a_list_and_their_rings():
-    sites = Sites([1, 0, 1, 0, 2, 2])
+    sites = SiteLayout([1, 0, 1, 0, 2, 2])
     assert (sites.G, sites.L, sites.members) == (3, 2, 6)
     assert sites.site_rings() == [[0, 2], [1, 3], [4, 5]]
     assert sites.cross_rings() == [[0, 1, 4], [2, 3, 5]]
     with pytest.raises(ConfigError, match="equal size"):
-        Sites([0, 0, 1])
+        SiteLayout([0, 0, 1])
 
 
 def test_rank_traffic_of_a_two_level_sync_matches_the_simulation():
@@ -152,7 +153,7 @@ def test_rank_traffic_of_a_two_level_sync_matches_the_simulation():
     placement = Placement(F=8, R=1, S=1, gpus_per_node=2, nodes_per_group=2)
     units = Units(blocks=(4e6,))
     sites = layout_sites(placement, "groups")
-    assert sites == Sites.even(2, 4)
+    assert sites == SiteLayout.even(2, 4)
     per_rank = traffic("fl-fsdp", placement, units, A=1, backend="gloo", wire_ratio=INT8 / 4, stage_ratio=1.0,
                        sites=sites)
     _, links = simulate_sync(list(sites.site_of), 4e6, INT8, 1e9, 1e8, two_level=True)
@@ -161,7 +162,7 @@ def test_rank_traffic_of_a_two_level_sync_matches_the_simulation():
         sum(b for link, b in links.items() if link[0] == "member"))
     flat = traffic("fl-fsdp", placement, units, A=1, backend="gloo", wire_ratio=INT8 / 4)
     assert traffic("fl-fsdp", placement, units, A=1, backend="gloo", wire_ratio=INT8 / 4,
-                   sites=Sites.even(8, 1)) == flat
+                   sites=SiteLayout.even(8, 1)) == flat
 
 
 def test_the_planner_prices_sites_and_keeps_the_flat_ring_without():
@@ -170,13 +171,13 @@ def test_the_planner_prices_sites_and_keeps_the_flat_ring_without():
     flat = evaluate(cluster, model, "fl-fsdp", **kw)
     assert evaluate(cluster, model, "fl-fsdp", **kw, sites=[m for m in range(8)]) == flat  # L = 1: the flat ring
     two = evaluate(cluster, model, "fl-fsdp", **kw, sites="groups")
-    assert two.fragment_sync.sites == Sites.even(2, 4)
+    assert two.fragment_sync.sites == SiteLayout.even(2, 4)
     # the cross-site part: 4 flows share each 100 Mbit/s uplink; 1.75 S -> 1 S over it, plus the in-site stage
     assert two.bandwidth["federation"] == pytest.approx(25e6)
     assert two.comm.sync < flat.comm.sync
     assert two.comm.shard == flat.comm.shard and two.compute == flat.compute
     # a member spanning groups keeps the flat ring
-    assert layout_sites(cluster.placement(2, 1, 4), "groups") == Sites.even(2, 1)
+    assert layout_sites(cluster.placement(2, 1, 4), "groups") == SiteLayout.even(2, 1)
     assert layout_sites(cluster.placement(1, 1, 8), "groups") is None
 
 
@@ -239,7 +240,7 @@ def test_fragment_sync_share_by_hand():
     assert fs.reduction(alpha) == pytest.approx(reduction)
     assert fs.protocol_share(alpha) == pytest.approx(exchanges / (2.0 + reduction + exchanges))
     assert replace(fs, steps=4).reduction(alpha) == pytest.approx(3 * 4 * alpha)  # NCCL's tree: fewer steps
-    two = FragmentSync(kind="overlapped", members=4, data=2.0, collectives=3, sites=Sites.even(2, 2), alpha_site=1e-4)
+    two = FragmentSync(kind="overlapped", members=4, data=2.0, collectives=3, sites=SiteLayout.even(2, 2), alpha_site=1e-4)
     assert two.reduction(alpha) == pytest.approx(3 * 2 * alpha + 3 * 2 * 1e-4)
     assert two.protocol(alpha) == pytest.approx(9 * alpha)
 
