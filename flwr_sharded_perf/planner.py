@@ -141,7 +141,7 @@ def evaluate(cluster: Cluster, model: ModelShape, method: str, *, F: int = 1, R:
     syncs = method.startswith("fl-") and F > 1
     two_level = layout_sites(placement, sites) if syncs else None
     site_tier, B_site = None, None
-    if two_level is not None and not two_level.flat:
+    if two_level is not None and two_level.two_level:
         if step.sync_topk is not None:
             raise ConfigError("sites: a top-k sync's two-level scheme is not priced (its rows are all-gathered)")
         cal = cluster.calibration if calibrated else None
@@ -163,7 +163,7 @@ def evaluate(cluster: Cluster, model: ModelShape, method: str, *, F: int = 1, R:
                       protocol=kind if protocol else None, fragments=step.sync_fragments)
     fragment = FragmentSync(kind=kind, members=F, data=comm.sync * A / step.sync_fragments,
                             collectives=units.count / step.sync_fragments,
-                            sites=two_level if two_level is not None and not two_level.flat else None,
+                            sites=two_level if two_level is not None and two_level.two_level else None,
                             alpha_site=alpha_site, steps=steps["federation"]) if syncs else None
     flops_per_param_token = 8.0 if activation_checkpointing else 6.0
     compute = compute_time(model.compute_params, tokens_per_gpu_batch, cluster.flops_per_gpu,

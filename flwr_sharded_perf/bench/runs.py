@@ -23,11 +23,11 @@ from flwr_sharded_perf.costmodel import Units, check_layout
 from flwr_sharded_perf.netemu.network import EmuTopology, Fabric, RankFailure
 from flwr_sharded_perf.placement import Placement
 
-VARIANT_RUNS = ("fl-fsdp-flat", "fl-fsdp-overlap", "fl-fsdp-int8", "fl-fsdp-overlap-int8", "fl-fsdp-int4",
-                "fl-fsdp-overlap-int4",
+VARIANT_RUNS = ("fl-fsdp-flat", "fl-fsdp-overlap", "fl-fsdp-int8", "fl-fsdp-overlap-int8",
+                "fl-fsdp-overlap-int8-flat", "fl-fsdp-int4", "fl-fsdp-overlap-int4",
                 "fl-fsdp-int2", "fl-fsdp-overlap-int2", "fl-fsdp-topk", "fl-fsdp-overlap-topk")
-"""Runs of the FL+FSDP layout with another sync: the flat ring over every member (where the cluster's sites make the
-others two-level); overlapped (the run's dtype); the int8, int4 and int2 wires and the
+"""Runs of the FL+FSDP layout with another sync: a key ending in -flat syncs as the key before it over the flat ring
+of every member (where the cluster's sites make the others two-level); overlapped (the run's dtype); the int8, int4 and int2 wires and the
 top-k sync (`sync_variant`'s recipe), all with error feedback; each of them overlapped too."""
 WIRE_BYTES_TARGETS = {"int8": 0.27, "int4": 0.14, "int2": 0.07, "topk": 0.04}
 """The most cross-group bytes per sync each variant's wire may send, as a fraction of the fp32 sync's."""
@@ -38,7 +38,7 @@ UNEQUAL_LABELS = {"equal": "equal federation", "unequal": "unequal federation",
                   "unequal-slow": "unequal, slow group, equal A",
                   "unequal-slow-speed": "unequal, slow group, --group-steps speed"}
 LABELS = {"fsdp": "FSDP", "hsdp": "HSDP", "fl-fsdp": "FL+FSDP", "fl-hsdp": "FL+HSDP", "no-sync": "FL+FSDP no-sync",
-          "fl-fsdp-flat": "FL+FSDP flat ring",
+          "fl-fsdp-flat": "FL+FSDP flat ring", "fl-fsdp-overlap-int8-flat": "FL+FSDP overlapped int8, flat ring",
           "fl-fsdp-overlap": "FL+FSDP overlapped", "fl-fsdp-int8": "FL+FSDP int8",
           "fl-fsdp-overlap-int8": "FL+FSDP overlapped int8", "fl-fsdp-int4": "FL+FSDP int4",
           "fl-fsdp-overlap-int4": "FL+FSDP overlapped int4", "fl-fsdp-int2": "FL+FSDP int2",
@@ -144,14 +144,14 @@ class SyncVariant:
 
 def variant_wire(key: str) -> str | None:
     """The wire a variant run is named after (int8, int4, int2, topk), None for the run's own dtype."""
-    wire = key.rsplit("-", 1)[-1]
+    wire = key.removesuffix("-flat").rsplit("-", 1)[-1]
     return wire if wire in WIRE_BYTES_TARGETS else None
 
 
 def sync_variant(key: str, opts) -> SyncVariant:
     """The sync of run `key` under the benchmark's `--sync-*` options."""
-    if key == "fl-fsdp-flat":
-        return SyncVariant(opts.sync_dtype, flat=True)
+    if key.endswith("-flat"):
+        return dataclasses.replace(sync_variant(key.removesuffix("-flat"), opts), flat=True)
     overlap = dict(fragments=opts.sync_fragments, delay=opts.sync_delay, alpha=opts.sync_alpha,
                    carry=opts.sync_carry) if "overlap" in key else {}
     wire = variant_wire(key)

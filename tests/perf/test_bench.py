@@ -190,7 +190,7 @@ def test_quick_bench_end_to_end(data_dir, tmp_path):
     overlapped = runs.pop("fl-fsdp-overlap-int8")  # an int8 sync overlapped with one step: a quarter on the uplink
     assert overlapped["sync_variant"] == {"dtype": "int8", "fragments": 1, "delay": 1, "alpha": 0.0, "carry": True,
                                           "error_feedback": True, "topk": None, "restart": "global",
-                                          "dense_flush": False, "error_decay": None}
+                                          "dense_flush": False, "error_decay": None, "flat": False}
     assert overlapped["traffic_max_error"] <= 0.05, overlapped["traffic"]["error"]
     from flwr_sharded_perf.bench.report import cross_group_bytes_per_sync
 
