@@ -58,17 +58,17 @@ FP32_BYTES = 4.0
 
 
 def two_level_time(D: float, G: int, L: int, *, stage: float = 1.0, B_site: float | None,
-                   B_cross: float | None, rs_factor: float = 1.0) -> float:
+                   B_cross: float | None) -> float:
     """Seconds of the two-level (site-aware) all-reduce of a shard of D bits on the wire among G sites of L members:
     C_RS(stage D, L) at B_site + C_AR(D / L, G) at B_cross + C_AG(stage D, L) at B_site (`stage`: the in-site stage's
     bytes over the wire's, fp32 staging / the wire's bytes); with G = 1 or L = 1 the flat ring C_AR(D, G L) at B_cross
-    (B_site when G = 1). B_cross is one cross-site flow's bandwidth (L of them leave each site at once). `rs_factor`:
-    the reduce-scatter's time over a ring's (2 on gloo, as `comm_terms` counts FSDP's)."""
+    (B_site when G = 1). B_cross is one cross-site flow's bandwidth (L of them leave each site at once). The in-site
+    reduce-scatter is a ring's on every backend (on gloo the sync runs its own: `ring.ring_reduce_scatter`)."""
     positive_int("G", G)
     positive_int("L", L)
     if G == 1 or L == 1:
         return all_reduce_time(D, G * L, B_cross if G > 1 else B_site)
-    in_site = rs_factor * reduce_scatter_time(D * stage, L, B_site) + all_gather_time(D * stage, L, B_site)
+    in_site = reduce_scatter_time(D * stage, L, B_site) + all_gather_time(D * stage, L, B_site)
     return in_site + all_reduce_time(D / L, G, B_cross)
 
 
@@ -93,19 +93,17 @@ class SiteBytes:
     """Over the slow tier, to another site."""
 
 
-def site_sync_bytes(shard_bytes: float, G: int, L: int, *, wire_bytes: float = 4.0,
-                    rs_factor: float = 1.0) -> SiteBytes:
+def site_sync_bytes(shard_bytes: float, G: int, L: int, *, wire_bytes: float = 4.0) -> SiteBytes:
     """A member's bytes per sync of a shard of `shard_bytes` (fp32 staging): two-level 2 (L-1)/L S in its site and
     2 (G-1)/G x S/L x wire_bytes/4 across; with G = 1 or L = 1 the flat ring's 2 (P-1)/P S wire_bytes/4, across sites
-    when G > 1. A site's uplink carries what its members send across it. `rs_factor`: the reduce-scatter's bytes
-    over a ring's (2 on gloo, whose reduce-scatter sends as much as an all-reduce)."""
+    when G > 1. A site's uplink carries what its members send across it."""
     positive_int("G", G)
     positive_int("L", L)
     wire = shard_bytes * wire_bytes / FP32_BYTES
     if G == 1 or L == 1:
         flat = 2 * wire * (G * L - 1) / (G * L)
         return SiteBytes(in_site=0.0 if G > 1 else flat, cross=flat if G > 1 else 0.0)
-    return SiteBytes(in_site=(1 + rs_factor) * shard_bytes * (L - 1) / L, cross=2 * wire / L * (G - 1) / G)
+    return SiteBytes(in_site=2 * shard_bytes * (L - 1) / L, cross=2 * wire / L * (G - 1) / G)
 
 
 # ----- the sync protocol's exchanges (latency) ----------------------------------------------------------------------
@@ -341,12 +339,12 @@ def comm_terms(method: str, units: Units, *, S: int, R: int = 1, F: int = 1, A: 
     two_level = syncs and sites is not None and sites.two_level
     if two_level:
         _check_bandwidth("B_site", B_site, True, "by a two-level sync")
-    rs_factor = 2.0 if backend == "gloo" else 1.0  # gloo's reduce-scatter sends as much as an all-reduce
     if sizes == "paper":
         L = units.count
         M = units.total * 8 / L
         gathers, reduces, shard_msgs = [(2, M)] * L, [(1.0, M)] * L, [M] * L
     else:
+        rs_factor = 2.0 if backend == "gloo" else 1.0
         gathers = [(2 if reshard_after_forward else 1, b * 8) for b in units.blocks]
         if units.root > 0:
             gathers.append((2 if reshard_root else 1, units.root * 8))
@@ -358,8 +356,7 @@ def comm_terms(method: str, units: Units, *, S: int, R: int = 1, F: int = 1, A: 
     broadcast = sum(broadcast_time(D, R, B_R) for D in shard_msgs) if method == "fl-hsdp" and syncs else 0.0
     if two_level:
         stage = (wire_ratio if stage_ratio is None else stage_ratio) / wire_ratio
-        reduced = sum(two_level_time(D * wire_ratio, sites.G, sites.L, stage=stage, B_site=B_site, B_cross=B_F,
-                                     rs_factor=rs_factor)
+        reduced = sum(two_level_time(D * wire_ratio, sites.G, sites.L, stage=stage, B_site=B_site, B_cross=B_F)
                       for D in shard_msgs)
     else:
         reduced = sum(all_reduce_time(D * wire_ratio, F, B_F) for D in shard_msgs)

@@ -173,8 +173,7 @@ def rank_traffic(method: str, placement: Placement, units: Units, *, rank: int, 
         elif method == "fl-fsdp" or r == 0:
             stage = wire_ratio if stage_ratio is None else stage_ratio
             sent = site_sync_bytes(shard_bytes * sync_ratio * stage, sites.G, sites.L,
-                                   wire_bytes=FP32_BYTES * wire_ratio / stage,
-                                   rs_factor=2.0 if backend == "gloo" else 1.0)
+                                   wire_bytes=FP32_BYTES * wire_ratio / stage)
             for rings, nbytes in ((sites.site_rings(), sent.in_site), (sites.cross_rings(), sent.cross)):
                 ring = next(g for g in rings if f in g)
                 peer = placement.rank(ring[(ring.index(f) + 1) % len(ring)], r, s)

@@ -93,6 +93,27 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup |
         recv.copy_(into)  # blocking too: `into` is free for the next step's receive
 
 
+def ring_reduce_scatter(whole: torch.Tensor, share: torch.Tensor, group: dist.ProcessGroup | None,
+                        workspace: Workspace) -> None:
+    """SUM `whole` (W equal chunks, one per rank of `group`) over the group: this rank's chunk of the sum into
+    `share`, around a ring of W - 1 point-to-point steps, each rank sending (W - 1) / W of `whole` (gloo's own
+    reduce-scatter sends as much as an all-reduce). `whole` is the scratch (its chunks hold partial sums after)."""
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    chunks = whole.view(world, -1)
+    if world == 1:
+        share.copy_(chunks[0])
+        return
+    nbytes = chunks[0].numel() * chunks.element_size()
+    recv = workspace.get("ring_rs_recv", chunks[0].numel(), whole.dtype, whole.device)
+    host = _host_buffers(group, whole.device, nbytes, workspace, None)
+    nxt, prev, bound = (me + 1) % world, (me - 1) % world, group_timeout(group, whole.device)
+    for k in range(world - 1):  # at step k rank r passes on the partial sum of chunk r - k - 1 and adds to r - k - 2
+        _exchange(chunks[(me - k - 1) % world].view(torch.uint8), recv.view(torch.uint8), group, nxt, prev, host,
+                  bound)
+        chunks[(me - k - 2) % world].add_(recv)
+    share.copy_(chunks[me])
+
+
 # ------------------------------------------------------------------------------------------------------- the ring
 
 class _RingChunks:

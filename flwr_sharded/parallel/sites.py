@@ -125,6 +125,7 @@ class SiteGroups:
         import torch.distributed as dist
 
         from flwr_sharded.parallel.collectives import bounded
+        from flwr_sharded.parallel.ring import ring_reduce_scatter
         from flwr_sharded.parallel.torch_compat import all_gather_single, reduce_scatter_single
 
         L, j, n = self.layout.L, dist.get_rank(self.site), flat.numel()
@@ -133,9 +134,12 @@ class SiteGroups:
         share = workspace.get("site_share", part, flat.dtype, flat.device)
         whole[:n].copy_(flat)
         whole[n:].zero_()
-        bounded(reduce_scatter_single, share, whole, group=self.site)
+        if dist.get_backend(self.site) == "gloo":  # gloo's own reduce-scatter sends as much as an all-reduce
+            ring_reduce_scatter(whole, share, self.site, workspace)
+        else:
+            bounded(reduce_scatter_single, share, whole, group=self.site)
         lo, hi = min(j * part, n), min((j + 1) * part, n)
-        sent = 2 * (L - 1) * part * flat.element_size()  # the site's reduce-scatter and all-gather
+        sent = 2 * (L - 1) * part * flat.element_size()  # the site's reduce-scatter and all-gather (ring bytes)
         if hi > lo:  # the same on every member of `across` (equal sites): all of them reduce, or none
             sent += sum_across(share[:hi - lo], residual[lo:hi] if residual is not None else None)
         bounded(all_gather_single, whole, share, group=self.site)

@@ -80,8 +80,23 @@ def test_the_two_level_reduction_is_the_weighted_mean_and_crosses_the_sites_with
     flat, sites = results[0]["flat_records"], results[0]["sites_records"]
     crossing = [(op, r, b) for op, r, b in sites if spans(r)]
     assert crossing and all(r == (0, 2) for _, r, _ in crossing), crossing
-    inside = {op for op, r, _ in sites if not spans(r)}
-    assert inside in ({"reduce_scatter_single", "all_gather_single"}, {"reduce_scatter_tensor", "all_gather_into_tensor"})
+    # inside the site: a ring reduce-scatter of point-to-point sends (gloo's own would send an all-reduce's bytes),
+    # (L - 1) shares of fp32 from this member, and an all-gather
+    inside = [(op, b) for op, r, b in sites if not spans(r)]
+    assert {op for op, _ in inside} in ({"send", "all_gather_single"}, {"send", "all_gather_into_tensor"})
+    assert sum(b for op, b in inside if op == "send") == (2 - 1) * -(-n // 2) * 4
     if wire_name == "float32":  # one all-reduce each: the whole bucket against one share of it
         assert [b for op, r, b in flat if spans(r)] == [n * 4]
         assert [b for _, _, b in crossing] == [-(-n // 2) * 4]
+
+
+@pytest.mark.dist
+def test_three_members_per_site_reduce_around_the_site_ring():
+    """Two sites of three: the in-site ring takes two steps; fp32 against the central weighted mean."""
+    n, world = 1000, 6
+    results = run_ranks(_reduce_worker, world, "a,a,a,b,b,b", "float32", n, timeout=120)
+    values = [_values(r, n) for r in range(world)]
+    central = sum(x * w for x, _, w in values) / sum(w for _, _, w in values)
+    for res in results:
+        assert torch.equal(res["sites"], results[0]["sites"])
+        assert (res["sites"] - central).abs().max().item() <= 1e-6 * central.abs().max().item()
