@@ -158,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     from flwr_sharded.training.checkpoint import CheckpointWriteError
-    from flwr_sharded.training.sync_loop import SyncFailed
+    from flwr_sharded.training.federation import SyncFailed
 
     try:
         final = run(cfg, measure_traffic=args.measure_traffic)

@@ -135,7 +135,7 @@ PROTOCOL: dict[SyncKind, tuple[Exchange, ...]] = {
                    Exchange("result vote", "all_reduce", "parallel.admission.vote (ShardSync._conclude)")),
     "blocking": (Exchange("admission", "all_gather", "parallel.admission.admit (ShardSync._admit)"),
                  Exchange("result vote", "all_reduce", "parallel.admission.vote (ShardSync._conclude)"),
-                 Exchange("commit vote", "all_gather", "parallel.admission.commit_vote (SyncLoop._agree)")),
+                 Exchange("commit vote", "all_gather", "parallel.admission.commit_vote (Commits.agree)")),
 }
 """The exchanges between the members of one fragment sync besides its reduction, by kind of sync, each over all n
 members (one channel: equal groups), all in sequence with the reduction; the one table every count derives from.

@@ -14,7 +14,7 @@
 - An overlapped sync has no commit vote of its own: each member brings the count of merges its group adopted to the
   next sync's admission (or to `confirm` where no sync follows: a run's end, a checkpoint). Equal counts confirm
   every merge since the last confirmation; a member behind the others makes every member roll back
-  (`flwr_sharded.training.sync_loop` and `docs/flower.md` give the argument).
+  (`flwr_sharded.training.commit` and `docs/flower.md` give the argument).
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from flwr_sharded.parallel.traffic import TrafficProbe
-    from flwr_sharded.training.sync_loop import SyncLoop, SyncOutcome
+    from flwr_sharded.training.federation import SyncOutcome
+    from flwr_sharded.training.sync_loop import SyncLoop
 
 
 class SyncObserver:

@@ -22,8 +22,9 @@ from flwr_sharded.parallel.torch_compat import all_gather_single
 from flwr_sharded.run_dir import perplexity
 from flwr_sharded.training.checkpoint import CheckpointWriteError
 from flwr_sharded.training.checkpoint_series import latest_checkpoint
+from flwr_sharded.training.federation import SyncFailed
 from flwr_sharded.training.metrics import progress_bar, train_line
-from flwr_sharded.training.sync_loop import SyncFailed, SyncLoop
+from flwr_sharded.training.sync_loop import SyncLoop
 
 logger = logging.getLogger(__name__)
 

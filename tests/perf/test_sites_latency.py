@@ -204,10 +204,11 @@ def test_the_declared_exchanges_are_the_codes():
     """Each exchange of `PROTOCOL` is issued where it says; an overlapped sync's merge issues no commit vote."""
     from flwr_sharded.parallel import admission
     from flwr_sharded.parallel.sync import ShardSync
+    from flwr_sharded.training.commit import Commits
     from flwr_sharded.training.sync_loop import SyncLoop
 
     issued = {"admission": (ShardSync._admit, "admit"), "result vote": (ShardSync._conclude, "vote"),
-              "commit vote": (SyncLoop._agree, "commit_vote")}
+              "commit vote": (Commits.agree, "commit_vote")}
     calls = {"all_gather": "all_gather_single", "all_reduce": "dist.all_reduce"}
     for exchange in PROTOCOL["blocking"]:
         where, function = issued[exchange.name]
@@ -215,7 +216,8 @@ def test_the_declared_exchanges_are_the_codes():
         assert exchange.code.startswith(f"parallel.admission.{function} ")
         assert calls[exchange.collective] in inspect.getsource(getattr(admission, function))
     assert "commit_vote" not in inspect.getsource(SyncLoop._merge_overlapped)
-    assert "self._agree(" in inspect.getsource(SyncLoop._merge)
+    assert "commit_vote" not in inspect.getsource(Commits.agree_overlapped)
+    assert "self.commits.agree(" in inspect.getsource(SyncLoop._merge)
 
 
 def test_comm_terms_counts_the_protocol_and_an_overlapped_sync_hides_it():

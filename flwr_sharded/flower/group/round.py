@@ -27,7 +27,8 @@ from flwr_sharded.parallel.sites import SiteLayout
 from flwr_sharded.parallel.token_weights import tokens_of
 from flwr_sharded.parallel.sync import Groups
 from flwr_sharded.parallel.sync_plan import Owners
-from flwr_sharded.training.sync_loop import RunReport
+from flwr_sharded.training.catch_up import catch_up
+from flwr_sharded.training.federation import RunReport
 
 logger = logging.getLogger("flwr_sharded.group")
 
@@ -126,7 +127,7 @@ class GroupRound:
         try:
             if a.catch_up:  # a member (re)joined: everyone adopts member 0's state before training
                 start = time.perf_counter()
-                failure = loop.catch_up(self.federation)
+                failure = catch_up(loop, self.federation)
                 catch_up_s = time.perf_counter() - start
                 if failure:
                     logger.warning("catch-up of round %s failed: %s", a.prefix, failure)

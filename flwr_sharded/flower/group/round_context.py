@@ -11,7 +11,7 @@ from flwr_sharded.flower.messages import TrainArgs
 from flwr_sharded.flower.store_server import MAX_SCOPES, round_scopes
 from flwr_sharded.parallel.schedule import Schedule
 from flwr_sharded.parallel.sync_plan import Owners, Seat, SyncPlan
-from flwr_sharded.training.sync_loop import PeriodPlan
+from flwr_sharded.training.federation import PeriodPlan
 
 if TYPE_CHECKING:
     from flwr_sharded.flower.run_config import FlowerRun, RoundOptions

@@ -17,6 +17,7 @@ from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower import shard_files
 from flwr_sharded.flower.group.contract import InstructionError, RoundRuntime
 from flwr_sharded.flower.launch import private_dir
+from flwr_sharded.training.catch_up import adopt_mean
 
 
 def check_handoff_dir(rt: RoundRuntime) -> str:
@@ -87,5 +88,5 @@ def apply(rt: RoundRuntime, paths: list[str]) -> float:
     with torch.no_grad():
         for piece, local in pairs:
             local.copy_(piece.data)
-    rt.loop.adopt_mean()
+    adopt_mean(rt.loop)
     return time.perf_counter() - start
