@@ -257,7 +257,9 @@ class SparseWire(Wire):
         workspace.get("magnitude", numel, torch.float32, device)
         workspace.get("mine", self.layout(numel).bytes, torch.uint8, device)
 
-    def reduce(self, flat, global_k, scale, group, workspace, residual=None) -> int:
+    def reduce(self, flat, global_k, scale, group, workspace, residual=None, sites=None) -> int:
+        if sites is not None:
+            raise ValueError("a top-k sync all-gathers every member's rows: it has no two-level reduction")
         import torch
         import torch.distributed as dist
 
@@ -350,7 +352,9 @@ class DenseFlush(Wire):
         self.top, self.name, self.order = top, top.values.name, top.values.order
         self.bytes_per_value = top.values.bytes_per_value
 
-    def reduce(self, flat, global_k, scale, group, workspace, residual=None) -> int:
+    def reduce(self, flat, global_k, scale, group, workspace, residual=None, sites=None) -> int:
+        if sites is not None:
+            raise ValueError("a top-k sync's dense flush has no two-level reduction")
         top, feedback = self.top, residual is not None and bool(scale)
         if feedback:  # flat = global + delta + decay x residual (`sum`: its weighted residual, unweighted here)
             flat.add_(residual, alpha=top.decay / (scale if top.merge == "sum" else 1.0))

@@ -420,8 +420,8 @@ class ShardSync:
                     send.zero_()  # left out: it sends zeros (NaN * 0 is NaN)
                 residual = self.state.feedback.residual(k, send) if self.state.feedback is not None and scale else None
                 wire = self.wire.dense() if flight.dense else self.wire
-                flight.bytes += wire.reduce(send, self.state.shards[k] if self.delta else None, scale,
-                                            self.sites or group, self._workspace, residual)
+                flight.bytes += wire.reduce(send, self.state.shards[k] if self.delta else None, scale, group,
+                                            self._workspace, residual, sites=self.sites)
             else:  # every member's values, and the rule's result of them
                 members = [torch.empty_like(send) for _ in admission.weights]
                 bounded(dist.all_gather, members, send, group=group)

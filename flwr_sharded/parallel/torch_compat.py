@@ -49,7 +49,8 @@ def all_gather_single(output_tensor: torch.Tensor, input_tensor: torch.Tensor, g
     return gather(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
-def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
+def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group: Any = None,
+                          async_op: bool = False) -> Any:
     """The SUM of every rank's `input`, its rank's 1/world slice into `output`: torch's `reduce_scatter_single` (2.13
     on), else `reduce_scatter_tensor` (the same collective under its earlier name). Looked up when called, so that a
     `TrafficMeter` wrapping either name counts it."""

@@ -64,20 +64,18 @@ class Wire:
         """Allocate, before the first sync, what `reduce` needs for buckets of up to `numel` values."""
 
     def reduce(self, flat: torch.Tensor, global_k: torch.Tensor | None, scale: float, group: Any, workspace: Any,
-               residual: torch.Tensor | None = None) -> int:
+               residual: torch.Tensor | None = None, sites: Any = None) -> int:
         """`flat` holds this rank's values of a bucket (zeros if `scale` is 0: left out); on return the groups'
         weighted mean, `scale` being this rank's share of the weight. `global_k`: the bucket's global values (delta
-        wires); `residual`: the error-feedback residual (quantized wires). `group`: the federation's process group,
-        or its `flwr_sharded.parallel.sites.SiteGroups` (a two-level reduction: the wire carries the sum across the
-        sites only). Returns the bytes this rank sent."""
-        from flwr_sharded.parallel.sites import SiteGroups
-
+        wires); `residual`: the error-feedback residual (quantized wires). `group`: the federation's process group;
+        `sites`: its `flwr_sharded.parallel.sites.SiteGroups` (a two-level reduction: the wire carries the sum across
+        the sites only), None: the flat ring over `group`. Returns the bytes this rank sent."""
         if scale:  # the weighted values, or the weighted delta from the global ones, in fp32
             if self.delta:
                 flat.sub_(global_k)
             flat.mul_(scale)
-        if isinstance(group, SiteGroups):
-            sent = group.reduce(flat, workspace, lambda share, res: self.sum(share, group.across, workspace, res),
+        if sites is not None:
+            sent = sites.reduce(flat, workspace, lambda share, res: self.sum(share, sites.across, workspace, res),
                                 residual)
         else:
             sent = self.sum(flat, group, workspace, residual)

@@ -46,8 +46,8 @@ class BenchOptions:
     """Runs to do, comma-separated, among fsdp, hsdp, fl-fsdp, fl-hsdp, no-sync and the FL+FSDP variants
     fl-fsdp-flat (the flat ring where the cluster's sites make the other FL runs two-level), fl-fsdp-overlap,
     fl-fsdp-int8, fl-fsdp-overlap-int8, fl-fsdp-overlap-int8-flat (flat ring), fl-fsdp-int4, fl-fsdp-overlap-int4,
-    fl-fsdp-int2, fl-fsdp-overlap-int2 (where the trainer has the int2 wire), fl-fsdp-topk and fl-fsdp-overlap-topk; `none` skips the
-    main cluster's scenario (e.g. for the unequal one alone)."""
+    fl-fsdp-int2, fl-fsdp-overlap-int2 (where the trainer has the int2 wire), fl-fsdp-topk and fl-fsdp-overlap-topk;
+    `none` skips the main cluster's scenario (e.g. for the unequal one alone)."""
     model: str = same_as(ModelConfig, "name")
     """Model preset of every run (its traffic is predicted from the preset)."""
     seq_len: int = same_as(DataConfig, "seq_len", default=64)

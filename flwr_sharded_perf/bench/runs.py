@@ -26,9 +26,9 @@ from flwr_sharded_perf.placement import Placement
 VARIANT_RUNS = ("fl-fsdp-flat", "fl-fsdp-overlap", "fl-fsdp-int8", "fl-fsdp-overlap-int8",
                 "fl-fsdp-overlap-int8-flat", "fl-fsdp-int4", "fl-fsdp-overlap-int4",
                 "fl-fsdp-int2", "fl-fsdp-overlap-int2", "fl-fsdp-topk", "fl-fsdp-overlap-topk")
-"""Runs of the FL+FSDP layout with another sync: a key ending in -flat syncs as the key before it over the flat ring
-of every member (where the cluster's sites make the others two-level); overlapped (the run's dtype); the int8, int4 and int2 wires and the
-top-k sync (`sync_variant`'s recipe), all with error feedback; each of them overlapped too."""
+"""Runs of the FL+FSDP layout with another sync: a key ending in -flat syncs as the key before it over the flat ring of
+every member (where the cluster's sites make the others two-level); overlapped (the run's dtype); the int8, int4 and
+int2 wires and the top-k sync (`sync_variant`'s recipe), all with error feedback; each of them overlapped too."""
 WIRE_BYTES_TARGETS = {"int8": 0.27, "int4": 0.14, "int2": 0.07, "topk": 0.04}
 """The most cross-group bytes per sync each variant's wire may send, as a fraction of the fp32 sync's."""
 UNEQUAL_RUNS = ("equal", "unequal", "unequal-slow", "unequal-slow-speed")

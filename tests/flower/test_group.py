@@ -490,7 +490,8 @@ def test_a_round_of_members_at_two_sites_reduces_in_two_levels_as_the_static_eng
                           "--model", "tiny", "--data-dir", str(data_dir), "--seq-len", "32", "--batch-size", "2",
                           "--eval-blocks", "8", "--steps", "4", "--aggregate-every", "2", "--lr", "3e-3", "--seed", "3",
                           "--warmup", str(s.train.optim.warmup), "--min-lr-ratio", str(s.train.optim.min_lr_ratio),
-                          "--weight-decay", str(s.train.optim.weight_decay), "--grad-clip", str(s.train.optim.grad_clip),
+                          "--weight-decay", str(s.train.optim.weight_decay),
+                          "--grad-clip", str(s.train.optim.grad_clip),
                           "--log-every", "1", "--eval-every", "0", "--run-dir", str(tmp_path / "static"),
                           "--no-save-model", "--no-progress", "--sync-dtype", "int8", "--sync-error-feedback"],
                       timeout=300)

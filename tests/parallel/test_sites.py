@@ -45,11 +45,11 @@ def _reduce_worker(rank: int, world: int, sites: str, wire_name: str, n: int):
     groups = site_groups(layout, [list(range(world))], 0, rank, flat, timedelta(seconds=60))
     wire, out = WIRES[wire_name], {}
     total = sum(_values(r, n)[2] for r in range(world))
-    for name, over in (("flat", flat), ("sites", groups)):
+    for name, sites in (("flat", None), ("sites", groups)):
         x, global_k, weight = _values(rank, n)
         residual = torch.zeros(n) if wire.error_feedback else None
         with TrafficMeter() as meter:
-            wire.reduce(x, global_k if wire.delta else None, weight / total, over, Workspace(), residual)
+            wire.reduce(x, global_k if wire.delta else None, weight / total, flat, Workspace(), residual, sites=sites)
         out[name] = x
         out[name + "_records"] = [(r.op, r.ranks, r.nbytes) for r in meter.records]
     return out

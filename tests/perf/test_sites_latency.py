@@ -245,7 +245,8 @@ def test_fragment_sync_share_by_hand():
     assert fs.reduction(alpha) == pytest.approx(reduction)
     assert fs.protocol_share(alpha) == pytest.approx(exchanges / (2.0 + reduction + exchanges))
     assert replace(fs, steps=4).reduction(alpha) == pytest.approx(3 * 4 * alpha)  # NCCL's tree: fewer steps
-    two = FragmentSync(kind="overlapped", members=4, data=2.0, collectives=3, sites=SiteLayout.even(2, 2), alpha_site=1e-4)
+    two = FragmentSync(kind="overlapped", members=4, data=2.0, collectives=3, sites=SiteLayout.even(2, 2),
+                       alpha_site=1e-4)
     assert two.reduction(alpha) == pytest.approx(3 * 2 * alpha + 3 * 2 * 1e-4)
     assert two.protocol(alpha) == pytest.approx(9 * alpha)
 
