@@ -257,8 +257,9 @@ class DataConfig:
     `max-train-blocks` blocks are full (required). Validation: the `validation` split, else the first documents
     until `eval-blocks` blocks are full, training starting at the next one."""
     tokenize_workers: int | None = option(None, ge=1)
-    """Processes that tokenize a map-style dataset, with the same blocks for any number; unset: min(8, CPUs). One rank
-    per data directory tokenizes, the others wait for its cache."""
+    """Processes that tokenize a map-style dataset, with the same blocks for any number; unset: min(8, CPUs); at most
+    one per 1,000 documents (a small corpus is tokenized in the rank's own process). One rank per data directory
+    tokenizes, the others wait for its cache."""
     text_field: str = "text"
     """Column holding the text, for json, parquet and hub datasets."""
     seq_len: int = option(256, ge=1)

@@ -105,7 +105,7 @@ class Packer:
 def _map_chunk(part: Any, field: str, tokenizer: PreTrainedTokenizerBase, workers: int, desc: str) -> Any:
     import datasets
 
-    procs = min(workers, len(part))
+    procs = max(1, min(workers, math.ceil(len(part) / TOKENIZE_BATCH)))  # a worker per full batch, at most
     ids = getattr(datasets, "List", datasets.Sequence)(datasets.Value("int32"))  # List: datasets >= 4
     return part.map(tokenize_documents, batched=True,
                     batch_size=min(TOKENIZE_BATCH, max(1, math.ceil(len(part) / procs))),
