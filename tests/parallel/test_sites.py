@@ -100,3 +100,19 @@ def test_three_members_per_site_reduce_around_the_site_ring():
     for res in results:
         assert torch.equal(res["sites"], results[0]["sites"])
         assert (res["sites"] - central).abs().max().item() <= 1e-6 * central.abs().max().item()
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(sync_sites="a,a,b,b,c,c"), "names 6 site"),
+    (dict(sync_sites="a,b,b,b"), "as many federation members"),
+    (dict(sync_sites="a,a,b,b", sync_topk=0.1, sync_error_feedback=True), "--sync-topk cannot take"),
+    (dict(sync_sites="a,a,b,b", outer="median"), "not linear"),
+])
+def test_sync_sites_that_cannot_reduce_in_two_levels_are_refused_before_the_run(options, message):
+    from flwr_sharded.config import ParallelConfig
+    from flwr_sharded.errors import ConfigError
+    from flwr_sharded.validation import validate_parallel
+
+    validate_parallel(ParallelConfig(method="fl-fsdp", federations=4, shards=2, sync_sites="a,a,b,b"))
+    with pytest.raises(ConfigError, match=message):
+        validate_parallel(ParallelConfig(method="fl-fsdp", federations=4, shards=2, **options))
