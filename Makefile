@@ -38,14 +38,20 @@ train-demo: setup  ## the static engine: FL+FSDP on 4 local ranks, small Llama, 
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --nproc-per-node 4 -m flwr_sharded.train --config configs/local/fl-fsdp.yaml \
 		--steps 100
 
+# pytest-xdist workers of `make test` and `make test-slow`: most multi-process tests wait on each other's processes
+# (Flower polls, rendezvous, round deadlines); the tests of a file that start processes stay in one worker, and those
+# that share a machine-wide resource in one (tests/conftest.py: SHARED_RESOURCE). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+
 test: setup  ## the whole test suite (CPU, gloo)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(XDIST)
 
 test-fast: setup  ## the tests that start no process (a first answer in under two minutes)
 	$(BIN)/python -m pytest -q -m "not dist and not slow"
 
 test-slow: setup  ## the tests kept out of `make test` for time (marked slow; CI runs them after `make test`)
-	FLWR_SHARDED_SLOW_TESTS=1 $(BIN)/python -m pytest -q -m slow
+	FLWR_SHARDED_SLOW_TESTS=1 $(BIN)/python -m pytest -q -m slow $(XDIST)
 
 # Virtualenvs that outlive a clone (CI's fresh clone finds them): each is rebuilt only when what it is built from
 # changes (the Python, the pip arguments, the files named), so a second run installs nothing.

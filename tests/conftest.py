@@ -13,14 +13,30 @@ SLOW_TESTS = os.environ.get("FLWR_SHARDED_SLOW_TESTS") == "1"
 """Run the tests marked `slow` too (`make test-slow`, which CI runs after `make test`)."""
 
 
+SHARED_RESOURCE = {"tests/flower/test_custom_strategies.py": "flower-simulation",
+                   "tests/flower/test_flwr_run.py": "flower-simulation",
+                   "tests/flower/test_server_path_flower.py": "flower-simulation",
+                   "tests/flower/test_simulation.py": "flower-simulation",
+                   "tests/flower/test_superlink_restart.py": "flower-simulation",
+                   "tests/flower/test_unequal_groups.py": "flower-simulation",
+                   "tests/perf/test_bench.py": "netemu", "tests/perf/test_bench_unequal.py": "netemu",
+                   "tests/perf/test_netemu.py": "netemu"}
+"""Files whose multi-process tests share a machine-wide resource, run one after the other in one pytest-xdist worker
+(`make test` runs two, `--dist loadgroup`): the Flower simulations (a local Ray cluster each) and the emulated
+network's namespaces (its tests count the emulator's processes). Any other file's multi-process tests run in one
+worker too (its module-scoped fixtures, such as a deployment, are built once); in-process tests go anywhere."""
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip the tests marked `slow` (kept out of `make test` for time) unless `FLWR_SHARDED_SLOW_TESTS=1`."""
-    if SLOW_TESTS:
-        return
+    """Skip the tests marked `slow` (kept out of `make test` for time) unless `FLWR_SHARDED_SLOW_TESTS=1`; put each
+    multi-process test in its xdist group (`SHARED_RESOURCE`, else its file's)."""
     skip = pytest.mark.skip(reason="kept out of `make test` for time: `make test-slow` runs it (so does CI)")
     for item in items:
-        if "slow" in item.keywords:
+        if "slow" in item.keywords and not SLOW_TESTS:
             item.add_marker(skip)
+        if "dist" in item.keywords or "slow" in item.keywords:
+            where = item.path.relative_to(REPO).as_posix()
+            item.add_marker(pytest.mark.xdist_group(SHARED_RESOURCE.get(where, where)))
 
 
 @pytest.fixture(autouse=True)

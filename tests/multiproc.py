@@ -1,8 +1,17 @@
-"""Run a function on N local gloo ranks (spawned processes), bounded by a timeout; every process is killed at the end."""
+"""Start the test worlds: a function on N local gloo ranks (`run_ranks`), the static engine's entry point on N ranks as
+torchrun would run it (`train_ranks`), or torchrun itself (`torchrun`); every wait bounded, every process killed.
+
+The ranks of `run_ranks` and `train_ranks` are forked from one server process per test session that imported torch
+and transformers once (multiprocessing's forkserver, `PRELOAD`): a rank starts in milliseconds instead of re-importing
+them (3-10 s of CPU per rank on this machine), and each starts from the same clean interpreter, with the caller's
+environment and working directory, as a spawned one would.
+"""
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import pickle
 import queue
@@ -10,12 +19,15 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import traceback
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "transformers.models.llama.modeling_llama")
+"""Imported once by the forkserver; the package itself is not (a rank imports it under the caller's environment)."""
 
 
 def free_port() -> int:
@@ -24,7 +36,27 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, results: Any, args: tuple) -> None:
+ERROR_GRACE = 3.0
+"""Seconds the other ranks have to report once one raised, before they are killed (they may wait on it)."""
+
+
+def _context() -> Any:
+    """The forkserver context, its server started on first use with `PRELOAD` imported."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
+
+def _as_caller(env: dict[str, str], cwd: str) -> None:
+    """Give a forked rank the caller's environment and working directory (the server's are those of its start)."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+
+
+def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, results: Any, args: tuple,
+            env: dict[str, str], cwd: str) -> None:
+    _as_caller(env, cwd)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
     import torch
@@ -41,39 +73,50 @@ def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, results: A
             dist.destroy_process_group()
 
 
+def _stop(procs: Sequence[Any]) -> None:
+    """SIGKILL whatever of `procs` is still running and reap it."""
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join(timeout=10)
+
+
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0) -> list[Any]:
     """Call `fn(rank, world, *args)` on `world` processes; return the results ordered by rank.
 
-    Raises RuntimeError with the workers' tracebacks if any of them raised, TimeoutError if they did not all finish.
+    Raises RuntimeError with the workers' tracebacks if any of them raised (at once: the others are killed, since they
+    may wait on it in a collective), TimeoutError if they did not all finish.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, results, args), daemon=True) for r in range(world)]
+    caller = (dict(os.environ), os.getcwd())
+    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, results, args, *caller), daemon=True)
+             for r in range(world)]
     for p in procs:
         p.start()
     outcomes: dict[int, tuple[str, Any]] = {}
     try:
-        import time
-
         deadline = time.monotonic() + timeout
         while len(outcomes) < world:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                if any(s == "error" for s, _ in outcomes.values()):
+                    break  # the others had their grace to report: they may wait on the failed rank
                 raise TimeoutError(f"only ranks {sorted(outcomes)} of {world} finished within {timeout} s")
             try:
                 rank, status, value = results.get(timeout=min(remaining, 1.0))
                 outcomes[rank] = (status, value)
+                if status == "error":
+                    deadline = min(deadline, time.monotonic() + ERROR_GRACE)
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outcomes]
                 if dead:
                     raise RuntimeError(f"ranks {dead} died (exit codes {[procs[r].exitcode for r in dead]})")
-    finally:
         for p in procs:
             p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    finally:
+        _stop(procs)
     errors = {r: v for r, (s, v) in outcomes.items() if s == "error"}
     if errors:
         raise RuntimeError("\n".join(f"rank {r}: {v}" for r, v in sorted(errors.items())))
@@ -110,6 +153,90 @@ def torchrun(nproc: int, args: Sequence[str], *, timeout: float = 300.0, env: di
             pass
         kill_tree_by_env(TREE_MARKER, marker)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _train_rank(rank: int, world: int, port: int, args: Sequence[str], env: dict[str, str], cwd: str,
+                out: str, err: str) -> None:
+    """One rank of `train_ranks`: `python -m flwr_sharded.train ARGS` with torchrun's environment, its output
+    appended to `out`/`err`; exits with the entry point's status (interpreter exit: atexit handlers run)."""
+    _as_caller(env, cwd)
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                       "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+                       "ROLE_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    sys.stdout.flush(), sys.stderr.flush()
+    for fd, path in ((1, out), (2, err)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), fd)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    sys.argv = [str(REPO / "flwr_sharded" / "train.py"), *args]
+    code: int = 0
+    try:
+        if os.environ.get("FLWR_SHARDED_TEST_FAULTS"):  # what the faults' sitecustomize does at interpreter start
+            import runpy
+
+            runpy.run_path(str(FAULTS / "sitecustomize.py"), run_name="sitecustomize")
+        import runpy
+
+        runpy.run_module("flwr_sharded.train", run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(code)
+
+
+def train_ranks(nproc: int, args: Sequence[str], *, timeout: float = 300.0, env: dict[str, str] | None = None,
+                cwd: str | Path | None = None) -> subprocess.CompletedProcess:
+    """What `torchrun(nproc, args)` does, on ranks forked from the preloaded server: the same environment variables,
+    return code (1 when a rank failed; the others are then stopped, as torchrun's agent does) and output (each
+    rank's stdout and stderr, in rank order). For tests of the training, not of the launcher (those use `torchrun`)."""
+    import tempfile
+
+    ctx = _context()
+    port = free_port()
+    marker = f"{os.getpid()}-{uuid.uuid4().hex}"
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {}), TREE_MARKER: marker}
+    if "FLWR_SHARDED_TEST_FAULTS" in full_env:  # the faults' hooks come from a file, not from PYTHONPATH here
+        full_env["PYTHONPATH"] = os.pathsep.join([str(REPO), full_env.get("PYTHONPATH", "")])
+    with tempfile.TemporaryDirectory(prefix="train-ranks-") as logs:
+        files = [(os.path.join(logs, f"{r}.out"), os.path.join(logs, f"{r}.err")) for r in range(nproc)]
+        procs = [ctx.Process(target=_train_rank, args=(r, nproc, port, list(args), full_env, str(cwd or REPO),
+                                                       *files[r])) for r in range(nproc)]
+        for p in procs:
+            p.start()
+        returncode, deadline = 0, time.monotonic() + timeout
+        try:
+            while any(p.exitcode is None for p in procs):
+                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if failed:
+                    returncode = 1  # torchrun's status when a rank failed (its ChildFailedError)
+                    grace = time.monotonic() + 1.0  # what is about to end may end by itself
+                    while any(p.exitcode is None for p in procs) and time.monotonic() < grace:
+                        time.sleep(0.05)
+                    break
+                if time.monotonic() > deadline:
+                    _stop(procs)
+                    raise TimeoutError(f"train_ranks {' '.join(args)} timed out after {timeout} s\n"
+                                       f"{_read(files, 1)[-4000:]}")
+                mp.connection.wait([p.sentinel for p in procs if p.exitcode is None], timeout=0.5)
+            returncode = returncode or (1 if any(p.exitcode for p in procs) else 0)
+        finally:
+            _stop(procs)
+            from tests.local_flower import kill_tree_by_env
+
+            kill_tree_by_env(TREE_MARKER, marker)
+        return subprocess.CompletedProcess(["train_ranks", str(nproc), *args], returncode, _read(files, 0),
+                                           _read(files, 1))
+
+
+def _read(files: Sequence[tuple[str, str]], which: int) -> str:
+    """The ranks' stdout (0) or stderr (1), in rank order."""
+    return "".join(Path(f[which]).read_text(errors="replace") if os.path.exists(f[which]) else "" for f in files)
 
 
 FAULTS = REPO / "tests" / "faults"

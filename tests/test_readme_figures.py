@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.multiproc import REPO, torchrun
+from tests.multiproc import REPO, train_ranks
 
 APP_CONFIG = REPO / "apps" / "llama_fl_hsdp" / "pyproject.toml"
 
@@ -45,7 +45,7 @@ def test_the_demo_prints_the_figures_the_readme_quotes(data_dir, tmp_path):
             "--seed", str(c["seed"]), "--steps", str(rounds * k * a), "--aggregate-every", str(a),
             "--eval-every", str(k * a), "--log-every", "1", "--data-dir", str(data_dir), "--run-dir", str(run_dir),
             "--no-save-model", "--no-progress"]
-    result = torchrun(4, args, timeout=300)
+    result = train_ranks(4, args, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if r["kind"] == "train"]

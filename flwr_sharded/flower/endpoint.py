@@ -281,8 +281,8 @@ class Handshakes:
             while not self._closed:
                 now = time.monotonic()
                 while self._open and next(iter(self._open.values()))[1] <= now:  # deadlines in accepted order
+                    self.expired += 1  # counted before its peer can see the shutdown
                     self._shut(next(iter(self._open)))
-                    self.expired += 1
                 wait = next(iter(self._open.values()))[1] - now if self._open else 60.0
                 self._changed.wait(max(wait, 0.01))
 

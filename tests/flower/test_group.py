@@ -18,7 +18,7 @@ from flwr_sharded.flower.endpoint import GroupClient, GroupError, GroupUnavailab
 from flwr_sharded.flower.node_policy import NodePolicy
 from flwr_sharded.flower.run_config import FlowerRun, RoundOptions
 from tests.flower.procs import free_port, group_pids, pid_alive, start_group, start_groups, wait_until
-from tests.multiproc import faults_env, run_ranks, torchrun
+from tests.multiproc import faults_env, run_ranks, train_ranks
 
 pytestmark = pytest.mark.dist  # every test here starts processes
 
@@ -161,7 +161,7 @@ def test_group_exits_when_idle_when_its_watched_process_ends_and_when_a_rank_or_
 
 def _static_losses(data_dir: Path, tmp: Path, run: FlowerRun, federations: int) -> tuple[list[float], list[dict]]:
     t, p, k = run.train, run.train.parallel, run.federation.syncs_per_round
-    result = torchrun(federations * run.group_world, [
+    result = train_ranks(federations * run.group_world, [
         "--method", p.method, "--federations", str(federations), "--replicas", str(p.replicas), "--shards",
         str(p.shards), "--model", t.model.name, "--data-dir", str(data_dir), "--seq-len", str(t.data.seq_len),
         "--batch-size", str(t.batch_size), "--eval-blocks", str(t.data.eval_blocks), "--steps", str(run.total_steps),
@@ -455,7 +455,7 @@ def test_an_injected_failed_sync_ends_the_same_in_a_flower_group_and_in_the_stat
         losses += round_losses[:-1] if r == 1 else round_losses  # the static log drops the failed sync's step
         if r != 1:
             evals.append(out[0]["eval_loss"])
-    result = torchrun(2, ["--method", "fl-fsdp", "--federations", "2", "--shards", "1", "--model", "tiny",
+    result = train_ranks(2, ["--method", "fl-fsdp", "--federations", "2", "--shards", "1", "--model", "tiny",
                           "--data-dir", str(data_dir), "--seq-len", "32", "--batch-size", "2", "--eval-blocks", "8",
                           "--steps", str(s.total_steps), "--aggregate-every", "2", "--lr", str(s.train.optim.lr),
                           "--seed", str(s.train.seed), "--log-every", "1", "--eval-every", "2",
@@ -486,7 +486,7 @@ def test_a_round_of_members_at_two_sites_reduces_in_two_levels_as_the_static_eng
     assert all(o["two_level"] and not o["sync_failed"] and o["syncs"] == 2 for o in out), out
     assert all(o["checksums"] == out[0]["checksums"] for o in out)
     losses = [sum(o["losses"][k] for o in out) / 4 for k in range(len(out[0]["losses"]))]
-    result = torchrun(4, ["--method", "fl-fsdp", "--federations", "4", "--shards", "1", "--sync-sites", ",".join(sites),
+    result = train_ranks(4, ["--method", "fl-fsdp", "--federations", "4", "--shards", "1", "--sync-sites", ",".join(sites),
                           "--model", "tiny", "--data-dir", str(data_dir), "--seq-len", "32", "--batch-size", "2",
                           "--eval-blocks", "8", "--steps", "4", "--aggregate-every", "2", "--lr", "3e-3", "--seed", "3",
                           "--warmup", str(s.train.optim.warmup), "--min-lr-ratio", str(s.train.optim.min_lr_ratio),

@@ -11,7 +11,7 @@ import pytest
 from tests.flower.conftest import run_demo, run_demo_killing_a_group
 from tests.flower.procs import DEMO, FAST_RUN_CONFIG, REPO, base_env, pids_matching, round_records, run_config_args, \
     wait_until
-from tests.multiproc import torchrun
+from tests.multiproc import train_ranks
 
 K, A, N = FAST_RUN_CONFIG["syncs-per-round"], FAST_RUN_CONFIG["aggregate-every"], FAST_RUN_CONFIG["num-server-rounds"]
 
@@ -55,7 +55,7 @@ def test_simulation_loss_curve_matches_the_static_engine(simulation_run, data_di
     assert run.returncode == 0, run.output[-3000:]
     c = FAST_RUN_CONFIG
     metrics = tmp_path / "static" / "metrics.jsonl"
-    result = torchrun(4, ["--method", "fl-fsdp", "--federations", "2", "--shards", "2", "--model", c["model"],
+    result = train_ranks(4, ["--method", "fl-fsdp", "--federations", "2", "--shards", "2", "--model", c["model"],
                           "--data-dir", str(data_dir), "--seq-len", str(c["seq-len"]), "--batch-size",
                           str(c["batch-size"]), "--eval-blocks", str(c["eval-blocks"]), "--steps", str(N * K * A),
                           "--aggregate-every", str(A), "--lr", str(c["lr"]), "--seed", str(c["seed"]),

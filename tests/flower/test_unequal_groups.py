@@ -24,7 +24,7 @@ from flwr_sharded.parallel.sync_plan import SyncPlan
 from tests.flower.procs import group_pids, start_group, start_groups, wait_until
 from tests.flower.test_strategy import task_identity  # noqa: F401  (a fixture: Flower messages outside a run)
 from tests.flower.test_group import all_gone, client, hello, round_args, spec
-from tests.multiproc import torchrun
+from tests.multiproc import train_ranks
 
 
 def group(shards: int, rows: list[int], replicas: int = 1, digest: str = "d", fingerprint: str = "") -> SimpleNamespace:
@@ -141,7 +141,7 @@ def _train_round(clients, offer, prefix: str, shards: list[int], **flags) -> lis
 
 def _static_unequal(data_dir: Path, tmp: Path, run, layouts: str) -> tuple[list[float], list[float]]:
     t, p, k = run.train, run.train.parallel, run.federation.syncs_per_round
-    result = torchrun(p.replicas * sum(int(s) for s in layouts.split(",")), [
+    result = train_ranks(p.replicas * sum(int(s) for s in layouts.split(",")), [
         "--method", p.method, "--replicas", str(p.replicas), "--group-shards", layouts, "--model", t.model.name, "--data-dir", str(data_dir),
         "--seq-len", str(t.data.seq_len), "--batch-size", str(t.batch_size), "--eval-blocks", str(t.data.eval_blocks),
         "--steps", str(run.total_steps), "--aggregate-every", str(p.aggregate_every), "--lr", str(t.optim.lr),

@@ -19,7 +19,7 @@ from flwr_sharded_perf.bench.runs import default_layouts, model_units, parse_lay
 from flwr_sharded_perf.netemu.network import EmuTopology
 from flwr_sharded_perf.placement import TIERS, Placement
 from flwr_sharded_perf.traffic_report import compare, load_probes, ring_bytes_sent
-from tests.multiproc import torchrun
+from tests.multiproc import train_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 CAN_EMULATE = os.geteuid() == 0 and all(shutil.which(t) for t in ("unshare", "ip", "tc"))
@@ -61,7 +61,7 @@ def test_measured_collectives_match_the_cost_model(data_dir, tmp_path, method, l
     args = ["--method", method, *layout, "--model", "tiny", "--data-dir", str(data_dir), "--seq-len", "32",
             "--batch-size", "1", "--steps", "6", "--aggregate-every", str(A), "--log-every", "2", "--eval-every", "0",
             "--eval-blocks", "4", "--no-progress", "--measure-traffic", str(tmp_path / "traffic")]
-    result = torchrun(4, args, timeout=200)
+    result = train_ranks(4, args, timeout=200)
     assert result.returncode == 0, result.stderr[-3000:]
     probes = load_probes(tmp_path / "traffic")
     assert [p["rank"] for p in probes] == [0, 1, 2, 3]

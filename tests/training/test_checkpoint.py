@@ -18,7 +18,7 @@ from flwr_sharded.flower.launch import pid_alive
 from flwr_sharded.training.checkpoint_export import export_pretrained
 from flwr_sharded.training.checkpoint_files import read_meta
 from flwr_sharded.training.checkpoint_series import LATEST, latest_checkpoint
-from tests.multiproc import REPO, faults_env, free_port, torchrun
+from tests.multiproc import REPO, faults_env, free_port, train_ranks
 
 ARGS = ["--method", "fl-hsdp", "--federations", "2", "--replicas", "1", "--shards", "2", "--model", "tiny",
         "--seq-len", "32", "--batch-size", "2", "--steps", "12", "--aggregate-every", "3", "--log-every", "1",
@@ -35,7 +35,7 @@ def _losses(run_dir: Path, *, resumed: bool = False) -> dict[int, float]:
 
 
 def _run(args: list[str]) -> None:
-    result = torchrun(4, args, timeout=240)
+    result = train_ranks(4, args, timeout=240)
     assert result.returncode == 0, result.stderr[-4000:]
 
 
@@ -288,7 +288,7 @@ def test_groups_resume_together_from_the_newest_step_every_group_holds_intact(da
     common = [*ARGS, "--data-dir", str(data_dir), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "4"]
     _run([*common, "--run-dir", str(tmp_path / "straight")])
     cut = _damage(ckpt / "group-0" / "step-00000012")
-    out = torchrun(4, [*common, "--resume", "--run-dir", str(tmp_path / "resumed")], timeout=240)
+    out = train_ranks(4, [*common, "--resume", "--run-dir", str(tmp_path / "resumed")], timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"resume: skipped step-00000012 ({cut} has" in out.stderr, out.stderr[-3000:]  # group 0 says why
     assert "skipped step-00000012 (not complete in every federation group)" in out.stderr  # and group 1
@@ -315,7 +315,7 @@ def test_groups_resume_together_from_the_newest_step_every_group_holds_intact(da
     (ckpt / "group-1").mkdir(parents=True)
     (ckpt / "group-1" / "step-00000008.tmp").write_text("in the way")
     one = [*common, "--keep-checkpoints", "1", "--steps", "8"]
-    failed = torchrun(4, [*one, "--run-dir", str(tmp_path / "failed")], timeout=240)
+    failed = train_ranks(4, [*one, "--run-dir", str(tmp_path / "failed")], timeout=240)
     assert failed.returncode != 0 and "checkpoint step-00000008 not written" in failed.stderr, failed.stderr[-3000:]
     assert (ckpt / "group-0" / "step-00000004").is_dir() and (ckpt / "group-1" / "step-00000004").is_dir()
     (ckpt / "group-1" / "step-00000008.tmp").unlink()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.multiproc import faults_env, torchrun
+from tests.multiproc import faults_env, train_ranks
 
 pytestmark = pytest.mark.dist  # every test here starts processes
 
@@ -36,7 +36,7 @@ def _state(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def _run(nproc: int, args: list[str], timeout: float = 300, env: dict[str, str] | None = None) -> None:
-    result = torchrun(nproc, args, timeout=timeout, env=env)
+    result = train_ranks(nproc, args, timeout=timeout, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
 
 
@@ -112,7 +112,7 @@ def test_a_sync_that_fails_on_one_member_is_rolled_back_everywhere_and_training_
     assert [r["step"] for r in train] == [1, 2, 3, 3, 4, 5, 6]  # step 4's window undone, steps 3-4 trained again
     assert train[-1]["syncs"] == 3 and train[3]["loss"] != train[2]["loss"]  # fresh batches after the rollback
 
-    result = torchrun(2, [*FAILED_SYNC, "--sync-retries", "0", *_common(data_dir, tmp_path, "stop")], timeout=200,
+    result = train_ranks(2, [*FAILED_SYNC, "--sync-retries", "0", *_common(data_dir, tmp_path, "stop")], timeout=200,
                       env=faults_env(fail_sync=2))
     assert result.returncode != 0
     assert "the sync of fragment 0 after step 4 failed" in result.stderr and "--sync-retries 0: stopping" in \
@@ -153,7 +153,7 @@ def test_a_failed_collective_is_retried_where_its_groups_recover_and_stops_the_r
     _run(2, [*FAILED_SYNC, *_common(data_dir, tmp_path, "gloo")], env=faults_env(fail_sync=2, collective_sync=1))
     assert [(r["step"], r["restored_step"]) for r in _records(tmp_path / "gloo", "sync_failed")] == [(4, 2)]
 
-    result = torchrun(2, [*FAILED_SYNC, *_common(data_dir, tmp_path, "nccl")], timeout=200,
+    result = train_ranks(2, [*FAILED_SYNC, *_common(data_dir, tmp_path, "nccl")], timeout=200,
                       env=faults_env(fail_sync=2, collective_sync=1, no_rebuild=1))
     assert result.returncode != 0
     assert "a collective failed on NCCL" in result.stderr and "--resume" in result.stderr, result.stderr[-3000:]
@@ -166,7 +166,7 @@ def test_a_member_lying_about_its_values_is_rolled_back_everywhere_named_and_tra
     `tests/faults`): every rank rejects the result, names member 2, returns to the first sync (step 2) and
     trains on; the run completes with a finite loss."""
     args = [*FAILED_SYNC, "--federations", "3", *_common(data_dir, tmp_path, "lie")]
-    result = torchrun(3, args, timeout=250, env=faults_env(lie="1e30@2@2"))
+    result = train_ranks(3, args, timeout=250, env=faults_env(lie="1e30@2@2"))
     assert result.returncode == 0, result.stderr[-4000:]
     failed = _records(tmp_path / "lie", "sync_failed")
     assert [(r["step"], r["restored_step"], r["blame"]) for r in failed] == [(4, 2, [2])], failed
@@ -184,7 +184,7 @@ def test_a_top_k_sync_trains_and_stays_finite(data_dir, tmp_path, wire):
     federation group spans the world: it must not be the group of the main thread's log all-reduce). Every sync is
     adopted and the loss stays finite."""
     args = [*FAILED_SYNC, "--sync-topk", "0.02", "--sync-error-feedback", *wire, *_common(data_dir, tmp_path, "topk")]
-    result = torchrun(2, args, timeout=250)
+    result = train_ranks(2, args, timeout=250)
     assert result.returncode == 0, result.stderr[-4000:]
     train = _records(tmp_path / "topk", "train")
     assert train[-1]["step"] == 6 and train[-1]["syncs"] == 3 and not _records(tmp_path / "topk", "sync_failed")

@@ -409,7 +409,7 @@ def test_a_published_moe_trains_fl_fsdp_with_its_own_tokenizer_and_exports_its_p
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from flwr_sharded.training.corpus import train_tokenizer
-    from tests.multiproc import torchrun
+    from tests.multiproc import train_ranks
 
     rng = random.Random(0)
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
@@ -419,7 +419,7 @@ def test_a_published_moe_trains_fl_fsdp_with_its_own_tokenizer_and_exports_its_p
     tokenizer.save_pretrained(src)
     (tmp_path / "corpus.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     (tmp_path / "data").mkdir()  # no tokenizer there: the model's is the only one
-    result = torchrun(4, ["--method", "fl-fsdp", "--federations", "2", "--shards", "2", "--model", str(src),
+    result = train_ranks(4, ["--method", "fl-fsdp", "--federations", "2", "--shards", "2", "--model", str(src),
                           "--pretrained", "--dataset", str(tmp_path / "corpus.jsonl"), "--data-dir",
                           str(tmp_path / "data"), "--seq-len", "32", "--batch-size", "2", "--steps", "4",
                           "--aggregate-every", "2", "--eval-blocks", "2", "--no-progress", "--run-dir",

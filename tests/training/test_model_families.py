@@ -345,12 +345,12 @@ def test_a_mixture_of_experts_trains_fl_fsdp_and_its_experts_sync(data_dir, tmp_
 
     from transformers import AutoModelForCausalLM
 
-    from tests.multiproc import torchrun
+    from tests.multiproc import train_ranks
 
     runs = {"fl": ["--method", "fl-fsdp", "--federations", "2", "--shards", "2"],
             "base": ["--method", "fsdp", "--shards", "4"]}
     for name, layout in runs.items():
-        result = torchrun(4, [*layout, *SGD, "--data-dir", str(data_dir), "--run-dir", str(tmp_path / name)],
+        result = train_ranks(4, [*layout, *SGD, "--data-dir", str(data_dir), "--run-dir", str(tmp_path / name)],
                           timeout=300)
         assert result.returncode == 0, result.stderr[-4000:]
     records = [json.loads(line) for line in (tmp_path / "fl" / "metrics.jsonl").read_text().splitlines()]
@@ -394,12 +394,12 @@ def test_each_family_trains_exports_and_reloads(family, layout, data_dir, tmp_pa
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from tests.multiproc import torchrun
+    from tests.multiproc import train_ranks
 
     config = family_config(family)
     config.vocab_size = 8192  # the corpus tokenizer's
     config.save_pretrained(tmp_path / "src")
-    result = torchrun(4, [*layout, "--model", str(tmp_path / "src"), "--tokenizer", str(data_dir / "tokenizer"),
+    result = train_ranks(4, [*layout, "--model", str(tmp_path / "src"), "--tokenizer", str(data_dir / "tokenizer"),
                           "--data-dir", str(data_dir), "--seq-len", "32", "--batch-size", "2", "--steps", "3",
                           "--aggregate-every", "1", "--eval-every", "0", "--eval-blocks", "4", "--log-every", "1",
                           "--no-progress", "--run-dir", str(tmp_path / "run")], timeout=240)

@@ -16,7 +16,7 @@ from flwr_sharded.training.corpus import train_tokenizer
 from flwr_sharded.training.data import check_data, load_tokenizer
 from flwr_sharded.training.preflight import preflight
 from flwr_sharded.training.sources import check_vocab, tokenizer_name
-from tests.multiproc import torchrun
+from tests.multiproc import train_ranks
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda".split()
 
@@ -115,7 +115,7 @@ def test_training_a_local_model_uses_and_saves_its_tokenizer(tmp_path: Path, tok
     corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in _documents(200)))
     data = tmp_path / "data"  # holds no tokenizer: the model's is the only one
     data.mkdir()
-    result = torchrun(1, ["--method", "fsdp", "--model", str(model), "--dataset", str(corpus), "--data-dir", str(data),
+    result = train_ranks(1, ["--method", "fsdp", "--model", str(model), "--dataset", str(corpus), "--data-dir", str(data),
                           "--seq-len", "32", "--batch-size", "2", "--steps", "2", "--eval-blocks", "2",
                           "--no-progress", "--run-dir", str(tmp_path / "run"), "--tokenize-workers", "1"],
                       timeout=240)
