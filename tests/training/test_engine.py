@@ -180,8 +180,7 @@ def test_a_two_level_top_k_sync_trains_and_a_lying_member_is_rolled_back(data_di
     """Four groups at sites a, a, b, b syncing 2% of each delta in two levels (`parallel.sparse_sites`): every sync
     is adopted and the loss stays finite (`tests/parallel/test_sites_topk.py` holds the members bit-identical). With
     member 2 sending 1e30 to its second sync and reporting itself healthy, every rank rejects the result, returns to
-    the first sync and trains on, as with the flat top-k, which does not name it either (its offender search finds
-    nobody whose leaving out alone explains the top-k result)."""
+    the first sync and trains on, as with the flat top-k, which does not name it either (both record no blame)."""
     two_level = [*FAILED_SYNC, "--federations", "4", "--sync-sites", "a,a,b,b", "--sync-topk", "0.02",
                  "--sync-error-feedback"]
     _run(4, [*two_level, *_common(data_dir, tmp_path, "sites")], timeout=300)
