@@ -102,8 +102,9 @@ class ParallelConfig:
     behind one slow uplink. A linear sync then reduces inside each site first, crosses the slow tier once with each
     member carrying 1/L of its shard on its own uplink (L groups per site; a quantized `sync-dtype` rounds only
     there), and gathers inside the site: 2(G-1)/G x S/L bytes per member across sites instead of the flat ring's
-    2(P-1)/P x S. Every site must hold as many groups; groups that shard alike, a dense wire (not `sync-topk`). Unset,
-    one site, or one group per site: the flat ring."""
+    2(P-1)/P x S. A `sync-topk` sync selects each member's share of its site's sum and all-gathers that row across
+    sites. Every site must hold as many groups; groups that shard alike, not `sync-restart residual`. Unset, one
+    site, or one group per site: the flat ring."""
     sync_fragments: int = option(1, ge=1)
     """N: sync the model in N fragments of contiguous transformer blocks (Streaming DiLoCo), fragment i after step
     round((i + 1) A / N) of each period, so the link carries about 1/N of the model at a time, each fragment with its

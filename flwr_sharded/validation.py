@@ -142,23 +142,21 @@ def validate_sync(p: ParallelConfig, rule: Any, surface: Surface = CLI) -> None:
 
 
 def validate_sites(p: ParallelConfig, rule: Any, surface: Surface = CLI) -> None:
-    """`sync-sites`: one site per federation group, as many groups at each, for a sync that can reduce in two
-    levels (groups that shard alike, a linear rule, a dense wire)."""
-    from flwr_sharded.parallel.sites import SiteLayout
+    """`sync-sites`: a site per federation group for a sync that can reduce in two levels
+    (`flwr_sharded.parallel.sites.why_not_two_level`; one site, or one group per site, runs the flat ring)."""
+    from flwr_sharded.parallel.sites import SiteLayout, why_not_two_level
 
     L = labeler(surface)
     try:
         layout = SiteLayout.parse(p.sync_sites)
     except ValueError as exc:
         raise surface.error(f"{L('sync-sites')}: {exc}") from None
-    if not p.federated or len(layout.sites) != p.federations:
-        raise surface.error(f"{L('sync-sites')} {p.sync_sites} names {len(layout.sites)} site(s), one per federation "
-                            f"group: {L('federations')} is {p.federations} ({L('method')} {p.method})")
-    why = ("groups that shard differently" if p.unequal else f"{L('outer')} {p.outer} (not linear)" if not rule.linear
-           else f"{L('sync-topk')}" if p.sync_topk is not None else None)
+    why = why_not_two_level(layout.sites, p.federations if p.federated else 1, alike=not p.unequal,
+                            linear=rule.linear, restart_residual=p.sync_restart == "residual", flat_ok=True)
     if why:
-        raise surface.error(f"{L('sync-sites')} reduces each site's weighted shards first, which {why} cannot "
-                            f"take; leave {L('sync-sites')} unset")
+        raise surface.error(f"{L('sync-sites')} {p.sync_sites} cannot reduce in two levels: {why} "
+                            f"({L('federations')} {p.federations}, {L('method')} {p.method}, {L('outer')} "
+                            f"{p.outer}); leave {L('sync-sites')} unset")
 
 
 def validate_topk(p: ParallelConfig, rule: Any, surface: Surface = CLI) -> None:

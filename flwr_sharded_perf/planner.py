@@ -111,7 +111,8 @@ def layout_sites(placement: Placement, spec: SitesSpec) -> SiteLayout | None:
 
 
 def _wire_ratio(sync_bytes: float, bytes_per_param: float, F: int, step: StepOptions | None) -> float:
-    """The sync's wire bytes per parameter over the units' (`parallel.wire.wire_ratio`)."""
+    """The sync's wire bytes per parameter over the units' (`parallel.wire.wire_ratio`; `F`: the members whose rows a
+    top-k sync all-gathers, the G sites' in two levels)."""
     return wire_ratio(sync_bytes, step.sync_topk if step is not None else None, F, over=bytes_per_param)
 
 
@@ -142,8 +143,6 @@ def evaluate(cluster: Cluster, model: ModelShape, method: str, *, F: int = 1, R:
     two_level = layout_sites(placement, sites) if syncs else None
     site_tier, B_site = None, None
     if two_level is not None and two_level.two_level:
-        if step.sync_topk is not None:
-            raise ConfigError("sites: a top-k sync's two-level scheme is not priced (its rows are all-gathered)")
         cal = cluster.calibration if calibrated else None
         rings = [[[placement.rank(f, 0, s) for f in ring] for s in range(S) for ring in rs]
                  for rs in (two_level.cross_rings(), two_level.site_rings())]
@@ -156,10 +155,13 @@ def evaluate(cluster: Cluster, model: ModelShape, method: str, *, F: int = 1, R:
     comm = comm_terms(method, units, S=S, R=R, F=F, A=A, B_S=bw["shard"],
                       B_R=bw["replica"], B_F=bw["federation"], sizes=sizes, backend=cluster.backend,
                       alpha_S=alpha["shard"], alpha_R=alpha["replica"], alpha_F=alpha["federation"],
-                      wire_ratio=_wire_ratio(sync_bytes_per_param or bytes_per_param, bytes_per_param, F, step),
+                      wire_ratio=_wire_ratio(sync_bytes_per_param or bytes_per_param, bytes_per_param,
+                                             two_level.G if two_level is not None and two_level.two_level else F,
+                                             step),
                       steps_R=steps["replica"], steps_F=steps["federation"], sites=two_level, B_site=B_site,
                       alpha_site=alpha_site,
-                      stage_ratio=None if sync_bytes_per_param is None else FP32_BYTES / bytes_per_param,
+                      stage_ratio=None if sync_bytes_per_param is None and step.sync_topk is None
+                      else FP32_BYTES / bytes_per_param,  # a top-k sync stages its fp32 deltas in the site
                       protocol=kind if protocol else None, fragments=step.sync_fragments)
     fragment = FragmentSync(kind=kind, members=F, data=comm.sync * A / step.sync_fragments,
                             collectives=units.count / step.sync_fragments,

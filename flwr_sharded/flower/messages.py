@@ -229,17 +229,13 @@ class TrainArgs:
 
 
 def _check_sites(args: TrainArgs) -> None:
-    """`member-sites`: one site per member, sites of equal size making two levels, members that shard alike."""
-    from flwr_sharded.parallel.sites import SiteLayout
+    """`member-sites`: a site per member for a round that can reduce in two levels
+    (`flwr_sharded.parallel.sites.why_not_two_level`; the rule and restart are the strategy's to check)."""
+    from flwr_sharded.parallel.sites import why_not_two_level
 
-    if len(args.member_sites) != len(args.members) or args.member_shards:
-        raise ArgumentError(f"member-sites {args.member_sites} must name the site of each of the "
-                            f"{len(args.members)} members, which shard alike")
-    try:
-        if not SiteLayout(tuple(args.member_sites)).two_level:
-            raise ValueError("one site, or one member per site, makes no two-level reduction")
-    except ValueError as exc:
-        raise ArgumentError(f"member-sites: {exc}") from None
+    why = why_not_two_level(args.member_sites, len(args.members), alike=not args.member_shards)
+    if why:
+        raise ArgumentError(f"member-sites {args.member_sites} of the {len(args.members)} members: {why}")
 
 
 ROUTING_KEYS = ("timeout", "partition-id", "num-partitions", "node-data-dir", "node-facility")

@@ -6,7 +6,8 @@ share. Rows have the same length on every rank (`RowLayout`): one `all_gather_si
 rows in rank order, in fp32: each coordinate becomes the global value plus the weighted mean of what the members
 that sent it sent, each row first clipped to the members' median norm (`scatter-mean`, Templar's), or plus the sum of
 the weighted rows (`sum`). A rank sends (W - 1) rows, about W x FRACTION x (1.5 + value bytes) / 8 of the fp32 ring
-all-reduce (at 1.5625% with int2 values: 0.0069x for 2 groups, 0.014x for 4). Torch-free to import.
+all-reduce (at 1.5625% with int2 values: 0.0069x for 2 groups, 0.014x for 4). In two levels (`--sync-sites`) a
+member selects its share of its site's sum instead (`flwr_sharded.parallel.sparse_sites`). Torch-free to import.
 """
 
 from __future__ import annotations
@@ -258,8 +259,8 @@ class SparseWire(Wire):
         workspace.get("mine", self.layout(numel).bytes, torch.uint8, device)
 
     def reduce(self, flat, global_k, scale, group, workspace, residual=None, sites=None) -> int:
-        if sites is not None:
-            raise ValueError("a top-k sync all-gathers every member's rows: it has no two-level reduction")
+        if sites is not None:  # in two levels: one row of this member's share of its site's sum crosses the sites
+            return sites.topk(self, flat, global_k, scale, workspace, residual)
         import torch
         import torch.distributed as dist
 
@@ -354,7 +355,7 @@ class DenseFlush(Wire):
 
     def reduce(self, flat, global_k, scale, group, workspace, residual=None, sites=None) -> int:
         if sites is not None:
-            raise ValueError("a top-k sync's dense flush has no two-level reduction")
+            return sites.topk(self, flat, global_k, scale, workspace, residual)
         top, feedback = self.top, residual is not None and bool(scale)
         if feedback:  # flat = global + delta + decay x residual (`sum`: its weighted residual, unweighted here)
             flat.add_(residual, alpha=top.decay / (scale if top.merge == "sum" else 1.0))

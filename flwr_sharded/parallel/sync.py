@@ -29,7 +29,7 @@ from flwr_sharded.parallel.global_state import ErrorFeedback, GlobalState
 from flwr_sharded.parallel.offender import identify
 from flwr_sharded.parallel.plausibility import DEFAULT_MAX_MOVE, MoveBound, bucket_norms
 from flwr_sharded.parallel.rules import FedAvg, ShardRule
-from flwr_sharded.parallel.sites import SiteGroups
+from flwr_sharded.parallel.sites import SiteGroups, why_not_two_level
 from flwr_sharded.parallel.sparse import DEFAULT_ERROR_DECAY, DEFAULT_MERGE, SparseWire, TopkMerge
 from flwr_sharded.parallel.sync_plan import Owners, Seat
 from flwr_sharded.parallel.wire import QUANTIZED, WIRES, wire_of
@@ -203,9 +203,11 @@ class ShardSync:
         if fed_group is None:
             self.groups: list[dist.ProcessGroup | None] = [None] * len(channels)
         elif isinstance(fed_group, SiteGroups):
-            if self.seat is not None or isinstance(self.wire, SparseWire):
-                raise ValueError("a two-level (site-aware) sync needs groups that shard alike and a dense wire, "
-                                 "not " + ("groups that shard differently" if self.seat is not None else "top-k"))
+            why = why_not_two_level(fed_group.layout.sites, dist.get_world_size(fed_group.flat),
+                                    alike=self.seat is None, linear=self.rule.linear,
+                                    restart_residual=self.restart_residual)
+            if why:
+                raise ValueError(f"this sync cannot reduce in two levels (site-aware): {why}")
             self.groups = [fed_group.flat]
         elif self.seat is None:
             self.groups = [fed_group]
@@ -418,7 +420,9 @@ class ShardSync:
                 scale = admission.mine / admission.total
                 if scale == 0.0:
                     send.zero_()  # left out: it sends zeros (NaN * 0 is NaN)
-                residual = self.state.feedback.residual(k, send) if self.state.feedback is not None and scale else None
+                two_level_topk = self.sites is not None and isinstance(self.wire, SparseWire)  # the site's residual
+                residual = (self.state.feedback.residual(k, send) if self.state.feedback is not None
+                            and (scale or two_level_topk) else None)
                 wire = self.wire.dense() if flight.dense else self.wire
                 flight.bytes += wire.reduce(send, self.state.shards[k] if self.delta else None, scale, group,
                                             self._workspace, residual, sites=self.sites)

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 from flwr_sharded.config import METHODS
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.parallel.sites import SiteLayout
+from flwr_sharded.parallel.sites import SiteLayout, why_not_two_level
 from flwr_sharded.parallel.wire import sync_wire_ratio
 from flwr_sharded_perf.costmodel import Units, check_layout
 from flwr_sharded_perf.netemu.network import EmuTopology, Fabric, RankFailure
@@ -88,7 +88,8 @@ class BenchLayout:
         fl, sync = self.method.startswith("fl-"), sync or SyncVariant()
         shape = (["--group-shards", ",".join(map(str, self.group_shards))] if self.group_shards else
                  ["--federations", str(self.F), "--shards", str(self.S)])
-        two_level = fl and not sync.flat and sites is not None and sites.two_level and not self.group_shards
+        two_level = (fl and not sync.flat and sites is not None and not self.group_shards  # the runtime's conditions
+                     and why_not_two_level(sites.sites, self.F, restart_residual=sync.restart == "residual") is None)
         return ["--method", self.method, *shape, "--replicas", str(self.R), "--aggregate-every", str(A if fl else 1),
                 *(sync.train_args() if fl else []), *(["--sync-sites", ",".join(sites.sites)] if two_level else [])]
 

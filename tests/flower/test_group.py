@@ -470,13 +470,16 @@ def test_an_injected_failed_sync_ends_the_same_in_a_flower_group_and_in_the_stat
 
 
 @pytest.mark.timeout(400)
-def test_a_round_of_members_at_two_sites_reduces_in_two_levels_as_the_static_engine_does(procs, data_dir, tmp_path):
+@pytest.mark.parametrize("topk", [None, 0.1], ids=["int8", "topk-int8"])
+def test_a_round_of_members_at_two_sites_reduces_in_two_levels_as_the_static_engine_does(procs, data_dir, tmp_path,
+                                                                                         topk):
     """Four groups of one rank at sites a, a, b, b, one round of K=2 syncs x A=2 steps through the int8 wire (which
-    rounds only across sites in two levels): every member ends with the same shards, and the losses equal those of
-    `torchrun -m flwr_sharded.train --sync-sites a,a,b,b` bit for bit (a flat ring's differ from the third step on,
-    by about 5e-6)."""
+    rounds only across sites in two levels), or top-10% with int8 values (`parallel.sparse_sites`): every member
+    ends with the same shards, and the losses equal those of `torchrun -m flwr_sharded.train --sync-sites a,a,b,b`
+    bit for bit (a flat ring's differ from the third step on, by about 5e-6)."""
     sites = ["a", "a", "b", "b"]
-    s = spec(data_dir, shards=1, aggregate_every=2, rounds=1, sync_dtype="int8", sync_error_feedback=True)
+    s = spec(data_dir, shards=1, aggregate_every=2, rounds=1, sync_dtype="int8", sync_error_feedback=True,
+             **({"sync_topk": topk} if topk else {}))
     groups = start_groups(procs, [(f"g{i}", dict(method="fl-fsdp", replicas=1, shards=1)) for i in range(4)])
     clients = [client(a, k) for _, a, k in groups]
     offer = [hello(c, s, i, 4) for i, c in enumerate(clients)][0]
@@ -493,7 +496,8 @@ def test_a_round_of_members_at_two_sites_reduces_in_two_levels_as_the_static_eng
                           "--weight-decay", str(s.train.optim.weight_decay),
                           "--grad-clip", str(s.train.optim.grad_clip),
                           "--log-every", "1", "--eval-every", "0", "--run-dir", str(tmp_path / "static"),
-                          "--no-save-model", "--no-progress", "--sync-dtype", "int8", "--sync-error-feedback"],
+                          "--no-save-model", "--no-progress", "--sync-dtype", "int8", "--sync-error-feedback",
+                          *(["--sync-topk", str(topk)] if topk else [])],
                       timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "static" / "metrics.jsonl").read_text().splitlines()]

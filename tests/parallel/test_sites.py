@@ -3,6 +3,8 @@ member, and each member's share the only bytes that cross the sites."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -105,7 +107,8 @@ def test_three_members_per_site_reduce_around_the_site_ring():
 @pytest.mark.parametrize("options, message", [
     (dict(sync_sites="a,a,b,b,c,c"), "names 6 site"),
     (dict(sync_sites="a,b,b,b"), "as many federation members"),
-    (dict(sync_sites="a,a,b,b", sync_topk=0.1, sync_error_feedback=True), "--sync-topk cannot take"),
+    (dict(sync_sites="a,a,b,b", sync_topk=0.1, sync_error_feedback=True, sync_restart="residual"),
+     "residual restart"),
     (dict(sync_sites="a,a,b,b", outer="median"), "not linear"),
 ])
 def test_sync_sites_that_cannot_reduce_in_two_levels_are_refused_before_the_run(options, message):
@@ -116,3 +119,58 @@ def test_sync_sites_that_cannot_reduce_in_two_levels_are_refused_before_the_run(
     validate_parallel(ParallelConfig(method="fl-fsdp", federations=4, shards=2, sync_sites="a,a,b,b"))
     with pytest.raises(ConfigError, match=message):
         validate_parallel(ParallelConfig(method="fl-fsdp", federations=4, shards=2, **options))
+
+
+def test_a_top_k_sync_and_one_site_are_taken_with_sync_sites():
+    """Top-k reduces in two levels (`parallel.sparse_sites`); one site, or one group per site, runs the flat ring."""
+    from flwr_sharded.config import ParallelConfig
+    from flwr_sharded.validation import validate_parallel
+
+    for options in (dict(sync_sites="a,a,b,b", sync_topk=0.1, sync_error_feedback=True),
+                    dict(sync_sites="a,a,b,b", sync_topk=0.1, sync_error_feedback=True, sync_topk_merge="sum"),
+                    dict(sync_sites="a,a,a,a"), dict(sync_sites="a,b,c,d")):
+        validate_parallel(ParallelConfig(method="fl-fsdp", federations=4, shards=2, **options))
+
+
+@pytest.mark.parametrize("sites, members, options, why", [
+    (["a", "a", "b"], 4, {}, "names 3 site"),
+    (["a", "", "b", "b"], 4, {}, "names no site"),
+    (["a", "a", "b", "b"], 4, dict(alike=False), "shard differently"),
+    (["a", "a", "b", "b"], 4, dict(linear=False), "not linear"),
+    (["a", "a", "b", "b"], 4, dict(restart_residual=True), "residual restart"),
+    (["a", "b", "b", "b"], 4, {}, r"different numbers of members \(a=1, b=3\)"),
+    (["a", "a", "a", "a"], 4, {}, "one site, or one member per site"),
+    (["a", "b", "c", "d"], 4, {}, "one site, or one member per site"),
+    (["x", "y"], 2, dict(term=("facility", "facilities")), "one member per facility"),
+    (["x", "x", "y"], 3, dict(term=("facility", "facilities")), "facilities hold different numbers"),
+])
+def test_one_statement_says_why_a_sync_cannot_reduce_in_two_levels(sites, members, options, why):
+    from flwr_sharded.parallel.sites import why_not_two_level
+
+    assert re.search(why, why_not_two_level(sites, members, **options))
+
+
+def test_two_levels_need_every_condition_and_one_level_may_be_allowed():
+    from flwr_sharded.parallel.sites import why_not_two_level
+
+    assert why_not_two_level(["a", "a", "b", "b"], 4) is None
+    assert why_not_two_level(["a", "a", "a"], 3, flat_ok=True) is None
+    assert why_not_two_level(["a", "a", "b"], 3, flat_ok=True) is not None  # unequal sites are not one level
+
+
+@pytest.mark.parametrize("sites, shards, why", [
+    (["a", "a", "b"], [], "names 3 site"),
+    (["a", "b", "b", "b"], [], "different numbers of members"),
+    (["a", "a", "a", "a"], [], "one site, or one member per site"),
+    (["a", "a", "b", "b"], [1, 2, 1, 2], "shard differently"),
+])
+def test_a_train_message_whose_member_sites_make_no_two_levels_is_refused(sites, shards, why):
+    from flwr_sharded.flower import messages as M
+
+    args = M.TrainArgs(server_round=1, job="r/1/0", members=["0", "1", "2", "3"], member_index=0,
+                       rendezvous_host="h", rendezvous_ports=[1], prefix="r/1", rendezvous_timeout=5.0,
+                       sync_timeout=9.0, secret="s" * 64, member_sites=sites, member_shards=shards)
+    with pytest.raises(M.ArgumentError, match=f"member-sites .*{why}"):
+        M.TrainArgs.from_config(args.to_config())
+    assert M.TrainArgs.from_config({**args.to_config(), "member-sites": ["a", "a", "b", "b"],
+                                    "member-shards": []}).member_sites == ["a", "a", "b", "b"]

@@ -184,6 +184,25 @@ def test_the_planner_prices_sites_and_keeps_the_flat_ring_without():
     assert layout_sites(cluster.placement(1, 1, 8), "groups") is None
 
 
+def test_the_planner_prices_a_two_level_top_k_sync_by_one_share_row_across_the_sites():
+    """Top-k in two levels (`parallel.sparse_sites`): the same fp32 stage in the site as the dense sync's, then an
+    all-gather of one row of each member's 1/L share among the G sites: (G - 1) rows of f (1.5 + 4) / 4 of a share's
+    fp32 bytes per member, against the dense all-reduce's 2 (G - 1) / G shares."""
+    cluster, model = load_cluster("examples/clusters/emulated.yaml"), model_from_preset("small", 32000)
+    kw = dict(F=8, S=1, A=32, tokens_per_gpu_batch=512, bytes_per_param=4.0, sites="groups")
+    f, G, L = 0.02, 2, 4
+    dense = evaluate(cluster, model, "fl-fsdp", **kw)
+    topk = evaluate(cluster, model, "fl-fsdp", **kw, step=StepOptions(sync_topk=f, sync_error_feedback=True))
+    assert topk.fragment_sync.sites == SiteLayout.even(G, L)
+    B, bits = topk.bandwidth["federation"], sum(model.units(4.0).all()) * 8
+    cross_topk = (G - 1) * bits / L * f * (1.5 + 4) / 4 / B
+    cross_dense = 2 * (G - 1) / G * bits / L / B
+    assert topk.comm.sync - dense.comm.sync == pytest.approx((cross_topk - cross_dense) / 32, rel=1e-9)
+    flat = evaluate(cluster, model, "fl-fsdp", **{**kw, "sites": None},
+                    step=StepOptions(sync_topk=f, sync_error_feedback=True))
+    assert topk.comm.sync < flat.comm.sync
+
+
 # ----- latency: the protocol's exchanges, counted by hand ---------------------------------------------------------
 HAND = {"overlapped": {"admission": lambda n: n - 1, "result vote": lambda n: 2 * (n - 1)},
         "blocking": {"admission": lambda n: n - 1, "result vote": lambda n: 2 * (n - 1),

@@ -175,6 +175,27 @@ def test_a_member_lying_about_its_values_is_rolled_back_everywhere_named_and_tra
     assert train[-1]["step"] == 6 and train[-1]["syncs"] == 3 and train[-1]["loss"] < 20, train[-1]
 
 
+@pytest.mark.timeout(400)
+def test_a_two_level_top_k_sync_trains_and_a_lying_member_is_rolled_back(data_dir, tmp_path):
+    """Four groups at sites a, a, b, b syncing 2% of each delta in two levels (`parallel.sparse_sites`): every sync
+    is adopted and the loss stays finite (`tests/parallel/test_sites_topk.py` holds the members bit-identical). With
+    member 2 sending 1e30 to its second sync and reporting itself healthy, every rank rejects the result, returns to
+    the first sync and trains on, as with the flat top-k, which does not name it either (both record no blame)."""
+    two_level = [*FAILED_SYNC, "--federations", "4", "--sync-sites", "a,a,b,b", "--sync-topk", "0.02",
+                 "--sync-error-feedback"]
+    _run(4, [*two_level, *_common(data_dir, tmp_path, "sites")], timeout=300)
+    train = _records(tmp_path / "sites", "train")
+    assert train[-1]["step"] == 6 and train[-1]["syncs"] == 3 and not _records(tmp_path / "sites", "sync_failed")
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in train) and train[-1]["loss"] < 20, train[-1]
+    result = torchrun(4, [*two_level, *_common(data_dir, tmp_path, "lie")], timeout=300,
+                      env=faults_env(lie="1e30@2@2"))
+    assert result.returncode == 0, result.stderr[-4000:]
+    failed = _records(tmp_path / "lie", "sync_failed")
+    assert [(r["step"], r["restored_step"]) for r in failed] == [(4, 2)], failed
+    train = _records(tmp_path / "lie", "train")
+    assert train[-1]["step"] == 6 and all(torch.isfinite(torch.tensor(r["loss"])) for r in train), train[-1]
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("wire", [["--sync-dtype", "int8"], ["--sync-delay", "1"]],
                          ids=["int8-values", "fp32-overlapped"])

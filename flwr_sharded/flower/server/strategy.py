@@ -39,23 +39,15 @@ def member_shards(groups: dict[int, Any], members: list[int]) -> list[int]:
 def member_sites(groups: dict[int, Any], members: list[int], parallel: Any) -> tuple[list[str], str]:
     """Every member's site (its facility), in member order, where the round reduces in two levels
     (`flwr_sharded.parallel.sites`); else [] and why not ('' where no facility is named)."""
-    from flwr_sharded.parallel.sites import SiteLayout
+    from flwr_sharded.parallel.sites import why_not_two_level
     from flwr_sharded.validation import outer_rule
 
     sites = [groups[n].facility for n in members]
     if not any(sites):
         return [], ""
-    why = ("a member names no facility" if not all(sites) else
-           "its members shard differently" if member_shards(groups, members) else
-           f"outer rule {parallel.outer} is not linear" if not outer_rule(parallel).linear else
-           "the sync is top-k" if parallel.sync_topk is not None else "")
-    if not why:
-        try:
-            layout = SiteLayout(tuple(sites))
-        except ValueError:
-            why = "its facilities hold different numbers of members"
-        else:
-            why = "" if layout.two_level else "it has one facility, or one member per facility"
+    why = why_not_two_level(sites, len(members), alike=not member_shards(groups, members),
+                            linear=outer_rule(parallel).linear, restart_residual=parallel.sync_restart == "residual",
+                            term=("facility", "facilities"))
     return ([], why) if why else (sites, "")
 
 
