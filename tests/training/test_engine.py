@@ -187,7 +187,7 @@ def test_a_two_level_top_k_sync_trains_and_a_lying_member_is_rolled_back(data_di
     train = _records(tmp_path / "sites", "train")
     assert train[-1]["step"] == 6 and train[-1]["syncs"] == 3 and not _records(tmp_path / "sites", "sync_failed")
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in train) and train[-1]["loss"] < 20, train[-1]
-    result = torchrun(4, [*two_level, *_common(data_dir, tmp_path, "lie")], timeout=300,
+    result = train_ranks(4, [*two_level, *_common(data_dir, tmp_path, "lie")], timeout=300,
                       env=faults_env(lie="1e30@2@2"))
     assert result.returncode == 0, result.stderr[-4000:]
     failed = _records(tmp_path / "lie", "sync_failed")
