@@ -240,8 +240,10 @@ def test_sync_bench_under_shaping(tmp_path):
     assert "sync / flat" in result.stdout
 
 
-@pytest.mark.dist
-def test_bench_rejects_bad_options_before_building_anything(tmp_path, data_dir):
+def test_bench_rejects_bad_options_before_building_anything(tmp_path, data_dir, capsys):
+    """In-process: the command exits 2 with the reason, and starts no process (this tier refuses any start)."""
+    from flwr_sharded.cli import main
+
     cluster = tmp_path / "c.yaml"
     cluster.write_text(yaml.safe_dump(SMALL))
     cases = [(["--model", "nope"], "preset"), (["--layouts", "fsdp=1x1x3"], "has 3 ranks"),
@@ -249,6 +251,10 @@ def test_bench_rejects_bad_options_before_building_anything(tmp_path, data_dir):
              (["--contrast", str(tmp_path / "nope.yaml")], "cannot read")]
     for extra, words in cases:
         args = ["bench", "--cluster", str(cluster), "--contrast", "none", "--data-dir", str(data_dir), *extra]
-        result = _cli(*args)
-        assert result.returncode == 2, (extra, result.stderr)
-        assert words in result.stderr, (extra, result.stderr)
+        try:
+            code = main(args)
+        except SystemExit as stopped:  # argparse's own errors
+            code = stopped.code
+        stderr = capsys.readouterr().err
+        assert code == 2, (extra, stderr)
+        assert words in stderr, (extra, stderr)
