@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 export FLWR_SHARDED_DATA := $(abspath $(DATA))
 
-.PHONY: setup data demo train-demo test test-fast test-slow floors-venv test-floors gpu-bundle image-venv \
+.PHONY: setup data demo train-demo test test-fast test-slow test-slurm floors-venv test-floors gpu-bundle image-venv \
 	gpu-rehearsal plan clean
 
 $(BIN)/python:
@@ -52,6 +52,9 @@ test-fast: setup  ## the tests that start no process (a first answer in under tw
 
 test-slow: setup  ## the tests kept out of `make test` for time (marked slow; CI runs them after `make test`)
 	FLWR_SHARDED_SLOW_TESTS=1 $(BIN)/python -m pytest -q -m slow $(XDIST)
+
+test-slurm: setup  ## tests/deploy/test_slurm.py on a real single-node Slurm (apt-installs slurm-wlm as root if missing)
+	FLWR_SHARDED_SLURM_TESTS=1 $(BIN)/python -m pytest -q tests/deploy/test_slurm.py
 
 # Virtualenvs that outlive a clone (CI's fresh clone finds them): each is rebuilt only when what it is built from
 # changes (the Python, the pip arguments, the files named), so a second run installs nothing.
