@@ -266,6 +266,7 @@ def test_a_rank_frozen_inside_a_sync_is_left_behind_and_rejoins_with_the_global_
         assert stopped(frozen) and time.monotonic() - frozen_at > timeout  # frozen for longer than the timeout
     finally:
         signal_all([frozen], signal.SIGCONT)
+    resumed = time.monotonic()
     b = rnd.wait(1, timeout + 60)
     assert isinstance(b, dict), b
     assert (b["syncs"], b["sync_failed"]) == (0, True), b  # refused for round 2: its peers are gone
@@ -280,5 +281,5 @@ def test_a_rank_frozen_inside_a_sync_is_left_behind_and_rejoins_with_the_global_
     assert a4["checksums"] == c4["checksums"] == b4["checksums"]
     assert a4["step"] == b4["step"] and a4["lr"] == b4["lr"]
     print(f"\nrank 1 of B frozen inside a sync: A and C replied {replied_s[0]:.1f} / {replied_s[1]:.1f} s after the "
-          f"freeze (sync-timeout {timeout:.0f} s, in syncs {a['sync_s']:.1f} / {c['sync_s']:.1f} s); B, resumed, "
-          f"refused for round 2 and caught up in round 4")
+          f"freeze (sync-timeout {timeout:.0f} s, in syncs {a['sync_s']:.1f} / {c['sync_s']:.1f} s); B refused for "
+          f"round 2 {rnd.done_at[1] - resumed:.1f} s after SIGCONT ({b['sync_error'][:80]}...), caught up in round 4")

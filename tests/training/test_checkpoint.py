@@ -335,6 +335,7 @@ def _mount_tmpfs(where: Path, size: str) -> None:
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_checkpoint_that_finds_the_disk_full_stops_the_run_and_the_previous_one_resumes_bit_for_bit(data_dir,
                                                                                                     tmp_path):
@@ -361,6 +362,7 @@ def test_a_checkpoint_that_finds_the_disk_full_stops_the_run_and_the_previous_on
         assert sorted(p.name for p in series.iterdir()) == [LATEST, "step-00000004"]  # no step-8 or .tmp left
         assert latest_checkpoint(series) == series / "step-00000004"
         stopped = _losses(tmp_path / "full")
+        print("\nfull tmpfs: " + next(line for line in full.stderr.splitlines() if "flwr-sharded: error" in line))
         assert sorted(stopped) == list(range(1, 9))
 
         remounted = subprocess.run(["mount", "-o", "remount,size=20m", str(ckpt)], capture_output=True, text=True)
