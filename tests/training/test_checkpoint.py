@@ -356,7 +356,10 @@ def test_a_checkpoint_that_finds_the_disk_full_stops_the_run_and_the_previous_on
     try:
         full = torchrun(2, [*common, "--run-dir", str(tmp_path / "full")], timeout=240)
         assert full.returncode == 1, full.stderr[-4000:]
-        assert "No space left on device" in full.stderr and "checkpoint step-00000008 not written" in full.stderr
+        assert "checkpoint step-00000008 not written" in full.stderr, full.stderr[-4000:]
+        # the rank whose write meets the full disk first says so; torch's zip writer of another may report the short
+        # write as "unexpected pos"
+        assert "No space left on device" in full.stderr or "unexpected pos" in full.stderr, full.stderr[-4000:]
         assert "The run stops at step 8 (newest checkpoint: step-00000004)" in full.stderr, full.stderr[-4000:]
         assert (series / LATEST).read_text() == "step-00000004"
         assert sorted(p.name for p in series.iterdir()) == [LATEST, "step-00000004"]  # no step-8 or .tmp left
