@@ -97,6 +97,26 @@ def default_run_root() -> Path:
 
 # ----------------------------------------------------------------------------------------------------- GPUs
 
+def remove_key_material(run_id: int, root: Path | None = None) -> list[Path]:
+    """Remove the authkey and address files of run `run_id`'s groups launched on this machine (`root`: the default
+    run root), and each node directory (and the run's) that is then empty; a group's log there stays. Returns the
+    files removed."""
+    run = (root or default_run_root()) / f"run-{run_id}"
+    removed = []
+    for node in sorted(run.glob("node-*")):
+        for name in ("authkey", "address"):
+            path = node / name
+            if path.is_file():
+                path.unlink()
+                removed.append(path)
+        for directory in (node, run):
+            try:
+                directory.rmdir()
+            except OSError:  # not empty (a log, another node), or gone
+                pass
+    return removed
+
+
 def visible_gpus(env: Mapping[str, str] | None = None) -> list[str]:
     """The CUDA devices this machine offers a launched group: `CUDA_VISIBLE_DEVICES` if set (and not emptied by
     Ray for a CPU-only actor), else every GPU the NVIDIA driver lists; [] without GPUs."""

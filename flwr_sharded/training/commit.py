@@ -103,17 +103,21 @@ class Commits:
         """A blocking sync's two phases: every error any rank of any member saw; fills the outcome's blame and
         left-out members. `mine`: this rank's (error, members at fault, whether the error is a rejection every member
         reached; `broken`: this rank's own collective failed, `outcome.collective_failed` says if any did). When
-        nothing went wrong each phase is one small all-reduce over the group."""
+        nothing went wrong each phase is one small all-reduce over the group. A group where a rank's collective
+        failed inside the reduction does not vote: some member of that reduction is stopped, gone or late and will
+        not vote either, so a vote would wait out the sync timeout a second time (and the group adopts nothing
+        whatever it says)."""
         error, blame, _ = mine
         phase_one = [mine]
-        failed, any_broken = federation.flags([int(bool(error or blame)), int(broken)])
+        failed, any_broken, cut = federation.flags([int(bool(error or blame)), int(broken),
+                                                    int(broken and not reached)])
         outcome.collective_failed = bool(any_broken)
         if failed:
             phase_one = federation.gather(mine)
         errors = sorted({e for e, _, _ in phase_one if e})
         own = [e for e, _, agreed in phase_one if e and not agreed]  # a rejection all members reached is nobody's
         vote_error, noes = "", []
-        group = federation.vote_group() if reached else None
+        group = federation.vote_group() if reached and not cut else None
         if group is not None:
             try:
                 noes = commit_vote(not own, group, local_shard(sync.params[0]).device)

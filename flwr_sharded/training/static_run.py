@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from flwr_sharded.parallel.admission import behind
-from flwr_sharded.parallel.collectives import bounded, group_timeout, rebuildable, wait_for
+from flwr_sharded.errors import first_line
+from flwr_sharded.parallel.collectives import CollectiveTimeout, bounded, group_timeout, rebuildable, wait_for
 from flwr_sharded.parallel.sites import SiteLayout, site_groups
 from flwr_sharded.parallel.sync import Groups
 from flwr_sharded.parallel.token_weights import tokens_of
@@ -48,6 +49,10 @@ class StaticFederation:
         self.leaders = topo.leaders or dist.new_group([topo.group_ranks(f)[0] for f in range(self.members)],
                                                       timeout=topo.timeout)
         """Rank 0 of every group (their times after each period)."""
+        self.flat = topo.leaders is None and not (sites is not None and sites.two_level)
+        """The groups shard alike and reduce in one level: `rebuild` can make their groups anew."""
+        self._vote: dist.ProcessGroup | None = None
+        """The rebuilt group of this rank's shard index (None: the mesh's)."""
         self._joined = False
         self._times: tuple[torch.Tensor, Any] | None = None
         """The members' times of the last period, exchanged with `now=False` and not returned yet."""
@@ -58,7 +63,31 @@ class StaticFederation:
         self._joined = True
         return self._groups
 
+    def rebuild(self) -> None:
+        """New process groups for the syncs, votes and the members' times after one of their collectives failed:
+        gloo closes a group's connections when a collective on it times out, and every later collective on that
+        group fails at once. Collective over the world (a member still stopped or late is waited for up to the
+        run's timeout); SyncFailed when one does not come, or where the groups shard differently or reduce in two
+        levels (groups the static engine does not make anew)."""
+        topo = self.topo
+        if not self.flat:
+            raise SyncFailed("a collective of the sync failed, and the static engine makes the groups of members "
+                             "that shard differently (--group-shards) or reduce in two levels (--sync-sites) only "
+                             "once: stopping; continue with --resume from the last checkpoint")
+        columns = [[topo.group_ranks(f)[i] for f in range(self.members)] for i in range(topo.group_world)]
+        try:
+            made = [dist.new_group(column, backend="gloo", timeout=topo.timeout) for column in columns]
+        except Exception as exc:  # noqa: BLE001 - a member did not come within the timeout
+            raise SyncFailed(f"the federation's groups could not be made anew after a failed collective: "
+                             f"{first_line(exc)}; a member did not come back within --timeout "
+                             f"{topo.timeout.total_seconds():g} s: stopping") from exc
+        self._groups = self._vote = made[topo.group_rank]
+        self.leaders = made[0]  # group rank 0 of every member
+        self._joined, self._times = False, None
+
     def vote_group(self) -> dist.ProcessGroup | None:
+        if self._vote is not None:
+            return self._vote if self.topo.replica_index == 0 else None
         if self.topo.leaders is not None:  # groups that shard differently: their rank 0s vote for them
             return self.topo.leaders if self.topo.group_rank == 0 else None
         return self.topo.fed_group if self.topo.replica_index == 0 else None
@@ -127,6 +156,7 @@ class StaticRun:
         self.started = self.window_start = time.perf_counter()
         self.loss_sum = torch.zeros((), device=self.t.device)
         self.window_steps, self.last, self.last_tick = 0, {}, self.t.step_count
+        self.federation: StaticFederation | None = None
         """The last tick seen: a resumed run's first records and checkpoint are the ones its schedule says, after the
         step it resumed from (not one at its first step)."""
 
@@ -136,6 +166,7 @@ class StaticRun:
         federation = None
         if p.federated and p.sync:
             federation = StaticFederation(t.topo, [tuple(q.shape) for q in t.model.parameters()], cfg.timeout_s)
+            self.federation = federation
             if p.sync_retries:
                 self.loop.keep_rollback_point()
         try:
@@ -242,6 +273,22 @@ class StaticRun:
         self.last_tick = math.floor(self.loop.reference())  # its steps are logged again
         self.loss_sum.zero_()
         self.window_start, self.window_steps, self.bar.n = time.perf_counter(), 0, t.step_count
+        if self.rebuild_needed(outcome.collective_failed):
+            self.federation.rebuild()
+
+    @staticmethod
+    def rebuild_needed(collective_failed: bool) -> bool:
+        """Whether a collective failed on any rank of the world (one small all-reduce over the world, which also
+        waits, up to the run's timeout, for a member still stopped or late): then every rank rebuilds the
+        federation's groups, together. False on NCCL, whose failed collectives stop the run instead."""
+        if not rebuildable():
+            return False
+        flag = torch.tensor([int(collective_failed)], dtype=torch.int32)
+        try:
+            bounded(dist.all_reduce, flag, op=dist.ReduceOp.MAX, group=None)
+        except CollectiveTimeout as exc:
+            raise SyncFailed(f"after a failed sync, a member did not come back: {first_line(exc)}: stopping") from exc
+        return bool(flag.item())
 
     def show(self, record: dict[str, Any]) -> None:
         """A train record on the progress bar, or in the log without one (rank 0)."""

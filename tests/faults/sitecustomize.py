@@ -11,6 +11,8 @@ Put this directory first on the PYTHONPATH of a static world's ranks (or of a gr
 - `exit_after_syncs=N`: a group's ranks exit abruptly (code 17) once N periods' syncs were adopted;
 - `step_delay=SECONDS` or `step_delay=G:SECONDS`: every rank (of federation group G) sleeps after each inner step;
 - `commit_delay=SECONDS`: every rank sleeps between writing a checkpoint and committing it;
+- `freeze_sync=N@RANK`: the rank whose RANK is RANK stops itself (SIGSTOP) inside its N-th fragment sync, after the
+  admission (every member has entered the sync) and before its first bucket's reduction; the test sends SIGCONT;
 - `lie=VALUE@ATTEMPTS[@RANKS]` (several joined by ";", e.g. "1e30@2;nan@3,4"): before each listed sync attempt
   (1 = the first fragment sync this rank attempts) the rank overwrites that fragment's shards with VALUE (a number, or
   "x100": its own values times 100) and reports itself healthy whatever they hold, so admission admits it; RANKS
@@ -18,8 +20,8 @@ Put this directory first on the PYTHONPATH of a static world's ranks (or of a gr
   own code: the honest members, and the liar's own part of the vote and of the offender search.
 
 The sync faults, the slowed steps and the exits are observers of every `SyncLoop` of the process
-(`flwr_sharded.training.observer`); the lie's verdict is each fragment sync's `ShardSync.verdict`. `commit_delay` and
-`no_rebuild` replace a checkpointer's and the static engine's function.
+(`flwr_sharded.training.observer`); the lie's verdict is each fragment sync's `ShardSync.verdict`. `commit_delay`,
+`no_rebuild` and `freeze_sync` replace a checkpointer's, the static engine's and a sync's function.
 """
 
 from __future__ import annotations
@@ -171,6 +173,33 @@ def _install(faults: dict[str, str]) -> None:
             return phase(self, what, tmp, action)
 
         checkpoint.Checkpointer._phase = slow_phase
+
+    if "freeze_sync" in faults:
+        attempt, _, rank = faults["freeze_sync"].partition("@")
+        if os.environ.get("RANK", "0") == rank:
+            _freeze_in_sync(int(attempt))
+
+
+def _freeze_in_sync(attempt: int) -> None:
+    """This process stops itself inside its `attempt`-th sync, once the admission returned (its peers are in the
+    reduction, waiting for its part)."""
+    import signal
+
+    from flwr_sharded.parallel.sync import ShardSync
+
+    admit, seen = ShardSync._admit, [0]
+
+    def admit_then_freeze(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        admissions = admit(self, *args, **kwargs)
+        seen[0] += 1
+        if seen[0] == attempt:
+            logging.getLogger("flwr_sharded.group").error("injected fault: rank %s stops inside sync %d",
+                                                          os.environ.get("RANK"), attempt)
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return admissions
+
+    ShardSync._admit = admit_then_freeze
 
 
 if os.environ.get("FLWR_SHARDED_TEST_FAULTS") and "LOCAL_RANK" in os.environ:

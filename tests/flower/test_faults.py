@@ -1,5 +1,5 @@
 """Fault injection on the group runtime (no Flower): one rank killed mid-step, a whole group frozen (SIGSTOP) during
-a round. Each test asserts the survivors give up within their rendezvous/sync timeout, roll back to their last synced
+a round, one rank frozen inside a sync. Each test asserts the survivors give up within their rendezvous/sync timeout, roll back to their last synced
 shards and that nothing is left running; it prints the measured recovery time (docs/flower.md, "Faults and recovery").
 Every group runs in its own session and is killed in a `finally`."""
 
@@ -18,6 +18,7 @@ from flwr_sharded.flower import messages as P
 from flwr_sharded.flower.endpoint import GroupClient, GroupError, GroupUnavailable
 from tests.flower.procs import Proc, pid_alive, start_groups, wait_until
 from tests.flower.test_group import ROUND_SECRET, all_gone, client, hello, round_args, spec, train, train_all
+from tests.multiproc import faults_env
 
 pytestmark = pytest.mark.dist  # every test here starts processes
 
@@ -200,3 +201,85 @@ def test_a_frozen_group_does_not_hang_the_other_and_both_roll_back(procs, data_d
     print(f"\nSIGSTOP of a group: group A replied {recovery_s:.1f} s after the stop (failed sync after "
           f"{a['syncs']} good one(s), {a['sync_s']:.1f} s in syncs, sync-timeout {SYNC_TIMEOUT:.0f} s); group B "
           f"answered {resume_s:.1f} s after SIGCONT with sync_failed ({b['sync_error'][:60]}...)")
+
+
+def stopped(pid: int) -> bool:
+    """The process is stopped (SIGSTOP): its state in /proc is T."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "T"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+FROZEN_SYNC_TIMEOUT = 15.0
+"""Long enough that a second wait of the same length (a vote after the failed reduction) exceeds timeout + 10 s."""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_a_rank_frozen_inside_a_sync_is_left_behind_and_rejoins_with_the_global_model(procs, data_dir):
+    """Three groups (fl-fsdp, S=2): A, B, C. Round 1 syncs all three. In round 2, rank 1 of B stops itself (SIGSTOP,
+    the test-only hook `freeze_sync`) inside the round's first sync, once every member passed the admission: shard
+    0's reduction completes on every member (and is merged into their shards), shard 1's waits for B.
+
+    A and C give up within sync-timeout + 10 s of the freeze (their shard-1 collective times out; B's shard-0 rank,
+    held in its own group by the frozen rank, never votes, so nobody waits a second timeout for its vote), both
+    reply sync_failed and hold round 1's shards: no member keeps the half it reduced. Round 3 runs without B (A and
+    C sync, equal checksums). B then gets SIGCONT (frozen for longer than the sync timeout): it is refused for round 2
+    (its peers left: sync_failed, round 1's shards restored) and rejoins in round 4 with a catch-up: it adopts A's
+    shards (the global model of round 3), and after the round's sync all three hold the same shards."""
+    timeout = FROZEN_SYNC_TIMEOUT
+    s = spec(data_dir, aggregate_every=2, syncs_per_round=1, rounds=8)
+    started = start_groups(procs, [("A", {}), ("B", dict(env=faults_env(freeze_sync="2@1"))), ("C", {})])
+    clients = [client(address, key) for _, address, key in started]
+    hellos = [hello(c, s, i, 3) for i, c in enumerate(clients)]
+    pids = [[proc.pid, *h["pids"]] for (proc, _, _), h in zip(started, hellos)]
+    procs.track(*(p for group in pids for p in group))
+    frozen = hellos[1]["pids"][1]  # rank 1 of B
+    offer = hellos[0]
+
+    out = train_all(clients, offer, "freeze/round1", syncs=1, steps=2, sync_timeout=timeout)
+    assert [o["sync_failed"] for o in out] == [False] * 3 and out[0]["checksums"] == out[1]["checksums"]
+    synced = out[0]["checksums"]
+
+    args = [round_args(offer, "freeze/round2", i, 3, syncs=2, steps=2, rendezvous_timeout=30.0, sync_timeout=timeout)
+            for i in range(3)]
+    rnd = Round(clients, args).start()
+    try:
+        wait_until(lambda: stopped(frozen), 120, interval=0.05, what="rank 1 of B stopped inside its sync")
+        frozen_at = time.monotonic()
+        a, c = rnd.wait(0, timeout + 60), rnd.wait(2, timeout + 60)
+        replied_s = [rnd.done_at[i] - frozen_at for i in (0, 2)]
+        for o in (a, c):
+            assert isinstance(o, dict), o
+            assert (o["syncs"], o["sync_failed"]) == (0, True), o
+            assert "shard 1" in o["sync_error"], o["sync_error"]
+        assert max(replied_s) < timeout + 10, (replied_s, a["sync_error"])  # not a second timeout for B's vote
+        restored_a, restored_c = (clients[i].call(P.STATUS, timeout=30)["checksums"] for i in (0, 2))
+        assert restored_a == restored_c == synced  # shard 0's reduction, merged on every member, was undone
+
+        without_b = [clients[0], clients[2]]  # the round goes on without the frozen group
+        a3, c3 = train_all(without_b, offer, "freeze/round3", syncs=1, steps=2, sync_timeout=timeout)
+        assert (a3["syncs"], a3["sync_failed"], c3["sync_failed"]) == (1, False, False)
+        assert a3["checksums"] == c3["checksums"] != synced
+        assert stopped(frozen) and time.monotonic() - frozen_at > timeout  # frozen for longer than the timeout
+    finally:
+        signal_all([frozen], signal.SIGCONT)
+    resumed = time.monotonic()
+    b = rnd.wait(1, timeout + 60)
+    assert isinstance(b, dict), b
+    assert (b["syncs"], b["sync_failed"]) == (0, True), b  # refused for round 2: its peers are gone
+    assert clients[1].call(P.STATUS, timeout=30)["checksums"] == synced
+
+    order = [clients[0], clients[2], clients[1]]  # B rejoins as member 2, catching up from A (member 0)
+    jobs = [cl.call(P.TRAIN, round_args(offer, "freeze/round4", i, 3, syncs=1, steps=2, sync_timeout=timeout,
+                                        catch_up=True), timeout=30, detach=True)["job"] for i, cl in enumerate(order)]
+    a4, c4, b4 = (cl.collect(job, timeout=180) for cl, job in zip(order, jobs))
+    assert a4["catch_up_checksums"] == c4["catch_up_checksums"] == b4["catch_up_checksums"] == a3["checksums"]
+    assert not any(o["sync_failed"] for o in (a4, c4, b4))
+    assert a4["checksums"] == c4["checksums"] == b4["checksums"]
+    assert a4["step"] == b4["step"] and a4["lr"] == b4["lr"]
+    print(f"\nrank 1 of B frozen inside a sync: A and C replied {replied_s[0]:.1f} / {replied_s[1]:.1f} s after the "
+          f"freeze (sync-timeout {timeout:.0f} s, in syncs {a['sync_s']:.1f} / {c['sync_s']:.1f} s); B refused for "
+          f"round 2 {rnd.done_at[1] - resumed:.1f} s after SIGCONT ({b['sync_error'][:80]}...), caught up in round 4")

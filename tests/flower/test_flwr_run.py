@@ -6,14 +6,17 @@ installation on, a fresh Flower home, run from a directory of the user's, with o
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.flower.procs import APP, base_env, free_port, kill_tree_by_env, pids_matching, run_config_args, \
-    strip_ansi
+from tests.flower.procs import APP, base_env, free_port, kill_tree_by_env, pid_alive, pids_matching, \
+    run_config_args, strip_ansi
 
 pytestmark = pytest.mark.dist  # every test here starts processes
 
@@ -82,3 +85,56 @@ def test_flwr_run_as_typed_completes_and_leaves_a_run_directory(data_dir, tmp_pa
         assert "--model" not in out and "hello to" not in out and out.count("unknown model 'smal'") <= 2  # + Flower's
     finally:
         kill_tree_by_env("FLWR_HOME", str(home))  # the local SuperLink `flwr run` started, and anything it left
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_flwr_stop_leaves_no_process_of_the_run_and_says_the_run_was_stopped(data_dir, tmp_path):
+    """`flwr run apps/llama_fl_hsdp --stream` of 100 rounds, stopped with `flwr stop <run-id>` in round 2: within
+    30 s no process of the run is left (the simulation process, Ray's GCS, raylet, dashboard and its two agents,
+    the ClientApp actor, both groups' launchers and ranks; only the local SuperLink and its SuperExec stay, as after
+    any run), the run directory's summary.json says `stopped`, and the groups' key material under the temp dir is
+    gone."""
+    from flwr_sharded.flower.launch import default_run_root
+    from tests.flower.procs import cmdline, pids_with_env
+
+    home, work = tmp_path / "flwr_home", tmp_path / "work"
+    work.mkdir()
+    env = base_env(FLWR_HOME=str(home), FLWR_SHARDED_DATA=str(data_dir),
+                   FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(free_port()), FLWR_LOCAL_CONTROL_API_PORT=str(free_port()))
+    log = tmp_path / "run.log"
+    with open(log, "w") as fh:
+        run = subprocess.Popen(["flwr", "run", str(APP), "--stream", *run_config_args({**SMALL,
+                                                                                       "num-server-rounds": 100})],
+                               cwd=work, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while "[ROUND 2/100]" not in strip_ansi(log.read_text(errors="replace")):
+            assert run.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-4000:]
+            time.sleep(0.5)
+        (run_id,) = re.findall(r"Successfully started run (\d+)", strip_ansi(log.read_text(errors="replace")))
+        keys = default_run_root() / f"run-{run_id}"
+        assert sorted(p.name for p in keys.glob("node-*/authkey")) == ["authkey", "authkey"]
+        of_the_run = [p for p in pids_with_env("FLWR_HOME", str(home)) if "flower-super" not in cmdline(p)]
+        assert any("ray::" in cmdline(p) for p in of_the_run) and any("flwr_sharded.flower.group" in cmdline(p)
+                                                                     for p in of_the_run)
+        stop = subprocess.run(["flwr", "stop", run_id], cwd=work, env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert stop.returncode == 0 and "successfully stopped" in stop.stdout, stop.stdout + stop.stderr
+        stopped_at = time.monotonic()
+        left = of_the_run
+        while left and time.monotonic() < stopped_at + 30:
+            time.sleep(0.5)
+            left = [p for p in of_the_run if pid_alive(p)]
+        assert not left, [cmdline(p)[:120] for p in left]
+        gone_s = time.monotonic() - stopped_at
+        assert run.wait(timeout=30) is not None  # `flwr run --stream` ended with its run
+        (run_dir,) = (work / "outputs").iterdir()
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["status"] == "stopped" and "flwr stop" in summary["error"], summary
+        assert not keys.exists()
+        print(f"\nflwr stop: no process of the run left {gone_s:.1f} s after `flwr stop` returned")
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+        kill_tree_by_env("FLWR_HOME", str(home))

@@ -321,3 +321,61 @@ def test_groups_resume_together_from_the_newest_step_every_group_holds_intact(da
     (ckpt / "group-1" / "step-00000008.tmp").unlink()
     _run([*one, "--resume", "--run-dir", str(tmp_path / "again")])
     assert sorted(_losses(tmp_path / "again", resumed=True)) == [5, 6, 7, 8]
+
+
+def _mount_tmpfs(where: Path, size: str) -> None:
+    """A tmpfs of `size` at `where`; skips the test where mounting is not permitted (not root, a container without
+    CAP_SYS_ADMIN)."""
+    where.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a {size} tmpfs for the checkpoint directory (needs root and CAP_SYS_ADMIN): "
+                    f"{mounted.stderr.strip()}")
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_checkpoint_that_finds_the_disk_full_stops_the_run_and_the_previous_one_resumes_bit_for_bit(data_dir,
+                                                                                                    tmp_path):
+    """fsdp S=2, 12 steps, a checkpoint every 4, the checkpoint directory on a 5 MiB tmpfs (one checkpoint of the tiny
+    model and its Adam moments is about 3.3 MiB): step 4 is committed, step 8 runs out of space while it is written.
+
+    The run stops (exit 1) with one error naming the failure, the step and the newest checkpoint; the partial step 8
+    is removed, so `latest` and the only step directory are step 4's. Once there is room (the tmpfs remounted at
+    20 MiB), `--resume` loads step 4 and takes steps 5-8 with exactly the losses the stopped run logged (the same
+    floats: model, optimizer, data position and RNG restored bit for bit), then commits steps 8 and 12."""
+    ckpt = tmp_path / "ckpt"
+    series = ckpt / "group-0"
+    common = ["--method", "fsdp", "--shards", "2", "--model", "tiny", "--seq-len", "32", "--batch-size", "2",
+              "--steps", "12", "--log-every", "1", "--eval-every", "0", "--eval-blocks", "4", "--lr", "3e-3",
+              "--no-progress", "--data-dir", str(data_dir), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "4",
+              "--no-save-model"]
+    _mount_tmpfs(ckpt, "5m")
+    try:
+        full = torchrun(2, [*common, "--run-dir", str(tmp_path / "full")], timeout=240)
+        assert full.returncode == 1, full.stderr[-4000:]
+        assert "checkpoint step-00000008 not written" in full.stderr, full.stderr[-4000:]
+        # the rank whose write meets the full disk first says so; torch's zip writer of another may report the short
+        # write as "unexpected pos"
+        assert "No space left on device" in full.stderr or "unexpected pos" in full.stderr, full.stderr[-4000:]
+        assert "The run stops at step 8 (newest checkpoint: step-00000004)" in full.stderr, full.stderr[-4000:]
+        assert (series / LATEST).read_text() == "step-00000004"
+        assert sorted(p.name for p in series.iterdir()) == [LATEST, "step-00000004"]  # no step-8 or .tmp left
+        assert latest_checkpoint(series) == series / "step-00000004"
+        stopped = _losses(tmp_path / "full")
+        print("\nfull tmpfs: " + next(line for line in full.stderr.splitlines() if "flwr-sharded: error" in line))
+        assert sorted(stopped) == list(range(1, 9))
+
+        remounted = subprocess.run(["mount", "-o", "remount,size=20m", str(ckpt)], capture_output=True, text=True)
+        assert remounted.returncode == 0, remounted.stderr
+        resumed_run = torchrun(2, [*common, "--resume", "--run-dir", str(tmp_path / "resumed")], timeout=240)
+        assert resumed_run.returncode == 0, resumed_run.stderr[-4000:]
+        resumed = _losses(tmp_path / "resumed", resumed=True)
+        assert sorted(resumed) == list(range(5, 13))  # from step 4
+        assert [resumed[s] for s in range(5, 9)] == [stopped[s] for s in range(5, 9)]  # bit for bit
+        assert (series / LATEST).read_text() == "step-00000012"
+        assert sorted(p.name for p in series.glob("step-*")) == ["step-00000008", "step-00000012"]
+    finally:
+        subprocess.run(["umount", "-l", str(ckpt)], capture_output=True)

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -211,3 +215,62 @@ def test_a_top_k_sync_trains_and_stays_finite(data_dir, tmp_path, wire):
     assert train[-1]["step"] == 6 and train[-1]["syncs"] == 3 and not _records(tmp_path / "topk", "sync_failed")
     assert "top-k 0.02 with error feedback" in result.stderr
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in train) and train[-1]["loss"] < 20, train[-1]
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(360)
+def test_a_rank_frozen_inside_a_sync_is_retried_without_a_partial_commit_and_catches_up(data_dir, tmp_path):
+    """fl-fsdp F=3, S=1, 8 steps, a sync every 2, --timeout 10, --sync-retries 3. The rank of group 1 stops itself
+    (SIGSTOP, the test-only hook `freeze_sync`) inside its second sync, after the admission: groups 0 and 2 wait
+    in the reduction until the timeout, fail that sync together (one `sync_failed` record, within the timeout +
+    10 s of the freeze) and go back to the first sync's step. After 15 s (longer than the timeout) the frozen rank
+    gets SIGCONT: its reduction fails too, it rolls back to the same step, and the retries bring all three groups to
+    the run's end with the same model (each group's final checkpoint exported and compared exactly)."""
+    from tests.training.test_checkpoint import _children, _kill_job, _start_torchrun
+
+    from flwr_sharded.training.checkpoint_export import export_pretrained
+
+    timeout, run_dir, ckpt, log = 10.0, tmp_path / "run", tmp_path / "ckpt", tmp_path / "run.log"
+    args = ["--method", "fl-fsdp", "--federations", "3", "--shards", "1", "--model", "tiny", "--data-dir",
+            str(data_dir), "--seq-len", "32", "--batch-size", "2", "--steps", "8", "--aggregate-every", "2",
+            "--log-every", "1", "--eval-every", "0", "--eval-blocks", "4", "--no-progress", "--no-save-model",
+            "--timeout", str(timeout), "--sync-retries", "3", "--run-dir", str(run_dir), "--checkpoint-dir", str(ckpt)]
+    job = _start_torchrun(3, args, log, **faults_env(freeze_sync="2@1"))
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 180
+        frozen = None
+        while frozen is None:
+            assert job.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            workers = _children(job.pid)
+            frozen = next((pid for pid in workers if _stopped(pid)), None)
+            time.sleep(0.05)
+        frozen_at = time.monotonic()
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.is_file() and _records(run_dir, "sync_failed")):
+            assert job.poll() is None and time.monotonic() < frozen_at + 60, log.read_text()[-4000:]
+            time.sleep(0.1)
+        failed_s = time.monotonic() - frozen_at
+        time.sleep(max(0.0, frozen_at + 15 - time.monotonic()))
+        assert _stopped(frozen)
+        os.kill(frozen, signal.SIGCONT)
+        assert job.wait(timeout=200) == 0, log.read_text()[-6000:]
+    finally:
+        _kill_job(job, workers)
+    failed = _records(run_dir, "sync_failed")
+    assert failed[0]["step"] == 4 and failed[0]["restored_step"] == 2, failed
+    assert failed_s < timeout + 10, failed_s
+    train = _records(run_dir, "train")
+    assert train[-1]["step"] == 8 and math.isfinite(train[-1]["loss"])
+    states = [_state(export_pretrained(ckpt / f"group-{f}", tmp_path / f"model-{f}")) for f in range(3)]
+    for other in states[1:]:
+        assert all(torch.equal(states[0][k], other[k]) for k in states[0])
+    print(f"\nstatic engine, a rank frozen inside a sync: the others failed it {failed_s:.1f} s after the freeze "
+          f"(--timeout {timeout:.0f} s); {len(failed)} failed sync(s), the run completed with equal models")

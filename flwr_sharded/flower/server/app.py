@@ -8,6 +8,8 @@ submodules, or `*`) in the SuperLink's environment. The groups check `outer` aga
 
 A failed run must not look like a successful one (`flwr run --stream` exits 0 whatever happens): the last lines of
 the stream say COMPLETED or FAILED with the reason, `summary.json` records the status, and the exception propagates.
+A run stopped with `flwr stop` records `stopped` (Flower's exit handlers run; the ServerApp's thread does not learn
+it), and the key material of the groups launched on this machine is removed.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ from typing import Any, Mapping
 
 from flwr.superlink.grid.inmemory_grid import InMemoryGrid
 from flwr.supercore import log
+from flwr.supercore.exit import add_exit_handler
 
 from flwr_sharded import schema
 from flwr_sharded.errors import ConfigError
+from flwr_sharded.flower.launch import remove_key_material
 from flwr_sharded.flower.run_config import RUN_CONFIG, FlowerRun
 from flwr_sharded.flower.server.strategy import DecentralizedFedAvg
 from flwr_sharded.run_dir import METRICS, RunDir, check_run_dir, default_run_dir
@@ -116,14 +120,18 @@ def run_directory(run: FlowerRun, run_id: int) -> Iterator[RunDir]:
     if run.train.checkpoint.resume and (run_dir.path / METRICS).stat().st_size:  # rounds go on, one summary at the end
         run_dir.continue_from(run_dir.path, None, run.train.checkpoint.dir or "")
     log(INFO, "flwr_sharded: run directory %s", run_dir.path)
+    ended = [False]
+    add_exit_handler(lambda: None if ended[0] else stopped(run_dir, run_id))
     try:
         yield run_dir
     except BaseException as exc:
+        ended[0] = True
         reason = f"{type(exc).__name__}: {exc}"
         run_dir.finish({"status": "failed", "error": reason, **run_dir.summary})
         log(ERROR, "flwr_sharded: the run FAILED: %s", reason)
         log(ERROR, "flwr_sharded: run directory %s (summary.json)", run_dir.path)
         raise
+    ended[0] = True
     s = run_dir.summary
     run_dir.finish({"status": "completed", **s})
     ppl = ", ".join(f"{k.replace('final_', '').replace('_', ' ')} {s[k]:.2f}"
@@ -131,6 +139,17 @@ def run_directory(run: FlowerRun, run_id: int) -> Iterator[RunDir]:
     log(INFO, "flwr_sharded: the run COMPLETED: %s round(s)%s", s.get("rounds", 0), f", {ppl}" if ppl else "")
     log(INFO, "flwr_sharded: run directory %s (metrics.jsonl, summary.json%s)", run_dir.path,
         ", model/" if s.get("model") else "")
+
+
+def stopped(run_dir: RunDir, run_id: int) -> None:
+    """The run's process is ending before the run did (`flwr stop`: Flower runs its exit handlers, the ServerApp's
+    thread is abandoned): the run directory says so, and the key material of the groups launched on this machine
+    is removed."""
+    run_dir.finish({"status": "stopped", "error": "the run was stopped before it ended (flwr stop, or its process "
+                                                  "was ended)", **run_dir.summary})
+    removed = remove_key_material(run_id)
+    log(ERROR, "flwr_sharded: the run was STOPPED; run directory %s (summary.json)%s", run_dir.path,
+        f"; removed the key material of {len(removed) // 2} group(s)" if removed else "")
 
 
 def record_outcome(run_dir: RunDir, strategy: Any) -> None:
