@@ -5,9 +5,11 @@ what is not sent), as 12-bit indices (two to 3 bytes) and values in the codec th
 share. Rows have the same length on every rank (`RowLayout`): one `all_gather_single`, then every rank merges all W
 rows in rank order, in fp32: each coordinate becomes the global value plus the weighted mean of what the members
 that sent it sent, each row first clipped to the members' median norm (`scatter-mean`, Templar's), or plus the sum of
-the weighted rows (`sum`). A rank sends (W - 1) rows, about W x FRACTION x (1.5 + value bytes) / 8 of the fp32 ring
-all-reduce (at 1.5625% with int2 values: 0.0069x for 2 groups, 0.014x for 4). In two levels (`--sync-sites`) a
-member selects its share of its site's sum instead (`flwr_sharded.parallel.sparse_sites`). Torch-free to import.
+the weighted rows (`sum`); a row far above that median (`outlying_rows`), which the clip would hide from the move
+check, rejects the sync on every rank. A rank sends (W - 1) rows, about W x FRACTION x (1.5 + value bytes) / 8 of the
+fp32 ring all-reduce (at 1.5625% with int2 values: 0.0069x for 2 groups, 0.014x for 4). In two levels
+(`--sync-sites`) a member selects its share of its site's sum instead (`flwr_sharded.parallel.sparse_sites`).
+Torch-free to import.
 """
 
 from __future__ import annotations
@@ -329,8 +331,8 @@ def accumulate(flat: torch.Tensor, rows: torch.Tensor, layout: RowLayout,
 
 
 def median_norm(norms: torch.Tensor, included: torch.Tensor) -> torch.Tensor:
-    """The median of the `included` rows' norms (their lower middle one for an even count, as torch.median), as a
-    1-element tensor; inf when none is included."""
+    """The median of the `included` rows' norms (or of any figure of the rows: their lower middle one for an even
+    count, as torch.median), as a 1-element tensor; inf when none is included."""
     import torch
 
     ranked = torch.sort(torch.where(included, norms, torch.full_like(norms, math.inf))).values
@@ -350,13 +352,16 @@ def outlying_rows(norms: torch.Tensor, shares: torch.Tensor, ratio: float, *, we
     """The rows at fault in a top-k merge (their indices), alike on every member, as all of them merge the same rows:
     among the rows of members not left out (share > 0), each whose norm (`weighted`, a `sum` merge's rows: per unit
     of share) is not finite (NaN, infinite or overflowing values), or above `ratio` x their median (`median_norm`,
-    the clip's reference); a median of 0, or `ratio` 0, judges finiteness only. One host read."""
+    the clip's reference) x max(1, its share over the median share: a member with more tokens may move further); a
+    median of 0, or `ratio` 0, judges finiteness only. One host read."""
     import torch
 
     included = shares > 0
     per = norms / torch.where(included, shares, torch.ones_like(shares)) if weighted else norms
     median = median_norm(per, included)
-    limit = torch.where(median > 0, median * ratio, torch.full_like(median, math.inf)) if ratio > 0 else math.inf
+    longer = (shares / median_norm(shares, included)).clamp_min(1.0)
+    limit = (torch.where(median > 0, median * ratio, torch.full_like(median, math.inf)) * longer if ratio > 0
+             else math.inf)
     at_fault = included & (~torch.isfinite(per) | (per > limit))
     return [j for j, bad in enumerate(at_fault.tolist()) if bad]
 

@@ -282,8 +282,9 @@ def test_an_outsized_member_moves_the_scatter_mean_no_more_than_the_median_norm_
 @pytest.mark.parametrize("merge", ["scatter-mean", "sum"])
 def test_a_row_far_above_the_median_row_norm_is_named_and_a_left_out_one_is_not_judged(merge):
     """The merge returns the rows' norms; `MergedRows.outliers` names a row above 10x their median (per unit of share
-    for a sum), one that is NaN and one of 1e30 (its fp32 norm overflows), never an honest row nor a member left out
-    (share 0), and finiteness only when the median is 0 or the ratio 0."""
+    for a sum; times its share over the median share where that is above 1), one that is NaN and one of 1e30 (its
+    fp32 norm overflows), never an honest row nor a member left out (share 0), and finiteness only when the median is
+    0 or the ratio 0."""
     from flwr_sharded.parallel.sparse import MergedRows, accumulate, outlying_rows, scatter_mean
 
     layout = _layout("float32")
@@ -306,6 +307,7 @@ def test_a_row_far_above_the_median_row_norm_is_named_and_a_left_out_one_is_not_
     assert named(1.0) == [] and named(5.0) == []  # an honest spread, and a row 5x the others
     assert named(30.0) == [2] and named(1.0, 1e30) == [2] and named(1.0, float("nan")) == [2]
     assert named(1.0, 1e30, shares=[*scales[:2], 0.0, scales[3]]) == []  # left out: not judged
+    assert named(30.0, shares=[0.04, 0.04, 0.88, 0.04]) == []  # 22x the median share: it may move 220x as far
     assert named(30.0, ratio=0.0) == [] and named(1.0, 1e30, ratio=0.0) == [2]  # finiteness only
     zeros, share = torch.zeros(4), torch.tensor([0.25] * 4)
     assert outlying_rows(zeros, share, 10.0, weighted=False) == []
