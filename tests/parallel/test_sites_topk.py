@@ -1,6 +1,7 @@
 """Top-k in two levels: a central computation of the same definition (each site's weighted delta reduced, each
 member's share of it selected and merged across the sites), bit-identical members, error feedback on the share, and
-one share's row the only bytes that cross the sites."""
+one share's row the only bytes that cross the sites; and a lying member of a top-k sync, flat and in two levels,
+rejected on every member and named."""
 
 from __future__ import annotations
 
