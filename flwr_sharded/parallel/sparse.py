@@ -5,9 +5,11 @@ what is not sent), as 12-bit indices (two to 3 bytes) and values in the codec th
 share. Rows have the same length on every rank (`RowLayout`): one `all_gather_single`, then every rank merges all W
 rows in rank order, in fp32: each coordinate becomes the global value plus the weighted mean of what the members
 that sent it sent, each row first clipped to the members' median norm (`scatter-mean`, Templar's), or plus the sum of
-the weighted rows (`sum`). A rank sends (W - 1) rows, about W x FRACTION x (1.5 + value bytes) / 8 of the fp32 ring
-all-reduce (at 1.5625% with int2 values: 0.0069x for 2 groups, 0.014x for 4). In two levels (`--sync-sites`) a
-member selects its share of its site's sum instead (`flwr_sharded.parallel.sparse_sites`). Torch-free to import.
+the weighted rows (`sum`); a row far above that median (`outlying_rows`), which the clip would hide from the move
+check, rejects the sync on every rank. A rank sends (W - 1) rows, about W x FRACTION x (1.5 + value bytes) / 8 of the
+fp32 ring all-reduce (at 1.5625% with int2 values: 0.0069x for 2 groups, 0.014x for 4). In two levels
+(`--sync-sites`) a member selects its share of its site's sum instead (`flwr_sharded.parallel.sparse_sites`).
+Torch-free to import.
 """
 
 from __future__ import annotations
@@ -235,6 +237,8 @@ class SparseWire(Wire):
         self.order = values.order
         self.bytes_per_value = fraction * (INDEX_BITS / 8 + values.bytes_per_value)
         """One row's bytes per value of the bucket (scales included, its header not); a rank sends W - 1 rows."""
+        self.merged: MergedRows | None = None
+        """The rows of the last merge, until `outliers` reads them."""
 
     def layout(self, numel: int) -> RowLayout:
         return RowLayout(numel, self.fraction, self.values)
@@ -278,10 +282,17 @@ class SparseWire(Wire):
         rows = workspace.get("rows", world * layout.bytes, torch.uint8, dev).view(world, layout.bytes)
         bounded(all_gather_single, rows.view(-1), mine, group=group)
         if self.merge == "sum":
-            accumulate(flat, rows, layout, base=global_k)
+            norms = accumulate(flat, rows, layout, base=global_k)
         else:
-            scatter_mean(flat, rows, layout, global_k, scratch)
+            norms = scatter_mean(flat, rows, layout, global_k, scratch)
+        self.merged = MergedRows.of(norms, rows, self.merge)
         return (world - 1) * layout.bytes
+
+    def outliers(self, ratio: float) -> list[int]:
+        """The rows at fault in this wire's last merge (`outlying_rows`: indices in the group it all-gathered over,
+        the sites' group in two levels), then forgotten; none where it merged no rows since the last call."""
+        merged, self.merged = self.merged, None
+        return merged.outliers(ratio) if merged is not None else []
 
 
 def contribute(delta: torch.Tensor, residual: torch.Tensor | None, layout: RowLayout, row: torch.Tensor,
@@ -301,32 +312,86 @@ def contribute(delta: torch.Tensor, residual: torch.Tensor | None, layout: RowLa
         scatter(residual, layout, indices, values.sub_(sent), add=False)  # the kept entries: what was not sent
 
 
-def accumulate(flat: torch.Tensor, rows: torch.Tensor, layout: RowLayout, base: torch.Tensor | None = None) -> None:
-    """`sum`: flat = `base` (None: zeros) + every rank's row (`rows`: (W, row bytes)), added in rank order, in fp32."""
+def accumulate(flat: torch.Tensor, rows: torch.Tensor, layout: RowLayout,
+               base: torch.Tensor | None = None) -> torch.Tensor:
+    """`sum`: flat = `base` (None: zeros) + every rank's row (`rows`: (W, row bytes)), added in rank order, in fp32.
+    Returns the rows' norms (W, fp32, on their device)."""
+    import torch
+
     if base is None:
         flat.zero_()
     else:
         flat.copy_(base)
+    norms = []
     for row in rows:
-        scatter(flat, layout, *decode_row(row, layout), add=True)
+        indices, values = decode_row(row, layout)
+        norms.append(torch.linalg.vector_norm(values))
+        scatter(flat, layout, indices, values, add=True)
+    return torch.stack(norms)
 
 
-def clip_factors(norms: torch.Tensor, included: torch.Tensor) -> torch.Tensor:
-    """min(1, median / norm) of each row's norm, the median over the `included` rows' (their lower middle one for an
-    even count, as torch.median); 1 for a zero norm, and for every row when none is included."""
+def median_norm(norms: torch.Tensor, included: torch.Tensor) -> torch.Tensor:
+    """The median of the `included` rows' norms (or of any figure of the rows: their lower middle one for an even
+    count, as torch.median), as a 1-element tensor; inf when none is included."""
     import torch
 
     ranked = torch.sort(torch.where(included, norms, torch.full_like(norms, math.inf))).values
-    median = ranked.gather(0, (included.sum() - 1).clamp_min(0).div(2, rounding_mode="floor").view(1))
+    return ranked.gather(0, (included.sum() - 1).clamp_min(0).div(2, rounding_mode="floor").view(1))
+
+
+def clip_factors(norms: torch.Tensor, included: torch.Tensor) -> torch.Tensor:
+    """min(1, median / norm) of each row's norm, the median over the `included` rows' (`median_norm`); 1 for a zero
+    norm, and for every row when none is included."""
+    import torch
+
+    median = median_norm(norms, included)
     return torch.where(norms > median, median / norms, torch.ones_like(norms))
 
 
+def outlying_rows(norms: torch.Tensor, shares: torch.Tensor, ratio: float, *, weighted: bool) -> list[int]:
+    """The rows at fault in a top-k merge (their indices), alike on every member, as all of them merge the same rows:
+    among the rows of members not left out (share > 0), each whose norm (`weighted`, a `sum` merge's rows: per unit
+    of share) is not finite (NaN, infinite or overflowing values), or above `ratio` x their median (`median_norm`,
+    the clip's reference) x max(1, its share over the median share: a member with more tokens may move further); a
+    median of 0, or `ratio` 0, judges finiteness only. One host read."""
+    import torch
+
+    included = shares > 0
+    per = norms / torch.where(included, shares, torch.ones_like(shares)) if weighted else norms
+    median = median_norm(per, included)
+    longer = (shares / median_norm(shares, included)).clamp_min(1.0)
+    limit = (torch.where(median > 0, median * ratio, torch.full_like(median, math.inf)) * longer if ratio > 0
+             else math.inf)
+    at_fault = included & (~torch.isfinite(per) | (per > limit))
+    return [j for j, bad in enumerate(at_fault.tolist()) if bad]
+
+
+@dataclass
+class MergedRows:
+    """What a top-k merge saw of its rows: their norms and weight shares (W each, fp32, on their device)."""
+
+    norms: torch.Tensor
+    shares: torch.Tensor
+    weighted: bool
+    """The rows carry weighted values (a `sum` merge)."""
+
+    @classmethod
+    def of(cls, norms: torch.Tensor, rows: torch.Tensor, merge: TopkMerge) -> MergedRows:
+        import torch
+
+        return cls(norms, torch.cat([share_of(row) for row in rows]), merge == "sum")
+
+    def outliers(self, ratio: float) -> list[int]:
+        """`outlying_rows` of these rows."""
+        return outlying_rows(self.norms, self.shares, ratio, weighted=self.weighted)
+
+
 def scatter_mean(flat: torch.Tensor, rows: torch.Tensor, layout: RowLayout, base: torch.Tensor,
-                 weights: torch.Tensor) -> None:
+                 weights: torch.Tensor) -> torch.Tensor:
     """`scatter-mean`: flat = `base` + sum_i(s_i c_i v_i) / sum_i(s_i) at each coordinate, over the rows i that sent
     it (`rows`: (W, row bytes), in rank order, in fp32), s_i a row's weight share and c_i its clip factor
     (`clip_factors`, over the rows of members not left out); a coordinate nobody sent keeps `base`. `weights`: fp32
-    scratch of flat's size (the sum of the shares)."""
+    scratch of flat's size (the sum of the shares). Returns the rows' norms (W, fp32, on their device)."""
     import torch
 
     shares = torch.cat([share_of(row) for row in rows])
@@ -339,6 +404,7 @@ def scatter_mean(flat: torch.Tensor, rows: torch.Tensor, layout: RowLayout, base
         scatter(flat, layout, indices, values * factor, add=True)  # values may view the row (float32)
         scatter(weights, layout, indices, torch.ones_like(values).mul_(share), add=True)
     flat.div_(weights.clamp_min_(torch.finfo(torch.float32).tiny)).add_(base)
+    return norms
 
 
 class DenseFlush(Wire):

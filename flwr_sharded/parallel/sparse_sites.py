@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from flwr_sharded.parallel.sparse import DenseFlush, RowLayout, SparseWire, accumulate, contribute, scatter_mean
+from flwr_sharded.parallel.sparse import (DenseFlush, MergedRows, RowLayout, SparseWire, accumulate, contribute,
+                                         scatter_mean)
 
 if TYPE_CHECKING:
     import torch
@@ -116,9 +117,10 @@ def reduce_topk(wire: SparseWire, flat: torch.Tensor, global_k: torch.Tensor, sc
         bounded(all_gather_single, rows.view(-1), mine, group=sites.across)
         base = global_k[share.lo:share.hi]
         if wire.merge == "sum":
-            accumulate(x, rows, layout, base=base)
+            norms = accumulate(x, rows, layout, base=base)
         else:
-            scatter_mean(x, rows, layout, base, scratch)
+            norms = scatter_mean(x, rows, layout, base, scratch)
+        wire.merged = MergedRows.of(norms, rows, wire.merge)  # the sites' rows of this share
         sent += (G - 1) * layout.bytes
     share.gather(flat)
     return sent

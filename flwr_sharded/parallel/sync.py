@@ -416,6 +416,7 @@ class ShardSync:
             if admissions[c] is None:
                 continue  # nobody of this channel may contribute: it keeps everyone's values and is rejected
             send, admission, group = flight.sends[k] if staged else flat, admissions[c], self.groups[c]
+            rows_ok = True  # no top-k row at fault (`sparse.outlying_rows`): the merge's clip would hide it
             if self.rule.linear:  # the members' weighted mean, through the wire
                 scale = admission.mine / admission.total
                 if scale == 0.0:
@@ -426,6 +427,8 @@ class ShardSync:
                 wire = self.wire.dense() if flight.dense else self.wire
                 flight.bytes += wire.reduce(send, self.state.shards[k] if self.delta else None, scale, group,
                                             self._workspace, residual, sites=self.sites)
+                if isinstance(wire, SparseWire) and self.bound.enabled:
+                    rows_ok = not wire.outliers(self.bound.max_move)
             else:  # every member's values, and the rule's result of them
                 members = [torch.empty_like(send) for _ in admission.weights]
                 bounded(dist.all_gather, members, send, group=group)
@@ -434,10 +437,11 @@ class ShardSync:
                 flight.bytes += send.numel() * send.element_size()
             if staged:
                 mine = flight.origins[k] if flight.origins is not None else send
-                ok = self.bound.plausible(k, [send], [mine]) if self.bound.enabled else all_finite([send])
+                ok = rows_ok and (self.bound.plausible(k, [send], [mine]) if self.bound.enabled
+                                  else all_finite([send]))
             else:
-                ok = (self.bound.plausible(k, buffer_segments, shard_segments, flat) if self.bound.enabled
-                      else all_finite(buffer_segments))
+                ok = rows_ok and (self.bound.plausible(k, buffer_segments, shard_segments, flat)
+                                  if self.bound.enabled else all_finite(buffer_segments))
             if c not in bad and not ok:
                 bad[c] = k
             if not staged and c not in bad:

@@ -1,6 +1,7 @@
 """Top-k in two levels: a central computation of the same definition (each site's weighted delta reduced, each
 member's share of it selected and merged across the sites), bit-identical members, error feedback on the share, and
-one share's row the only bytes that cross the sites."""
+one share's row the only bytes that cross the sites; and a lying member of a top-k sync, flat and in two levels,
+rejected on every member and named."""
 
 from __future__ import annotations
 
@@ -177,3 +178,81 @@ def test_a_shard_sync_runs_top_k_in_two_levels_and_refuses_a_residual_restart():
         assert torch.equal(res["param"], res["expected"])
         assert torch.equal(res["residual"], res["expected_residual"])
         assert "cannot reduce in two levels" in res["refused"] and "residual restart" in res["refused"]
+
+
+def _lying_topk_worker(rank: int, world: int, two_level: bool) -> dict:
+    """Four members syncing 2% of each delta by top-k (flat, or at sites a, a, b, b); member 2 sends 1e30, NaN or 100x
+    its values to the third sync and reports itself healthy."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from flwr_sharded.parallel.admission import SyncRejected, healthy
+    from flwr_sharded.parallel.sites import SiteLayout, site_groups
+    from flwr_sharded.parallel.sync import ShardSync
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    group = dist.group.WORLD
+    if two_level:
+        flat = dist.new_group(list(range(world)))
+        group = site_groups(SiteLayout.parse("a,a,b,b"), [list(range(world))], 0, rank, flat, timedelta(seconds=60))
+    base = torch.randn(30000, generator=torch.Generator().manual_seed(0))
+    lying = [False]
+
+    def scenario(lie: str | None, overlapped: bool = False) -> list:
+        params = [torch.nn.Parameter(base[:20000].clone()), torch.nn.Parameter(base[20000:].clone())]
+        s = ShardSync([("a", params[0]), ("b", params[1])], fed_group=group, bucket_bytes=40000, topk=0.02,
+                      error_feedback=True)
+        s.verdict = lambda *args: True if lying[0] else healthy(*args)  # the liar's verdict on itself
+        s.capture_global()
+        out, now = [], base.clone()
+        for step in range(3):
+            mine = now + 0.01 * torch.randn(30000, generator=torch.Generator().manual_seed(100 * step + rank))
+            if lie is not None and step == 2 and rank == 2:
+                mine = torch.full_like(mine, float(lie)) if lie != "x100" else mine * 100
+                lying[0] = True
+            with torch.no_grad():
+                params[0].copy_(mine[:20000])
+                params[1].copy_(mine[20000:])
+            try:
+                if overlapped:
+                    s.start(1.0 + rank, overlap=True)
+                    lying[0] = False
+                    s.finish(timeout=60)
+                else:
+                    s.sync(weight=1.0 + rank)
+                now = torch.cat([p.detach() for p in params])
+                out.append(("adopted", now.clone()))
+            except SyncRejected as exc:
+                wrote = not torch.allclose(torch.cat([p.detach() for p in params]), mine, rtol=0, atol=0,
+                                           equal_nan=True)
+                out.append(("rejected", exc.offenders, str(exc), wrote))
+            finally:
+                lying[0] = False
+        return out
+
+    return {name: scenario(*args) for name, args in {
+        "healthy": (None,), "1e30": ("1e30",), "nan": ("nan",), "x100": ("x100",),
+        "overlapped-1e30": ("1e30", True)}.items()}
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("two_level", [False, True], ids=["flat", "two-level"])
+def test_a_top_k_member_lying_about_its_values_is_rejected_everywhere_and_named(two_level):
+    """The merge's clip to the median row norm would hide the liar's row (its result is plausible on the honest
+    members: only the liar itself rejected it, and nobody was named); every member rejects a row far above the
+    others' (`sparse.outlying_rows`), writes nothing, and the offender search names member 2, in two levels too (not
+    member 3, at its site). Honest syncs are adopted, alike on every member."""
+    results = run_ranks(_lying_topk_worker, 4, two_level, timeout=200)
+    for rank, res in enumerate(results):
+        for step, outcome in enumerate(res["healthy"]):
+            assert outcome[0] == "adopted", (rank, step, outcome)
+            assert torch.equal(outcome[1], results[0]["healthy"][step][1])
+        for name in ("1e30", "nan", "x100", "overlapped-1e30"):
+            first, second, third = res[name]
+            assert first[0] == second[0] == "adopted", (name, rank)
+            assert third[0] == "rejected", (name, rank, third)
+            assert third[1] == [2], (name, rank, third[2])
+            assert "member(s) [2] of the federation group sent it" in third[2]
+            assert not third[3], (name, rank)  # nothing written (a blocking sync) or merged (an overlapped one)

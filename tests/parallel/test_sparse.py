@@ -279,6 +279,47 @@ def test_an_outsized_member_moves_the_scatter_mean_no_more_than_the_median_norm_
     assert moves[1] < 2 * moves[0], moves  # not 1000x
 
 
+@pytest.mark.parametrize("merge", ["scatter-mean", "sum"])
+def test_a_row_far_above_the_median_row_norm_is_named_and_a_left_out_one_is_not_judged(merge):
+    """The merge returns the rows' norms; `MergedRows.outliers` names a row above 10x their median (per unit of share
+    for a sum; times its share over the median share where that is above 1), one that is NaN and one of 1e30 (its
+    fp32 norm overflows), never an honest row nor a member left out (share 0), and finiteness only when the median is
+    0 or the ratio 0."""
+    from flwr_sharded.parallel.sparse import MergedRows, accumulate, outlying_rows, scatter_mean
+
+    layout = _layout("float32")
+    scales = [0.1, 0.2, 0.3, 0.4] if merge == "sum" else [0.25] * 4
+
+    def named(factor: float, fill: float | None = None, shares: list[float] | None = None,
+              ratio: float = 10.0) -> list[int]:
+        xs = _members(torch.Generator().manual_seed(8))
+        xs[2].mul_(factor)
+        if fill is not None:
+            xs[2].fill_(fill)
+        rows = _rank_rows(xs, [None] * 4, layout, shares or scales, merge)
+        out = torch.empty(NUMEL)
+        norms = (accumulate(out, rows, layout) if merge == "sum" else
+                 scatter_mean(out, rows, layout, torch.zeros(NUMEL), torch.empty(NUMEL)))
+        expected = torch.stack([torch.linalg.vector_norm(_decoded(row, layout)) for row in rows])
+        assert torch.allclose(norms, expected, rtol=0, atol=0, equal_nan=True), (norms, expected)
+        return MergedRows.of(norms, rows, merge).outliers(ratio)
+
+    assert named(1.0) == [] and named(5.0) == []  # an honest spread, and a row 5x the others
+    assert named(30.0) == [2] and named(1.0, 1e30) == [2] and named(1.0, float("nan")) == [2]
+    assert named(1.0, 1e30, shares=[*scales[:2], 0.0, scales[3]]) == []  # left out: not judged
+    assert named(30.0, shares=[0.04, 0.04, 0.88, 0.04]) == []  # 22x the median share: it may move 220x as far
+    assert named(30.0, ratio=0.0) == [] and named(1.0, 1e30, ratio=0.0) == [2]  # finiteness only
+    zeros, share = torch.zeros(4), torch.tensor([0.25] * 4)
+    assert outlying_rows(zeros, share, 10.0, weighted=False) == []
+    assert outlying_rows(torch.tensor([0.0, 0.0, 5.0, float("inf")]), share, 10.0, weighted=False) == [3]
+
+
+def _decoded(row: torch.Tensor, layout) -> torch.Tensor:
+    from flwr_sharded.parallel.sparse import decode_row
+
+    return decode_row(row, layout)[1]
+
+
 @pytest.mark.parametrize("values", ["float32", "int8", "int2"])
 def test_the_decayed_residual_stays_bounded_over_many_syncs(values):
     """200 syncs of random deltas (|delta| <= D) at 1.5625% with decay 0.95: an entry not sent becomes 0.95 e +

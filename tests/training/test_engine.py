@@ -179,25 +179,28 @@ def test_a_member_lying_about_its_values_is_rolled_back_everywhere_named_and_tra
     assert train[-1]["step"] == 6 and train[-1]["syncs"] == 3 and train[-1]["loss"] < 20, train[-1]
 
 
-@pytest.mark.timeout(400)
-def test_a_two_level_top_k_sync_trains_and_a_lying_member_is_rolled_back(data_dir, tmp_path):
+@pytest.mark.timeout(600)
+def test_a_top_k_sync_in_two_levels_trains_and_a_lying_member_is_rolled_back_and_named(data_dir, tmp_path):
     """Four groups at sites a, a, b, b syncing 2% of each delta in two levels (`parallel.sparse_sites`): every sync
     is adopted and the loss stays finite (`tests/parallel/test_sites_topk.py` holds the members bit-identical). With
-    member 2 sending 1e30 to its second sync and reporting itself healthy, every rank rejects the result, returns to
-    the first sync and trains on, as with the flat top-k, which does not name it either (both record no blame)."""
-    two_level = [*FAILED_SYNC, "--federations", "4", "--sync-sites", "a,a,b,b", "--sync-topk", "0.02",
-                 "--sync-error-feedback"]
+    member 2 sending 1e30 to its second sync and reporting itself healthy, in two levels and with the flat top-k, every
+    rank rejects the result (its row is far above the others': `sparse.outlying_rows`), names member 2 (not its
+    site's other member 3), returns to the first sync and trains on."""
+    topk = [*FAILED_SYNC, "--federations", "4", "--sync-topk", "0.02", "--sync-error-feedback"]
+    two_level = [*topk, "--sync-sites", "a,a,b,b"]
     _run(4, [*two_level, *_common(data_dir, tmp_path, "sites")], timeout=300)
     train = _records(tmp_path / "sites", "train")
     assert train[-1]["step"] == 6 and train[-1]["syncs"] == 3 and not _records(tmp_path / "sites", "sync_failed")
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in train) and train[-1]["loss"] < 20, train[-1]
-    result = train_ranks(4, [*two_level, *_common(data_dir, tmp_path, "lie")], timeout=300,
-                      env=faults_env(lie="1e30@2@2"))
-    assert result.returncode == 0, result.stderr[-4000:]
-    failed = _records(tmp_path / "lie", "sync_failed")
-    assert [(r["step"], r["restored_step"]) for r in failed] == [(4, 2)], failed
-    train = _records(tmp_path / "lie", "train")
-    assert train[-1]["step"] == 6 and all(torch.isfinite(torch.tensor(r["loss"])) for r in train), train[-1]
+    for name, args in {"lie": two_level, "flat-lie": topk}.items():
+        result = train_ranks(4, [*args, *_common(data_dir, tmp_path, name)], timeout=300,
+                             env=faults_env(lie="1e30@2@2"))
+        assert result.returncode == 0, result.stderr[-4000:]
+        failed = _records(tmp_path / name, "sync_failed")
+        assert [(r["step"], r["restored_step"], r["blame"]) for r in failed] == [(4, 2, [2])], (name, failed)
+        assert "member(s) [2] of the federation group sent it" in failed[0]["error"], (name, failed)
+        train = _records(tmp_path / name, "train")
+        assert train[-1]["step"] == 6 and all(torch.isfinite(torch.tensor(r["loss"])) for r in train), train[-1]
 
 
 @pytest.mark.timeout(300)
