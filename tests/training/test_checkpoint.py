@@ -354,7 +354,7 @@ def test_a_checkpoint_that_finds_the_disk_full_stops_the_run_and_the_previous_on
               "--no-save-model"]
     _mount_tmpfs(ckpt, "5m")
     try:
-        full = torchrun(2, [*common, "--run-dir", str(tmp_path / "full")], timeout=240)
+        full = train_ranks(2, [*common, "--run-dir", str(tmp_path / "full")], timeout=240)
         assert full.returncode == 1, full.stderr[-4000:]
         assert "checkpoint step-00000008 not written" in full.stderr, full.stderr[-4000:]
         # the rank whose write meets the full disk first says so; torch's zip writer of another may report the short
@@ -370,7 +370,7 @@ def test_a_checkpoint_that_finds_the_disk_full_stops_the_run_and_the_previous_on
 
         remounted = subprocess.run(["mount", "-o", "remount,size=20m", str(ckpt)], capture_output=True, text=True)
         assert remounted.returncode == 0, remounted.stderr
-        resumed_run = torchrun(2, [*common, "--resume", "--run-dir", str(tmp_path / "resumed")], timeout=240)
+        resumed_run = train_ranks(2, [*common, "--resume", "--run-dir", str(tmp_path / "resumed")], timeout=240)
         assert resumed_run.returncode == 0, resumed_run.stderr[-4000:]
         resumed = _losses(tmp_path / "resumed", resumed=True)
         assert sorted(resumed) == list(range(5, 13))  # from step 4
