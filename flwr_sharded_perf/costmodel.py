@@ -131,10 +131,10 @@ class Exchange:
 
 
 PROTOCOL: dict[SyncKind, tuple[Exchange, ...]] = {
-    "overlapped": (Exchange("admission", "all_gather", "parallel.admission.admit (ShardSync._admit)"),
-                   Exchange("result vote", "all_reduce", "parallel.admission.vote (ShardSync._conclude)")),
-    "blocking": (Exchange("admission", "all_gather", "parallel.admission.admit (ShardSync._admit)"),
-                 Exchange("result vote", "all_reduce", "parallel.admission.vote (ShardSync._conclude)"),
+    "overlapped": (Exchange("admission", "all_gather", "parallel.admission.admit (sync_verdict.admit_channels)"),
+                   Exchange("result vote", "all_reduce", "parallel.admission.vote (sync_verdict.conclude)")),
+    "blocking": (Exchange("admission", "all_gather", "parallel.admission.admit (sync_verdict.admit_channels)"),
+                 Exchange("result vote", "all_reduce", "parallel.admission.vote (sync_verdict.conclude)"),
                  Exchange("commit vote", "all_gather", "parallel.admission.commit_vote (Commits.agree)")),
 }
 """The exchanges between the members of one fragment sync besides its reduction, by kind of sync, each over all n

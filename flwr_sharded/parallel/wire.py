@@ -1,13 +1,14 @@
 """The wire dtypes of the shard sync (`--sync-dtype`): the kinds (plain, cast, blockwise quantized), one class per
 wire in `WIRES`, and everything that lists them (the option's choices and docs, the quantized ones, the device check,
-the cost and memory models' bytes). A new wire is a `register`ed subclass of a kind; torch-free to import."""
+the cost and memory models' bytes), and the wire a sync is built with (`sync_wire`). A new wire is a `register`ed
+subclass of a kind; torch-free to import."""
 
 from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.parallel.sparse import over_dense
+from flwr_sharded.parallel.sparse import DEFAULT_ERROR_DECAY, DEFAULT_MERGE, SparseWire, TopkMerge, over_dense
 from flwr_sharded.parallel.wire_base import CODEBOOK_BINS, CODEBOOK_BLOCK, QUANT_BLOCK, SCALE_BYTES, Wire
 
 
@@ -176,6 +177,14 @@ def wire_of(dtype: Any) -> Wire:
     if wire is None:
         raise ValueError(f"{dtype} is not a wire dtype of the shard sync; registered: {', '.join(WIRES)}")
     return wire
+
+
+def sync_wire(dtype: str, topk: float | None = None, merge: TopkMerge = DEFAULT_MERGE,
+              decay: float = DEFAULT_ERROR_DECAY, restart: bool = False) -> Wire:
+    """The wire a shard sync sends through, built from its options: `--sync-dtype` `dtype`'s, or with `--sync-topk`
+    the top-k rows of its values (`sparse.SparseWire`: their merge, the residual's decay, the restart from it)."""
+    values = WIRES[dtype]
+    return values if topk is None else SparseWire(values, topk, merge, decay, restart)
 
 
 def wire_ratio(value_bytes: float, topk: float | None = None, world: int = 2, *, over: float = 4.0) -> float:
