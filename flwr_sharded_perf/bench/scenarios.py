@@ -16,7 +16,8 @@ from typing import Any, Sequence
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES
 from flwr_sharded_perf.provenance import provenance
-from flwr_sharded_perf.bench.report import _json_default, agreement, checks, render, time_to_target_summary
+from flwr_sharded_perf.bench.report import _json_default, render
+from flwr_sharded_perf.bench.targets import agreement, checks, time_to_target_summary
 from flwr_sharded_perf.bench.runs import (LABELS, UNEQUAL_LABELS, UNEQUAL_RUNS, VARIANT_RUNS, BenchLayout, SyncVariant,
                                           model_units, parse_layouts, run_training, step_stats, sync_variant,
                                           vocab_size_of)
