@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from flwr_sharded_perf.bench.options import REPO
+from flwr_sharded_perf.provenance import REPO
 from flwr_sharded_perf.bench.runs import LABELS, UNEQUAL_LABELS, VARIANT_RUNS, SyncVariant
 from flwr_sharded_perf.bench.targets import (bytes_ratio, cross_group_bytes_per_sync, dtype_label, model_error,
                                              time_to_target_summary)
@@ -51,11 +51,11 @@ def _label(key: str, r: dict[str, Any]) -> str:
     return f"planner's choice ({r['method']})" if key == "planner-choice" else LABELS.get(key, key)
 
 
-def render(results: dict[str, Any]) -> str:
+def render_report(results: dict[str, Any]) -> str:
     """Markdown tables of everything measured."""
     lines = _header(results)
     for name, scen in results["scenarios"].items():
-        lines += render_unequal(scen) if name == "unequal" else _scenario(name, scen, results["settings"])
+        lines += render_unequal(scen) if name == "unequal" else _render_scenario(name, scen, results["settings"])
     lines += ["", "## Targets", "", "| check | measured | target | holds |", "|---|---|---|---|"]
     for c in results["checks"]:
         value, kind = c["value"], c["kind"]
@@ -78,7 +78,7 @@ def _header(results: dict[str, Any]) -> list[str]:
             f"Total {results['elapsed_s'] / 60:.1f} min."]
 
 
-def _scenario(name: str, scen: dict[str, Any], settings: dict[str, Any]) -> list[str]:
+def _render_scenario(name: str, scen: dict[str, Any], settings: dict[str, Any]) -> list[str]:
     """One scenario's sections: step times, phases, sync variants, bytes, sweep, quality, planner."""
     table = dict(scen["runs"])
     if "planner_choice_run" in scen:

@@ -13,7 +13,7 @@ import pytest
 from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES
 from flwr_sharded_perf.bench.convergence import compute_utilisation, time_to_target
 from flwr_sharded_perf.bench.options import RUN_KEYS
-from flwr_sharded_perf.bench.report import _json_default, render
+from flwr_sharded_perf.bench.report import _json_default, render_report
 from flwr_sharded_perf.bench.targets import checks, time_to_target_checks, time_to_target_summary
 from flwr_sharded_perf.bench.runs import (PHASE_NAMES, VARIANT_RUNS, WIRE_BYTES_TARGETS, SyncVariant,
                                           summarize_metrics, time_at)
@@ -151,7 +151,7 @@ def test_the_summary_holds_every_figure_of_the_table():
 
 def test_the_report_renders_the_table():
     results = _results([1900.0, 1400.0, 1050.0, 990.0])
-    report = render(results)
+    report = render_report(results)
     assert "### Time to target on this cluster" in report
     assert ("| run | final eval ppl | time to fp32's final ppl (s) | vs fp32's time | compute utilisation | "
             "cross-group bytes per sync vs fp32 |") in report
@@ -169,7 +169,7 @@ def test_the_check_passes_when_the_best_wire_meets_both_targets():
     assert [c["ok"] for c in checks_] == [True, True]
     assert "FL+FSDP overlapped int4" in checks_[0]["check"] and checks_[0]["value"] < 0.5
     assert checks_[1]["value"] == pytest.approx(0.85 / 0.88)
-    assert "| yes |" in render(_results([1900.0, 1400.0, 1050.0, 990.0])).split("## Targets")[1]
+    assert "| yes |" in render_report(_results([1900.0, 1400.0, 1050.0, 990.0])).split("## Targets")[1]
 
 
 def test_the_check_fails_when_no_wire_reaches_the_target_or_computes_too_little():
