@@ -314,8 +314,8 @@ class ShardSync:
             else:  # every member's values, and the rule's result of them
                 members = [torch.empty_like(send) for _ in admission.weights]
                 bounded(dist.all_gather, members, send, group=group)
-                admitted = [(m, w) for m, w in zip(members, admission.weights) if w > 0]
-                self.state.step(k, send, lambda g, st: self.rule.aggregate(g, admitted, st))
+                contributions = [(m, w) for m, w in zip(members, admission.weights) if w > 0]
+                self.state.step(k, send, lambda g, st: self.rule.aggregate(g, contributions, st))
                 flight.bytes += send.numel() * send.element_size()
             if staged:
                 mine = flight.origins[k] if flight.origins is not None else send
