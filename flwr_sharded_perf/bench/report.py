@@ -1,5 +1,6 @@
-"""The bench's Markdown report: every scenario's tables (step times, phases, sync variants, time to target, bytes per
-tier, the sweep of A, quality, the planner) and the targets' table (`targets`)."""
+"""The bench's reports: the Markdown one (every scenario's tables: step times, phases, sync variants, time to target,
+bytes per tier, the sweep of A, quality, the planner; and the targets' table, `targets`) and how bench.json writes
+what JSON has no value for (`_json_default`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from flwr_sharded_perf.bench.targets import (bytes_ratio, cross_group_bytes_per_
 from flwr_sharded_perf.placement import TIERS
 
 def _json_default(value: Any) -> Any:
+    """A path as its text, a float that is not finite as null."""
     if isinstance(value, Path):
         return str(value)
     if isinstance(value, float) and not math.isfinite(value):
