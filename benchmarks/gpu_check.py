@@ -377,6 +377,7 @@ def worker_sync(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from flwr_sharded.parallel.sync import ShardSync
+    from flwr_sharded.parallel.wire import WIRES
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -392,7 +393,7 @@ def worker_sync(args: argparse.Namespace) -> None:
                 params = [torch.nn.Parameter(torch.randn(shape, generator=gen).to(device))
                           for shape in [(300, 40), (1000,), (7, 13), (5000,)]]
                 sync = ShardSync([(f"p{i}", p) for i, p in enumerate(params)], fed_group=dist.group.WORLD,
-                                 bucket_bytes=16384, wire_dtype=None if wire == "float32" else getattr(torch, wire),
+                                 bucket_bytes=16384, wire=None if wire == "float32" else WIRES[wire],
                                  error_feedback=wire == "int8")
                 if sync.keeps_global:
                     sync.capture_global()

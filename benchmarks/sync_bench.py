@@ -96,7 +96,7 @@ def main() -> None:
     from flwr_sharded.training.models import transformer_blocks
     from flwr_sharded.parallel.alignment import local_shard
     from flwr_sharded.parallel.sync import ShardSync
-    from flwr_sharded.parallel.wire import WIRES
+    from flwr_sharded.parallel.wire import sync_wire
     from flwr_sharded.parallel.topology import init_topology
 
     topo = init_topology(ParallelConfig(method="fl-fsdp", federations=args.federations, shards=args.shards))
@@ -179,8 +179,8 @@ def main() -> None:
                                                   ("sync-topk-int8-ef", "int8", True, None, args.sync_topk)):
         checks = {} if max_move is None else {"max_move": max_move}
         wired = ShardSync(model.named_parameters(), fed_group=topo.fed_group,
-                          bucket_bytes=int(args.bucket_mb * 2**20), wire_dtype=WIRES[dtype].torch_dtype(),
-                          error_feedback=feedback, topk=topk, **checks)
+                          bucket_bytes=int(args.bucket_mb * 2**20), wire=sync_wire(dtype, topk),
+                          error_feedback=feedback, **checks)
         wired.check_alignment()
         wired.capture_global()
         if name in ("sync-int8", "sync-int8-unchecked"):

@@ -84,10 +84,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--write", metavar="FILE", help="write it to FILE (docs/options.md)")
     parser.add_argument("--group-table", metavar="FILE",
                         help="rewrite the group runtime's option table in FILE (docs/flower.md) between its markers")
-    parser.set_defaults(func=_command)
+    parser.set_defaults(func=_run_options)
 
 
-def _command(args: argparse.Namespace) -> int:
+def _run_options(args: argparse.Namespace) -> int:
     if args.group_table:
         path = Path(args.group_table)
         path.write_text(with_group_table(path.read_text()))

@@ -101,10 +101,10 @@ def register(subparsers: Any) -> None:
                                                 "tokens", description=__doc__)
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (with metrics.jsonl)")
     parser.add_argument("-o", "--out", required=True, metavar="FILE.png", help="the figure to write")
-    parser.set_defaults(func=_command)
+    parser.set_defaults(func=_run_plot)
 
 
-def _command(args: argparse.Namespace) -> int:
+def _run_plot(args: argparse.Namespace) -> int:
     try:
         print(f"wrote {plot(args.run_dirs, args.out)}")
     except ConfigError as exc:

@@ -53,7 +53,7 @@ def positive_int(name: str, value: int) -> None:
         raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
 
 
-FP32_BYTES = 4.0
+STAGING_BYTES = 4.0
 """Bytes per value of the sync's staging buffers (fp32), which the two-level scheme's in-site stage moves."""
 
 
@@ -78,7 +78,7 @@ def site_sync_time(shard_bytes: float, G: int, L: int, *, wire_bytes: float = 4.
     (4: float32, 2: bfloat16, 1 + 4/256: int8)."""
     if not wire_bytes > 0:
         raise ConfigError(f"wire_bytes must be positive, got {wire_bytes!r}")
-    return two_level_time(8 * shard_bytes * wire_bytes / FP32_BYTES, G, L, stage=FP32_BYTES / wire_bytes,
+    return two_level_time(8 * shard_bytes * wire_bytes / STAGING_BYTES, G, L, stage=STAGING_BYTES / wire_bytes,
                           B_site=B_site, B_cross=B_cross)
 
 
@@ -99,7 +99,7 @@ def site_sync_bytes(shard_bytes: float, G: int, L: int, *, wire_bytes: float = 4
     when G > 1. A site's uplink carries what its members send across it."""
     positive_int("G", G)
     positive_int("L", L)
-    wire = shard_bytes * wire_bytes / FP32_BYTES
+    wire = shard_bytes * wire_bytes / STAGING_BYTES
     if G == 1 or L == 1:
         flat = 2 * wire * (G * L - 1) / (G * L)
         return SiteBytes(in_site=0.0 if G > 1 else flat, cross=flat if G > 1 else 0.0)
@@ -131,10 +131,10 @@ class Exchange:
 
 
 PROTOCOL: dict[SyncKind, tuple[Exchange, ...]] = {
-    "overlapped": (Exchange("admission", "all_gather", "parallel.admission.admit (ShardSync._admit)"),
-                   Exchange("result vote", "all_reduce", "parallel.admission.vote (ShardSync._conclude)")),
-    "blocking": (Exchange("admission", "all_gather", "parallel.admission.admit (ShardSync._admit)"),
-                 Exchange("result vote", "all_reduce", "parallel.admission.vote (ShardSync._conclude)"),
+    "overlapped": (Exchange("admission", "all_gather", "parallel.admission.admit (sync_verdict.admit_channels)"),
+                   Exchange("result vote", "all_reduce", "parallel.admission.vote (sync_verdict.conclude)")),
+    "blocking": (Exchange("admission", "all_gather", "parallel.admission.admit (sync_verdict.admit_channels)"),
+                 Exchange("result vote", "all_reduce", "parallel.admission.vote (sync_verdict.conclude)"),
                  Exchange("commit vote", "all_gather", "parallel.admission.commit_vote (Commits.agree)")),
 }
 """The exchanges between the members of one fragment sync besides its reduction, by kind of sync, each over all n

@@ -25,7 +25,7 @@ GRAD_BYTES = 4
 """Sharded gradients: reduce-scattered in fp32 (`reduce_dtype`) into the parameters' dtype."""
 REDUCE_BYTES = 4
 """The reduce-scatter's input: a block's unsharded gradients copied into one fp32 buffer."""
-FP32_BYTES = 4
+UPCAST_BYTES = 4
 """fp32 copies in the forward: RMSNorm's upcast input, the upcast logits and their log-softmax."""
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2}
 """The compute dtype (`precision`): gathered parameters, their gradients and the activations."""
@@ -248,14 +248,14 @@ def trainer_memory(shape: ModelShape, *, S: int, tokens: int, R: int = 1, F: int
     grads_block = cb * root + (cb + REDUCE_BYTES) * block  # the root's unsharded gradients live through backward
     grads_root = (cb + REDUCE_BYTES) * root
 
-    upcast = FP32_BYTES - cb
+    upcast = UPCAST_BYTES - cb
     per_block = cb * (BLOCK_ACTIVATIONS["h"] * h + BLOCK_ACTIVATIONS["kv"] * kv + BLOCK_ACTIVATIONS["i"] * i) \
         + NORM_UPCASTS_PER_BLOCK * upcast * h
     kept = cb * h if o.activation_checkpointing else per_block
     outside = tokens * (cb * OUTSIDE_ACTIVATIONS_H * h + upcast * h)
     activations = tokens * L * kept + outside
     backward_working = tokens * (cb * BACKWARD_WORKING_I * i + (per_block if o.activation_checkpointing else 0))
-    logits = tokens * LOGITS_FP32_COPIES * FP32_BYTES * V
+    logits = tokens * LOGITS_FP32_COPIES * UPCAST_BYTES * V
 
     base = parameters + optimizer + sync + anchor
     phases = {

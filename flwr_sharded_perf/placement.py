@@ -9,7 +9,7 @@ from typing import Literal
 
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.sites import SiteLayout
-from flwr_sharded_perf.costmodel import (FP32_BYTES, Backend, Units, check_backend, check_layout, positive_int,
+from flwr_sharded_perf.costmodel import (STAGING_BYTES, Backend, Units, check_backend, check_layout, positive_int,
                                          site_sync_bytes)
 
 TIERS = ("intra_node", "inter_node", "inter_group")
@@ -173,7 +173,7 @@ def rank_traffic(method: str, placement: Placement, units: Units, *, rank: int, 
         elif method == "fl-fsdp" or r == 0:
             stage = wire_ratio if stage_ratio is None else stage_ratio
             sent = site_sync_bytes(shard_bytes * sync_ratio * stage, sites.G, sites.L,
-                                   wire_bytes=FP32_BYTES * wire_ratio / stage)
+                                   wire_bytes=STAGING_BYTES * wire_ratio / stage)
             for rings, nbytes in ((sites.site_rings(), sent.in_site), (sites.cross_rings(), sent.cross)):
                 ring = next(g for g in rings if f in g)
                 peer = placement.rank(ring[(ring.index(f) + 1) % len(ring)], r, s)

@@ -22,7 +22,7 @@ from flwr_sharded_perf.planner import (Candidate, FederationCandidate, PaperRow,
 from flwr_sharded.schema import option, same_as
 from flwr_sharded_perf.wire_choice import advice
 
-PHASES = ("forward", "backward", "optimizer", "aggregation", "overall")
+PHASE_COLUMNS = ("forward", "backward", "optimizer", "aggregation", "overall")
 PROTOCOL_LATENCIES = (0.01, 0.05, 0.1)
 """Seconds per step across sites at which `plan` shows the sync protocol's share, besides the cluster's own."""
 
@@ -103,11 +103,11 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                     "cluster, rank them and recommend one (see docs/cost-model.md).",
         formatter_class=schema.HelpFormatter)
     schema.add_arguments(p, PlanOptions)
-    p.set_defaults(func=run)
+    p.set_defaults(func=run_plan)
     return p
 
 
-def resolve(parsed: argparse.Namespace) -> argparse.Namespace:
+def resolve_plan(parsed: argparse.Namespace) -> argparse.Namespace:
     """The plan's options from a parsed command line, with `evaluate`'s (`evaluation`); ConfigError naming the flag."""
     opts = schema.apply_arguments(PlanOptions(), parsed)
     if opts.outer not in RULES:
@@ -175,11 +175,11 @@ def _print_paper(cluster: Cluster, rows: list[PaperRow], args: argparse.Namespac
               f"{m['aggregation'][0]:>5.2f} {c.memory.total / GiB:>11.1f} {'yes' if c.fits else 'NO':>4}")
     model = "calibrated" if rows[0].predicted.calibrated else "paper's (no overlap, no optimizer step)"
     print(f"Per phase, s/step predicted ({model} model) / Table 4 measured (predicted/measured):")
-    print(f"{'layout':<8} " + " ".join(f"{p:>20}" for p in PHASES))
+    print(f"{'layout':<8} " + " ".join(f"{p:>20}" for p in PHASE_COLUMNS))
     for r in rows:
         phases = r.predicted.phases.as_dict()
         cells = [f"{phases[p]:.2f}/{m:.2f} ({f'{phases[p] / m:.2f}' if m > 0 else '-'})"
-                 for p, m in ((p, r.measured[p][0]) for p in PHASES)]
+                 for p, m in ((p, r.measured[p][0]) for p in PHASE_COLUMNS)]
         print(f"{r.label:<8} " + " ".join(f"{c:>20}" for c in cells))
     base, parts = rows[0], []
     for r in rows[1:]:
@@ -194,10 +194,10 @@ def _print_paper(cluster: Cluster, rows: list[PaperRow], args: argparse.Namespac
               f"try --activation-checkpointing or fewer --tokens-per-gpu")
 
 
-def run(parsed: argparse.Namespace) -> int:
+def run_plan(parsed: argparse.Namespace) -> int:
     """Handler of `flwr-sharded plan`; a bad option value is a usage error (exit 2), as argparse's own."""
     try:
-        args = resolve(parsed)
+        args = resolve_plan(parsed)
     except ConfigError as exc:
         print(f"flwr-sharded plan: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

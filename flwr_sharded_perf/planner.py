@@ -13,8 +13,8 @@ from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.sites import SiteLayout
 from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES, wire_ratio
 from flwr_sharded_perf.cluster import Cluster, FacilityFederation
-from flwr_sharded_perf.costmodel import (ADAMW_BYTES_PER_PARAM, FP32_BYTES, SGD_BYTES_PER_PARAM, Calibration, CommTerms,
-                                         FragmentSync, Phases, allreduce_steps, check_layout, comm_terms,
+from flwr_sharded_perf.costmodel import (ADAMW_BYTES_PER_PARAM, SGD_BYTES_PER_PARAM, STAGING_BYTES, Calibration,
+                                         CommTerms, FragmentSync, Phases, allreduce_steps, check_layout, comm_terms,
                                          flow_bandwidth, optimizer_time, overlapped, phase_time, positive_int)
 from flwr_sharded_perf.memory_model import GiB, MemoryBreakdown, StepOptions, memory_per_gpu
 from flwr_sharded_perf.model_shape import ModelShape, compute_time, model_from_preset
@@ -161,7 +161,7 @@ def evaluate(cluster: Cluster, model: ModelShape, method: str, *, F: int = 1, R:
                       steps_R=steps["replica"], steps_F=steps["federation"], sites=two_level, B_site=B_site,
                       alpha_site=alpha_site,
                       stage_ratio=None if sync_bytes_per_param is None and step.sync_topk is None
-                      else FP32_BYTES / bytes_per_param,  # a top-k sync stages its fp32 deltas in the site
+                      else STAGING_BYTES / bytes_per_param,  # a top-k sync stages its fp32 deltas in the site
                       protocol=kind if protocol else None, fragments=step.sync_fragments)
     fragment = FragmentSync(kind=kind, members=F, data=comm.sync * A / step.sync_fragments,
                             collectives=units.count / step.sync_fragments,

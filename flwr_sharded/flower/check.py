@@ -48,7 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     action = p.add_argument(f"--{o.name}", "-c", dest="run_config", action="append", default=[], metavar="TEXT",
                             help=schema.help_text(o).replace("%", "%%"))
     action.option = o
-    p.set_defaults(func=_command)
+    p.set_defaults(func=_run_check)
     return p
 
 
@@ -127,7 +127,7 @@ def run_summary(run: FlowerRun) -> str:
             f"{run.train.model.name}; sync {p.describe_sync()}")
 
 
-def _command(args: argparse.Namespace) -> int:
+def _run_check(args: argparse.Namespace) -> int:
     try:
         opts = schema.apply_arguments(CheckOptions(), args)
         run = check(opts.app, args.run_config, local=not opts.deployment)

@@ -28,7 +28,7 @@ SAVE_ROOT = "allowed-save-root"
 KEYS = (ALLOW_RULES, CHECKPOINT_ROOT, SAVE_ROOT)
 
 
-def resolve(path: str) -> Path:
+def resolved_path(path: str) -> Path:
     """`path` as the file system will see it: user-expanded, relative to the working directory, symlinks and `..`
     resolved (also for the parts that do not exist yet)."""
     return Path(os.path.realpath(os.path.join(os.getcwd(), os.path.expanduser(path))))
@@ -36,7 +36,7 @@ def resolve(path: str) -> Path:
 
 def is_under(path: str, root: str) -> bool:
     """Whether `path` resolves to `root` or below it."""
-    p, r = resolve(path), resolve(root)
+    p, r = resolved_path(path), resolved_path(root)
     return p == r or r in p.parents
 
 
@@ -115,5 +115,5 @@ class NodePolicy:
             return (f"{what} {path!r}: this node's config allows no such directory (set {key}=\"/some/dir\" in the "
                     f"SuperNode's --node-config to allow directories under it)")
         if not is_under(path, root):
-            return f"{what} {str(resolve(path))!r} is outside this node's {key} {root!r}"
+            return f"{what} {str(resolved_path(path))!r} is outside this node's {key} {root!r}"
         return ""

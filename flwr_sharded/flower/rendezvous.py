@@ -160,7 +160,7 @@ def _process_group(store: dist.Store, rank: int, size: int, name: str, backend: 
     return pg
 
 
-def site_groups(group: FederationGroup, layout: SiteLayout, sync_timeout: float,
+def store_site_groups(group: FederationGroup, layout: SiteLayout, sync_timeout: float,
                 device: torch.device | None = None) -> tuple[SiteGroups, list[FederationGroup]]:
     """The two-level reduction's groups of this member of `group` (`layout`: the site of each member, a two-level
     one): its site's members and the members holding its share at every site, built over `group`'s store (only

@@ -118,10 +118,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "SuperExec: SIGTERM to each process group, SIGKILL after --timeout seconds.\n"
                     "Other users' and other homes' SuperLinks keep running.", formatter_class=schema.HelpFormatter)
     schema.add_arguments(parser, StopOptions)
-    parser.set_defaults(func=_command)
+    parser.set_defaults(func=_run_stop)
 
 
-def _command(args: argparse.Namespace) -> int:
+def _run_stop(args: argparse.Namespace) -> int:
     try:
         opts = schema.apply_arguments(StopOptions(), args)
     except ConfigError as exc:

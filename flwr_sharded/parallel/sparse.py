@@ -219,20 +219,24 @@ def scatter(flat: torch.Tensor, layout: RowLayout, indices: torch.Tensor, values
 class SparseWire(Wire):
     """This rank's delta plus its decayed residual, top `fraction` per chunk (module docstring), its values in the
     `values` wire's format, all-gathered as rows and merged in fp32 on every rank in rank order (`merge`). Needs the
-    residual."""
+    residual. `restart`: after each sync a rank's shards become the global values plus its residual (`carried`),
+    which leaves the error-feedback buffer: the residual travels in the model (`scatter-mean` only)."""
 
     delta: ClassVar[bool] = True
     error_feedback: ClassVar[bool] = True
 
     def __init__(self, values: Wire, fraction: float, merge: TopkMerge = DEFAULT_MERGE,
-                 decay: float = DEFAULT_ERROR_DECAY) -> None:
+                 decay: float = DEFAULT_ERROR_DECAY, restart: bool = False) -> None:
         if not 0 < fraction <= 1:
             raise ValueError(f"top-k fraction must be in (0, 1], got {fraction}")
         if merge not in MERGES:
             raise ValueError(f"top-k merge must be one of {', '.join(MERGES)}, got {merge!r}")
         if not 0 < decay <= 1:
             raise ValueError(f"error-feedback decay must be in (0, 1], got {decay}")
-        self.values, self.fraction, self.merge, self.decay = values, fraction, merge, decay
+        if restart and merge == "sum":
+            raise ValueError("restarting from the global values plus the residual needs a top-k sync merged by "
+                             "scatter-mean")
+        self.values, self.fraction, self.merge, self.decay, self.restart = values, fraction, merge, decay, restart
         self.name = values.name
         self.order = values.order
         self.bytes_per_value = fraction * (INDEX_BITS / 8 + values.bytes_per_value)

@@ -2,37 +2,36 @@
 (or, when the groups shard differently, each piece of them with its owners in the other groups: `sync_plan`).
 
 The model is never gathered. A sync packs this rank's shards into flat buckets (`buckets.BucketLayout`), admits the
-members (`admission`), reduces each bucket over its channel's process group through the wire (`wire`: the weighted
-shards, or weighted deltas from the global shards in a narrower dtype), checks each result (`plausibility`), has the
-members vote on it, and merges it into the shards, stepping the rule (`rules`) on the way. One path for both kinds:
-a blocking sync copies, reduces and merges bucket by bucket through one reusable buffer; an overlapped one copies
-every bucket out when it starts (`Snapshot`), reduces them in a background thread (a side CUDA stream on GPUs)
-while training goes on, and merges them later, between two optimizer steps.
+members channel by channel (`sync_verdict`), reduces each bucket over its channel's process group through the wire
+(`wire`: the weighted shards, or weighted deltas from the global shards in a narrower format), checks each result
+(`plausibility`), has the members vote on it (`sync_verdict`), and merges it into the shards, stepping the rule
+(`rules`) on the way. One path for both kinds: a blocking sync copies, reduces and merges bucket by bucket through one
+reusable buffer; an overlapped one copies every bucket out when it starts, reduces them in a background thread (a side
+CUDA stream on GPUs) while training goes on, and merges them later, between two optimizer steps (`flight`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import time
-from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
 
-from flwr_sharded.parallel.admission import Admission, SyncRejected, admit, all_finite, behind, healthy, vote
+from flwr_sharded.parallel.admission import all_finite, healthy
 from flwr_sharded.parallel.alignment import check_descriptors, describe, fingerprint, local_shard
-from flwr_sharded.parallel.buckets import BucketLayout
+from flwr_sharded.parallel.buckets import Bucket, BucketLayout
 from flwr_sharded.parallel.collectives import bounded
+from flwr_sharded.parallel.flight import Flight, Overlap, Snapshot, SyncStats
 from flwr_sharded.parallel.global_state import ErrorFeedback, GlobalState
-from flwr_sharded.parallel.offender import identify
 from flwr_sharded.parallel.plausibility import DEFAULT_MAX_MOVE, MoveBound, bucket_norms
 from flwr_sharded.parallel.rules import FedAvg, ShardRule
 from flwr_sharded.parallel.sites import SiteGroups, why_not_two_level
-from flwr_sharded.parallel.sparse import DEFAULT_ERROR_DECAY, DEFAULT_MERGE, SparseWire, TopkMerge
+from flwr_sharded.parallel.sparse import SparseWire
 from flwr_sharded.parallel.sync_plan import Owners, Seat
-from flwr_sharded.parallel.wire import QUANTIZED, WIRES, wire_of
+from flwr_sharded.parallel.sync_verdict import admit_channels, conclude
+from flwr_sharded.parallel.wire import QUANTIZED, WIRES
+from flwr_sharded.parallel.wire_base import Wire
 from flwr_sharded.parallel.workspace import Workspace
 
 Groups = dist.ProcessGroup | SiteGroups | Mapping[Owners, dist.ProcessGroup] | None
@@ -40,62 +39,24 @@ Groups = dist.ProcessGroup | SiteGroups | Mapping[Owners, dist.ProcessGroup] | N
 keyed by its owners, or none."""
 
 
-@dataclass
-class SyncStats:
-    """What one sync did on this rank."""
-
-    seconds: float
-    """Wall time from its start to its merge."""
-    buckets: int
-    """Collectives issued over the federation's groups."""
-    bytes: int
-    """Payload bytes this rank sent over them."""
-    total_weight: float
-    """Sum of the admitted members' weights."""
-
-
-class Snapshot:
-    """One reusable byte buffer for copies of buckets that are never held at the same time (the fragments of one
-    model: at most one is in flight), sized to the largest."""
-
-    def __init__(self) -> None:
-        self._storage: torch.Tensor | None = None
-
-    def views(self, like: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Tensors shaped and typed as `like`, laid out one after the other in the buffer (grown if needed)."""
-        sizes = [t.numel() * t.element_size() for t in like]
-        if self._storage is None or self._storage.numel() < sum(sizes) or self._storage.device != like[0].device:
-            self._storage = torch.empty(sum(sizes), dtype=torch.uint8, device=like[0].device)
-        out, offset = [], 0
-        for t, size in zip(like, sizes):
-            out.append(self._storage[offset:offset + size].view(t.dtype).view(t.shape))
-            offset += size
-        return out
-
-
-@dataclass
-class _Flight:
-    """One sync from its start to its merge."""
-
-    weight: float
-    ok: bool
-    """This member's own verdict on what it sends."""
-    norms: list[float] | None
-    sends: list[torch.Tensor] | None
-    """The buckets as copied out at the start (overlapped); None: copied in one by one (blocking)."""
-    origins: list[torch.Tensor] | None
-    """The shards at the start (overlapped, when the move is bounded or the merge carries)."""
-    started: float
-    dense: bool = False
-    """A top-k sync that sends every entry this time."""
-    adopted: int = 0
-    """The merges this member's group adopted so far, brought to the admission (`admission.behind`)."""
-    alpha: float = 0.0
-    apply_rule: bool = True
-    thread: threading.Thread | None = None
-    error: BaseException | None = None
-    bytes: int = 0
-    total: float = 0.0
+def _bucket_wire(wire: Wire | None, buckets: list[Bucket], rule: ShardRule, error_feedback: bool) -> tuple[Wire, bool]:
+    """The wire `buckets` are reduced through, and whether it sends weighted deltas from the global shards: top-k, or
+    a wire of another dtype than some bucket's (fp32 buckets, a linear rule); else the shards' own (a plain
+    all-reduce). ValueError for a combination the sync cannot run."""
+    delta = isinstance(wire, SparseWire) or wire is not None and any(b.dtype != wire.torch_dtype() for b in buckets)
+    if delta and not rule.linear:
+        raise ValueError(f"{type(rule).__name__} is not linear: it all-gathers every member's shards, which a reduced "
+                         f"wire ({wire.name}) cannot carry as one delta; use a linear rule or the shards' dtype")
+    if delta and any(b.dtype != torch.float32 for b in buckets):
+        raise ValueError(f"a wire dtype ({wire.name}) other than the shards' needs fp32 shards, got "
+                         f"{sorted({str(b.dtype) for b in buckets})}")
+    chosen = wire if delta else WIRES["float32"]
+    if error_feedback and not chosen.error_feedback:
+        given = wire.name if wire is not None else "the shards' own dtype"
+        raise ValueError(f"error feedback needs a quantized wire dtype ({', '.join(QUANTIZED)}) or top-k, not {given}")
+    if isinstance(chosen, SparseWire) and not error_feedback:
+        raise ValueError("a top-k sync needs error feedback")
+    return chosen, delta
 
 
 class ShardSync:
@@ -108,54 +69,31 @@ class ShardSync:
         bucket_bytes: the size of the one flat buffer reused for every collective.
         rule: how shards combine (`flwr_sharded.parallel.rules`); FedAvg by default. Rules that are not linear
             all-gather each bucket (F buckets in memory) and cannot overlap or use a reduced wire.
-        wire_dtype: the reduction's dtype (`flwr_sharded.parallel.wire.WIRES`); None: the shards' own. Another one
-            sends weighted deltas from the global shards (fp32 shards, a linear rule), which are then kept.
+        wire: what the reduction sends, built once (`flwr_sharded.parallel.wire.sync_wire`: a `--sync-dtype` wire, or
+            top-k rows of its values with their merge, decay and restart); None: the shards' own dtype. A wire of
+            another dtype than the shards', or top-k, sends weighted deltas from the global shards (fp32 shards, a
+            linear rule), which are then kept.
         error_feedback: carry each rank's rounding errors (and what top-k left out) into its next sync.
         max_move: a result is adopted only if it moves no bucket by more than this many times its recent moves
             (`flwr_sharded.parallel.plausibility`); 0: finiteness only.
-        topk: send only this fraction of each chunk's delta entries (`flwr_sharded.parallel.sparse`); None: dense.
-        topk_merge, error_decay: how the top-k rows merge, and the factor on its residual before each selection.
         seat: where this rank sits among groups that shard differently; None: every group shards alike.
         snapshot, origin: the buffers an overlapped sync copies its buckets and its shards into (shared by the
             fragments of one model); None: its own.
         carry: an overlapped merge keeps the local steps taken since the sync started.
-        restart_residual: after a top-k sync, this rank's shards become the global values plus its residual (what it
-            did not send), which leaves the error-feedback buffer: the residual travels in the model.
     """
 
     def __init__(self, named_params: Iterable[tuple[str, torch.Tensor]], *, fed_group: Groups,
-                 bucket_bytes: int = 64 << 20, rule: ShardRule | None = None, wire_dtype: torch.dtype | None = None,
-                 error_feedback: bool = False, max_move: float = DEFAULT_MAX_MOVE, topk: float | None = None,
-                 topk_merge: TopkMerge = DEFAULT_MERGE, error_decay: float = DEFAULT_ERROR_DECAY,
-                 seat: Seat | None = None, snapshot: Snapshot | None = None, origin: Snapshot | None = None,
-                 carry: bool = False, restart_residual: bool = False) -> None:
+                 bucket_bytes: int = 64 << 20, rule: ShardRule | None = None, wire: Wire | None = None,
+                 error_feedback: bool = False, max_move: float = DEFAULT_MAX_MOVE, seat: Seat | None = None,
+                 snapshot: Snapshot | None = None, origin: Snapshot | None = None, carry: bool = False) -> None:
         named = list(named_params)
         if not named:
             raise ValueError("ShardSync needs at least one parameter")
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
         self.rule = rule or FedAvg()
         self.layout = BucketLayout(self.names, self.params, seat, bucket_bytes)
-        buckets = self.layout.buckets
-        # a reduced (or top-k) wire: the reduction sends weighted deltas from the global shards, in `wire_dtype`
-        self.delta = topk is not None or wire_dtype is not None and any(b.dtype != wire_dtype for b in buckets)
-        if self.delta and not self.rule.linear:
-            raise ValueError(f"{type(self.rule).__name__} is not linear: it all-gathers every member's shards, which "
-                             f"a reduced wire dtype ({wire_dtype}) cannot carry as one delta; use a linear rule or "
-                             f"the shards' dtype")
-        if self.delta and any(b.dtype != torch.float32 for b in buckets):
-            raise ValueError(f"a wire dtype ({wire_dtype}) other than the shards' needs fp32 shards, got "
-                             f"{sorted({str(b.dtype) for b in buckets})}")
-        values = wire_of(wire_dtype or torch.float32) if self.delta else WIRES["float32"]
-        self.wire = SparseWire(values, topk, topk_merge, error_decay) if topk is not None else values
-        if error_feedback and not self.wire.error_feedback:
-            raise ValueError(f"error feedback needs a quantized wire dtype ({', '.join(QUANTIZED)}) or top-k, not "
-                             f"{wire_dtype}")
-        if topk is not None and not error_feedback:
-            raise ValueError("a top-k sync needs error feedback")
-        if restart_residual and (topk is None or self.wire.merge == "sum"):
-            raise ValueError("restarting from the global values plus the residual needs a top-k sync merged by "
-                             "scatter-mean")
-        self.restart_residual = restart_residual
+        self.wire, self.delta = _bucket_wire(wire, self.layout.buckets, self.rule, error_feedback)
+        """The wire each bucket is reduced through; whether it sends weighted deltas from the global shards."""
         self.state = GlobalState(self.rule, self.rule.stateful or self.delta,
                                  ErrorFeedback() if error_feedback else None)
         self.bound = MoveBound(max_move)
@@ -170,18 +108,13 @@ class ShardSync:
         self.confirmed: bool | None = None
         """Whether the last sync's admission found every member with the same count of adopted merges (every merge
         before it stands); None: its admission was not reached."""
-        self.snapshot, self.origin, self.carry = snapshot or Snapshot(), origin, carry
+        self.overlap, self.carry = Overlap(snapshot, origin), carry
+        """What an overlapped sync runs on (its buffers, side stream and thread; an abandoned flight's)."""
         self._workspace = Workspace()
         self._reserved = False
-        self._refused: dict[int, SyncRejected] = {}
-        self._flight: _Flight | None = None
-        self._received: _Flight | None = None
+        self._flight: Flight | None = None
+        self._received: Flight | None = None
         """An overlapped sync whose reduction arrived (`receive`), not merged yet."""
-        self._abandoned: threading.Thread | None = None
-        """The thread of an abandoned flight that was still running: it may yet write into the snapshot."""
-        self.abandoned_wait = 60.0
-        """Seconds `start` waits for an abandoned flight's thread before it refuses to begin."""
-        self._stream = None
         self.bind(fed_group)
 
     # ----- where it runs --------------------------------------------------------------------------------------
@@ -205,7 +138,7 @@ class ShardSync:
         elif isinstance(fed_group, SiteGroups):
             why = why_not_two_level(fed_group.layout.sites, dist.get_world_size(fed_group.flat),
                                     alike=self.seat is None, linear=self.rule.linear,
-                                    restart_residual=self.restart_residual)
+                                    restart_residual=isinstance(self.wire, SparseWire) and self.wire.restart)
             if why:
                 raise ValueError(f"this sync cannot reduce in two levels (site-aware): {why}")
             self.groups = [fed_group.flat]
@@ -281,7 +214,7 @@ class ShardSync:
             raise ValueError(f"FedAvg weight must be > 0, got {weight}")
         if self.in_flight:
             raise RuntimeError("a sync of this fragment is already in flight")
-        self._await_abandoned()
+        self.overlap.await_abandoned()
         if self.groups[0] is None:
             raise RuntimeError("this sync is not bound to a federation's process groups")
         if overlap and not self.rule.linear:
@@ -296,30 +229,16 @@ class ShardSync:
         if self.delta and not self._reserved:
             self.wire.reserve(self._workspace, self.layout.largest(), views[0][0].device)
             self._reserved = True
-        flight = _Flight(weight, True, None, None, None, time.perf_counter(), dense=dense, adopted=adopted)
+        flight = Flight(weight, True, None, None, None, time.perf_counter(), dense=dense, adopted=adopted)
         self.confirmed = None
         if overlap:
-            if self._stream is not None:  # the last flight's side stream is done with the snapshot before it is reused
-                torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
-            flight.sends = self.snapshot.views([flat for flat, _, _ in views])
-            for k, (send, (_, shard_segments, _)) in enumerate(zip(flight.sends, views)):
-                torch._foreach_copy_(self.layout.segments_of(k, send), shard_segments)
-            if self.carry or self.bound.enabled:
-                self.origin = self.origin or Snapshot()
-                flight.origins = self.origin.views(flight.sends)
-                torch._foreach_copy_(flight.origins, flight.sends)
+            self.overlap.copy_out(flight, views, self.layout, origins=self.carry or self.bound.enabled)
         sent = [[send] for send in flight.sends] if overlap else [shard_segments for _, shard_segments, _ in views]
         flight.norms = bucket_norms(sent) if self.bound.enabled else None
         flight.ok = self.verdict([seg for bucket in sent for seg in bucket], weight, self.max_weight, flight.norms)
         self._flight = flight
         if overlap:
-            device = views[0][0].device
-            if device.type == "cuda":  # the copies above run on the current stream
-                self._stream = self._stream or torch.cuda.Stream(device=device)
-                self._stream.wait_stream(torch.cuda.current_stream(device))
-            flight.thread = threading.Thread(target=self._reduce_in_background, args=(flight,),
-                                             name="flwr-sharded-sync", daemon=True)
-            flight.thread.start()
+            self.overlap.launch(flight, self._reduce)
 
     def finish(self, *, alpha: float = 0.0, apply_rule: bool = True, timeout: float | None = None) -> SyncStats:
         """Complete the sync and write the result into the shards: `receive`, then `merge`."""
@@ -340,9 +259,7 @@ class ShardSync:
             raise ValueError(f"{type(self.rule).__name__} is not linear: it has no plain-mean level to stop at")
         flight.alpha, flight.apply_rule = alpha, apply_rule
         if flight.thread is not None:
-            flight.thread.join(timeout)
-            if flight.thread.is_alive():
-                raise TimeoutError(f"the overlapped sync did not complete within {timeout} s")
+            self.overlap.join(flight, timeout)
         self._flight = None
         if flight.thread is None:
             with torch.no_grad():
@@ -358,54 +275,26 @@ class ShardSync:
         if flight is None:
             raise RuntimeError("no sync of this fragment was received")
         if flight.thread is not None:
-            if self._stream is not None:  # the merge reads what the side stream wrote
-                torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
+            self.overlap.before_merge()  # the merge reads what the side stream wrote
             for k, (send, (_, shard_segments, _)) in enumerate(zip(flight.sends, self.layout.views())):
                 self._merge_bucket(k, send, shard_segments, self.layout.segments_of(k, send), flight)
-        return SyncStats(seconds=time.perf_counter() - flight.started, buckets=len(self.layout.buckets),
-                         bytes=flight.bytes, total_weight=flight.total)
+        return flight.stats(len(self.layout.buckets))
 
     def abandon(self, timeout: float = 5.0) -> None:
         """Drop a sync in flight (its round failed, or training ended): wait up to `timeout` s for its thread. One
-        still running is remembered: the next `start` waits for it (`abandoned_wait`), as it writes into the
+        still running is remembered: the next `start` waits for it (`Overlap.abandoned_wait`), as it writes into the
         snapshot that every fragment shares."""
-        thread = self._flight.thread if self._flight is not None else None
-        if thread is not None:
-            thread.join(timeout)
-            if thread.is_alive():
-                self._abandoned = thread
+        self.overlap.abandon(self._flight, timeout)
         self._flight = self._received = None
 
-    def _await_abandoned(self) -> None:
-        """Wait for an abandoned flight's thread; RuntimeError if it outlives `abandoned_wait`."""
-        thread = self._abandoned
-        if thread is None:
-            return
-        thread.join(self.abandoned_wait)
-        if thread.is_alive():
-            raise RuntimeError(f"an abandoned sync of this fragment is still running after {self.abandoned_wait} s "
-                               f"more (its collective has not returned); a new sync would share its buffers")
-        self._abandoned = None
-
-    def _reduce_in_background(self, flight: _Flight) -> None:
-        stream = self._stream
-        try:
-            if stream is not None:  # the thread's current device: else CUDA makes a context on device 0
-                torch.cuda.set_device(stream.device)
-            with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                try:
-                    self._reduce(flight)
-                finally:  # the side stream's work is done before finish() (or a new flight) touches the buffers
-                    if stream is not None:
-                        stream.synchronize()
-        except BaseException as exc:  # noqa: BLE001 - raised by finish() on the main thread
-            flight.error = exc
-
-    def _reduce(self, flight: _Flight) -> None:
+    def _reduce(self, flight: Flight) -> None:
         """Admission, each bucket's reduction (`flat` holds this rank's values of it, then the members' mean or the
         rule's result) and check, then the members' vote. A blocking sync copies each bucket into the buffer first and
         merges it at once."""
-        admissions = self._admit(flight.weight, flight.ok, flight.adopted)
+        admitted = admit_channels(self.groups, flight, self.max_weight, local_shard(self.params[0]).device)
+        self.left_out, self.confirmed = admitted.left_out, admitted.confirmed
+        admitted.raise_if_behind()
+        admissions = admitted.channels
         self.bound.begin(flight.weight, flight.ok, flight.norms)
         flight.total = admissions[0].total if admissions[0] is not None else 0.0
         staged, bad = flight.sends is not None, {}  # bad: channel -> its first bucket rejected here
@@ -432,8 +321,8 @@ class ShardSync:
             else:  # every member's values, and the rule's result of them
                 members = [torch.empty_like(send) for _ in admission.weights]
                 bounded(dist.all_gather, members, send, group=group)
-                admitted = [(m, w) for m, w in zip(members, admission.weights) if w > 0]
-                self.state.step(k, send, lambda g, st: self.rule.aggregate(g, admitted, st))
+                contributions = [(m, w) for m, w in zip(members, admission.weights) if w > 0]
+                self.state.step(k, send, lambda g, st: self.rule.aggregate(g, contributions, st))
                 flight.bytes += send.numel() * send.element_size()
             if staged:
                 mine = flight.origins[k] if flight.origins is not None else send
@@ -446,10 +335,11 @@ class ShardSync:
                 bad[c] = k
             if not staged and c not in bad:
                 self._merge_bucket(k, flat, shard_segments, buffer_segments, flight)
-        self._conclude(bad, admissions, flight)
+        conclude(bad, admitted, self.groups, self.layout, self.bound, self.rule.linear, flight,
+                 local_shard(self.params[0]).device)
 
     def _merge_bucket(self, k: int, mean: torch.Tensor, shard_segments: list[torch.Tensor],
-                      mean_segments: list[torch.Tensor], flight: _Flight) -> None:
+                      mean_segments: list[torch.Tensor], flight: Flight) -> None:
         """Bucket k's mean: the rule steps on it, the global state keeps it, the shards take it in."""
         if flight.apply_rule and self.rule.linear and not isinstance(self.rule, FedAvg):
             self.state.step(k, mean, lambda g, st: self.rule.apply_mean(g, mean, st))
@@ -465,74 +355,16 @@ class ShardSync:
         else:
             for shard, new in zip(shard_segments, mean_segments):
                 shard.mul_(alpha).add_(new, alpha=1.0 - alpha)
-        if self.restart_residual and self.state.feedback is not None:
+        if isinstance(self.wire, SparseWire) and self.wire.restart and self.state.feedback is not None:
             self._restart_from_residual(k, shard_segments)
 
     def _restart_from_residual(self, k: int, shard_segments: list[torch.Tensor]) -> None:
-        """Bucket k's shards += this rank's residual, which then starts anew from zero (`restart_residual`)."""
+        """Bucket k's shards += this rank's residual, which then starts anew from zero (`SparseWire.restart`)."""
         residual = self.state.feedback.residuals.get(str(k))
         if residual is None:
             return  # left out of this sync: nothing of its own was held back
         torch._foreach_add_(shard_segments, self.layout.segments_of(k, self.wire.carried(residual)))
         residual.zero_()
-
-    def _admit(self, weight: float, ok: bool, adopted: int) -> list[Admission | None]:
-        """Each channel's admitted weights (one all-gather each), None for a channel where no member may contribute
-        (its `SyncRejected` is raised when the sync concludes, after the other channels' collectives). Every
-        member's count of adopted merges sets `confirmed`; with a member `behind`, `SyncRejected` at once (on every
-        member: each channel holds one rank of every member, and a member's count is its group's)."""
-        device = local_shard(self.params[0]).device
-        admissions: list[Admission | None] = []
-        self._refused = {}
-        for c, group in enumerate(self.groups):
-            try:
-                admissions.append(admit(weight, ok, self.max_weight, group, device, adopted))
-            except SyncRejected as exc:
-                self._refused[c] = exc
-                admissions.append(None)
-        self.left_out = sorted({j for a in admissions if a is not None for j in a.left_out})
-        lagging = sorted({j for a in admissions if a is not None for j in behind(a.adopted)})
-        if any(a is not None for a in admissions):
-            self.confirmed = not lagging
-        if lagging:
-            raise SyncRejected(f"member(s) {lagging} of the federation group did not adopt a merge the others "
-                               f"adopted since the last confirmation: no member keeps it", offenders=lagging)
-        return admissions
-
-    def _conclude(self, bad: dict[int, int], admissions: list[Admission | None], flight: _Flight) -> None:
-        """The members' vote, channel by channel. Adopted everywhere: its moves join the history. Rejected: the
-        members of a rejecting channel search the first bucket any of them rejected for its offender, then
-        `SyncRejected` is raised on every member of it, naming the offenders found."""
-        rejected: SyncRejected | None = None
-        offenders: set[int] = set()
-        device = local_shard(self.params[0]).device
-        for c, group in enumerate(self.groups):
-            if admissions[c] is None:
-                rejected = rejected or self._refused[c]
-                continue
-            buckets = self.layout.channel_buckets[c]
-            try:
-                vote(c not in bad, group, device, first_bad=buckets.index(bad[c]) if c in bad else None)
-            except SyncRejected as exc:
-                rejected = rejected or exc
-                if exc.bucket is not None and self.bound.enabled and self.rule.linear:
-                    k = buckets[exc.bucket]
-                    if flight.sends is not None:  # the origin holds this rank's contribution (the move is bounded)
-                        flat, intact = flight.origins[k], True
-                    else:  # copied in again: its values, unless this rank wrote the result (found it plausible)
-                        flat, shard_segments, buffer_segments = self.layout.views()[k]
-                        torch._foreach_copy_(buffer_segments, shard_segments)
-                        intact = bad.get(c) == k
-                    offenders.update(identify(flat, intact, admissions[c].weights, self.bound, k, group))
-        if rejected is None:
-            self.bound.record()
-            return
-        self.bound.discard()
-        if offenders:
-            rejected.offenders = sorted(offenders)
-            rejected.args = (f"{rejected.args[0]}; member(s) {rejected.offenders} of the federation group sent it "
-                             f"(their contributions alone explain it)",)
-        raise rejected
 
     # ----- outside a sync -----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -569,4 +401,4 @@ class ShardSync:
                 torch._foreach_copy_(shard_segments, buffer_segments)
 
 
-__all__ = ["Groups", "ShardSync", "Snapshot", "SyncStats", "local_shard"]
+__all__ = ["Groups", "ShardSync", "local_shard"]

@@ -1,13 +1,14 @@
 """The wire dtypes of the shard sync (`--sync-dtype`): the kinds (plain, cast, blockwise quantized), one class per
 wire in `WIRES`, and everything that lists them (the option's choices and docs, the quantized ones, the device check,
-the cost and memory models' bytes). A new wire is a `register`ed subclass of a kind; torch-free to import."""
+the cost and memory models' bytes), and the wire a sync is built with (`sync_wire`). A new wire is a `register_wire`ed
+subclass of a kind; torch-free to import."""
 
 from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
 from flwr_sharded.errors import ConfigError
-from flwr_sharded.parallel.sparse import over_dense
+from flwr_sharded.parallel.sparse import DEFAULT_ERROR_DECAY, DEFAULT_MERGE, SparseWire, TopkMerge, over_dense
 from flwr_sharded.parallel.wire_base import CODEBOOK_BINS, CODEBOOK_BLOCK, QUANT_BLOCK, SCALE_BYTES, Wire
 
 
@@ -88,7 +89,7 @@ WIRES: dict[str, Wire] = {}
 """Every wire dtype by name, in `order`."""
 
 
-def register(cls: type[Wire]) -> type[Wire]:
+def register_wire(cls: type[Wire]) -> type[Wire]:
     """Class decorator: add a wire to `WIRES`, in its `order`."""
     if cls.name in WIRES:
         raise ValueError(f"wire dtype {cls.name!r} is registered twice")
@@ -98,52 +99,52 @@ def register(cls: type[Wire]) -> type[Wire]:
     return cls
 
 
-@register
+@register_wire
 class Float32(PlainWire):
     """the shards themselves"""
     name, order, bytes_per_value = "float32", 0, 4.0
 
 
-@register
+@register_wire
 class BFloat16(CastWire):
     """the delta rounded once to bf16"""
     name, order, bytes_per_value = "bfloat16", 10, 2.0
 
 
-@register
+@register_wire
 class Int8(BlockwiseWire):
     """integer codes, absmax / 127 per block, rounded to nearest"""
     name, order = "int8", 20
 
 
-@register
+@register_wire
 class Float8E4M3(BlockwiseWire):
     """fp8 e4m3 codes, absmax / 448 per block, within 1/16 of each value"""
     name, order, short, requirement = "float8_e4m3fn", 30, "e4m3", "CUDA compute capability >= 8.9"
     probe = (448.0, -1.125, 2.0**-9, 0.0)  # largest normal, a 3-bit mantissa, smallest subnormal
 
 
-@register
+@register_wire
 class Float8E5M2(BlockwiseWire):
     """fp8 e5m2 codes, absmax / 57344 per block, within 1/8 of each value for a wider range inside a block"""
     name, order, short, requirement = "float8_e5m2", 40, "e5m2", "CUDA compute capability >= 8.9"
     probe = (57344.0, -1.25, 2.0**-16, 0.0)  # largest normal, a 2-bit mantissa, smallest subnormal
 
 
-@register
+@register_wire
 class Int4(BlockwiseWire):
     """integer codes in [-7, 7], two to a byte, 18x int8's rounding step"""
     name, order, bytes_per_value = "int4", 50, 0.5 + SCALE_BYTES / QUANT_BLOCK
 
 
-@register
+@register_wire
 class Float4E2M1(BlockwiseWire):
     """OCP's 4-bit float, two to a byte, decoded through a table on any device, int4's bytes for a wider range
     inside a block"""
     name, torch_name, order, bytes_per_value = "float4_e2m1", "float4_e2m1fn_x2", 60, 0.5 + SCALE_BYTES / QUANT_BLOCK
 
 
-@register
+@register_wire
 class Int2(BlockwiseWire):
     """four levels per block, four to a byte: +-a and +-b, the mean magnitudes below and above the block's RMS (two
     bf16 in the bytes of its scale; MuLoCo's 2 bits)"""
@@ -176,6 +177,14 @@ def wire_of(dtype: Any) -> Wire:
     if wire is None:
         raise ValueError(f"{dtype} is not a wire dtype of the shard sync; registered: {', '.join(WIRES)}")
     return wire
+
+
+def sync_wire(dtype: str, topk: float | None = None, merge: TopkMerge = DEFAULT_MERGE,
+              decay: float = DEFAULT_ERROR_DECAY, restart: bool = False) -> Wire:
+    """The wire a shard sync sends through, built from its options: `--sync-dtype` `dtype`'s, or with `--sync-topk`
+    the top-k rows of its values (`sparse.SparseWire`: their merge, the residual's decay, the restart from it)."""
+    values = WIRES[dtype]
+    return values if topk is None else SparseWire(values, topk, merge, decay, restart)
 
 
 def wire_ratio(value_bytes: float, topk: float | None = None, world: int = 2, *, over: float = 4.0) -> float:

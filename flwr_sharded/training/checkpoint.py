@@ -33,11 +33,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from flwr_sharded.training import checkpoint_files
-from flwr_sharded.training.checkpoint_files import META, read_meta
+from flwr_sharded.training.checkpoint_files import META_FILE, read_meta
 from flwr_sharded.training.checkpoint_series import LATEST, OLD, TMP, group_dir, holdings, intact_steps, \
     latest_checkpoint, step_name, step_of
 
-META_PART = META + ".part"
+META_PART = META_FILE + ".part"
 
 
 class CheckpointWriteError(RuntimeError):
@@ -207,7 +207,7 @@ class Checkpointer:
         """Group rank 0: put the written checkpoint in place, with a complete one on disk at every moment."""
         tmp, final = pending.tmp, pending.final
         old = final.with_name(final.name + OLD)
-        os.replace(tmp / META_PART, tmp / META)
+        os.replace(tmp / META_PART, tmp / META_FILE)
         checkpoint_files.fsync_dir(tmp)
         if final.exists():  # the same step written again (after a resume from an earlier checkpoint)
             shutil.rmtree(old, ignore_errors=True)

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from flwr_sharded.parallel.torch_compat import dcp_metadata_path
 
-META = "meta.json"
+META_FILE = "meta.json"
 
 
 def fsync_dir(path: str | Path) -> None:
@@ -95,7 +95,7 @@ def write_json(path: str | Path, value: Any) -> None:
 
 def read_meta(checkpoint: str | Path) -> dict[str, Any]:
     """A checkpoint's `meta.json`."""
-    return json.loads((Path(checkpoint) / META).read_text())
+    return json.loads((Path(checkpoint) / META_FILE).read_text())
 
 
 def file_sizes(directory: str | Path, exclude: tuple[str, ...] = ()) -> dict[str, int]:
@@ -110,13 +110,13 @@ def incomplete_reason(checkpoint: str | Path) -> str:
     if not path.is_dir():
         return "missing"
     try:
-        meta = json.loads((path / META).read_text())
+        meta = json.loads((path / META_FILE).read_text())
     except FileNotFoundError:
-        return f"no {META} (never committed)"
+        return f"no {META_FILE} (never committed)"
     except (OSError, ValueError) as exc:
-        return f"{META} unreadable ({type(exc).__name__}: {exc})"
+        return f"{META_FILE} unreadable ({type(exc).__name__}: {exc})"
     if not isinstance(meta, dict) or "step" not in meta:
-        return f"{META} holds no step"
+        return f"{META_FILE} holds no step"
     files = meta.get("files")
     if files is None:  # written before manifests: committed, which is all that can be told
         return ""

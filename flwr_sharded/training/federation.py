@@ -11,7 +11,8 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
-from flwr_sharded.parallel.sync import Groups, SyncStats
+from flwr_sharded.parallel.flight import SyncStats
+from flwr_sharded.parallel.sync import Groups
 from flwr_sharded.parallel.sync_plan import Seat
 
 

@@ -23,9 +23,10 @@ from typing import Any, Callable
 import torch
 
 from flwr_sharded.parallel.schedule import Schedule, fragment_parameters, local_steps
-from flwr_sharded.parallel.sync import ShardSync, Snapshot
+from flwr_sharded.parallel.flight import Snapshot
+from flwr_sharded.parallel.sync import ShardSync
 from flwr_sharded.parallel.token_weights import tokens_of
-from flwr_sharded.parallel.wire import WIRES
+from flwr_sharded.parallel.wire import sync_wire
 from flwr_sharded.training.commit import Commits
 from flwr_sharded.training.federation import Federation, PeriodPlan, RunReport, SyncOutcome
 from flwr_sharded.training.fragment_sync import FragmentSyncs
@@ -56,12 +57,12 @@ class SyncLoop(FragmentSyncs):
         if p.federated:
             model = trainer.model
             snapshot, origin = Snapshot(), Snapshot() if p.carries or p.sync_max_move > 0 else None
+            wire = sync_wire(p.sync_dtype, p.sync_topk, p.sync_topk_merge, p.sync_error_decay,
+                             restart=p.sync_restart == "residual")
             self.syncs = [ShardSync(part, fed_group=None, bucket_bytes=int(p.bucket_mb * (1 << 20)),
-                                    rule=outer_rule(p), wire_dtype=WIRES[p.sync_dtype].torch_dtype(),
-                                    error_feedback=p.sync_error_feedback, max_move=p.sync_max_move,
-                                    topk=p.sync_topk, topk_merge=p.sync_topk_merge,
-                                    error_decay=p.sync_error_decay, seat=topo.seat, snapshot=snapshot, origin=origin,
-                                    carry=p.carries, restart_residual=p.sync_restart == "residual")
+                                    rule=outer_rule(p), wire=wire, error_feedback=p.sync_error_feedback,
+                                    max_move=p.sync_max_move, seat=topo.seat, snapshot=snapshot, origin=origin,
+                                    carry=p.carries)
                           for part in fragment_parameters(model, transformer_blocks(model), p.sync_fragments)]
         self.tokens = [0] * len(self.syncs)
         """This rank's tokens since each fragment's last sync started (its weight in the next one)."""

@@ -25,9 +25,10 @@ from flwr_sharded import schema
 from flwr_sharded.config import DataConfig, data_dir_of
 from flwr_sharded.errors import ConfigError
 from flwr_sharded_perf.bench.runs import parse_layouts
-from flwr_sharded_perf.bench.options import REPO, BenchOptions, ExecOptions, LinkCheckOptions, SyncOptions, resolve
+from flwr_sharded_perf.bench.options import BenchOptions, ExecOptions, LinkCheckOptions, SyncOptions, resolve_bench
 from flwr_sharded_perf.bench.report import _fmt
 from flwr_sharded_perf.bench.scenarios import _inner_main, parse_group_shards, unequal_layouts
+from flwr_sharded_perf.provenance import REPO
 from flwr_sharded_perf.netemu.isolation import (EmulationError, check_host, enter_private_run, host_leftovers,
                                                 in_isolated_runner, run_isolated)
 from flwr_sharded_perf.netemu.network import EmuTopology, Fabric, RankFailure, _rate, load_topology, topology_dict
@@ -42,7 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "bench", help="run the four methods side by side on an emulated tiered network (root; Linux netns + tc)",
         description=__doc__, formatter_class=schema.HelpFormatter)
     schema.add_arguments(p, BenchOptions)
-    p.set_defaults(func=run, bench_command=None)
+    p.set_defaults(func=run_bench, bench_command=None)
     sub = p.add_subparsers(dest="bench_command")
     e = sub.add_parser("exec", help="run a command once per rank on the emulated cluster (RANK, WORLD_SIZE, "
                                     "MASTER_ADDR, GLOO_SOCKET_IFNAME set), e.g. a torchrun-style script",
@@ -63,9 +64,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def _resolve(parsed: argparse.Namespace, sub: type | None, what: str) -> argparse.Namespace | None:
-    """The options of `parsed` (see `bench.options.resolve`), or None after printing the error."""
+    """The options of `parsed` (see `bench.options.resolve_bench`), or None after printing the error."""
     try:
-        args = resolve(parsed, sub)
+        args = resolve_bench(parsed, sub)
     except ConfigError as exc:
         print(f"flwr-sharded {what}: error: {exc}", file=sys.stderr)
         return None
@@ -145,7 +146,7 @@ def _run_mode(parsed: argparse.Namespace, mode: str, sub: type | None, prepare, 
     return _reexec(args, mode)
 
 
-def run(parsed: argparse.Namespace) -> int:
+def run_bench(parsed: argparse.Namespace) -> int:
     """Handler of `flwr-sharded bench`."""
     return _run_mode(parsed, "main", None, _apply_quick, _validate)
 

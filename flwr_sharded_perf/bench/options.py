@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 from flwr_sharded import schema, tool_options
@@ -13,9 +12,9 @@ from flwr_sharded.config import DataConfig, ModelConfig, OptimConfig, ParallelCo
 from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES, SyncDtype
 from flwr_sharded_perf.bench.runs import UNEQUAL_RUNS, VARIANT_RUNS, variant_wire
 from flwr_sharded_perf.plan_cli import PlanOptions
+from flwr_sharded_perf.provenance import REPO
 from flwr_sharded.schema import option, same_as
 
-REPO = Path(__file__).resolve().parents[2]
 RUN_KEYS = ("fsdp", "hsdp", "fl-fsdp", "fl-hsdp", "no-sync",
             *(k for k in VARIANT_RUNS if variant_wire(k) in (None, "topk", *SYNC_DTYPE_BYTES)))
 """The runs the benchmark can do: the four methods, the no-sync limit and FL+FSDP with the other syncs whose wire the
@@ -168,7 +167,7 @@ def _leaves(obj: Any) -> dict[str, Any]:
     return {o.path[-1]: schema.get(obj, o.path) for o in schema.options(obj)}
 
 
-def resolve(parsed: argparse.Namespace, sub: type | None = None) -> argparse.Namespace:
+def resolve_bench(parsed: argparse.Namespace, sub: type | None = None) -> argparse.Namespace:
     """The flat namespace the benchmark's modules read, from a parsed command line (lists parsed, `none` unset;
     `sub`: a sub-command's options, which win over the benchmark's); ConfigError naming the flag."""
     bench = schema.apply_arguments(BenchOptions(), parsed)

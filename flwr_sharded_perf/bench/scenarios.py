@@ -16,7 +16,8 @@ from typing import Any, Sequence
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES
 from flwr_sharded_perf.provenance import provenance
-from flwr_sharded_perf.bench.report import _json_default, agreement, checks, render, time_to_target_summary
+from flwr_sharded_perf.bench.report import _json_default, render_report
+from flwr_sharded_perf.bench.targets import agreement, checks, time_to_target_summary
 from flwr_sharded_perf.bench.runs import (LABELS, UNEQUAL_LABELS, UNEQUAL_RUNS, VARIANT_RUNS, BenchLayout, SyncVariant,
                                           model_units, parse_layouts, run_training, step_stats, sync_variant,
                                           vocab_size_of)
@@ -374,17 +375,17 @@ def _inner_main(opts: argparse.Namespace) -> int:
             results["scenarios"]["unequal"] = unequal_scenario(Path(opts.unequal), opts, work, vocab)
         results["elapsed_s"] = time.perf_counter() - started
         results["checks"] = checks(results)
-        report = render(results)
+        report = render_report(results)
         print("\n" + report, flush=True)
         (out_dir / "bench.json").write_text(json.dumps(results, indent=1, default=_json_default))
         (out_dir / "bench.md").write_text(report + "\n")
-        for name in plot(results, out_dir):
+        for name in plot_results(results, out_dir):
             print(f"wrote {name}")
         print(f"wrote {out_dir / 'bench.json'} and {out_dir / 'bench.md'} ({results['elapsed_s'] / 60:.1f} min)")
     return 0
 
 
-def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
+def plot_results(results: dict[str, Any], out_dir: Path) -> list[Path]:
     """time_to_ppl.png (training perplexity against training time, like the paper's Figure 2) and a_sweep.png."""
     try:
         import matplotlib

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from flwr_sharded.parallel.admission import all_finite, healthy
+from flwr_sharded.parallel.wire import wire_of
 from tests.multiproc import run_ranks
 
 WEIGHTS = [1.0, 3.0, 2.0]
@@ -35,7 +36,8 @@ def _admission_worker(rank: int, world: int):
     def run(case: str, *, overlapped: bool = False, wire: torch.dtype | None = None):
         params = [torch.nn.Parameter(v) for v in _values(0 if wire is not None else rank)]
         weight = WEIGHTS[rank]
-        sync = ShardSync([(f"p{i}", p) for i, p in enumerate(params)], fed_group=dist.group.WORLD, wire_dtype=wire)
+        sync = ShardSync([(f"p{i}", p) for i, p in enumerate(params)], fed_group=dist.group.WORLD,
+                         wire=None if wire is None else wire_of(wire))
         sync.max_weight = 10.0
         if wire is not None:  # the last global model (the same everywhere), then some local steps
             sync.capture_global()

@@ -15,6 +15,7 @@ import torch
 from flwr_sharded.parallel import plausibility
 from flwr_sharded.parallel.offender import judge
 from flwr_sharded.parallel.plausibility import MOVE_HISTORY, SAMPLE, MoveBound
+from flwr_sharded.parallel.wire import wire_of
 from tests.multiproc import run_ranks
 
 
@@ -158,8 +159,8 @@ def _lying_worker(rank: int, world: int) -> dict:
     def scenario(lie: str | None, *, wire: torch.dtype | None = None, overlapped: bool = False,
                  max_move: float = 10.0) -> list:
         params = [torch.nn.Parameter(base[:2000].clone()), torch.nn.Parameter(base[2000:].clone())]
-        s = ShardSync([("a", params[0]), ("b", params[1])], fed_group=group, bucket_bytes=4000, wire_dtype=wire,
-                      max_move=max_move)
+        s = ShardSync([("a", params[0]), ("b", params[1])], fed_group=group, bucket_bytes=4000,
+                      wire=None if wire is None else wire_of(wire), max_move=max_move)
         s.verdict = lambda *args: True if lying[0] else healthy(*args)  # the liar's verdict on itself
         s.capture_global()
         out = []

@@ -423,13 +423,15 @@ def test_a_dense_flush_sends_each_delta_with_its_whole_residual_through_the_valu
 def _restart_worker(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
+    from flwr_sharded.parallel.sparse import SparseWire
     from flwr_sharded.parallel.sync import ShardSync
+    from flwr_sharded.parallel.wire import WIRES
 
     dist.init_process_group("gloo")
     gen = torch.Generator().manual_seed(3)
     param = torch.nn.Parameter(torch.randn(1000, generator=gen))  # the same start on every rank
-    sync = ShardSync([("w", param)], fed_group=dist.group.WORLD, topk=0.1, error_feedback=True,
-                     restart_residual=True, max_move=0)
+    sync = ShardSync([("w", param)], fed_group=dist.group.WORLD, error_feedback=True, max_move=0,
+                     wire=SparseWire(WIRES["float32"], 0.1, restart=True))
     sync.capture_global()
     delta = torch.randn(1000, generator=torch.Generator().manual_seed(rank + 20))
     with torch.no_grad():
@@ -475,11 +477,12 @@ def test_the_dense_syncs_are_the_warm_up_periods_and_the_last_one():
 
 def test_the_shard_sync_refuses_top_k_without_error_feedback():
     from flwr_sharded.parallel.sync import ShardSync
+    from flwr_sharded.parallel.wire import sync_wire
 
     param = torch.nn.Parameter(torch.zeros(8))
     with pytest.raises(ValueError, match="top-k sync needs error feedback"):
-        ShardSync([("w", param)], fed_group=None, topk=0.1)
-    assert ShardSync([("w", param)], fed_group=None, topk=0.1, error_feedback=True).keeps_global
+        ShardSync([("w", param)], fed_group=None, wire=sync_wire("float32", 0.1))
+    assert ShardSync([("w", param)], fed_group=None, wire=sync_wire("float32", 0.1), error_feedback=True).keeps_global
 
 
 @pytest.mark.parametrize("options,message", [
@@ -518,3 +521,17 @@ def test_bad_top_k_options_are_refused_naming_the_option(options, message):
         validate(cfg)
     cfg.parallel = type(cfg.parallel)(method="fl-fsdp", federations=2, sync_topk=0.02, sync_error_feedback=True)
     validate(cfg)  # float32 values with error feedback: a fp32-valued sparse delta
+
+
+def test_the_built_wire_carries_the_top_k_options_and_refuses_a_restart_it_cannot_make():
+    """`sync_wire` builds what `ShardSync` receives: a dense option's wire itself, or the top-k rows of its values
+    with their merge, decay and restart; a restart under the sum merge is refused as the wire is built."""
+    from flwr_sharded.parallel.sparse import SparseWire
+    from flwr_sharded.parallel.wire import WIRES, sync_wire
+
+    assert sync_wire("int8") is WIRES["int8"]
+    built = sync_wire("int8", 0.1, "scatter-mean", 0.5, restart=True)
+    assert isinstance(built, SparseWire) and built.values is WIRES["int8"]
+    assert (built.fraction, built.merge, built.decay, built.restart) == (0.1, "scatter-mean", 0.5, True)
+    with pytest.raises(ValueError, match="merged by scatter-mean"):
+        sync_wire("int8", 0.1, "sum", restart=True)

@@ -40,14 +40,16 @@ def _fragmented(topo, model, *, fragments: int, delay: int, wire: str | None, fe
     """One shard sync per fragment, sharing their snapshot buffers as a sync loop's do, and their schedule."""
     from flwr_sharded.parallel.rules import make_rule
     from flwr_sharded.parallel.schedule import Schedule, fragment_parameters
-    from flwr_sharded.parallel.sync import ShardSync, Snapshot
+    from flwr_sharded.parallel.flight import Snapshot
+    from flwr_sharded.parallel.sync import ShardSync
+    from flwr_sharded.parallel.wire import WIRES
     from flwr_sharded.training.models import transformer_blocks
 
     parts = fragment_parameters(model, transformer_blocks(model), fragments)
     fed = topo.fed_group if topo.replica_index == 0 else None
     snapshot, origin = Snapshot(), Snapshot()
     syncs = [ShardSync(part, fed_group=fed, bucket_bytes=4096, rule=make_rule(rule),
-                       wire_dtype=getattr(torch, wire) if wire else None, error_feedback=feedback,
+                       wire=WIRES[wire] if wire else None, error_feedback=feedback,
                        snapshot=snapshot, origin=origin, carry=carry) for part in parts]
     if topo.replica_index == 0:
         for s in syncs:

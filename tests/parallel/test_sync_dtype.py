@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from flwr_sharded.parallel.admission import VOTE_BYTES
+from flwr_sharded.parallel.wire import WIRES, wire_of
 from tests.multiproc import run_ranks
 from tests.parallel.test_sync import _sharded_tiny_model, central_mean
 
@@ -34,7 +35,7 @@ def _fedavg_worker(rank: int, world: int, method: str, F: int, R: int, S: int):
     topo, model = _sharded_tiny_model(method, F, R, S)
     replica0 = topo.replica_index == 0
     sync = ShardSync(model.named_parameters(), fed_group=topo.fed_group if replica0 else None, bucket_bytes=4096,
-                     wire_dtype=torch.bfloat16)
+                     wire=WIRES["bfloat16"])
     if replica0:
         sync.capture_global()
         sync.check_alignment()
@@ -101,7 +102,7 @@ def _nesterov_worker(rank: int, world: int, F: int, S: int):
     for wire in (None, torch.bfloat16):
         topo, model = _sharded_tiny_model("fl-fsdp", F, 1, S)
         sync = ShardSync(model.named_parameters(), fed_group=topo.fed_group, bucket_bytes=4096, rule=Nesterov(),
-                         wire_dtype=wire)
+                         wire=None if wire is None else wire_of(wire))
         sync.capture_global()
         deltas, nbytes = [], []
         for round_ in range(2):
@@ -140,10 +141,10 @@ def test_trimmed_mean_with_a_reduced_wire_is_refused():
     from flwr_sharded.parallel.sync import ShardSync
 
     with pytest.raises(ValueError, match="TrimmedMean is not linear.*bfloat16"):
-        ShardSync([("a", torch.zeros(4))], fed_group=None, rule=TrimmedMean(), wire_dtype=torch.bfloat16)
-    ShardSync([("a", torch.zeros(4))], fed_group=None, rule=TrimmedMean(), wire_dtype=torch.float32)  # the shards'
+        ShardSync([("a", torch.zeros(4))], fed_group=None, rule=TrimmedMean(), wire=WIRES["bfloat16"])
+    ShardSync([("a", torch.zeros(4))], fed_group=None, rule=TrimmedMean(), wire=WIRES["float32"])  # the shards'
     with pytest.raises(ValueError, match="needs fp32 shards"):
-        ShardSync([("a", torch.zeros(4, dtype=torch.float64))], fed_group=None, wire_dtype=torch.bfloat16)
+        ShardSync([("a", torch.zeros(4, dtype=torch.float64))], fed_group=None, wire=WIRES["bfloat16"])
 
 
 def test_bf16_wire_keeps_the_global_model_for_fedavg_and_its_outer_state_round_trips():
@@ -157,21 +158,21 @@ def test_bf16_wire_keeps_the_global_model_for_fedavg_and_its_outer_state_round_t
     assert not ShardSync(params(0), fed_group=None).keeps_global
     for rule in (None, Nesterov()):
         named = params(0)
-        sync = ShardSync(named, fed_group=None, bucket_bytes=32, rule=rule, wire_dtype=torch.bfloat16)
+        sync = ShardSync(named, fed_group=None, bucket_bytes=32, rule=rule, wire=WIRES["bfloat16"])
         assert sync.keeps_global and sync.delta
         sync.capture_global()
         assert sync.state.shards is not None and len(sync.layout.buckets) == 4
         buffer = io.BytesIO()
         torch.save(sync.state.state_dict(), buffer)  # as a checkpoint holds it
         buffer.seek(0)
-        other = ShardSync(params(1), fed_group=None, bucket_bytes=32, rule=rule, wire_dtype=torch.bfloat16)
+        other = ShardSync(params(1), fed_group=None, bucket_bytes=32, rule=rule, wire=WIRES["bfloat16"])
         other.state.load_state_dict(torch.load(buffer))
         flat = torch.cat([t.reshape(-1) for _, t in named])
         assert torch.equal(torch.cat(other.state.shards), flat)
         assert [sorted(s) for s in other.state.rule_state] == [sorted(s) for s in sync.state.rule_state]
     # the server path's last step makes the mean (the current shards) the new global model, for FedAvg too
     named = params(0)
-    sync = ShardSync(named, fed_group=None, bucket_bytes=32, wire_dtype=torch.bfloat16)
+    sync = ShardSync(named, fed_group=None, bucket_bytes=32, wire=WIRES["bfloat16"])
     sync.capture_global()
     with torch.no_grad():
         for _, t in named:

@@ -31,12 +31,12 @@ def test_a_start_waits_for_an_abandoned_flight_and_refuses_while_it_runs_on():
     sync.start(1.0, overlap=True)
     sync.abandon(timeout=0.05)
     assert not sync.in_flight and started
-    sync.abandoned_wait = 0.1
+    sync.overlap.abandoned_wait = 0.1
     with pytest.raises(RuntimeError, match="abandoned sync of this fragment is still running"):
         sync.start(1.0, overlap=True)
     assert not sync.in_flight  # nothing was copied into the snapshot meanwhile
 
-    sync.abandoned_wait = 30.0
+    sync.overlap.abandoned_wait = 30.0
     threading.Timer(0.2, release.set).start()
     sync._reduce = lambda flight: None
     sync.start(1.0, overlap=True)  # waits for the old thread, then copies the shards afresh
@@ -55,8 +55,8 @@ def test_a_flight_abandoned_after_its_thread_ended_does_not_hold_back_the_next()
     first.join(5.0)
     assert not first.is_alive() and len(reduced) == 1
     sync.abandon(timeout=5.0)
-    assert not sync.in_flight and sync._abandoned is None  # nothing left to wait for
-    sync.abandoned_wait = 0.0
+    assert not sync.in_flight and sync.overlap.abandoned is None  # nothing left to wait for
+    sync.overlap.abandoned_wait = 0.0
     with torch.no_grad():
         sync.params[0].add_(1.0)  # the next sync copies the shards as they are now
     sync.start(1.0, overlap=True)

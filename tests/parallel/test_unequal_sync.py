@@ -89,7 +89,7 @@ def _sync_worker(rank: int, world: int, layouts: tuple[int, ...], R: int, wire: 
     groups = topo.sync_groups([tuple(p.shape) for p in model.parameters()])
     sync = ShardSync(model.named_parameters(), fed_group=groups if topo.replica_index == 0 else None,
                      bucket_bytes=4000, seat=topo.seat,
-                     wire_dtype=WIRES[wire].torch_dtype(), max_move=0, rule=make_rule(rule))
+                     wire=WIRES[wire], max_move=0, rule=make_rule(rule))
     start = _full(model)
     sync.capture_global()  # the global model the reduced wires (and outer optimizers) step from
     _perturb(model, seed=100 + rank, scale=0.05)  # every rank differs, replicas included

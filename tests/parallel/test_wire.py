@@ -39,10 +39,10 @@ def test_the_sync_dtype_docstring_names_exactly_the_registered_wires():
 
 
 def test_a_wire_is_registered_once_and_unknown_dtypes_are_named():
-    from flwr_sharded.parallel.wire import WIRES, register, wire_of
+    from flwr_sharded.parallel.wire import WIRES, register_wire, wire_of
 
     with pytest.raises(ValueError, match="registered twice"):
-        register(type(WIRES["int8"]))
+        register_wire(type(WIRES["int8"]))
     assert wire_of("torch.bfloat16") is WIRES["bfloat16"]
     with pytest.raises(ValueError, match="float16 is not a wire dtype.*float32, bfloat16, int8"):
         wire_of("float16")

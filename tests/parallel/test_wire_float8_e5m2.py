@@ -71,10 +71,11 @@ def _sync_worker(rank: int, world: int, n: int):
 
     from flwr_sharded.parallel.ring import all_reduce_bytes
     from flwr_sharded.parallel.sync import ShardSync
+    from flwr_sharded.parallel.wire import wire_of
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     param = torch.nn.Parameter(sample(n, 0))  # the global model, the same on both ranks
-    sync = ShardSync([("p", param)], fed_group=dist.group.WORLD, wire_dtype=E5M2, error_feedback=True)
+    sync = ShardSync([("p", param)], fed_group=dist.group.WORLD, wire=wire_of(E5M2), error_feedback=True)
     sync.capture_global()
     with torch.no_grad():
         param.add_(0.1 * sample(n, 10 + rank))  # local steps

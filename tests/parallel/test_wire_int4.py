@@ -41,9 +41,10 @@ def _sync_worker(rank: int, world: int):
     from flwr_sharded.parallel.ring import all_reduce_bytes
     from flwr_sharded.parallel.alignment import local_shard
     from flwr_sharded.parallel.sync import ShardSync
+    from flwr_sharded.parallel.wire import wire_of
 
     topo, model = _sharded_tiny_model("fl-fsdp", 2, 1, 1)
-    sync = ShardSync(model.named_parameters(), fed_group=topo.fed_group, bucket_bytes=4096, wire_dtype=INT4,
+    sync = ShardSync(model.named_parameters(), fed_group=topo.fed_group, bucket_bytes=4096, wire=wire_of(INT4),
                      error_feedback=True)
     sync.capture_global()
     rounds = []

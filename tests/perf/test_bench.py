@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from flwr_sharded.errors import ConfigError
-from flwr_sharded_perf.bench.report import agreement
+from flwr_sharded_perf.bench.targets import agreement
 from flwr_sharded_perf.bench.runs import default_layouts, model_units, parse_layouts, step_stats, vocab_size_of
 from flwr_sharded_perf.netemu.network import EmuTopology
 from flwr_sharded_perf.placement import TIERS, Placement
@@ -192,7 +192,7 @@ def test_quick_bench_end_to_end(data_dir, tmp_path):
                                           "error_feedback": True, "topk": None, "restart": "global",
                                           "dense_flush": False, "error_decay": None, "flat": False}
     assert overlapped["traffic_max_error"] <= 0.05, overlapped["traffic"]["error"]
-    from flwr_sharded_perf.bench.report import cross_group_bytes_per_sync
+    from flwr_sharded_perf.bench.targets import cross_group_bytes_per_sync
 
     ratio = cross_group_bytes_per_sync(overlapped) / cross_group_bytes_per_sync(runs["fl-fsdp"])
     assert 0.24 <= ratio <= 0.27, ratio

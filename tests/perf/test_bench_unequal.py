@@ -10,7 +10,8 @@ import math
 import pytest
 
 from flwr_sharded.errors import ConfigError
-from flwr_sharded_perf.bench.report import render_unequal, unequal_checks
+from flwr_sharded_perf.bench.report import render_unequal
+from flwr_sharded_perf.bench.targets import unequal_checks
 from flwr_sharded_perf.bench.runs import BenchLayout
 from flwr_sharded_perf.bench.scenarios import (at_equal_tokens, cross_group_traffic, eval_tokens, group_timing,
                                                parse_group_shards, ppl_at, predicted_sync, slow_seconds, unequal_layouts)

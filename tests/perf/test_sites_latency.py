@@ -223,10 +223,13 @@ def test_the_declared_exchanges_are_the_codes():
     """Each exchange of `PROTOCOL` is issued where it says; an overlapped sync's merge issues no commit vote."""
     from flwr_sharded.parallel import admission
     from flwr_sharded.parallel.sync import ShardSync
+    from flwr_sharded.parallel.sync_verdict import admit_channels, conclude
     from flwr_sharded.training.commit import Commits
     from flwr_sharded.training.sync_loop import SyncLoop
 
-    issued = {"admission": (ShardSync._admit, "admit"), "result vote": (ShardSync._conclude, "vote"),
+    assert "admit_channels(" in inspect.getsource(ShardSync._reduce)
+    assert "conclude(" in inspect.getsource(ShardSync._reduce)
+    issued = {"admission": (admit_channels, "admit"), "result vote": (conclude, "vote"),
               "commit vote": (Commits.agree, "commit_vote")}
     calls = {"all_gather": "all_gather_single", "all_reduce": "dist.all_reduce"}
     for exchange in PROTOCOL["blocking"]:

@@ -13,8 +13,8 @@ import pytest
 from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES
 from flwr_sharded_perf.bench.convergence import compute_utilisation, time_to_target
 from flwr_sharded_perf.bench.options import RUN_KEYS
-from flwr_sharded_perf.bench.report import (_json_default, checks, render, time_to_target_checks,
-                                            time_to_target_summary)
+from flwr_sharded_perf.bench.report import _json_default, render_report
+from flwr_sharded_perf.bench.targets import checks, time_to_target_checks, time_to_target_summary
 from flwr_sharded_perf.bench.runs import (PHASE_NAMES, VARIANT_RUNS, WIRE_BYTES_TARGETS, SyncVariant,
                                           summarize_metrics, time_at)
 from flwr_sharded_perf.placement import TIERS
@@ -151,7 +151,7 @@ def test_the_summary_holds_every_figure_of_the_table():
 
 def test_the_report_renders_the_table():
     results = _results([1900.0, 1400.0, 1050.0, 990.0])
-    report = render(results)
+    report = render_report(results)
     assert "### Time to target on this cluster" in report
     assert ("| run | final eval ppl | time to fp32's final ppl (s) | vs fp32's time | compute utilisation | "
             "cross-group bytes per sync vs fp32 |") in report
@@ -169,7 +169,7 @@ def test_the_check_passes_when_the_best_wire_meets_both_targets():
     assert [c["ok"] for c in checks_] == [True, True]
     assert "FL+FSDP overlapped int4" in checks_[0]["check"] and checks_[0]["value"] < 0.5
     assert checks_[1]["value"] == pytest.approx(0.85 / 0.88)
-    assert "| yes |" in render(_results([1900.0, 1400.0, 1050.0, 990.0])).split("## Targets")[1]
+    assert "| yes |" in render_report(_results([1900.0, 1400.0, 1050.0, 990.0])).split("## Targets")[1]
 
 
 def test_the_check_fails_when_no_wire_reaches_the_target_or_computes_too_little():
@@ -186,3 +186,28 @@ def test_no_rows_and_no_checks_without_the_blocking_run_or_variants():
     assert time_to_target_summary({"no-sync": _run("no-sync", 0.85, [1000.0], sync_bytes=None)}) is None
     only_ref = time_to_target_summary({"fl-fsdp": _run("fl-fsdp", 3.0, [1000.0])})
     assert time_to_target_checks(only_ref) == [] and time_to_target_checks(None) == []
+
+
+def test_a_wires_bytes_are_measured_against_the_fp32_sync_over_the_same_ring():
+    """The flat int8 run against the flat fp32 run (the recorded 2026-12-07 figures: 15.24 MB against 59.99, not the
+    two-level fp32 run's 40.00), the two-level one against the two-level run; no flat fp32 run: said, not judged."""
+    from flwr_sharded_perf.bench.targets import sync_variant_checks
+
+    def run(key: str, dtype: str, mb: float, sites: str | None) -> dict[str, Any]:
+        return {**_run(key, 1.0, [1000.0], dtype=dtype, sync_bytes=mb * 1e6, overlap=dtype != "float32"),
+                "sync_sites": sites}
+
+    runs = {"fl-fsdp": run("fl-fsdp", "float32", 40.00, "0,1"),
+            "fl-fsdp-flat": run("fl-fsdp-flat", "float32", 59.99, None),
+            "fl-fsdp-overlap-int8": run("fl-fsdp-overlap-int8", "int8", 10.0, "0,1"),
+            "fl-fsdp-overlap-int8-flat": run("fl-fsdp-overlap-int8-flat", "int8", 15.24, None)}
+    rows = {c["check"]: c for c in sync_variant_checks(runs) if "cross-group bytes" in c["check"]}
+    flat = rows["FL+FSDP overlapped int8, flat ring: cross-group bytes per sync over the fp32 sync's (flat ring)"]
+    assert flat["value"] == pytest.approx(15.24 / 59.99) and flat["ok"] is True
+    two = rows["FL+FSDP overlapped int8: cross-group bytes per sync over the fp32 sync's (two-level)"]
+    assert two["value"] == pytest.approx(10.0 / 40.0) and two["ok"] is True
+    del runs["fl-fsdp-flat"]
+    unmatched = [c for c in sync_variant_checks(runs) if c["check"].startswith("FL+FSDP overlapped int8, flat ring: "
+                                                                                 "cross-group bytes")]
+    assert len(unmatched) == 1 and unmatched[0]["value"] is None and unmatched[0]["ok"] is None
+    assert "no blocking fp32 run over the same ring" in unmatched[0]["check"]

@@ -149,7 +149,7 @@ class _Sync:
         pass
 
     def merge(self):
-        from flwr_sharded.parallel.sync import SyncStats
+        from flwr_sharded.parallel.flight import SyncStats
 
         self.in_flight = False
         return SyncStats(seconds=0.0, buckets=1, bytes=0, total_weight=1.0)

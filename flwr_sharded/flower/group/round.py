@@ -68,7 +68,7 @@ class RoundFederation:
             self.groups.append(group)
             joined = group.pg
             if a.member_sites:  # the round reduces in two levels: this member's site and share groups
-                joined, made = rendezvous.site_groups(group, SiteLayout(tuple(a.member_sites)), a.sync_timeout,
+                joined, made = rendezvous.store_site_groups(group, SiteLayout(tuple(a.member_sites)), a.sync_timeout,
                                                       t.device if backend == "nccl" else None)
                 self.groups.extend(made)
                 self.two_level = True

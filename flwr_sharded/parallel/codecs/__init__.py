@@ -15,8 +15,8 @@ A new wire format:
    `byte_table` (byte -> its codes' values), which the inherited `decode` unpacks through. A format not scaled per
    block (like the codebook) subclasses `Codec` and writes `encode_values` / `decode_values`.
 2. An instance of it in `registry.CODECS`, under the wire's name.
-3. Its wire: a `register`ed `BlockwiseWire` subclass in `parallel/wire.py` (name, order, bytes per value; a top-k row
-   in another codec: `row_codec_name` and `row_side_bytes`).
+3. Its wire: a `register_wire`ed `BlockwiseWire` subclass in `parallel/wire.py` (name, order, bytes per value; a top-k
+   row in another codec: `row_codec_name` and `row_side_bytes`).
 4. Its test: its rounding bound in `tests/parallel/test_codecs.py` (`rounding_bound`, the dtype list of
    `test_dequantize_is_within_half_a_step_of_the_input`) and its ring case in `tests/parallel/test_ring.py`.
 Bytes must never change for an existing codec: the wire format is shared by every rank of every version in a run.
