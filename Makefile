@@ -48,7 +48,7 @@ test: setup  ## the whole test suite (CPU, gloo)
 	$(BIN)/python -m pytest -q $(XDIST)
 
 test-fast: setup  ## the tests that start no process (a first answer in under two minutes)
-	$(BIN)/python -m pytest -q -m "not dist and not slow"
+	$(BIN)/python -m pytest -q -m "not dist and not slow" $(XDIST)
 
 test-slow: setup  ## the tests kept out of `make test` for time (marked slow; CI runs them after `make test`)
 	FLWR_SHARDED_SLOW_TESTS=1 $(BIN)/python -m pytest -q -m slow $(XDIST)

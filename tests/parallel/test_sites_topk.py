@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flwr_sharded.parallel.sparse import HEADER_BYTES, RowLayout, kept_of
-from flwr_sharded.parallel.wire import WIRES
+from flwr_sharded.parallel.wire import WIRES, sync_wire
 from tests.multiproc import run_ranks
 
 N, FRACTION, DECAY, SITES = 1001, 0.05, 0.9, [[0, 1], [2, 3]]  # a share of 501 and one of 500 values
@@ -152,10 +152,12 @@ def _shard_sync_worker(rank: int, world: int):
     start = torch.randn(N, generator=torch.Generator().manual_seed(3))  # the same on every rank
     param = torch.nn.Parameter(start.clone())
     try:
-        ShardSync([("w", param)], fed_group=groups, topk=FRACTION, error_feedback=True, restart_residual=True)
+        ShardSync([("w", param)], fed_group=groups, wire=sync_wire("float32", FRACTION, restart=True),
+                  error_feedback=True)
     except ValueError as exc:
         refused = str(exc)
-    sync = ShardSync([("w", param)], fed_group=groups, topk=FRACTION, error_feedback=True, max_move=0)
+    sync = ShardSync([("w", param)], fed_group=groups, wire=sync_wire("float32", FRACTION), error_feedback=True,
+                     max_move=0)
     sync.capture_global()
     delta = _values(rank, 0)[0]
     with torch.no_grad():
@@ -201,8 +203,8 @@ def _lying_topk_worker(rank: int, world: int, two_level: bool) -> dict:
 
     def scenario(lie: str | None, overlapped: bool = False) -> list:
         params = [torch.nn.Parameter(base[:20000].clone()), torch.nn.Parameter(base[20000:].clone())]
-        s = ShardSync([("a", params[0]), ("b", params[1])], fed_group=group, bucket_bytes=40000, topk=0.02,
-                      error_feedback=True)
+        s = ShardSync([("a", params[0]), ("b", params[1])], fed_group=group, bucket_bytes=40000,
+                      wire=sync_wire("float32", 0.02), error_feedback=True)
         s.verdict = lambda *args: True if lying[0] else healthy(*args)  # the liar's verdict on itself
         s.capture_global()
         out, now = [], base.clone()
