@@ -144,7 +144,8 @@ class ParallelConfig:
     the last adopted sync (shards, outer state, inner optimizer, step, schedule) and training goes on with fresh
     batches, at most this many times in a row. 0: stop at the first, keeping no rollback copy in host memory. On
     gloo a failed collective (a timeout, a lost peer) makes the federation's groups anew, every rank waiting up to
-    --timeout for the others (a member stopped for longer stops the run). On NCCL a rejected result (not finite, implausible, a lying member) is retried like on gloo, but a failed collective
+    --timeout for the others (a member stopped for longer stops the run). On NCCL a rejected result (not finite,
+    implausible, a lying member) is retried like on gloo, but a failed collective
     (a timeout, a lost peer) aborts communicators the static engine cannot rebuild: the run stops with the error
     (continue it with --resume from its last checkpoint; a Flower round rebuilds its groups instead)."""
     sync_max_move: float = option(DEFAULT_MAX_MOVE, ge=0)

@@ -14,6 +14,7 @@ SLOW_TESTS = os.environ.get("FLWR_SHARDED_SLOW_TESTS") == "1"
 
 
 SHARED_RESOURCE = {"tests/flower/test_custom_strategies.py": "flower-simulation",
+                   "tests/flower/test_deployment.py": "flower-simulation",
                    "tests/flower/test_flwr_run.py": "flower-simulation",
                    "tests/flower/test_server_path_flower.py": "flower-simulation",
                    "tests/flower/test_simulation.py": "flower-simulation",
@@ -23,20 +24,28 @@ SHARED_RESOURCE = {"tests/flower/test_custom_strategies.py": "flower-simulation"
                    "tests/perf/test_netemu.py": "netemu"}
 """Files whose multi-process tests share a machine-wide resource, run one after the other in one pytest-xdist worker
 (`make test` runs two, `--dist loadgroup`): the Flower simulations (a local Ray cluster each) and the emulated
-network's namespaces (its tests count the emulator's processes). Any other file's multi-process tests run in one
-worker too (its module-scoped fixtures, such as a deployment, are built once); in-process tests go anywhere."""
+network's namespaces (its tests count the emulator's processes); test_deployment.py compares with the session's
+simulation run (tests/flower/conftest.py), built once in the worker of that group. Any other file's multi-process
+tests run in one worker too (its module-scoped fixtures, such as a deployment, are built once); in-process tests go
+anywhere."""
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Put each multi-process test in its xdist group (`SHARED_RESOURCE`, else its file's), as it is collected:
+    pytest-xdist reads the groups when the collection is modified."""
+    if "dist" in item.keywords or "slow" in item.keywords:
+        where = item.path.relative_to(REPO).as_posix()
+        item.add_marker(pytest.mark.xdist_group(SHARED_RESOURCE.get(where, where)))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip the tests marked `slow` (kept out of `make test` for time) unless `FLWR_SHARDED_SLOW_TESTS=1`; put each
-    multi-process test in its xdist group (`SHARED_RESOURCE`, else its file's)."""
+    """Skip the tests marked `slow` (kept out of `make test` for time) unless `FLWR_SHARDED_SLOW_TESTS=1`."""
+    if SLOW_TESTS:
+        return
     skip = pytest.mark.skip(reason="kept out of `make test` for time: `make test-slow` runs it (so does CI)")
     for item in items:
-        if "slow" in item.keywords and not SLOW_TESTS:
+        if "slow" in item.keywords:
             item.add_marker(skip)
-        if "dist" in item.keywords or "slow" in item.keywords:
-            where = item.path.relative_to(REPO).as_posix()
-            item.add_marker(pytest.mark.xdist_group(SHARED_RESOURCE.get(where, where)))
 
 
 @pytest.fixture(autouse=True)

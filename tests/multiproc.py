@@ -4,7 +4,8 @@ torchrun would run it (`train_ranks`), or torchrun itself (`torchrun`); every wa
 The ranks of `run_ranks` and `train_ranks` are forked from one server process per test session that imported torch
 and transformers once (multiprocessing's forkserver, `PRELOAD`): a rank starts in milliseconds instead of re-importing
 them (3-10 s of CPU per rank on this machine), and each starts from the same clean interpreter, with the caller's
-environment and working directory, as a spawned one would.
+environment and working directory. What `PRELOAD` reads from the environment at import (huggingface_hub's constants,
+such as HF_HUB_OFFLINE) is the session's; torch's thread count follows the caller's OMP_NUM_THREADS (as at import).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ def free_port() -> int:
 
 ERROR_GRACE = 3.0
 """Seconds the other ranks have to report once one raised, before they are killed (they may wait on it)."""
+FAILED_RANK_GRACE = 5.0
+"""`train_ranks`: seconds between SIGTERM and SIGKILL of the other ranks once one failed."""
 
 
 def _context() -> Any:
@@ -73,12 +76,41 @@ def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, results: A
             dist.destroy_process_group()
 
 
-def _stop(procs: Sequence[Any]) -> None:
-    """SIGKILL whatever of `procs` is still running and reap it."""
+def _descendants(pids: Sequence[int]) -> list[int]:
+    """Every process below `pids` (a forked child carries no marker of its own in its environment)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            pid, rest = stat.read_text().split(" (", 1)
+            children.setdefault(int(rest.rsplit(") ", 1)[1].split()[1]), []).append(int(pid))
+        except (OSError, IndexError, ValueError):
+            continue
+    found, todo = [], list(pids)
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
+def _stop(procs: Sequence[Any], grace: float = 0.0) -> None:
+    """Stop whatever of `procs` (and of their descendants) still runs: SIGTERM and `grace` seconds to end, as
+    torchrun's agent gives, then SIGKILL; reap them."""
+    below = _descendants([p.pid for p in procs if p.pid is not None])
+    if grace > 0:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        mp.connection.wait([p.sentinel for p in procs], timeout=grace)
     for p in procs:
         if p.is_alive():
             p.kill()
         p.join(timeout=10)
+    for pid in below:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0) -> list[Any]:
@@ -169,14 +201,16 @@ def _train_rank(rank: int, world: int, port: int, args: Sequence[str], env: dict
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     sys.argv = [str(REPO / "flwr_sharded" / "train.py"), *args]
+    import runpy
+
+    import torch
+
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():  # what torch takes from it at import
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     code: int = 0
     try:
         if os.environ.get("FLWR_SHARDED_TEST_FAULTS"):  # what the faults' sitecustomize does at interpreter start
-            import runpy
-
             runpy.run_path(str(FAULTS / "sitecustomize.py"), run_name="sitecustomize")
-        import runpy
-
         runpy.run_module("flwr_sharded.train", run_name="__main__", alter_sys=True)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -185,6 +219,9 @@ def _train_rank(rank: int, world: int, port: int, args: Sequence[str], env: dict
     except BaseException:
         traceback.print_exc()
         code = 1
+    import threading
+
+    threading._shutdown()  # what an interpreter's exit does: its non-daemon threads joined, then atexit
     atexit._run_exitfuncs()
     sys.stdout.flush(), sys.stderr.flush()
     os._exit(code)
@@ -215,9 +252,7 @@ def train_ranks(nproc: int, args: Sequence[str], *, timeout: float = 300.0, env:
                 failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
                 if failed:
                     returncode = 1  # torchrun's status when a rank failed (its ChildFailedError)
-                    grace = time.monotonic() + 1.0  # what is about to end may end by itself
-                    while any(p.exitcode is None for p in procs) and time.monotonic() < grace:
-                        time.sleep(0.05)
+                    _stop(procs, grace=FAILED_RANK_GRACE)  # what is about to end may end by itself
                     break
                 if time.monotonic() > deadline:
                     _stop(procs)

@@ -1,6 +1,7 @@
 """The static engine's run: `SyncLoop.run` until the run's last step over the static world's federation
 (`StaticFederation`: the mesh's groups, fixed for the whole run), with the records around it (train windows,
-evaluations and checkpoints at the run's ticks, failed syncs and their retries). A checkpoint that could not be written stops the run on every rank (`CheckpointWriteError`)."""
+evaluations and checkpoints at the run's ticks, failed syncs and their retries). A checkpoint that could not be
+written stops the run on every rank (`CheckpointWriteError`)."""
 
 from __future__ import annotations
 
@@ -156,9 +157,10 @@ class StaticRun:
         self.started = self.window_start = time.perf_counter()
         self.loss_sum = torch.zeros((), device=self.t.device)
         self.window_steps, self.last, self.last_tick = 0, {}, self.t.step_count
-        self.federation: StaticFederation | None = None
         """The last tick seen: a resumed run's first records and checkpoint are the ones its schedule says, after the
         step it resumed from (not one at its first step)."""
+        self.federation: StaticFederation | None = None
+        """The federation's groups, made anew after a failed collective (`run` builds the first)."""
 
     def run(self) -> dict[str, Any]:
         """Train `steps` steps with syncs every A steps, logging and evaluating; returns the final metrics."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -57,10 +58,10 @@ class SyncLoop(FragmentSyncs):
         if p.federated:
             model = trainer.model
             snapshot, origin = Snapshot(), Snapshot() if p.carries or p.sync_max_move > 0 else None
-            wire = sync_wire(p.sync_dtype, p.sync_topk, p.sync_topk_merge, p.sync_error_decay,
-                             restart=p.sync_restart == "residual")
+            wire = partial(sync_wire, p.sync_dtype, p.sync_topk, p.sync_topk_merge, p.sync_error_decay,
+                           restart=p.sync_restart == "residual")  # one per sync: a top-k wire keeps its merge's rows
             self.syncs = [ShardSync(part, fed_group=None, bucket_bytes=int(p.bucket_mb * (1 << 20)),
-                                    rule=outer_rule(p), wire=wire, error_feedback=p.sync_error_feedback,
+                                    rule=outer_rule(p), wire=wire(), error_feedback=p.sync_error_feedback,
                                     max_move=p.sync_max_move, seat=topo.seat, snapshot=snapshot, origin=origin,
                                     carry=p.carries)
                           for part in fragment_parameters(model, transformer_blocks(model), p.sync_fragments)]

@@ -185,12 +185,12 @@ def _freeze_in_sync(attempt: int) -> None:
     reduction, waiting for its part)."""
     import signal
 
-    from flwr_sharded.parallel.sync import ShardSync
+    from flwr_sharded.parallel import sync
 
-    admit, seen = ShardSync._admit, [0]
+    admit, seen = sync.admit_channels, [0]
 
-    def admit_then_freeze(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        admissions = admit(self, *args, **kwargs)
+    def admit_then_freeze(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        admissions = admit(*args, **kwargs)
         seen[0] += 1
         if seen[0] == attempt:
             logging.getLogger("flwr_sharded.group").error("injected fault: rank %s stops inside sync %d",
@@ -199,7 +199,7 @@ def _freeze_in_sync(attempt: int) -> None:
             os.kill(os.getpid(), signal.SIGSTOP)
         return admissions
 
-    ShardSync._admit = admit_then_freeze
+    sync.admit_channels = admit_then_freeze
 
 
 if os.environ.get("FLWR_SHARDED_TEST_FAULTS") and "LOCAL_RANK" in os.environ:

@@ -1,7 +1,7 @@
-"""Fault injection on the group runtime (no Flower): one rank killed mid-step, a whole group frozen (SIGSTOP) during
-a round, one rank frozen inside a sync. Each test asserts the survivors give up within their rendezvous/sync timeout, roll back to their last synced
-shards and that nothing is left running; it prints the measured recovery time (docs/flower.md, "Faults and recovery").
-Every group runs in its own session and is killed in a `finally`."""
+"""Fault injection on the group runtime (no Flower): one rank killed mid-step, a whole group frozen (SIGSTOP) during a
+round, one rank frozen inside a sync. Each test asserts the survivors give up within their rendezvous/sync timeout,
+roll back to their last synced shards and that nothing is left running; it prints the measured recovery time
+(docs/flower.md, "Faults and recovery"). Every group runs in its own session and is killed in a `finally`."""
 
 from __future__ import annotations
 

@@ -489,7 +489,8 @@ def test_a_round_of_members_at_two_sites_reduces_in_two_levels_as_the_static_eng
     assert all(o["two_level"] and not o["sync_failed"] and o["syncs"] == 2 for o in out), out
     assert all(o["checksums"] == out[0]["checksums"] for o in out)
     losses = [sum(o["losses"][k] for o in out) / 4 for k in range(len(out[0]["losses"]))]
-    result = train_ranks(4, ["--method", "fl-fsdp", "--federations", "4", "--shards", "1", "--sync-sites", ",".join(sites),
+    result = train_ranks(4, ["--method", "fl-fsdp", "--federations", "4", "--shards", "1",
+                             "--sync-sites", ",".join(sites),
                           "--model", "tiny", "--data-dir", str(data_dir), "--seq-len", "32", "--batch-size", "2",
                           "--eval-blocks", "8", "--steps", "4", "--aggregate-every", "2", "--lr", "3e-3", "--seed", "3",
                           "--warmup", str(s.train.optim.warmup), "--min-lr-ratio", str(s.train.optim.min_lr_ratio),

@@ -142,7 +142,8 @@ def _train_round(clients, offer, prefix: str, shards: list[int], **flags) -> lis
 def _static_unequal(data_dir: Path, tmp: Path, run, layouts: str) -> tuple[list[float], list[float]]:
     t, p, k = run.train, run.train.parallel, run.federation.syncs_per_round
     result = train_ranks(p.replicas * sum(int(s) for s in layouts.split(",")), [
-        "--method", p.method, "--replicas", str(p.replicas), "--group-shards", layouts, "--model", t.model.name, "--data-dir", str(data_dir),
+        "--method", p.method, "--replicas", str(p.replicas), "--group-shards", layouts, "--model", t.model.name,
+        "--data-dir", str(data_dir),
         "--seq-len", str(t.data.seq_len), "--batch-size", str(t.batch_size), "--eval-blocks", str(t.data.eval_blocks),
         "--steps", str(run.total_steps), "--aggregate-every", str(p.aggregate_every), "--lr", str(t.optim.lr),
         "--warmup", str(t.optim.warmup), "--min-lr-ratio", str(t.optim.min_lr_ratio), "--weight-decay",

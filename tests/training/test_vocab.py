@@ -115,7 +115,8 @@ def test_training_a_local_model_uses_and_saves_its_tokenizer(tmp_path: Path, tok
     corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in _documents(200)))
     data = tmp_path / "data"  # holds no tokenizer: the model's is the only one
     data.mkdir()
-    result = train_ranks(1, ["--method", "fsdp", "--model", str(model), "--dataset", str(corpus), "--data-dir", str(data),
+    result = train_ranks(1, ["--method", "fsdp", "--model", str(model), "--dataset", str(corpus),
+                             "--data-dir", str(data),
                           "--seq-len", "32", "--batch-size", "2", "--steps", "2", "--eval-blocks", "2",
                           "--no-progress", "--run-dir", str(tmp_path / "run"), "--tokenize-workers", "1"],
                       timeout=240)

@@ -145,9 +145,13 @@ def stopped(run_dir: RunDir, run_id: int) -> None:
     """The run's process is ending before the run did (`flwr stop`: Flower runs its exit handlers, the ServerApp's
     thread is abandoned): the run directory says so, and the key material of the groups launched on this machine
     is removed."""
-    run_dir.finish({"status": "stopped", "error": "the run was stopped before it ended (flwr stop, or its process "
-                                                  "was ended)", **run_dir.summary})
-    removed = remove_key_material(run_id)
+    try:  # Flower's exit handlers swallow what they raise: say it here
+        run_dir.finish({"status": "stopped", "error": "the run was stopped before it ended (flwr stop, or its "
+                                                      "process was ended)", **run_dir.summary})
+        removed = remove_key_material(run_id)
+    except Exception as exc:  # noqa: BLE001 - logged; the process is ending either way
+        log(ERROR, "flwr_sharded: the run was STOPPED, and recording it failed: %s: %s", type(exc).__name__, exc)
+        return
     log(ERROR, "flwr_sharded: the run was STOPPED; run directory %s (summary.json)%s", run_dir.path,
         f"; removed the key material of {len(removed) // 2} group(s)" if removed else "")
 
