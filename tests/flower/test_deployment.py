@@ -25,6 +25,8 @@ pytestmark = pytest.mark.dist  # every test here starts processes
 CONNECTION = "loopback"
 RECIPE = REPO / "deploy" / "local" / "run_deployment.sh"
 TAG = "FLWR_SHARDED_TEST_TAG"  # in the environment of everything the recipe starts
+LEFT_WITHIN = 30.0
+"""Seconds after the recipe exits within which nothing it started may still run."""
 
 
 @dataclass
@@ -97,7 +99,7 @@ def _start_recipe(work: Path, data_dir: Path, run_config: dict, tag: str, port: 
 
 def _finish_recipe(proc: subprocess.Popen, work: Path, tag: str, timeout: float) -> tuple[int, str, list[int]]:
     """Waits for the script (SIGKILLing its session on a timeout); returns (exit code, output, the pids of its tree
-    still alive when it exited), having killed those."""
+    still alive `LEFT_WITHIN` s after it exited), having killed those."""
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -105,7 +107,9 @@ def _finish_recipe(proc: subprocess.Popen, work: Path, tag: str, timeout: float)
         proc.wait(timeout=30)
         raise TimeoutError(f"the recipe did not finish within {timeout} s:\n{(work / 'out.txt').read_text()[-5000:]}")
     finally:
-        left = pids_with_env(TAG, tag)
+        deadline = time.monotonic() + LEFT_WITHIN  # a process the trap stopped may still be ending
+        while (left := pids_with_env(TAG, tag)) and time.monotonic() < deadline:
+            time.sleep(0.5)
         kill_tree_by_env(TAG, tag)
     return proc.returncode, strip_ansi((work / "out.txt").read_text()), left
 
