@@ -76,18 +76,28 @@ def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, results: A
             dist.destroy_process_group()
 
 
-def _descendants(pids: Sequence[int]) -> list[int]:
-    """Every process below `pids` (a forked child carries no marker of its own in its environment)."""
+def _children_by_parent() -> dict[int, list[int]]:
+    """Every running process's pid under its parent's (from /proc)."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            pid, rest = stat.read_text().split(" (", 1)
-            children.setdefault(int(rest.rsplit(") ", 1)[1].split()[1]), []).append(int(pid))
+            children.setdefault(int(stat.read_text().rsplit(")", 1)[1].split()[1]), []).append(int(stat.parent.name))
         except (OSError, IndexError, ValueError):
             continue
+    return children
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of `pid` (torchrun starts each worker in a session of its own: killpg misses them)."""
+    return _children_by_parent().get(pid, [])
+
+
+def _descendants(pids: Sequence[int]) -> list[int]:
+    """Every process below `pids` (a forked child carries no marker of its own in its environment)."""
+    children_of = _children_by_parent()
     found, todo = [], list(pids)
     while todo:
-        below = children.get(todo.pop(), [])
+        below = children_of.get(todo.pop(), [])
         found += below
         todo += below
     return found
@@ -238,8 +248,6 @@ def train_ranks(nproc: int, args: Sequence[str], *, timeout: float = 300.0, env:
     port = free_port()
     marker = f"{os.getpid()}-{uuid.uuid4().hex}"
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {}), TREE_MARKER: marker}
-    if "FLWR_SHARDED_TEST_FAULTS" in full_env:  # the faults' hooks come from a file, not from PYTHONPATH here
-        full_env["PYTHONPATH"] = os.pathsep.join([str(REPO), full_env.get("PYTHONPATH", "")])
     with tempfile.TemporaryDirectory(prefix="train-ranks-") as logs:
         files = [(os.path.join(logs, f"{r}.out"), os.path.join(logs, f"{r}.err")) for r in range(nproc)]
         procs = [ctx.Process(target=_train_rank, args=(r, nproc, port, list(args), full_env, str(cwd or REPO),

@@ -18,7 +18,7 @@ from flwr_sharded.flower.launch import pid_alive
 from flwr_sharded.training.checkpoint_export import export_pretrained
 from flwr_sharded.training.checkpoint_files import read_meta
 from flwr_sharded.training.checkpoint_series import LATEST, latest_checkpoint
-from tests.multiproc import REPO, faults_env, free_port, train_ranks
+from tests.multiproc import REPO, children, faults_env, free_port, train_ranks
 
 ARGS = ["--method", "fl-hsdp", "--federations", "2", "--replicas", "1", "--shards", "2", "--model", "tiny",
         "--seq-len", "32", "--batch-size", "2", "--steps", "12", "--aggregate-every", "3", "--log-every", "1",
@@ -128,21 +128,9 @@ def _start_torchrun(nproc: int, args: list[str], log: Path, **env: str) -> subpr
                                 **env}, cwd=REPO, start_new_session=True)
 
 
-def _children(pid: int) -> list[int]:
-    """Direct children of `pid` (torchrun starts each worker in a session of its own: killpg misses them)."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(stat.parent.name))
-        except (OSError, IndexError, ValueError):
-            pass
-    return out
-
-
 def _kill_job(launcher: subprocess.Popen, workers: list[int]) -> None:
     """SIGKILL the workers, then the launcher (so none outlives it), and reap the launcher; bounded."""
-    for pid in [*workers, *_children(launcher.pid)]:
+    for pid in [*workers, *children(launcher.pid)]:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -187,7 +175,7 @@ def test_a_job_killed_while_writing_a_checkpoint_resumes_from_the_last_committed
     workers: list[int] = []
     try:
         _wait_for(lambda: (series / LATEST).is_file(), 180, "the commit of step 4", job, tmp_path / "killed.log")
-        workers = _children(job.pid)
+        workers = children(job.pid)
         partial = series / "step-00000008.tmp"
         _wait_for(lambda: (partial / "meta.json.part").is_file(), 60, "step 8 written", job, tmp_path / "killed.log")
     finally:

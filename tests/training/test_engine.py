@@ -236,7 +236,8 @@ def test_a_rank_frozen_inside_a_sync_is_retried_without_a_partial_commit_and_cat
     10 s of the freeze) and go back to the first sync's step. After 15 s (longer than the timeout) the frozen rank
     gets SIGCONT: its reduction fails too, it rolls back to the same step, and the retries bring all three groups to
     the run's end with the same model (each group's final checkpoint exported and compared exactly)."""
-    from tests.training.test_checkpoint import _children, _kill_job, _start_torchrun
+    from tests.multiproc import children
+    from tests.training.test_checkpoint import _kill_job, _start_torchrun
 
     from flwr_sharded.training.checkpoint_export import export_pretrained
 
@@ -252,7 +253,7 @@ def test_a_rank_frozen_inside_a_sync_is_retried_without_a_partial_commit_and_cat
         frozen = None
         while frozen is None:
             assert job.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
-            workers = _children(job.pid)
+            workers = children(job.pid)
             frozen = next((pid for pid in workers if _stopped(pid)), None)
             time.sleep(0.05)
         frozen_at = time.monotonic()
