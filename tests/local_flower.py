@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -25,10 +26,26 @@ VENV_BIN = Path(sys.executable).parent
 """The environment's scripts (flwr, flower-superlink, torchrun): put in front of PATH."""
 
 
+LOWEST_PORT = 20000
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port free on 127.0.0.1, chosen at random below the kernel's ephemeral range (ip_local_port_range): no
+    connection's source port and no bind to port 0 (torchrun's store, gloo, a group's endpoint) can take it
+    between this choice and the server's own bind, as one the kernel handed out could be."""
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 0
+    candidates = [secrets.choice(range(LOWEST_PORT, ephemeral_low)) for _ in range(50)] if ephemeral_low > 21000 else []
+    for port in [*candidates, 0]:
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return sock.getsockname()[1]
+    raise OSError("no free port on 127.0.0.1")
 
 
 def run_config_args(values: dict) -> list[str]:
@@ -204,6 +221,31 @@ class Procs:
                     pass
 
 
+def listens(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether something accepts TCP connections on host:port."""
+    try:
+        socket.create_connection((host, port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def launch_superlink(procs: Procs, port: int, env: dict[str, str], *options: str, name: str = "superlink") -> Proc:
+    """Start `flower-superlink` on 127.0.0.1:`port` with its database `procs.workdir`/state.db (a restarted one
+    finds its state); `options`: its TLS options (none: --insecure). `wait_listening` waits until it listens."""
+    cmd = ["flower-superlink", *(options or ["--insecure"]), "--host", "127.0.0.1", "--port", str(port),
+           "--disable-runtime-dependency-installation", "--database", str(procs.workdir / "state.db")]
+    return procs.start(name, cmd, env=env)
+
+
+def wait_listening(proc: Proc, port: int, timeout: float = 120.0) -> Proc:
+    """`proc` once 127.0.0.1:`port` accepts connections; RuntimeError with its log if it exits first."""
+    wait_until(lambda: proc.popen.poll() is not None or listens(port), timeout, 0.1, f"{proc.name} listening")
+    if proc.popen.poll() is not None:
+        raise RuntimeError(f"{proc.name} exited during start-up ({proc.popen.returncode}):\n{proc.text()[-3000:]}")
+    return proc
+
+
 def launch_group(procs: Procs, name: str, *, shards: int = 2, replicas: int = 1, method: str = "fl-fsdp",
                  idle_timeout: float = 300.0, extra: Sequence[str] = (), address: str = "127.0.0.1:0",
                  key: Path | None = None, env: dict[str, str] | None = None) -> tuple[Proc, Path, Path]:
@@ -258,9 +300,9 @@ def deployment_rounds(procs: Procs, app: Path, groups: Sequence[tuple[str, dict]
     port = free_port()
     home = write_flwr_home(procs.workdir / "flwr_home", "bench", f"127.0.0.1:{port}", insecure=True)
     env = base_env(FLWR_HOME=str(home))
-    procs.start("superlink", ["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port),
-                              "--database", str(procs.workdir / "state.db")], env=env)
+    superlink = launch_superlink(procs, port, env)
     started = start_groups(procs, groups)
+    wait_listening(superlink, port)
     for i, (_, address, key) in enumerate(started):
         procs.start(f"supernode{i}", [
             "flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}", "--port", str(free_port()),

@@ -17,7 +17,6 @@ import os
 import pickle
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,15 +25,11 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from tests.local_flower import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "transformers.models.llama.modeling_llama")
 """Imported once by the forkserver; the package itself is not (a rank imports it under the caller's environment)."""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 ERROR_GRACE = 3.0

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.flower.procs import REPO, Procs, base_env, free_port, strip_ansi, wait_until, write_flwr_home
+from tests.flower.procs import REPO, Procs, base_env, free_port, launch_superlink, strip_ansi, wait_listening, \
+    wait_until, write_flwr_home
 
 DEPLOY = REPO / "deploy"
 
@@ -49,14 +50,9 @@ def test_tls_superlink_admits_only_registered_supernodes(tmp_path: Path):
     env = base_env(FLWR_HOME=str(home))
     procs = Procs(tmp_path)
     try:
-        link = procs.start("superlink", [
-            "flower-superlink", "--ssl-ca-certfile", str(certs / "ca.crt"), "--ssl-certfile", str(certs / "server.pem"),
-            "--ssl-keyfile", str(certs / "server.key"), "--enable-supernode-auth", "--host", "127.0.0.1",
-            "--port", str(port), "--disable-runtime-dependency-installation",
-            "--database", str(tmp_path / "state.db")], env=env)
-        wait_until(lambda: "running on https://" in link.text() or link.popen.poll() is not None, 60,
-                   what="SuperLink listening (https)")
-        assert link.popen.poll() is None, link.text()[-3000:]
+        wait_listening(launch_superlink(
+            procs, port, env, "--ssl-ca-certfile", str(certs / "ca.crt"), "--ssl-certfile", str(certs / "server.pem"),
+            "--ssl-keyfile", str(certs / "server.key"), "--enable-supernode-auth"), port, timeout=60)
 
         reg = subprocess.run(["flwr", "supernode", "register", str(keys / "node0.pub"), "tls"], env=env,
                              capture_output=True, text=True, timeout=60)

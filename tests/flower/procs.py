@@ -6,10 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from flwr_sharded.flower.launch import pid_alive  # noqa: F401  (re-exported for the tests)
-from tests.local_flower import (VENV_BIN, Proc, Procs, base_env, cmdline, free_port,  # noqa: F401
-                                            group_pids, kill_tree_by_env, launch_group, pids_matching, pids_with_env,
-                                            round_records, run_config_args, start_group, start_groups, strip_ansi,
-                                            wait_group, wait_until, write_flwr_home)
+from tests.local_flower import (VENV_BIN, Proc, Procs, base_env, cmdline, free_port, group_pids,  # noqa: F401
+                                kill_tree_by_env, launch_group, launch_superlink, pids_matching, pids_with_env,
+                                round_records, run_config_args, start_group, start_groups, strip_ansi, wait_group,
+                                wait_listening, wait_until, write_flwr_home)
 
 REPO = Path(__file__).resolve().parents[2]
 APP = REPO / "apps" / "llama_fl_hsdp"
@@ -20,6 +20,6 @@ FAST_RUN_CONFIG = {"model": "tiny", "seq-len": 32, "batch-size": 2, "eval-blocks
                    "syncs-per-round": 2, "num-server-rounds": 2, "lr": 0.003, "seed": 7}
 
 __all__ = ["APP", "DEMO", "FAST_RUN_CONFIG", "REPO", "VENV_BIN", "Proc", "Procs", "base_env", "cmdline", "free_port",
-           "group_pids", "kill_tree_by_env", "launch_group", "pid_alive", "pids_matching", "pids_with_env",
-           "round_records", "run_config_args", "start_group", "start_groups", "strip_ansi", "wait_group", "wait_until",
-           "write_flwr_home"]
+           "group_pids", "kill_tree_by_env", "launch_group", "launch_superlink", "pid_alive", "pids_matching",
+           "pids_with_env", "round_records", "run_config_args", "start_group", "start_groups", "strip_ansi",
+           "wait_group", "wait_listening", "wait_until", "write_flwr_home"]

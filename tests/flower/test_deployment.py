@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from tests.flower.procs import APP, FAST_RUN_CONFIG, REPO, Proc, Procs, base_env, free_port, group_pids, \
-    kill_tree_by_env, launch_group, pids_with_env, round_records, run_config_args, start_groups, strip_ansi, \
-    wait_group, wait_until, write_flwr_home
+    kill_tree_by_env, launch_group, launch_superlink, pids_with_env, round_records, run_config_args, start_groups, \
+    strip_ansi, wait_group, wait_listening, wait_until, write_flwr_home
 
 pytestmark = pytest.mark.dist  # every test here starts processes
 
@@ -34,12 +34,16 @@ class Deployment:
     procs: Procs
     env: dict[str, str]
     port: int
+    superlink: Proc
     groups: list[tuple[Proc, str, Path]]
     supernodes: list[Proc]
     data_dir: Path
 
     def run(self, name: str, run_config: dict, *, during=None, timeout: float = 400) -> tuple[int, str, list[dict]]:
         """`flwr run APP loopback --stream`; `during(proc)` runs while it streams. Returns (code, log, rounds)."""
+        if self.superlink.popen.poll() is not None:
+            raise RuntimeError(f"the SuperLink exited ({self.superlink.popen.returncode}):\n"
+                               f"{self.superlink.text()[-3000:]}")
         metrics = self.procs.workdir / f"{name}-run" / "metrics.jsonl"
         cmd = ["flwr", "run", str(APP), CONNECTION, "--stream",
                *run_config_args({**run_config, "data-dir": str(self.data_dir), "run-dir": str(metrics.parent)})]
@@ -68,20 +72,23 @@ def deployment(data_dir, tmp_path_factory):
         port = free_port()
         home = write_flwr_home(work / "flwr_home", CONNECTION, f"127.0.0.1:{port}", insecure=True)
         env = base_env(FLWR_HOME=str(home))
-        procs.start("superlink", ["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port),
-                                  "--disable-runtime-dependency-installation", "--database", str(work / "state.db")],
-                    env=env)
+        superlink = launch_superlink(procs, port, env)
         groups = start_groups(procs, [(f"group{i}", {}) for i in range(2)])
+        wait_listening(superlink, port)
         supernodes = [procs.start(f"supernode{i}", [
             "flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}", "--port", str(free_port()),
             "--node-config", _node_config(address, key, i, work)], env=env) for i, (_, address, key) in enumerate(groups)]
-        yield Deployment(procs, env, port, groups, supernodes, data_dir)
+        yield Deployment(procs, env, port, superlink, groups, supernodes, data_dir)
     finally:
         procs.close()
 
 
-def _wait_for_log(proc: Proc, text: str, count: int, timeout: float) -> None:
-    wait_until(lambda: proc.text().count(text) >= count, timeout, interval=0.1, what=f"{count} x {text!r}")
+def _wait_for_log(proc: Proc, text: str, count: int, run: Proc, timeout: float) -> None:
+    """Until `proc`'s log holds `text` `count` times; RuntimeError if the `flwr run` process `run` ends first."""
+    wait_until(lambda: proc.text().count(text) >= count or run.popen.poll() is not None, timeout, interval=0.1,
+               what=f"{count} x {text!r}")
+    if proc.text().count(text) < count:
+        raise RuntimeError(f"flwr run ended ({run.popen.returncode}) before {count} x {text!r}:\n{run.text()[-3000:]}")
 
 
 def _start_recipe(work: Path, data_dir: Path, run_config: dict, tag: str, port: int) -> subprocess.Popen:
@@ -183,8 +190,8 @@ def test_a_group_killed_mid_round(deployment):
     deployment.procs.track(*pids1)
     received = proc1.text().count("received train")
 
-    def kill_group_1(_: Proc) -> None:
-        _wait_for_log(proc1, "received train", received + 1, timeout=300)
+    def kill_group_1(run: Proc) -> None:
+        _wait_for_log(proc1, "received train", received + 1, run, timeout=300)
         for pid in pids1:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -229,8 +236,8 @@ def test_a_supernode_killed_mid_round_does_not_hang_the_run(deployment):
     proc1 = deployment.groups[1][0]
     received = proc1.text().count("received train")
 
-    def kill_supernode_1(_: Proc) -> None:
-        _wait_for_log(proc1, "received train", received + 1, timeout=300)
+    def kill_supernode_1(run: Proc) -> None:
+        _wait_for_log(proc1, "received train", received + 1, run, timeout=300)
         deployment.procs.kill(deployment.supernodes[1])
 
     config = {**FAST_RUN_CONFIG, "round-timeout": 25.0, "rendezvous-timeout": 10.0, "sync-timeout": 10.0,

@@ -6,15 +6,14 @@ is started in its own session and killed at the end."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import time
 
 import pytest
 
 from flwr_sharded.flower import messages as P
-from tests.flower.procs import APP, FAST_RUN_CONFIG, base_env, free_port, round_records, run_config_args, \
-    start_group, strip_ansi, wait_until, write_flwr_home
+from tests.flower.procs import APP, FAST_RUN_CONFIG, base_env, free_port, launch_superlink, round_records, \
+    run_config_args, start_group, strip_ansi, wait_listening, wait_until, write_flwr_home
 from tests.flower.test_group import client, spec
 
 RUN = {**FAST_RUN_CONFIG, "num-groups": 1, "shards": 1, "round-timeout": 40.0, "hello-timeout": 40.0,
@@ -25,23 +24,14 @@ RUN = {**FAST_RUN_CONFIG, "num-groups": 1, "shards": 1, "round-timeout": 40.0, "
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 
-def _listens(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-        return True
-    except OSError:
-        return False
-
-
 @pytest.mark.timeout(400)
 def test_after_a_superlink_restart_the_supernode_reconnects_and_a_new_run_completes(procs, data_dir):
     port = free_port()
     home = write_flwr_home(procs.workdir / "flwr_home", "loopback", f"127.0.0.1:{port}", insecure=True)
     env = base_env(FLWR_HOME=str(home))
-    superlink_cmd = ["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port),
-                     "--disable-runtime-dependency-installation", "--database", str(procs.workdir / "state.db")]
-    superlink = procs.start("superlink", superlink_cmd, env=env)
+    superlink = launch_superlink(procs, port, env)
     group, address, key = start_group(procs, "group", shards=1, idle_timeout=300)
+    wait_listening(superlink, port)
     supernode = procs.start("supernode", [
         "flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}", "--port", str(free_port()),
         "--node-config", f'group-address="{address}" group-authkey-file="{key}" partition-id=0 num-partitions=1 '
@@ -63,8 +53,7 @@ def test_after_a_superlink_restart_the_supernode_reconnects_and_a_new_run_comple
     procs.kill(superlink)  # SIGKILL of its session
     time.sleep(1.0)
     start = time.monotonic()
-    procs.start("superlink-again", superlink_cmd, env=env)
-    wait_until(lambda: _listens(port), 60, 0.1, "the restarted SuperLink listening")
+    wait_listening(launch_superlink(procs, port, env, name="superlink-again"), port, timeout=60)
     second, metrics2 = flwr_run("after-restart", {**RUN, "num-server-rounds": 1})
     try:
         second.popen.wait(timeout=300)
