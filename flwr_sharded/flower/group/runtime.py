@@ -3,11 +3,11 @@
     torchrun --nproc-per-node R*S -m flwr_sharded.flower.group --authkey-file KEY --address 127.0.0.1:7100 \\
         --method fl-fsdp --replicas 1 --shards 2
 
-Rank 0 serves the local endpoint (`flwr_sharded.flower.endpoint`) and broadcasts each instruction over a gloo
-"control" group, where the other ranks wait between instructions (long timeout); all ranks execute it together. A
-detached instruction (a train round) is acknowledged first, its result kept for the `collect` that follows. The group
-exits on `shutdown`, after `--idle-timeout` without an instruction, when `--watch-pid` is gone, and (through torchrun,
-every rank also watching its launcher) when any rank dies: no rank is orphaned.
+Every rank holds a `GroupRuntime`: the group's state and its verbs. Rank 0 serves the local endpoint
+(`flwr_sharded.flower.endpoint`) and broadcasts each instruction over a gloo "control" group, where the other ranks
+wait between instructions (long timeout); all ranks execute it together (`flwr_sharded.flower.group.control`). The
+group exits on `shutdown`, after `--idle-timeout` without an instruction, when `--watch-pid` is gone, and (through
+torchrun, every rank also watching its launcher) when any rank dies: no rank is orphaned.
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ import gc
 import hashlib
 import logging
 import os
-import queue
-import shutil
 import sys
 import time
 import traceback
@@ -35,12 +33,12 @@ from flwr_sharded.config import ParallelConfig
 from flwr_sharded.validation import validate_parallel
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower import endpoint, messages, rendezvous
-from flwr_sharded.flower.group import aborts, channels, options, server_path_shards
+from flwr_sharded.flower.group import channels, control, options, server_path_shards
 from flwr_sharded.flower.group.contract import InstructionError
 from flwr_sharded.flower.group.round import GroupRound
 from flwr_sharded.flower.group.round_context import RoundContext
 from flwr_sharded.flower.node_policy import NodePolicy
-from flwr_sharded.flower.launch import exit_with_parent, fresh_private_dir, pid_alive
+from flwr_sharded.flower.launch import exit_with_parent, fresh_private_dir
 
 logger = logging.getLogger("flwr_sharded.group")
 
@@ -95,96 +93,8 @@ class GroupRuntime:
         dist.broadcast_object_list(box, src=0, group=self.ctrl)
         return box[0]
 
-    # ----- the two loops -------------------------------------------------------------------------------------
-    def serve(self) -> int:
-        """Rank 0: take instructions from the endpoint until shutdown, idle timeout or watched process exit."""
-        authkey = endpoint.read_authkey(self.args.authkey_file)
-        server = endpoint.EndpointServer(endpoint.parse_address(self.args.address), authkey)
-        server.on_abort = aborts.abort_round
-        address = endpoint.format_address(*server.address)
-        if self.args.address_file:
-            tmp = f"{self.args.address_file}.tmp"
-            with open(tmp, "w") as fh:
-                fh.write(address)
-            os.replace(tmp, self.args.address_file)
-        logger.info("group %s R=%d x S=%d (%d ranks, pids %s) serving on %s; rendezvous offer %s:%s",
-                    self.args.method, self.args.replicas, self.args.shards, self.world, self.pids, address,
-                    self.args.rendezvous_host, self.offer_ports)
-        last = time.monotonic()
-        try:
-            while True:
-                try:
-                    request = server.incoming.get(timeout=1.0)
-                except queue.Empty:
-                    last = max(last, server.last_request)  # collects and aborts count as signs of life
-                    reason = self._stop_reason(last)
-                    if reason:
-                        logger.info("shutting down: %s", reason)
-                        self.broadcast(messages.instruction(messages.SHUTDOWN, {"reason": reason}))
-                        return 0
-                    if self.trainer is not None and self.run_idle_s and time.monotonic() - last > self.run_idle_s:
-                        self._drop_idle_run(time.monotonic() - last)
-                    continue
-                code = self._serve_request(server, request)
-                last = time.monotonic()
-                if request.verb == messages.SHUTDOWN or code:
-                    return code
-        finally:
-            server.close()
-            if self.store is not None:
-                self.store.close()
-            shutil.rmtree(self.handoff_dir, ignore_errors=True)  # made for this group alone
-
-    def _drop_idle_run(self, idle: float) -> None:
-        """No instruction for the run's `group-idle-timeout`: its ServerApp is gone (a SuperLink restart, a killed
-        run). Every rank drops the trainer and its memory; the group serves on (a new hello rebuilds it, resuming)."""
-        logger.warning("no instruction for %.0f s (group-idle-timeout %.0f s of run %s): its ServerApp is gone; "
-                       "dropping the run to free this group's memory", idle, self.run_idle_s, self.key.split("|")[0])
-        self.broadcast(messages.instruction(messages.FINISH, {"reason": "idle"}))
-        self._execute(messages.FINISH, {"reason": "idle"})
-
-    def _stop_reason(self, last: float) -> str:
-        idle = self.args.idle_timeout
-        if idle > 0 and time.monotonic() - last > idle:
-            return f"no instruction for {idle:.0f} s (--idle-timeout)"
-        if self.args.watch_pid and not pid_alive(self.args.watch_pid):
-            return f"watched process {self.args.watch_pid} is gone"
-        return ""
-
-    def _serve_request(self, server: endpoint.EndpointServer, request: endpoint.Request) -> int:
-        verb, args = request.verb, request.args
-        job = str(args.get("job", "")) if request.detach else ""
-        if request.detach:
-            if not job:
-                request.reply(messages.reply_error("a detached instruction needs a job name"))
-                return 0
-            server.job_started(job)
-            request.reply(messages.reply_ok({"job": job}))
-        start = time.monotonic()
-        logger.info("received %s%s", verb, f" ({args['prefix']})" if "prefix" in args else "")
-        self.broadcast(messages.instruction(verb, args))
-        reply, code = self._execute(verb, args)
-        logger.info("%s -> %s in %.2f s", verb, "ok" if reply["ok"] else f"error: {reply['error']}",
-                    time.monotonic() - start)
-        if request.detach:
-            server.job_finished(job, reply)
-        else:
-            request.reply(reply)
-        return code
-
-    def follow(self) -> int:
-        """Ranks > 0: execute whatever rank 0 broadcasts, until shutdown."""
-        while True:
-            try:
-                verb, args = messages.check_instruction(self.broadcast(None))
-            except Exception as exc:  # rank 0 gone or timed out: torchrun tears the rest down
-                logger.error("lost rank 0 (%s); exiting", exc)
-                return 1
-            _, code = self._execute(verb, args)
-            if verb == messages.SHUTDOWN or code:
-                return code
-
-    def _execute(self, verb: str, args: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    def execute(self, verb: str, args: dict[str, Any]) -> tuple[dict[str, Any], int]:
+        """Run one instruction's verb on this rank: (reply, exit code; 1 when the ranks may be out of step)."""
         handler: Callable[[dict[str, Any]], dict[str, Any]] = getattr(self, f"do_{verb}")
         try:
             return messages.reply_ok(handler(args)), 0
@@ -443,7 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"flwr_sharded.flower.group: error: {exc}", file=sys.stderr)
         return 2
     runtime = GroupRuntime(args)
-    code = runtime.serve() if runtime.rank == 0 else runtime.follow()
+    code = control.serve(runtime) if runtime.rank == 0 else control.follow(runtime)
     if code == 0:
         try:
             dist.destroy_process_group()
