@@ -17,8 +17,8 @@ from flwr_sharded.presets import PRESETS
 from flwr_sharded_perf.cluster import Cluster, FacilityFederation, load_description
 from flwr_sharded_perf.memory_model import GiB, StepOptions
 from flwr_sharded_perf.model_shape import ModelShape, model_from_name
-from flwr_sharded_perf.planner import (Candidate, FederationCandidate, PaperRow, evaluate, explain, paper_layouts, plan,
-                                       plan_federation)
+from flwr_sharded_perf.federation_planner import FederationCandidate, plan_federation
+from flwr_sharded_perf.planner import Candidate, PaperRow, evaluate, explain, paper_layouts, plan
 from flwr_sharded.schema import option, same_as
 from flwr_sharded_perf.wire_choice import advice
 

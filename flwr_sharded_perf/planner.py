@@ -1,9 +1,8 @@
-"""Rank the (method, F, R, S, A) layouts of a cluster with the cost model, and plan a federation of facilities
-(docs/cost-model.md, "Planner" and "Planning a federation"); its command line is `plan_cli`."""
+"""Rank the (method, F, R, S, A) layouts of a cluster with the cost model (docs/cost-model.md, "Planner"); a
+federation of facilities: `federation_planner`; the command line of both: `plan_cli`."""
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal, Union
@@ -12,15 +11,13 @@ from flwr_sharded.config import METHODS
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.sites import SiteLayout
 from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES, wire_ratio
-from flwr_sharded_perf.cluster import Cluster, FacilityFederation
+from flwr_sharded_perf.cluster import Cluster
 from flwr_sharded_perf.costmodel import (ADAMW_BYTES_PER_PARAM, SGD_BYTES_PER_PARAM, STAGING_BYTES, Calibration,
                                          CommTerms, FragmentSync, Phases, allreduce_steps, check_layout, comm_terms,
                                          flow_bandwidth, optimizer_time, overlapped, phase_time, positive_int)
-from flwr_sharded_perf.memory_model import GiB, MemoryBreakdown, StepOptions, memory_per_gpu
+from flwr_sharded_perf.memory_model import MemoryBreakdown, StepOptions, memory_per_gpu
 from flwr_sharded_perf.model_shape import ModelShape, compute_time, model_from_preset
 from flwr_sharded_perf.placement import DIMENSIONS, Placement
-from flwr_sharded_perf.unequal_sync_cost import UnequalSync, coarse_shapes, unequal_sync
-from flwr_sharded.parallel.schedule import idle_times, local_steps
 
 
 @dataclass(frozen=True)
@@ -110,7 +107,7 @@ def layout_sites(placement: Placement, spec: SitesSpec) -> SiteLayout | None:
         return None
 
 
-def _wire_ratio(sync_bytes: float, bytes_per_param: float, F: int, step: StepOptions | None) -> float:
+def planned_wire_ratio(sync_bytes: float, bytes_per_param: float, F: int, step: StepOptions | None) -> float:
     """The sync's wire bytes per parameter over the units' (`parallel.wire.wire_ratio`; `F`: the members whose rows a
     top-k sync all-gathers, the G sites' in two levels)."""
     return wire_ratio(sync_bytes, step.sync_topk if step is not None else None, F, over=bytes_per_param)
@@ -127,14 +124,8 @@ def evaluate(cluster: Cluster, model: ModelShape, method: str, *, F: int = 1, R:
     sync's included; `sites`: the members' sites, a two-level sync (`layout_sites`; its in-site stage in fp32 with a
     `sync_bytes_per_param`, else in `bytes_per_param`); `protocol`: count the sync's other exchanges
     (`costmodel.PROTOCOL`) at the federation's latency."""
-    check_layout(method, S=S, R=R, F=F, A=A)
-    positive_int("tokens_per_gpu_batch", tokens_per_gpu_batch)
-    if not 0 < memory_fraction <= 1:
-        raise ConfigError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
-    if sync_bytes_per_param is not None and not sync_bytes_per_param > 0:
-        raise ConfigError(f"sync_bytes_per_param must be positive, got {sync_bytes_per_param!r}")
-    if F * R * S != cluster.gpus:
-        raise ConfigError(f"layout F={F} x R={R} x S={S} = {F * R * S} ranks, but the cluster has {cluster.gpus} GPUs")
+    _check_evaluation(cluster, method, F=F, R=R, S=S, A=A, tokens_per_gpu_batch=tokens_per_gpu_batch,
+                      memory_fraction=memory_fraction, sync_bytes_per_param=sync_bytes_per_param)
     calibrated = cluster.calibration is not None and sizes == "exact"
     placement = cluster.placement(F, R, S)
     tiers, bw, steps = _dimension_links(cluster, placement, method, calibrated)
@@ -155,7 +146,7 @@ def evaluate(cluster: Cluster, model: ModelShape, method: str, *, F: int = 1, R:
     comm = comm_terms(method, units, S=S, R=R, F=F, A=A, B_S=bw["shard"],
                       B_R=bw["replica"], B_F=bw["federation"], sizes=sizes, backend=cluster.backend,
                       alpha_S=alpha["shard"], alpha_R=alpha["replica"], alpha_F=alpha["federation"],
-                      wire_ratio=_wire_ratio(sync_bytes_per_param or bytes_per_param, bytes_per_param,
+                      wire_ratio=planned_wire_ratio(sync_bytes_per_param or bytes_per_param, bytes_per_param,
                                              two_level.G if two_level is not None and two_level.two_level else F,
                                              step),
                       steps_R=steps["replica"], steps_F=steps["federation"], sites=two_level, B_site=B_site,
@@ -183,20 +174,39 @@ def evaluate(cluster: Cluster, model: ModelShape, method: str, *, F: int = 1, R:
                                cluster.calibration.memory_bandwidth if calibrated else 0.0)
     phases = Phases(forward=forward, backward=backward, optimizer=optimizer,
                     aggregation=comm.sync + comm.sync_latency + comm.protocol)
-    if sync_bytes_per_param is not None and step.sync_dtype == "float32":
-        dtypes = {size: dtype for dtype, size in reversed(SYNC_DTYPE_BYTES.items())}  # int8 for fp8's size too
-        if sync_bytes_per_param not in dtypes:
-            raise ConfigError(f"sync_bytes_per_param: the trainer's sync dtypes have {sorted(dtypes)} bytes, "
-                              f"got {sync_bytes_per_param!r}")
-        step = replace(step, sync_dtype=dtypes[sync_bytes_per_param])
     memory = memory_per_gpu(model, S=S, R=R, F=F, tokens=tokens_per_gpu_batch, bytes_per_param=bytes_per_param,
                             state_bytes_per_param=state_bytes_per_param,
-                            activation_checkpointing=activation_checkpointing, options=step)
+                            activation_checkpointing=activation_checkpointing,
+                            options=_with_sync_dtype(step, sync_bytes_per_param))
     group_gpus = R * S if method.startswith("fl-") else cluster.gpus
     return Candidate(method=method, F=F, R=R, S=S, A=A, tiers=tiers, bandwidth=bw, comm=comm, compute=compute,
                      memory=memory, batch_tokens=group_gpus * tokens_per_gpu_batch,
                      fits=memory.total <= memory_fraction * cluster.gpu_memory, phases=phases, calibrated=calibrated,
                      fragment_sync=fragment)
+
+
+def _check_evaluation(cluster: Cluster, method: str, *, F: int, R: int, S: int, A: int, tokens_per_gpu_batch: int,
+                      memory_fraction: float, sync_bytes_per_param: float | None) -> None:
+    """ConfigError naming the first of `evaluate`'s arguments that is out of range."""
+    check_layout(method, S=S, R=R, F=F, A=A)
+    positive_int("tokens_per_gpu_batch", tokens_per_gpu_batch)
+    if not 0 < memory_fraction <= 1:
+        raise ConfigError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+    if sync_bytes_per_param is not None and not sync_bytes_per_param > 0:
+        raise ConfigError(f"sync_bytes_per_param must be positive, got {sync_bytes_per_param!r}")
+    if F * R * S != cluster.gpus:
+        raise ConfigError(f"layout F={F} x R={R} x S={S} = {F * R * S} ranks, but the cluster has {cluster.gpus} GPUs")
+
+
+def _with_sync_dtype(step: StepOptions, sync_bytes_per_param: float | None) -> StepOptions:
+    """`step` with the sync dtype of `sync_bytes_per_param` bytes (int8 for fp8's size too), unless it sets one."""
+    if sync_bytes_per_param is None or step.sync_dtype != "float32":
+        return step
+    dtypes = {size: dtype for dtype, size in reversed(SYNC_DTYPE_BYTES.items())}
+    if sync_bytes_per_param not in dtypes:
+        raise ConfigError(f"sync_bytes_per_param: the trainer's sync dtypes have {sorted(dtypes)} bytes, "
+                          f"got {sync_bytes_per_param!r}")
+    return replace(step, sync_dtype=dtypes[sync_bytes_per_param])
 
 
 def _dimension_links(cluster: Cluster, placement: Placement, method: str,
@@ -336,113 +346,3 @@ def paper_layouts(cluster: Cluster, model: ModelShape | None = None, *, A: int =
         rows.append(PaperRow(label=label, predicted=exact, paper_eq_comm=literal.comm.total,
                              measured=PAPER_TABLE4[label]))
     return rows
-
-
-@dataclass(frozen=True)
-class FacilityPlan:
-    """One facility's group in a federation plan."""
-
-    name: str
-    gpus: int
-    local: Candidate
-    """Its local step (fsdp or hsdp on its own GPUs, F = 1)."""
-    memory: MemoryBreakdown
-    """Bytes per GPU in the federation (F groups)."""
-    A: int
-    idle: float
-    """Seconds it waits per sync for the others, with its own A."""
-    idle_equal: float
-    """Seconds it would wait per sync if every facility ran the fastest one's A."""
-
-    @property
-    def R(self) -> int:
-        return self.local.R
-
-    @property
-    def S(self) -> int:
-        return self.local.S
-
-
-@dataclass(frozen=True)
-class FederationCandidate:
-    """A federation's layouts, local steps and sync, with its predicted throughput."""
-
-    facilities: tuple[FacilityPlan, ...]
-    A: int
-    """Local steps per sync of the fastest facility."""
-    sync: UnequalSync
-    tokens_per_gpu: int
-
-    @property
-    def compute_period(self) -> float:
-        """Seconds from one sync until the last facility arrives at the next: max_g A_g t_g."""
-        return max(f.A * f.local.step_time for f in self.facilities)
-
-    @property
-    def period(self) -> float:
-        """Seconds per sync period: the last facility's local steps, then the sync."""
-        return self.compute_period + self.sync.time
-
-    @property
-    def tokens_per_second(self) -> float:
-        """sum_g A_g GPUs_g tokens per GPU over the period."""
-        return sum(f.A * f.gpus for f in self.facilities) * self.tokens_per_gpu / self.period
-
-    def label(self) -> str:
-        return ", ".join(f"{f.name} R={f.R} S={f.S} A={f.A}" for f in self.facilities)
-
-
-def facility_layouts(facility: Cluster, model: ModelShape, F: int, *, tokens_per_gpu_batch: int,
-                     bytes_per_param: float, memory_fraction: float, step: StepOptions | None,
-                     **options) -> list[tuple[Candidate, MemoryBreakdown]]:
-    """Every (R, S) of one facility that fits in memory in a federation of F groups, with its local step."""
-    out, smallest = [], None
-    for method, _, R, S, _ in layouts(facility.gpus, facility.gpus_per_node, ("fsdp", "hsdp")):
-        local = evaluate(facility, model, method, R=R, S=S, tokens_per_gpu_batch=tokens_per_gpu_batch,
-                         bytes_per_param=bytes_per_param, memory_fraction=memory_fraction, step=step, **options)
-        memory = memory_per_gpu(model, S=S, R=R, F=F, tokens=tokens_per_gpu_batch, bytes_per_param=bytes_per_param,
-                                state_bytes_per_param=options.get("state_bytes_per_param"),
-                                activation_checkpointing=options.get("activation_checkpointing", False),
-                                options=step)
-        if memory.total <= memory_fraction * facility.gpu_memory:
-            out.append((local, memory))
-        elif smallest is None or memory.total < smallest[1]:
-            smallest = (S, memory.total)
-    if not out:
-        raise ConfigError(f"facility {facility.name}: no sharding degree S of its {facility.gpus} GPUs fits "
-                          f"{memory_fraction:.0%} of {facility.gpu_memory / GiB:.1f} GiB per GPU (S={smallest[0]} "
-                          f"needs {smallest[1] / GiB:.1f} GiB); try --activation-checkpointing, fewer "
-                          f"--tokens-per-gpu or more GPUs there")
-    return out
-
-
-def plan_federation(federation: FacilityFederation, model: ModelShape, *, tokens_per_gpu_batch: int = 4096,
-                    aggregate_every: tuple[int, ...] = (1, 2, 4, 8, 16, 32), bytes_per_param: float = 2.0,
-                    sync_bytes_per_param: float | None = None, memory_fraction: float = 0.9,
-                    step: StepOptions | None = None, **options) -> list[FederationCandidate]:
-    """Every combination of the facilities' fitting layouts, for every A, most tokens per second first."""
-    F = len(federation.facilities)
-    if not aggregate_every:
-        raise ConfigError("--aggregate-every: give at least one value")
-    check_aggregate_every(aggregate_every)
-    per_facility = [facility_layouts(f, model, F, tokens_per_gpu_batch=tokens_per_gpu_batch,
-                                     bytes_per_param=bytes_per_param, memory_fraction=memory_fraction, step=step,
-                                     **options) for f in federation.facilities]
-    wire = _wire_ratio(sync_bytes_per_param or bytes_per_param, bytes_per_param, F, step)
-    out = []
-    for combo in itertools.product(*per_facility):
-        B_R = []
-        for f, (c, _) in zip(federation.facilities, combo):
-            tier = f.placement(1, c.R, c.S).dim_tier("replica")
-            B_R.append(f.bandwidth[tier] if tier else None)
-        sync = unequal_sync([(c.R, c.S) for c, _ in combo], coarse_shapes(model), bytes_per_param=bytes_per_param,
-                            wire_ratio=wire, B_F=federation.inter_group, B_R=B_R, shared_uplink=federation.shared,
-                            names=[f.name for f in federation.facilities])
-        times = [c.step_time for c, _ in combo]
-        for A in aggregate_every:
-            steps = local_steps(A, times)
-            plans = tuple(FacilityPlan(name=f.name, gpus=f.gpus, local=c, memory=m, A=a, idle=i, idle_equal=e)
-                          for f, (c, m), a, i, e in zip(federation.facilities, combo, steps, idle_times(steps, times),
-                                                         idle_times([A] * F, times)))
-            out.append(FederationCandidate(facilities=plans, A=A, sync=sync, tokens_per_gpu=tokens_per_gpu_batch))
-    return sorted(out, key=lambda c: (-c.tokens_per_second, c.A))

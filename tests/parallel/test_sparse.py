@@ -139,13 +139,13 @@ def test_the_cost_models_ratio_is_the_rows_over_the_fp32_ring_all_reduce(values)
     from flwr_sharded.parallel.sparse import sent_bytes
     from flwr_sharded.parallel.wire import WIRES, sync_wire_ratio
     from flwr_sharded_perf.memory_model import StepOptions
-    from flwr_sharded_perf.planner import _wire_ratio
+    from flwr_sharded_perf.planner import planned_wire_ratio
 
     n = 4 << 20
     for world in (2, 4, 8):
         exact = sent_bytes(n, world, 0.02, WIRES[values]) / (2 * (world - 1) / world * 4 * n)
         assert sync_wire_ratio(values, 0.02, world) == pytest.approx(exact, rel=0.01)
-        planned = _wire_ratio(WIRES[values].bytes_per_value, 4.0, world, StepOptions(sync_topk=0.02))
+        planned = planned_wire_ratio(WIRES[values].bytes_per_value, 4.0, world, StepOptions(sync_topk=0.02))
         assert planned == pytest.approx(exact, rel=0.01)  # the planner's, for fp32 units
     assert sync_wire_ratio(values) == WIRES[values].bytes_per_value / 4  # dense: the wire's own size
     assert sync_wire_ratio(values, 0.02, 8) == pytest.approx(4 * sync_wire_ratio(values, 0.02, 2))  # rows grow with F

@@ -17,7 +17,7 @@ from flwr_sharded_perf.costmodel import comm_terms
 from flwr_sharded_perf.memory_model import StepOptions
 from flwr_sharded_perf.model_shape import ModelShape
 from flwr_sharded_perf.placement import Placement, rank_traffic
-from flwr_sharded_perf.planner import plan_federation
+from flwr_sharded_perf.federation_planner import plan_federation
 from flwr_sharded_perf.unequal_sync_cost import unequal_sync
 from flwr_sharded.parallel.schedule import idle_times, local_steps
 from tests.perf.paper_equations import even_units
