@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from logging import ERROR, INFO
@@ -122,6 +124,7 @@ def run_directory(run: FlowerRun, run_id: int) -> Iterator[RunDir]:
     log(INFO, "flwr_sharded: run directory %s", run_dir.path)
     ended = [False]
     add_exit_handler(lambda: None if ended[0] else stopped(run_dir, run_id))
+    add_exit_handler(lambda: None if ended[0] else stop_ray(), run_before_force_exit=True)
     try:
         yield run_dir
     except BaseException as exc:
@@ -154,6 +157,31 @@ def stopped(run_dir: RunDir, run_id: int) -> None:
         return
     log(ERROR, "flwr_sharded: the run was STOPPED; run directory %s (summary.json)%s", run_dir.path,
         f"; removed the key material of {len(removed) // 2} group(s)" if removed else "")
+
+
+RAY_SHUTDOWN_S = 15.0
+"""How long a stopped run waits for `ray.shutdown` before its process ends anyway."""
+
+
+def stop_ray() -> None:
+    """In local simulation the run's process is Ray's driver: a stopped run ends Ray's processes now, with SIGTERM
+    (`ray.shutdown`, at most `RAY_SHUTDOWN_S`), before Flower's forced exit skips Ray's own shutdown; with raylet
+    killed instead, Ray's two agents try for up to a minute to report it to a GCS that is gone before they exit."""
+    ray = sys.modules.get("ray")  # a driver has imported it; nothing to do elsewhere
+    if ray is None or not ray.is_initialized():
+        return
+
+    def shutdown() -> None:
+        try:
+            ray.shutdown()
+        except Exception as exc:  # noqa: BLE001 - logged; the process is ending either way
+            log(ERROR, "flwr_sharded: stopping Ray failed: %s: %s", type(exc).__name__, exc)
+
+    worker = threading.Thread(target=shutdown, name="ray-shutdown", daemon=True)
+    worker.start()
+    worker.join(RAY_SHUTDOWN_S)
+    if worker.is_alive():
+        log(ERROR, "flwr_sharded: Ray did not shut down within %.0f s; the run's process ends anyway", RAY_SHUTDOWN_S)
 
 
 def record_outcome(run_dir: RunDir, strategy: Any) -> None:
