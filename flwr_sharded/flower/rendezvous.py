@@ -32,7 +32,7 @@ from torch.distributed import distributed_c10d as c10d
 from flwr_sharded.errors import first_line
 from flwr_sharded.parallel.collectives import group_options, nccl_class
 from flwr_sharded.parallel.sites import SiteGroups, SiteLayout
-from flwr_sharded.parallel.torch_compat import register_pg_in_world, set_timeout
+from flwr_sharded.parallel.torch_compat import destroy_group, register_pg_in_world, set_timeout
 from flwr_sharded.flower.store_client import RoundClosed, RoundStore, StoreAborted, StoreUnreachable
 from flwr_sharded.flower.store_server import StoreServer
 
@@ -97,7 +97,7 @@ class FederationGroup:
             if failed and self.backend == "nccl":
                 c10d._abort_process_group(self.pg)
             else:
-                dist.destroy_process_group(self.pg)
+                destroy_group(self.pg)
         except Exception as exc:  # noqa: BLE001 - best effort on a possibly broken group
             logger.debug("destroying %s: %s", self.name, exc)
         if self.store is not None:

@@ -11,6 +11,8 @@ Where an earlier release has an equivalent, a function here takes the newer API 
   `register_pg_in_world`.
 - 2.9 `init_device_mesh(backend_override=)` and `DeviceMesh._flatten(backend_override=)` (`topology.init_topology`);
   before them the timeout set on each group once made: `device_mesh`, `flatten`.
+- Every release to 2.13: `destroy_process_group` leaves a destroyed group's tag in c10d's `tags_to_pg`, with an empty
+  list; a process that makes a group every round keeps one per round: `destroy_group` drops it.
 - 2.9 `ProcessGroup.set_timeout` (`flower.rendezvous.join`); before it c10d's `_set_pg_timeout`: `set_timeout`.
 - 2.9 `FileSystemReader._get_metadata_path` (`training.checkpoint_files.SafeReader`); before it the checkpoint's one
   `.metadata`: `dcp_metadata_path`.
@@ -77,6 +79,14 @@ def register_pg_in_world(pg: dist.ProcessGroup, *, backend_name: str, store: dis
     world.tags_to_pg.setdefault("", []).append(pg)
     world.tags_to_pg.setdefault(tag, []).append(pg)
     world.pg_to_tag[pg] = tag
+
+
+def destroy_group(pg: dist.ProcessGroup) -> None:
+    """`dist.destroy_process_group(pg)`, and the empty entry it leaves under the group's tag in c10d's world."""
+    tag = c10d._world.pg_to_tag.get(pg)
+    dist.destroy_process_group(pg)
+    if tag and c10d._world.tags_to_pg.get(tag) == []:
+        del c10d._world.tags_to_pg[tag]
 
 
 def set_timeout(group: dist.ProcessGroup, timeout: timedelta) -> None:
