@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests import REPO
+
 SLOW_TESTS = os.environ.get("FLWR_SHARDED_SLOW_TESTS") == "1"
 """Run the tests marked `slow` too (`make test-slow`, which CI runs after `make test`)."""
 

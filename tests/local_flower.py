@@ -291,10 +291,11 @@ def group_pids(address: str, key: Path) -> list[int]:
 
 
 def deployment_rounds(procs: Procs, app: Path, groups: Sequence[tuple[str, dict]], config: dict, *,
-                      timeout: float, node_env: dict[str, str] | None = None) -> list[dict]:
+                      timeout: float, node_env: dict[str, str] | None = None, node_config: str = "") -> list[dict]:
     """`flwr run app` on a loopback deployment started in `procs`: a SuperLink, the group jobs `groups` (as
     `start_groups`) and one SuperNode per group (partition id = its place); `config` is the run config (its run-dir is
-    set here); `node_env`: variables added to the SuperNodes' environment. Returns the run's round records;
+    set here); `node_env`: variables added to the SuperNodes' environment; `node_config`: more of their node config
+    (e.g. `allowed-checkpoint-root="/dir"`). Returns the run's round records;
     RuntimeError when it does not finish within `timeout` seconds, fails, or records another number of rounds than
     its num-server-rounds. The caller closes `procs`."""
     port = free_port()
@@ -307,7 +308,7 @@ def deployment_rounds(procs: Procs, app: Path, groups: Sequence[tuple[str, dict]
         procs.start(f"supernode{i}", [
             "flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}", "--port", str(free_port()),
             "--node-config", f'group-address="{address}" group-authkey-file="{key}" partition-id={i} '
-                             f'num-partitions={len(started)}'], env={**env, **(node_env or {})})
+                             f'num-partitions={len(started)} {node_config}'.strip()], env={**env, **(node_env or {})})
     metrics = procs.workdir / "run" / "metrics.jsonl"
     run = procs.start("flwr-run", ["flwr", "run", str(app), "bench", "--stream",
                                    *run_config_args({**config, "run-dir": str(metrics.parent)})], env=env)

@@ -25,9 +25,9 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from tests import REPO
 from tests.local_flower import free_port
 
-REPO = Path(__file__).resolve().parents[1]
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "transformers.models.llama.modeling_llama")
 """Imported once by the forkserver; the package itself is not (a rank imports it under the caller's environment)."""
 

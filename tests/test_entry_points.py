@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import argparse
 import re
-from pathlib import Path
 
 import pytest
 
 from flwr_sharded import schema
 from flwr_sharded.errors import ConfigError
 
-REPO = Path(__file__).resolve().parents[1]
+from tests import REPO
+
 
 
 def _parsers() -> dict[str, argparse.ArgumentParser]:

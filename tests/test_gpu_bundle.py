@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
+from tests import REPO
+
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
-REPO = Path(__file__).resolve().parents[1]
 BUNDLE = REPO / "benchmarks" / "gpu_bundle"
 
 

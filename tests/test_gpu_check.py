@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests import REPO
+
 
 
 def _check(script: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:

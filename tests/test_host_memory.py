@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests import REPO
+
 glibc_only = pytest.mark.skipif(not (hasattr(os, "confstr") and (os.confstr("CS_GNU_LIBC_VERSION") or "")
                                      .startswith("glibc")), reason="glibc's allocator")
 

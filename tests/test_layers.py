@@ -20,9 +20,10 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests import REPO
+
 PACKAGE = "flwr_sharded"
-PACKAGE_DIR = ROOT / PACKAGE
+PACKAGE_DIR = REPO / PACKAGE
 TOOLS = "flwr_sharded_perf"
 FORBIDDEN_IN_PARALLEL = ("flwr_sharded.config", "flwr_sharded.training")
 
@@ -30,9 +31,9 @@ FORBIDDEN_IN_PARALLEL = ("flwr_sharded.config", "flwr_sharded.training")
 def module_files() -> dict[str, Path]:
     """Every module of the package and of its tools by dotted name (a package's name for its `__init__.py`)."""
     modules = {}
-    tools = ROOT / TOOLS
+    tools = REPO / TOOLS
     for path in sorted([*PACKAGE_DIR.rglob("*.py"), *(tools.rglob("*.py") if tools.is_dir() else [])]):
-        parts = path.relative_to(ROOT).with_suffix("").parts
+        parts = path.relative_to(REPO).with_suffix("").parts
         if parts[-1] == "__init__":
             parts = parts[:-1]
         modules[".".join(parts)] = path
@@ -186,7 +187,7 @@ def test_resolves_relative_function_level_and_skips_type_checking(tmp_path, monk
     (pkg / "sub" / "leaf.py").write_text(
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from flwr_sharded import other\n"
         "def f():\n    from .. import base\n    import flwr_sharded.sub\n")
-    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE_DIR", pkg)
     graph = module_graph()
     assert graph[f"{PACKAGE}.sub.leaf"] == {f"{PACKAGE}.base", f"{PACKAGE}.sub"}
@@ -205,9 +206,9 @@ print(json.dumps([code, sorted(m for m in sys.modules if m == "torch" or m.start
 @pytest.mark.dist
 def test_planner_runs_without_torch():
     """`flwr-sharded plan` (the planner's command) on the Leonardo example, in a fresh interpreter."""
-    proc = subprocess.run([sys.executable, "-c", PLANNER_PROBE, str(ROOT / "examples/clusters/leonardo.yaml")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run([sys.executable, "-c", PLANNER_PROBE, str(REPO / "examples/clusters/leonardo.yaml")],
+                          cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr
     code, loaded = json.loads(proc.stdout.strip().splitlines()[-1])
     assert code == 0 and "Recommended:" in proc.stdout, proc.stdout + proc.stderr

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import ast
 from collections import defaultdict
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests import REPO
+
 PACKAGES = ("flwr_sharded", "flwr_sharded_perf")
 EVERY_MODULE = {"__all__", "log", "logger", "main"}
 """Names every module may define for itself: its exports, its logger, an entry point's `main`."""
@@ -34,9 +34,9 @@ def defined_twice() -> dict[str, list[str]]:
     """Each name defined at module level in more than one module of the packages, with those modules."""
     where: dict[str, list[str]] = defaultdict(list)
     for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
+        for path in sorted((REPO / package).rglob("*.py")):
             for name in _defined(ast.parse(path.read_text(), filename=str(path))):
-                where[name].append(path.relative_to(ROOT).as_posix())
+                where[name].append(path.relative_to(REPO).as_posix())
     return {name: paths for name, paths in where.items() if len(paths) > 1}
 
 

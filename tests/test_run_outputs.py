@@ -13,7 +13,8 @@ import pytest
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.run_dir import RunDir, check_run_dir, default_run_dir, read_records
 
-REPO = Path(__file__).resolve().parents[1]
+from tests import REPO
+
 
 
 def _static_run(path: Path, speed: float, **sinks) -> Path:

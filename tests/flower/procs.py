@@ -3,15 +3,14 @@ repository's app, demo script and fast settings."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from flwr_sharded.flower.launch import pid_alive  # noqa: F401  (re-exported for the tests)
+from tests import REPO
 from tests.local_flower import (VENV_BIN, Proc, Procs, base_env, cmdline, free_port, group_pids,  # noqa: F401
                                 kill_tree_by_env, launch_group, launch_superlink, pids_matching, pids_with_env,
                                 round_records, run_config_args, start_group, start_groups, strip_ansi, wait_group,
                                 wait_listening, wait_until, write_flwr_home)
 
-REPO = Path(__file__).resolve().parents[2]
 APP = REPO / "apps" / "llama_fl_hsdp"
 DEMO = APP / "run_simulation.sh"
 

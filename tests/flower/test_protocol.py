@@ -8,7 +8,6 @@ import re
 import subprocess
 import sys
 import tomllib
-from pathlib import Path
 
 import pytest
 
@@ -19,7 +18,8 @@ from flwr_sharded.flower import endpoint as E
 from flwr_sharded.flower import messages as M
 from flwr_sharded.flower.run_config import ROUND_KEYS, FlowerRun, RoundOptions, app_config_toml
 
-REPO = Path(__file__).resolve().parents[2]
+from tests import REPO
+
 APP = REPO / "apps" / "llama_fl_hsdp"
 
 

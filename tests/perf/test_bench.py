@@ -8,7 +8,6 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
@@ -19,9 +18,9 @@ from flwr_sharded_perf.bench.runs import default_layouts, model_units, parse_lay
 from flwr_sharded_perf.netemu.network import EmuTopology
 from flwr_sharded_perf.placement import TIERS, Placement
 from flwr_sharded_perf.traffic_report import compare, load_probes, ring_bytes_sent
+from tests import REPO
 from tests.multiproc import train_ranks
 
-REPO = Path(__file__).resolve().parents[2]
 CAN_EMULATE = os.geteuid() == 0 and all(shutil.which(t) for t in ("unshare", "ip", "tc"))
 needs_root = pytest.mark.skipif(not CAN_EMULATE, reason="network emulation needs root with unshare, ip and tc")
 

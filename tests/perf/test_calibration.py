@@ -3,7 +3,6 @@ the planner's agreement with the emulated bench's recorded results."""
 
 import json
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -14,10 +13,10 @@ from flwr_sharded_perf.costmodel import (ADAMW_BYTES_PER_PARAM, Phases, allreduc
 from flwr_sharded_perf.model_shape import model_from_preset
 from flwr_sharded_perf.placement import traffic
 from flwr_sharded_perf.planner import evaluate, paper_layouts
+from tests import REPO
 from tests.perf.paper_equations import even_units, per_step
 
-ROOT = Path(__file__).resolve().parents[2]
-CLUSTERS = ROOT / "examples" / "clusters"
+CLUSTERS = REPO / "examples" / "clusters"
 
 
 def test_flow_bandwidth():
@@ -124,10 +123,10 @@ def test_table4_within_25_percent():
 
 
 @pytest.mark.parametrize("scenario, cluster", [("main", CLUSTERS / "emulated.yaml"),
-                                               ("contrast", ROOT / "benchmarks" / "clusters" / "emulated-flat.yaml")])
+                                               ("contrast", REPO / "benchmarks" / "clusters" / "emulated-flat.yaml")])
 def test_planner_agrees_with_the_emulated_bench(scenario, cluster):
     """The calibrated planner's choice among the bench's measured methods is the measured fastest."""
-    result = json.loads((ROOT / "benchmarks" / "results" / "emulated" / "bench.json").read_text())
+    result = json.loads((REPO / "benchmarks" / "results" / "emulated" / "bench.json").read_text())
     scen = result["scenarios"][scenario]
     emu = load_cluster(cluster)
     assert emu.calibration is not None

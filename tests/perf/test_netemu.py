@@ -19,7 +19,8 @@ from flwr_sharded_perf.cluster import cluster_from_dict
 from flwr_sharded_perf.netemu.isolation import EmulationError, check_host, host_leftovers
 from flwr_sharded_perf.netemu.network import EmuTopology, Fabric
 
-REPO = Path(__file__).resolve().parents[2]
+from tests import REPO
+
 CAN_EMULATE = os.geteuid() == 0 and all(shutil.which(t) for t in ("unshare", "ip", "tc"))
 needs_root = pytest.mark.skipif(not CAN_EMULATE, reason="network emulation needs root with unshare, ip and tc")
 

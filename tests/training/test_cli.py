@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
@@ -12,7 +11,8 @@ from flwr_sharded.validation import validate
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.train import main
 
-REPO = Path(__file__).resolve().parents[2]
+from tests import REPO
+
 
 BAD = [
     # (world size, arguments, words the message must contain)

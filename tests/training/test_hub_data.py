@@ -21,7 +21,8 @@ from flwr_sharded.training import data, sources
 from flwr_sharded.training.corpus import train_tokenizer
 from flwr_sharded.training.data import check_data, load_blocks
 
-REPO = Path(__file__).resolve().parents[2]
+from tests import REPO
+
 WORDS = "il re la regina corona spada notte giorno amore morte onore signore dama parla".split()
 
 

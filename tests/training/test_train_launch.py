@@ -8,11 +8,11 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
+
+from tests import REPO
 
 pytestmark = pytest.mark.dist  # every test here starts processes
 
-REPO = Path(__file__).resolve().parents[2]
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
