@@ -173,7 +173,8 @@ def test_only_the_command_line_reaches_the_tools(graph):
 def test_finds_a_cycle_and_names_it():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
-    units = unit_graphs({"p.x.m": {"p.y.n"}, "p.y.n": {"p.x.k"}, "p.x.k": set(), "p.x": set(), "p.y": set(), "p": set()})
+    units = unit_graphs({"p.x.m": {"p.y.n"}, "p.y.n": {"p.x.k"}, "p.x.k": set(), "p.x": set(), "p.y": set(),
+                         "p": set()})
     assert find_cycle(units["p"]) == ["p.x", "p.y", "p.x"]
 
 

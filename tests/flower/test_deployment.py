@@ -77,7 +77,8 @@ def deployment(data_dir, tmp_path_factory):
         wait_listening(superlink, port)
         supernodes = [procs.start(f"supernode{i}", [
             "flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}", "--port", str(free_port()),
-            "--node-config", _node_config(address, key, i, work)], env=env) for i, (_, address, key) in enumerate(groups)]
+            "--node-config", _node_config(address, key, i, work)], env=env)
+            for i, (_, address, key) in enumerate(groups)]
         yield Deployment(procs, env, port, superlink, groups, supernodes, data_dir)
     finally:
         procs.close()
