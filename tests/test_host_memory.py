@@ -35,6 +35,8 @@ for c in chunks:
     libc.free(c)
 if sys.argv[1] == "trim":
     host_memory.trim()
+if sys.argv[1] == "period":
+    host_memory.after_period()
 print(rss() - base)
 """
 
@@ -52,6 +54,7 @@ def test_pinned_thresholds_and_trim_return_freed_buffers():
     assert _left_resident_mib("default") > 48  # what the entry points avoid: the freed 64 MiB stay resident
     assert _left_resident_mib("pin") < 4
     assert _left_resident_mib("trim") < 4
+    assert _left_resident_mib("period") < 4  # what a sync period's end does
 
 
 @pytest.mark.dist

@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import torch
 
+from flwr_sharded import host_memory
 from flwr_sharded.parallel.schedule import Schedule, fragment_parameters, local_steps
 from flwr_sharded.parallel.flight import Snapshot
 from flwr_sharded.parallel.sync import ShardSync
@@ -265,6 +266,7 @@ class SyncLoop(FragmentSyncs):
         self.period_start = self.trainer.step_count
         if on_period is not None:
             on_period(times)
+        host_memory.after_period()
         for o in self.observers:
             o.on_period_end(self)
 

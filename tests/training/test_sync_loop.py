@@ -225,6 +225,15 @@ def test_an_observer_sees_the_loops_periods_steps_and_syncs_in_order():
     assert _observed(1)[0][:len(overlapped)] == overlapped
 
 
+def test_each_period_ends_by_returning_the_heaps_free_pages(monkeypatch):
+    from flwr_sharded import host_memory
+
+    trims = []
+    monkeypatch.setattr(host_memory, "after_period", lambda: trims.append("trim"))
+    events, error = _observed(0)
+    assert error == "" and events.count("end") == 2 and trims == ["trim", "trim"]
+
+
 def test_an_observer_that_raises_at_the_reduction_fails_that_sync():
     """As the reduction's own error: this rank's part failed, the sync is not adopted, the run ends with it."""
     events, error = _observed(0, fail_at=2)
