@@ -88,6 +88,28 @@ def test_a_flower_run_resumed_in_its_run_dir_ends_with_one_summary(tmp_path):
     assert [r["kind"] for r in read_records(path)] == ["round"] * 3 + ["resume", "round", "summary"]
 
 
+def test_a_stopped_flower_run_stays_stopped_when_its_serverapp_then_fails(tmp_path, monkeypatch):
+    """`flwr stop`: the exit handler records `stopped` (and would shut Ray down); the ServerApp's thread, failing as
+    Ray goes, neither overwrites it nor swallows its error."""
+    from flwr_sharded.flower.run_config import FlowerRun
+    from flwr_sharded.flower.server import app
+
+    handlers, shutdowns = [], []
+    monkeypatch.setattr(app, "add_exit_handler", lambda fn, **kw: handlers.append((fn, kw)))
+    monkeypatch.setattr(app, "stop_ray", lambda: shutdowns.append(True))
+    run = FlowerRun.from_run_config({"run-dir": str(tmp_path / "run")})
+    with pytest.raises(ValueError, match="I/O operation"):
+        with app.run_directory(run, 7):
+            (handler, options), = handlers
+            assert options == {"run_before_force_exit": True}
+            handler()
+            raise ValueError("I/O operation on closed file.")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "stopped" and shutdowns == [True]
+    handler()  # once only
+    assert shutdowns == [True]
+
+
 def test_tensorboard_and_wandb_receive_the_same_records(tmp_path, monkeypatch):
     calls: dict[str, list] = {"init": [], "log": [], "finish": []}
 

@@ -122,19 +122,26 @@ def run_directory(run: FlowerRun, run_id: int) -> Iterator[RunDir]:
     if run.train.checkpoint.resume and (run_dir.path / METRICS).stat().st_size:  # rounds go on, one summary at the end
         run_dir.continue_from(run_dir.path, None, run.train.checkpoint.dir or "")
     log(INFO, "flwr_sharded: run directory %s", run_dir.path)
-    ended = [False]
-    add_exit_handler(lambda: None if ended[0] else stopped(run_dir, run_id))
-    add_exit_handler(lambda: None if ended[0] else stop_ray(), run_before_force_exit=True)
+    recorded = threading.Lock()  # the first outcome to take it is the run's: stopped, failed or completed
+
+    def on_exit() -> None:  # the process ends before the run did: stopped, recorded before Ray's shutdown fails it
+        if recorded.acquire(blocking=False):
+            stopped(run_dir, run_id)
+            stop_ray()
+
+    add_exit_handler(on_exit, run_before_force_exit=True)
     try:
         yield run_dir
     except BaseException as exc:
-        ended[0] = True
+        if not recorded.acquire(blocking=False):
+            raise  # stopped, and recorded so
         reason = f"{type(exc).__name__}: {exc}"
         run_dir.finish({"status": "failed", "error": reason, **run_dir.summary})
         log(ERROR, "flwr_sharded: the run FAILED: %s", reason)
         log(ERROR, "flwr_sharded: run directory %s (summary.json)", run_dir.path)
         raise
-    ended[0] = True
+    if not recorded.acquire(blocking=False):
+        return
     s = run_dir.summary
     run_dir.finish({"status": "completed", **s})
     ppl = ", ".join(f"{k.replace('final_', '').replace('_', ' ')} {s[k]:.2f}"
