@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -178,6 +179,7 @@ def main() -> int:
     if len(extra) != len(args.env):
         parser.error(f"--env takes NAME=VALUE, got {args.env}")
 
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stopped: the run's processes are killed on the way out
     work = Path(tempfile.mkdtemp(prefix="soak-"))
     tag = uuid.uuid4().hex
     env = {**extra, MARKER: tag, "FLWR_SHARDED_DATA": args.data_dir}
