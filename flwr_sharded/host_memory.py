@@ -101,6 +101,7 @@ def after_first_step() -> dict[str, bool]:
     trim()
     return done
 
+
 def after_period() -> None:
     """A sync period ended: the heap's free pages go back to the OS (`trim`), so that its holes do not grow."""
     trim()

@@ -147,8 +147,8 @@ def evaluate(cluster: Cluster, model: ModelShape, method: str, *, F: int = 1, R:
                       B_R=bw["replica"], B_F=bw["federation"], sizes=sizes, backend=cluster.backend,
                       alpha_S=alpha["shard"], alpha_R=alpha["replica"], alpha_F=alpha["federation"],
                       wire_ratio=planned_wire_ratio(sync_bytes_per_param or bytes_per_param, bytes_per_param,
-                                             two_level.G if two_level is not None and two_level.two_level else F,
-                                             step),
+                                                    two_level.G if two_level is not None and two_level.two_level
+                                                    else F, step),
                       steps_R=steps["replica"], steps_F=steps["federation"], sites=two_level, B_site=B_site,
                       alpha_site=alpha_site,
                       stage_ratio=None if sync_bytes_per_param is None and step.sync_topk is None

@@ -37,7 +37,8 @@ def free_port() -> int:
         ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         ephemeral_low = 0
-    candidates = [secrets.choice(range(LOWEST_PORT, ephemeral_low)) for _ in range(50)] if ephemeral_low > 21000 else []
+    below = range(LOWEST_PORT, ephemeral_low)
+    candidates = [secrets.choice(below) for _ in range(50)] if below else []
     for port in [*candidates, 0]:
         with socket.socket() as sock:
             try:

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import ast
 
-from tests import REPO
+from tests import PACKAGES, REPO
 
-PACKAGES = ("flwr_sharded", "flwr_sharded_perf")
 MAX_FUNCTION_LINES, MAX_MODULE_LINES = 80, 450
 
 

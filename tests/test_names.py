@@ -7,9 +7,8 @@ from __future__ import annotations
 import ast
 from collections import defaultdict
 
-from tests import REPO
+from tests import PACKAGES, REPO
 
-PACKAGES = ("flwr_sharded", "flwr_sharded_perf")
 EVERY_MODULE = {"__all__", "log", "logger", "main"}
 """Names every module may define for itself: its exports, its logger, an entry point's `main`."""
 
