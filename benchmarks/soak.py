@@ -71,7 +71,8 @@ def _status(pid: int) -> dict[str, int] | None:
         return None
     fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
     try:
-        return {"rss_kib": int(fields["VmRSS"].split()[0]), "threads": int(fields["Threads"]), "fds": fds}
+        return {"rss_kib": int(fields["VmRSS"].split()[0]), "anon_kib": int(fields["RssAnon"].split()[0]),
+                "file_kib": int(fields["RssFile"].split()[0]), "threads": int(fields["Threads"]), "fds": fds}
     except (KeyError, ValueError, IndexError):  # a zombie has no VmRSS
         return None
 
@@ -99,15 +100,23 @@ class Sampler(threading.Thread):
                 self.samples.append({"t": round(time.monotonic() - start, 1), "round": rounds, "pid": pid, **status})
 
 
+def slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of ys against xs."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
 def fit(samples: list[dict[str, Any]], warmup: int) -> dict[str, Any] | None:
-    """One process's samples after `warmup` rounds: RSS slope (MiB per 100 rounds), RSS, descriptors and threads."""
+    """One process's samples after `warmup` rounds: the slopes (MiB per 100 rounds) of its RSS and of the RSS's
+    anonymous part (the heap: what a leak grows) and file-backed part (libraries' pages, read as code runs), its
+    RSS, descriptors and threads."""
     later = [s for s in samples if s["round"] >= warmup]
     if len({s["round"] for s in later}) < 3:
         return None
     xs, ys = [s["round"] for s in later], [s["rss_kib"] / 1024 for s in later]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return {"rss_mib_per_100_rounds": round(100 * slope, 3), "rss_mib_first": round(ys[0], 1),
+    parts = {f"{part}_mib_per_100_rounds": round(100 * slope(xs, [s[f"{part}_kib"] / 1024 for s in later]), 3)
+             for part in ("anon", "file")}
+    return {"rss_mib_per_100_rounds": round(100 * slope(xs, ys), 3), **parts, "rss_mib_first": round(ys[0], 1),
             "rss_mib_last": round(ys[-1], 1), "rounds": [xs[0], xs[-1]],
             "fds": [min(s["fds"] for s in later), max(s["fds"] for s in later)],
             "threads": [min(s["threads"] for s in later), max(s["threads"] for s in later)]}
@@ -223,7 +232,8 @@ def main() -> int:
     print(json.dumps(summary, indent=1))
     for pid, p in processes.items():
         print(f"{p['kind']:>10} {pid:>7}: {p['rss_mib_first']:7.1f} -> {p['rss_mib_last']:7.1f} MiB, "
-              f"{p['rss_mib_per_100_rounds']:+.3f} MiB/100 rounds, fds {p['fds']}, threads {p['threads']}")
+              f"{p['rss_mib_per_100_rounds']:+.3f} MiB/100 rounds (anon {p['anon_mib_per_100_rounds']:+.3f}, file "
+              f"{p['file_mib_per_100_rounds']:+.3f}), fds {p['fds']}, threads {p['threads']}")
     if args.out:
         out = Path(args.out)
         out.write_text(text + "\n")

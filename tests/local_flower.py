@@ -249,9 +249,10 @@ def wait_listening(proc: Proc, port: int, timeout: float = 120.0) -> Proc:
 
 def launch_group(procs: Procs, name: str, *, shards: int = 2, replicas: int = 1, method: str = "fl-fsdp",
                  idle_timeout: float = 300.0, extra: Sequence[str] = (), address: str = "127.0.0.1:0",
-                 key: Path | None = None, env: dict[str, str] | None = None) -> tuple[Proc, Path, Path]:
+                 key: Path | None = None, env: dict[str, str] | None = None,
+                 wrap: Sequence[str] = ()) -> tuple[Proc, Path, Path]:
     """Start a group torchrun job, as an operator would for a SuperNode; returns (proc, address file, authkey).
-    `env`: variables added to `base_env()`."""
+    `env`: variables added to `base_env()`; `wrap`: a command it runs under (e.g. `ip netns exec NAME`)."""
     from flwr_sharded.flower.endpoint import write_authkey
 
     if key is None:
@@ -259,7 +260,7 @@ def launch_group(procs: Procs, name: str, *, shards: int = 2, replicas: int = 1,
         write_authkey(key)
     address_file = procs.workdir / f"{name}.address"
     address_file.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(replicas * shards),
+    cmd = [*wrap, sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(replicas * shards),
            "-m", "flwr_sharded.flower.group", "--authkey-file", str(key), "--address", address,
            "--address-file", str(address_file), "--method", method, "--replicas", str(replicas), "--shards",
            str(shards), "--idle-timeout", str(idle_timeout), *extra]

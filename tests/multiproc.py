@@ -21,9 +21,12 @@ import subprocess
 import sys
 import time
 import traceback
+import shutil
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Sequence
+
+import pytest
 
 from tests import REPO
 from tests.local_flower import free_port
@@ -276,6 +279,11 @@ def _read(files: Sequence[tuple[str, str]], which: int) -> str:
     """The ranks' stdout (0) or stderr (1), in rank order."""
     return "".join(Path(f[which]).read_text(errors="replace") if os.path.exists(f[which]) else "" for f in files)
 
+
+CAN_EMULATE = os.geteuid() == 0 and all(shutil.which(t) for t in ("unshare", "ip", "tc"))
+"""Whether the emulated network (`flwr_sharded_perf.netemu`) can run here."""
+needs_emulation = pytest.mark.skipif(not CAN_EMULATE,
+                                     reason="network emulation needs root with unshare, ip and tc")
 
 FAULTS = REPO / "tests" / "faults"
 """The test-only fault hooks (`tests/faults/sitecustomize.py`), loaded by a process that has them on its path."""

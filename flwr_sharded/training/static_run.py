@@ -44,9 +44,12 @@ class StaticFederation:
         if sites is not None and sites.two_level:  # every shard index's site and share groups
             columns = [[topo.group_ranks(f)[i] for f in range(self.members)] for i in range(topo.group_world)]
             self._groups = site_groups(sites, columns, topo.group_rank, topo.fed_index, self._groups, topo.timeout)
-        controls = [dist.new_group(topo.group_ranks(f), backend="gloo", timeout=topo.timeout)
+        # a rank of a group that finished its part of a sync waits here for the others, one of which may still be
+        # inside its own shard's reduction, bounded by the timeout: twice the timeout, so that it outwaits that one
+        controls = [dist.new_group(topo.group_ranks(f), backend="gloo", timeout=2 * topo.timeout)
                     for f in range(self.members)]
         self.control = controls[topo.fed_index]
+        """This member's ranks (the flags and errors of its syncs), with twice the run's timeout."""
         self.leaders = topo.leaders or dist.new_group([topo.group_ranks(f)[0] for f in range(self.members)],
                                                       timeout=topo.timeout)
         """Rank 0 of every group (their times after each period)."""

@@ -266,6 +266,14 @@ class Fabric:
                                          f"bridges after {timeout} s")
                 time.sleep(0.1)
 
+    def set_uplink(self, group: int, up: bool) -> None:
+        """Cut (`up=False`) or restore group `group`'s uplink: while it is down every packet between that group's
+        nodes and the others' is lost and nothing is told to either side, as when a site's link fails; their
+        connections stay open."""
+        if self.topology.groups < 2 or not 0 <= group < self.topology.groups:
+            raise EmulationError(f"{self.topology.describe()} has no uplink of group {group}")
+        self._run("ip", "link", "set", f"up{group}", "up" if up else "down")
+
     def teardown(self) -> None:
         """Kill launched processes and delete namespaces and bridges (the kernel would do it at exit anyway)."""
         self.kill_all()

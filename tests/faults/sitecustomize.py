@@ -13,6 +13,8 @@ Put this directory first on the PYTHONPATH of a static world's ranks (or of a gr
 - `commit_delay=SECONDS`: every rank sleeps between writing a checkpoint and committing it;
 - `freeze_sync=N@RANK`: the rank whose RANK is RANK stops itself (SIGSTOP) inside its N-th fragment sync, after the
   admission (every member has entered the sync) and before its first bucket's reduction; the test sends SIGCONT;
+- `hold_sync=N@RANK:SECONDS`: at the same point that rank logs "holds inside sync N" and sleeps SECONDS, then goes on
+  (a test cuts the network meanwhile);
 - `lie=VALUE@ATTEMPTS[@RANKS]` (several joined by ";", e.g. "1e30@2;nan@3,4"): before each listed sync attempt
   (1 = the first fragment sync this rank attempts) the rank overwrites that fragment's shards with VALUE (a number, or
   "x100": its own values times 100) and reports itself healthy whatever they hold, so admission admits it; RANKS
@@ -21,7 +23,7 @@ Put this directory first on the PYTHONPATH of a static world's ranks (or of a gr
 
 The sync faults, the slowed steps and the exits are observers of every `SyncLoop` of the process
 (`flwr_sharded.training.observer`); the lie's verdict is each fragment sync's `ShardSync.verdict`. `commit_delay`,
-`no_rebuild` and `freeze_sync` replace a checkpointer's, the static engine's and a sync's function.
+`no_rebuild`, `freeze_sync` and `hold_sync` replace a checkpointer's, the static engine's and a sync's function.
 """
 
 from __future__ import annotations
@@ -174,32 +176,34 @@ def _install(faults: dict[str, str]) -> None:
 
         checkpoint.Checkpointer._phase = slow_phase
 
-    if "freeze_sync" in faults:
-        attempt, _, rank = faults["freeze_sync"].partition("@")
-        if os.environ.get("RANK", "0") == rank:
-            _freeze_in_sync(int(attempt))
+    for name in ("freeze_sync", "hold_sync"):
+        attempt, _, rest = faults.get(name, "").partition("@")
+        rank, _, seconds = rest.partition(":")
+        if attempt and os.environ.get("RANK", "0") == rank:
+            _stop_in_sync(int(attempt), float(seconds) if name == "hold_sync" else None)
 
 
-def _freeze_in_sync(attempt: int) -> None:
-    """This process stops itself inside its `attempt`-th sync, once the admission returned (its peers are in the
-    reduction, waiting for its part)."""
+def _stop_in_sync(attempt: int, seconds: float | None) -> None:
+    """This process stops itself (SIGSTOP; with `seconds`, sleeps that long) inside its `attempt`-th sync, once the
+    admission returned (its peers are in the reduction, waiting for its part)."""
     import signal
 
     from flwr_sharded.parallel import sync
 
     admit, seen = sync.admit_channels, [0]
 
-    def admit_then_freeze(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def admit_then_stop(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         admissions = admit(*args, **kwargs)
         seen[0] += 1
         if seen[0] == attempt:
-            logging.getLogger("flwr_sharded.group").error("injected fault: rank %s stops inside sync %d",
-                                                          os.environ.get("RANK"), attempt)
+            what = "stops" if seconds is None else f"holds for {seconds:g} s"
+            logging.getLogger("flwr_sharded.group").error("injected fault: rank %s %s inside sync %d",
+                                                          os.environ.get("RANK"), what, attempt)
             sys.stderr.flush()
-            os.kill(os.getpid(), signal.SIGSTOP)
+            os.kill(os.getpid(), signal.SIGSTOP) if seconds is None else time.sleep(seconds)
         return admissions
 
-    sync.admit_channels = admit_then_freeze
+    sync.admit_channels = admit_then_stop
 
 
 if os.environ.get("FLWR_SHARDED_TEST_FAULTS") and "LOCAL_RANK" in os.environ:

@@ -18,7 +18,8 @@ from flwr_sharded.flower import messages as P
 from flwr_sharded.flower.endpoint import GroupClient, GroupError, GroupUnavailable
 from tests.flower.procs import Proc, pid_alive, start_groups, wait_until
 from tests.flower.test_group import ROUND_SECRET, all_gone, client, hello, round_args, spec, train, train_all
-from tests.multiproc import faults_env
+from tests.faults.cut_link import run_cut
+from tests.multiproc import faults_env, needs_emulation
 
 pytestmark = pytest.mark.dist  # every test here starts processes
 
@@ -283,3 +284,37 @@ def test_a_rank_frozen_inside_a_sync_is_left_behind_and_rejoins_with_the_global_
     print(f"\nrank 1 of B frozen inside a sync: A and C replied {replied_s[0]:.1f} / {replied_s[1]:.1f} s after the "
           f"freeze (sync-timeout {timeout:.0f} s, in syncs {a['sync_s']:.1f} / {c['sync_s']:.1f} s); B refused for "
           f"round 2 {rnd.done_at[1] - resumed:.1f} s after SIGCONT ({b['sync_error'][:80]}...), caught up in round 4")
+
+
+@pytest.mark.slow
+@needs_emulation
+@pytest.mark.timeout(540)
+def test_a_groups_uplink_cut_inside_a_sync_leaves_it_behind_and_it_rejoins_with_the_global_model(data_dir, tmp_path):
+    """Three groups (fl-fsdp, S=2) on three nodes of the emulated network, each endpoint on its node's loopback (as
+    for the ClientApp beside it): A, B, C. Round 1 syncs all three. In round 2, B's uplink goes down for 30 s while
+    its rank 1 is inside the round's first sync (shard 0's reduction done everywhere, shard 1's waiting for it;
+    `tests/faults/cut_link.py`). A and C reply sync_failed within sync-timeout + 10 s of the cut and hold round 1's
+    shards; so does B, from its side of the cut. Round 3 runs without B while its link is still down (A and C sync,
+    equal checksums). Once the link is back, B rejoins in round 4 with a catch-up from A (the global model of round
+    3), after which all three hold the same shards."""
+    seen = run_cut("flower", tmp_path, data_dir)
+    timeout = seen["timeout"]
+    assert not any(o["sync_failed"] for o in seen["round1"]), seen["round1"]
+    synced = seen["round1"][0]["checksums"]
+    a, b, c = seen["round2"]
+    for o in (a, b, c):
+        assert isinstance(o, dict) and (o["syncs"], o["sync_failed"]) == (0, True), o
+    replied_s = [seen["round2_s"][i] for i in (0, 2)]
+    assert max(replied_s) < timeout + 10, (replied_s, a["sync_error"])
+    assert seen["status2"] == [synced] * 3  # nobody keeps the half it reduced
+    a3, c3 = seen["round3"]
+    assert (a3["syncs"], a3["sync_failed"], c3["sync_failed"]) == (1, False, False)
+    assert a3["checksums"] == c3["checksums"] != synced
+    assert seen["round3_s"] < seen["cut_s"]  # the round went on without B while its link was down
+    a4, c4, b4 = seen["round4"]
+    assert a4["catch_up_checksums"] == c4["catch_up_checksums"] == b4["catch_up_checksums"] == a3["checksums"]
+    assert not any(o["sync_failed"] for o in (a4, c4, b4))
+    assert a4["checksums"] == c4["checksums"] == b4["checksums"]
+    print(f"\nB's uplink cut for {seen['cut_s']:.0f} s inside a sync: A and C replied {replied_s[0]:.1f} / "
+          f"{replied_s[1]:.1f} s after the cut, B {seen['round2_s'][1]:.1f} s (sync-timeout {timeout:.0f} s); round 3 "
+          f"without B ended {seen['round3_s']:.1f} s after the cut; B caught up in round 4 after the link came back")

@@ -4,8 +4,6 @@ emulated sync benchmark, and the report logic."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 
@@ -19,10 +17,8 @@ from flwr_sharded_perf.netemu.network import EmuTopology
 from flwr_sharded_perf.placement import TIERS, Placement
 from flwr_sharded_perf.traffic_report import compare, load_probes, ring_bytes_sent
 from tests import REPO
-from tests.multiproc import train_ranks
+from tests.multiproc import needs_emulation, train_ranks
 
-CAN_EMULATE = os.geteuid() == 0 and all(shutil.which(t) for t in ("unshare", "ip", "tc"))
-needs_root = pytest.mark.skipif(not CAN_EMULATE, reason="network emulation needs root with unshare, ip and tc")
 
 # 2 groups x 1 node x 2 ranks: FSDP's ring and the FL sync cross the 200 Mbit/s group uplinks, shards stay on loopback
 SMALL = {"name": "two-groups", "gpus_per_node": 2, "nodes": 2, "nodes_per_group": 1, "gpu_memory": "1GB",
@@ -170,7 +166,7 @@ def test_agreement_applies_the_planner_rule():
 
 
 @pytest.mark.dist
-@needs_root
+@needs_emulation
 @pytest.mark.timeout(300)
 def test_quick_bench_end_to_end(data_dir, tmp_path):
     from tests.perf.test_netemu import assert_clean, host_state
@@ -223,7 +219,7 @@ def test_quick_bench_end_to_end(data_dir, tmp_path):
 
 
 @pytest.mark.dist
-@needs_root
+@needs_emulation
 @pytest.mark.timeout(240)
 def test_sync_bench_under_shaping(tmp_path):
     result = _cli("bench", "sync", "--bandwidths", "50Mbit", "--layers", "2", "--hidden", "32", "--repeats", "3",

@@ -16,7 +16,8 @@ from flwr_sharded_perf.bench.runs import BenchLayout
 from flwr_sharded_perf.bench.scenarios import (at_equal_tokens, cross_group_traffic, eval_tokens, group_timing,
                                                parse_group_shards, ppl_at, predicted_sync, slow_seconds, unequal_layouts)
 from flwr_sharded_perf.netemu.network import EmuTopology
-from tests.perf.test_bench import REPO, _cli, needs_root
+from tests.multiproc import needs_emulation
+from tests.perf.test_bench import REPO, _cli
 
 FLAT6 = EmuTopology(name="flat", ranks_per_node=1, nodes=6, nodes_per_group=6, inter_node_bps=1e9,
                     inter_group_bps=None)
@@ -156,7 +157,7 @@ def test_bench_options_for_the_unequal_scenario(data_dir, tmp_path):
     assert result.returncode == 2 and "--unequal-runs" in result.stderr
 
 
-@needs_root
+@needs_emulation
 @pytest.mark.timeout(300)
 @pytest.mark.slow  # four emulated trainings (~1 min); the report's parts are tested above on recorded metrics
 def test_quick_unequal_bench_end_to_end(data_dir, tmp_path):

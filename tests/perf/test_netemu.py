@@ -20,9 +20,8 @@ from flwr_sharded_perf.netemu.isolation import EmulationError, check_host, host_
 from flwr_sharded_perf.netemu.network import EmuTopology, Fabric
 
 from tests import REPO
+from tests.multiproc import CAN_EMULATE, needs_emulation
 
-CAN_EMULATE = os.geteuid() == 0 and all(shutil.which(t) for t in ("unshare", "ip", "tc"))
-needs_root = pytest.mark.skipif(not CAN_EMULATE, reason="network emulation needs root with unshare, ip and tc")
 
 BASE = {"name": "t", "gpus_per_node": 1, "nodes": 4, "nodes_per_group": 2, "gpu_memory": "1GB",
         "flops_per_gpu": "1GFLOPS", "backend": "gloo",
@@ -179,7 +178,7 @@ def test_missing_cluster_file(tmp_path):
 
 
 @pytest.mark.dist
-@needs_root
+@needs_emulation
 @pytest.mark.timeout(120)
 def test_shaping_is_real_and_nothing_is_left(tmp_path):
     before = host_state()
@@ -197,7 +196,7 @@ def test_shaping_is_real_and_nothing_is_left(tmp_path):
 
 
 @pytest.mark.dist
-@needs_root
+@needs_emulation
 @pytest.mark.timeout(120)
 def test_failing_rank_kills_the_others_and_leaves_nothing(tmp_path):
     before = host_state()
@@ -213,7 +212,7 @@ def test_failing_rank_kills_the_others_and_leaves_nothing(tmp_path):
 
 
 @pytest.mark.dist
-@needs_root
+@needs_emulation
 @pytest.mark.timeout(120)
 def test_ranks_see_their_node_and_rank_zero(tmp_path):
     script = ("import os, socket\n"
@@ -227,7 +226,7 @@ def test_ranks_see_their_node_and_rank_zero(tmp_path):
 
 
 @pytest.mark.dist
-@needs_root
+@needs_emulation
 @pytest.mark.timeout(120)
 def test_killed_runner_leaves_nothing(tmp_path):
     before = host_state()
@@ -249,7 +248,7 @@ def test_killed_runner_leaves_nothing(tmp_path):
 
 
 @pytest.mark.dist
-@needs_root
+@needs_emulation
 def test_fabric_refuses_to_build_outside_the_namespaces():
     topo = EmuTopology("x", ranks_per_node=1, nodes=2, nodes_per_group=1, inter_node_bps=None,
                        inter_group_bps=1e8)

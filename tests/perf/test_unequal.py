@@ -6,7 +6,6 @@ from math import prod
 from pathlib import Path
 
 import pytest
-import yaml
 
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.parallel.wire import SYNC_DTYPE_BYTES, sync_wire_ratio

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.multiproc import faults_env, train_ranks
+from tests.faults.cut_link import run_cut
+from tests.multiproc import faults_env, needs_emulation, train_ranks
 
 pytestmark = pytest.mark.dist  # every test here starts processes
 
@@ -278,3 +279,29 @@ def test_a_rank_frozen_inside_a_sync_is_retried_without_a_partial_commit_and_cat
         assert all(torch.equal(states[0][k], other[k]) for k in states[0])
     print(f"\nstatic engine, a rank frozen inside a sync: the others failed it {failed_s:.1f} s after the freeze "
           f"(--timeout {timeout:.0f} s); {len(failed)} failed sync(s), the run completed with equal models")
+
+
+@pytest.mark.slow
+@needs_emulation
+@pytest.mark.timeout(600)
+def test_a_groups_uplink_cut_inside_a_sync_is_retried_without_a_partial_commit_and_catches_up(data_dir, tmp_path):
+    """fl-fsdp F=3 x S=2 in the emulated network, a group per node, --timeout 25, --sync-retries 3: group 1's uplink
+    goes down for 30 s while its rank 1 is inside the second sync (shard 0's reduction done, shard 1's waiting for it;
+    `tests/faults/cut_link.py`). Every member fails that sync together within the timeout + 10 s (its ranks that
+    finished wait for the one still inside its reduction, not time out before it) and goes back to the first sync's
+    step; once the link is back, the groups are made anew and the retries bring all three to the run's end with the
+    same model (each group's final checkpoint exported and compared exactly)."""
+    from flwr_sharded.training.checkpoint_export import export_pretrained
+
+    seen = run_cut("static", tmp_path, data_dir)
+    assert seen["ranks_exit"] == 0, seen.get("error")
+    assert seen["failed_s"] < seen["timeout"] + 10, seen
+    failed, train = _records(tmp_path / "run", "sync_failed"), _records(tmp_path / "run", "train")
+    assert failed[0]["step"] == 4 and failed[0]["restored_step"] == 2, failed
+    assert train[-1]["step"] == 8 and math.isfinite(train[-1]["loss"])
+    states = [_state(export_pretrained(tmp_path / "ckpt" / f"group-{f}", tmp_path / f"model-{f}")) for f in range(3)]
+    for other in states[1:]:
+        assert all(torch.equal(states[0][k], other[k]) for k in states[0])
+    print(f"\nstatic engine, a group's uplink cut for {seen['cut_s']:.0f} s inside a sync: every member failed it "
+          f"{seen['failed_s']:.1f} s after the cut (--timeout {seen['timeout']:.0f} s), {len(failed)} failed sync(s); "
+          f"the run ended {seen['ended_s'] - seen['restored_s']:.1f} s after the link came back, with equal models")
