@@ -22,8 +22,8 @@ from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from flwr_sharded.errors import ConfigError
 from flwr_sharded.flower import messages, shard_files
 from flwr_sharded.flower.endpoint import GroupClient, GroupError, GroupUnavailable, read_authkey
-from flwr_sharded.flower.launch import (LaunchedGroup, assign_gpus, default_run_root, launch_group, pid_alive,
-                                        stop_group, visible_gpus)
+from flwr_sharded.flower.launch import (ADDRESS_FILE, AUTHKEY_FILE, LaunchedGroup, assign_gpus, default_run_root,
+                                        launch_group, pid_alive, stop_group, visible_gpus)
 from flwr_sharded.flower.node_policy import NodePolicy
 from flwr_sharded.flower.run_config import FlowerRun
 
@@ -304,7 +304,7 @@ def _finish(context: Any, config: Mapping[str, Any], timeout: float) -> dict[str
             logger.warning("save before shutdown failed: %s", exc)
     stopped = stop_group(group, timeout=min(timeout, 30.0))
     _remember(context, None)
-    for name in ("authkey", "address"):  # keep a group.log there for post-mortems
+    for name in (AUTHKEY_FILE, ADDRESS_FILE):  # keep a group.log there for post-mortems
         Path(group.run_dir, name).unlink(missing_ok=True)
     if Path(group.log_file).parent != Path(group.run_dir):  # its log is in the run directory
         shutil.rmtree(group.run_dir, ignore_errors=True)

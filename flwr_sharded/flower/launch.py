@@ -27,6 +27,8 @@ from flwr_sharded.flower.messages import SHUTDOWN
 logger = logging.getLogger(__name__)
 
 GROUP_MODULE = "flwr_sharded.flower.group"
+AUTHKEY_FILE, ADDRESS_FILE = "authkey", "address"
+"""A launched group's key and endpoint address, in its private directory (what `remove_key_material` removes)."""
 
 
 @dataclass
@@ -104,7 +106,7 @@ def remove_key_material(run_id: int, root: Path | None = None) -> list[Path]:
     run = (root or default_run_root()) / f"run-{run_id}"
     removed = []
     for node in sorted(run.glob("node-*")):
-        for name in ("authkey", "address"):
+        for name in (AUTHKEY_FILE, ADDRESS_FILE):
             path = node / name
             if path.is_file():
                 path.unlink()
@@ -194,7 +196,7 @@ def launch_group(run_dir: str | Path, *, method: str, replicas: int, shards: int
     run_dir = Path(run_dir)
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     private_dir(run_dir)  # its key and log: refused if someone else made or can enter it
-    authkey_file, address_file = run_dir / "authkey", run_dir / "address"
+    authkey_file, address_file = run_dir / AUTHKEY_FILE, run_dir / ADDRESS_FILE
     log_file = Path(log_file) if log_file else run_dir / "group.log"
     log_file.parent.mkdir(parents=True, exist_ok=True)
     write_authkey(authkey_file)
