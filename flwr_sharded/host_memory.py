@@ -107,6 +107,22 @@ def after_period() -> None:
     trim()
 
 
+FLIGHT_RECORDER_VARIABLES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+"""What sets the size of torch's flight recorder (c10d's record of recent collectives), the first that is set."""
+
+
+def no_flight_recorder() -> bool:
+    """Turn torch's flight recorder off in this process (`TORCH_FR_BUFFER_SIZE=0`) unless the environment sizes it;
+    whether this call did. For a process that makes a process group every round (the group runtime): the recorder
+    keeps a little of every group ever made, and of every collective a Python traceback in its ring, which made a
+    rank's memory grow about 0.3 MiB per 100 rounds more (benchmarks/README.md, "Weeks-long runs"). Call before the
+    first process group; set either variable (e.g. 2000, torch's default) to keep the recorder for debugging hangs."""
+    if any(os.environ.get(name) for name in FLIGHT_RECORDER_VARIABLES):
+        return False
+    os.environ[FLIGHT_RECORDER_VARIABLES[0]] = "0"
+    return True
+
+
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 

@@ -90,8 +90,23 @@ def test_the_entry_points_pin_the_thresholds(monkeypatch, tmp_path):
     assert calls == ["train"]
     code = ("import runpy, sys; from flwr_sharded import host_memory as m; "
             "m.pin_thresholds = lambda: print('pinned', 'torch' in sys.modules, flush=True) or {}; "
+            "m.no_flight_recorder = lambda: print('recorder off', 'torch' in sys.modules, flush=True) or True; "
             f"sys.argv = ['group', '--authkey-file', {str(tmp_path / 'missing')!r}]; "
             "runpy.run_module('flwr_sharded.flower.group', run_name='__main__')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert done.returncode == 2 and done.stdout.strip() == "pinned False", (done.stdout, done.stderr[-2000:])
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stdout.split("\n")[:2] == ["pinned False", "recorder off False"], (done.stdout, done.stderr[-2000:])
+
+
+@pytest.mark.parametrize("preset", [None, "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"])
+def test_the_flight_recorder_is_off_unless_the_environment_sizes_it(monkeypatch, preset):
+    from flwr_sharded import host_memory
+
+    for name in host_memory.FLIGHT_RECORDER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    if preset:
+        monkeypatch.setenv(preset, "2000")
+    assert host_memory.no_flight_recorder() is (preset is None)
+    assert os.environ.get("TORCH_FR_BUFFER_SIZE") == ("0" if preset is None else "2000" if preset ==
+                                                      "TORCH_FR_BUFFER_SIZE" else None)

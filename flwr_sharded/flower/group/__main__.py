@@ -6,6 +6,7 @@ import sys
 from flwr_sharded import host_memory
 
 host_memory.pin_thresholds()  # before torch's imports allocate: the allocator follows the tensors from the start
+host_memory.no_flight_recorder()  # a process group per round: torch's recorder would keep some of each
 
 from flwr_sharded.flower.group.runtime import main  # noqa: E402
 
