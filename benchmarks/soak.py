@@ -9,11 +9,13 @@ Runs `apps/llama_fl_hsdp` for `--rounds` rounds (2 groups x S=2 ranks, tiny mode
 checkpoint every round): `--path simulation` through `apps/llama_fl_hsdp/run_simulation.sh` (Flower's simulation
 engine: a local SuperLink, Ray, one ClientApp per group), `--path deployment` on loopback (a SuperLink, two
 SuperNodes, two group torchrun jobs, `flwr run`). Every `--interval` seconds it samples every process of the run
-(found by a marker in their environment): RSS, file descriptors and threads, with the number of rounds recorded so
-far. Per process it fits RSS against rounds after `--warmup-rounds` (least squares, MiB per 100 rounds) and gives the
-range of its descriptors and threads over the same rounds. `--env NAME=VALUE` sets a variable for the whole run (e.g.
-`MALLOC_TRIM_THRESHOLD_`, or `LD_PRELOAD` of another allocator). Writes the JSON (provenance, samples, per-process
-fits, the rounds' step times) and, with matplotlib, a plot next to it. Everything started is killed at the end.
+(found by a marker in their environment): RSS with its anonymous and file-backed parts, file descriptors and
+threads, with the number of rounds recorded so far. Per process it fits each of the three against rounds after
+`--warmup-rounds` (least squares, MiB per 100 rounds) and gives the range of its descriptors and threads over the same
+rounds. `--env NAME=VALUE` sets a variable for the whole run (e.g. `MALLOC_TRIM_THRESHOLD_`, or `LD_PRELOAD` of another
+allocator), `--set KEY=VALUE` a run-config value (e.g. `checkpoint-rounds=100000`: a checkpoint after the last round
+only). Writes the JSON (provenance, samples, per-process fits, the rounds' step times) and, with matplotlib, a plot
+next to it, also when stopped early by SIGTERM (exit code 143) or `--timeout`. Everything started is killed at the end.
 """
 
 from __future__ import annotations
@@ -170,6 +172,21 @@ def plot(result: dict[str, Any], samples: list[dict[str, Any]], path: Path) -> N
     fig.savefig(path, dpi=120)
 
 
+class Stopped(Exception):
+    """SIGTERM arrived: the run is ended (its processes killed on the way out), its samples kept."""
+
+
+def _stop(*_: Any) -> None:
+    raise Stopped
+
+
+def _value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--path", choices=("simulation", "deployment"), default="simulation")
@@ -177,6 +194,9 @@ def main() -> int:
     parser.add_argument("--warmup-rounds", type=int, default=100, help="rounds left out of the fits")
     parser.add_argument("--interval", type=float, default=5.0, help="seconds between samples")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="for the whole run")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a run-config value instead of the soak's (VALUE read as JSON where it parses, e.g. "
+                             "checkpoint-rounds=0)")
     parser.add_argument("--data-dir", default=os.environ.get("FLWR_SHARDED_DATA",
                                                              str(Path.home() / ".cache" / "flwr_sharded")))
     parser.add_argument("--timeout", type=float, default=6 * 3600.0, help="seconds before the run is stopped")
@@ -185,14 +205,15 @@ def main() -> int:
     if args.rounds <= args.warmup_rounds + 2 or args.interval <= 0:
         parser.error("--rounds must exceed --warmup-rounds by 3 or more, and --interval be > 0")
     extra = dict(item.split("=", 1) for item in args.env if "=" in item)
-    if len(extra) != len(args.env):
-        parser.error(f"--env takes NAME=VALUE, got {args.env}")
+    changed = {key: _value(text) for key, _, text in (item.partition("=") for item in args.set)}
+    if len(extra) != len(args.env) or any("=" not in item for item in args.set):
+        parser.error(f"--env takes NAME=VALUE and --set KEY=VALUE, got {args.env} and {args.set}")
 
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stopped: the run's processes are killed on the way out
+    signal.signal(signal.SIGTERM, _stop)  # the run is ended and what it sampled so far is written
     work = Path(tempfile.mkdtemp(prefix="soak-"))
     tag = uuid.uuid4().hex
     env = {**extra, MARKER: tag, "FLWR_SHARDED_DATA": args.data_dir}
-    config = {**RUN_CONFIG, "num-server-rounds": args.rounds, "checkpoint-dir": str(work / "checkpoints"),
+    config = {**RUN_CONFIG, **changed, "num-server-rounds": args.rounds, "checkpoint-dir": str(work / "checkpoints"),
               "data-dir": args.data_dir}
     metrics = work / "run" / "metrics.jsonl"
     sampler = Sampler(tag, metrics, args.interval)
@@ -205,6 +226,9 @@ def main() -> int:
                                   {**base_env(**env), "FLWR_HOME": str(work / "flwr_home")}, args.timeout)
         else:
             code = run_deployment(work, config, env, args.timeout)
+    except Stopped:
+        code = 143
+        print("soak: stopped (SIGTERM); writing the rounds so far", file=sys.stderr, flush=True)
     finally:
         sampler.done.set()
         sampler.join(timeout=30)
@@ -241,7 +265,7 @@ def main() -> int:
             plot(result, sampler.samples, out.with_suffix(".png"))
         except ImportError:
             print("matplotlib missing: no plot", file=sys.stderr)
-    return 0 if code == 0 and len(rounds) == args.rounds else 1
+    return code if code == 143 else 0 if code == 0 and len(rounds) == args.rounds else 1
 
 
 if __name__ == "__main__":

@@ -260,8 +260,8 @@ def launch_group(procs: Procs, name: str, *, shards: int = 2, replicas: int = 1,
         write_authkey(key)
     address_file = procs.workdir / f"{name}.address"
     address_file.unlink(missing_ok=True)
-    cmd = [*wrap, sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(replicas * shards),
-           "-m", "flwr_sharded.flower.group", "--authkey-file", str(key), "--address", address,
+    cmd = [*wrap, sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(replicas * shards), "-m", "flwr_sharded.flower.group", "--authkey-file", str(key), "--address", address,
            "--address-file", str(address_file), "--method", method, "--replicas", str(replicas), "--shards",
            str(shards), "--idle-timeout", str(idle_timeout), *extra]
     return procs.start(name, cmd, env=base_env(**(env or {}))), address_file, key

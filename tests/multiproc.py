@@ -16,12 +16,12 @@ import multiprocessing.connection
 import os
 import pickle
 import queue
+import shutil
 import signal
 import subprocess
 import sys
 import time
 import traceback
-import shutil
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Sequence
