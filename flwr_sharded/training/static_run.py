@@ -30,6 +30,11 @@ from flwr_sharded.training.sync_loop import SyncLoop
 
 logger = logging.getLogger(__name__)
 
+CONTROL_TIMEOUTS = 2
+"""A member's control group has this many times the run's timeout: a rank that finished its part of a sync waits
+there for the member's other ranks, one of which may still be inside its own shard's reduction, which times out
+only one timeout after it began."""
+
 
 class StaticFederation:
     """The static torchrun world's federation: the mesh's "fed" groups (or the channels of groups that shard
@@ -44,12 +49,10 @@ class StaticFederation:
         if sites is not None and sites.two_level:  # every shard index's site and share groups
             columns = [[topo.group_ranks(f)[i] for f in range(self.members)] for i in range(topo.group_world)]
             self._groups = site_groups(sites, columns, topo.group_rank, topo.fed_index, self._groups, topo.timeout)
-        # a rank of a group that finished its part of a sync waits here for the others, one of which may still be
-        # inside its own shard's reduction, bounded by the timeout: twice the timeout, so that it outwaits that one
-        controls = [dist.new_group(topo.group_ranks(f), backend="gloo", timeout=2 * topo.timeout)
+        controls = [dist.new_group(topo.group_ranks(f), backend="gloo", timeout=CONTROL_TIMEOUTS * topo.timeout)
                     for f in range(self.members)]
         self.control = controls[topo.fed_index]
-        """This member's ranks (the flags and errors of its syncs), with twice the run's timeout."""
+        """This member's ranks (the flags and errors of its syncs), with `CONTROL_TIMEOUTS` times the timeout."""
         self.leaders = topo.leaders or dist.new_group([topo.group_ranks(f)[0] for f in range(self.members)],
                                                       timeout=topo.timeout)
         """Rank 0 of every group (their times after each period)."""

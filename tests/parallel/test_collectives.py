@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from flwr_sharded.training.static_run import CONTROL_TIMEOUTS
 from tests.multiproc import run_ranks
 
 TIMEOUT_S = 7.0
@@ -64,7 +65,8 @@ def _every_group(rank: int, world: int, layout: dict, older_torch: bool = False)
 def test_every_process_group_has_the_configured_timeout(layout, world, older_torch):
     for timeouts in run_ranks(_every_group, world, layout, older_torch, timeout=200):
         assert len(timeouts) >= 5, timeouts
-        assert timeouts == {name: TIMEOUT_S for name in timeouts}, timeouts
+        assert timeouts == {name: TIMEOUT_S * (CONTROL_TIMEOUTS if name == "control" else 1) for name in timeouts}, \
+            timeouts
 
 
 def _a_peer_never_joins(rank: int, world: int) -> dict[str, float | str]:
