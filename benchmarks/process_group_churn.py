@@ -73,11 +73,10 @@ def worker(groups: int, out: Path) -> None:
 
 def slope(samples: list[dict], key: str, lo: int, hi: int) -> float | None:
     """KiB per group of `key` over the samples with lo <= groups <= hi."""
-    points = [(s["groups"], s[key]) for s in samples if lo <= s["groups"] <= hi]
+    points = [s for s in samples if lo <= s["groups"] <= hi]
     if len(points) < 3:
         return None
-    mx, my = statistics.fmean(x for x, _ in points), statistics.fmean(y for _, y in points)
-    return sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+    return statistics.linear_regression([s["groups"] for s in points], [s[key] for s in points]).slope
 
 
 def main() -> int:

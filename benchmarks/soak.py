@@ -102,12 +102,6 @@ class Sampler(threading.Thread):
                 self.samples.append({"t": round(time.monotonic() - start, 1), "round": rounds, "pid": pid, **status})
 
 
-def slope(xs: list[float], ys: list[float]) -> float:
-    """Least-squares slope of ys against xs."""
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-
-
 def fit(samples: list[dict[str, Any]], warmup: int) -> dict[str, Any] | None:
     """One process's samples after `warmup` rounds: the slopes (MiB per 100 rounds) of its RSS and of the RSS's
     anonymous part (the heap: what a leak grows) and file-backed part (libraries' pages, read as code runs), its
@@ -116,9 +110,13 @@ def fit(samples: list[dict[str, Any]], warmup: int) -> dict[str, Any] | None:
     if len({s["round"] for s in later}) < 3:
         return None
     xs, ys = [s["round"] for s in later], [s["rss_kib"] / 1024 for s in later]
-    parts = {f"{part}_mib_per_100_rounds": round(100 * slope(xs, [s[f"{part}_kib"] / 1024 for s in later]), 3)
+
+    def slope(values: list[float]) -> float:  # least squares against the rounds
+        return statistics.linear_regression(xs, values).slope
+
+    parts = {f"{part}_mib_per_100_rounds": round(100 * slope([s[f"{part}_kib"] / 1024 for s in later]), 3)
              for part in ("anon", "file")}
-    return {"rss_mib_per_100_rounds": round(100 * slope(xs, ys), 3), **parts, "rss_mib_first": round(ys[0], 1),
+    return {"rss_mib_per_100_rounds": round(100 * slope(ys), 3), **parts, "rss_mib_first": round(ys[0], 1),
             "rss_mib_last": round(ys[-1], 1), "rounds": [xs[0], xs[-1]],
             "fds": [min(s["fds"] for s in later), max(s["fds"] for s in later)],
             "threads": [min(s["threads"] for s in later), max(s["threads"] for s in later)]}
@@ -196,7 +194,7 @@ def main() -> int:
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="for the whole run")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a run-config value instead of the soak's (VALUE read as JSON where it parses, e.g. "
-                             "checkpoint-rounds=0)")
+                             "checkpoint-rounds=100000)")
     parser.add_argument("--data-dir", default=os.environ.get("FLWR_SHARDED_DATA",
                                                              str(Path.home() / ".cache" / "flwr_sharded")))
     parser.add_argument("--timeout", type=float, default=6 * 3600.0, help="seconds before the run is stopped")

@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 from flwr_sharded_perf.netemu.isolation import enter_private_run
 from flwr_sharded_perf.netemu.network import EmuTopology, Fabric, RankFailure
+from tests.local_flower import wait_until
 
 CUT_S = 30.0
 """How long B's uplink is down."""
@@ -42,16 +43,6 @@ FLOWER_SYNC_TIMEOUT = 15.0
 TOPOLOGY = EmuTopology("cut", ranks_per_node=2, nodes=3, nodes_per_group=1, inter_node_bps=None, inter_group_bps=None)
 CUT_GROUP = 1
 CLONE_NEWNET = 0x40000000
-
-
-def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> float:
-    """Poll `condition` every 50 ms; its time (monotonic), or TimeoutError naming `what`."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout:g} s")
-        time.sleep(0.05)
-    return time.monotonic()
 
 
 def holding(log: Path) -> bool:
@@ -89,11 +80,12 @@ def static(fab: Fabric, work: Path, data_dir: str) -> dict[str, Any]:
 
     ranks = threading.Thread(target=run, daemon=True)
     ranks.start()
-    wait_for(lambda: holding(work / "logs" / f"rank{held}.err") or not ranks.is_alive(), 240, "the hold")
+    wait_until(lambda: holding(work / "logs" / f"rank{held}.err") or not ranks.is_alive(), 240, 0.05, "the hold")
     if not ranks.is_alive():
         return {**outcome, "stage": "before the hold"}
     cut_at, restore = cut(fab, CUT_S)
-    failed_at = wait_for(lambda: "sync_failed" in _text(metrics) or not ranks.is_alive(), 120, "a sync_failed record")
+    wait_until(lambda: "sync_failed" in _text(metrics) or not ranks.is_alive(), 120, 0.05, "a sync_failed record")
+    failed_at = time.monotonic()
     restore.join()
     restored_at = time.monotonic()
     ranks.join(400)
@@ -105,22 +97,16 @@ def _text(path: Path) -> str:
     return path.read_text(errors="replace") if path.is_file() else ""
 
 
-class NodeClient:
-    """A group endpoint's client whose connections are made in its node's namespace (the endpoint listens on that
-    node's loopback, as a group's does for the ClientApp on its node): each call's connection is opened from a
-    thread moved into the namespace, and moved back."""
+def node_client(netns: str, address: str, key: Path) -> Any:
+    """A `GroupClient` of a group's endpoint whose connections are made in its node's namespace (the endpoint listens
+    on that node's loopback, as a group's does for the ClientApp on its node): each call's connection is opened from
+    its own worker thread, moved into the namespace and back."""
+    from flwr_sharded.flower.endpoint import GroupClient, read_authkey
 
-    def __init__(self, netns: str, address: str, key: Path) -> None:
-        from flwr_sharded.flower.endpoint import GroupClient, read_authkey
-
-        client = GroupClient(address, read_authkey(key))
-        exchange = client._exchange
-
-        def in_node(request: bytes, timeout: float) -> dict[str, Any]:  # the call's own worker thread
-            return _in_netns(netns, lambda: exchange(request, timeout))
-
-        client._exchange = in_node  # type: ignore[method-assign]
-        self.client = client
+    client = GroupClient(address, read_authkey(key))
+    exchange = client._exchange
+    client._exchange = lambda request, timeout: _in_netns(netns, lambda: exchange(request, timeout))
+    return client
 
 
 def _in_netns(netns: str, fn: Callable[[], Any]) -> Any:
@@ -151,14 +137,14 @@ def flower(fab: Fabric, work: Path, data_dir: str) -> dict[str, Any]:
             groups.append((name, dict(env=env, wrap=(ip, "netns", "exec", TOPOLOGY.netns(g)),
                                       extra=["--rendezvous-host", TOPOLOGY.node_ip(g)])))
         started = start_groups(procs, groups)
-        clients = [NodeClient(TOPOLOGY.netns(g), address, key).client for g, (_, address, key) in enumerate(started)]
+        clients = [node_client(TOPOLOGY.netns(g), address, key) for g, (_, address, key) in enumerate(started)]
         s = spec(Path(data_dir), aggregate_every=2, syncs_per_round=1, rounds=8)
         offer = [hello(c, s, i, 3) for i, c in enumerate(clients)][0]
         seen["round1"] = train_all(clients, offer, "cut/round1", syncs=1, steps=2, sync_timeout=timeout)
 
         args = [round_args(offer, "cut/round2", i, 3, syncs=2, steps=2, sync_timeout=timeout) for i in range(3)]
         rnd = Round(clients, args).start()
-        wait_for(lambda: holding(procs.workdir / "B.log"), 120, "B's rank 1 holding inside its sync")
+        wait_until(lambda: holding(procs.workdir / "B.log"), 120, 0.05, "B's rank 1 holding inside its sync")
         cut_at, restore = cut(fab, CUT_S)
         others = [rnd.wait(i, timeout + 60) for i in (0, 2)]  # the round goes on without waiting for B
         status = {i: clients[i].call(P.STATUS, timeout=30)["checksums"] for i in (0, 2)}

@@ -200,7 +200,10 @@ def _stop_in_sync(attempt: int, seconds: float | None) -> None:
             logging.getLogger("flwr_sharded.group").error("injected fault: rank %s %s inside sync %d",
                                                           os.environ.get("RANK"), what, attempt)
             sys.stderr.flush()
-            os.kill(os.getpid(), signal.SIGSTOP) if seconds is None else time.sleep(seconds)
+            if seconds is None:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            else:
+                time.sleep(seconds)
         return admissions
 
     sync.admit_channels = admit_then_stop
